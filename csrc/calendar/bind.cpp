@@ -1,0 +1,63 @@
+// Python entry for the soft-calendar ops; validation happens in tempokern/_ops/calendar.py.
+#include <tuple>
+#include <vector>
+#include "calendar/calendar.h"
+#include "common/bind_utils.h"
+#include "common/registry.h"
+
+namespace tk {
+namespace {
+// (logits, grad_logits, n, row_stride, weight, table, out_col) per level
+using LevelArg = std::tuple<uintptr_t, uintptr_t, int64_t, int64_t, double, uintptr_t, int64_t>;
+
+CalendarParams make_params(int dtype, int64_t B, double inv_tau, const std::vector<LevelArg>& levels,
+                           uintptr_t out, uintptr_t grad_out, int64_t out_row_stride, int64_t dim,
+                           bool accumulate) {
+  if (levels.empty() || (int)levels.size() > kMaxCalendarLevels)
+    fail("calendar kernels take 1.." + std::to_string(kMaxCalendarLevels) + " levels per launch");
+  CalendarParams p;
+  p.dtype = to_dtype(dtype);
+  p.B = B;
+  p.inv_tau = inv_tau;
+  p.num_levels = (int)levels.size();
+  for (int l = 0; l < p.num_levels; ++l) {
+    auto& L = p.levels[l];
+    L.logits = as_ptr(std::get<0>(levels[l]));
+    L.grad_logits = as_ptr(std::get<1>(levels[l]));
+    L.n = std::get<2>(levels[l]);
+    L.row_stride = std::get<3>(levels[l]);
+    L.weight = std::get<4>(levels[l]);
+    L.table = as_ptr(std::get<5>(levels[l]));
+    L.out_col = std::get<6>(levels[l]);
+    if (L.n < 1) fail("calendar level with no classes");
+  }
+  p.out = as_ptr(out);
+  p.grad_out = as_ptr(grad_out);
+  p.out_row_stride = out_row_stride;
+  p.dim = dim;
+  p.accumulate = accumulate;
+  return p;
+}
+}  // namespace
+
+TK_BIND(calendar) {
+  m.def("calendar_launch",
+        [](const std::string& op, int device, uintptr_t stream, int dtype, int64_t B, double inv_tau,
+           const std::vector<LevelArg>& levels, uintptr_t out, uintptr_t grad_out, int64_t out_row_stride,
+           int64_t dim, bool accumulate) {
+          const CalendarParams p =
+              make_params(dtype, B, inv_tau, levels, out, grad_out, out_row_stride, dim, accumulate);
+          if (op == "scalar_fwd")
+            run_on(device, [&] { calendar_scalar_fwd_cpu(p); }, [&] { TK_CUDA_ONLY(calendar_scalar_fwd_cuda(p, device, stream)); });
+          else if (op == "scalar_bwd")
+            run_on(device, [&] { calendar_scalar_bwd_cpu(p); }, [&] { TK_CUDA_ONLY(calendar_scalar_bwd_cuda(p, device, stream)); });
+          else if (op == "context_fwd")
+            run_on(device, [&] { calendar_context_fwd_cpu(p); }, [&] { TK_CUDA_ONLY(calendar_context_fwd_cuda(p, device, stream)); });
+          else if (op == "context_bwd")
+            run_on(device, [&] { calendar_context_bwd_cpu(p); }, [&] { TK_CUDA_ONLY(calendar_context_bwd_cuda(p, device, stream)); });
+          else
+            fail("unknown calendar op '" + op + "'");
+        });
+}
+
+}  // namespace tk

@@ -1,0 +1,46 @@
+// Params for the soft-calendar ops (calendar_scalar, calendar_context). Torch-free.
+#pragma once
+#include <cstdint>
+#include "common/types.h"
+
+namespace tk {
+
+constexpr int kMaxCalendarLevels = 8;  // Python feeds longer hierarchies in chunks.
+
+struct CalendarLevel {
+  const void* logits = nullptr;  // (B, n), unit column stride, dtype = params.dtype
+  void* grad_logits = nullptr;   // (B, n) contiguous, backward only
+  int64_t n = 0;
+  int64_t row_stride = 0;
+  double weight = 0.0;           // calendar_scalar: prod(n_k, k > l) / (prod(n) - 1)
+  const void* table = nullptr;   // calendar_context: (n, dim) Fourier table in the accumulation dtype
+  int64_t out_col = 0;           // calendar_context: first output column of this level
+};
+
+struct CalendarParams {
+  DType dtype = DType::F32;
+  int64_t B = 0;
+  int num_levels = 0;
+  CalendarLevel levels[kMaxCalendarLevels];
+  double inv_tau = 1.0;
+  // calendar_scalar: out/grad_out are (B,) in the accumulation dtype (f32, or f64 for f64 input).
+  // calendar_context: out/grad_out are (B, *) in dtype with row stride out_row_stride.
+  void* out = nullptr;
+  const void* grad_out = nullptr;
+  int64_t out_row_stride = 0;
+  int64_t dim = 0;
+  bool accumulate = false;  // calendar_scalar: add to out instead of overwriting
+};
+
+void calendar_scalar_fwd_cpu(const CalendarParams& p);
+void calendar_scalar_bwd_cpu(const CalendarParams& p);
+void calendar_context_fwd_cpu(const CalendarParams& p);
+void calendar_context_bwd_cpu(const CalendarParams& p);
+#ifdef TK_WITH_CUDA
+void calendar_scalar_fwd_cuda(const CalendarParams& p, int device, uintptr_t stream);
+void calendar_scalar_bwd_cuda(const CalendarParams& p, int device, uintptr_t stream);
+void calendar_context_fwd_cuda(const CalendarParams& p, int device, uintptr_t stream);
+void calendar_context_bwd_cuda(const CalendarParams& p, int device, uintptr_t stream);
+#endif
+
+}  // namespace tk

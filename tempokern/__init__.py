@@ -1,0 +1,12 @@
+"""tempokern: fused C++/CUDA kernels for temporal retrieval as PyTorch custom ops."""
+from ._version import __version__
+from . import _C  # noqa: F401  (compiled kernels; imports without a GPU driver)
+from ._build import build_info
+from ._ops.common import debug_checks_enabled, set_debug_checks
+from ._ops.calendar import calendar_context, calendar_scalar, fourier_table
+from . import reference
+
+__all__ = [
+    "__version__", "build_info", "set_debug_checks", "debug_checks_enabled",
+    "calendar_scalar", "calendar_context", "fourier_table", "reference",
+]

@@ -1,0 +1,1 @@
+"""Op wrappers: validation, output allocation and torch.library registration per op."""

@@ -1,0 +1,209 @@
+"""Fused soft-calendar ops: calendar_scalar (expected linear position u) and
+calendar_context (softmax-weighted Fourier codes per level)."""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+from .. import _C
+from ..reference.calendar import fourier_table as _ref_fourier_table
+from ..reference.calendar import level_weights
+from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code,
+                     launch_args, ptr, rows_contiguous)
+
+_MAX_LEVELS = 8  # csrc/calendar/calendar.h::kMaxCalendarLevels
+_tables: dict = {}
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _table(n: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (n, dim, dtype, str(device))
+    t = _tables.get(key)
+    if t is None:
+        t = _tables[key] = _ref_fourier_table(n, dim, dtype=dtype, device=device).contiguous()
+    return t
+
+
+def _chunks(n: int):
+    return [range(i, min(n, i + _MAX_LEVELS)) for i in range(0, n, _MAX_LEVELS)]
+
+
+def validate_levels(logits) -> List[torch.Tensor]:
+    if isinstance(logits, torch.Tensor) or not isinstance(logits, (list, tuple)):
+        raise TypeError("logits must be a list or tuple of (B, n_l) tensors, coarse level first, "
+                        f"got {type(logits).__name__}")
+    if len(logits) == 0:
+        raise ValueError("logits must hold at least one level, got an empty sequence")
+    out = []
+    for i, x in enumerate(logits):
+        check_tensor(f"logits[{i}]", x, ndim=2, floating=True)
+        if x.shape[1] < 1:
+            raise ValueError(f"logits[{i}] must have at least one class, got shape {tuple(x.shape)}")
+        if x.shape[0] != logits[0].shape[0]:
+            raise ValueError(f"logits[{i}] has batch size {x.shape[0]}, expected {logits[0].shape[0]} "
+                             "like logits[0]")
+        if x.dtype != logits[0].dtype:
+            raise TypeError(f"logits[{i}] has dtype {x.dtype}, expected {logits[0].dtype} like logits[0]")
+        check_finite(f"logits[{i}]", x)
+        out.append(x)
+    check_same_device(**{f"logits[{i}]": x for i, x in enumerate(out)})
+    return out
+
+
+def _level_args(logits, grads=None, tables=None, dim=0):
+    weights = level_weights([x.shape[1] for x in logits])
+    return [(ptr(x), ptr(grads[i]) if grads else 0, x.shape[1], x.stride(0), weights[i],
+             ptr(tables[i]) if tables else 0, i * dim) for i, x in enumerate(logits)]
+
+
+# ---- calendar_scalar -------------------------------------------------------------------------
+
+@torch.library.custom_op("tempokern::calendar_scalar", mutates_args=())
+def _calendar_scalar(logits: List[torch.Tensor], tau: float) -> torch.Tensor:
+    logits = [rows_contiguous(x) for x in logits]
+    x0 = logits[0]
+    out = torch.empty(x0.shape[0], dtype=_acc_dtype(x0.dtype), device=x0.device)
+    dev, stream = launch_args(x0)
+    levels = _level_args(logits)
+    for k, idx in enumerate(_chunks(len(levels))):
+        _C.calendar_launch("scalar_fwd", dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
+                           [levels[i] for i in idx], ptr(out), 0, 0, 0, k > 0)
+    return out
+
+
+@_calendar_scalar.register_fake
+def _(logits, tau):
+    return logits[0].new_empty(logits[0].shape[0], dtype=_acc_dtype(logits[0].dtype))
+
+
+@torch.library.custom_op("tempokern::calendar_scalar_backward", mutates_args=())
+def _calendar_scalar_backward(grad: torch.Tensor, logits: List[torch.Tensor], tau: float) -> List[torch.Tensor]:
+    logits = [rows_contiguous(x) for x in logits]
+    x0 = logits[0]
+    grad = grad.to(_acc_dtype(x0.dtype)).contiguous()
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in logits]
+    dev, stream = launch_args(x0)
+    levels = _level_args(logits, grads)
+    for idx in _chunks(len(levels)):
+        _C.calendar_launch("scalar_bwd", dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
+                           [levels[i] for i in idx], 0, ptr(grad), 0, 0, False)
+    return grads
+
+
+@_calendar_scalar_backward.register_fake
+def _(grad, logits, tau):
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in logits]
+
+
+def _scalar_setup(ctx, inputs, output):
+    logits, tau = inputs
+    ctx.save_for_backward(*logits)
+    ctx.tau = tau
+
+
+def _scalar_backward(ctx, grad):
+    logits = list(ctx.saved_tensors)
+    return torch.ops.tempokern.calendar_scalar_backward(grad, logits, ctx.tau), None
+
+
+_calendar_scalar.register_autograd(_scalar_backward, setup_context=_scalar_setup)
+
+
+def calendar_scalar(logits: Sequence[torch.Tensor], tau: float = 1.0) -> torch.Tensor:
+    """Expected linear calendar position u in [0, 1] per row (fused softmax + expectation).
+
+    ``logits``: L tensors (B, n_l), coarse level first. Returns float32 (float64 for
+    float64 input) of shape (B,). See :func:`tempokern.reference.calendar_scalar`."""
+    logits = validate_levels(logits)
+    tau = check_positive("tau", tau)
+    return torch.ops.tempokern.calendar_scalar(logits, tau)
+
+
+# ---- calendar_context ------------------------------------------------------------------------
+
+@torch.library.custom_op("tempokern::calendar_context", mutates_args=())
+def _calendar_context(logits: List[torch.Tensor], dim: int, tau: float) -> torch.Tensor:
+    logits = [rows_contiguous(x) for x in logits]
+    x0 = logits[0]
+    B, L = x0.shape[0], len(logits)
+    out = torch.empty(B, L * dim, dtype=x0.dtype, device=x0.device)
+    if dim == 0 or B == 0:
+        return out
+    dev, stream = launch_args(x0)
+    tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device) for x in logits]
+    levels = _level_args(logits, tables=tables, dim=dim)
+    for idx in _chunks(L):
+        _C.calendar_launch("context_fwd", dev, stream, dtype_code(x0), B, 1.0 / tau,
+                           [levels[i] for i in idx], ptr(out), 0, out.stride(0), dim, False)
+    return out
+
+
+@_calendar_context.register_fake
+def _(logits, dim, tau):
+    return logits[0].new_empty(logits[0].shape[0], len(logits) * dim)
+
+
+@torch.library.custom_op("tempokern::calendar_context_backward", mutates_args=())
+def _calendar_context_backward(grad: torch.Tensor, logits: List[torch.Tensor], dim: int,
+                               tau: float) -> List[torch.Tensor]:
+    logits = [rows_contiguous(x) for x in logits]
+    x0 = logits[0]
+    B = x0.shape[0]
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in logits]
+    if B == 0:
+        return grads
+    if dim == 0:
+        return [g.zero_() for g in grads]
+    grad = rows_contiguous(grad.to(x0.dtype))
+    dev, stream = launch_args(x0)
+    tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device) for x in logits]
+    levels = _level_args(logits, grads, tables, dim)
+    for idx in _chunks(len(logits)):
+        _C.calendar_launch("context_bwd", dev, stream, dtype_code(x0), B, 1.0 / tau,
+                           [levels[i] for i in idx], 0, ptr(grad), grad.stride(0), dim, False)
+    return grads
+
+
+@_calendar_context_backward.register_fake
+def _(grad, logits, dim, tau):
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in logits]
+
+
+def _context_setup(ctx, inputs, output):
+    logits, dim, tau = inputs
+    ctx.save_for_backward(*logits)
+    ctx.dim, ctx.tau = dim, tau
+
+
+def _context_backward(ctx, grad):
+    logits = list(ctx.saved_tensors)
+    return torch.ops.tempokern.calendar_context_backward(grad, logits, ctx.dim, ctx.tau), None, None
+
+
+_calendar_context.register_autograd(_context_backward, setup_context=_context_setup)
+
+
+def calendar_context(logits: Sequence[torch.Tensor], dim: int, tau: float = 1.0) -> torch.Tensor:
+    """Per level, softmax(logits_l / tau) @ fourier_table(n_l, dim), concatenated: (B, L*dim)
+    in the logits' dtype (float32 accumulation). See :func:`tempokern.reference.calendar_context`."""
+    logits = validate_levels(logits)
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if dim < 1:
+        raise ValueError(f"dim must be >= 1, got {dim}")
+    tau = check_positive("tau", tau)
+    return torch.ops.tempokern.calendar_context(logits, dim, tau)
+
+
+def fourier_table(n: int, dim: int, *, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The fixed sinusoidal codebook (n, dim) used by calendar_context."""
+    for name, v, lo in (("n", n, 1), ("dim", dim, 1)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if v < lo:
+            raise ValueError(f"{name} must be >= {lo}, got {v}")
+    return _ref_fourier_table(n, dim, dtype=dtype, device=device)

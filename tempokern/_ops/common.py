@@ -1,0 +1,112 @@
+"""Shared plumbing for the op wrappers: the compiled module, dtype codes, launch
+arguments, argument validation and the debug finite-value switch."""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from .. import _C
+
+# Must match csrc/common/types.h::DType.
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+FLOAT_DTYPES = tuple(DTYPE_CODES)
+
+_checks = os.environ.get("TEMPOKERN_CHECK", "0") not in ("", "0", "false", "False")
+
+
+def set_debug_checks(enabled: bool) -> None:
+    """Turn finite-value checks on or off (also: environment TEMPOKERN_CHECK=1).
+
+    Off by default: a check costs a device synchronisation on every call."""
+    global _checks
+    _checks = bool(enabled)
+
+
+def debug_checks_enabled() -> bool:
+    return _checks
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    if _checks and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or Inf values (TEMPOKERN_CHECK is on)")
+
+
+def dtype_code(t: torch.Tensor) -> int:
+    return DTYPE_CODES[t.dtype]
+
+
+def ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def launch_args(t: torch.Tensor) -> tuple[int, int]:
+    """(device, stream) for a kernel launch: device -1 means CPU."""
+    if t.device.type == "cpu":
+        return -1, 0
+    if t.device.type != "cuda":
+        raise ValueError(f"tempokern runs on CPU and CUDA tensors, got device {t.device}")
+    if not _C.cuda_compiled:
+        raise RuntimeError(
+            "tempokern was built without CUDA kernels, so CUDA tensors cannot be used; "
+            "reinstall with nvcc on PATH (TEMPOKERN_CUDA=ON pip install .)")
+    ok, _, msg = _C.cuda_runtime_status()
+    if not ok:
+        raise RuntimeError(f"tempokern's CUDA runtime is unavailable: {msg}")
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return idx, torch.cuda.current_stream(idx).cuda_stream
+
+
+def check_tensor(name: str, t, *, ndim: Optional[int] = None, floating: bool = False,
+                 integer: bool = False, dtypes: Optional[Iterable[torch.dtype]] = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if floating and t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
+    if integer and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if dtypes is not None and t.dtype not in tuple(dtypes):
+        raise TypeError(f"{name} must have dtype in {tuple(dtypes)}, got {t.dtype}")
+    if t.device.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"{name} must be a CPU or CUDA tensor, got device {t.device}")
+    return t
+
+
+def check_same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
+    devs = {k: v.device for k, v in tensors.items() if v is not None}
+    first = next(iter(devs.values()))
+    for k, d in devs.items():
+        if d != first:
+            desc = ", ".join(f"{n} on {dv}" for n, dv in devs.items())
+            raise ValueError(f"all tensors must be on one device, got {desc}")
+    return first
+
+
+def check_positive(name: str, value) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a positive number, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive number, got {type(value).__name__}")
+    value = float(value)
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return value
+
+
+def rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """Kernels take a row stride but need unit column stride."""
+    if t.dim() >= 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t
+
+
+def prod(xs: Sequence[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
