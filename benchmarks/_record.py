@@ -1,0 +1,39 @@
+"""Long-format benchmark rows (provider, op, size, ms, MB, device, date, version),
+appended to benchmarks/results/<file>.csv so README tables come from real runs."""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FIELDS = ["date", "device", "torch", "tempokern", "op", "provider", "size", "ms", "extra_peak_mb", "note"]
+
+
+def device_name(device: str = "cpu") -> str:
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    threads = torch.get_num_threads()
+    return f"{platform.processor() or platform.machine()} cpu x{os.cpu_count()} (torch threads {threads})"
+
+
+def record(file: str, *, op: str, provider: str, size: str, ms: float, extra_peak_mb: float | None = None,
+           device: str = "cpu", note: str = "") -> None:
+    import tempokern
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / file
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        if new:
+            w.writeheader()
+        w.writerow({
+            "date": _dt.date.today().isoformat(), "device": device_name(device), "torch": torch.__version__,
+            "tempokern": tempokern.__version__, "op": op, "provider": provider, "size": size,
+            "ms": f"{ms:.3f}", "extra_peak_mb": "" if extra_peak_mb is None else f"{extra_peak_mb:.1f}",
+            "note": note,
+        })
