@@ -108,3 +108,167 @@ def test_zztj_skip_mode_counts(tmp_path):
     assert "2 skipped" in d.report.summary()
     with pytest.raises(ValueError, match="on_error"):
         load_zztj(p, on_error="ignore")
+
+
+# ---- ChunQiuTR format -------------------------------------------------------------------------
+
+from tempokern import Calendar  # noqa: E402
+from tempokern.datasets import load_beir, load_chunqiutr, load_chunqiutr_release  # noqa: E402
+
+
+def _jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def _cq_files(tmp_path, extra_records=(), extra_queries=()):
+    recs = [
+        {"id": "e1", "text": "元年春王正月", "time": "1-1-1", "type": "event"},
+        {"id": "e2", "text": "三月公及邾儀父盟于蔑", "time": [1, 1, 3], "type": "event"},
+        {"id": "n1", "text": "二月無事", "time": "1-1-2", "type": "no_event"},
+        {"id": "c1", "text": "注：三月盟", "time": "1-1-3", "type": "neg_comment"},
+        {"id": "t1", "text": "二年春公會戎于潛", "time": "1-2-1", "type": "event"},
+        {"id": "v1", "text": "十一年冬十有一月壬辰公薨", "time": "Yin-11-11", "type": "event"},
+    ] + list(extra_records)
+    qs = [
+        {"id": "p1", "text": "隱公元年三月何事", "target": "1-1-3", "family": "point"},
+        {"id": "p2", "text": "隱公元年二月", "target": "1-1-2", "family": "point", "pure_no_event": True},
+        {"id": "w1", "text": "隱公元年正月至三月", "target": ["1-1-1", "1-1-3"], "family": "window"},
+        {"id": "w2", "text": "隱公元年至二年", "target": [[1, 1], [1, 2]], "family": "window"},
+        {"id": "g1", "text": "隱公二年", "target": [1, 2], "family": "gap", "gold": ["t1"]},
+        {"id": "v", "text": "隱公十一年十一月", "target": "1-11-11", "family": "point"},
+    ] + list(extra_queries)
+    return _jsonl(tmp_path / "records.jsonl", recs), _jsonl(tmp_path / "queries.jsonl", qs)
+
+
+def test_chunqiutr_format(tmp_path):
+    rp, qp = _cq_files(tmp_path)
+    d = load_chunqiutr(rp, qp)
+    cal = d.calendar
+    assert cal.name == "chunqiu" and len(d.records) == 6 and len(d.queries) == 6
+    q = {x.id: x for x in d.queries}
+    assert set(q["p1"].gold) == {"e2"}                   # neg_comment never gold
+    assert q["p2"].pure_no_event and set(q["p2"].gold) == {"n1"}
+    assert set(q["w1"].gold) == {"e1", "e2", "n1"} and not q["w1"].pure_no_event
+    assert q["w1"].interval == cal.interval((1, 1, 1), (1, 1, 3))
+    assert len(q["w2"].interval) == 24
+    assert set(q["g1"].gold) == {"t1"} and q["g1"].family == "gap"
+    # splits by month key: year 1 of Yin is train, year 2 test, year 11 val; w2 straddles
+    assert q["p1"].split == "train" and q["g1"].split == "test" and q["v"].split == "val"
+    assert q["w2"].split == "mixed"
+    assert d.record("v1").key == (1, 11, 11)
+    assert [r.id for r in d.gallery(neg=False, ne=False)] == ["e1", "e2", "t1", "v1"]
+    assert d.split("val").queries == [q["v"]] and len(d.split("val").records) == 6
+
+
+@pytest.mark.parametrize("bad_rec, msg", [
+    ({"id": "x", "text": "t", "time": "1-1-13", "type": "event"}, "not a label of level 'month'"),
+    ({"id": "x", "text": "t", "time": "4-5-1", "type": "event"}, "padding slot"),
+    ({"id": "x", "text": "t", "time": "1-1-1", "type": "rumour"}, "type must be one of"),
+    ({"id": "x", "text": "", "time": "1-1-1"}, "text"),
+    ({"id": "e1", "text": "t", "time": "1-1-1"}, "duplicate record id"),
+    ({"id": "x", "text": "t"}, "missing field 'time'"),
+])
+def test_chunqiutr_bad_records(tmp_path, bad_rec, msg):
+    rp, qp = _cq_files(tmp_path, extra_records=[bad_rec])
+    with pytest.raises(DataFormatError, match=r"records\.jsonl:7: .*" + msg):
+        load_chunqiutr(rp, qp)
+    d = load_chunqiutr(rp, qp, on_error="skip")
+    assert d.report.num_skipped == 1 and d.report.skipped[0][1] == 7 and len(d.records) == 6
+
+
+@pytest.mark.parametrize("bad_q, msg", [
+    ({"id": "z", "text": "t", "target": "1-1-1", "family": "span"}, "family must be one of"),
+    ({"id": "z", "text": "t", "target": "1-1-2", "pure_no_event": False}, "contradicts"),
+    ({"id": "z", "text": "t", "target": "1-1-4"}, "no gold record"),
+    ({"id": "z", "text": "t", "target": "1-1-1", "gold": ["nope"]}, "not in the records"),
+    ({"id": "z", "text": "t", "target": ["1-1-3", "1-1-1"]}, "before its start"),
+    ({"id": "p1", "text": "t", "target": "1-1-1"}, "duplicate query id"),
+])
+def test_chunqiutr_bad_queries(tmp_path, bad_q, msg):
+    rp, qp = _cq_files(tmp_path, extra_queries=[bad_q])
+    with pytest.raises(DataFormatError, match=r"queries\.jsonl:7: .*" + msg):
+        load_chunqiutr(rp, qp)
+    d = load_chunqiutr(rp, qp, on_error="skip")
+    assert d.report.num_skipped == 1 and len(d.queries) == 6
+
+
+def test_chunqiutr_release_format(tmp_path):
+    meta = {"time_mapping": {
+        "a": {"sort_key": [1, 1, 1], "versions": [{"春秋": [{"sid": 1, "text": "元年春王正月"}],
+                                                  "春秋左氏傳": [{"sid": 2, "text": "元年春不書即位"}],
+                                                  "neg_sample": [{"source": "杜注", "parsed_comment": [
+                                                      {"sid": 3, "text": "注文"}]}]}]},
+        "b": {"sort_key": [1, 1, 2], "no_event": True, "versions": [{"春秋": [{"sid": 4, "text": "二月"}]}],
+              "neg_samples": [{"parsed_comment": [{"sid": 5, "text": "疏"}]}]},
+        "c": {"sort_key": [1, 2, 1], "versions": [{"春秋": [{"sid": 6, "text": "二年春"}]}]},
+    }}
+    mp = tmp_path / "meta.json"
+    mp.write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
+    qp = _jsonl(tmp_path / "q.jsonl", [
+        {"qid": "q1", "query": "元年正月", "type": "point", "sort_key": [1, 1, 1], "pos_sids": [1, 2]},
+        {"qid": "q2", "query": "元年二月", "type": "point", "sort_key": [1, 1, 2], "pos_sids": [4]},
+        {"qid": "q3", "query": "元年至二年", "type": "window", "target_sort_keys": [[1, 2, 1], [1, 1, 1]],
+         "pos_sids": [1, 2, 6, 99]},
+        {"qid": "q4", "query": "nothing", "type": "point", "sort_key": [1, 1, 3], "pos_sids": [99]},
+    ])
+    d = load_chunqiutr_release(str(mp), qp)
+    types = {r.id: r.type for r in d.records}
+    assert types == {"1": "event", "2": "event", "3": "neg_comment", "4": "no_event", "5": "neg_comment",
+                     "6": "event"}
+    q = {x.id: x for x in d.queries}
+    assert set(q) == {"q1", "q2", "q3"} and any("no pos_sids" in n for n in d.report.notes)
+    assert q["q2"].pure_no_event and not q["q1"].pure_no_event
+    assert set(q["q3"].gold) == {"1", "2", "6"} and q["q3"].split == "mixed"
+    assert q["q3"].interval == d.calendar.interval((1, 1, 1), (1, 2, 1))
+
+
+# ---- BEIR-style ---------------------------------------------------------------------------------
+
+def _beir(tmp_path, qrels_lines=None, extra_docs=()):
+    (tmp_path / "qrels").mkdir(exist_ok=True)
+    _jsonl(tmp_path / "corpus.jsonl", [
+        {"_id": "d1", "title": "A", "text": "election results 2019", "date": "2019-05-03"},
+        {"_id": "d2", "text": "census of 2010", "time": "2010"},
+        {"_id": "d3", "text": "undated essay"},
+        {"_id": "d4", "text": "the decade", "start": "2010-01", "end": "2019-12"},
+    ] + list(extra_docs))
+    _jsonl(tmp_path / "queries.jsonl", [
+        {"_id": "q1", "text": "what happened in May 2019", "time": "2019-05", "family": "point"},
+        {"_id": "q2", "text": "an untimed question"},
+        {"_id": "q3", "text": "unjudged"},
+    ])
+    lines = qrels_lines or ["query-id\tcorpus-id\tscore", "q1\td1\t2", "q1\td4\t1", "q2\td3\t1"]
+    (tmp_path / "qrels" / "test.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(tmp_path)
+
+
+def test_beir_loader(tmp_path):
+    d = load_beir(_beir(tmp_path))
+    cal = d.calendar
+    assert cal.name == "gregorian" and cal.levels[0].labels[0] == 2010 and cal.levels[0].labels[-1] == 2019
+    assert [q.id for q in d.queries] == ["q1", "q2"]              # q3 has no qrels
+    q1 = d.queries[0]
+    assert q1.gold == {"d1": 2, "d4": 1} and q1.split == "test" and q1.family == "point"
+    assert len(q1.interval) == 31 and cal.key_at(q1.interval.start) == (2019, 5, 1)
+    assert d.record("d2").interval == cal.span("2010") and d.record("d3").interval is None
+    assert d.record("d4").interval.overlaps(q1.interval) and not d.record("d2").interval.overlaps(q1.interval)
+    assert d.record("d1").title == "A"
+    # explicit calendar: month resolution
+    m = load_beir(str(tmp_path), calendar=Calendar.gregorian(2000, 2020, resolution="month"))
+    assert len(m.queries[0].interval) == 1
+
+
+def test_beir_errors(tmp_path):
+    folder = _beir(tmp_path, qrels_lines=["q1\td1\t1", "q1\td1", "q2\td9\t1"])
+    with pytest.raises(DataFormatError, match=r"test\.tsv:2: expected 3"):
+        load_beir(folder)
+    d = load_beir(folder, on_error="skip")
+    assert d.report.num_skipped == 2                              # bad line + unknown document
+    assert [q.id for q in d.queries] == ["q1"] and d.queries[0].gold == {"d1": 1}
+    assert any("'q2' left out" in n for n in d.report.notes)
+    folder = _beir(tmp_path, extra_docs=[{"_id": "d5", "text": "x", "date": "2019-02-30"}])
+    with pytest.raises(DataFormatError, match=r"corpus\.jsonl:5: document 'd5'"):
+        load_beir(folder)
+    with pytest.raises(ValueError, match="folder"):
+        load_beir()

@@ -103,3 +103,67 @@ def test_bad_input():
         retrieval_metrics({}, {}, ks=(0,))
     with pytest.raises(TypeError, match="qrels"):
         retrieval_metrics({}, [1])
+
+
+# ---- TEMPO temporal metrics ---------------------------------------------------------------------
+
+from tempokern.calendar import Interval  # noqa: E402
+from tempokern.eval import interval_periods, interval_verdicts, temporal_metrics  # noqa: E402
+
+
+def _run(order):
+    return {d: float(len(order) - i) for i, d in enumerate(order)}
+
+
+def test_temporal_precision_and_relevance_by_hand():
+    run = {"a": _run(["d1", "d2", "d3", "d4", "d5"]), "b": _run(["x", "y"]), "c": {}}
+    verdicts = {"a": {"d1": 0, "d2": 1, "d3": 0, "d4": 1, "d5": 1}, "b": {"x": 0, "y": 0}}
+    m = temporal_metrics(run, verdicts, ks=(3, 5), per_query=True)
+    pa = m["per_query"]["a"]
+    assert pa["TP@5"] == pytest.approx((1 / 2 + 2 / 4 + 3 / 5) / 3)
+    assert pa["TR@5"] == pytest.approx(3 / 5)
+    assert pa["TP@3"] == pytest.approx(1 / 2) and pa["TR@3"] == pytest.approx(1 / 3)
+    assert m["per_query"]["b"]["TP@5"] == 0.0 and m["per_query"]["b"]["TR@5"] == 0.0
+    # n = min(k, retrieved): b retrieved 2, its TR@5 has denominator 2 (checked with a hit below)
+    m2 = temporal_metrics({"b": _run(["x", "y"])}, {"b": {"x": 1}}, ks=(5,))
+    assert m2["TR@5"] == pytest.approx(1 / 2)
+    assert m["num_queries"] == 3 and m["TR@5"] == pytest.approx((3 / 5 + 0 + 0) / 3)
+    assert "TC@5" not in m and m["verdicts_missing"] == 0
+
+
+def test_temporal_coverage_and_ndcg_fc():
+    run = {"a": _run(["d1", "d2", "d3"]), "b": _run(["e1", "e2"])}
+    verdicts = lambda q, d: d in ("d1", "d3", "e2")  # noqa: E731
+    periods = {"a": {"required": ["p1", "p2"], "covered": {"d1": ["p1"], "d3": ["p2", "p9"]}},
+               "b": {"required": ["p1", "p2"], "covered": {"e2": ["p1"]}}}
+    qrels = {"a": {"d1": 1, "d3": 2, "zz": 1}, "b": {"e2": 1}}
+    m = temporal_metrics(run, verdicts, ks=(2, 3), periods=periods, qrels=qrels, per_query=True)
+    assert m["per_query"]["a"]["TC@2"] == 0.5 and m["per_query"]["a"]["TC@3"] == 1.0
+    assert m["per_query"]["b"]["TC@3"] == 0.5
+    # NDCG|FC@3 averages only over fully covered queries (a): graded gains 1, 0, 2 vs ideal 2, 1, 1
+    import math
+    dcg = 1 + 2 / math.log2(4)
+    idcg = 2 + 1 / math.log2(3) + 1 / math.log2(4)
+    assert m["NDCG|FC@3"] == pytest.approx(dcg / idcg) and m["num_full_coverage@3"] == 1
+    assert m["num_full_coverage@2"] == 0 and m["NDCG|FC@2"] == 0.0
+
+
+def test_interval_verdicts_and_periods():
+    q = {"a": Interval(10, 20)}
+    docs = {"x": Interval(0, 9), "y": Interval(20, 30), "z": Interval(12, 12), "u": None}
+    v = interval_verdicts(q, docs)
+    assert [v("a", d) for d in "xyzu"] == [0, 1, 1, 0]
+    per = interval_periods({"a": [Interval(0, 5), Interval(25, 40)]}, docs)
+    run = {"a": _run(["z", "x", "y"])}
+    m = temporal_metrics(run, v, ks=(1, 2, 3), periods=per)
+    assert m["TC@1"] == 0.0 and m["TC@2"] == 0.5 and m["TC@3"] == 1.0
+    assert m["TP@3"] == pytest.approx((1 + 2 / 3) / 2)
+
+
+def test_temporal_bad_input_and_missing_verdicts():
+    with pytest.raises(TypeError, match="verdicts"):
+        temporal_metrics({"a": {"d": 1.0}}, [1, 0])
+    with pytest.raises(ValueError, match="required"):
+        temporal_metrics({"a": {"d": 1.0}}, {"a": {"d": 1}}, periods={"a": {"need": []}})
+    m = temporal_metrics({"a": _run(["d1", "d2"])}, {"a": {"d1": 1}})
+    assert m["verdicts_missing"] == 1 and m["TR@10"] == 0.5

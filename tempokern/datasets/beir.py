@@ -130,7 +130,8 @@ def load_beir(folder: Optional[str] = None, *, corpus: Optional[str] = None, que
         if t is None:
             return None
         try:
-            return cal.interval(t[0], t[1])
+            n = cal.num_levels  # a coarser calendar takes the date's leading fields
+            return cal.interval(t[0][:n], t[1][:n])
         except (KeyError, ValueError, TypeError) as e:
             raise DataFormatError(path, ln, f"{what} {_id!r}: time {t} not on calendar {cal.name!r}: "
                                             f"{e.args[0] if e.args else e}") from None
@@ -163,6 +164,9 @@ def load_beir(folder: Optional[str] = None, *, corpus: Optional[str] = None, que
             err = DataFormatError(str(qrels), 0, f"query {_id!r}: qrels name documents not in the corpus: {unknown[:5]}")
             handle(err, report, on_error)
             gold = {d: r for d, r in gold.items() if d in doc_ids}
+            if not gold:
+                report.notes.append(f"query {_id!r} left out: none of its qrels documents is in the corpus")
+                continue
         out_q.append(Query(_id, obj["text"], interval=iv, family=str(obj.get("family", "all")), gold=gold,
                            split=split, meta={k: v for k, v in obj.items() if k not in ("_id", "id", "text")}))
     if qrels_map:
