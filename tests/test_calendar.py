@@ -139,6 +139,10 @@ def test_reign_calendar_with_leap_month():
     # ranks chronological, round trip through to_dict / from_dict
     back = Calendar.from_dict(json.loads(json.dumps(cal.to_dict(), ensure_ascii=False)))
     assert list(back) == list(cal) and back.sizes == cal.sizes
+    assert back.rank(("建元", 2, "L")) == r9 + 1 and back.ad_year(("永明", 2, 5)) == 484
+    cq = Calendar.chunqiu()
+    cq2 = Calendar.from_dict(json.loads(json.dumps(cq.to_dict())))
+    assert cq2.split(("Xi", 10, 1)) == cq.split((5, 10, 1)) == "val" and len(cq2) == 3036
     with pytest.raises(ValueError, match="unknown era"):
         Calendar.reign([("建元", 4)], leap_months={("永明", 1): 3})
     with pytest.raises(ValueError, match="positive"):
@@ -183,3 +187,13 @@ def test_generic_calendar_validation():
         Calendar("month")
     with pytest.raises(ValueError, match="every unit"):
         Calendar([("x", 3)], splits={1: "train"})
+
+
+def test_packaged_data_is_verified(monkeypatch):
+    from tempokern.datasets import _resources
+    assert len(_resources.read_bytes(_resources.ZZTJ_QIJI)) == 156960
+    monkeypatch.setitem(_resources._SHA256, _resources.ZZTJ_QIJI, "0" * 64)
+    with pytest.raises(ValueError, match="corrupt"):
+        _resources.read_bytes(_resources.ZZTJ_QIJI)
+    with pytest.raises(FileNotFoundError, match="missing"):
+        _resources.read_bytes("no_such_file.json")
