@@ -435,6 +435,21 @@ class Calendar:
         s = {self.split_of_rank(r) for r in interval.ranks()}
         return s.pop() if len(s) == 1 else "mixed"
 
+    def with_splits(self, blocks: Mapping[Any, str], default: str = "train") -> "Calendar":
+        """A copy whose units are split by key prefixes: ``{("永明", 6): "val", ("永明", 7): "test"}``
+        puts every unit under each prefix in that split and the rest in ``default`` (reign-aligned,
+        leak-free blocks as in ChunQiuTR). Later prefixes win where prefixes nest."""
+        assign = [default] * self.num_units
+        for prefix, name in blocks.items():
+            iv = self.span(prefix)
+            for r in iv.ranks():
+                assign[r] = str(name)
+        units = [self.key_at(r) for r in range(self.num_units)]
+        cal = Calendar([(l.name, l.labels) for l in self._levels], units=units, name=self.name,
+                       aliases=self._aliases, splits=dict(zip(units, assign)), sep=self.sep)
+        cal.meta.update(self.meta)
+        return cal
+
     # ---- factories -------------------------------------------------------------------------
     @classmethod
     def chunqiu(cls) -> "Calendar":

@@ -272,3 +272,17 @@ def test_beir_errors(tmp_path):
         load_beir(folder)
     with pytest.raises(ValueError, match="folder"):
         load_beir()
+
+
+def test_zztj_reign_aligned_splits(zz):
+    cal = zz.calendar.with_splits({("永明", 6): "val", ("永明", 7): "test"})
+    d = zz.with_calendar(cal)
+    assert d.splits() == ["test", "train", "val"]
+    val = d.split("val")
+    assert val.queries and all(q.meta["key"][:2] == ("永明", 6) for q in val.queries)
+    assert len(d.split("train").queries) + len(val.queries) + len(d.split("test").queries) == 92
+    tr = d.records_in_split("train")
+    assert tr and all(r.key[:2] not in (("永明", 6), ("永明", 7)) for r in tr)
+    assert zz.queries[0].split is None                      # the original is untouched
+    with pytest.raises(ValueError, match="same units"):
+        zz.with_calendar(Calendar.chunqiu())
