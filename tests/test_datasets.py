@@ -221,6 +221,19 @@ def test_chunqiutr_release_format(tmp_path):
     assert q["q2"].pure_no_event and not q["q1"].pure_no_event
     assert set(q["q3"].gold) == {"1", "2", "6"} and q["q3"].split == "mixed"
     assert q["q3"].interval == d.calendar.interval((1, 1, 1), (1, 2, 1))
+    # malformed: a month outside the calendar, a bad sort key in a query
+    meta["time_mapping"]["d"] = {"sort_key": [1, 1, 13], "versions": []}
+    mp.write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
+    with pytest.raises(DataFormatError, match=r"meta\.json:0: time_mapping\['d'\]: bad time key"):
+        load_chunqiutr_release(str(mp), qp)
+    d = load_chunqiutr_release(str(mp), qp, on_error="skip")
+    assert d.report.num_skipped == 1 and len(d.records) == 6
+    qp2 = _jsonl(tmp_path / "q2.jsonl", [{"qid": "x", "query": "t", "type": "window", "target_sort_keys": ["1-1-1"],
+                                          "pos_sids": [1]}])
+    del meta["time_mapping"]["d"]
+    mp.write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
+    with pytest.raises(DataFormatError, match=r"q2\.jsonl:1: .*sort keys"):
+        load_chunqiutr_release(str(mp), qp2)
 
 
 # ---- BEIR-style ---------------------------------------------------------------------------------

@@ -198,13 +198,15 @@ def load_chunqiutr_release(meta_path: str, queries_path: str, *, calendar: Optio
         report.rows_read += 1
         where = f"time_mapping[{tkey!r}]"
         try:
-            if not isinstance(info, dict) or "sort_key" not in info:
-                raise DataFormatError(mp, 0, f"{where}: missing 'sort_key'")
+            if not isinstance(info, dict) or not isinstance(info.get("sort_key"), list):
+                raise DataFormatError(mp, 0, f"{where}: missing 'sort_key' list")
             key = _key(cal, tuple(info["sort_key"]), mp, 0, where)
             if not cal.is_real(key):
                 raise DataFormatError(mp, 0, f"{where}: sort_key {info['sort_key']} is not a real month")
             pos_type = "no_event" if info.get("no_event") else "event"
             for ver in info.get("versions", []) or []:
+                if not isinstance(ver, dict):
+                    raise DataFormatError(mp, 0, f"{where}: each version must be an object")
                 for src in POS_SOURCES:
                     for e in (ver.get(src) or []) if isinstance(ver.get(src), list) else []:
                         add(e.get("sid"), e.get("text"), key, pos_type, src, where)
@@ -234,6 +236,8 @@ def load_chunqiutr_release(meta_path: str, queries_path: str, *, calendar: Optio
             for sk in raw:
                 if sk is None:
                     continue
+                if not isinstance(sk, list):
+                    raise DataFormatError(qp, ln, f"query {qid!r}: sort keys must be [g, y, m] lists, got {sk!r}")
                 k = _key(cal, tuple(sk), qp, ln, f"query {qid!r}")
                 if cal.is_real(k):
                     ranks.append(cal.rank(k))
