@@ -5,7 +5,7 @@ baseline does), and lower-cased alphanumeric words for other scripts."""
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
