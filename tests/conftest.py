@@ -25,3 +25,19 @@ def device(request):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def run_python(code: str, **env):
+    """Runs code in a fresh interpreter that imports the same tempokern as this process
+    (installed or in-tree), from a neutral working directory."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    import tempokern
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tempokern.__file__)))
+    full_env = dict(os.environ, **env)
+    full_env["PYTHONPATH"] = root + os.pathsep + full_env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
+                          cwd=tempfile.gettempdir())

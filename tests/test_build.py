@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tempokern
+from conftest import run_python
 from tempokern import _C
 
 
@@ -43,8 +44,7 @@ def test_module_does_not_link_libtorch():
 def test_import_in_fresh_process_without_torch_cuda():
     # The module must import (and report) with no GPU driver; CUDA_VISIBLE_DEVICES="" hides any GPU too.
     code = "import tempokern, json; print(json.dumps(tempokern.build_info()))"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    res = run_python(code, CUDA_VISIBLE_DEVICES="")
     assert res.returncode == 0, res.stderr
     assert '"device_count": 0' in res.stdout
 

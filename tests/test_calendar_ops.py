@@ -203,11 +203,10 @@ def test_non_finite_propagates_by_default_and_raises_in_debug():
 
 
 def test_debug_env_switch_in_subprocess():
-    import os, subprocess, sys
+    from conftest import run_python
     code = ("import torch, tempokern\nx=[torch.tensor([[float('inf'), 0.]])]\n"
             "try:\n tempokern.calendar_scalar(x)\nexcept ValueError as e:\n print('raised', e)\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, TEMPOKERN_CHECK="1"))
+    res = run_python(code, TEMPOKERN_CHECK="1")
     assert "raised" in res.stdout and "NaN or Inf" in res.stdout, res.stdout + res.stderr
 
 
