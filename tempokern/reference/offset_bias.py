@@ -74,15 +74,17 @@ def offset_bias_table_values(w1, b1, w2, b2, scale, points: int) -> torch.Tensor
 def offset_bias_lookup(u_q: torch.Tensor, u_d: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Table evaluation, the spec for the in-kernel lookup: x = (clamp(u_d[j] - u_q[i], -1, 1) + 1) / 2
     * (P - 1) for P = values.numel() points; out = lerp(values[floor(x)], values[floor(x) + 1], x - floor(x))
-    with the index clamped to [0, P - 2]. Computed in float32 (float64 for float64 u); (Bq, Bd)."""
-    acc = _acc_dtype(torch.promote_types(u_q.dtype, u_d.dtype))
+    with the index clamped to [0, P - 2]. Computed in float32 (float64 for float64 u), returned in the
+    promoted dtype of u_q and u_d; (Bq, Bd)."""
+    out_dt = torch.promote_types(u_q.dtype, u_d.dtype)
+    acc = _acc_dtype(out_dt)
     v = values.to(acc)
     P = v.numel()
     delta = torch.clamp(u_d.to(acc)[None, :] - u_q.to(acc)[:, None], -1.0, 1.0)
     if P == 1:
-        return v[0].expand_as(delta).clone()
+        return v[0].expand_as(delta).to(out_dt)
     x = (delta + 1.0) * (0.5 * (P - 1))
     i0 = torch.clamp(torch.floor(x), 0, P - 2)
     t = x - i0
     i0 = i0.long()
-    return v[i0] + t * (v[i0 + 1] - v[i0])
+    return (v[i0] + t * (v[i0 + 1] - v[i0])).to(out_dt)
