@@ -212,53 +212,52 @@ inline void fast_block_bwd(const A* Q, const A* Qd, int K2, int64_t hidden, cons
   }
 }
 
-// E[n][m] += sum_j M[n][j] c[m][j] over the fast blocks collected in a chunk (Mbuf row stride ldm,
+// E[n..n+R)[m] += sum_j M[n][j] c[m][j] over the fast blocks collected in a chunk (Mbuf row stride ldm,
 // block bi at column bi*JB): a register-blocked GEMM, E kept per lane and reduced once per row.
-template <typename A>
-inline void chunk_E(const A* Mbuf, int64_t ldm, const int64_t* blocks, int nblk, const Columns<A>& cols,
-                    int64_t hidden, typename VK<A>::V* E, typename VK<A>::V* esum) {
+template <typename A, int R>
+inline void chunk_E_rows(const A* Mbuf, int64_t ldm, const A* const* Cb, int nblk, int K2, typename VK<A>::V* E,
+                         typename VK<A>::V* esum) {
   using KK = VK<A>;
   using V = typename KK::V;
   constexpr int W = KK::W, JB = KK::JB;
-  const int K2 = cols.K2;
-  for (int64_t n = 0; n < hidden;) {
-    const int R = n + 4 <= hidden ? 4 : 1;
-    for (int r = 0; r < R; ++r)
-      for (int bi = 0; bi < nblk; ++bi)
-        esum[n + r] += KK::ld(Mbuf + (n + r) * ldm + bi * JB) + KK::ld(Mbuf + (n + r) * ldm + bi * JB + W);
-    for (int m = 0; m < K2; m += 2) {  // K2 = 2K is even
-      V acc[4][2];
+  for (int r = 0; r < R; ++r)
+    for (int bi = 0; bi < nblk; ++bi)
+      esum[r] += KK::ld(Mbuf + r * ldm + bi * JB) + KK::ld(Mbuf + r * ldm + bi * JB + W);
+  for (int m = 0; m < K2; m += 2) {  // K2 = 2K is even
+    V acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = E[r * K2 + m];
+      acc[r][1] = E[r * K2 + m + 1];
+    }
+    for (int v = 0; v < 2 * nblk; ++v) {
+      const A* C = Cb[v >> 1] + (v & 1) * W;
+      const V c0 = KK::ld(C + m * JB), c1 = KK::ld(C + (m + 1) * JB);
+      const A* mp = Mbuf + (v >> 1) * JB + (v & 1) * W;
       for (int r = 0; r < R; ++r) {
-        acc[r][0] = E[(n + r) * K2 + m];
-        acc[r][1] = E[(n + r) * K2 + m + 1];
-      }
-      for (int bi = 0; bi < nblk; ++bi) {
-        const A* C = cols.block(blocks[bi]);
-        for (int h = 0; h < 2; ++h) {
-          const V c0 = KK::ld(C + m * JB + h * W), c1 = KK::ld(C + (m + 1) * JB + h * W);
-          if (R == 4) {
-            for (int r = 0; r < 4; ++r) {
-              const V mv = KK::ld(Mbuf + (n + r) * ldm + bi * JB + h * W);
-              acc[r][0] += mv * c0;
-              acc[r][1] += mv * c1;
-            }
-          } else {
-            const V mv = KK::ld(Mbuf + n * ldm + bi * JB + h * W);
-            acc[0][0] += mv * c0;
-            acc[0][1] += mv * c1;
-          }
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        E[(n + r) * K2 + m] = acc[r][0];
-        E[(n + r) * K2 + m + 1] = acc[r][1];
+        const V mv = KK::ld(mp + r * ldm);
+        acc[r][0] += mv * c0;
+        acc[r][1] += mv * c1;
       }
     }
-    n += R;
+    for (int r = 0; r < R; ++r) {
+      E[r * K2 + m] = acc[r][0];
+      E[r * K2 + m + 1] = acc[r][1];
+    }
   }
 }
 
-constexpr int kChunk = 4;  // fast blocks per E update: M chunk and its features stay in L1
+template <typename A>
+inline void chunk_E(const A* Mbuf, int64_t ldm, const int64_t* blocks, int nblk, const Columns<A>& cols,
+                    int64_t hidden, typename VK<A>::V* E, typename VK<A>::V* esum) {
+  const A* Cb[16];
+  for (int bi = 0; bi < nblk; ++bi) Cb[bi] = cols.block(blocks[bi]);
+  const int K2 = cols.K2;
+  int64_t n = 0;
+  for (; n + 4 <= hidden; n += 4) chunk_E_rows<A, 4>(Mbuf + n * ldm, ldm, Cb, nblk, K2, E + n * K2, esum + n);
+  for (; n < hidden; ++n) chunk_E_rows<A, 1>(Mbuf + n * ldm, ldm, Cb, nblk, K2, E + n * K2, esum + n);
+}
+
+constexpr int kChunk = 8;  // fast blocks per E update: M chunk and its features stay in L1
 
 template <typename T, typename A>
 void bwd(const OffsetBiasParams& p) {
