@@ -6,9 +6,10 @@ from ._ops.common import debug_checks_enabled, set_debug_checks
 from ._ops.calendar import calendar_context, calendar_scalar, fourier_table
 from ._ops.offset_bias import offset_bias, offset_bias_lookup
 from . import reference
+from . import nn
 
 __all__ = [
     "__version__", "build_info", "set_debug_checks", "debug_checks_enabled",
     "calendar_scalar", "calendar_context", "fourier_table", "reference",
-    "offset_bias", "offset_bias_lookup",
+    "offset_bias", "offset_bias_lookup", "nn",
 ]

@@ -36,6 +36,9 @@ struct OffsetBiasParams {
   int64_t points = 0;
 };
 
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
 inline int64_t offset_bias_part_size(const OffsetBiasParams& p) { return p.hidden * (p.D + 1) + 2; }
 
 void offset_bias_fwd_cpu(const OffsetBiasParams& p);

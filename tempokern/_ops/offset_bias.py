@@ -36,10 +36,10 @@ def _frequencies(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 def _num_parts(device: torch.device, Bq: int, Bd: int) -> int:
     """Partial-sum slots of the backward reduction: one per CPU thread, one per CUDA block."""
-    if device.type == "cuda":
-        tiles = max(1, -(-Bq // 8) * -(-Bd // 32))
+    if device.type == "cuda":  # grid: ceil(Bd / 32) column blocks x gy row groups (csrc/offset_bias/*.cu)
+        gx = max(1, -(-Bd // 32))
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(tiles, 4 * sms))
+        return gx * max(1, min(-(-Bq // 8), -(-8 * sms // gx)))
     return max(64, os.cpu_count() or 1)
 
 
