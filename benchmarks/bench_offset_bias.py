@@ -1,0 +1,213 @@
+"""Fused offset bias vs the plain PyTorch reference, and vs the H = 768 score matmul q @ d.T it is added to.
+
+    python -m pytest benchmarks/bench_offset_bias.py --benchmark-only -s
+    TK_BENCH_BIG=0 ... skips the Bq = Bd = 16384 CPU run (about a minute on 2 cores).
+
+Rows go to benchmarks/results/offset_bias.csv; the last test prints and records the ratios the issue asks
+for (fused fwd+bwd vs reference, extra peak memory, fused forward vs the matmul). Flops per pair: the
+first layer is hidden * 2K multiply-adds (the same as D = 2K features), so a forward costs
+2 * B^2 * hidden * D flops (8.6 GFLOP at B = 2048, D = hidden = 32) against 2 * B^2 * 768 for q @ d.T
+(6.4 GFLOP); the backward recomputes the layer and does two more products of that size."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tempokern
+from tempokern import reference as ref
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _record import record  # noqa: E402
+
+FILE = "offset_bias.csv"
+D = HIDDEN = 32
+RESULTS: dict = {}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def inputs(B, device="cpu", dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.rand(B, generator=g), torch.rand(B, generator=g), torch.randn(HIDDEN, D, generator=g) / D ** 0.5,
+          torch.randn(HIDDEN, generator=g) * 0.1, torch.randn(1, HIDDEN, generator=g) / HIDDEN ** 0.5,
+          torch.randn(1, generator=g), torch.tensor(0.5)]
+    return [x.to(device=device, dtype=dtype).requires_grad_() for x in xs]
+
+
+def fwd_bwd(fn, xs, G):
+    out = fn(*xs)
+    out.backward(G)
+    return out
+
+
+def sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _ms(benchmark) -> float:
+    return benchmark.stats.stats.min * 1e3
+
+
+_PEAK_CODE = r"""
+import sys, torch, tempokern
+from tempokern import reference as ref
+sys.path.insert(0, {bench!r})
+from bench_offset_bias import inputs, fwd_bwd
+def hwm():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmHWM'):
+            return int(line.split()[1]) / 1024
+B, which = {B}, {which!r}
+fn = tempokern.offset_bias if which == 'fused' else ref.offset_bias
+xs = inputs(B)
+G = torch.randn(B, B)
+fwd_bwd(fn, inputs(64), torch.randn(64, 64))   # warm up code paths at a tiny size
+base = hwm()
+fwd_bwd(fn, xs, G)
+print(hwm() - base)
+"""
+
+
+def cpu_extra_peak_mb(B: int, which: str) -> float:
+    """Extra peak resident memory (MiB) of one fwd+bwd, in a fresh process (the inputs and the incoming
+    gradient are allocated before the baseline; the output is counted as extra)."""
+    code = _PEAK_CODE.format(bench=str(Path(__file__).resolve().parent), B=B, which=which)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1200)
+    if res.returncode != 0:
+        raise RuntimeError(res.stderr[-2000:])
+    return float(res.stdout.strip().splitlines()[-1])
+
+
+# ---- CPU, B = 2048 -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("provider", ["fused", "reference"])
+def test_cpu_fwd_bwd_2048(benchmark, provider):
+    B = 2048
+    xs = inputs(B)
+    G = torch.randn(B, B)
+    fn = tempokern.offset_bias if provider == "fused" else ref.offset_bias
+    fwd_bwd(fn, inputs(64), torch.randn(64, 64))  # first-call overhead of the op registration
+    benchmark.pedantic(fwd_bwd, args=(fn, xs, G), rounds=5 if provider == "fused" else 2, iterations=1,
+                       warmup_rounds=1)
+    peak = cpu_extra_peak_mb(B, provider)
+    RESULTS[("fwd_bwd", provider)] = (_ms(benchmark), peak)
+    record(FILE, op="offset_bias fwd+bwd", provider=provider, size=f"Bq=Bd={B} D=hidden={D}", ms=_ms(benchmark),
+           extra_peak_mb=peak, note="shared 2-core machine under load from other developers")
+
+
+@pytest.mark.parametrize("provider", ["fused_fwd", "matmul_h768"])
+def test_cpu_forward_vs_score_matmul_2048(benchmark, provider):
+    B = 2048
+    if provider == "fused_fwd":
+        xs = [x.detach() for x in inputs(B)]
+        fn = lambda: tempokern.offset_bias(*xs)  # noqa: E731
+    else:
+        q, d = torch.randn(B, 768), torch.randn(B, 768)
+        fn = lambda: q @ d.T  # noqa: E731
+    fn()
+    benchmark.pedantic(fn, rounds=7, iterations=1, warmup_rounds=1)
+    flops = 2 * B * B * (HIDDEN * D if provider == "fused_fwd" else 768)
+    RESULTS[("fwd", provider)] = _ms(benchmark)
+    record(FILE, op="forward", provider=provider, size=f"B={B}", ms=_ms(benchmark),
+           note=f"{flops / (_ms(benchmark) * 1e-3) / 1e9:.1f} GFLOP/s; shared machine under load")
+
+
+@pytest.mark.skipif(os.environ.get("TK_BENCH_BIG", "1") == "0", reason="TK_BENCH_BIG=0")
+def test_cpu_fused_16384(benchmark):
+    """The reference cannot run here: its (B, B, D) and (B, B, hidden) intermediates are 34 GiB each."""
+    B = 16384
+    xs = inputs(B)
+    G = torch.randn(B, B)
+    benchmark.pedantic(fwd_bwd, args=(tempokern.offset_bias, xs, G), rounds=1, iterations=1)
+    assert all(torch.isfinite(x.grad).all() for x in xs)
+    record(FILE, op="offset_bias fwd+bwd", provider="fused", size=f"Bq=Bd={B} D=hidden={D}", ms=_ms(benchmark),
+           note="reference does not fit; shared machine under load")
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------------
+
+def _cuda_peak_and_time(fn, B, reps=5):
+    xs = inputs(B, "cuda")
+    G = torch.randn(B, B, device="cuda")
+    fwd_bwd(fn, xs, G)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        for x in xs:
+            x.grad = None
+        start.record()
+        fwd_bwd(fn, xs, G)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return min(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _largest_reference_b():
+    B = 2048
+    while True:
+        try:
+            _cuda_peak_and_time(ref.offset_bias, 2 * B, reps=1)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return B
+        B *= 2
+        if B >= 65536:
+            return B
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_fused_vs_reference():
+    sizes = sorted({8192, _largest_reference_b()})
+    for B in sizes:
+        for provider, fn in (("fused", tempokern.offset_bias), ("reference", ref.offset_bias)):
+            try:
+                ms, peak = _cuda_peak_and_time(fn, B)
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                record(FILE, op="offset_bias fwd+bwd", provider=provider, size=f"B={B}", ms=float("nan"),
+                       device="cuda", note="out of memory")
+                continue
+            record(FILE, op="offset_bias fwd+bwd", provider=provider, size=f"Bq=Bd={B} D=hidden={D}", ms=ms,
+                   extra_peak_mb=peak, device="cuda")
+            print(f"cuda B={B} {provider}: {ms:.2f} ms, extra peak {peak:.0f} MiB")
+        # the forward against the H = 768 score matmul it is added to
+        xs = [x.detach() for x in inputs(B, "cuda")]
+        q, d = torch.randn(B, 768, device="cuda"), torch.randn(B, 768, device="cuda")
+        for provider, fn in (("fused_fwd", lambda: tempokern.offset_bias(*xs)), ("matmul_h768", lambda: q @ d.T)):
+            fn()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            record(FILE, op="forward", provider=provider, size=f"B={B}", ms=start.elapsed_time(end) / 10,
+                   device="cuda")
+
+
+# ---- summary ---------------------------------------------------------------------------------------------
+
+def test_zz_summary():
+    """Ratios from this run (needs the CPU benchmarks above to have run in the same session)."""
+    if ("fwd_bwd", "fused") not in RESULTS or ("fwd_bwd", "reference") not in RESULTS:
+        pytest.skip("run the whole file: the ratios come from the benchmarks above")
+    (f_ms, f_mb), (r_ms, r_mb) = RESULTS[("fwd_bwd", "fused")], RESULTS[("fwd_bwd", "reference")]
+    lines = [f"fwd+bwd B=2048: fused {f_ms:.0f} ms vs reference {r_ms:.0f} ms -> {r_ms / f_ms:.1f}x faster",
+             f"extra peak memory: fused {f_mb:.0f} MiB vs reference {r_mb:.0f} MiB -> {r_mb / max(f_mb, 1e-9):.1f}x less"]
+    if ("fwd", "fused_fwd") in RESULTS and ("fwd", "matmul_h768") in RESULTS:
+        a, b = RESULTS[("fwd", "fused_fwd")], RESULTS[("fwd", "matmul_h768")]
+        lines.append(f"forward B=2048: fused {a:.0f} ms vs q @ d.T (H=768) {b:.0f} ms -> {a / b:.2f}x the matmul")
+    print("\n" + "\n".join(lines))
+    record(FILE, op="summary", provider="ratios", size="B=2048", ms=f_ms, note=" | ".join(lines))
