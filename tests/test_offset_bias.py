@@ -345,3 +345,44 @@ def test_cuda_table_and_devices_and_memory():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < 3 * B * B * 4, extra  # output + a little; the reference needs B*B*(D + 2*hidden)*4
+
+
+# ---- hidden-unit classification (CPU: provably always-on units merged, always-off dropped) -------------
+
+def _with_b1(b1_values, D=16, H=6, lo=0.0, hi=1.0, seed=21):
+    xs = make(23, 31, D, H, lo=lo, hi=hi, seed=seed)
+    with torch.no_grad():
+        xs[3].copy_(torch.as_tensor(b1_values, dtype=torch.float64))
+    return xs
+
+
+@pytest.mark.parametrize("b1", [[50.0] * 6, [-50.0] * 6, [50.0, -50.0, 0.0, 50.0, -50.0, 0.1]])
+@pytest.mark.parametrize("lo,hi", [(0.0, 1.0), (-2.0, 3.0)])
+def test_parity_with_always_on_and_off_units(b1, lo, hi):
+    xs = _with_b1(b1, lo=lo, hi=hi)
+    assert_parity(xs, rtol=1e-10, atol=1e-10)
+    if b1[0] == -50.0 and b1[1] == -50.0:  # all off: only b2 and scale get gradients
+        _, grads = run(tempokern.offset_bias, xs, torch.ones(23, 31, dtype=torch.float64))
+        assert float(grads[2].abs().max()) == 0.0 and float(grads[0].abs().max()) == 0.0
+
+
+def test_unit_classification_is_sound():
+    from tempokern._ops.offset_bias import _unit_classes
+    from tempokern.reference.offset_bias import offset_features
+    d = torch.linspace(-1, 1, 50001, dtype=torch.float64)
+    seen_on = seen_off = 0
+    for seed in range(8):
+        g = torch.Generator().manual_seed(seed)
+        w1 = torch.randn(32, 32, generator=g, dtype=torch.float64)
+        b1 = torch.randn(32, generator=g, dtype=torch.float64) * 3
+        # a few units cross zero right next to the ends of the clamp range
+        h = offset_features(torch.tensor([0.9995, -0.9995], dtype=torch.float64), 32) @ w1.t()
+        b1[:2] = -h[0, :2]
+        b1[2:4] = -h[1, 2:4]
+        on, off = _unit_classes(w1, b1)
+        hv = offset_features(d, 32) @ w1.t() + b1
+        assert bool((hv[:, on] > 0).all()) and bool((hv[:, off] < 0).all())
+        assert not bool(on[:4].any() or off[:4].any())
+        seen_on += int(on.sum())
+        seen_off += int(off.sum())
+    assert seen_on > 0 and seen_off > 0

@@ -115,14 +115,15 @@ TK_HD A bias_preact(const A* w1, int64_t ld_w1, const A* b1, const A* phi, int64
   return h;
 }
 
-// w2 . relu(w1 phi + b1), without b2 and scale.
+// w2 . relu(w1 phi + b1), without b2 and scale. Units n < n_linear skip the ReLU (the kernels may merge
+// hidden units that are provably active for every delta in [-1, 1] into one such linear unit).
 template <typename A>
 TK_HD A bias_mlp_hidden_out(const A* w1, int64_t ld_w1, const A* b1, const A* w2, const A* phi, int64_t D,
-                            int64_t hidden) {
+                            int64_t hidden, int64_t n_linear = 0) {
   A y = 0;
   for (int64_t n = 0; n < hidden; ++n) {
     const A h = bias_preact(w1, ld_w1, b1, phi, D, n);
-    if (h > A(0)) y += w2[n] * h;
+    if (n < n_linear || h > A(0)) y += w2[n] * h;
   }
   return y;
 }
@@ -130,23 +131,24 @@ TK_HD A bias_mlp_hidden_out(const A* w1, int64_t ld_w1, const A* b1, const A* w2
 // Exact per-pair bias out_ij from the unclamped difference diff = u_d[j] - u_q[i]; phi is scratch (D).
 template <typename A>
 TK_HD A bias_pair_eval(A diff, const A* freqs, int64_t D, int64_t hidden, const A* w1, int64_t ld_w1,
-                       const A* b1, const A* w2, A b2, A scale, A* phi) {
+                       const A* b1, const A* w2, A b2, A scale, A* phi, int64_t n_linear = 0) {
   bias_phi(bias_clamp(diff), freqs, D, phi);
-  return scale * (bias_mlp_hidden_out(w1, ld_w1, b1, w2, phi, D, hidden) + b2);
+  return scale * (bias_mlp_hidden_out(w1, ld_w1, b1, w2, phi, D, hidden, n_linear) + b2);
 }
 
-// Exact per-pair backward. g = incoming gradient of out_ij. Adds M[n] phi[m] into R (hidden x (D + 1),
+// Exact per-pair backward (units n < n_linear without ReLU). g = incoming gradient of out_ij. Adds M[n] phi[m] into R (hidden x (D + 1),
 // row stride D + 1) and M[n] into R[n, D]; adds G * (w2 . relu(h)) to *s1 and G to *s0; returns ddelta
 // (already masked by the clamp). phi, dphi: scratch of D each.
 template <typename A>
 TK_HD A bias_pair_backward(A diff, A g, const A* freqs, int64_t D, int64_t hidden, const A* w1, int64_t ld_w1,
-                           const A* b1, const A* w2, A scale, A* phi, A* dphi, A* R, A* s1, A* s0) {
+                           const A* b1, const A* w2, A scale, A* phi, A* dphi, A* R, A* s1, A* s0,
+                           int64_t n_linear = 0) {
   bias_phi(bias_clamp(diff), freqs, D, phi, dphi);
   const A gs = g * scale;
   A y = 0, dd = 0;
   for (int64_t n = 0; n < hidden; ++n) {
     const A h = bias_preact(w1, ld_w1, b1, phi, D, n);
-    if (!(h > A(0))) continue;
+    if (!(n < n_linear || h > A(0))) continue;
     y += w2[n] * h;
     A* r = R + n * (D + 1);
     const A* w = w1 + n * ld_w1;

@@ -11,6 +11,7 @@ struct OffsetBiasParams {
   DType dtype = DType::F32;   // storage of out / grad_out
   bool acc_double = false;    // A = double (float64 calls) else float
   int64_t Bq = 0, Bd = 0, D = 0, hidden = 0;
+  int64_t n_linear = 0;         // units [0, n_linear) have no ReLU (merged always-active units, see Python)
   const void* u_q = nullptr;    // (Bq,) A
   const void* u_d = nullptr;    // (Bd,) A
   const void* freqs = nullptr;  // (K,)  A, reference.bias_frequencies(D)

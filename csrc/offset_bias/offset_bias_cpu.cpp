@@ -84,11 +84,18 @@ inline void first_layer(const A* q, int K2, const A* bias, const A* C, typename 
 
 // y[0..JB) = sum_n w2[n] relu(b1[n] + Q[n, :] . C[:, block])  (fast path, one block)
 template <typename A>
-inline void fast_block_fwd(const A* Q, int K2, int64_t hidden, const A* b1, const A* w2, const A* C, A* y) {
+inline void fast_block_fwd(const A* Q, int K2, int64_t hidden, int64_t nlin, const A* b1, const A* w2, const A* C,
+                           A* y) {
   using KK = VK<A>;
   using V = typename KK::V;
   V y0 = V{}, y1 = V{};
   int64_t n = 0;
+  for (; n < nlin; ++n) {  // units without ReLU (merged always-active units)
+    V acc[1][2];
+    first_layer<A, 1>(Q + n * K2, K2, b1 + n, C, acc);
+    y0 += w2[n] * acc[0][0];
+    y1 += w2[n] * acc[0][1];
+  }
   for (; n + 4 <= hidden; n += 4) {
     V acc[4][2];
     first_layer<A, 4>(Q + n * K2, K2, b1 + n, C, acc);
@@ -144,12 +151,12 @@ void fwd(const OffsetBiasParams& p) {
       for (int64_t b = 0; b < cols.nb; ++b) {
         const int64_t j0 = b * JB, nj = std::min<int64_t>(JB, p.Bd - j0);
         if (row_fast && bias_tile_fast(u, u, cols.dmin[b], cols.dmax[b])) {
-          fast_block_fwd(Q.data(), K2, w.hidden, w.b1, w.w2, cols.block(b), y.data());
+          fast_block_fwd(Q.data(), K2, w.hidden, p.n_linear, w.b1, w.w2, cols.block(b), y.data());
           for (int64_t jj = 0; jj < nj; ++jj) store(o, j0 + jj, w.scale * (y[jj] + w.b2));
         } else {
           for (int64_t jj = 0; jj < nj; ++jj)
             store(o, j0 + jj, bias_pair_eval(ud[j0 + jj] - u, w.freqs, w.D, w.hidden, w.w1, w.ld_w1, w.b1, w.w2,
-                                             w.b2, w.scale, phi.data()));
+                                             w.b2, w.scale, phi.data(), p.n_linear));
         }
       }
     }
@@ -159,7 +166,8 @@ void fwd(const OffsetBiasParams& p) {
 // Backward, fast path, one block of row i. gv: incoming gradient (JB, zero past Bd).
 // Writes M = G scale [h > 0] into Mbuf (row stride ldm), adds per-column ddelta to dd and G y' to s1v.
 template <typename A>
-inline void fast_block_bwd(const A* Q, const A* Qd, int K2, int64_t hidden, const A* b1, const A* w2, A scale,
+inline void fast_block_bwd(const A* Q, const A* Qd, int K2, int64_t hidden, int64_t nlin, const A* b1, const A* w2,
+                           A scale,
                            const A* C, const A* gv, A* Mbuf, int64_t ldm, typename VK<A>::V (&dd)[2],
                            typename VK<A>::V& s1v) {
   using KK = VK<A>;
@@ -169,9 +177,17 @@ inline void fast_block_bwd(const A* Q, const A* Qd, int K2, int64_t hidden, cons
   const V gs0 = g0 * scale, gs1 = g1 * scale;
   const V z = V{};
   V y0 = V{}, y1 = V{};
-  // pass 1: h -> relu output and mask-weighted gradient M
+  // pass 1: h -> relu output and mask-weighted gradient M (units < nlin: no ReLU, M = G scale)
   for (int64_t n = 0; n < hidden;) {
-    if (n + 4 <= hidden) {
+    if (n < nlin) {
+      V acc[1][2];
+      first_layer<A, 1>(Q + n * K2, K2, b1 + n, C, acc);
+      y0 += w2[n] * acc[0][0];
+      y1 += w2[n] * acc[0][1];
+      KK::st(Mbuf + n * ldm, gs0);
+      KK::st(Mbuf + n * ldm + W, gs1);
+      n += 1;
+    } else if (n + 4 <= hidden) {
       V acc[4][2];
       first_layer<A, 4>(Q + n * K2, K2, b1 + n, C, acc);
       for (int r = 0; r < 4; ++r) {
@@ -317,7 +333,7 @@ void bwd(const OffsetBiasParams& p) {
         if (row_fast && bias_tile_fast(u, u, cols.dmin[b], cols.dmax[b])) {
           any_fast = true;
           V dd[2] = {V{}, V{}};
-          fast_block_bwd(Q.data(), Qd.data(), K2, w.hidden, w.b1, w.w2, w.scale, cols.block(b), gv.data(),
+          fast_block_bwd(Q.data(), Qd.data(), K2, w.hidden, p.n_linear, w.b1, w.w2, w.scale, cols.block(b), gv.data(),
                          Mbuf.data() + nchunk * JB, (int64_t)kChunk * JB, dd, s1v);
           chunk_blocks[nchunk++] = b;
           if (nchunk == kChunk) {
@@ -330,7 +346,7 @@ void bwd(const OffsetBiasParams& p) {
           for (int64_t jj = 0; jj < nj; ++jj) {
             A dummy0 = 0;
             const A d = bias_pair_backward(ud[j0 + jj] - u, gv[jj], w.freqs, w.D, w.hidden, w.w1, w.ld_w1, w.b1,
-                                           w.w2, w.scale, phi.data(), dphi.data(), R, &s1, &dummy0);
+                                           w.w2, w.scale, phi.data(), dphi.data(), R, &s1, &dummy0, p.n_linear);
             gq_row -= d;
             gdt[j0 + jj] += d;
           }

@@ -127,7 +127,7 @@ __global__ void fwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
     A y = 0;
     for (int64_t n = 0; n < p.hidden; ++n) {
       const A h = sm[L.b1() + n] + preact<A, KMAX>(sm + L.w() + n * K2, K, s, c);
-      if (h > A(0)) y += sm[L.w2() + n] * h;
+      if (n < p.n_linear || h > A(0)) y += sm[L.w2() + n] * h;
     }
     if (j < p.Bd) static_cast<S*>(p.out)[i * p.ld_out + j] = from_acc<S>(scale * (y + b2));
     __syncwarp();  // rf is rewritten for the next row
@@ -169,8 +169,9 @@ __global__ void bwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
     for (int64_t n = 0; n < p.hidden; ++n) {
       const A* W = sm + L.w() + n * K2;
       const A h = sm[L.b1() + n] + preact<A, KMAX>(W, K, s, c);
-      const A M = h > A(0) ? gs : A(0);
-      if (h > A(0)) y += sm[L.w2() + n] * h;
+      const bool on = n < p.n_linear || h > A(0);
+      const A M = on ? gs : A(0);
+      if (on) y += sm[L.w2() + n] * h;
       A hd = 0;
 #pragma unroll
       for (int k = 0; k < KMAX; ++k)

@@ -9,7 +9,7 @@ from typing import List
 import torch
 
 from .. import _C
-from ..reference.offset_bias import bias_frequencies
+from ..reference.offset_bias import bias_frequencies, offset_features
 from .common import check_finite, check_same_device, check_tensor, dtype_code, launch_args, ptr
 
 _freqs: dict = {}
@@ -43,14 +43,66 @@ def _num_parts(device: torch.device, Bq: int, Bd: int) -> int:
     return max(64, os.cpu_count() or 1)
 
 
+_SAMPLES = 1024  # intervals of the [-1, 1] grid used to classify hidden units
+
+
+_grids: dict = {}
+
+
+def _grid(D: int):
+    """phi on the classification grid, and f^2 per feature column (|d^2 phi_m / d delta^2| <= f_m^2)."""
+    g = _grids.get(D)
+    if g is None:
+        d = torch.linspace(-1.0, 1.0, _SAMPLES + 1, dtype=torch.float64)
+        f = bias_frequencies(D, torch.float64)
+        fsq = torch.cat([f * f, f * f])[:D]
+        fsq = torch.cat([fsq, fsq.new_zeros(D - fsq.numel())])
+        g = _grids[D] = (offset_features(d, D), fsq)
+    return g
+
+
+def _unit_classes(w1: torch.Tensor, b1: torch.Tensor):
+    """Hidden units whose pre-activation is provably > 0 (always on) or < 0 (always off) for every
+    delta in [-1, 1] (the clamp keeps delta there). h_n is evaluated in float64 on a grid with spacing s
+    and bounded between grid points by the chord minus max|h''| s^2 / 8, with a margin for float32
+    rounding; units that cannot be proven either way stay exact ReLU units."""
+    hidden, D = w1.shape
+    w = w1.detach().double().cpu()
+    b = b1.detach().double().cpu().reshape(-1)
+    phi, fsq = _grid(D)
+    h = phi @ w.t() + b                                    # (samples, hidden)
+    curv = (w.abs() * fsq).sum(1) * (2.0 / _SAMPLES) ** 2 / 8
+    margin = 1e-4 * (b.abs() + w.abs().sum(1)) + 1e-30
+    lo = torch.minimum(h[:-1], h[1:]).min(0).values - curv
+    hi = torch.maximum(h[:-1], h[1:]).max(0).values + curv
+    on = lo > margin
+    off = hi < -margin
+    return on, off
+
+
 def _prepared(u_q, u_d, w1, b1, w2, b2, scale):
+    """Kernel arguments in the accumulation dtype. On CPU, provably always-off hidden units are dropped
+    and provably always-on ones merged into one linear unit (exact: relu is the identity or zero there);
+    ``mapping`` says how to expand the kernel's reduced gradient sums back to all units."""
     acc = _acc(_out_dtype(u_q, u_d, w1, b1, w2, b2, scale))
     c = lambda t: t.to(acc).contiguous()  # noqa: E731  (O(B) or O(hidden * D) copies only)
-    w1a = w1.to(acc)
-    if w1a.stride(-1) != 1:
-        w1a = w1a.contiguous()
-    return (c(u_q), c(u_d), w1a, c(b1).reshape(-1), c(w2).reshape(-1), c(b2).reshape(1),
-            c(scale).reshape(1), _frequencies(w1.shape[1], acc, u_q.device))
+    w1a, b1a, w2a = c(w1), c(b1).reshape(-1), c(w2).reshape(-1)
+    base = (c(u_q), c(u_d), c(b2).reshape(1), c(scale).reshape(1), _frequencies(w1.shape[1], acc, u_q.device))
+    mapping = None
+    kw1, kb1, kw2, nlin = w1a, b1a, w2a, 0
+    if u_q.device.type == "cpu":
+        on, off = _unit_classes(w1, b1)
+        if bool(on.any()) or bool(off.any()):
+            mix = (~on & ~off).nonzero().flatten()
+            on_idx = on.nonzero().flatten()
+            lin_w = (w2a[on_idx, None] * w1a[on_idx]).sum(0, keepdim=True)
+            lin_b = (w2a[on_idx] * b1a[on_idx]).sum().reshape(1)
+            kw1 = torch.cat([lin_w, w1a[mix]]).contiguous()
+            kb1 = torch.cat([lin_b, b1a[mix]]).contiguous()
+            kw2 = torch.cat([w2a.new_ones(1), w2a[mix]]).contiguous()
+            nlin = 1  # (an all-zero linear unit when nothing is always on: harmless, keeps hidden >= 1)
+            mapping = (on_idx, mix)
+    return base[0], base[1], kw1, kb1, kw2, base[2], base[3], base[4], nlin, mapping, (w1a, b1a, w2a)
 
 
 # ---- forward -----------------------------------------------------------------------------------
@@ -64,11 +116,11 @@ def _offset_bias(u_q: torch.Tensor, u_d: torch.Tensor, w1: torch.Tensor, b1: tor
     out = torch.empty(Bq, Bd, dtype=out_dt, device=u_q.device)
     if Bq == 0 or Bd == 0:
         return out
-    uq, ud, w1a, b1a, w2a, b2a, sa, f = _prepared(u_q, u_d, w1, b1, w2, b2, scale)
+    uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, _, _ = _prepared(u_q, u_d, w1, b1, w2, b2, scale)
     dev, stream = launch_args(u_q)
-    _C.offset_bias_launch("fwd", dev, stream, dtype_code(out), Bq, Bd, D, hidden, ptr(uq), ptr(ud), ptr(f),
-                          ptr(w1a), w1a.stride(0), ptr(b1a), ptr(w2a), ptr(b2a), ptr(sa), ptr(out), out.stride(0),
-                          0, 0, 1, 0, 0, 0, 0, 0, 0)
+    _C.offset_bias_launch("fwd", dev, stream, dtype_code(out), Bq, Bd, D, kw1.shape[0], ptr(uq), ptr(ud), ptr(f),
+                          ptr(kw1), kw1.stride(0), ptr(kb1), ptr(kw2), ptr(b2a), ptr(sa), ptr(out), out.stride(0),
+                          0, 0, 1, 0, 0, 0, 0, 0, 0, nlin)
     return out
 
 
@@ -87,20 +139,29 @@ def _offset_bias_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tens
     acc = _acc(out_dt)
     Bq, Bd = u_q.shape[0], u_d.shape[0]
     hidden, D = w1.shape
-    uq, ud, w1a, b1a, w2a, b2a, sa, f = _prepared(u_q, u_d, w1, b1, w2, b2, scale)
+    uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, mapping, (w1a, b1a, w2a) = _prepared(u_q, u_d, w1, b1, w2, b2, scale)
     grad = grad.to(out_dt)  # no copy in the usual case; strides (even 0, broadcast) go to the kernel as they are
     dev, stream = launch_args(u_q)
     nparts = _num_parts(u_q.device, Bq, Bd)
-    psz = hidden * (D + 1) + 2
+    kh = kw1.shape[0]
+    psz = kh * (D + 1) + 2
     g_uq = torch.empty(Bq, dtype=acc, device=u_q.device)
     g_ud = torch.empty(Bd, dtype=acc, device=u_q.device)
     parts = torch.empty(nparts, psz, dtype=acc, device=u_q.device)
-    _C.offset_bias_launch("bwd", dev, stream, dtype_code(grad), Bq, Bd, D, hidden, ptr(uq), ptr(ud), ptr(f),
-                          ptr(w1a), w1a.stride(0), ptr(b1a), ptr(w2a), ptr(b2a), ptr(sa), 0, 0,
-                          ptr(grad), grad.stride(0), grad.stride(1), ptr(g_uq), ptr(g_ud), ptr(parts), nparts, 0, 0)
+    _C.offset_bias_launch("bwd", dev, stream, dtype_code(grad), Bq, Bd, D, kh, ptr(uq), ptr(ud), ptr(f),
+                          ptr(kw1), kw1.stride(0), ptr(kb1), ptr(kw2), ptr(b2a), ptr(sa), 0, 0,
+                          ptr(grad), grad.stride(0), grad.stride(1), ptr(g_uq), ptr(g_ud), ptr(parts), nparts, 0, 0,
+                          nlin)
     tot = parts.sum(0)
-    R = tot[:hidden * (D + 1)].view(hidden, D + 1)
     s1, s0 = tot[-2], tot[-1]
+    Rk = tot[:kh * (D + 1)].view(kh, D + 1)
+    if mapping is None:
+        R = Rk
+    else:  # always-on units all see M = G scale (the linear unit's sums); always-off units get nothing
+        on_idx, mix = mapping
+        R = Rk.new_zeros(hidden, D + 1)
+        R[on_idx] = Rk[0]
+        R[mix] = Rk[1:]
     # Weight gradients from R = sum_pairs M phi (see csrc/offset_bias/bias_math.h).
     g_w1 = w2a[:, None] * R[:, :D]
     g_b1 = w2a * R[:, D]
@@ -181,7 +242,7 @@ def _offset_bias_lookup(u_q: torch.Tensor, u_d: torch.Tensor, values: torch.Tens
     v = values.to(torch.float32).contiguous()
     dev, stream = launch_args(u_q)
     _C.offset_bias_launch("lookup", dev, stream, dtype_code(out), Bq, Bd, 0, 0, ptr(uq), ptr(ud), 0, 0, 0, 0, 0,
-                          0, 0, ptr(out), out.stride(0), 0, 0, 1, 0, 0, 0, 0, ptr(v), v.numel())
+                          0, 0, ptr(out), out.stride(0), 0, 0, 1, 0, 0, 0, 0, ptr(v), v.numel(), 0)
     return out
 
 
