@@ -73,7 +73,12 @@ inline void first_layer(const A* q, int K2, const A* bias, const A* C, typename 
   constexpr int W = KK::W, JB = KK::JB;
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = KK::splat(bias ? bias[r] : A(0));
   for (int m = 0; m < K2; ++m) {
-    const auto c0 = KK::ld(C + m * JB), c1 = KK::ld(C + m * JB + W);
+    auto c0 = KK::ld(C + m * JB), c1 = KK::ld(C + m * JB + W);
+#if defined(__GNUC__) && defined(__AVX__)
+    // Keep the two column vectors in registers: otherwise GCC re-loads them as FMA memory operands
+    // for every row, and the loop becomes load-bound.
+    asm("" : "+x"(c0), "+x"(c1));
+#endif
     for (int r = 0; r < R; ++r) {
       const A s = q[r * K2 + m];
       acc[r][0] += s * c0;
@@ -81,6 +86,8 @@ inline void first_layer(const A* q, int K2, const A* bias, const A* C, typename 
     }
   }
 }
+
+constexpr int kRows = 4;  // hidden units per register block in the forward (8 accumulators cover FMA latency)
 
 // y[0..JB) = sum_n w2[n] relu(b1[n] + Q[n, :] . C[:, block])  (fast path, one block)
 template <typename A>
@@ -96,10 +103,10 @@ inline void fast_block_fwd(const A* Q, int K2, int64_t hidden, int64_t nlin, con
     y0 += w2[n] * acc[0][0];
     y1 += w2[n] * acc[0][1];
   }
-  for (; n + 4 <= hidden; n += 4) {
-    V acc[4][2];
-    first_layer<A, 4>(Q + n * K2, K2, b1 + n, C, acc);
-    for (int r = 0; r < 4; ++r) {
+  for (; n + kRows <= hidden; n += kRows) {
+    V acc[kRows][2];
+    first_layer<A, kRows>(Q + n * K2, K2, b1 + n, C, acc);
+    for (int r = 0; r < kRows; ++r) {
       y0 += w2[n + r] * KK::relu(acc[r][0]);
       y1 += w2[n + r] * KK::relu(acc[r][1]);
     }
@@ -247,7 +254,10 @@ inline void chunk_E_rows(const A* Mbuf, int64_t ldm, const A* const* Cb, int nbl
     }
     for (int v = 0; v < 2 * nblk; ++v) {
       const A* C = Cb[v >> 1] + (v & 1) * W;
-      const V c0 = KK::ld(C + m * JB), c1 = KK::ld(C + (m + 1) * JB);
+      V c0 = KK::ld(C + m * JB), c1 = KK::ld(C + (m + 1) * JB);
+#if defined(__GNUC__) && defined(__AVX__)
+      asm("" : "+x"(c0), "+x"(c1));  // in registers, not re-loaded per row (see first_layer)
+#endif
       const A* mp = Mbuf + (v >> 1) * JB + (v & 1) * W;
       for (int r = 0; r < R; ++r) {
         const V mv = KK::ld(mp + r * ldm);
