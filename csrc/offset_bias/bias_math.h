@@ -136,8 +136,8 @@ TK_HD A bias_pair_eval(A diff, const A* freqs, int64_t D, int64_t hidden, const 
   return scale * (bias_mlp_hidden_out(w1, ld_w1, b1, w2, phi, D, hidden, n_linear) + b2);
 }
 
-// Exact per-pair backward (units n < n_linear without ReLU). g = incoming gradient of out_ij. Adds M[n] phi[m] into R (hidden x (D + 1),
-// row stride D + 1) and M[n] into R[n, D]; adds G * (w2 . relu(h)) to *s1 and G to *s0; returns ddelta
+// Exact per-pair backward (units n < n_linear without ReLU). g = incoming gradient of out_ij. Adds
+// M[n] phi[m] into R (hidden x (D + 1), row stride D + 1) and M[n] into R[n, D]; adds G * (w2 . relu(h)) to *s1 and G to *s0; returns ddelta
 // (already masked by the clamp). phi, dphi: scratch of D each.
 template <typename A>
 TK_HD A bias_pair_backward(A diff, A g, const A* freqs, int64_t D, int64_t hidden, const A* w1, int64_t ld_w1,
