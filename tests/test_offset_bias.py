@@ -386,3 +386,17 @@ def test_unit_classification_is_sound():
         seen_on += int(on.sum())
         seen_off += int(off.sum())
     assert seen_on > 0 and seen_off > 0
+
+
+def test_nan_positions_propagate_like_reference():
+    xs = make(6, 7, 8, 4)
+    with torch.no_grad():
+        xs[0][2] = float("nan")
+        xs[1][3] = float("nan")
+    out = tempokern.offset_bias(*xs)
+    want = ref.offset_bias(*xs)
+    assert torch.equal(torch.isnan(out), torch.isnan(want))
+    torch.testing.assert_close(out[~torch.isnan(want)], want[~torch.isnan(want)], rtol=1e-10, atol=1e-10)
+    t = _trained_like(0).table(33)
+    look = t(xs[0].detach().float(), xs[1].detach().float())
+    assert torch.equal(torch.isnan(look), torch.isnan(want))

@@ -226,6 +226,7 @@ template <typename A> TK_HD bool bias_tile_fast(A qmin, A qmax, A dmin, A dmax) 
 // Table value at the unclamped difference diff (see the format above); points >= 2.
 template <typename A> TK_HD A bias_table_lookup(const float* values, int64_t points, A diff) {
   const A x = (bias_clamp(diff) + A(1)) * (A(0.5) * A(points - 1));
+  if (!(x == x)) return x;  // NaN in, NaN out (and no float -> int conversion of NaN)
   int64_t i = (int64_t)bias_floor(x);
   i = i < 0 ? 0 : (i > points - 2 ? points - 2 : i);
   const A v0 = (A)values[i], v1 = (A)values[i + 1];
@@ -234,6 +235,7 @@ template <typename A> TK_HD A bias_table_lookup(const float* values, int64_t poi
 
 // d lookup / d diff: the segment slope inside (-1, 1) and 0 where the clamp holds delta.
 template <typename A> TK_HD A bias_table_slope(const float* values, int64_t points, A diff) {
+  if (!(diff == diff)) return diff;
   if (!bias_passes(diff)) return A(0);
   const A x = (diff + A(1)) * (A(0.5) * A(points - 1));
   int64_t i = (int64_t)bias_floor(x);
