@@ -237,7 +237,7 @@ def test_table_error_bound_at_default_points():
         m = _trained_like(seed)
         t = m.table()
         assert t.points == DEFAULT_TABLE_POINTS and t.values.dtype == torch.float32
-        exact = m(uq.double(), d.double())[0]
+        exact = m(uq.double(), d.double())[0].detach()
         err = float((t(uq, d)[0].double() - exact).abs().max())
         assert err <= TABLE_ERROR_BOUND, (seed, err)
     # and the bound is not vacuous: a coarse table is clearly worse
@@ -255,7 +255,7 @@ def test_table_lookup_matches_reference_lookup():
                                rtol=1e-12, atol=1e-12)
     # the table includes scale and b2: at table points it equals the exact bias
     dp = ref.table_points_delta(257)
-    exact = m(torch.zeros(1, dtype=torch.float64), dp)[0]
+    exact = m(torch.zeros(1, dtype=torch.float64), dp)[0].detach()
     torch.testing.assert_close(t.values.double(), exact, rtol=1e-6, atol=1e-7)
 
 
