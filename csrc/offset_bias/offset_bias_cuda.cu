@@ -1,0 +1,326 @@
+// CUDA kernels for the relative-offset bias. A warp covers 32 documents of one query row; a thread keeps its
+// document's angle features in registers for all the rows it visits, and phi(delta) comes from the
+// angle-difference identities (bias_math.h) with the row features in shared memory, falling back to a
+// direct sin/cos per pair where the clamp bites. w1 lives in shared memory (row stride 2K, zero padded).
+// Backward reduces R = sum M phi per block through shared-memory batches into a per-block partial slot;
+// d u_q / d u_d use warp sums and atomics. Nothing of size Bq*Bd*D or Bq*Bd*hidden is allocated.
+// NOTE: written and compiled without access to a GPU; see docs/offset_bias.md.
+#include <algorithm>
+#include <string>
+#include <type_traits>
+#include "common/cuda_utils.cuh"
+#include "offset_bias/bias_math.h"
+#include "offset_bias/offset_bias.h"
+
+namespace tk {
+namespace {
+using namespace tk::cuda;
+using namespace tk::bias;
+
+constexpr int kCols = 32;  // documents per block (one per lane)
+
+template <typename A>
+struct SmemLayout {
+  int K, K2;
+  int64_t hidden;
+  int rows;  // query rows per iteration = blockDim / 32
+  int ldb;   // batch stride (backward): blockDim + 1, odd to spread banks
+  // [W (hidden x K2)] [b1 (hidden)] [w2 (hidden)] [freqs (K)] [row feats (rows x K2)] [M (hidden x ldb)] [phi (K2 x ldb)]
+  __host__ __device__ size_t w() const { return 0; }
+  __host__ __device__ size_t b1() const { return w() + hidden * K2; }
+  __host__ __device__ size_t w2() const { return b1() + hidden; }
+  __host__ __device__ size_t f() const { return w2() + hidden; }
+  __host__ __device__ size_t rf() const { return f() + K; }
+  __host__ __device__ size_t M() const { return rf() + (size_t)rows * K2; }
+  __host__ __device__ size_t phi() const { return M() + hidden * ldb; }
+  __host__ __device__ size_t fwd_bytes() const { return M() * sizeof(A); }
+  __host__ __device__ size_t bwd_bytes() const { return (phi() + (size_t)K2 * ldb) * sizeof(A); }
+};
+
+template <typename A>
+__device__ void load_weights(const OffsetBiasParams& p, const SmemLayout<A>& L, A* sm) {
+  const A* w1 = static_cast<const A*>(p.w1);
+  const int64_t nW = p.hidden * L.K2;
+  for (int64_t e = threadIdx.x; e < nW; e += blockDim.x) {
+    const int64_t n = e / L.K2, m = e % L.K2;
+    // Compact layout: column k < K is the sin weight, K + k the cos weight (0 past D).
+    sm[L.w() + e] = m < p.D ? w1[n * p.ld_w1 + m] : A(0);
+  }
+  for (int64_t n = threadIdx.x; n < p.hidden; n += blockDim.x) {
+    sm[L.b1() + n] = static_cast<const A*>(p.b1)[n];
+    sm[L.w2() + n] = static_cast<const A*>(p.w2)[n];
+  }
+  for (int k = threadIdx.x; k < L.K; k += blockDim.x) sm[L.f() + k] = static_cast<const A*>(p.freqs)[k];
+}
+
+// s[k] = sin(f_k delta), c[k] = cos(f_k delta) for the pair; fast (angle difference) when allowed.
+template <typename A, int KMAX>
+__device__ __forceinline__ void pair_angles(A diff, bool fast, const A (&ds)[KMAX], const A (&dc)[KMAX],
+                                            const A* rs, const A* rc, const A* f, int K, A (&s)[KMAX],
+                                            A (&c)[KMAX]) {
+  if (fast) {
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k)
+      if (k < K) {
+        s[k] = ds[k] * rc[k] - dc[k] * rs[k];
+        c[k] = dc[k] * rc[k] + ds[k] * rs[k];
+      }
+  } else {
+    const A delta = bias_clamp(diff);
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k)
+      if (k < K) bias_sincos(f[k] * delta, &s[k], &c[k]);
+  }
+}
+
+template <typename A, int KMAX>
+__device__ __forceinline__ A preact(const A* W, int K, const A (&s)[KMAX], const A (&c)[KMAX]) {
+  A h = 0;
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k)
+    if (k < K) h += W[k] * s[k] + W[K + k] * c[k];
+  return h;
+}
+
+// Per-thread setup shared by forward and backward: the document's angle features.
+template <typename A, int KMAX>
+__device__ __forceinline__ bool column_setup(const OffsetBiasParams& p, const A* f, int K, int64_t j, A& ud,
+                                             A (&ds)[KMAX], A (&dc)[KMAX]) {
+  ud = j < p.Bd ? static_cast<const A*>(p.u_d)[j] : A(0);
+  const bool ok = ud >= A(-kBiasFastRange) && ud <= A(kBiasFastRange);
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k)
+    if (k < K) bias_sincos(f[k] * ud, &ds[k], &dc[k]);
+  return ok;
+}
+
+// The warp's row features into shared memory (lanes split the K frequencies).
+template <typename A>
+__device__ __forceinline__ void row_features(A uq, const A* f, int K, int K2, A* rf) {
+  const int lane = threadIdx.x & 31;
+  for (int k = lane; k < K; k += 32) bias_sincos(f[k] * uq, &rf[k], &rf[K + k]);
+  (void)K2;
+  __syncwarp();
+}
+
+template <typename S, typename A, int KMAX>
+__global__ void fwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* sm = reinterpret_cast<A*>(smem_raw);
+  load_weights(p, L, sm);
+  __syncthreads();
+  const int K = L.K, K2 = L.K2, lane = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const A* f = sm + L.f();
+  const int64_t j = (int64_t)blockIdx.x * kCols + lane;
+  A ud, ds[KMAX], dc[KMAX], s[KMAX], c[KMAX];
+  const bool col_ok = column_setup<A, KMAX>(p, f, K, j, ud, ds, dc);
+  const A b2 = *static_cast<const A*>(p.b2), scale = *static_cast<const A*>(p.scale);
+  A* rf = sm + L.rf() + ty * K2;
+  for (int64_t i0 = (int64_t)blockIdx.y * L.rows; i0 < p.Bq; i0 += (int64_t)gridDim.y * L.rows) {
+    const int64_t i = i0 + ty;
+    if (i >= p.Bq) break;  // warp-uniform
+    const A uq = static_cast<const A*>(p.u_q)[i];
+    row_features(uq, f, K, K2, rf);
+    const A diff = ud - uq;
+    const bool fast = col_ok && bias_passes(diff) && uq >= A(-kBiasFastRange) && uq <= A(kBiasFastRange);
+    pair_angles<A, KMAX>(diff, fast, ds, dc, rf, rf + K, f, K, s, c);
+    A y = 0;
+    for (int64_t n = 0; n < p.hidden; ++n) {
+      const A h = sm[L.b1() + n] + preact<A, KMAX>(sm + L.w() + n * K2, K, s, c);
+      if (n < p.n_linear || h > A(0)) y += sm[L.w2() + n] * h;
+    }
+    if (j < p.Bd) static_cast<S*>(p.out)[i * p.ld_out + j] = from_acc<S>(scale * (y + b2));
+    __syncwarp();  // rf is rewritten for the next row
+  }
+}
+
+template <typename S, typename A, int KMAX>
+__global__ void bwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* sm = reinterpret_cast<A*>(smem_raw);
+  load_weights(p, L, sm);
+  __syncthreads();
+  const int K = L.K, K2 = L.K2, lane = threadIdx.x & 31, ty = threadIdx.x >> 5, t = threadIdx.x;
+  const int nt = blockDim.x;
+  const A* f = sm + L.f();
+  const int64_t j = (int64_t)blockIdx.x * kCols + lane;
+  A ud, ds[KMAX], dc[KMAX], s[KMAX], c[KMAX];
+  const bool col_ok = column_setup<A, KMAX>(p, f, K, j, ud, ds, dc);
+  const A scale = *static_cast<const A*>(p.scale);
+  A* rf = sm + L.rf() + ty * K2;
+  A* sM = sm + L.M();
+  A* sP = sm + L.phi();
+  const int64_t D = p.D, D1 = p.D + 1, P = bias_num_features(p.D);
+  A* part = static_cast<A*>(p.partials) + ((int64_t)blockIdx.y * gridDim.x + blockIdx.x) * offset_bias_part_size(p);
+  A gd_acc = 0, s1 = 0, s0 = 0;
+  const S* G = static_cast<const S*>(p.grad_out);
+  for (int64_t i0 = (int64_t)blockIdx.y * L.rows; i0 < p.Bq; i0 += (int64_t)gridDim.y * L.rows) {
+    const int64_t i = i0 + ty;
+    const bool row_ok = i < p.Bq;  // warp-uniform; the block stays together for the batch reduction
+    const bool valid = row_ok && j < p.Bd;
+    const A uq = row_ok ? static_cast<const A*>(p.u_q)[i] : A(0);
+    row_features(uq, f, K, K2, rf);
+    const A diff = ud - uq;
+    const bool fast = col_ok && bias_passes(diff) && uq >= A(-kBiasFastRange) && uq <= A(kBiasFastRange);
+    pair_angles<A, KMAX>(diff, fast, ds, dc, rf, rf + K, f, K, s, c);
+    const A g = valid ? to_acc(G[i * p.ld_grad + j * p.ld_grad_col]) : A(0);
+    const A gs = g * scale;
+    A y = 0, dd = 0;
+    for (int64_t n = 0; n < p.hidden; ++n) {
+      const A* W = sm + L.w() + n * K2;
+      const A h = sm[L.b1() + n] + preact<A, KMAX>(W, K, s, c);
+      const bool on = n < p.n_linear || h > A(0);
+      const A M = on ? gs : A(0);
+      if (on) y += sm[L.w2() + n] * h;
+      A hd = 0;
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k)
+        if (k < K) hd += f[k] * (W[k] * c[k] - W[K + k] * s[k]);
+      dd += sm[L.w2() + n] * M * hd;
+      sM[n * L.ldb + t] = M;
+    }
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k)
+      if (k < K) {
+        sP[k * L.ldb + t] = s[k];
+        sP[(K + k) * L.ldb + t] = c[k];
+      }
+    s1 += g * y;
+    s0 += g;
+    if (!bias_passes(diff) || !valid) dd = A(0);
+    gd_acc += dd;
+    const A row_sum = warp_sum(dd);
+    if (row_ok && lane == 0) atomicAdd(static_cast<A*>(p.grad_uq) + i, -row_sum);
+    __syncthreads();
+    // R[n, m] += sum over this batch's pairs of M[n] phi[m]; column 2K of the loop is the constant 1.
+    const int64_t E = p.hidden * (K2 + 1);
+    for (int64_t e = t; e < E; e += nt) {
+      const int64_t n = e / (K2 + 1), m = e % (K2 + 1);
+      if (m < K2 && m >= P) continue;
+      const A* mr = sM + n * L.ldb;
+      A acc = 0;
+      if (m == K2) {
+        for (int q = 0; q < nt; ++q) acc += mr[q];
+        part[n * D1 + D] += acc;
+      } else {
+        const A* pr = sP + m * L.ldb;
+        for (int q = 0; q < nt; ++q) acc += mr[q] * pr[q];
+        part[n * D1 + m] += acc;
+      }
+    }
+    __syncthreads();
+  }
+  if (j < p.Bd) atomicAdd(static_cast<A*>(p.grad_ud) + j, gd_acc);
+  s1 = warp_sum(s1);
+  s0 = warp_sum(s0);
+  const int64_t psz = offset_bias_part_size(p);
+  if (lane == 0) {
+    atomicAdd(part + psz - 2, s1);
+    atomicAdd(part + psz - 1, s0);
+  }
+}
+
+template <typename S, typename A>
+__global__ void lookup_kernel(OffsetBiasParams p) {
+  const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= p.Bd) return;
+  const A ud = static_cast<const A*>(p.u_d)[j];
+  for (int64_t i = blockIdx.y; i < p.Bq; i += gridDim.y) {
+    const A uq = static_cast<const A*>(p.u_q)[i];
+    static_cast<S*>(p.out)[i * p.ld_out + j] = from_acc<S>(bias_table_lookup<A>(p.table, p.points, ud - uq));
+  }
+}
+
+template <typename A>
+SmemLayout<A> make_layout(const OffsetBiasParams& p, int threads) {
+  SmemLayout<A> L;
+  L.K = bias_num_freqs(p.D);
+  L.K2 = 2 * L.K;
+  L.hidden = p.hidden;
+  L.rows = threads / 32;
+  L.ldb = threads + 1;
+  return L;
+}
+
+int max_smem(int device) {
+  int v = 0;
+  TK_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return v;
+}
+
+// Calls f(std::integral_constant<int, KMAX>) for the smallest register budget holding K frequencies.
+template <typename F> void dispatch_kmax(int K, int64_t D, F&& f) {
+  // Two budgets only, to keep compile time down: D <= 33 (the CTD default D = 32) and D <= 129.
+  if (K <= 16) f(std::integral_constant<int, 16>{});
+  else if (K <= 64) f(std::integral_constant<int, 64>{});
+  else fail("offset_bias CUDA kernels support D <= 129 (K <= 64 frequencies); got D = " + std::to_string(D));
+}
+
+template <typename S, typename A>
+void launch(const OffsetBiasParams& p, int device, uintptr_t stream, int which) {
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  const int64_t gx = (p.Bd + kCols - 1) / kCols;
+  if (which == 2) {
+    if (p.Bq == 0 || p.Bd == 0) return;
+    const dim3 grid((unsigned)((p.Bd + 127) / 128), (unsigned)std::min<int64_t>(p.Bq, 65535));
+    lookup_kernel<S, A><<<grid, 128, 0, st>>>(p);
+    check_launch();
+    return;
+  }
+  const int limit = max_smem(device);
+  if (which == 0) {
+    if (p.Bq == 0 || p.Bd == 0) return;
+    const int threads = 256;
+    const SmemLayout<A> L = make_layout<A>(p, threads);
+    const size_t bytes = L.fwd_bytes();
+    if (bytes > (size_t)limit) fail("offset_bias: hidden x D too large for the CUDA kernel's shared memory");
+    const int64_t gy = std::min<int64_t>((p.Bq + L.rows - 1) / L.rows, 65535);
+    dispatch_kmax(L.K, p.D, [&](auto km) {
+      constexpr int KM = decltype(km)::value;
+      auto kern = fwd_kernel<S, A, KM>;
+      TK_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+      kern<<<dim3((unsigned)gx, (unsigned)gy), threads, bytes, st>>>(p, L);
+    });
+    check_launch();
+    return;
+  }
+  // backward: zero the outputs, then one partial slot per block (nparts >= gx * gy, extra slots stay zero)
+  const int64_t psz = offset_bias_part_size(p);
+  TK_CUDA_CHECK(cudaMemsetAsync(p.partials, 0, sizeof(A) * psz * p.nparts, st));
+  TK_CUDA_CHECK(cudaMemsetAsync(p.grad_uq, 0, sizeof(A) * p.Bq, st));
+  TK_CUDA_CHECK(cudaMemsetAsync(p.grad_ud, 0, sizeof(A) * p.Bd, st));
+  if (p.Bq == 0 || p.Bd == 0) return;
+  int threads = 256;
+  SmemLayout<A> L = make_layout<A>(p, threads);
+  while (L.bwd_bytes() > (size_t)limit && threads > 32) {
+    threads /= 2;
+    L = make_layout<A>(p, threads);
+  }
+  if (L.bwd_bytes() > (size_t)limit) fail("offset_bias: hidden x D too large for the CUDA backward's shared memory");
+  if (p.nparts < gx) fail("offset_bias CUDA backward: nparts must be >= ceil(Bd / 32)");
+  const int64_t gy = std::max<int64_t>(1, std::min<int64_t>({(p.Bq + L.rows - 1) / L.rows, p.nparts / gx, 65535}));
+  dispatch_kmax(L.K, p.D, [&](auto km) {
+    constexpr int KM = decltype(km)::value;
+    auto kern = bwd_kernel<S, A, KM>;
+    TK_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L.bwd_bytes()));
+    kern<<<dim3((unsigned)gx, (unsigned)gy), threads, L.bwd_bytes(), st>>>(p, L);
+  });
+  check_launch();
+}
+
+void run(const OffsetBiasParams& p, int device, uintptr_t stream, int which) {
+  set_device(device);
+  dispatch_device_float(p.dtype, [&](auto t) {
+    using S = decltype(t);
+    using A = decltype(to_acc(S{}));
+    launch<S, A>(p, device, stream, which);
+  });
+}
+
+}  // namespace
+
+void offset_bias_fwd_cuda(const OffsetBiasParams& p, int device, uintptr_t stream) { run(p, device, stream, 0); }
+void offset_bias_bwd_cuda(const OffsetBiasParams& p, int device, uintptr_t stream) { run(p, device, stream, 1); }
+void offset_bias_lookup_cuda(const OffsetBiasParams& p, int device, uintptr_t stream) { run(p, device, stream, 2); }
+
+}  // namespace tk

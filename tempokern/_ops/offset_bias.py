@@ -1,0 +1,266 @@
+"""Fused relative-offset bias scale * MLP(phi(clamp(u_d - u_q, -1, 1))) over a (Bq, Bd) grid, and the
+table lookup used for inference. No (Bq, Bd, D) or (Bq, Bd, hidden) tensor is ever built: the kernels
+recompute the hidden layer in backward and reduce weight gradients into an O(hidden * D) partial sum."""
+from __future__ import annotations
+
+import os
+from typing import List
+
+import torch
+
+from .. import _C
+from ..reference.offset_bias import bias_frequencies, offset_features
+from .common import check_finite, check_same_device, check_tensor, dtype_code, launch_args, ptr
+
+_freqs: dict = {}
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _out_dtype(*ts: torch.Tensor) -> torch.dtype:
+    dt = ts[0].dtype
+    for t in ts[1:]:
+        dt = torch.promote_types(dt, t.dtype)
+    return dt
+
+
+def _frequencies(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (D, dtype, str(device))
+    f = _freqs.get(key)
+    if f is None:
+        f = _freqs[key] = bias_frequencies(D, dtype, device).contiguous()
+    return f
+
+
+def _num_parts(device: torch.device, Bq: int, Bd: int) -> int:
+    """Partial-sum slots of the backward reduction: one per CPU thread, one per CUDA block."""
+    if device.type == "cuda":  # grid: ceil(Bd / 32) column blocks x gy row groups (csrc/offset_bias/*.cu)
+        gx = max(1, -(-Bd // 32))
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return gx * max(1, min(-(-Bq // 8), -(-8 * sms // gx)))
+    return max(64, os.cpu_count() or 1)
+
+
+_SAMPLES = 1024  # intervals of the [-1, 1] grid used to classify hidden units
+
+
+_grids: dict = {}
+
+
+def _grid(D: int):
+    """phi on the classification grid, and f^2 per feature column (|d^2 phi_m / d delta^2| <= f_m^2)."""
+    g = _grids.get(D)
+    if g is None:
+        d = torch.linspace(-1.0, 1.0, _SAMPLES + 1, dtype=torch.float64)
+        f = bias_frequencies(D, torch.float64)
+        fsq = torch.cat([f * f, f * f])[:D]
+        fsq = torch.cat([fsq, fsq.new_zeros(D - fsq.numel())])
+        g = _grids[D] = (offset_features(d, D), fsq)
+    return g
+
+
+def _unit_classes(w1: torch.Tensor, b1: torch.Tensor):
+    """Hidden units whose pre-activation is provably > 0 (always on) or < 0 (always off) for every
+    delta in [-1, 1] (the clamp keeps delta there). h_n is evaluated in float64 on a grid with spacing s
+    and bounded between grid points by the chord minus max|h''| s^2 / 8, with a margin for float32
+    rounding; units that cannot be proven either way stay exact ReLU units."""
+    hidden, D = w1.shape
+    w = w1.detach().double().cpu()
+    b = b1.detach().double().cpu().reshape(-1)
+    phi, fsq = _grid(D)
+    h = phi @ w.t() + b                                    # (samples, hidden)
+    curv = (w.abs() * fsq).sum(1) * (2.0 / _SAMPLES) ** 2 / 8
+    margin = 1e-4 * (b.abs() + w.abs().sum(1)) + 1e-30
+    lo = torch.minimum(h[:-1], h[1:]).min(0).values - curv
+    hi = torch.maximum(h[:-1], h[1:]).max(0).values + curv
+    on = lo > margin
+    off = hi < -margin
+    return on, off
+
+
+def _prepared(u_q, u_d, w1, b1, w2, b2, scale):
+    """Kernel arguments in the accumulation dtype. On CPU, provably always-off hidden units are dropped
+    and provably always-on ones merged into one linear unit (exact: relu is the identity or zero there);
+    ``mapping`` says how to expand the kernel's reduced gradient sums back to all units."""
+    acc = _acc(_out_dtype(u_q, u_d, w1, b1, w2, b2, scale))
+    c = lambda t: t.to(acc).contiguous()  # noqa: E731  (O(B) or O(hidden * D) copies only)
+    w1a, b1a, w2a = c(w1), c(b1).reshape(-1), c(w2).reshape(-1)
+    base = (c(u_q), c(u_d), c(b2).reshape(1), c(scale).reshape(1), _frequencies(w1.shape[1], acc, u_q.device))
+    mapping = None
+    kw1, kb1, kw2, nlin = w1a, b1a, w2a, 0
+    if u_q.device.type == "cpu":
+        on, off = _unit_classes(w1, b1)
+        if bool(on.any()) or bool(off.any()):
+            mix = (~on & ~off).nonzero().flatten()
+            on_idx = on.nonzero().flatten()
+            lin_w = (w2a[on_idx, None] * w1a[on_idx]).sum(0, keepdim=True)
+            lin_b = (w2a[on_idx] * b1a[on_idx]).sum().reshape(1)
+            kw1 = torch.cat([lin_w, w1a[mix]]).contiguous()
+            kb1 = torch.cat([lin_b, b1a[mix]]).contiguous()
+            kw2 = torch.cat([w2a.new_ones(1), w2a[mix]]).contiguous()
+            nlin = 1  # (an all-zero linear unit when nothing is always on: harmless, keeps hidden >= 1)
+            mapping = (on_idx, mix)
+    return base[0], base[1], kw1, kb1, kw2, base[2], base[3], base[4], nlin, mapping, (w1a, b1a, w2a)
+
+
+# ---- forward -----------------------------------------------------------------------------------
+
+@torch.library.custom_op("tempokern::offset_bias", mutates_args=())
+def _offset_bias(u_q: torch.Tensor, u_d: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                 b2: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    out_dt = _out_dtype(u_q, u_d, w1, b1, w2, b2, scale)
+    Bq, Bd = u_q.shape[0], u_d.shape[0]
+    hidden, D = w1.shape
+    out = torch.empty(Bq, Bd, dtype=out_dt, device=u_q.device)
+    if Bq == 0 or Bd == 0:
+        return out
+    uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, _, _ = _prepared(u_q, u_d, w1, b1, w2, b2, scale)
+    dev, stream = launch_args(u_q)
+    _C.offset_bias_launch("fwd", dev, stream, dtype_code(out), Bq, Bd, D, kw1.shape[0], ptr(uq), ptr(ud), ptr(f),
+                          ptr(kw1), kw1.stride(0), ptr(kb1), ptr(kw2), ptr(b2a), ptr(sa), ptr(out), out.stride(0),
+                          0, 0, 1, 0, 0, 0, 0, 0, 0, nlin)
+    return out
+
+
+@_offset_bias.register_fake
+def _(u_q, u_d, w1, b1, w2, b2, scale):
+    return u_q.new_empty(u_q.shape[0], u_d.shape[0], dtype=_out_dtype(u_q, u_d, w1, b1, w2, b2, scale))
+
+
+# ---- backward ----------------------------------------------------------------------------------
+
+@torch.library.custom_op("tempokern::offset_bias_backward", mutates_args=())
+def _offset_bias_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tensor, w1: torch.Tensor,
+                          b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
+                          scale: torch.Tensor) -> List[torch.Tensor]:
+    out_dt = _out_dtype(u_q, u_d, w1, b1, w2, b2, scale)
+    acc = _acc(out_dt)
+    Bq, Bd = u_q.shape[0], u_d.shape[0]
+    hidden, D = w1.shape
+    uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, mapping, (w1a, b1a, w2a) = _prepared(u_q, u_d, w1, b1, w2, b2, scale)
+    grad = grad.to(out_dt)  # no copy in the usual case; strides (even 0, broadcast) go to the kernel as they are
+    dev, stream = launch_args(u_q)
+    nparts = _num_parts(u_q.device, Bq, Bd)
+    kh = kw1.shape[0]
+    psz = kh * (D + 1) + 2
+    g_uq = torch.empty(Bq, dtype=acc, device=u_q.device)
+    g_ud = torch.empty(Bd, dtype=acc, device=u_q.device)
+    parts = torch.empty(nparts, psz, dtype=acc, device=u_q.device)
+    _C.offset_bias_launch("bwd", dev, stream, dtype_code(grad), Bq, Bd, D, kh, ptr(uq), ptr(ud), ptr(f),
+                          ptr(kw1), kw1.stride(0), ptr(kb1), ptr(kw2), ptr(b2a), ptr(sa), 0, 0,
+                          ptr(grad), grad.stride(0), grad.stride(1), ptr(g_uq), ptr(g_ud), ptr(parts), nparts, 0, 0,
+                          nlin)
+    tot = parts.sum(0)
+    s1, s0 = tot[-2], tot[-1]
+    Rk = tot[:kh * (D + 1)].view(kh, D + 1)
+    if mapping is None:
+        R = Rk
+    else:  # always-on units all see M = G scale (the linear unit's sums); always-off units get nothing
+        on_idx, mix = mapping
+        R = Rk.new_zeros(hidden, D + 1)
+        R[on_idx] = Rk[0]
+        R[mix] = Rk[1:]
+    # Weight gradients from R = sum_pairs M phi (see csrc/offset_bias/bias_math.h).
+    g_w1 = w2a[:, None] * R[:, :D]
+    g_b1 = w2a * R[:, D]
+    g_w2 = b1a * R[:, D] + (w1a * R[:, :D]).sum(1)
+    g_scale = s1 + b2a[0] * s0
+    g_b2 = sa[0] * s0
+    return [g_uq.to(u_q.dtype), g_ud.to(u_d.dtype), g_w1.to(w1.dtype), g_b1.to(b1.dtype).reshape(b1.shape),
+            g_w2.to(w2.dtype).reshape(w2.shape), g_b2.to(b2.dtype).reshape(b2.shape),
+            g_scale.to(scale.dtype).reshape(scale.shape)]
+
+
+@_offset_bias_backward.register_fake
+def _(grad, u_q, u_d, w1, b1, w2, b2, scale):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (u_q, u_d, w1, b1, w2, b2, scale)]
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    return tuple(torch.ops.tempokern.offset_bias_backward(grad, *ctx.saved_tensors))
+
+
+_offset_bias.register_autograd(_backward, setup_context=_setup)
+
+
+# ---- validation ----------------------------------------------------------------------------------
+
+def _validate(u_q, u_d, w1, b1, w2, b2, scale) -> None:
+    check_tensor("u_q", u_q, ndim=1, floating=True)
+    check_tensor("u_d", u_d, ndim=1, floating=True)
+    check_tensor("w1", w1, ndim=2, floating=True)
+    hidden, D = w1.shape
+    if hidden < 1 or D < 1:
+        raise ValueError(f"w1 must have shape (hidden, D) with hidden >= 1 and D >= 1, got {tuple(w1.shape)}")
+    check_tensor("b1", b1, floating=True)
+    if tuple(b1.shape) != (hidden,):
+        raise ValueError(f"b1 must have shape (hidden,) = ({hidden},) to match w1 of shape {tuple(w1.shape)}, "
+                         f"got {tuple(b1.shape)}")
+    check_tensor("w2", w2, floating=True)
+    if tuple(w2.shape) != (1, hidden):
+        raise ValueError(f"w2 must have shape (1, hidden) = (1, {hidden}) to match w1 of shape {tuple(w1.shape)}, "
+                         f"got {tuple(w2.shape)}")
+    check_tensor("b2", b2, floating=True)
+    if tuple(b2.shape) != (1,):
+        raise ValueError(f"b2 must have shape (1,), got {tuple(b2.shape)}")
+    check_tensor("scale", scale, floating=True)
+    if scale.dim() != 0:
+        raise ValueError(f"scale must be a 0-d (scalar) tensor, got shape {tuple(scale.shape)}")
+    check_same_device(u_q=u_q, u_d=u_d, w1=w1, b1=b1, w2=w2, b2=b2, scale=scale)
+    for name, t in (("u_q", u_q), ("u_d", u_d), ("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2), ("scale", scale)):
+        check_finite(name, t)
+
+
+def offset_bias(u_q: torch.Tensor, u_d: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                b2: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Relative-offset bias (Bq, Bd): scale * (w2 . relu(w1 phi(clamp(u_d[j] - u_q[i], -1, 1)) + b1) + b2).
+
+    u_q (Bq,), u_d (Bd,), w1 (hidden, D), b1 (hidden,), w2 (1, hidden), b2 (1,), scale 0-d; phi as in
+    :func:`tempokern.reference.offset_bias`. Output in the promoted dtype of the inputs (float32
+    accumulation, float64 for float64); differentiable in all seven inputs. Memory O(Bq*Bd + B*D)."""
+    _validate(u_q, u_d, w1, b1, w2, b2, scale)
+    return torch.ops.tempokern.offset_bias(u_q, u_d, w1, b1, w2, b2, scale)
+
+
+# ---- table lookup (inference) ----------------------------------------------------------------------
+
+@torch.library.custom_op("tempokern::offset_bias_lookup", mutates_args=())
+def _offset_bias_lookup(u_q: torch.Tensor, u_d: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    out_dt = torch.promote_types(u_q.dtype, u_d.dtype)
+    acc = _acc(out_dt)
+    Bq, Bd = u_q.shape[0], u_d.shape[0]
+    out = torch.empty(Bq, Bd, dtype=out_dt, device=u_q.device)
+    if Bq == 0 or Bd == 0:
+        return out
+    uq, ud = u_q.to(acc).contiguous(), u_d.to(acc).contiguous()
+    v = values.to(torch.float32).contiguous()
+    dev, stream = launch_args(u_q)
+    _C.offset_bias_launch("lookup", dev, stream, dtype_code(out), Bq, Bd, 0, 0, ptr(uq), ptr(ud), 0, 0, 0, 0, 0,
+                          0, 0, ptr(out), out.stride(0), 0, 0, 1, 0, 0, 0, 0, ptr(v), v.numel(), 0)
+    return out
+
+
+@_offset_bias_lookup.register_fake
+def _(u_q, u_d, values):
+    return u_q.new_empty(u_q.shape[0], u_d.shape[0], dtype=torch.promote_types(u_q.dtype, u_d.dtype))
+
+
+def offset_bias_lookup(u_q: torch.Tensor, u_d: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Bias read from a table (see :class:`tempokern.nn.BiasTable`) by linear interpolation over
+    delta = clamp(u_d[j] - u_q[i], -1, 1); (Bq, Bd) in the promoted dtype of u_q and u_d. Inference only
+    (no autograd). Spec: :func:`tempokern.reference.offset_bias_lookup`."""
+    check_tensor("u_q", u_q, ndim=1, floating=True)
+    check_tensor("u_d", u_d, ndim=1, floating=True)
+    check_tensor("values", values, ndim=1, dtypes=(torch.float32,))
+    if values.shape[0] < 2:
+        raise ValueError(f"values must hold at least 2 table points, got {values.shape[0]}")
+    check_same_device(u_q=u_q, u_d=u_d, values=values)
+    check_finite("u_q", u_q)
+    check_finite("u_d", u_d)
+    return torch.ops.tempokern.offset_bias_lookup(u_q, u_d, values)
