@@ -4,9 +4,11 @@ from . import _C  # noqa: F401  (compiled kernels; imports without a GPU driver)
 from ._build import build_info
 from ._ops.common import debug_checks_enabled, set_debug_checks
 from ._ops.calendar import calendar_context, calendar_scalar, fourier_table
+from ._ops.multipos_infonce import multipos_infonce
 from . import reference
 
 __all__ = [
     "__version__", "build_info", "set_debug_checks", "debug_checks_enabled",
     "calendar_scalar", "calendar_context", "fourier_table", "reference",
 ]
+__all__ += ["multipos_infonce"]
