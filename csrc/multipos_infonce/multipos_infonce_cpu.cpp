@@ -64,11 +64,20 @@ struct Bias {
     }
   }
 
+  // Columns [j0, j0 + nj) of Ct copied to a (K2 x nj, ld JT) panel: Ct's row stride is Bd, often a
+  // multiple of 4 KiB, which would put all K2 rows in one L1 set.
+  // cp (optional) gets the same panel transposed (nj x K2), the B operand of dA += dz . C_J.
+  void pack(int64_t j0, int64_t nj, A* ctp, A* cp = nullptr) const {
+    for (int64_t m = 0; m < K2; ++m) std::copy(Ct + m * Bd + j0, Ct + m * Bd + j0 + nj, ctp + m * JT);
+    if (cp) gemm::transpose_pack(K2, nj, ctp, JT, cp, K2);
+  }
+
   // Row i against columns [j0, j0 + nj): z (hidden x nj, ld JT) pre-activations, y = w2 . relu(z),
   // cl = 0 inside the clamp, 1 for delta > 1, 2 for delta < -1; adds scale * (y + b2) to srow.
-  void row(int64_t i, int64_t j0, int64_t nj, A* z, A* y, uint8_t* cl, A* srow) const {
+  // Returns the number of clamped columns.
+  int64_t row(int64_t i, int64_t j0, int64_t nj, const A* ctp, A* z, A* y, uint8_t* cl, A* srow) const {
     for (int64_t n = 0; n < hidden; ++n) std::fill(z + n * JT, z + n * JT + nj, b1[n]);
-    gemm::acc_nn(hidden, nj, K2, Am + i * hidden * K2, K2, 1, Ct + j0, Bd, z, JT, A(1));
+    gemm::acc_nn(hidden, nj, K2, Am + i * hidden * K2, K2, 1, ctp, JT, z, JT, A(1));
     std::fill(y, y + nj, A(0));
     for (int64_t n = 0; n < hidden; ++n) {
       const A w = w2[n];
@@ -76,13 +85,16 @@ struct Bias {
       for (int64_t j = 0; j < nj; ++j) y[j] += w * std::max(zr[j], A(0));
     }
     const A u = uq[i];
+    int64_t nclamp = 0;
     for (int64_t j = 0; j < nj; ++j) {
       const A diff = ud[j0 + j] - u;
       const uint8_t c = diff > A(1) ? 1 : (diff < A(-1) ? 2 : 0);
       cl[j] = c;
-      if (c) y[j] = yc[c - 1];
+      nclamp += c != 0;
+      y[j] = c ? yc[c == 1 ? 0 : 1] : y[j];
       srow[j] += scale * (y[j] + b2);
     }
+    return nclamp;
   }
 };
 
@@ -110,7 +122,7 @@ void fwd(const MultiposParams& p) {
 
 #pragma omp parallel
   {
-    std::vector<A> S(IT * JT), z(bias.on ? bias.hidden * JT : 0), y(JT);
+    std::vector<A> S(IT * JT), z(bias.on ? bias.hidden * JT : 0), y(JT), ctp(bias.on ? bias.K2 * JT : 0);
     std::vector<uint8_t> cl(JT);
     std::vector<A> rm(IT), rsum(IT), rpm(IT), rps(IT), rdiag(IT);
     std::vector<int64_t> rcnt(IT);
@@ -130,8 +142,11 @@ void fwd(const MultiposParams& p) {
         const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
         for (int64_t r = 0; r < mi; ++r) std::fill(S.data() + r * JT, S.data() + r * JT + nj, A(0));
         gemm::acc_nn(mi, nj, H, q + i0 * p.ldq, p.ldq, 1, dpan.data() + j0 * H, nj, S.data(), JT, it);
-        if (bias.on)
-          for (int64_t r = 0; r < mi; ++r) bias.row(i0 + r, j0, nj, z.data(), y.data(), cl.data(), S.data() + r * JT);
+        if (bias.on) {
+          bias.pack(j0, nj, ctp.data());
+          for (int64_t r = 0; r < mi; ++r)
+            bias.row(i0 + r, j0, nj, ctp.data(), z.data(), y.data(), cl.data(), S.data() + r * JT);
+        }
         for (int64_t r = 0; r < mi; ++r) {
           const int64_t i = i0 + r;
           const A* srow = S.data() + r * JT;
@@ -220,7 +235,7 @@ void bwd(const MultiposParams& p) {
 
 #pragma omp parallel
   {
-    std::vector<A> S(IT * JT), z(hid * JT), dz(hid * JT), y(JT), gs(JT), ddl(JT * H), dctl(K2 * JT);
+    std::vector<A> S(IT * JT), z(hid * JT), dz(hid * JT), y(JT), gs(JT), ddl(JT * H), dctl(K2 * JT), ctp(K2 * JT), cp(JT * K2);
     std::vector<uint8_t> cl(JT);
     std::vector<A> loc(sums.size(), A(0));
     A* ldb1 = loc.data();
@@ -234,38 +249,57 @@ void bwd(const MultiposParams& p) {
         const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
         for (int64_t r = 0; r < mi; ++r) std::fill(S.data() + r * JT, S.data() + r * JT + nj, A(0));
         gemm::acc_nn(mi, nj, H, q + i0 * p.ldq, p.ldq, 1, dpan.data() + j0 * H, nj, S.data(), JT, it);
-        if (bias.on)
+        if (bias.on) {
+          bias.pack(j0, nj, ctp.data(), cp.data());
           for (int64_t m = 0; m < K2; ++m) std::fill(dctl.data() + m * JT, dctl.data() + m * JT + nj, A(0));
+        }
         for (int64_t r = 0; r < mi; ++r) {
           const int64_t i = i0 + r;
           A* srow = S.data() + r * JT;
-          if (bias.on) bias.row(i, j0, nj, z.data(), y.data(), cl.data(), srow);
+          const int64_t nclamp = bias.on ? bias.row(i, j0, nj, ctp.data(), z.data(), y.data(), cl.data(), srow) : 0;
           mp::grad_row(srow, nj, i, j0, off, p.q_lo[i], p.q_hi[i], p.d_lo, p.d_hi, rw, rs[i], rs[Bq + i],
                        rs[2 * Bq + i] != A(0), cols ? cw : A(0), cols ? cst : nullptr, Bd);
           if (!bias.on) continue;
-          // srow now holds dL/ds_ij = dL/dbias_ij.
+          // srow now holds dL/ds_ij = dL/dbias_ij; clamped pairs go to dzc, the rest through z.
+          A sdb2 = 0, sdsc = 0;
+#pragma omp simd reduction(+ : sdb2, sdsc)
           for (int64_t j = 0; j < nj; ++j) {
-            gs[j] = srow[j] * bias.scale;
-            loc[4 * hid + 1] += srow[j] * (y[j] + bias.b2);  // dscale
-            loc[4 * hid] += gs[j];                              // db2
+            const A g = srow[j];
+            sdsc += g * (y[j] + bias.b2);
+            sdb2 += g * bias.scale;
+            gs[j] = cl[j] ? A(0) : g * bias.scale;
           }
+          loc[4 * hid] += sdb2;
+          loc[4 * hid + 1] += sdsc;
           for (int64_t n = 0; n < hid; ++n) {
             const A w = bias.w2[n];
             const A* zr = z.data() + n * JT;
             A* dzr = dz.data() + n * JT;
             A sb1 = 0, sw2 = 0;
+#pragma omp simd reduction(+ : sb1, sw2)
             for (int64_t j = 0; j < nj; ++j) {
-              const A zz = cl[j] ? bias.zc[(cl[j] - 1) * hid + n] : zr[j];
+              const A zz = zr[j];
               const A on = zz > A(0) ? gs[j] : A(0);
               sw2 += on * zz;
-              dzr[j] = cl[j] ? A(0) : on * w;
-              sb1 += dzr[j];
-              if (cl[j]) ldzc[(cl[j] - 1) * hid + n] += on * w;
+              dzr[j] = on * w;
+              sb1 += on * w;
             }
             ldb1[n] += sb1;
             ldw2[n] += sw2;
           }
-          gemm::dot_nt(hid, K2, nj, dz.data(), JT, bias.Ct + j0, Bd, dA + i * hid * K2, K2, A(1), A(1));
+          if (nclamp)
+            for (int64_t j = 0; j < nj; ++j) {
+              if (!cl[j]) continue;
+              const A g = srow[j] * bias.scale;
+              const A* zcr = bias.zc + (cl[j] - 1) * hid;
+              A* dzcr = ldzc + (cl[j] - 1) * hid;
+              for (int64_t n = 0; n < hid; ++n)
+                if (zcr[n] > A(0)) {
+                  ldw2[n] += g * zcr[n];
+                  dzcr[n] += g * bias.w2[n];
+                }
+            }
+          gemm::acc_nn(hid, K2, nj, dz.data(), JT, 1, cp.data(), K2, dA + i * hid * K2, K2, A(1));
           gemm::acc_nn(K2, nj, hid, bias.Am + i * hid * K2, 1, K2, dz.data(), JT, dctl.data(), JT, A(1));
         }
         gemm::acc_nn(mi, H, nj, S.data(), JT, 1, d + j0 * p.ldd, p.ldd, dq + i0 * H, H, it);
