@@ -108,14 +108,23 @@ inline void grad_row(A* srow, int64_t nj, int64_t i, int64_t j0, int64_t off, in
                      const int64_t* dlo, const int64_t* dhi, A rw, A lse, A lsep, bool fb, A cw, const A* cst,
                      int64_t Bd) {
   const int64_t jdiag = i + off;  // column holding row i's diagonal
+  // A weight of 0 switches its term off entirely: its stats may be undefined (e.g. partial losses).
+  const bool rows = rw != A(0);
+  if (!rows && !cst) {
+    std::fill(srow, srow + nj, A(0));
+    return;
+  }
   for (int64_t j = 0; j < nj; ++j) {
     const int64_t jj = j0 + j;
     const A s = srow[j];
     const bool pos = std::max(qlo, dlo[jj]) <= std::min(qhi, dhi[jj]);
     const bool is_diag = jj == jdiag;
-    const bool pr = pos || (fb && is_diag);
-    const A ep = vexp(s - lsep);
-    A g = rw * (vexp(s - lse) - (pr ? ep : A(0)));
+    A g = 0;
+    if (rows) {
+      const bool pr = pos || (fb && is_diag);
+      const A ep = vexp(s - lsep);
+      g = rw * (vexp(s - lse) - (pr ? ep : A(0)));
+    }
     if (cst) {
       const bool pc = pos || (is_diag && cst[2 * Bd + jj] != A(0));
       const A ecp = vexp(s - cst[Bd + jj]);
