@@ -18,6 +18,7 @@ namespace {
 
 constexpr int64_t IT = 64;  // query rows per task
 constexpr int64_t JT = 96;  // document columns per tile
+static_assert(JT <= mp::kTile, "tile rows must fit the batched-exp scratch");
 
 class Locks {
  public:
@@ -86,6 +87,7 @@ struct Bias {
     }
     const A u = uq[i];
     int64_t nclamp = 0;
+#pragma omp simd reduction(+ : nclamp)
     for (int64_t j = 0; j < nj; ++j) {
       const A diff = ud[j0 + j] - u;
       const uint8_t c = diff > A(1) ? 1 : (diff < A(-1) ? 2 : 0);
