@@ -25,12 +25,20 @@ class Locks {
   explicit Locks(int64_t n) : l_(std::max<int64_t>(n, 1)) { for (auto& x : l_) omp_init_lock(&x); }
   ~Locks() { for (auto& x : l_) omp_destroy_lock(&x); }
   void lock(int64_t i) { omp_set_lock(&l_[i]); }
+  bool try_lock(int64_t i) { return omp_test_lock(&l_[i]) != 0; }
   void unlock(int64_t i) { omp_unset_lock(&l_[i]); }
  private:
   std::vector<omp_lock_t> l_;
 };
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// First column panel of a row-block task: threads start evenly spread over the panels and, moving at
+// similar speeds, stay apart, so the per-panel locks are rarely contended.
+inline int64_t stagger(int64_t ib, int64_t nJB) {
+  const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+  return (tid * nJB / std::max<int64_t>(nth, 1) + ib) % std::max<int64_t>(nJB, 1);
+}
 
 // Panel b of X (rows [b*JT, b*JT + w)) transposed to (H x w), stored at out + b*JT*H.
 template <typename A>
@@ -139,7 +147,7 @@ void fwd(const MultiposParams& p) {
       std::fill(rps.begin(), rps.end(), A(0));
       std::fill(rdiag.begin(), rdiag.end(), std::numeric_limits<A>::quiet_NaN());
       std::fill(rcnt.begin(), rcnt.end(), 0);
-      const int64_t jstart = ib * nJB / nIB;
+      const int64_t jstart = stagger(ib, nJB);
       for (int64_t t = 0; t < nJB; ++t) {
         const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
         for (int64_t r = 0; r < mi; ++r) std::fill(S.data() + r * JT, S.data() + r * JT + nj, A(0));
@@ -246,7 +254,7 @@ void bwd(const MultiposParams& p) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ib = 0; ib < nIB; ++ib) {
       const int64_t i0 = ib * IT, mi = std::min(IT, Bq - i0);
-      const int64_t jstart = ib * nJB / nIB;
+      const int64_t jstart = stagger(ib, nJB);
       for (int64_t t = 0; t < nJB; ++t) {
         const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
         for (int64_t r = 0; r < mi; ++r) std::fill(S.data() + r * JT, S.data() + r * JT + nj, A(0));
@@ -305,11 +313,15 @@ void bwd(const MultiposParams& p) {
           gemm::acc_nn(K2, nj, hid, bias.Am + i * hid * K2, 1, K2, dz.data(), JT, dctl.data(), JT, A(1));
         }
         gemm::acc_nn(mi, H, nj, S.data(), JT, 1, d + j0 * p.ldd, p.ldd, dq + i0 * H, H, it);
-        std::fill(ddl.begin(), ddl.begin() + nj * H, A(0));
-        gemm::acc_nn(nj, H, mi, S.data(), 1, JT, q + i0 * p.ldq, p.ldq, ddl.data(), H, it);
-        jlocks.lock(jb);
         A* ddj = dd + j0 * H;
-        for (int64_t x = 0; x < nj * H; ++x) ddj[x] += ddl[x];
+        if (jlocks.try_lock(jb)) {  // usual case: accumulate straight into dd
+          gemm::acc_nn(nj, H, mi, S.data(), 1, JT, q + i0 * p.ldq, p.ldq, ddj, H, it);
+        } else {  // panel busy: compute aside, then add
+          std::fill(ddl.begin(), ddl.begin() + nj * H, A(0));
+          gemm::acc_nn(nj, H, mi, S.data(), 1, JT, q + i0 * p.ldq, p.ldq, ddl.data(), H, it);
+          jlocks.lock(jb);
+          for (int64_t x = 0; x < nj * H; ++x) ddj[x] += ddl[x];
+        }
         if (bias.on)
           for (int64_t m = 0; m < K2; ++m) {
             A* o = dCt + m * Bd + j0;
