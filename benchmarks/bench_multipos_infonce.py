@@ -26,6 +26,8 @@ except ImportError:  # run from the repo root
 
 H, HIDDEN, D = 768, 32, 32
 CSV = "multipos_infonce.csv"
+# OpenMP waiting matters on a shared machine: spinning threads steal the oversubscribed cores.
+ENV_NOTE = "; ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY") if k in os.environ)
 
 
 def make(B, device="cpu", dtype=torch.float32, seed=0):
@@ -102,7 +104,8 @@ def test_cpu_b2048_bias(benchmark, provider):
     benchmark.extra_info.update(extra_peak_mb=mem.extra_mb, gflops=flops(2048) / ms / 1e6)
     record(CSV, op="multipos_infonce fwd+bwd (bias)", provider=provider, size="B=2048 H=768 hidden=D=32",
            ms=ms, extra_peak_mb=mem.extra_mb,
-           note=f"{flops(2048) / ms / 1e6:.1f} GFLOP/s useful (fused count); shared 2-core machine, under load")
+           note=f"{flops(2048) / ms / 1e6:.1f} GFLOP/s useful (fused count); shared 2-core machine, under load"
+           + (f"; {ENV_NOTE}" if ENV_NOTE else ""))
 
 
 def test_cpu_b16384_bias_fused(benchmark):
@@ -112,7 +115,8 @@ def test_cpu_b16384_bias_fused(benchmark):
     ms = benchmark.stats.stats.min * 1e3
     record(CSV, op="multipos_infonce fwd+bwd (bias)", provider="fused", size="B=16384 H=768 hidden=D=32",
            ms=ms, extra_peak_mb=mem.extra_mb,
-           note=f"{flops(16384) / ms / 1e6:.1f} GFLOP/s; reference infeasible (B x B x D intermediates); shared machine")
+           note=f"{flops(16384) / ms / 1e6:.1f} GFLOP/s; reference infeasible (B x B x D intermediates); shared machine"
+           + (f"; {ENV_NOTE}" if ENV_NOTE else ""))
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
