@@ -304,3 +304,17 @@ def test_cuda_all_fallback_and_all_positive():
         fused = run(tempokern.multipos_infonce, q, d, sp, neg, b)
         exact = run(ref, q64, d64, sp64, neg64, b64)
         assert_close_all((fused[0].cpu(), [g.cpu() for g in fused[1]]), exact, rtol=2e-4, atol=2e-5)
+
+
+def test_non_contiguous_inputs():
+    # strided rows (row stride 2H), a transposed view and a strided extra_neg give the same numbers
+    q, d, sp, neg, b = make(77, 10, N=9, bias=True, seed=5)
+    big_q = torch.zeros(77, 20, dtype=q.dtype)
+    big_q[:, :10] = q.detach()
+    qv = big_q[:, :10].requires_grad_()
+    dt = d.detach().t().contiguous().t().requires_grad_()  # column-major storage
+    negv = torch.stack([neg.detach(), neg.detach()], dim=2)[:, :, 0].requires_grad_()
+    assert qv.stride(0) == 20 and dt.stride(1) != 1 and negv.stride(1) == 2
+    got = run(tempokern.multipos_infonce, qv, dt, sp, negv, b)
+    want = run(ref, q, d, sp, neg, b)
+    assert_close_all(got, want, rtol=1e-10, atol=1e-12)
