@@ -318,3 +318,18 @@ def test_non_contiguous_inputs():
     got = run(tempokern.multipos_infonce, qv, dt, sp, negv, b)
     want = run(ref, q, d, sp, neg, b)
     assert_close_all(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_parity_random_configs(seed):
+    g = torch.Generator().manual_seed(1000 + seed)
+    ri = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    B, H, N = ri(1, 230), ri(1, 40), ri(0, 1) * ri(1, 120)
+    bias, symmetric = bool(ri(0, 1)), bool(ri(0, 1))
+    spans = ("random", "random", "disjoint", "all")[ri(0, 3)]
+    spread = (0.2, 1.0, 3.0)[ri(0, 2)]
+    q, d, sp, neg, b = make(B, H, N=N, bias=bias, spans=spans, hidden=ri(1, 9), D=ri(1, 12),
+                            u_lo=-spread, u_hi=1 + spread, seed=seed)
+    temperature = (0.02, 0.1, 0.7)[ri(0, 2)]
+    assert_close_all(run(tempokern.multipos_infonce, q, d, sp, neg, b, temperature, symmetric),
+                     run(ref, q, d, sp, neg, b, temperature, symmetric), rtol=1e-9, atol=1e-11)
