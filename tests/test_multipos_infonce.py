@@ -333,3 +333,23 @@ def test_parity_random_configs(seed):
     temperature = (0.02, 0.1, 0.7)[ri(0, 2)]
     assert_close_all(run(tempokern.multipos_infonce, q, d, sp, neg, b, temperature, symmetric),
                      run(ref, q, d, sp, neg, b, temperature, symmetric), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_float32_tf32_allowed():
+    # With allow_tf32 the float32 score tiles use TF32 tensor cores: compare with torch's own TF32 error.
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        q, d, sp, neg, b = make(500, 96, N=20, bias=True, dtype=torch.float32, device="cuda")
+        with torch.no_grad():
+            for x in (q, d, neg):
+                x.mul_(0.1)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        exact = run(ref, q, d, sp, neg, b)[0].item()
+        torch.backends.cuda.matmul.allow_tf32 = True
+        plain = run(ref, q, d, sp, neg, b)[0].item()
+        fused = run(tempokern.multipos_infonce, q, d, sp, neg, b)[0].item()
+        assert abs(fused - exact) <= 2 * abs(plain - exact) + 1e-4
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old

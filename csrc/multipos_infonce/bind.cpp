@@ -15,13 +15,15 @@ const void* get(const Ptrs& m, const char* k) {
 }
 void* get_mut(const Ptrs& m, const char* k) { return const_cast<void*>(get(m, k)); }
 
-// sizes: Bq, Bd, N, H, ldq, ldd, ldn, hidden, K2, diag_offset; scalars: inv_temp, row_weight, col_weight
+// sizes: Bq, Bd, N, H, ldq, ldd, ldn, hidden, K2, diag_offset[, allow_tf32]; scalars: inv_temp, row_weight, col_weight
 MultiposParams make_params(int dtype, const std::vector<int64_t>& sz, const std::vector<double>& sc, const Ptrs& m) {
-  if (sz.size() != 10 || sc.size() != 3) fail("multipos_infonce_launch: expected 10 sizes and 3 scalars");
+  if ((sz.size() != 10 && sz.size() != 11) || sc.size() != 3)
+    fail("multipos_infonce_launch: expected 10 or 11 sizes and 3 scalars");
   MultiposParams p;
   p.dtype = to_dtype(dtype);
   p.Bq = sz[0]; p.Bd = sz[1]; p.N = sz[2]; p.H = sz[3];
   p.ldq = sz[4]; p.ldd = sz[5]; p.ldn = sz[6]; p.hidden = sz[7]; p.K2 = sz[8]; p.diag_offset = sz[9];
+  p.allow_tf32 = sz.size() == 11 && sz[10] != 0;
   p.inv_temp = sc[0]; p.row_weight = sc[1]; p.col_weight = sc[2];
   p.q = get(m, "q"); p.d = get(m, "d"); p.neg = get(m, "neg");
   p.q_lo = static_cast<const int64_t*>(get(m, "q_lo")); p.q_hi = static_cast<const int64_t*>(get(m, "q_hi"));

@@ -32,6 +32,7 @@ struct MultiposParams {
   const int64_t* d_hi = nullptr;
   double inv_temp = 1.0, row_weight = 1.0, col_weight = 0.0;
   int64_t diag_offset = 0;
+  bool allow_tf32 = false;  // CUDA float32 score tiles on tensor cores (torch.backends.cuda.matmul.allow_tf32)
 
   // ---- bias, all in the accumulation dtype (float32, float64 for float64) ----
   bool has_bias = false;

@@ -8,7 +8,7 @@
 //   BWD_NEG  anchors = extra negatives, candidates = queries: dneg += G^T q
 // Ownership makes every gradient row private to one CTA (no atomics except the bias scalars), at the
 // price of computing each score tile twice per pass. Score tiles use tensor cores (wmma m16n16k16,
-// float32 accumulation) for fp16/bf16 and CUDA-core FMA for float32/float64. The bias runs on CUDA cores:
+// float32 accumulation) for fp16/bf16, TF32 wmma for float32 when allowed, else CUDA-core FMA. The bias runs on CUDA cores:
 // one warp per anchor, one lane per hidden unit, first layer in angle-difference form (A_i . Ct[:, j]).
 // Nothing of size Bq x Bd is allocated.
 #include <cuda_runtime.h>
@@ -54,7 +54,7 @@ struct Smem {
 // S tile = inv_temp * X[a0:a0+na] . Y[c0:c0+nc]^T into sm.ss (rows >= na / cols >= nc are zero).
 template <typename S, typename A>
 __device__ void score_tile(Smem<S, A>& sm, const S* X, int64_t ldx, int64_t a0, int na, const S* Y, int64_t ldy,
-                           int64_t c0, int nc, int64_t H, A it) {
+                           int64_t c0, int nc, int64_t H, A it, bool tf32) {
   const int tid = threadIdx.x;
   if constexpr (IsHalf<S>::value) {
     using namespace nvcuda;
@@ -87,6 +87,41 @@ __device__ void score_tile(Smem<S, A>& sm, const S* X, int64_t ldx, int64_t a0, 
     }
     __syncthreads();
   } else {
+    if constexpr (std::is_same<S, float>::value) {
+      if (tf32) {  // float32 on tensor cores, as torch does with allow_tf32
+        using namespace nvcuda;
+        const int warp = tid >> 5, wr = (warp >> 1) * 16, wc = (warp & 1) * 32;
+        wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc[2];
+        wmma::fill_fragment(acc[0], 0.f);
+        wmma::fill_fragment(acc[1], 0.f);
+        for (int64_t k0 = 0; k0 < H; k0 += BK) {
+          for (int e = tid; e < BM * BK; e += NT) {
+            const int r = e / BK, k = e % BK;
+            sm.xs[r][k] = (r < na && k0 + k < H) ? X[(a0 + r) * ldx + k0 + k] : 0.f;
+            sm.ys[r][k] = (r < nc && k0 + k < H) ? Y[(c0 + r) * ldy + k0 + k] : 0.f;
+          }
+          __syncthreads();
+          for (int kk = 0; kk < BK; kk += 8) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fa;
+            wmma::load_matrix_sync(fa, &sm.xs[wr][kk], BK + KPAD);
+            for (int e = 0; e < fa.num_elements; ++e) fa.x[e] = wmma::__float_to_tf32(fa.x[e]);
+            for (int t = 0; t < 2; ++t) {
+              wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> fb;
+              wmma::load_matrix_sync(fb, &sm.ys[wc + 16 * t][kk], BK + KPAD);
+              for (int e = 0; e < fb.num_elements; ++e) fb.x[e] = wmma::__float_to_tf32(fb.x[e]);
+              wmma::mma_sync(acc[t], fa, fb, acc[t]);
+            }
+          }
+          __syncthreads();
+        }
+        for (int t = 0; t < 2; ++t) {
+          for (int e = 0; e < acc[t].num_elements; ++e) acc[t].x[e] *= (float)it;
+          wmma::store_matrix_sync(&sm.ss[wr][wc + 16 * t], acc[t], SLD, wmma::mem_row_major);
+        }
+        __syncthreads();
+        return;
+      }
+    }
     const int ty = tid / 16, tx = tid % 16;
     A acc[4][4] = {};
     for (int64_t k0 = 0; k0 < H; k0 += BK) {
@@ -189,7 +224,7 @@ __global__ void __launch_bounds__(NT) multipos_kernel(MultiposParams p) {
     const int nc = (int)imin(BN, (negtile ? N : nCand) - c0);
     const S* Yt = negtile ? neg : Y;
     const int64_t ldyt = negtile ? p.ldn : ldy;
-    score_tile<S, A>(sm, X, ldx, a0, na, Yt, ldyt, c0, nc, H, it);
+    score_tile<S, A>(sm, X, ldx, a0, na, Yt, ldyt, c0, nc, H, it, p.allow_tf32);
 
     // ---- bias: warp per anchor, lane per hidden unit ----
     const bool tile_bias = b.on && !negtile;

@@ -44,7 +44,8 @@ def _sizes(q, d, extra_neg, A, diag_offset):
     ldn = 0 if extra_neg is None else extra_neg.stride(0)
     hidden = 0 if A is None else A.shape[1]
     K2 = 0 if A is None else A.shape[2]
-    return [q.shape[0], d.shape[0], N, q.shape[1], q.stride(0), d.stride(0), ldn, hidden, K2, diag_offset]
+    tf32 = int(q.device.type == "cuda" and q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+    return [q.shape[0], d.shape[0], N, q.shape[1], q.stride(0), d.stride(0), ldn, hidden, K2, diag_offset, tf32]
 
 
 def _workspace(dev, dtype, sizes, scalars, ptrs, backward, like):
