@@ -5,14 +5,15 @@ from ._build import build_info
 from ._ops.common import debug_checks_enabled, set_debug_checks
 from ._ops.calendar import calendar_context, calendar_scalar, fourier_table
 from ._ops.offset_bias import offset_bias, offset_bias_lookup
+from ._ops.multipos_infonce import multipos_infonce
 from . import reference
 from . import nn
+from .calendar import Calendar, Interval
+from . import baselines, datasets, eval
 
 __all__ = [
     "__version__", "build_info", "set_debug_checks", "debug_checks_enabled",
-    "calendar_scalar", "calendar_context", "fourier_table", "reference",
-    "offset_bias", "offset_bias_lookup", "nn",
+    "calendar_scalar", "calendar_context", "fourier_table",
+    "offset_bias", "offset_bias_lookup", "multipos_infonce",
+    "reference", "nn", "Calendar", "Interval", "baselines", "datasets", "eval",
 ]
-from .calendar import Calendar, Interval
-from . import baselines, datasets, eval
-__all__ += ["Calendar", "Interval", "baselines", "datasets", "eval"]

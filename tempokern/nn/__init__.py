@@ -1,4 +1,5 @@
-"""nn.Module front-ends of the fused ops."""
+"""torch.nn modules built on tempokern's fused ops."""
 from .offset_bias import BiasTable, OffsetBias
+from .ctd_loss import CTDLoss
 
-__all__ = ["OffsetBias", "BiasTable"]
+__all__ = ["OffsetBias", "BiasTable", "CTDLoss"]

@@ -1,0 +1,80 @@
+// Python entry for the fused multi-positive InfoNCE; validation happens in tempokern/_ops/multipos_infonce.py.
+#include <map>
+#include <string>
+#include "common/bind_utils.h"
+#include "common/registry.h"
+#include "multipos_infonce/multipos_infonce.h"
+
+namespace tk {
+namespace {
+using Ptrs = std::map<std::string, uintptr_t>;
+
+const void* get(const Ptrs& m, const char* k) {
+  auto it = m.find(k);
+  return it == m.end() ? nullptr : as_ptr(it->second);
+}
+void* get_mut(const Ptrs& m, const char* k) { return const_cast<void*>(get(m, k)); }
+
+// sizes: Bq, Bd, N, H, ldq, ldd, ldn, hidden, K2, diag_offset[, allow_tf32]; scalars: inv_temp, row_weight, col_weight
+MultiposParams make_params(int dtype, const std::vector<int64_t>& sz, const std::vector<double>& sc, const Ptrs& m) {
+  if ((sz.size() != 10 && sz.size() != 11) || sc.size() != 3)
+    fail("multipos_infonce_launch: expected 10 or 11 sizes and 3 scalars");
+  MultiposParams p;
+  p.dtype = to_dtype(dtype);
+  p.Bq = sz[0]; p.Bd = sz[1]; p.N = sz[2]; p.H = sz[3];
+  p.ldq = sz[4]; p.ldd = sz[5]; p.ldn = sz[6]; p.hidden = sz[7]; p.K2 = sz[8]; p.diag_offset = sz[9];
+  p.allow_tf32 = sz.size() == 11 && sz[10] != 0;
+  p.inv_temp = sc[0]; p.row_weight = sc[1]; p.col_weight = sc[2];
+  p.q = get(m, "q"); p.d = get(m, "d"); p.neg = get(m, "neg");
+  p.q_lo = static_cast<const int64_t*>(get(m, "q_lo")); p.q_hi = static_cast<const int64_t*>(get(m, "q_hi"));
+  p.d_lo = static_cast<const int64_t*>(get(m, "d_lo")); p.d_hi = static_cast<const int64_t*>(get(m, "d_hi"));
+  p.A = get(m, "A"); p.Ct = get(m, "Ct"); p.b1 = get(m, "b1"); p.w2 = get(m, "w2"); p.b2 = get(m, "b2");
+  p.scale = get(m, "scale"); p.zc = get(m, "zc"); p.u_q = get(m, "u_q"); p.u_d = get(m, "u_d");
+  p.has_bias = p.A != nullptr;
+  p.loss = get_mut(m, "loss"); p.row_stats = get_mut(m, "row_stats"); p.col_stats = get_mut(m, "col_stats");
+  p.grad_loss = get(m, "grad_loss");
+  p.dq = get_mut(m, "dq"); p.dd = get_mut(m, "dd"); p.dneg = get_mut(m, "dneg"); p.dA = get_mut(m, "dA");
+  p.dCt = get_mut(m, "dCt"); p.db1 = get_mut(m, "db1"); p.dw2 = get_mut(m, "dw2"); p.db2 = get_mut(m, "db2");
+  p.dscale = get_mut(m, "dscale"); p.dzc = get_mut(m, "dzc");
+  if (p.Bq < 0 || p.Bd < 0 || p.N < 0 || p.H < 1) fail("multipos_infonce_launch: bad sizes");
+  if (!p.q || !p.d || !p.q_lo || !p.q_hi || !p.d_lo || !p.d_hi || !p.row_stats) fail("multipos_infonce_launch: missing pointer");
+  if (p.N > 0 && !p.neg) fail("multipos_infonce_launch: N > 0 without extra negatives");
+  if (p.col_weight != 0.0 && !p.col_stats) fail("multipos_infonce_launch: column loss without col_stats");
+  if (p.has_bias && (!p.Ct || !p.b1 || !p.w2 || !p.b2 || !p.scale || !p.zc || !p.u_q || !p.u_d || p.hidden < 1 || p.K2 < 1))
+    fail("multipos_infonce_launch: incomplete bias");
+  return p;
+}
+}  // namespace
+
+TK_BIND(multipos_infonce) {
+  m.def("multipos_infonce_launch",
+        [](const std::string& op, int device, uintptr_t stream, int dtype, const std::vector<int64_t>& sizes,
+           const std::vector<double>& scalars, const Ptrs& ptrs, uintptr_t workspace, int64_t workspace_bytes) {
+          const MultiposParams p = make_params(dtype, sizes, scalars, ptrs);
+          if (op == "fwd") {
+            if (!p.loss) fail("multipos_infonce_launch: forward needs loss");
+            run_on(device, [&] { multipos_infonce_fwd_cpu(p); },
+                   [&] { TK_CUDA_ONLY(multipos_infonce_fwd_cuda(p, device, stream, as_ptr(workspace), workspace_bytes)); });
+          } else if (op == "bwd") {
+            if (!p.grad_loss || !p.dq || !p.dd || (p.N > 0 && !p.dneg)) fail("multipos_infonce_launch: backward needs grads");
+            if (p.has_bias && (!p.dA || !p.dCt || !p.db1 || !p.dw2 || !p.db2 || !p.dscale || !p.dzc))
+              fail("multipos_infonce_launch: backward needs bias grads");
+            run_on(device, [&] { multipos_infonce_bwd_cpu(p); },
+                   [&] { TK_CUDA_ONLY(multipos_infonce_bwd_cuda(p, device, stream, as_ptr(workspace), workspace_bytes)); });
+          } else {
+            fail("unknown multipos_infonce op '" + op + "'");
+          }
+        });
+  m.def("multipos_infonce_cuda_workspace",
+        [](int dtype, const std::vector<int64_t>& sizes, const std::vector<double>& scalars, const Ptrs& ptrs,
+           bool backward) -> int64_t {
+#ifdef TK_WITH_CUDA
+          return multipos_infonce_cuda_workspace(make_params(dtype, sizes, scalars, ptrs), backward);
+#else
+          (void)dtype; (void)sizes; (void)scalars; (void)ptrs; (void)backward;
+          return 0;
+#endif
+        });
+}
+
+}  // namespace tk

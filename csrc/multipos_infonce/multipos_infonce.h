@@ -1,0 +1,79 @@
+// Params for the fused multi-positive interval-overlap InfoNCE. Torch-free.
+//
+// Scores s_ij = inv_temp * q_i . d_j + bias_ij  (i < Bq, j < Bd), extra negatives e_ik = inv_temp * q_i . n_k.
+// Row loss_i = lse_all(s_i., e_i.) - lse_{j in P_i} s_ij, column loss_j = lse_i s_ij - lse_{i in P'_j} s_ij,
+// P = closed-interval overlap of spans; a row (column) with no positive uses its diagonal
+// j = i + diag_offset (i = j - diag_offset). loss = row_weight * mean_i row_loss + col_weight * mean_j col_loss.
+//
+// Bias (optional) in angle-difference form, prepared by the Python wrapper from offset_bias's weights:
+//   z_ijn = b1_n + A_i[n, :] . Ct[:, j]   when |u_d[j] - u_q[i]| <= 1,   else zc[0, n] (> 1) / zc[1, n] (< -1)
+//   bias_ij = scale * (sum_n w2_n relu(z_ijn) + b2)
+// A (Bq, hidden, K2) and Ct (K2, Bd) hold the per-row/per-column sin/cos features; the wrapper
+// differentiates A, Ct and zc back to w1, b1, u_q, u_d with torch, the kernels return their gradients.
+//
+// Nothing of size Bq x Bd, Bq x N or Bq x Bd x hidden is ever allocated: forward keeps running
+// max/sum per row and column; backward recomputes score tiles from the saved per-row/column stats.
+#pragma once
+#include <cstdint>
+#include "common/types.h"
+
+namespace tk {
+
+struct MultiposParams {
+  DType dtype = DType::F32;  // CPU: F32 or F64 (the wrapper upcasts halves); CUDA: any
+  int64_t Bq = 0, Bd = 0, N = 0, H = 0;
+  const void* q = nullptr;    // (Bq, H), row stride ldq, unit column stride
+  const void* d = nullptr;    // (Bd, H)
+  const void* neg = nullptr;  // (N, H) or null
+  int64_t ldq = 0, ldd = 0, ldn = 0;
+  const int64_t* q_lo = nullptr;  // (Bq,) int64 span bounds, lo <= hi
+  const int64_t* q_hi = nullptr;
+  const int64_t* d_lo = nullptr;  // (Bd,)
+  const int64_t* d_hi = nullptr;
+  double inv_temp = 1.0, row_weight = 1.0, col_weight = 0.0;
+  int64_t diag_offset = 0;
+  bool allow_tf32 = false;  // CUDA float32 score tiles on tensor cores (torch.backends.cuda.matmul.allow_tf32)
+
+  // ---- bias, all in the accumulation dtype (float32, float64 for float64) ----
+  bool has_bias = false;
+  int64_t hidden = 0, K2 = 0;
+  const void* A = nullptr;    // (Bq, hidden, K2) contiguous
+  const void* Ct = nullptr;   // (K2, Bd) contiguous
+  const void* b1 = nullptr;   // (hidden,)
+  const void* w2 = nullptr;   // (hidden,)
+  const void* b2 = nullptr;   // scalar
+  const void* scale = nullptr;  // scalar
+  const void* zc = nullptr;   // (2, hidden): pre-activations at delta = +1 and -1 (b1 included)
+  const void* u_q = nullptr;  // (Bq,) only to decide where the clamp bites
+  const void* u_d = nullptr;  // (Bd,)
+
+  // ---- forward outputs (accumulation dtype) ----
+  void* loss = nullptr;       // scalar
+  void* row_stats = nullptr;  // (3, Bq): lse_all, lse_pos, used-diagonal flag (0/1)
+  void* col_stats = nullptr;  // (3, Bd): same for columns (only when col_weight != 0)
+
+  // ---- backward (accumulation dtype; all outputs zero-filled by the wrapper) ----
+  const void* grad_loss = nullptr;  // scalar
+  void* dq = nullptr;    // (Bq, H) contiguous
+  void* dd = nullptr;    // (Bd, H) contiguous
+  void* dneg = nullptr;  // (N, H) contiguous
+  void* dA = nullptr;    // (Bq, hidden, K2)
+  void* dCt = nullptr;   // (K2, Bd)
+  void* db1 = nullptr;   // (hidden,)
+  void* dw2 = nullptr;   // (hidden,)
+  void* db2 = nullptr;   // scalar
+  void* dscale = nullptr;  // scalar
+  void* dzc = nullptr;   // (2, hidden)
+};
+
+void multipos_infonce_fwd_cpu(const MultiposParams& p);
+void multipos_infonce_bwd_cpu(const MultiposParams& p);
+#ifdef TK_WITH_CUDA
+void multipos_infonce_fwd_cuda(const MultiposParams& p, int device, uintptr_t stream, void* workspace,
+                               int64_t workspace_bytes);
+void multipos_infonce_bwd_cuda(const MultiposParams& p, int device, uintptr_t stream, void* workspace,
+                               int64_t workspace_bytes);
+int64_t multipos_infonce_cuda_workspace(const MultiposParams& p, bool backward);
+#endif
+
+}  // namespace tk

@@ -1,0 +1,381 @@
+// CPU kernels for the fused multi-positive InfoNCE: OpenMP over row blocks of IT queries, each walking
+// all JT-wide document panels (staggered start so threads rarely meet on a column lock). Forward keeps
+// online log-sum-exp per row (thread-owned) and per column (merged under a per-panel lock); backward
+// recomputes each score tile, turns it into dL/ds in place and feeds the two gradient products.
+// Scratch is O(IT * JT + JT * H) per thread plus one transposed copy of d (and extra_neg).
+#include <omp.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+#include "common/cpu_gemm.h"
+#include "multipos_infonce/multipos_infonce.h"
+#include "multipos_infonce/multipos_math.h"
+
+namespace tk {
+namespace {
+
+constexpr int64_t IT = 64;  // query rows per task
+constexpr int64_t JT = 96;  // document columns per tile
+static_assert(JT <= mp::kTile, "tile rows must fit the batched-exp scratch");
+
+class Locks {
+ public:
+  explicit Locks(int64_t n) : l_(std::max<int64_t>(n, 1)) { for (auto& x : l_) omp_init_lock(&x); }
+  ~Locks() { for (auto& x : l_) omp_destroy_lock(&x); }
+  void lock(int64_t i) { omp_set_lock(&l_[i]); }
+  bool try_lock(int64_t i) { return omp_test_lock(&l_[i]) != 0; }
+  void unlock(int64_t i) { omp_unset_lock(&l_[i]); }
+ private:
+  std::vector<omp_lock_t> l_;
+};
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// First column panel of a row-block task: threads start evenly spread over the panels and, moving at
+// similar speeds, stay apart, so the per-panel locks are rarely contended.
+inline int64_t stagger(int64_t ib, int64_t nJB) {
+  const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+  return (tid * nJB / std::max<int64_t>(nth, 1) + ib) % std::max<int64_t>(nJB, 1);
+}
+
+// Panel b of X (rows [b*JT, b*JT + w)) transposed to (H x w), stored at out + b*JT*H.
+template <typename A>
+void pack_panels(const A* X, int64_t ld, int64_t n, int64_t H, A* out) {
+  const int64_t nb = ceil_div(n, JT);
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t j0 = b * JT, w = std::min(JT, n - j0);
+    gemm::transpose_pack(w, H, X + j0 * ld, ld, out + j0 * H, w);
+  }
+}
+
+template <typename A>
+struct Bias {
+  bool on = false;
+  int64_t hidden = 0, K2 = 0, Bd = 0;
+  const A *Am = nullptr, *Ct = nullptr, *b1 = nullptr, *w2 = nullptr, *zc = nullptr, *uq = nullptr, *ud = nullptr;
+  A b2 = 0, scale = 0, yc[2] = {0, 0};
+
+  explicit Bias(const MultiposParams& p) {
+    on = p.has_bias;
+    if (!on) return;
+    hidden = p.hidden; K2 = p.K2; Bd = p.Bd;
+    Am = static_cast<const A*>(p.A); Ct = static_cast<const A*>(p.Ct);
+    b1 = static_cast<const A*>(p.b1); w2 = static_cast<const A*>(p.w2); zc = static_cast<const A*>(p.zc);
+    uq = static_cast<const A*>(p.u_q); ud = static_cast<const A*>(p.u_d);
+    b2 = *static_cast<const A*>(p.b2); scale = *static_cast<const A*>(p.scale);
+    for (int s = 0; s < 2; ++s) {
+      A y = 0;
+      for (int64_t n = 0; n < hidden; ++n) y += w2[n] * std::max(zc[s * hidden + n], A(0));
+      yc[s] = y;
+    }
+  }
+
+  // Columns [j0, j0 + nj) of Ct copied to a (K2 x nj, ld JT) panel: Ct's row stride is Bd, often a
+  // multiple of 4 KiB, which would put all K2 rows in one L1 set.
+  // cp (optional) gets the same panel transposed (nj x K2), the B operand of dA += dz . C_J.
+  void pack(int64_t j0, int64_t nj, A* ctp, A* cp = nullptr) const {
+    for (int64_t m = 0; m < K2; ++m) std::copy(Ct + m * Bd + j0, Ct + m * Bd + j0 + nj, ctp + m * JT);
+    if (cp) gemm::transpose_pack(K2, nj, ctp, JT, cp, K2);
+  }
+
+  // Row i against columns [j0, j0 + nj): z (hidden x nj, ld JT) pre-activations, y = w2 . relu(z),
+  // cl = 0 inside the clamp, 1 for delta > 1, 2 for delta < -1; adds scale * (y + b2) to srow.
+  // Returns the number of clamped columns.
+  int64_t row(int64_t i, int64_t j0, int64_t nj, const A* ctp, A* z, A* y, uint8_t* cl, A* srow) const {
+    for (int64_t n = 0; n < hidden; ++n) std::fill(z + n * JT, z + n * JT + nj, b1[n]);
+    gemm::acc_nn(hidden, nj, K2, Am + i * hidden * K2, K2, 1, ctp, JT, z, JT, A(1));
+    std::fill(y, y + nj, A(0));
+    for (int64_t n = 0; n < hidden; ++n) {
+      const A w = w2[n];
+      const A* zr = z + n * JT;
+      for (int64_t j = 0; j < nj; ++j) y[j] += w * std::max(zr[j], A(0));
+    }
+    const A u = uq[i];
+    int64_t nclamp = 0;
+#pragma omp simd reduction(+ : nclamp)
+    for (int64_t j = 0; j < nj; ++j) {
+      const A diff = ud[j0 + j] - u;
+      const uint8_t c = diff > A(1) ? 1 : (diff < A(-1) ? 2 : 0);
+      cl[j] = c;
+      nclamp += c != 0;
+      y[j] = c ? yc[c == 1 ? 0 : 1] : y[j];
+      srow[j] += scale * (y[j] + b2);
+    }
+    return nclamp;
+  }
+};
+
+template <typename A>
+void fwd(const MultiposParams& p) {
+  const A* q = static_cast<const A*>(p.q);
+  const A* d = static_cast<const A*>(p.d);
+  const A* neg = static_cast<const A*>(p.neg);
+  const int64_t Bq = p.Bq, Bd = p.Bd, N = neg ? p.N : 0, H = p.H, off = p.diag_offset;
+  const A it = (A)p.inv_temp;
+  const bool cols = p.col_weight != 0.0;
+  const Bias<A> bias(p);
+  const A ninf = -std::numeric_limits<A>::infinity();
+
+  std::vector<A> dpan((size_t)(Bd * H)), npan((size_t)(N * H));
+  pack_panels(d, p.ldd, Bd, H, dpan.data());
+  if (N) pack_panels(neg, p.ldn, N, H, npan.data());
+
+  const int64_t nIB = ceil_div(Bq, IT), nJB = ceil_div(Bd, JT), nNB = ceil_div(N, JT);
+  std::vector<A> cm(cols ? Bd : 0, ninf), cs(cols ? Bd : 0, A(0)), cpm(cols ? Bd : 0, ninf), cps(cols ? Bd : 0, A(0));
+  std::vector<A> cdiag(cols ? Bd : 0, std::numeric_limits<A>::quiet_NaN());
+  std::vector<int64_t> ccnt(cols ? Bd : 0, 0);
+  Locks locks(nJB);
+  A* rs = static_cast<A*>(p.row_stats);
+
+#pragma omp parallel
+  {
+    std::vector<A> S(IT * JT), z(bias.on ? bias.hidden * JT : 0), y(JT), ctp(bias.on ? bias.K2 * JT : 0);
+    std::vector<uint8_t> cl(JT);
+    std::vector<A> rm(IT), rsum(IT), rpm(IT), rps(IT), rdiag(IT);
+    std::vector<int64_t> rcnt(IT);
+    std::vector<A> tm(JT), ts(JT), tpm(JT), tps(JT);
+    std::vector<int64_t> tc(JT);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t ib = 0; ib < nIB; ++ib) {
+      const int64_t i0 = ib * IT, mi = std::min(IT, Bq - i0);
+      std::fill(rm.begin(), rm.end(), ninf);
+      std::fill(rsum.begin(), rsum.end(), A(0));
+      std::fill(rpm.begin(), rpm.end(), ninf);
+      std::fill(rps.begin(), rps.end(), A(0));
+      std::fill(rdiag.begin(), rdiag.end(), std::numeric_limits<A>::quiet_NaN());
+      std::fill(rcnt.begin(), rcnt.end(), 0);
+      const int64_t jstart = stagger(ib, nJB);
+      for (int64_t t = 0; t < nJB; ++t) {
+        const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
+        for (int64_t r = 0; r < mi; ++r) std::fill(S.data() + r * JT, S.data() + r * JT + nj, A(0));
+        gemm::acc_nn(mi, nj, H, q + i0 * p.ldq, p.ldq, 1, dpan.data() + j0 * H, nj, S.data(), JT, it);
+        if (bias.on) {
+          bias.pack(j0, nj, ctp.data());
+          for (int64_t r = 0; r < mi; ++r)
+            bias.row(i0 + r, j0, nj, ctp.data(), z.data(), y.data(), cl.data(), S.data() + r * JT);
+        }
+        for (int64_t r = 0; r < mi; ++r) {
+          const int64_t i = i0 + r;
+          const A* srow = S.data() + r * JT;
+          mp::row_update(srow, nj, rm[r], rsum[r]);
+          mp::pos_row_update(srow, nj, p.q_lo[i], p.q_hi[i], p.d_lo + j0, p.d_hi + j0, rpm[r], rps[r], rcnt[r]);
+          const int64_t jd = i + off;
+          if (jd >= j0 && jd < j0 + nj) rdiag[r] = srow[jd - j0];
+        }
+        if (cols) {
+          mp::col_tile_stats(S.data(), JT, mi, nj, p.q_lo + i0, p.q_hi + i0, p.d_lo + j0, p.d_hi + j0, tm.data(),
+                             ts.data(), tpm.data(), tps.data(), tc.data());
+          for (int64_t j = 0; j < nj; ++j) {
+            const int64_t id = j0 + j - off;
+            if (id >= i0 && id < i0 + mi) cdiag[j0 + j] = S[(id - i0) * JT + j];
+          }
+          locks.lock(jb);
+          for (int64_t j = 0; j < nj; ++j) {
+            mp::lse_merge(cm[j0 + j], cs[j0 + j], tm[j], ts[j]);
+            mp::lse_merge(cpm[j0 + j], cps[j0 + j], tpm[j], tps[j]);
+            ccnt[j0 + j] += tc[j];
+          }
+          locks.unlock(jb);
+        }
+      }
+      for (int64_t nb = 0; nb < nNB; ++nb) {
+        const int64_t k0 = nb * JT, nk = std::min(JT, N - k0);
+        for (int64_t r = 0; r < mi; ++r) std::fill(S.data() + r * JT, S.data() + r * JT + nk, A(0));
+        gemm::acc_nn(mi, nk, H, q + i0 * p.ldq, p.ldq, 1, npan.data() + k0 * H, nk, S.data(), JT, it);
+        for (int64_t r = 0; r < mi; ++r) mp::row_update(S.data() + r * JT, nk, rm[r], rsum[r]);
+      }
+      for (int64_t r = 0; r < mi; ++r) {
+        const int64_t i = i0 + r;
+        rs[i] = rm[r] + std::log(rsum[r]);
+        const bool fb = rcnt[r] == 0;
+        rs[Bq + i] = fb ? rdiag[r] : rpm[r] + std::log(rps[r]);
+        rs[2 * Bq + i] = fb ? A(1) : A(0);
+      }
+    }
+  }
+
+  A* cst = static_cast<A*>(p.col_stats);
+  double lr = 0.0, lc = 0.0;
+  for (int64_t i = 0; i < Bq; ++i) lr += (double)rs[i] - (double)rs[Bq + i];
+  if (cols) {
+    for (int64_t j = 0; j < Bd; ++j) {
+      cst[j] = cm[j] + std::log(cs[j]);
+      const bool fb = ccnt[j] == 0;
+      cst[Bd + j] = fb ? cdiag[j] : cpm[j] + std::log(cps[j]);
+      cst[2 * Bd + j] = fb ? A(1) : A(0);
+      lc += (double)cst[j] - (double)cst[Bd + j];
+    }
+  }
+  double loss = 0.0;
+  if (p.row_weight != 0.0 && Bq) loss += p.row_weight * lr / (double)Bq;
+  if (cols && Bd) loss += p.col_weight * lc / (double)Bd;
+  *static_cast<A*>(p.loss) = (A)loss;
+}
+
+template <typename A>
+void bwd(const MultiposParams& p) {
+  const A* q = static_cast<const A*>(p.q);
+  const A* d = static_cast<const A*>(p.d);
+  const A* neg = static_cast<const A*>(p.neg);
+  const int64_t Bq = p.Bq, Bd = p.Bd, N = neg ? p.N : 0, H = p.H, off = p.diag_offset;
+  const A it = (A)p.inv_temp;
+  const bool cols = p.col_weight != 0.0;
+  const Bias<A> bias(p);
+  const A gl = *static_cast<const A*>(p.grad_loss);
+  const A rw = Bq ? (A)(p.row_weight / (double)Bq) * gl : A(0);
+  const A cw = Bd ? (A)(p.col_weight / (double)Bd) * gl : A(0);
+  const A* rs = static_cast<const A*>(p.row_stats);
+  const A* cst = static_cast<const A*>(p.col_stats);
+  A* dq = static_cast<A*>(p.dq);
+  A* dd = static_cast<A*>(p.dd);
+  A* dneg = static_cast<A*>(p.dneg);
+
+  std::vector<A> dpan((size_t)(Bd * H)), npan((size_t)(N * H));
+  pack_panels(d, p.ldd, Bd, H, dpan.data());
+  if (N) pack_panels(neg, p.ldn, N, H, npan.data());
+  const int64_t nIB = ceil_div(Bq, IT), nJB = ceil_div(Bd, JT), nNB = ceil_div(N, JT);
+  Locks jlocks(nJB), nlocks(nNB);
+  const int64_t hid = bias.on ? bias.hidden : 0, K2 = bias.on ? bias.K2 : 0;
+  A* dA = static_cast<A*>(p.dA);
+  A* dCt = static_cast<A*>(p.dCt);
+  std::vector<A> sums(bias.on ? 4 * hid + 2 : 0, A(0));  // db1, dw2, dzc(2 x hid), db2, dscale
+
+#pragma omp parallel
+  {
+    std::vector<A> S(IT * JT), z(hid * JT), dz(hid * JT), y(JT), gs(JT), ddl(JT * H), dctl(K2 * JT), ctp(K2 * JT), cp(JT * K2);
+    std::vector<uint8_t> cl(JT);
+    std::vector<A> loc(sums.size(), A(0));
+    A* ldb1 = loc.data();
+    A* ldw2 = ldb1 + hid;
+    A* ldzc = ldw2 + hid;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t ib = 0; ib < nIB; ++ib) {
+      const int64_t i0 = ib * IT, mi = std::min(IT, Bq - i0);
+      const int64_t jstart = stagger(ib, nJB);
+      for (int64_t t = 0; t < nJB; ++t) {
+        const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
+        for (int64_t r = 0; r < mi; ++r) std::fill(S.data() + r * JT, S.data() + r * JT + nj, A(0));
+        gemm::acc_nn(mi, nj, H, q + i0 * p.ldq, p.ldq, 1, dpan.data() + j0 * H, nj, S.data(), JT, it);
+        if (bias.on) {
+          bias.pack(j0, nj, ctp.data(), cp.data());
+          for (int64_t m = 0; m < K2; ++m) std::fill(dctl.data() + m * JT, dctl.data() + m * JT + nj, A(0));
+        }
+        for (int64_t r = 0; r < mi; ++r) {
+          const int64_t i = i0 + r;
+          A* srow = S.data() + r * JT;
+          const int64_t nclamp = bias.on ? bias.row(i, j0, nj, ctp.data(), z.data(), y.data(), cl.data(), srow) : 0;
+          mp::grad_row(srow, nj, i, j0, off, p.q_lo[i], p.q_hi[i], p.d_lo, p.d_hi, rw, rs[i], rs[Bq + i],
+                       rs[2 * Bq + i] != A(0), cols ? cw : A(0), cols ? cst : nullptr, Bd);
+          if (!bias.on) continue;
+          // srow now holds dL/ds_ij = dL/dbias_ij; clamped pairs go to dzc, the rest through z.
+          A sdb2 = 0, sdsc = 0;
+#pragma omp simd reduction(+ : sdb2, sdsc)
+          for (int64_t j = 0; j < nj; ++j) {
+            const A g = srow[j];
+            sdsc += g * (y[j] + bias.b2);
+            sdb2 += g * bias.scale;
+            gs[j] = cl[j] ? A(0) : g * bias.scale;
+          }
+          loc[4 * hid] += sdb2;
+          loc[4 * hid + 1] += sdsc;
+          for (int64_t n = 0; n < hid; ++n) {
+            const A w = bias.w2[n];
+            const A* zr = z.data() + n * JT;
+            A* dzr = dz.data() + n * JT;
+            A sb1 = 0, sw2 = 0;
+#pragma omp simd reduction(+ : sb1, sw2)
+            for (int64_t j = 0; j < nj; ++j) {
+              const A zz = zr[j];
+              const A on = zz > A(0) ? gs[j] : A(0);
+              sw2 += on * zz;
+              dzr[j] = on * w;
+              sb1 += on * w;
+            }
+            ldb1[n] += sb1;
+            ldw2[n] += sw2;
+          }
+          if (nclamp)
+            for (int64_t j = 0; j < nj; ++j) {
+              if (!cl[j]) continue;
+              const A g = srow[j] * bias.scale;
+              const A* zcr = bias.zc + (cl[j] - 1) * hid;
+              A* dzcr = ldzc + (cl[j] - 1) * hid;
+              for (int64_t n = 0; n < hid; ++n)
+                if (zcr[n] > A(0)) {
+                  ldw2[n] += g * zcr[n];
+                  dzcr[n] += g * bias.w2[n];
+                }
+            }
+          gemm::acc_nn(hid, K2, nj, dz.data(), JT, 1, cp.data(), K2, dA + i * hid * K2, K2, A(1));
+          gemm::acc_nn(K2, nj, hid, bias.Am + i * hid * K2, 1, K2, dz.data(), JT, dctl.data(), JT, A(1));
+        }
+        gemm::acc_nn(mi, H, nj, S.data(), JT, 1, d + j0 * p.ldd, p.ldd, dq + i0 * H, H, it);
+        A* ddj = dd + j0 * H;
+        if (jlocks.try_lock(jb)) {  // usual case: accumulate straight into dd
+          gemm::acc_nn(nj, H, mi, S.data(), 1, JT, q + i0 * p.ldq, p.ldq, ddj, H, it);
+        } else {  // panel busy: compute aside, then add
+          std::fill(ddl.begin(), ddl.begin() + nj * H, A(0));
+          gemm::acc_nn(nj, H, mi, S.data(), 1, JT, q + i0 * p.ldq, p.ldq, ddl.data(), H, it);
+          jlocks.lock(jb);
+          for (int64_t x = 0; x < nj * H; ++x) ddj[x] += ddl[x];
+        }
+        if (bias.on)
+          for (int64_t m = 0; m < K2; ++m) {
+            A* o = dCt + m * Bd + j0;
+            const A* s = dctl.data() + m * JT;
+            for (int64_t j = 0; j < nj; ++j) o[j] += s[j];
+          }
+        jlocks.unlock(jb);
+      }
+      for (int64_t nb = 0; nb < nNB; ++nb) {
+        const int64_t k0 = nb * JT, nk = std::min(JT, N - k0);
+        for (int64_t r = 0; r < mi; ++r) std::fill(S.data() + r * JT, S.data() + r * JT + nk, A(0));
+        gemm::acc_nn(mi, nk, H, q + i0 * p.ldq, p.ldq, 1, npan.data() + k0 * H, nk, S.data(), JT, it);
+        for (int64_t r = 0; r < mi; ++r) mp::grad_neg_row(S.data() + r * JT, nk, rw, rs[i0 + r]);
+        gemm::acc_nn(mi, H, nk, S.data(), JT, 1, neg + k0 * p.ldn, p.ldn, dq + i0 * H, H, it);
+        std::fill(ddl.begin(), ddl.begin() + nk * H, A(0));
+        gemm::acc_nn(nk, H, mi, S.data(), 1, JT, q + i0 * p.ldq, p.ldq, ddl.data(), H, it);
+        nlocks.lock(nb);
+        A* dn = dneg + k0 * H;
+        for (int64_t x = 0; x < nk * H; ++x) dn[x] += ddl[x];
+        nlocks.unlock(nb);
+      }
+    }
+    if (bias.on) {
+#pragma omp critical(tk_multipos_bias_sums)
+      for (size_t x = 0; x < loc.size(); ++x) sums[x] += loc[x];
+    }
+  }
+  if (bias.on) {
+    A* db1 = static_cast<A*>(p.db1);
+    A* dw2 = static_cast<A*>(p.dw2);
+    A* dzc = static_cast<A*>(p.dzc);
+    for (int64_t n = 0; n < hid; ++n) {
+      db1[n] += sums[n];
+      dw2[n] += sums[hid + n];
+      dzc[n] += sums[2 * hid + n];
+      dzc[hid + n] += sums[3 * hid + n];
+    }
+    *static_cast<A*>(p.db2) += sums[4 * hid];
+    *static_cast<A*>(p.dscale) += sums[4 * hid + 1];
+  }
+}
+
+}  // namespace
+
+void multipos_infonce_fwd_cpu(const MultiposParams& p) {
+  if (p.dtype == DType::F32) fwd<float>(p);
+  else if (p.dtype == DType::F64) fwd<double>(p);
+  else fail("multipos_infonce CPU kernels take float32 or float64 (the wrapper upcasts halves)");
+}
+
+void multipos_infonce_bwd_cpu(const MultiposParams& p) {
+  if (p.dtype == DType::F32) bwd<float>(p);
+  else if (p.dtype == DType::F64) bwd<double>(p);
+  else fail("multipos_infonce CPU kernels take float32 or float64 (the wrapper upcasts halves)");
+}
+
+}  // namespace tk

@@ -1,0 +1,223 @@
+// Per-tile log-sum-exp bookkeeping and dL/ds for the multi-positive InfoNCE CPU kernels.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace tk {
+namespace mp {
+
+constexpr int64_t kTile = 128;  // scratch width for batched exp: tile rows are at most this wide
+
+// exp for float that GCC vectorises (Cephes expf polynomial, ~1 ulp on the reduced range);
+// 0 below -87.3 (incl. -inf), clamped at 88.3 so masked-out lanes can never become inf.
+__attribute__((always_inline)) inline float vexp(float x) {
+  x = std::min(x, 88.3762626647949f);
+  const bool under = !(x >= -87.3365478515625f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float sc;
+  std::memcpy(&sc, &bits, 4);
+  return under ? 0.f : y * sc;
+}
+inline double vexp(double x) { return std::exp(x); }
+
+// x[0..n) = exp(x[0..n)) in place. GCC will not vectorise vexp's selects without -ffast-math,
+// so the AVX2 path spells the same polynomial with intrinsics.
+inline void vexp_inplace(float* x, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_min_ps(_mm256_loadu_ps(x + j), hi);
+    const __m256 under = _mm256_cmp_ps(v, lo, _CMP_LT_OQ);
+    v = _mm256_max_ps(v, lo);
+    const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    _mm256_storeu_ps(x + j, _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e))));
+  }
+#endif
+  for (; j < n; ++j) x[j] = vexp(x[j]);
+}
+inline void vexp_inplace(double* x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) x[j] = std::exp(x[j]);
+}
+
+// (m, s) represents log(s) + m; merges another (m2, s2), s2 == 0 meaning empty.
+template <typename A> inline void lse_merge(A& m, A& s, A m2, A s2) {
+  if (s2 == A(0)) return;
+  if (m2 > m) { s = s * vexp(m - m2) + s2; m = m2; }
+  else s += s2 * vexp(m2 - m);
+}
+
+template <typename A> inline void row_update(const A* srow, int64_t n, A& m, A& s) {
+  if (n <= 0) return;
+  A mx = srow[0];
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 1; j < n; ++j) mx = std::max(mx, srow[j]);
+  A e[kTile];
+  A sum = 0;
+  for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+    const int64_t m = std::min<int64_t>(kTile, n - j0);
+    for (int64_t j = 0; j < m; ++j) e[j] = srow[j0 + j] - mx;
+    vexp_inplace(e, m);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < m; ++j) sum += e[j];
+  }
+  lse_merge(m, s, mx, sum);
+}
+
+template <typename A>
+inline void pos_row_update(const A* srow, int64_t n, int64_t qlo, int64_t qhi, const int64_t* dlo, const int64_t* dhi,
+                           A& m, A& s, int64_t& cnt) {
+  A mx = -std::numeric_limits<A>::infinity();
+  int64_t c = 0;
+#pragma omp simd reduction(+ : c) reduction(max : mx)
+  for (int64_t j = 0; j < n; ++j) {
+    const bool pos = std::max(qlo, dlo[j]) <= std::min(qhi, dhi[j]);
+    c += pos;
+    mx = pos ? std::max(mx, srow[j]) : mx;
+  }
+  if (!c) return;
+  A e[kTile];
+  for (int64_t j = 0; j < n; ++j) e[j] = srow[j] - mx;
+  vexp_inplace(e, n);
+  A sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const bool pos = std::max(qlo, dlo[j]) <= std::min(qhi, dhi[j]);
+    sum += pos ? e[j] : A(0);
+  }
+  lse_merge(m, s, mx, sum);
+  cnt += c;
+}
+
+// Column statistics of one tile S (mi x nj, row stride ld): all-LSE (tm, ts), positive LSE (tpm, tps), count.
+template <typename A>
+inline void col_tile_stats(const A* S, int64_t ld, int64_t mi, int64_t nj, const int64_t* qlo, const int64_t* qhi,
+                           const int64_t* dlo, const int64_t* dhi, A* tm, A* ts, A* tpm, A* tps, int64_t* tc) {
+  const A ninf = -std::numeric_limits<A>::infinity();
+  std::fill(tm, tm + nj, ninf);
+  std::fill(tpm, tpm + nj, ninf);
+  std::fill(ts, ts + nj, A(0));
+  std::fill(tps, tps + nj, A(0));
+  std::fill(tc, tc + nj, 0);
+  for (int64_t r = 0; r < mi; ++r) {
+    const A* s = S + r * ld;
+    const int64_t lo = qlo[r], hi = qhi[r];
+#pragma omp simd
+    for (int64_t j = 0; j < nj; ++j) {
+      const bool pos = std::max(lo, dlo[j]) <= std::min(hi, dhi[j]);
+      tm[j] = std::max(tm[j], s[j]);
+      tpm[j] = pos ? std::max(tpm[j], s[j]) : tpm[j];
+      tc[j] += pos;
+    }
+  }
+  for (int64_t r = 0; r < mi; ++r) {
+    const A* s = S + r * ld;
+    const int64_t lo = qlo[r], hi = qhi[r];
+    A e1[kTile], e2[kTile];
+    for (int64_t j = 0; j < nj; ++j) {
+      e1[j] = s[j] - tm[j];
+      e2[j] = s[j] - tpm[j];
+    }
+    vexp_inplace(e1, nj);
+    vexp_inplace(e2, nj);
+#pragma omp simd
+    for (int64_t j = 0; j < nj; ++j) {
+      const bool pos = std::max(lo, dlo[j]) <= std::min(hi, dhi[j]);
+      ts[j] += e1[j];
+      tps[j] += pos ? e2[j] : A(0);
+    }
+  }
+}
+
+template <typename A, bool ROWS, bool COLS>
+inline void grad_row_impl(A* srow, int64_t nj, int64_t jdiag, int64_t j0, int64_t qlo, int64_t qhi,
+                          const int64_t* dlo, const int64_t* dhi, A rw, A lse, A lsep, bool fb, A cw,
+                          const A* cst, int64_t Bd) {
+  A ea[kTile], ep[kTile], ca[kTile], cp[kTile];
+  for (int64_t j = 0; j < nj; ++j) {
+    if constexpr (ROWS) {
+      ea[j] = srow[j] - lse;
+      ep[j] = srow[j] - lsep;
+    }
+    if constexpr (COLS) {
+      ca[j] = srow[j] - cst[j0 + j];
+      cp[j] = srow[j] - cst[Bd + j0 + j];
+    }
+  }
+  if constexpr (ROWS) {
+    vexp_inplace(ea, nj);
+    vexp_inplace(ep, nj);
+  }
+  if constexpr (COLS) {
+    vexp_inplace(ca, nj);
+    vexp_inplace(cp, nj);
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < nj; ++j) {
+    const int64_t jj = j0 + j;
+    const bool pos = std::max(qlo, dlo[jj]) <= std::min(qhi, dhi[jj]);
+    const bool is_diag = jj == jdiag;
+    A g = 0;
+    if constexpr (ROWS) {
+      const bool pr = pos | (fb & is_diag);
+      g = rw * (ea[j] - (pr ? ep[j] : A(0)));
+    }
+    if constexpr (COLS) {
+      const bool pc = pos | (is_diag & (cst[2 * Bd + jj] != A(0)));
+      g += cw * (ca[j] - (pc ? cp[j] : A(0)));
+    }
+    srow[j] = g;
+  }
+}
+
+// Overwrites srow (scores of row i vs columns j0..j0+nj) with dL/ds:
+//   rw * (p_all - [j in P_i] p_pos) + cw * (q_all - [i in P'_j] q_pos)
+// cst = column stats (3 x Bd) or null when the column loss is off. A weight of 0 switches its term off
+// entirely: its stats may be undefined (partial losses of CTDLoss(gather=True)).
+template <typename A>
+inline void grad_row(A* srow, int64_t nj, int64_t i, int64_t j0, int64_t off, int64_t qlo, int64_t qhi,
+                     const int64_t* dlo, const int64_t* dhi, A rw, A lse, A lsep, bool fb, A cw, const A* cst,
+                     int64_t Bd) {
+  const int64_t jd = i + off;  // column holding row i's diagonal
+  const bool rows = rw != A(0);
+  if (rows && cst) grad_row_impl<A, true, true>(srow, nj, jd, j0, qlo, qhi, dlo, dhi, rw, lse, lsep, fb, cw, cst, Bd);
+  else if (rows) grad_row_impl<A, true, false>(srow, nj, jd, j0, qlo, qhi, dlo, dhi, rw, lse, lsep, fb, cw, cst, Bd);
+  else if (cst) grad_row_impl<A, false, true>(srow, nj, jd, j0, qlo, qhi, dlo, dhi, rw, lse, lsep, fb, cw, cst, Bd);
+  else std::fill(srow, srow + nj, A(0));
+}
+
+// Extra negatives only enter the row denominators: dL/de = rw * exp(e - lse).
+template <typename A> inline void grad_neg_row(A* srow, int64_t n, A rw, A lse) {
+  for (int64_t j = 0; j < n; ++j) srow[j] -= lse;
+  vexp_inplace(srow, n);
+  for (int64_t j = 0; j < n; ++j) srow[j] *= rw;
+}
+
+}  // namespace mp
+}  // namespace tk

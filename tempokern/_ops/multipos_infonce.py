@@ -1,0 +1,304 @@
+"""Fused multi-positive interval-overlap InfoNCE (the CTD training loss) with the relative-offset bias
+folded into the kernel: tiled online log-sum-exp, no (B, B), (B, N) or (B, B, hidden) buffer anywhere.
+
+The bias enters the kernel in angle-difference form: per-row weights A (B, hidden, 2K) and per-column
+sin/cos features Ct (2K, B) are built here with torch (O(B * hidden * D), differentiable), the kernel
+forms the first layer as a small matrix product per tile and returns dL/dA, dL/dCt, and torch's
+autograd carries them back to w1, b1, u_q and u_d. Pairs where the clamp bites use the constant
+pre-activations at delta = +-1 (``zc``), so u outside [0, 1] is exact."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import _C
+from ..reference.offset_bias import bias_frequencies, offset_features
+from .common import check_finite, check_positive, check_same_device, check_tensor, dtype_code, launch_args, ptr
+
+_BIAS_NAMES = ("u_q", "u_d", "w1", "b1", "w2", "b2", "scale")
+_GRAD_NAMES = ("dq", "dd", "dneg", "dA", "dCt", "db1", "dw2", "db2", "dscale", "dzc")
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _kernel_operand(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """CPU kernels read float32/float64 rows with unit column stride; CUDA reads the storage dtype."""
+    if t.device.type == "cpu" and t.dtype != acc:
+        t = t.to(acc)
+    if t.stride(-1) != 1 or (t.dim() == 2 and t.shape[0] > 1 and t.stride(0) < t.shape[1]):
+        t = t.contiguous()
+    return t
+
+
+def _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d):
+    return {k: ptr(v) for k, v in dict(q=q, d=d, neg=extra_neg, q_lo=q_lo, q_hi=q_hi, d_lo=d_lo, d_hi=d_hi, A=A,
+                                        Ct=Ct, b1=b1, w2=w2, b2=b2, scale=scale, zc=zc, u_q=u_q, u_d=u_d).items()
+            if v is not None}
+
+
+def _sizes(q, d, extra_neg, A, diag_offset):
+    N = 0 if extra_neg is None else extra_neg.shape[0]
+    ldn = 0 if extra_neg is None else extra_neg.stride(0)
+    hidden = 0 if A is None else A.shape[1]
+    K2 = 0 if A is None else A.shape[2]
+    tf32 = int(q.device.type == "cuda" and q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+    return [q.shape[0], d.shape[0], N, q.shape[1], q.stride(0), d.stride(0), ldn, hidden, K2, diag_offset, tf32]
+
+
+def _workspace(dev, dtype, sizes, scalars, ptrs, backward, like):
+    if dev < 0:
+        return None
+    nbytes = _C.multipos_infonce_cuda_workspace(dtype, sizes, scalars, ptrs, backward)
+    return torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=like.device)
+
+
+@torch.library.custom_op("tempokern::multipos_infonce", mutates_args=())
+def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.Tensor, d_lo: torch.Tensor,
+              d_hi: torch.Tensor, extra_neg: Optional[torch.Tensor], A: Optional[torch.Tensor],
+              Ct: Optional[torch.Tensor], b1: Optional[torch.Tensor], w2: Optional[torch.Tensor],
+              b2: Optional[torch.Tensor], scale: Optional[torch.Tensor], zc: Optional[torch.Tensor],
+              u_q: Optional[torch.Tensor], u_d: Optional[torch.Tensor], inv_temp: float, row_weight: float,
+              col_weight: float, diag_offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    acc = _acc(q.dtype)
+    q, d = _kernel_operand(q, acc), _kernel_operand(d, acc)
+    if extra_neg is not None:
+        extra_neg = _kernel_operand(extra_neg, acc)
+    loss = torch.zeros((), dtype=acc, device=q.device)
+    row_stats = torch.zeros(3, q.shape[0], dtype=acc, device=q.device)
+    col_stats = torch.zeros(3, d.shape[0], dtype=acc, device=q.device)
+    dev, stream = launch_args(q)
+    ptrs = _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d)
+    ptrs.update(loss=ptr(loss), row_stats=ptr(row_stats), col_stats=ptr(col_stats))
+    sizes = _sizes(q, d, extra_neg, A, diag_offset)
+    scalars = [inv_temp, row_weight, col_weight]
+    ws = _workspace(dev, dtype_code(q), sizes, scalars, ptrs, False, q)
+    _C.multipos_infonce_launch("fwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, ptr(ws),
+                               0 if ws is None else ws.numel())
+    return loss, row_stats, col_stats
+
+
+@_multipos.register_fake
+def _(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, inv_temp, row_weight,
+      col_weight, diag_offset):
+    acc = _acc(q.dtype)
+    return (q.new_empty((), dtype=acc), q.new_empty((3, q.shape[0]), dtype=acc),
+            q.new_empty((3, d.shape[0]), dtype=acc))
+
+
+@torch.library.custom_op("tempokern::multipos_infonce_backward", mutates_args=())
+def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.Tensor, q: torch.Tensor,
+                       d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.Tensor, d_lo: torch.Tensor,
+                       d_hi: torch.Tensor, extra_neg: Optional[torch.Tensor], A: Optional[torch.Tensor],
+                       Ct: Optional[torch.Tensor], b1: Optional[torch.Tensor], w2: Optional[torch.Tensor],
+                       b2: Optional[torch.Tensor], scale: Optional[torch.Tensor], zc: Optional[torch.Tensor],
+                       u_q: Optional[torch.Tensor], u_d: Optional[torch.Tensor], inv_temp: float,
+                       row_weight: float, col_weight: float, diag_offset: int) -> List[torch.Tensor]:
+    acc = _acc(q.dtype)
+    in_dtypes = (q.dtype, d.dtype, None if extra_neg is None else extra_neg.dtype)
+    q, d = _kernel_operand(q, acc), _kernel_operand(d, acc)
+    if extra_neg is not None:
+        extra_neg = _kernel_operand(extra_neg, acc)
+    grad = grad.to(acc).reshape(()).contiguous()
+
+    def zeros(t):
+        return None if t is None else torch.zeros(t.shape, dtype=acc, device=q.device)
+
+    grads = dict(dq=zeros(q), dd=zeros(d), dneg=zeros(extra_neg), dA=zeros(A), dCt=zeros(Ct), db1=zeros(b1),
+                 dw2=zeros(w2), db2=zeros(b2), dscale=zeros(scale), dzc=zeros(zc))
+    dev, stream = launch_args(q)
+    ptrs = _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d)
+    ptrs.update(row_stats=ptr(row_stats.contiguous()), col_stats=ptr(col_stats.contiguous()),
+                grad_loss=ptr(grad), **{k: ptr(v) for k, v in grads.items() if v is not None})
+    sizes = _sizes(q, d, extra_neg, A, diag_offset)
+    scalars = [inv_temp, row_weight, col_weight]
+    ws = _workspace(dev, dtype_code(q), sizes, scalars, ptrs, True, q)
+    _C.multipos_infonce_launch("bwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, ptr(ws),
+                               0 if ws is None else ws.numel())
+    out = []
+    for k in _GRAD_NAMES:
+        g = grads[k]
+        if g is None:
+            out.append(q.new_empty(0, dtype=acc))
+        else:
+            if k in ("dq", "dd", "dneg"):
+                g = g.to(in_dtypes[("dq", "dd", "dneg").index(k)])
+            out.append(g)
+    return out
+
+
+@_multipos_backward.register_fake
+def _(grad, row_stats, col_stats, q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d,
+      inv_temp, row_weight, col_weight, diag_offset):
+    acc = _acc(q.dtype)
+    out = [torch.empty_like(q, memory_format=torch.contiguous_format),
+           torch.empty_like(d, memory_format=torch.contiguous_format)]
+    out.append(q.new_empty(0, dtype=acc) if extra_neg is None
+               else torch.empty_like(extra_neg, memory_format=torch.contiguous_format))
+    for t in (A, Ct, b1, w2, b2, scale, zc):
+        out.append(q.new_empty(0, dtype=acc) if t is None else q.new_empty(t.shape, dtype=acc))
+    return out
+
+
+_DIFF_INPUTS = {0: 0, 1: 1, 6: 2, 7: 3, 8: 4, 9: 5, 10: 6, 11: 7, 12: 8, 13: 9}  # input index -> grad index
+
+
+def _setup(ctx, inputs, output):
+    _, row_stats, col_stats = output
+    ctx.save_for_backward(row_stats, col_stats, *inputs[:16])
+    ctx.scalars = inputs[16:]
+    ctx.present = [t is not None for t in inputs[:16]]
+
+
+def _backward(ctx, grad, _g_rows, _g_cols):
+    row_stats, col_stats, *ins = ctx.saved_tensors
+    ins = [t if present else None for t, present in zip(ins, ctx.present)]
+    grads = torch.ops.tempokern.multipos_infonce_backward(grad, row_stats, col_stats, *ins, *ctx.scalars)
+    out = [None] * 20
+    for i, g in _DIFF_INPUTS.items():
+        if ins[i] is not None and ctx.needs_input_grad[i]:
+            out[i] = grads[g].to(ins[i].dtype)
+    return tuple(out)
+
+
+_multipos.register_autograd(_backward, setup_context=_setup)
+
+
+# ---- preparation and validation ------------------------------------------------------------------
+
+def bias_kernel_inputs(bias: Sequence[torch.Tensor], acc: torch.dtype):
+    """(A, Ct, b1, w2, b2, scale, zc, u_q, u_d) for the kernel from offset_bias's 7 inputs, differentiable.
+
+    A[i, n] = [Ws cos(f u_q_i) + Wc sin(f u_q_i), Wc cos(f u_q_i) - Ws sin(f u_q_i)] (hidden x 2K),
+    Ct[:, j] = [sin(f u_d_j), cos(f u_d_j)], so w1 phi(u_d_j - u_q_i) = A_i Ct[:, j] (angle-difference identities);
+    zc = w1 phi(+-1) + b1 for the pairs where the clamp bites."""
+    u_q, u_d, w1, b1, w2, b2, scale = bias
+    hidden, D = w1.shape
+    K = max(1, D // 2)
+    P = min(2 * K, D)
+    W = w1.to(acc)
+    if P < 2 * K:
+        W = torch.cat([W[:, :P], W.new_zeros(hidden, 2 * K - P)], dim=1)
+    else:
+        W = W[:, :2 * K]
+    Ws, Wc = W[:, :K], W[:, K:]
+    f = bias_frequencies(D, acc, u_q.device)
+    uq, ud = u_q.to(acc), u_d.to(acc)
+    bq = uq[:, None] * f
+    sq, cq = torch.sin(bq)[:, None, :], torch.cos(bq)[:, None, :]
+    A = torch.cat([Ws * cq + Wc * sq, Wc * cq - Ws * sq], dim=-1).contiguous()
+    bd = ud[:, None] * f
+    Ct = torch.cat([torch.sin(bd), torch.cos(bd)], dim=1).t().contiguous()
+    ends = torch.tensor([1.0, -1.0], dtype=acc, device=u_q.device)
+    zc = (offset_features(ends, D) @ w1.to(acc).t() + b1.to(acc)).contiguous()
+    return (A, Ct, b1.to(acc).contiguous(), w2.to(acc).reshape(-1).contiguous(), b2.to(acc).reshape(()).contiguous(),
+            scale.to(acc).reshape(()).contiguous(), zc, uq.detach().contiguous(), ud.detach().contiguous())
+
+
+def _check_span(name: str, span, B: int):
+    if isinstance(span, torch.Tensor) or not isinstance(span, (tuple, list)) or len(span) != 2:
+        raise TypeError(f"{name} must be a (start, end) pair of integer tensors of shape ({B},)")
+    for k, t in zip(("start", "end"), span):
+        check_tensor(f"{name} {k}", t, ndim=1, integer=True)
+        if t.shape[0] != B:
+            raise ValueError(f"{name} {k} has length {t.shape[0]}, expected {B} (one span per row)")
+    return span
+
+
+def _span_bounds(span) -> Tuple[torch.Tensor, torch.Tensor]:
+    s, e = (t.to(torch.int64) for t in span)
+    return torch.minimum(s, e).contiguous(), torch.maximum(s, e).contiguous()
+
+
+def validate_bias(bias, Bq: int, Bd: int):
+    if isinstance(bias, torch.Tensor) or not isinstance(bias, (tuple, list)) or len(bias) != 7:
+        raise TypeError("bias must be None or the 7-tuple (u_q, u_d, w1, b1, w2, b2, scale) of offset_bias")
+    for n, t in zip(_BIAS_NAMES, bias):
+        check_tensor(f"bias {n}", t, floating=True)
+        check_finite(f"bias {n}", t)
+    u_q, u_d, w1, b1, w2, b2, scale = bias
+    if u_q.shape != (Bq,):
+        raise ValueError(f"bias u_q must have shape ({Bq},), got {tuple(u_q.shape)}")
+    if u_d.shape != (Bd,):
+        raise ValueError(f"bias u_d must have shape ({Bd},), got {tuple(u_d.shape)}")
+    if w1.dim() != 2 or w1.shape[0] < 1 or w1.shape[1] < 1:
+        raise ValueError(f"bias w1 must be (hidden, D) with hidden, D >= 1, got shape {tuple(w1.shape)}")
+    hidden = w1.shape[0]
+    if b1.shape != (hidden,):
+        raise ValueError(f"bias b1 must have shape ({hidden},) to match w1, got {tuple(b1.shape)}")
+    if w2.shape != (1, hidden):
+        raise ValueError(f"bias w2 must have shape (1, {hidden}) to match w1, got {tuple(w2.shape)}")
+    if b2.numel() != 1 or b2.dim() > 1:
+        raise ValueError(f"bias b2 must have shape (1,), got {tuple(b2.shape)}")
+    if scale.numel() != 1 or scale.dim() > 1:
+        raise ValueError(f"bias scale must be a scalar tensor, got shape {tuple(scale.shape)}")
+    return tuple(bias)
+
+
+def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
+                             row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0):
+    """The kernel entry on validated inputs: q (Bq, H) vs d (Bd, H), spans as int64 (lo, hi) bounds,
+    row/column weights (each loss is the mean over its own rows/columns) and the diagonal offset
+    (row i's fallback positive is column i + diag_offset). Used by multipos_infonce and CTDLoss."""
+    acc = _acc(q.dtype)
+    kb = (None,) * 9 if bias is None else bias_kernel_inputs(bias, acc)
+    loss, _, _ = torch.ops.tempokern.multipos_infonce(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, *kb,
+                                                      1.0 / temperature, float(row_weight), float(col_weight),
+                                                      int(diag_offset))
+    return loss
+
+
+def validate(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric, *, square: bool = True):
+    check_tensor("q", q, ndim=2, floating=True)
+    check_tensor("d", d, ndim=2, floating=True)
+    if d.dtype != q.dtype:
+        raise TypeError(f"d has dtype {d.dtype}, expected {q.dtype} like q")
+    if d.shape[1] != q.shape[1]:
+        raise ValueError(f"d has hidden size {d.shape[1]}, expected {q.shape[1]} like q (shapes {tuple(q.shape)}, "
+                         f"{tuple(d.shape)})")
+    if square and d.shape[0] != q.shape[0]:
+        raise ValueError(f"q and d must have the same batch size, got {q.shape[0]} and {d.shape[0]}")
+    if q.shape[1] < 1:
+        raise ValueError("q and d must have a hidden size >= 1")
+    _check_span("q_span", q_span, q.shape[0])
+    _check_span("d_span", d_span, d.shape[0])
+    temperature = check_positive("temperature", temperature)
+    if extra_neg is not None:
+        check_tensor("extra_neg", extra_neg, ndim=2, floating=True)
+        if extra_neg.shape[1] != q.shape[1]:
+            raise ValueError(f"extra_neg has hidden size {extra_neg.shape[1]}, expected {q.shape[1]} like q")
+        if extra_neg.dtype != q.dtype:
+            raise TypeError(f"extra_neg has dtype {extra_neg.dtype}, expected {q.dtype} like q")
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+    if bias is not None:
+        bias = validate_bias(bias, q.shape[0], d.shape[0])
+    devs = dict(q=q, d=d, q_start=q_span[0], q_end=q_span[1], d_start=d_span[0], d_end=d_span[1], extra_neg=extra_neg)
+    if bias is not None:
+        devs.update({f"bias {n}": t for n, t in zip(_BIAS_NAMES, bias)})
+    check_same_device(**devs)
+    for n, t in (("q", q), ("d", d), ("extra_neg", extra_neg)):
+        if t is not None:
+            check_finite(n, t)
+    return temperature, bias
+
+
+def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temperature: float,
+                     bias: Optional[Sequence[torch.Tensor]] = None, extra_neg: Optional[torch.Tensor] = None,
+                     symmetric: bool = True) -> torch.Tensor:
+    """Fused multi-positive interval-overlap InfoNCE; same semantics as
+    :func:`tempokern.reference.multipos_infonce`, memory O((B + N) * H + B * hidden * D).
+
+    q, d (B, H) used as given; q_span = (q_start, q_end), d_span = (d_start, d_end) integer (B,) tensors
+    (closed intervals, either order); bias None or offset_bias's (u_q, u_d, w1, b1, w2, b2, scale);
+    extra_neg (N, H) joins the q->d denominators only. Returns a 0-d float32 tensor (float64 for
+    float64 input); gradients flow to q, d, extra_neg and all seven bias inputs."""
+    temperature, bias = validate(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric)
+    q_lo, q_hi = _span_bounds(q_span)
+    d_lo, d_hi = _span_bounds(d_span)
+    w = 0.5 if symmetric else 1.0
+    return multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias,
+                                    extra_neg=extra_neg, row_weight=w, col_weight=w if symmetric else 0.0,
+                                    diag_offset=0)

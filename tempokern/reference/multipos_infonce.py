@@ -1,0 +1,53 @@
+"""Plain PyTorch multi-positive interval-overlap InfoNCE (the CTD training loss): the specification
+the fused kernels in tempokern.multipos_infonce are tested against. It materialises the (B, B) score
+matrix, the (B, N) extra-negative scores and, with a bias, offset_bias's (B, B, D) intermediates."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .offset_bias import offset_bias
+
+
+def _span_bounds(span: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    s, e = span
+    return torch.minimum(s, e), torch.maximum(s, e)
+
+
+def overlap_positives(q_span, d_span) -> torch.Tensor:
+    """(Bq, Bd) bool: closed intervals [min(qs, qe), max(qs, qe)] and [min(ds, de), max(ds, de)] intersect."""
+    qlo, qhi = _span_bounds(q_span)
+    dlo, dhi = _span_bounds(d_span)
+    return torch.maximum(qlo[:, None], dlo[None, :]) <= torch.minimum(qhi[:, None], dhi[None, :])
+
+
+def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temperature: float,
+                     bias: Optional[Sequence[torch.Tensor]] = None, extra_neg: Optional[torch.Tensor] = None,
+                     symmetric: bool = True) -> torch.Tensor:
+    """Multi-positive InfoNCE over in-batch scores s_ij = q_i . d_j / temperature + bias_ij.
+
+    q, d: (B, H). q_span = (q_start, q_end), d_span = (d_start, d_end): integer (B,) tensors.
+    Positives of row i: P_i = {j : the two closed intervals overlap}; a row with no positive uses its
+    diagonal j = i (likewise a column in the d->q direction). bias: None or the 7-tuple
+    (u_q, u_d, w1, b1, w2, b2, scale) of offset_bias, added to the q x d block only. extra_neg (N, H):
+    extra negatives with scores q_i . n_k / temperature, in the q->d denominators only.
+
+    loss_q = mean_i [logsumexp_all(s_i.) - logsumexp_{j in P_i}(s_ij)]; symmetric=True returns
+    (loss_q + loss_d) / 2 with loss_d the same over columns (no extra negatives there).
+    Computed in the inputs' dtype (plain PyTorch, no upcast)."""
+    B = q.shape[0]
+    s = (q @ d.t()) / temperature
+    if bias is not None:
+        s = s + offset_bias(*bias).to(s.dtype)
+    pos = overlap_positives(q_span, d_span)
+    eye = torch.eye(B, d.shape[0], dtype=torch.bool, device=q.device)
+    pos_r = pos | (eye & ~pos.any(dim=1, keepdim=True))
+    pos_c = pos | (eye & ~pos.any(dim=0, keepdim=True))
+    neg_inf = torch.finfo(s.dtype).min  # finite fill keeps logsumexp's backward NaN-free
+    s_all = s if extra_neg is None else torch.cat([s, (q @ extra_neg.t()) / temperature], dim=1)
+    loss_q = (torch.logsumexp(s_all, dim=1) - torch.logsumexp(s.masked_fill(~pos_r, neg_inf), dim=1)).mean()
+    if not symmetric:
+        return loss_q
+    loss_d = (torch.logsumexp(s, dim=0) - torch.logsumexp(s.masked_fill(~pos_c, neg_inf), dim=0)).mean()
+    return (loss_q + loss_d) / 2

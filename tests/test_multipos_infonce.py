@@ -1,0 +1,355 @@
+"""Fused multi-positive InfoNCE vs the plain PyTorch reference: loss and every gradient."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tempokern
+from tempokern.reference import multipos_infonce as ref
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make(B, H, *, N=0, bias=False, dtype=torch.float64, spans="random", hidden=5, D=7, u_lo=-0.5, u_hi=1.5,
+         seed=0, device="cpu", Bd=None):
+    g = torch.Generator().manual_seed(seed)
+    Bd = B if Bd is None else Bd
+    q = torch.randn(B, H, generator=g, dtype=torch.float64).to(dtype)
+    d = torch.randn(Bd, H, generator=g, dtype=torch.float64).to(dtype)
+    if spans == "random":
+        qs = torch.randint(0, 60, (B,), generator=g)
+        qe = qs + torch.randint(-4, 5, (B,), generator=g)
+        ds = torch.randint(0, 60, (Bd,), generator=g)
+        de = ds + torch.randint(-4, 5, (Bd,), generator=g)
+    elif spans == "disjoint":  # no pair overlaps: every row and column falls back to its diagonal
+        qs = torch.arange(B) * 10
+        qe = qs + 2
+        ds = torch.arange(Bd) * 10 + 5
+        de = ds + 3
+    else:  # "all": every pair overlaps
+        qs, qe = torch.zeros(B, dtype=torch.int64), torch.full((B,), 100)
+        ds, de = torch.full((Bd,), 100), torch.full((Bd,), 50)
+    neg = torch.randn(N, H, generator=g, dtype=torch.float64).to(dtype) if N else None
+    b = None
+    if bias:
+        b = (torch.empty(B, dtype=torch.float64).uniform_(u_lo, u_hi, generator=g).to(dtype),
+             torch.empty(Bd, dtype=torch.float64).uniform_(u_lo, u_hi, generator=g).to(dtype),
+             torch.randn(hidden, D, generator=g, dtype=torch.float64).to(dtype),
+             torch.randn(hidden, generator=g, dtype=torch.float64).to(dtype),
+             torch.randn(1, hidden, generator=g, dtype=torch.float64).to(dtype),
+             torch.randn(1, generator=g, dtype=torch.float64).to(dtype),
+             torch.tensor(0.7, dtype=dtype))
+    t = lambda x: None if x is None else x.to(device).requires_grad_()  # noqa: E731
+    q, d, neg = t(q), t(d), t(neg)
+    b = None if b is None else tuple(t(x) for x in b)
+    spans_ = ((qs.to(device), qe.to(device)), (ds.to(device), de.to(device)))
+    return q, d, spans_, neg, b
+
+
+def leaves(q, d, neg, b):
+    return [x for x in [q, d, neg] + list(b or ()) if x is not None]
+
+
+def run(fn, q, d, spans, neg, b, temperature=0.1, symmetric=True):
+    loss = fn(q, d, *spans, temperature=temperature, bias=b, extra_neg=neg, symmetric=symmetric)
+    grads = torch.autograd.grad(loss, leaves(q, d, neg, b))
+    return loss, grads
+
+
+def assert_close_all(a, b, rtol, atol):
+    la, ga = a
+    lb, gb = b
+    torch.testing.assert_close(la.to(lb.dtype), lb, rtol=rtol, atol=atol)
+    for i, (x, y) in enumerate(zip(ga, gb)):
+        torch.testing.assert_close(x.to(y.dtype), y, rtol=rtol, atol=atol, msg=lambda m: f"grad {i}: {m}")
+
+
+CASES = [  # B, H, N, bias, symmetric, spans
+    (7, 5, 0, False, True, "random"),
+    (97, 33, 0, False, True, "random"),      # not a multiple of the 64 x 96 tiles
+    (130, 33, 11, True, True, "random"),
+    (200, 40, 100, True, False, "random"),
+    (161, 17, 3, True, True, "disjoint"),    # every row/column uses its diagonal
+    (101, 9, 0, True, True, "all"),          # every pair positive
+    (65, 8, 130, False, False, "all"),
+    (1, 4, 2, True, True, "random"),
+]
+
+
+@pytest.mark.parametrize("B,H,N,bias,symmetric,spans", CASES)
+def test_parity_float64(B, H, N, bias, symmetric, spans):
+    q, d, sp, neg, b = make(B, H, N=N, bias=bias, spans=spans)
+    assert_close_all(run(tempokern.multipos_infonce, q, d, sp, neg, b, symmetric=symmetric),
+                     run(ref, q, d, sp, neg, b, symmetric=symmetric), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_parity_float32(bias):
+    q, d, sp, neg, b = make(300, 64, N=50, bias=bias, dtype=torch.float32)
+    fused = run(tempokern.multipos_infonce, q, d, sp, neg, b, temperature=0.05)
+    q64, d64, _, neg64, b64 = make(300, 64, N=50, bias=bias, dtype=torch.float64)
+    exact = run(ref, q64, d64, sp, neg64, b64, temperature=0.05)
+    assert fused[0].dtype == torch.float32
+    assert_close_all(fused, exact, rtol=1e-4, atol=1e-5)
+
+
+def test_bias_clamp_both_sides_and_inside():
+    # u spread over [-3, 4]: many pairs clamp at +1 and -1, others are inside; u beyond +-1 too.
+    q, d, sp, neg, b = make(150, 12, bias=True, u_lo=-3.0, u_hi=4.0, seed=3)
+    delta = b[1].detach()[None, :] - b[0].detach()[:, None]
+    assert (delta > 1).any() and (delta < -1).any() and (delta.abs() <= 1).any()
+    assert_close_all(run(tempokern.multipos_infonce, q, d, sp, neg, b), run(ref, q, d, sp, neg, b),
+                     rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("D", [1, 2, 5, 8])
+def test_bias_feature_sizes(D):
+    q, d, sp, neg, b = make(70, 6, bias=True, hidden=3, D=D, seed=D)
+    assert_close_all(run(tempokern.multipos_infonce, q, d, sp, neg, b), run(ref, q, d, sp, neg, b),
+                     rtol=1e-10, atol=1e-12)
+
+
+def test_gradcheck():
+    q, d, sp, neg, b = make(6, 4, N=3, bias=True, hidden=3, D=4, seed=1)
+    ins = leaves(q, d, neg, b)
+
+    def f(q, d, neg, *bias):
+        return tempokern.multipos_infonce(q, d, *sp, temperature=0.3, bias=bias, extra_neg=neg)
+
+    assert torch.autograd.gradcheck(f, tuple(ins), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_opcheck(bias):
+    from tempokern._ops.multipos_infonce import _span_bounds, bias_kernel_inputs
+    q, d, sp, neg, b = make(20, 6, N=4, bias=bias, dtype=torch.float32, seed=2)
+    kb = (None,) * 9 if b is None else tuple(
+        x.detach().requires_grad_(x.dtype.is_floating_point and i < 7) for i, x in
+        enumerate(bias_kernel_inputs(b, torch.float32)))
+    args = (q, d, *_span_bounds(sp[0]), *_span_bounds(sp[1]), neg, *kb, 10.0, 0.5, 0.5, 0)
+    torch.library.opcheck(torch.ops.tempokern.multipos_infonce, args)
+
+
+def test_loss_matches_hand_computation():
+    # 2 x 2 with hand-picked spans: row 0 overlaps both docs, row 1 none (diagonal fallback).
+    q = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    d = torch.tensor([[0.5, 0.5], [1.0, -1.0]], dtype=torch.float64)
+    sp_q = (torch.tensor([0, 10]), torch.tensor([5, 12]))
+    sp_d = (torch.tensor([3, 4]), torch.tensor([4, 6]))
+    s = q @ d.t()  # temperature 1
+    row0 = torch.logsumexp(s[0], 0) - torch.logsumexp(s[0], 0)            # both positive -> 0
+    row1 = torch.logsumexp(s[1], 0) - s[1, 1]                              # fallback: diagonal
+    col0 = torch.logsumexp(s[:, 0], 0) - s[0, 0]                           # column 0: only row 0 overlaps
+    col1 = torch.logsumexp(s[:, 1], 0) - s[0, 1]
+    want = ((row0 + row1) / 2 + (col0 + col1) / 2) / 2
+    got = tempokern.multipos_infonce(q, d, sp_q, sp_d, temperature=1.0)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("temperature", [0.01, 0.1, 1.0])
+def test_numerics_large_scores(temperature):
+    # |q.d| / temperature up to ~1e4: nothing overflows, and the result matches float64.
+    q, d, sp, neg, b = make(90, 16, N=7, bias=True)
+    with torch.no_grad():
+        for x in (q, d, neg):
+            x.mul_(25.0 / 4.0)  # |q.d| up to ~100 -> /0.01 = 1e4
+    q32, d32, neg32 = (x.detach().float().requires_grad_() for x in (q, d, neg))
+    b32 = tuple(x.detach().float().requires_grad_() for x in b)
+    loss32, g32 = run(tempokern.multipos_infonce, q32, d32, sp, neg32, b32, temperature=temperature)
+    s_max = (q.detach() @ d.detach().t()).abs().max().item() / temperature
+    assert s_max > 5e3 or temperature > 0.01
+    assert torch.isfinite(loss32) and all(torch.isfinite(g).all() for g in g32)
+    loss64, g64 = run(ref, q, d, sp, neg, b, temperature=temperature)
+    torch.testing.assert_close(loss32.double(), loss64, rtol=1e-4, atol=1e-2 if temperature == 0.01 else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_tolerance_rule(dtype):
+    # Fused error vs the float32 reference at most ~2x plain PyTorch's own error in that dtype.
+    q, d, sp, neg, b = make(120, 32, N=10, dtype=torch.float32)
+    with torch.no_grad():
+        for x in (q, d, neg):
+            x.mul_(0.2)
+    exact = ref(q, d, *sp, temperature=0.1, extra_neg=neg).item()
+    qh, dh, nh = (x.detach().to(dtype) for x in (q, d, neg))
+    plain = ref(qh, dh, *sp, temperature=0.1, extra_neg=nh).float().item()
+    fused_loss = tempokern.multipos_infonce(qh.requires_grad_(), dh, *sp, temperature=0.1, extra_neg=nh)
+    fused_loss.backward()
+    assert qh.grad.dtype == dtype and torch.isfinite(qh.grad.float()).all()
+    err_plain = abs(plain - exact)
+    assert abs(fused_loss.item() - exact) <= 2 * err_plain + 1e-5
+
+
+def test_bad_inputs():
+    q, d, sp, neg, b = make(8, 4, N=2, bias=True, dtype=torch.float32)
+    f = tempokern.multipos_infonce
+    with pytest.raises(TypeError, match="q_span start"):
+        f(q, d, (sp[0][0].float(), sp[0][1]), sp[1], temperature=0.1)
+    with pytest.raises(ValueError, match="d_span end has length 7"):
+        f(q, d, sp[0], (sp[1][0], sp[1][1][:7]), temperature=0.1)
+    with pytest.raises(TypeError, match="q_span"):
+        f(q, d, sp[0][0], sp[1], temperature=0.1)
+    with pytest.raises(ValueError, match="extra_neg has hidden size 5"):
+        f(q, d, *sp, temperature=0.1, extra_neg=torch.randn(3, 5))
+    with pytest.raises(ValueError, match="temperature"):
+        f(q, d, *sp, temperature=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        f(q, d, *sp, temperature=-1.0)
+    with pytest.raises(ValueError, match="same batch size"):
+        f(q, d[:7], sp[0], (sp[1][0][:7], sp[1][1][:7]), temperature=0.1)
+    with pytest.raises(ValueError, match="hidden size"):
+        f(q, d[:, :3], *sp, temperature=0.1)
+    with pytest.raises(TypeError, match="dtype"):
+        f(q, d.double(), *sp, temperature=0.1)
+    with pytest.raises(ValueError, match="one device"):
+        f(q, d.to("meta"), *sp, temperature=0.1)
+    with pytest.raises(TypeError, match="7-tuple"):
+        f(q, d, *sp, temperature=0.1, bias=b[:6])
+    with pytest.raises(ValueError, match="bias b1"):
+        f(q, d, *sp, temperature=0.1, bias=(b[0], b[1], b[2], b[3][:-1], b[4], b[5], b[6]))
+    with pytest.raises(ValueError, match="bias u_d"):
+        f(q, d, *sp, temperature=0.1, bias=(b[0], b[1][:5], *b[2:]))
+    with pytest.raises(ValueError, match="bias scale"):
+        f(q, d, *sp, temperature=0.1, bias=(*b[:6], torch.ones(2)))
+    with pytest.raises(TypeError, match="symmetric"):
+        f(q, d, *sp, temperature=0.1, symmetric=1)
+
+
+def test_memory_no_bxb_buffer():
+    """Runs B = 9000 under an address-space limit 256 MiB above the inputs: a single B x B float32
+    matrix (309 MiB) cannot be allocated, so the fused op passing proves it never builds one, forward
+    or backward. The reference is run under the same limit to show the limit bites."""
+    script = textwrap.dedent("""
+        import resource, sys, torch, tempokern
+        from tempokern.reference import multipos_infonce as ref
+        torch.manual_seed(0)
+        B, H = 9000, 16
+        q = torch.randn(B, H, requires_grad=True); d = torch.randn(B, H, requires_grad=True)
+        qs = torch.randint(0, 1000, (B,)); ds = torch.randint(0, 1000, (B,))
+        bias = (torch.rand(B).requires_grad_(), torch.rand(B).requires_grad_(), torch.randn(4, 4, requires_grad=True),
+                torch.randn(4, requires_grad=True), torch.randn(1, 4, requires_grad=True),
+                torch.zeros(1, requires_grad=True), torch.tensor(0.5, requires_grad=True))
+        neg = torch.randn(500, H, requires_grad=True)
+        # warm the op (registration, thread pools) before the limit
+        tempokern.multipos_infonce(q[:100], d[:100], (qs[:100], qs[:100] + 5), (ds[:100], ds[:100] + 5),
+                                   temperature=0.05, bias=tuple(x[:100] if x.dim() == 1 and x.shape[0] == B else x
+                                   for x in bias)).backward()
+        vm = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024
+        limit = vm + 256 * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        loss = tempokern.multipos_infonce(q, d, (qs, qs + 5), (ds, ds + 5), temperature=0.05, bias=bias, extra_neg=neg)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(q.grad).all() and torch.isfinite(bias[2].grad).all()
+        print("FUSED_OK", float(loss))
+        try:
+            ref(q, d, (qs, qs + 5), (ds, ds + 5), temperature=0.05, bias=bias, extra_neg=neg).backward()
+            print("REF_OK")
+        except (RuntimeError, MemoryError):
+            print("REF_OOM")
+    """)
+    env = dict(os.environ, OMP_NUM_THREADS="2", MALLOC_ARENA_MAX="2", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert "FUSED_OK" in r.stdout, r.stdout + r.stderr
+    assert "REF_OOM" in r.stdout, r.stdout + r.stderr
+
+
+# ---- CUDA (runs only where a GPU exists) ---------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("B,N,symmetric", [(300, 0, True), (129, 70, False), (1000, 33, True)])
+def test_cuda_parity_float32(B, N, bias, symmetric):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    q, d, sp, neg, b = make(B, 72, N=N, bias=bias, dtype=torch.float32, device="cuda")
+    q64, d64, sp64, neg64, b64 = make(B, 72, N=N, bias=bias, dtype=torch.float64)
+    fused = run(tempokern.multipos_infonce, q, d, sp, neg, b, symmetric=symmetric)
+    exact = run(ref, q64, d64, sp64, neg64, b64, symmetric=symmetric)
+    fused = (fused[0].cpu(), [g.cpu() for g in fused[1]])
+    assert_close_all(fused, exact, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cuda_half_tolerance_rule(dtype, bias):
+    q, d, sp, neg, b = make(777, 128, N=40, bias=bias, dtype=torch.float32, device="cuda")
+    with torch.no_grad():
+        for x in (q, d, neg):
+            x.mul_(0.1)
+    exact, gex = run(ref, q, d, sp, neg, b)
+    qh, dh, nh = (x.detach().to(dtype).requires_grad_() for x in (q, d, neg))
+    plain, gpl = run(ref, qh, dh, sp, nh, b)
+    fused, gfu = run(tempokern.multipos_infonce, qh, dh, sp, nh, b)
+    assert abs(fused.item() - exact.item()) <= 2 * abs(plain.float().item() - exact.item()) + 1e-4
+    for gf, gp, ge in zip(gfu[:3], gpl[:3], gex[:3]):
+        err_f = (gf.float() - ge).abs().max().item()
+        err_p = (gp.float() - ge).abs().max().item()
+        assert err_f <= 2 * err_p + 1e-6
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_all_fallback_and_all_positive():
+    for spans in ("disjoint", "all"):
+        q, d, sp, neg, b = make(211, 40, N=5, bias=True, dtype=torch.float32, device="cuda", spans=spans)
+        q64, d64, sp64, neg64, b64 = make(211, 40, N=5, bias=True, spans=spans)
+        fused = run(tempokern.multipos_infonce, q, d, sp, neg, b)
+        exact = run(ref, q64, d64, sp64, neg64, b64)
+        assert_close_all((fused[0].cpu(), [g.cpu() for g in fused[1]]), exact, rtol=2e-4, atol=2e-5)
+
+
+def test_non_contiguous_inputs():
+    # strided rows (row stride 2H), a transposed view and a strided extra_neg give the same numbers
+    q, d, sp, neg, b = make(77, 10, N=9, bias=True, seed=5)
+    big_q = torch.zeros(77, 20, dtype=q.dtype)
+    big_q[:, :10] = q.detach()
+    qv = big_q[:, :10].requires_grad_()
+    dt = d.detach().t().contiguous().t().requires_grad_()  # column-major storage
+    negv = torch.stack([neg.detach(), neg.detach()], dim=2)[:, :, 0].requires_grad_()
+    assert qv.stride(0) == 20 and dt.stride(1) != 1 and negv.stride(1) == 2
+    got = run(tempokern.multipos_infonce, qv, dt, sp, negv, b)
+    want = run(ref, q, d, sp, neg, b)
+    assert_close_all(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_parity_random_configs(seed):
+    g = torch.Generator().manual_seed(1000 + seed)
+    ri = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    B, H, N = ri(1, 230), ri(1, 40), ri(0, 1) * ri(1, 120)
+    bias, symmetric = bool(ri(0, 1)), bool(ri(0, 1))
+    spans = ("random", "random", "disjoint", "all")[ri(0, 3)]
+    spread = (0.2, 1.0, 3.0)[ri(0, 2)]
+    q, d, sp, neg, b = make(B, H, N=N, bias=bias, spans=spans, hidden=ri(1, 9), D=ri(1, 12),
+                            u_lo=-spread, u_hi=1 + spread, seed=seed)
+    temperature = (0.02, 0.1, 0.7)[ri(0, 2)]
+    assert_close_all(run(tempokern.multipos_infonce, q, d, sp, neg, b, temperature, symmetric),
+                     run(ref, q, d, sp, neg, b, temperature, symmetric), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_float32_tf32_allowed():
+    # With allow_tf32 the float32 score tiles use TF32 tensor cores: compare with torch's own TF32 error.
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        q, d, sp, neg, b = make(500, 96, N=20, bias=True, dtype=torch.float32, device="cuda")
+        with torch.no_grad():
+            for x in (q, d, neg):
+                x.mul_(0.1)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        exact = run(ref, q, d, sp, neg, b)[0].item()
+        torch.backends.cuda.matmul.allow_tf32 = True
+        plain = run(ref, q, d, sp, neg, b)[0].item()
+        fused = run(tempokern.multipos_infonce, q, d, sp, neg, b)[0].item()
+        assert abs(fused - exact) <= 2 * abs(plain - exact) + 1e-4
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
