@@ -4,6 +4,7 @@ from . import _C  # noqa: F401  (compiled kernels; imports without a GPU driver)
 from ._build import build_info
 from ._ops.common import debug_checks_enabled, set_debug_checks
 from ._ops.calendar import calendar_context, calendar_scalar, fourier_table
+from ._ops.ctd_topk import ctd_topk
 from . import reference
 
 __all__ = [

@@ -1,0 +1,335 @@
+// CPU fused CTD top-k. Each thread streams its own contiguous slice of the gallery in
+// chunks: packs the chunk (converted to A) into NR-wide panels, scores it against all
+// queries with a register-blocked MR x NR micro-kernel, adds the bias, and keeps a
+// per-query candidate buffer pruned to the k best. Threads' lists merge at the end.
+// Memory: packed queries (Q x H), per-thread (Q x 2k) candidates and one chunk.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+#include <omp.h>
+#include "ctd_topk/ctd_topk.h"
+
+namespace tk {
+namespace {
+
+template <typename A> struct VecT;
+template <> struct VecT<float> { typedef float type __attribute__((vector_size(32))); };
+template <> struct VecT<double> { typedef double type __attribute__((vector_size(32))); };
+
+constexpr int MR = 6;          // query rows per micro-tile
+constexpr int kChunkPanels = 4;  // gallery panels per chunk (chunk = 4 * NR rows)
+constexpr int kBiasCB = 4;       // hidden units per bias micro-tile
+
+template <typename A> struct Aligned {
+  A* ptr = nullptr;
+  explicit Aligned(size_t n) {
+    size_t bytes = ((n * sizeof(A) + 63) / 64) * 64;
+    ptr = static_cast<A*>(std::aligned_alloc(64, bytes ? bytes : 64));
+    if (!ptr) throw std::bad_alloc();
+    std::memset(ptr, 0, bytes ? bytes : 64);
+  }
+  ~Aligned() { std::free(ptr); }
+  Aligned(const Aligned&) = delete;
+  Aligned& operator=(const Aligned&) = delete;
+};
+
+template <typename A> struct Cand { A s; int64_t i; };
+
+// Score descending, then lower index first: the order of the output.
+template <typename A> inline bool better(const Cand<A>& a, const Cand<A>& b) {
+  return a.s > b.s || (a.s == b.s && a.i < b.i);
+}
+
+// One query's running candidates within one thread's gallery slice (indices only increase).
+template <typename A> struct TopBuf {
+  Cand<A>* c;
+  int64_t n, cap, k;
+  A thr;  // a new item must beat this strictly (ties lose: their index is higher)
+  void prune() {
+    std::nth_element(c, c + (k - 1), c + n, better<A>);
+    n = k;
+    thr = c[k - 1].s;
+    for (int64_t j = 0; j < k - 1; ++j)
+      if (c[j].s < thr) thr = c[j].s;
+  }
+  inline void push(A s, int64_t i) {
+    if (n == cap) prune();
+    c[n++] = Cand<A>{s, i};
+  }
+};
+
+inline bool excluded(const int64_t* row, int64_t m, int64_t idx) {
+  return row && std::binary_search(row, row + m, idx);
+}
+
+template <typename T, typename A>
+struct Kernel {
+  using V = typename VecT<A>::type;
+  static constexpr int VL = 32 / sizeof(A);
+  static constexpr int NR = 2 * VL;
+
+  const CtdTopkParams& p;
+  int64_t Q, N, H, k, QP, K2, HB;
+  A temp, bias_plus = 0, bias_minus = 0;
+  std::unique_ptr<Aligned<A>> qpack;   // (QP panels, H, MR)
+  std::unique_ptr<Aligned<A>> amat;    // exact bias: (Q, K2, HB) first layer folded with the query's angle
+  std::vector<A> b1v, w2v, fr;
+
+  explicit Kernel(const CtdTopkParams& pp) : p(pp) {
+    Q = p.Q; N = p.N; H = p.H; k = p.k;
+    QP = (Q + MR - 1) / MR;
+    temp = (A)p.temperature;
+    qpack.reset(new Aligned<A>((size_t)QP * H * MR));
+    A* qp = qpack->ptr;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < QP; ++b)
+      for (int r = 0; r < MR; ++r) {
+        const int64_t i = b * MR + r;
+        if (i >= Q) continue;
+        const T* src = static_cast<const T*>(p.q) + i * p.q_stride;
+        A* dst = qp + b * H * MR + r;
+        for (int64_t h = 0; h < H; ++h) dst[h * MR] = load(src, h);
+      }
+    if (p.bias == CtdBias::Exact) setup_exact();
+  }
+
+  // Exact bias for one delta, straight from the formula (used for the clamped ends).
+  A bias_at(double delta) const {
+    const A* w1 = static_cast<const A*>(p.w1);
+    double out = 0;
+    for (int64_t c = 0; c < p.hidden; ++c) {
+      double h = b1v[c];
+      for (int64_t kk = 0; kk < p.K; ++kk) {
+        const double a = (double)fr[kk] * delta;
+        if (kk < p.D) h += (double)w1[c * p.D + kk] * std::sin(a);
+        if (p.K + kk < p.D) h += (double)w1[c * p.D + p.K + kk] * std::cos(a);
+      }
+      out += (double)w2v[c] * std::max(h, 0.0);
+    }
+    return (A)(p.scale * (out + p.b2));
+  }
+
+  // sin(f (ug - uq)) and cos(f (ug - uq)) expand into per-row and per-column terms, so the
+  // first layer is amat[i] (2K x hidden) times the gallery row's [sin(f ug), cos(f ug)].
+  void setup_exact() {
+    K2 = 2 * p.K;
+    HB = (p.hidden + kBiasCB - 1) / kBiasCB * kBiasCB;
+    const A* w1 = static_cast<const A*>(p.w1);
+    const A* uq = static_cast<const A*>(p.u_q);
+    fr.assign(static_cast<const A*>(p.freqs), static_cast<const A*>(p.freqs) + p.K);
+    b1v.assign(HB, A(0));
+    w2v.assign(HB, A(0));
+    for (int64_t c = 0; c < p.hidden; ++c) {
+      b1v[c] = static_cast<const A*>(p.b1)[c];
+      w2v[c] = static_cast<const A*>(p.w2)[c];
+    }
+    bias_plus = bias_at(1.0);
+    bias_minus = bias_at(-1.0);
+    amat.reset(new Aligned<A>((size_t)Q * K2 * HB));
+    A* am = amat->ptr;
+    const int64_t K = p.K, D = p.D;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < Q; ++i) {
+      A* m = am + i * K2 * HB;
+      for (int64_t kk = 0; kk < K; ++kk) {
+        const double a = (double)fr[kk] * (double)uq[i];
+        const A sq = (A)std::sin(a), cq = (A)std::cos(a);
+        for (int64_t c = 0; c < p.hidden; ++c) {
+          const A ws = kk < D ? w1[c * D + kk] : A(0);
+          const A wc = K + kk < D ? w1[c * D + K + kk] : A(0);
+          m[kk * HB + c] = ws * cq + wc * sq;         // multiplies sin(f ug)
+          m[(K + kk) * HB + c] = wc * cq - ws * sq;   // multiplies cos(f ug)
+        }
+      }
+    }
+  }
+
+  static inline V vload(const A* x) { V v; std::memcpy(&v, x, sizeof(V)); return v; }
+  static inline void vstore(A* x, V v) { std::memcpy(x, &v, sizeof(V)); }
+
+  // out[r][0..NR) = sum_h qp[h][r] * gp[h][0..NR)
+  inline void dot_tile(const A* __restrict qp, const A* __restrict gp, A (*out)[NR]) const {
+    V c00 = {}, c01 = {}, c10 = {}, c11 = {}, c20 = {}, c21 = {}, c30 = {}, c31 = {}, c40 = {}, c41 = {},
+      c50 = {}, c51 = {};
+    for (int64_t h = 0; h < H; ++h) {
+      const V b0 = vload(gp + h * NR), b1 = vload(gp + h * NR + VL);
+      const A* a = qp + h * MR;
+      A a0 = a[0], a1 = a[1], a2 = a[2];
+      c00 += a0 * b0; c01 += a0 * b1;
+      c10 += a1 * b0; c11 += a1 * b1;
+      c20 += a2 * b0; c21 += a2 * b1;
+      a0 = a[3]; a1 = a[4]; a2 = a[5];
+      c30 += a0 * b0; c31 += a0 * b1;
+      c40 += a1 * b0; c41 += a1 * b1;
+      c50 += a2 * b0; c51 += a2 * b1;
+    }
+    vstore(out[0], c00); vstore(out[0] + VL, c01);
+    vstore(out[1], c10); vstore(out[1] + VL, c11);
+    vstore(out[2], c20); vstore(out[2] + VL, c21);
+    vstore(out[3], c30); vstore(out[3] + VL, c31);
+    vstore(out[4], c40); vstore(out[4] + VL, c41);
+    vstore(out[5], c50); vstore(out[5] + VL, c51);
+  }
+
+  // Exact bias of query i against one gallery panel: fp (K2, NR) holds [sin(f ug); cos(f ug)].
+  inline void bias_tile(int64_t i, const A* __restrict fp, A* out) const {
+    const A* m = amat->ptr + i * K2 * HB;
+    V o0 = {}, o1 = {};
+    for (int64_t c0 = 0; c0 < HB; c0 += kBiasCB) {
+      V h00 = {}, h01 = {}, h10 = {}, h11 = {}, h20 = {}, h21 = {}, h30 = {}, h31 = {};
+      h00 += b1v[c0]; h01 += b1v[c0];
+      h10 += b1v[c0 + 1]; h11 += b1v[c0 + 1];
+      h20 += b1v[c0 + 2]; h21 += b1v[c0 + 2];
+      h30 += b1v[c0 + 3]; h31 += b1v[c0 + 3];
+      for (int64_t kk = 0; kk < K2; ++kk) {
+        const V f0 = vload(fp + kk * NR), f1 = vload(fp + kk * NR + VL);
+        const A* a = m + kk * HB + c0;
+        h00 += a[0] * f0; h01 += a[0] * f1;
+        h10 += a[1] * f0; h11 += a[1] * f1;
+        h20 += a[2] * f0; h21 += a[2] * f1;
+        h30 += a[3] * f0; h31 += a[3] * f1;
+      }
+      const V z = {};
+      o0 += w2v[c0] * (h00 > z ? h00 : z); o1 += w2v[c0] * (h01 > z ? h01 : z);
+      o0 += w2v[c0 + 1] * (h10 > z ? h10 : z); o1 += w2v[c0 + 1] * (h11 > z ? h11 : z);
+      o0 += w2v[c0 + 2] * (h20 > z ? h20 : z); o1 += w2v[c0 + 2] * (h21 > z ? h21 : z);
+      o0 += w2v[c0 + 3] * (h30 > z ? h30 : z); o1 += w2v[c0 + 3] * (h31 > z ? h31 : z);
+    }
+    vstore(out, o0);
+    vstore(out + VL, o1);
+  }
+
+  inline A table_at(A uq, A ug) const {
+    A d = ug - uq;
+    d = d < A(-1) ? A(-1) : (d > A(1) ? A(1) : d);
+    const A t = (d + A(1)) * (A)(0.5 * (double)(p.P - 1));
+    int64_t j = (int64_t)std::floor(t);
+    j = j < 0 ? 0 : (j > p.P - 2 ? p.P - 2 : j);
+    const A fr_ = t - (A)j;
+    const A v0 = p.table[j], v1 = p.table[j + 1];
+    return v0 + fr_ * (v1 - v0);
+  }
+
+  // Scores gallery rows [lo, hi) against every query into this thread's buffers.
+  void scan(int64_t lo, int64_t hi, std::vector<TopBuf<A>>& bufs) const {
+    const int64_t NC = (int64_t)kChunkPanels * NR;
+    Aligned<A> gpack((size_t)kChunkPanels * H * NR);
+    Aligned<A> fpack(p.bias == CtdBias::Exact ? (size_t)kChunkPanels * K2 * NR : 1);
+    std::vector<A> ugc(NC, A(0));
+    alignas(64) A tile[MR][NR];
+    alignas(64) A btile[NR];
+    const A* ug = static_cast<const A*>(p.u_g);
+    const A* uq = static_cast<const A*>(p.u_q);
+    const T* g = static_cast<const T*>(p.g);
+    for (int64_t c0 = lo; c0 < hi; c0 += NC) {
+      const int64_t nc = std::min(NC, hi - c0);
+      const int64_t npan = (nc + NR - 1) / NR;
+      for (int64_t j = 0; j < npan * NR; ++j) {
+        A* dst = gpack.ptr + (j / NR) * H * NR + (j % NR);
+        if (j < nc) {
+          const T* src = g + (c0 + j) * p.g_stride;
+          for (int64_t h = 0; h < H; ++h) dst[h * NR] = load(src, h);
+        } else {
+          for (int64_t h = 0; h < H; ++h) dst[h * NR] = A(0);
+        }
+        if (p.bias != CtdBias::None) ugc[j] = j < nc ? ug[c0 + j] : A(0);
+      }
+      if (p.bias == CtdBias::Exact) {
+        for (int64_t j = 0; j < npan * NR; ++j) {
+          A* dst = fpack.ptr + (j / NR) * K2 * NR + (j % NR);
+          for (int64_t kk = 0; kk < p.K; ++kk) {
+            const double a = (double)fr[kk] * (double)ugc[j];
+            dst[kk * NR] = (A)std::sin(a);
+            dst[(p.K + kk) * NR] = (A)std::cos(a);
+          }
+        }
+      }
+      for (int64_t qb = 0; qb < QP; ++qb) {
+        const A* qp = qpack->ptr + qb * H * MR;
+        const int rows = (int)std::min<int64_t>(MR, Q - qb * MR);
+        for (int64_t jp = 0; jp < npan; ++jp) {
+          dot_tile(qp, gpack.ptr + jp * H * NR, tile);
+          const int cols = (int)std::min<int64_t>(NR, nc - jp * NR);
+          for (int r = 0; r < rows; ++r) {
+            const int64_t i = qb * MR + r;
+            A* s = tile[r];
+            for (int j = 0; j < NR; ++j) s[j] = s[j] / temp;
+            if (p.bias == CtdBias::Exact) {
+              bias_tile(i, fpack.ptr + jp * K2 * NR, btile);
+              for (int j = 0; j < cols; ++j) {
+                const A d = ugc[jp * NR + j] - uq[i];
+                const A b = d > A(1) ? bias_plus : (d < A(-1) ? bias_minus : (A)(p.scale * ((double)btile[j] + p.b2)));
+                s[j] += b;
+              }
+            } else if (p.bias == CtdBias::Table) {
+              for (int j = 0; j < cols; ++j) s[j] += table_at(uq[i], ugc[jp * NR + j]);
+            }
+            TopBuf<A>& tb = bufs[i];
+            const int64_t* ex = p.exclude ? p.exclude + i * p.m : nullptr;
+            for (int j = 0; j < cols; ++j) {
+              if (!(s[j] > tb.thr)) continue;
+              const int64_t idx = c0 + jp * NR + j;
+              if (excluded(ex, p.m, idx)) continue;
+              tb.push(s[j], idx);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  void run() {
+    int NT = omp_get_max_threads();
+    const int64_t NC = (int64_t)kChunkPanels * NR;
+    NT = (int)std::max<int64_t>(1, std::min<int64_t>(NT, (N + NC - 1) / NC));
+    // slices aligned to NR so panels never straddle two threads
+    const int64_t panels = (N + NR - 1) / NR;
+    const int64_t cap = std::max<int64_t>(2 * k, k + 64);
+    std::vector<Cand<A>> store((size_t)NT * Q * cap);
+    std::vector<std::vector<TopBuf<A>>> all(NT);
+#pragma omp parallel num_threads(NT)
+    {
+      const int t = omp_get_thread_num();
+      const int64_t lo = std::min(N, panels * t / NT * NR), hi = std::min(N, panels * (t + 1) / NT * NR);
+      auto& bufs = all[t];
+      bufs.resize(Q);
+      for (int64_t i = 0; i < Q; ++i)
+        bufs[i] = TopBuf<A>{store.data() + ((size_t)t * Q + i) * cap, 0, cap, k,
+                            -std::numeric_limits<A>::infinity()};
+      if (hi > lo) scan(lo, hi, bufs);
+    }
+    A* vals = static_cast<A*>(p.values);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < Q; ++i) {
+      std::vector<Cand<A>> merged;
+      for (int t = 0; t < NT; ++t) {
+        const TopBuf<A>& b = all[t][i];
+        merged.insert(merged.end(), b.c, b.c + b.n);
+      }
+      const int64_t take = std::min<int64_t>(k, (int64_t)merged.size());
+      std::partial_sort(merged.begin(), merged.begin() + take, merged.end(), better<A>);
+      for (int64_t j = 0; j < k; ++j) {
+        vals[i * k + j] = j < take ? merged[j].s : -std::numeric_limits<A>::infinity();
+        p.indices[i * k + j] = j < take ? merged[j].i : -1;
+      }
+    }
+  }
+};
+
+template <typename T>
+void run_typed(const CtdTopkParams& p) {
+  using A = typename Acc<T>::type;
+  Kernel<T, A>(p).run();
+}
+
+}  // namespace
+
+void ctd_topk_cpu(const CtdTopkParams& p) {
+  dispatch_float(p.dtype, [&](auto t) { run_typed<decltype(t)>(p); });
+}
+
+}  // namespace tk
