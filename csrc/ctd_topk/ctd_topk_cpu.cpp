@@ -22,7 +22,7 @@ template <> struct VecT<double> { typedef double type __attribute__((vector_size
 
 constexpr int MR = 6;          // query rows per micro-tile
 constexpr int kChunkPanels = 4;  // gallery panels per chunk (chunk = 4 * NR rows)
-constexpr int kBiasCB = 4;       // hidden units per bias micro-tile
+constexpr int kBiasCB = 3;       // hidden units per bias micro-tile
 
 template <typename A> struct Aligned {
   A* ptr = nullptr;
@@ -75,6 +75,7 @@ struct Kernel {
   const CtdTopkParams& p;
   int64_t Q, N, H, k, QP, K2, HB;
   A temp, bias_plus = 0, bias_minus = 0;
+  A bias_ub = std::numeric_limits<A>::infinity();  // >= every computed bias value (pruning)
   std::unique_ptr<Aligned<A>> qpack;   // (QP panels, H, MR)
   std::unique_ptr<Aligned<A>> amat;    // exact bias: (Q, K2, HB) first layer folded with the query's angle
   std::vector<A> b1v, w2v, fr;
@@ -95,6 +96,13 @@ struct Kernel {
         for (int64_t h = 0; h < H; ++h) dst[h * MR] = load(src, h);
       }
     if (p.bias == CtdBias::Exact) setup_exact();
+    if (p.bias == CtdBias::Table) {
+      // interpolation never leaves [min, max] of the samples, up to rounding
+      double mx = -std::numeric_limits<double>::infinity(), amax = 0;
+      for (int64_t j = 0; j < p.P; ++j) { mx = std::max(mx, (double)p.table[j]); amax = std::max(amax, std::fabs((double)p.table[j])); }
+      const double ub = mx + 8.0 * (double)std::numeric_limits<float>::epsilon() * amax;
+      bias_ub = std::isfinite(ub) ? (A)ub : std::numeric_limits<A>::infinity();
+    }
   }
 
   // Exact bias for one delta, straight from the formula (used for the clamped ends).
@@ -129,7 +137,7 @@ struct Kernel {
     }
     bias_plus = bias_at(1.0);
     bias_minus = bias_at(-1.0);
-    amat.reset(new Aligned<A>((size_t)Q * K2 * HB));
+    amat.reset(new Aligned<A>((size_t)(Q + 1) * K2 * HB));  // +1: bias_tile2 reads query pairs
     A* am = amat->ptr;
     const int64_t K = p.K, D = p.D;
 #pragma omp parallel for schedule(static)
@@ -146,6 +154,52 @@ struct Kernel {
         }
       }
     }
+    bias_ub = upper_bound();
+  }
+
+  // A rigorous upper bound of the bias over delta in [-1, 1], so a pair whose semantic score
+  // plus this bound cannot reach a query's current k-th score skips the bias (exact pruning).
+  // Max over S samples, plus Lipschitz constant x half the spacing, plus a rounding margin.
+  A upper_bound() const {
+    const A* w1 = static_cast<const A*>(p.w1);
+    const int64_t S = 1025, K = p.K, D = p.D;
+    double lip = 0, mag = 0;
+    for (int64_t c = 0; c < p.hidden; ++c) {
+      double l = 0, a = std::fabs((double)b1v[c]);
+      for (int64_t kk = 0; kk < K; ++kk) {
+        const double ws = kk < D ? std::fabs((double)w1[c * D + kk]) : 0.0;
+        const double wc = K + kk < D ? std::fabs((double)w1[c * D + K + kk]) : 0.0;
+        l += (double)fr[kk] * (ws + wc);
+        a += ws + wc;
+      }
+      lip += std::fabs((double)w2v[c]) * l;
+      mag += std::fabs((double)w2v[c]) * a;
+    }
+    std::vector<double> phi(2 * K), h(p.hidden);
+    double best = -std::numeric_limits<double>::infinity();
+    for (int64_t sidx = 0; sidx < S; ++sidx) {
+      const double delta = -1.0 + 2.0 * (double)sidx / (double)(S - 1);
+      for (int64_t kk = 0; kk < K; ++kk) {
+        phi[kk] = std::sin((double)fr[kk] * delta);
+        phi[K + kk] = std::cos((double)fr[kk] * delta);
+      }
+      double out = 0;
+      for (int64_t c = 0; c < p.hidden; ++c) {
+        double hc = b1v[c];
+        for (int64_t kk = 0; kk < K; ++kk) {
+          if (kk < D) hc += (double)w1[c * D + kk] * phi[kk];
+          if (K + kk < D) hc += (double)w1[c * D + K + kk] * phi[K + kk];
+        }
+        out += (double)w2v[c] * std::max(hc, 0.0);
+      }
+      best = std::max(best, p.scale * (out + p.b2));
+    }
+    const double eps = (double)std::numeric_limits<A>::epsilon();
+    const double abs_scale = std::fabs(p.scale);
+    const double margin = abs_scale * (lip * (1.0 / (double)(S - 1)) + mag * 64.0 * eps * (double)(2 * K + 8)) +
+                          8.0 * eps * (std::fabs(best) + abs_scale * std::fabs(p.b2));
+    const double ub = best + margin;
+    return std::isfinite(ub) ? (A)(ub * (1 + 4 * eps) + 4 * eps) : std::numeric_limits<A>::infinity();
   }
 
   static inline V vload(const A* x) { V v; std::memcpy(&v, x, sizeof(V)); return v; }
@@ -175,32 +229,35 @@ struct Kernel {
     vstore(out[5], c50); vstore(out[5] + VL, c51);
   }
 
-  // Exact bias of query i against one gallery panel: fp (K2, NR) holds [sin(f ug); cos(f ug)].
-  inline void bias_tile(int64_t i, const A* __restrict fp, A* out) const {
-    const A* m = amat->ptr + i * K2 * HB;
-    V o0 = {}, o1 = {};
+  // Exact bias (before scale and b2) of queries i0, i0 + 1 against one gallery panel:
+  // fp (K2, NR) holds [sin(f ug); cos(f ug)]. 2 queries x 3 hidden units x 2 vectors = 12 chains.
+  inline void bias_tile2(int64_t i0, const A* __restrict fp, A* out0, A* out1) const {
+    const A* m0 = amat->ptr + i0 * K2 * HB;
+    const A* m1 = m0 + K2 * HB;
+    V o00 = {}, o01 = {}, o10 = {}, o11 = {};
+    const V z = {};
     for (int64_t c0 = 0; c0 < HB; c0 += kBiasCB) {
-      V h00 = {}, h01 = {}, h10 = {}, h11 = {}, h20 = {}, h21 = {}, h30 = {}, h31 = {};
-      h00 += b1v[c0]; h01 += b1v[c0];
-      h10 += b1v[c0 + 1]; h11 += b1v[c0 + 1];
-      h20 += b1v[c0 + 2]; h21 += b1v[c0 + 2];
-      h30 += b1v[c0 + 3]; h31 += b1v[c0 + 3];
+      V p00 = z + b1v[c0], p01 = p00, p10 = z + b1v[c0 + 1], p11 = p10, p20 = z + b1v[c0 + 2], p21 = p20;
+      V r00 = p00, r01 = p00, r10 = p10, r11 = p10, r20 = p20, r21 = p20;
       for (int64_t kk = 0; kk < K2; ++kk) {
         const V f0 = vload(fp + kk * NR), f1 = vload(fp + kk * NR + VL);
-        const A* a = m + kk * HB + c0;
-        h00 += a[0] * f0; h01 += a[0] * f1;
-        h10 += a[1] * f0; h11 += a[1] * f1;
-        h20 += a[2] * f0; h21 += a[2] * f1;
-        h30 += a[3] * f0; h31 += a[3] * f1;
+        const A* a = m0 + kk * HB + c0;
+        const A* b = m1 + kk * HB + c0;
+        p00 += a[0] * f0; p01 += a[0] * f1;
+        p10 += a[1] * f0; p11 += a[1] * f1;
+        p20 += a[2] * f0; p21 += a[2] * f1;
+        r00 += b[0] * f0; r01 += b[0] * f1;
+        r10 += b[1] * f0; r11 += b[1] * f1;
+        r20 += b[2] * f0; r21 += b[2] * f1;
       }
-      const V z = {};
-      o0 += w2v[c0] * (h00 > z ? h00 : z); o1 += w2v[c0] * (h01 > z ? h01 : z);
-      o0 += w2v[c0 + 1] * (h10 > z ? h10 : z); o1 += w2v[c0 + 1] * (h11 > z ? h11 : z);
-      o0 += w2v[c0 + 2] * (h20 > z ? h20 : z); o1 += w2v[c0 + 2] * (h21 > z ? h21 : z);
-      o0 += w2v[c0 + 3] * (h30 > z ? h30 : z); o1 += w2v[c0 + 3] * (h31 > z ? h31 : z);
+      const A w0 = w2v[c0], w1_ = w2v[c0 + 1], w2_ = w2v[c0 + 2];
+      o00 += w0 * (p00 > z ? p00 : z) + w1_ * (p10 > z ? p10 : z) + w2_ * (p20 > z ? p20 : z);
+      o01 += w0 * (p01 > z ? p01 : z) + w1_ * (p11 > z ? p11 : z) + w2_ * (p21 > z ? p21 : z);
+      o10 += w0 * (r00 > z ? r00 : z) + w1_ * (r10 > z ? r10 : z) + w2_ * (r20 > z ? r20 : z);
+      o11 += w0 * (r01 > z ? r01 : z) + w1_ * (r11 > z ? r11 : z) + w2_ * (r21 > z ? r21 : z);
     }
-    vstore(out, o0);
-    vstore(out + VL, o1);
+    vstore(out0, o00); vstore(out0 + VL, o01);
+    vstore(out1, o10); vstore(out1 + VL, o11);
   }
 
   inline A table_at(A uq, A ug) const {
@@ -221,7 +278,7 @@ struct Kernel {
     Aligned<A> fpack(p.bias == CtdBias::Exact ? (size_t)kChunkPanels * K2 * NR : 1);
     std::vector<A> ugc(NC, A(0));
     alignas(64) A tile[MR][NR];
-    alignas(64) A btile[NR];
+    alignas(64) A btile[MR][NR];
     const A* ug = static_cast<const A*>(p.u_g);
     const A* uq = static_cast<const A*>(p.u_q);
     const T* g = static_cast<const T*>(p.g);
@@ -254,18 +311,33 @@ struct Kernel {
         for (int64_t jp = 0; jp < npan; ++jp) {
           dot_tile(qp, gpack.ptr + jp * H * NR, tile);
           const int cols = (int)std::min<int64_t>(NR, nc - jp * NR);
+          bool need[MR];
+          for (int r = 0; r < rows; ++r) {
+            A* s = tile[r];
+            for (int j = 0; j < NR; ++j) s[j] = s[j] / temp;
+            if (p.bias != CtdBias::None) {
+              const A thr = bufs[qb * MR + r].thr;
+              bool any = false;
+              for (int j = 0; j < cols; ++j) any |= !(s[j] + bias_ub < thr);
+              need[r] = any;
+            }
+          }
+          if (p.bias == CtdBias::Exact)
+            for (int r = 0; r < rows; r += 2)
+              if (need[r] || (r + 1 < rows && need[r + 1]))
+                bias_tile2(qb * MR + r, fpack.ptr + jp * K2 * NR, btile[r], btile[r + 1]);
           for (int r = 0; r < rows; ++r) {
             const int64_t i = qb * MR + r;
             A* s = tile[r];
-            for (int j = 0; j < NR; ++j) s[j] = s[j] / temp;
             if (p.bias == CtdBias::Exact) {
-              bias_tile(i, fpack.ptr + jp * K2 * NR, btile);
+              if (!need[r]) continue;  // no pair of this row can reach the k-th score
               for (int j = 0; j < cols; ++j) {
                 const A d = ugc[jp * NR + j] - uq[i];
-                const A b = d > A(1) ? bias_plus : (d < A(-1) ? bias_minus : (A)(p.scale * ((double)btile[j] + p.b2)));
+                const A b = d > A(1) ? bias_plus : (d < A(-1) ? bias_minus : (A)(p.scale * ((double)btile[r][j] + p.b2)));
                 s[j] += b;
               }
             } else if (p.bias == CtdBias::Table) {
+              if (!need[r]) continue;
               for (int j = 0; j < cols; ++j) s[j] += table_at(uq[i], ugc[jp * NR + j]);
             }
             TopBuf<A>& tb = bufs[i];
