@@ -6,6 +6,7 @@ from ._ops.common import debug_checks_enabled, set_debug_checks
 from ._ops.calendar import calendar_context, calendar_scalar, fourier_table
 from ._ops.ctd_topk import ctd_topk
 from . import reference
+from . import search
 
 __all__ = [
     "__version__", "build_info", "set_debug_checks", "debug_checks_enabled",

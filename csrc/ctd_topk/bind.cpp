@@ -8,13 +8,14 @@ namespace tk {
 
 TK_BIND(ctd_topk) {
   // shapes: (Q, N, H, k, q_stride, g_stride); exact bias: (hidden, D, K, freqs, w1, b1, w2, b2, scale);
-  // table: (table, P); exclude: (ptr, m); outputs (values, indices); CUDA workspaces (ws_v, ws_i, nsplit, ws_bias)
+  // table: (table, P); exclude: (ptr, m); outputs (values, indices); CUDA workspaces (ws_v, ws_i, nsplit, cap, ws_bias, bias_ends)
   m.def("ctd_topk_launch",
         [](int device, uintptr_t stream, int dtype, std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> shp,
            uintptr_t q, uintptr_t g, double temperature, int bias_mode, uintptr_t u_q, uintptr_t u_g,
            std::tuple<int64_t, int64_t, int64_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, double, double> ex,
            uintptr_t table, int64_t P, uintptr_t exclude, int64_t m_ex, uintptr_t values, uintptr_t indices,
-           uintptr_t ws_values, uintptr_t ws_indices, int64_t nsplit, uintptr_t ws_bias) {
+           uintptr_t ws_values, uintptr_t ws_indices, int64_t nsplit, int64_t cap, uintptr_t ws_bias,
+           uintptr_t bias_ends) {
           CtdTopkParams p;
           p.dtype = to_dtype(dtype);
           std::tie(p.Q, p.N, p.H, p.k, p.q_stride, p.g_stride) = shp;
@@ -43,6 +44,8 @@ TK_BIND(ctd_topk) {
           p.ws_values = as_ptr(ws_values);
           p.ws_indices = as_ptr<int64_t>(ws_indices);
           p.nsplit = nsplit;
+          p.cap = cap;
+          p.bias_ends = as_ptr(bias_ends);
           p.ws_bias = as_ptr(ws_bias);
           if (p.Q == 0) return;
           run_on(device, [&] { ctd_topk_cpu(p); }, [&] { TK_CUDA_ONLY(ctd_topk_cuda(p, device, stream)); });

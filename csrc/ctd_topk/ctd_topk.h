@@ -38,8 +38,9 @@ struct CtdTopkParams {
   // CUDA only: workspace of nsplit partial lists per query, (Q, nsplit, k) values in A + int64 ids
   void* ws_values = nullptr;
   int64_t* ws_indices = nullptr;
-  int64_t nsplit = 1;
+  int64_t nsplit = 1, cap = 0;    // cap: candidates per (query, split), a power of two >= k + 32
   void* ws_bias = nullptr;        // (Q, 2K, hidden) per-query first-layer matrix in A (exact bias)
+  const void* bias_ends = nullptr;  // (2,) in A: the exact bias at delta = +1 and -1 (CUDA)
 };
 
 void ctd_topk_cpu(const CtdTopkParams& p);

@@ -30,7 +30,7 @@ def _freqs(K: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 def _cuda_nsplit(Q: int, N: int, k: int, device) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    qblocks = max(1, (Q + 31) // 32)
+    qblocks = max(1, (Q + 63) // 64)
     want = max(1, (2 * sms + qblocks - 1) // qblocks)       # about two blocks per SM
     kpad = 1 << max(0, (k - 1).bit_length())
     return int(max(1, min(want, _CUDA_MERGE // kpad, (N + 127) // 128)))
@@ -55,19 +55,25 @@ def _ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, temperature: float, mode
         hidden, D = w1.shape
         K = max(1, D // 2)
         freqs = _freqs(K, acc, q.device)
-    ws_v = ws_i = ws_b = None
-    nsplit = 1
+    ws_v = ws_i = ws_b = ends = None
+    nsplit, cap = 1, 0
     if dev >= 0:
         nsplit = _cuda_nsplit(Q, N, k, q.device)
-        ws_v = torch.empty(Q, nsplit, 2 * _pow2(k) + 32, dtype=acc, device=q.device)
-        ws_i = torch.empty(Q, nsplit, 2 * _pow2(k) + 32, dtype=torch.int64, device=q.device)
+        cap = _pow2(k + 32)
+        ws_v = torch.empty(Q, nsplit, cap, dtype=acc, device=q.device)
+        ws_i = torch.empty(Q, nsplit, cap, dtype=torch.int64, device=q.device)
         if mode == _BIAS_EXACT:
+            from ..reference.ctd_topk import offset_bias
             ws_b = torch.empty(Q, 2 * K, hidden, dtype=acc, device=q.device)
+            ends = offset_bias(torch.zeros(1, dtype=acc, device=q.device),
+                               torch.tensor([1.0, -1.0], dtype=acc, device=q.device), w1, b1, w2.reshape(1, -1),
+                               torch.tensor([b2], dtype=acc, device=q.device),
+                               torch.tensor(scale, dtype=acc, device=q.device)).reshape(2).to(acc).contiguous()
     _C.ctd_topk_launch(
         dev, stream, dtype_code(q), (Q, N, H, k, q.stride(0), g.stride(0)), ptr(q), ptr(g), float(temperature),
         mode, ptr(u_q), ptr(u_g), (hidden, D, K, ptr(freqs), ptr(w1), ptr(b1), ptr(w2), float(b2), float(scale)),
         ptr(table), 0 if table is None else table.shape[0], ptr(exclude), 0 if exclude is None else exclude.shape[1],
-        ptr(values), ptr(indices), ptr(ws_v), ptr(ws_i), nsplit, ptr(ws_b))
+        ptr(values), ptr(indices), ptr(ws_v), ptr(ws_i), nsplit, cap, ptr(ws_b), ptr(ends))
     return values, indices
 
 
@@ -208,7 +214,9 @@ def _cuda_unsupported(k: int, mode: int, w1) -> bool:
         return True
     if mode == _BIAS_EXACT:
         hidden, D = w1.shape
-        return 2 * max(1, D // 2) * hidden > _CUDA_MAX_BIAS_MAT
+        K2 = 2 * max(1, D // 2)
+        # float64 exact bias would need more shared memory than sm_86/89 give a block
+        return K2 > 64 or K2 * hidden > _CUDA_MAX_BIAS_MAT or w1.dtype == torch.float64
     return False
 
 
