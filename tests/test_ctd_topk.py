@@ -277,3 +277,13 @@ def test_cuda_ties_exclude_and_large_k():
         v, i = tempokern.ctd_topk(q, g, k, exclude=ex)
         rv, ri = ref_topk(q, g, k, exclude=ex)
         assert torch.equal(i, ri) and torch.equal(v, rv)
+
+
+def test_exact_bias_large_u():
+    # far from [0, 1] the angle-difference features must keep their digits (computed in double)
+    Q, N, H = 5, 300, 8
+    torch.manual_seed(12)
+    q, g = torch.randn(Q, H) * 0.01, torch.randn(N, H) * 0.01
+    bias = make_bias(Q, N, scale=3.0, spread=1.5, seed=13)
+    bias = (bias[0] + 100.0, bias[1] + 100.0) + bias[2:]
+    check_against_reference(q, g, 20, atol=2e-4, bias=bias)

@@ -12,6 +12,7 @@
 #include <vector>
 #include <omp.h>
 #include "ctd_topk/ctd_topk.h"
+#include "offset_bias/bias_math.h"
 
 namespace tk {
 namespace {
@@ -260,16 +261,7 @@ struct Kernel {
     vstore(out1, o10); vstore(out1 + VL, o11);
   }
 
-  inline A table_at(A uq, A ug) const {
-    A d = ug - uq;
-    d = d < A(-1) ? A(-1) : (d > A(1) ? A(1) : d);
-    const A t = (d + A(1)) * (A)(0.5 * (double)(p.P - 1));
-    int64_t j = (int64_t)std::floor(t);
-    j = j < 0 ? 0 : (j > p.P - 2 ? p.P - 2 : j);
-    const A fr_ = t - (A)j;
-    const A v0 = p.table[j], v1 = p.table[j + 1];
-    return v0 + fr_ * (v1 - v0);
-  }
+  inline A table_at(A uq, A ug) const { return bias::bias_table_lookup<A>(p.table, p.P, ug - uq); }
 
   // Scores gallery rows [lo, hi) against every query into this thread's buffers.
   void scan(int64_t lo, int64_t hi, std::vector<TopBuf<A>>& bufs) const {

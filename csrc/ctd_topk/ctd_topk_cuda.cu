@@ -10,6 +10,7 @@
 #include <climits>
 #include "common/cuda_utils.cuh"
 #include "ctd_topk/ctd_topk.h"
+#include "offset_bias/bias_math.h"
 
 namespace tk {
 namespace {
@@ -146,18 +147,10 @@ __global__ void __launch_bounds__(NT) score_partial(CtdTopkParams p, int64_t cap
     __syncthreads();
 
     if (p.bias == CtdBias::Table) {
-      const A half = (A)(0.5 * (double)(p.P - 1));
       for (int e = tid; e < BQ * BN; e += NT) {
         const int r = e / BN, j = e % BN;
         if (q0 + r >= p.Q) continue;
-        A d = ugs[j] - uq[q0 + r];
-        d = d < A(-1) ? A(-1) : (d > A(1) ? A(1) : d);
-        const A t = (d + A(1)) * half;
-        int64_t x = (int64_t)floor(t);
-        x = x < 0 ? 0 : (x > p.P - 2 ? p.P - 2 : x);
-        const A f = t - (A)x;
-        const A v0 = (A)p.table[x], v1 = (A)p.table[x + 1];
-        Ss[r * LD + j] += v0 + f * (v1 - v0);
+        Ss[r * LD + j] += bias::bias_table_lookup<A>(p.table, p.P, ugs[j] - uq[q0 + r]);
       }
       __syncthreads();
     } else if (p.bias == CtdBias::Exact) {

@@ -2,13 +2,13 @@
 ever holding the (Q, N) score matrix. See :func:`tempokern.reference.ctd_topk` for the spec."""
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
 
 from .. import _C
 from ..reference.ctd_topk import table_values
+from ..reference.offset_bias import bias_frequencies
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code,
                      launch_args, ptr, rows_contiguous)
 
@@ -23,9 +23,8 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _freqs(K: int, dtype: torch.dtype, device) -> torch.Tensor:
-    t = torch.linspace(0, 1, K, dtype=torch.float64)
-    return torch.exp(-math.log(10000.0) * t).to(dtype=dtype, device=device)
+def _freqs(D: int, dtype: torch.dtype, device) -> torch.Tensor:
+    return bias_frequencies(D, dtype, device).contiguous()  # exactly the reference's frequencies
 
 
 def _cuda_nsplit(Q: int, N: int, k: int, device) -> int:
@@ -54,7 +53,7 @@ def _ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, temperature: float, mode
     if mode == _BIAS_EXACT:
         hidden, D = w1.shape
         K = max(1, D // 2)
-        freqs = _freqs(K, acc, q.device)
+        freqs = _freqs(D, acc, q.device)
     ws_v = ws_i = ws_b = ends = None
     nsplit, cap = 1, 0
     if dev >= 0:

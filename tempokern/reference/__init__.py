@@ -5,4 +5,11 @@ gradients) and benchmarked against them."""
 from .calendar import calendar_context, calendar_scalar, fourier_table, level_weights
 
 __all__ = ["calendar_scalar", "calendar_context", "fourier_table", "level_weights"]
-from .ctd_topk import ctd_topk
+from .offset_bias import (bias_frequencies, offset_bias, offset_bias_lookup, offset_bias_table_values,
+                          offset_features, table_points_delta)
+
+__all__ += ["offset_bias", "bias_frequencies", "offset_features", "offset_bias_lookup",
+            "offset_bias_table_values", "table_points_delta"]
+from .ctd_topk import ctd_topk, ctd_scores
+
+__all__ += ["ctd_topk", "ctd_scores"]

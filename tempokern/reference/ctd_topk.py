@@ -10,44 +10,23 @@ when fewer than k gallery items remain for a query, the tail is value -inf, inde
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
+
+from .offset_bias import offset_bias as _offset_bias
+from .offset_bias import offset_bias_lookup
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _fourier_features(delta: torch.Tensor, D: int) -> torch.Tensor:
-    """phi(delta) as in issue 3: [sin(x f), cos(x f)] zero-padded (or cut) to D, K = max(1, D // 2),
-    f_k = exp(-ln(10000) t_k), t = linspace(0, 1, K)."""
-    K = max(1, D // 2)
-    t = torch.linspace(0, 1, K, dtype=torch.float64)
-    f = torch.exp(-math.log(10000.0) * t).to(delta.dtype).to(delta.device)
-    ang = delta[..., None] * f
-    phi = torch.cat([torch.sin(ang), torch.cos(ang)], dim=-1)
-    if phi.shape[-1] >= D:
-        return phi[..., :D]
-    pad = torch.zeros(*phi.shape[:-1], D - phi.shape[-1], dtype=phi.dtype, device=phi.device)
-    return torch.cat([phi, pad], dim=-1)
-
-
 def offset_bias(u_q, u_g, w1, b1, w2, b2, scale) -> torch.Tensor:
-    """The exact relative-offset bias (Q, N). Issue 3's `tempokern.reference.offset_bias` is the
-    spec; this uses it when present and otherwise the same formula written out here."""
-    try:
-        from .offset_bias import offset_bias as _ob  # issue 3
-    except ImportError:
-        _ob = None
-    if _ob is not None:
-        return _ob(u_q, u_g, w1, b1, w2, b2, scale)
-    dt = torch.float64 if u_q.dtype == torch.float64 else torch.float32
-    delta = (u_g.to(dt)[None, :] - u_q.to(dt)[:, None]).clamp(-1.0, 1.0)
-    phi = _fourier_features(delta, w1.shape[1])
-    h = torch.relu(phi @ w1.to(dt).t() + b1.to(dt))
-    return scale.to(dt) * ((h @ w2.to(dt).t()).squeeze(-1) + b2.to(dt).reshape(()))
+    """The exact relative-offset bias (Q, N), in float32 at least (issue 3's reference is the spec)."""
+    dt = torch.float64 if torch.float64 in (u_q.dtype, w1.dtype) else torch.float32
+    return _offset_bias(u_q.to(dt), u_g.to(dt), w1.to(dt), b1.to(dt), w2.to(dt).reshape(1, -1),
+                        torch.as_tensor(b2).to(dt).reshape(1), torch.as_tensor(scale).to(dt).reshape(()))
 
 
 def table_values(table) -> torch.Tensor:
@@ -61,15 +40,9 @@ def table_values(table) -> torch.Tensor:
 
 def table_bias(u_q, u_g, table) -> torch.Tensor:
     """Bias by linear interpolation in P samples at delta = -1 + 2 i / (P - 1),
-    delta = clamp(u_g - u_q, -1, 1)."""
-    values = table_values(table).to(torch.float32)
-    P = values.shape[0]
-    delta = (u_g.to(torch.float32)[None, :] - u_q.to(torch.float32)[:, None]).clamp(-1.0, 1.0)
-    t = (delta + 1.0) * (0.5 * (P - 1))
-    i = t.floor().clamp(0, P - 2).to(torch.long)
-    frac = t - i.to(t.dtype)
-    v = values.to(delta.device)
-    return v[i] + frac * (v[i + 1] - v[i])
+    delta = clamp(u_g - u_q, -1, 1) (issue 3's offset_bias_lookup, in float32 at least)."""
+    dt = torch.float64 if u_q.dtype == torch.float64 else torch.float32
+    return offset_bias_lookup(u_q.to(dt), u_g.to(dt), table_values(table).to(u_q.device))
 
 
 def ctd_scores(q, g, *, temperature: float = 1.0, bias=None) -> torch.Tensor:
