@@ -287,3 +287,48 @@ def test_exact_bias_large_u():
     bias = make_bias(Q, N, scale=3.0, spread=1.5, seed=13)
     bias = (bias[0] + 100.0, bias[1] + 100.0) + bias[2:]
     check_against_reference(q, g, 20, atol=2e-4, bias=bias)
+
+
+@pytest.mark.parametrize("bias_kind", ["none", "exact", "exact-clamped", "table"])
+def test_rerank_matches_per_candidate_reference(bias_kind):
+    # the faiss rerank: each query scores only its own candidate rows (-1 = none, duplicates once)
+    from tempokern._ops.ctd_topk import ctd_rerank
+    from tempokern.search.index import _rerank
+    torch.manual_seed(14)
+    Q, N, H, C = 9, 500, 20, 40
+    q, g = torch.randn(Q, H), torch.randn(N, H)
+    cand = torch.randint(-1, N, (Q, C))
+    cand[:, 1] = cand[:, 0]
+    cand[0] = -1  # a query with no candidate at all
+    bias = None
+    if bias_kind.startswith("exact"):
+        bias = make_bias(Q, N, scale=4.0, spread=3.0 if bias_kind == "exact-clamped" else 1.0)
+    elif bias_kind == "table":
+        bias = (torch.rand(Q), torch.rand(N), torch.randn(65) * 3)
+    v, i = ctd_rerank(q, g, cand, 12, temperature=0.5, bias=bias)
+    rv, ri = _rerank(q, g, cand, 12, 0.5, bias)
+    torch.testing.assert_close(v, rv, atol=1e-4, rtol=0)
+    assert torch.equal(i, ri)
+    assert i[0].tolist() == [-1] * 12
+    for r in range(1, Q):
+        got = set(i[r][i[r] >= 0].tolist())
+        assert got <= set(cand[r].tolist())
+
+
+def test_rerank_ties_by_lower_row():
+    from tempokern._ops.ctd_topk import ctd_rerank
+    q = torch.ones(2, 3)
+    g = torch.ones(100, 3)
+    cand = torch.tensor([[50, 7, 99, 3, 7], [1, 2, 3, 4, 5]])
+    v, i = ctd_rerank(q, g, cand, 3)
+    assert i.tolist() == [[3, 7, 50], [1, 2, 3]]
+
+
+def test_opcheck_and_compile():
+    q, g = torch.randn(5, 8), torch.randn(40, 8)
+    ex = torch.tensor([[-1, 1], [2, 3], [-1, -1], [0, 0], [5, 6]])
+    for args in [(q, g, 3, 1.0, 0, None, None, None, None, None, 0.0, 0.0, None, None),
+                 (q, g, 3, 0.5, 2, torch.rand(5), torch.rand(40), None, None, None, 0.0, 0.0, torch.randn(9), ex)]:
+        torch.library.opcheck(torch.ops.tempokern.ctd_topk.default, args)
+    f = torch.compile(lambda a, b: tempokern.ctd_topk(a, b, 3), fullgraph=True)
+    assert torch.equal(f(q, g)[1], tempokern.ctd_topk(q, g, 3)[1])

@@ -32,6 +32,9 @@ struct CtdTopkParams {
   // exclude: (Q, m) int64, each row sorted ascending (-1 padding first)
   const int64_t* exclude = nullptr;
   int64_t m = 0;
+  // rerank mode (CPU): query i scores only rows cand[i, 0..C), ascending, negatives skipped
+  const int64_t* cand = nullptr;
+  int64_t C = 0;
   // outputs: values (Q, k) in A, indices (Q, k) int64; missing slots are -inf / -1
   void* values = nullptr;
   int64_t* indices = nullptr;

@@ -85,10 +85,10 @@ struct Kernel {
     Q = p.Q; N = p.N; H = p.H; k = p.k;
     QP = (Q + MR - 1) / MR;
     temp = (A)p.temperature;
-    qpack.reset(new Aligned<A>((size_t)QP * H * MR));
+    qpack.reset(new Aligned<A>(p.cand ? 1 : (size_t)QP * H * MR));  // rerank reads q rows directly
     A* qp = qpack->ptr;
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < QP; ++b)
+    for (int64_t b = 0; b < (p.cand ? 0 : QP); ++b)
       for (int r = 0; r < MR; ++r) {
         const int64_t i = b * MR + r;
         if (i >= Q) continue;
@@ -346,7 +346,84 @@ struct Kernel {
     }
   }
 
+  // Rerank: query i scores only the gallery rows cand[i, 0..C) (ascending; negatives skipped).
+  void rerank() const {
+    const int64_t C = p.C, cap = std::max<int64_t>(2 * k, k + 64);
+    const A* ug = static_cast<const A*>(p.u_g);
+    const A* uq = static_cast<const A*>(p.u_q);
+    A* vals = static_cast<A*>(p.values);
+#pragma omp parallel
+    {
+      std::vector<A> qrow(H), grow(H + VL), feat(p.bias == CtdBias::Exact ? K2 : 1), hid(p.bias == CtdBias::Exact ? HB : 1);
+      std::vector<Cand<A>> store(cap);
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t i = 0; i < Q; ++i) {
+        const T* qs = static_cast<const T*>(p.q) + i * p.q_stride;
+        for (int64_t h = 0; h < H; ++h) qrow[h] = load(qs, h);
+        TopBuf<A> tb{store.data(), 0, cap, k, -std::numeric_limits<A>::infinity()};
+        const int64_t* ex = p.exclude ? p.exclude + i * p.m : nullptr;
+        const int64_t* cr = p.cand + i * C;
+        int64_t prev = -1;
+        for (int64_t c = 0; c < C; ++c) {
+          const int64_t idx = cr[c];
+          if (idx < 0 || idx >= N || idx == prev) continue;
+          prev = idx;
+          const T* gs = static_cast<const T*>(p.g) + idx * p.g_stride;
+          for (int64_t h = 0; h < H; ++h) grow[h] = load(gs, h);
+          V acc0 = {}, acc1 = {};
+          int64_t h = 0;
+          for (; h + 2 * VL <= H; h += 2 * VL) {
+            acc0 += vload(qrow.data() + h) * vload(grow.data() + h);
+            acc1 += vload(qrow.data() + h + VL) * vload(grow.data() + h + VL);
+          }
+          acc0 += acc1;
+          A dot = 0;
+          for (int l = 0; l < VL; ++l) dot += acc0[l];
+          for (; h < H; ++h) dot += qrow[h] * grow[h];
+          A s = dot / temp;
+          if (p.bias != CtdBias::None && !(s + bias_ub >= tb.thr)) continue;  // cannot reach the k best
+          if (p.bias == CtdBias::Exact) {
+            const A d = ug[idx] - uq[i];
+            A b;
+            if (d > A(1)) b = bias_plus;
+            else if (d < A(-1)) b = bias_minus;
+            else {
+              for (int64_t kk = 0; kk < p.K; ++kk) {
+                const double a = (double)fr[kk] * (double)ug[idx];
+                feat[kk] = (A)std::sin(a);
+                feat[p.K + kk] = (A)std::cos(a);
+              }
+              const A* m = amat->ptr + i * K2 * HB;
+              for (int64_t cc = 0; cc < HB; ++cc) hid[cc] = b1v[cc];
+              for (int64_t kk = 0; kk < K2; ++kk) {
+                const A f = feat[kk];
+                const A* mr = m + kk * HB;
+                for (int64_t cc = 0; cc < HB; ++cc) hid[cc] += mr[cc] * f;
+              }
+              A o = 0;
+              for (int64_t cc = 0; cc < HB; ++cc) o += w2v[cc] * (hid[cc] > A(0) ? hid[cc] : A(0));
+              b = (A)(p.scale * ((double)o + p.b2));
+            }
+            s += b;
+          } else if (p.bias == CtdBias::Table) {
+            s += table_at(uq[i], ug[idx]);
+          }
+          if (!(s > tb.thr)) continue;
+          if (excluded(ex, p.m, idx)) continue;
+          tb.push(s, idx);
+        }
+        const int64_t take = std::min<int64_t>(k, tb.n);
+        std::partial_sort(tb.c, tb.c + take, tb.c + tb.n, better<A>);
+        for (int64_t j = 0; j < k; ++j) {
+          vals[i * k + j] = j < take ? tb.c[j].s : -std::numeric_limits<A>::infinity();
+          p.indices[i * k + j] = j < take ? tb.c[j].i : -1;
+        }
+      }
+    }
+  }
+
   void run() {
+    if (p.cand) { rerank(); return; }
     int NT = omp_get_max_threads();
     const int64_t NC = (int64_t)kChunkPanels * NR;
     NT = (int)std::max<int64_t>(1, std::min<int64_t>(NT, (N + NC - 1) / NC));

@@ -39,7 +39,8 @@ def _cuda_nsplit(Q: int, N: int, k: int, device) -> int:
 def _ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, temperature: float, mode: int,
               u_q: Optional[torch.Tensor], u_g: Optional[torch.Tensor], w1: Optional[torch.Tensor],
               b1: Optional[torch.Tensor], w2: Optional[torch.Tensor], b2: float, scale: float,
-              table: Optional[torch.Tensor], exclude: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+              table: Optional[torch.Tensor], exclude: Optional[torch.Tensor],
+              cand: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     Q, H = q.shape
     N = g.shape[0]
     acc = _acc_dtype(q.dtype)
@@ -56,6 +57,8 @@ def _ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, temperature: float, mode
         freqs = _freqs(D, acc, q.device)
     ws_v = ws_i = ws_b = ends = None
     nsplit, cap = 1, 0
+    if dev >= 0 and cand is not None:
+        raise ValueError("candidate rerank runs on CPU tensors only")
     if dev >= 0:
         nsplit = _cuda_nsplit(Q, N, k, q.device)
         cap = _pow2(k + 32)
@@ -72,12 +75,12 @@ def _ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, temperature: float, mode
         dev, stream, dtype_code(q), (Q, N, H, k, q.stride(0), g.stride(0)), ptr(q), ptr(g), float(temperature),
         mode, ptr(u_q), ptr(u_g), (hidden, D, K, ptr(freqs), ptr(w1), ptr(b1), ptr(w2), float(b2), float(scale)),
         ptr(table), 0 if table is None else table.shape[0], ptr(exclude), 0 if exclude is None else exclude.shape[1],
-        ptr(values), ptr(indices), ptr(ws_v), ptr(ws_i), nsplit, cap, ptr(ws_b), ptr(ends))
+        ptr(cand), 0 if cand is None else cand.shape[1], ptr(values), ptr(indices), ptr(ws_v), ptr(ws_i), nsplit, cap, ptr(ws_b), ptr(ends))
     return values, indices
 
 
 @_ctd_topk.register_fake
-def _(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, exclude):
+def _(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, exclude, cand=None):
     acc = _acc_dtype(q.dtype)
     return q.new_empty(q.shape[0], k, dtype=acc), q.new_empty(q.shape[0], k, dtype=torch.int64)
 
@@ -250,3 +253,30 @@ def _chunked_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, t
         best_v, best_i = v.gather(1, o), i.gather(1, o)
     best_i = best_i.masked_fill(best_v == float("-inf"), -1)
     return best_v.contiguous(), best_i.contiguous()
+
+
+def ctd_rerank(q: torch.Tensor, g: torch.Tensor, cand: torch.Tensor, k: int, *, temperature: float = 1.0,
+               bias=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """CPU: like :func:`ctd_topk`, but query i scores only the gallery rows ``cand[i]`` ((Q, C) int64,
+    -1 = no candidate; duplicates counted once). Slots beyond the valid candidates are (-inf, -1).
+    Used by :class:`tempokern.search.TemporalIndex` to rerank a faiss first stage."""
+    check_tensor("q", q, ndim=2, floating=True)
+    check_tensor("g", g, ndim=2, floating=True)
+    check_tensor("cand", cand, ndim=2, integer=True)
+    if q.dtype != g.dtype or q.shape[1] != g.shape[1]:
+        raise ValueError("q and g must share dtype and embedding size")
+    if cand.shape[0] != q.shape[0]:
+        raise ValueError(f"cand must have shape (Q={q.shape[0]}, C), got {tuple(cand.shape)}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    if q.device.type != "cpu" or g.device.type != "cpu" or cand.device.type != "cpu":
+        raise ValueError("ctd_rerank runs on CPU tensors")
+    temperature = check_positive("temperature", temperature)
+    acc = _acc_dtype(q.dtype)
+    mode, u_q, u_g, w1, b1, w2, b2, scale, table = parse_bias(bias, q.shape[0], g.shape[0], acc, q.device)
+    big = torch.iinfo(torch.int64).max
+    c = cand.to(torch.int64)
+    c = torch.where(c < 0, torch.full_like(c, big), c).sort(dim=1).values   # ascending: ties -> lower row
+    c = torch.where(c == big, torch.full_like(c, -1), c).contiguous()
+    q, g = rows_contiguous(q), rows_contiguous(g)
+    return torch.ops.tempokern.ctd_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, None, c)

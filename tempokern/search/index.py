@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .._ops.ctd_topk import ctd_topk
+from .._ops.ctd_topk import ctd_rerank, ctd_topk
 from ..reference.ctd_topk import offset_bias as _ref_offset_bias
 from ..reference.ctd_topk import table_bias as _ref_table_bias
 from . import _faiss
@@ -147,7 +147,10 @@ class TemporalIndex:
                 raise ValueError(f"candidates must be an int >= k={k}, got {candidates!r}")
             candidates = min(candidates, len(self))
             cand = self._first_stage(q, candidates)
-            scores, pos = _rerank(q, self._emb, cand, k, temperature, bias_args)
+            if self.device.type == "cpu":  # fused C++ rerank of each query's own candidates
+                scores, pos = ctd_rerank(q, self._emb, cand, k, temperature=temperature, bias=bias_args)
+            else:
+                scores, pos = _rerank(q, self._emb, cand, k, temperature, bias_args)
         ids = torch.where(pos >= 0, self._ids[pos.clamp_min(0)], torch.full_like(pos, -1))
         return ids, scores.to(torch.float32)
 
@@ -197,13 +200,14 @@ def _bias_args(bias, u_q: torch.Tensor, u_g: torch.Tensor, device):
 
 
 def _rerank(q, emb, cand, k, temperature, bias_args, block_bytes: int = 1 << 26):
-    """Scores each query's own candidates (Q, C) under the full CTD score and keeps the k best
+    """(CUDA, and the spec the C++ rerank is tested against.) Scores each query's own candidates (Q, C) under the full CTD score and keeps the k best
     (ties by lower record position). Query blocks keep the gathered (Qb, C, H) slice bounded."""
     Q, C = cand.shape
     acc = torch.float64 if emb.dtype == torch.float64 else torch.float32
     # positions ascending within a row, then a stable sort by score: ties go to the lower position
     cand = torch.where(cand < 0, torch.full_like(cand, torch.iinfo(torch.int64).max), cand).sort(dim=1).values
     valid = cand != torch.iinfo(torch.int64).max
+    valid[:, 1:] &= cand[:, 1:] != cand[:, :-1]  # a repeated candidate counts once
     cand = torch.where(valid, cand, torch.zeros_like(cand))
     H = emb.shape[1]
     width = H + (bias_args[2].shape[0] + bias_args[2].shape[1] if bias_args and len(bias_args) == 7 else 0)
