@@ -274,6 +274,7 @@ struct Kernel {
     const A* ug = static_cast<const A*>(p.u_g);
     const A* uq = static_cast<const A*>(p.u_q);
     const T* g = static_cast<const T*>(p.g);
+    const A scale_a = (A)p.scale, b2_a = (A)p.b2;
     for (int64_t c0 = lo; c0 < hi; c0 += NC) {
       const int64_t nc = std::min(NC, hi - c0);
       const int64_t npan = (nc + NR - 1) / NR;
@@ -287,7 +288,10 @@ struct Kernel {
         }
         if (p.bias != CtdBias::None) ugc[j] = j < nc ? ug[c0 + j] : A(0);
       }
+      A ug_lo = 0, ug_hi = 0;
       if (p.bias == CtdBias::Exact) {
+        ug_lo = ug_hi = ugc[0];
+        for (int64_t j = 1; j < nc; ++j) { ug_lo = std::min(ug_lo, ugc[j]); ug_hi = std::max(ug_hi, ugc[j]); }
         for (int64_t j = 0; j < npan * NR; ++j) {
           A* dst = fpack.ptr + (j / NR) * K2 * NR + (j % NR);
           for (int64_t kk = 0; kk < p.K; ++kk) {
@@ -323,7 +327,9 @@ struct Kernel {
             A* s = tile[r];
             if (p.bias == CtdBias::Exact) {
               if (!need[r]) continue;  // no pair of this row can reach the k-th score
-              for (int j = 0; j < cols; ++j) {
+              if (ug_hi - uq[i] <= A(1) && ug_lo - uq[i] >= A(-1)) {  // the clamp cannot bite in this chunk
+                for (int j = 0; j < NR; ++j) s[j] += scale_a * (btile[r][j] + b2_a);
+              } else for (int j = 0; j < cols; ++j) {
                 const A d = ugc[jp * NR + j] - uq[i];
                 const A b = d > A(1) ? bias_plus : (d < A(-1) ? bias_minus : (A)(p.scale * ((double)btile[r][j] + p.b2)));
                 s[j] += b;
