@@ -257,3 +257,22 @@ def test_faiss_missing_says_what_to_install(monkeypatch):
     ix = TemporalIndex(4)  # exact still works without faiss
     ix.add(torch.arange(3), torch.randn(3, 4), torch.rand(3))
     assert ix.search(torch.randn(2, 4), torch.zeros(2), 2)[0].shape == (2, 2)
+
+
+def test_real_offset_bias_module_and_table():
+    nn = pytest.importorskip("tempokern.nn", reason="issue 3's tempokern.nn is not merged into this branch")
+    ids, emb, u = gallery(300, 16, seed=4)
+    ix = TemporalIndex(16)
+    ix.add(ids, emb, u)
+    mod = nn.OffsetBias()
+    with torch.no_grad():
+        mod.scale.fill_(3.0)
+    q, u_q = torch.randn(4, 16), torch.rand(4)
+    for bias in (mod, mod.table()):
+        got, s = ix.search(q, u_q, 6, bias=bias)
+        l1, l2 = mod.mlp[0], mod.mlp[2]
+        tup = ((u_q, u, l1.weight.detach(), l1.bias.detach(), l2.weight.detach(), l2.bias.detach(),
+                mod.scale.detach()) if bias is mod else (u_q, u, bias))
+        rv, ri = ref_topk(q, emb, 6, bias=tup)
+        torch.testing.assert_close(s, rv, atol=1e-4, rtol=0)
+        assert torch.equal(got, ids[ri])
