@@ -12,3 +12,4 @@ __all__ = [
     "__version__", "build_info", "set_debug_checks", "debug_checks_enabled",
     "calendar_scalar", "calendar_context", "fourier_table", "reference",
 ]
+__all__ += ["ctd_topk", "search"]
