@@ -276,3 +276,10 @@ def test_real_offset_bias_module_and_table():
         rv, ri = ref_topk(q, emb, 6, bias=tup)
         torch.testing.assert_close(s, rv, atol=1e-4, rtol=0)
         assert torch.equal(got, ids[ri])
+
+
+def test_empty_index_round_trip(tmp_path):
+    ix = TemporalIndex(5, dtype=torch.bfloat16)
+    ix.save(tmp_path / "e.tki")
+    back = TemporalIndex.load(tmp_path / "e.tki")
+    assert len(back) == 0 and back.dim == 5 and back.dtype == torch.bfloat16
