@@ -17,6 +17,7 @@ _BIAS_NONE, _BIAS_EXACT, _BIAS_TABLE = 0, 1, 2
 _CUDA_MAX_K = 256
 _CUDA_MAX_BIAS_MAT = 4096   # 2K * hidden floats of the per-query first-layer matrix in shared memory
 _CUDA_MERGE = 2048          # nsplit * k candidates merged per query
+_CPU_QBLOCK = 2048          # queries per CPU launch
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -71,11 +72,19 @@ def _ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, temperature: float, mode
                                torch.tensor([1.0, -1.0], dtype=acc, device=q.device), w1, b1, w2.reshape(1, -1),
                                torch.tensor([b2], dtype=acc, device=q.device),
                                torch.tensor(scale, dtype=acc, device=q.device)).reshape(2).to(acc).contiguous()
-    _C.ctd_topk_launch(
-        dev, stream, dtype_code(q), (Q, N, H, k, q.stride(0), g.stride(0)), ptr(q), ptr(g), float(temperature),
-        mode, ptr(u_q), ptr(u_g), (hidden, D, K, ptr(freqs), ptr(w1), ptr(b1), ptr(w2), float(b2), float(scale)),
-        ptr(table), 0 if table is None else table.shape[0], ptr(exclude), 0 if exclude is None else exclude.shape[1],
-        ptr(cand), 0 if cand is None else cand.shape[1], ptr(values), ptr(indices), ptr(ws_v), ptr(ws_i), nsplit, cap, ptr(ws_b), ptr(ends))
+    # CPU: query blocks bound the per-thread candidate buffers and the per-query bias matrices
+    step = _CPU_QBLOCK if dev < 0 else Q
+    sl = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
+    for a in range(0, Q, step):
+        b = min(Q, a + step)
+        qa, ea, ca = q[a:b], sl(exclude, a, b), sl(cand, a, b)
+        _C.ctd_topk_launch(
+            dev, stream, dtype_code(q), (b - a, N, H, k, q.stride(0), g.stride(0)), ptr(qa), ptr(g),
+            float(temperature), mode, ptr(sl(u_q, a, b)), ptr(u_g),
+            (hidden, D, K, ptr(freqs), ptr(w1), ptr(b1), ptr(w2), float(b2), float(scale)),
+            ptr(table), 0 if table is None else table.shape[0], ptr(ea), 0 if ea is None else ea.shape[1],
+            ptr(ca), 0 if ca is None else ca.shape[1], ptr(values[a:b]), ptr(indices[a:b]), ptr(ws_v), ptr(ws_i),
+            nsplit, cap, ptr(ws_b), ptr(ends))
     return values, indices
 
 
