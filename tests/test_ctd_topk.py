@@ -372,3 +372,18 @@ def test_query_blocks(monkeypatch):
     rv, ri = _rerank(q, g, cand, 5, 1.0, None)
     torch.testing.assert_close(v, rv, atol=1e-4, rtol=0)
     assert torch.equal(i, ri)
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_peak_memory_is_not_q_by_n():
+    Q, N, H = 512, 400_000, 32
+    q, g = torch.randn(Q, H, device="cuda"), torch.randn(N, H, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    tempokern.ctd_topk(q, g, 10, bias=(torch.rand(Q, device="cuda"), torch.rand(N, device="cuda"),
+                                       torch.randn(65, device="cuda")))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < Q * N * 4 // 20, extra  # a score matrix would be 819 MB
