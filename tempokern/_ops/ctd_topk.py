@@ -2,6 +2,7 @@
 ever holding the (Q, N) score matrix. See :func:`tempokern.reference.ctd_topk` for the spec."""
 from __future__ import annotations
 
+import operator
 from typing import Optional, Tuple
 
 import torch
@@ -198,8 +199,9 @@ def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1
     if q.shape[1] < 1:
         raise ValueError("embedding size H must be >= 1")
     check_same_device(q=q, g=g)
-    if isinstance(k, bool) or not isinstance(k, int):
+    if isinstance(k, bool) or not hasattr(k, "__index__") or isinstance(k, torch.Tensor) and k.numel() != 1:
         raise TypeError(f"k must be an int, got {type(k).__name__}")
+    k = operator.index(k)
     N = g.shape[0]
     if N < 1:
         raise ValueError("g must hold at least one gallery row")
