@@ -1,6 +1,7 @@
 // CUDA fused CTD top-k (unverified on a GPU at the time of writing: compiled only).
 // Kernel 1: a block owns 64 queries and one slice of the gallery; per 64-row gallery tile it
-//   computes the 64 x 64 score tile in shared memory (fp32 SIMT FMA, fp32 accumulation),
+//   computes the 64 x 64 score tile in shared memory (fp16/bf16: tensor cores via wmma; fp32/fp64:
+//   SIMT FMA; fp32 accumulation, fp64 for fp64),
 //   adds the bias, and each warp updates 8 queries' candidate buffers in the workspace
 //   (ballot-append, bitonic prune to the k best when full). At the end each buffer is sorted.
 // Kernel 2: per query, merge the nsplit sorted partial lists (bitonic sort in shared memory).
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <climits>
+#include <mma.h>
 #include "common/cuda_utils.cuh"
 #include "ctd_topk/ctd_topk.h"
 #include "offset_bias/bias_math.h"
@@ -16,6 +18,13 @@ namespace tk {
 namespace {
 
 constexpr int BQ = 64, BN = 64, BK = 32, LD = 65, NT = 256;
+constexpr int LDS = 68;  // score tile row stride: a multiple of 4 floats, as wmma::store_matrix_sync needs
+constexpr int LDH = 40;  // fp16/bf16 tile row stride (elements): a multiple of 8, 32-byte aligned 16-row blocks
+
+// fp16/bf16 score tiles run on tensor cores (wmma 16x16x16, fp32 accumulation)
+template <typename S> struct TensorCore { static constexpr bool value = false; };
+template <> struct TensorCore<__half> { static constexpr bool value = true; };
+template <> struct TensorCore<__nv_bfloat16> { static constexpr bool value = true; };
 
 template <typename A> __device__ __forceinline__ A neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() { return -INFINITY; }
@@ -82,11 +91,11 @@ __global__ void build_amat(CtdTopkParams p) {
 
 template <typename S, typename A>
 __global__ void __launch_bounds__(NT) score_partial(CtdTopkParams p, int64_t cap, int64_t per_split) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
   A* Qs = reinterpret_cast<A*>(smem_raw);      // BK x LD
   A* Gs = Qs + BK * LD;                        // BK x LD
-  A* Ss = Gs + BK * LD;                        // BQ x LD
-  A* ugs = Ss + BQ * LD;                       // BN
+  A* Ss = Gs + BK * LD;                        // BQ x LDS
+  A* ugs = Ss + BQ * LDS;                       // BN
   A* red = ugs + BN;                           // 4 x BN
   A* Fs = red + 4 * BN;                        // K2 x BN
   A* As = Fs + 2 * p.K * BN;                   // K2 x hidden
@@ -112,37 +121,72 @@ __global__ void __launch_bounds__(NT) score_partial(CtdTopkParams p, int64_t cap
 
   const int ty = tid / 16, tx = tid % 16;
   for (int64_t n0 = lo; n0 < hi; n0 += BN) {
-    A acc[4][4];
+    if constexpr (TensorCore<S>::value) {
+      using namespace nvcuda;
+      S* Qh = reinterpret_cast<S*>(Qs);  // BQ x LDH, h innermost (aliases the fp32 tiles)
+      S* Gh = reinterpret_cast<S*>(Gs);  // BN x LDH
+      const S zero = cuda::from_acc<S>(0.f);
+      const int wr = warp / 2, wc = (warp % 2) * 2;  // this warp's 16 x 32 piece of the 64 x 64 tile
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> c0, c1;
+      wmma::fill_fragment(c0, 0.f);
+      wmma::fill_fragment(c1, 0.f);
+      for (int64_t h0 = 0; h0 < p.H; h0 += BK) {
+        for (int e = tid; e < BQ * BK; e += NT) {
+          const int row = e / BK, col = e % BK;
+          const int64_t qi = q0 + row, h = h0 + col, gj = n0 + row;
+          Qh[row * LDH + col] = (qi < p.Q && h < p.H) ? q[qi * p.q_stride + h] : zero;
+          Gh[row * LDH + col] = (gj < hi && h < p.H) ? g[gj * p.g_stride + h] : zero;
+        }
+        __syncthreads();
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) acc[a][b] = A(0);
-    for (int64_t h0 = 0; h0 < p.H; h0 += BK) {
-      for (int e = tid; e < BQ * BK; e += NT) {
-        const int row = e / BK, col = e % BK;
-        const int64_t qi = q0 + row, h = h0 + col, gj = n0 + row;
-        Qs[col * LD + row] = (qi < p.Q && h < p.H) ? (A)cuda::to_acc(q[qi * p.q_stride + h]) : A(0);
-        Gs[col * LD + row] = (gj < hi && h < p.H) ? (A)cuda::to_acc(g[gj * p.g_stride + h]) : A(0);
+        for (int kk = 0; kk < BK; kk += 16) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, S, wmma::row_major> fa;
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, S, wmma::col_major> fb0, fb1;  // (k, n) = g[n][k]
+          wmma::load_matrix_sync(fa, Qh + wr * 16 * LDH + kk, LDH);
+          wmma::load_matrix_sync(fb0, Gh + wc * 16 * LDH + kk, LDH);
+          wmma::load_matrix_sync(fb1, Gh + (wc + 1) * 16 * LDH + kk, LDH);
+          wmma::mma_sync(c0, fa, fb0, c0);
+          wmma::mma_sync(c1, fa, fb1, c1);
+        }
+        __syncthreads();
       }
-      __syncthreads();
+      for (int t = 0; t < c0.num_elements; ++t) { c0.x[t] = c0.x[t] / (float)temp; c1.x[t] = c1.x[t] / (float)temp; }
+      wmma::store_matrix_sync(reinterpret_cast<float*>(Ss) + wr * 16 * LDS + wc * 16, c0, LDS, wmma::mem_row_major);
+      wmma::store_matrix_sync(reinterpret_cast<float*>(Ss) + wr * 16 * LDS + (wc + 1) * 16, c1, LDS,
+                              wmma::mem_row_major);
+    } else {
+      A acc[4][4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) acc[a][b] = A(0);
+      for (int64_t h0 = 0; h0 < p.H; h0 += BK) {
+        for (int e = tid; e < BQ * BK; e += NT) {
+          const int row = e / BK, col = e % BK;
+          const int64_t qi = q0 + row, h = h0 + col, gj = n0 + row;
+          Qs[col * LD + row] = (qi < p.Q && h < p.H) ? (A)cuda::to_acc(q[qi * p.q_stride + h]) : A(0);
+          Gs[col * LD + row] = (gj < hi && h < p.H) ? (A)cuda::to_acc(g[gj * p.g_stride + h]) : A(0);
+        }
+        __syncthreads();
 #pragma unroll 8
-      for (int kk = 0; kk < BK; ++kk) {
-        A qa[4], gb[4];
+        for (int kk = 0; kk < BK; ++kk) {
+          A qa[4], gb[4];
 #pragma unroll
-        for (int a = 0; a < 4; ++a) qa[a] = Qs[kk * LD + ty + 16 * a];
+          for (int a = 0; a < 4; ++a) qa[a] = Qs[kk * LD + ty + 16 * a];
 #pragma unroll
-        for (int b = 0; b < 4; ++b) gb[b] = Gs[kk * LD + tx + 16 * b];
+          for (int b = 0; b < 4; ++b) gb[b] = Gs[kk * LD + tx + 16 * b];
 #pragma unroll
-        for (int a = 0; a < 4; ++a)
+          for (int a = 0; a < 4; ++a)
 #pragma unroll
-          for (int b = 0; b < 4; ++b) acc[a][b] += qa[a] * gb[b];
+            for (int b = 0; b < 4; ++b) acc[a][b] += qa[a] * gb[b];
+        }
+        __syncthreads();
       }
-      __syncthreads();
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) Ss[(ty + 16 * a) * LDS + tx + 16 * b] = acc[a][b] / temp;
     }
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) Ss[(ty + 16 * a) * LD + tx + 16 * b] = acc[a][b] / temp;
     if (p.bias != CtdBias::None && tid < BN) ugs[tid] = (n0 + tid < hi) ? ug[n0 + tid] : A(0);
     __syncthreads();
 
@@ -150,7 +194,7 @@ __global__ void __launch_bounds__(NT) score_partial(CtdTopkParams p, int64_t cap
       for (int e = tid; e < BQ * BN; e += NT) {
         const int r = e / BN, j = e % BN;
         if (q0 + r >= p.Q) continue;
-        Ss[r * LD + j] += bias::bias_table_lookup<A>(p.table, p.P, ugs[j] - uq[q0 + r]);
+        Ss[r * LDS + j] += bias::bias_table_lookup<A>(p.table, p.P, ugs[j] - uq[q0 + r]);
       }
       __syncthreads();
     } else if (p.bias == CtdBias::Exact) {
@@ -182,7 +226,7 @@ __global__ void __launch_bounds__(NT) score_partial(CtdTopkParams p, int64_t cap
           const A b = d > A(1) ? ends[0]
                     : (d < A(-1) ? ends[1]
                                  : (A)(p.scale * ((double)(red[j] + red[BN + j] + red[2 * BN + j] + red[3 * BN + j]) + p.b2)));
-          Ss[r * LD + j] += b;
+          Ss[r * LDS + j] += b;
         }
         // next iteration's As write is after this barrier
         __syncthreads();
@@ -201,7 +245,7 @@ __global__ void __launch_bounds__(NT) score_partial(CtdTopkParams p, int64_t cap
       for (int half = 0; half < BN / 32; ++half) {
         const int j = half * 32 + lane;
         const int64_t idx = n0 + j;
-        const A s = Ss[r * LD + j];
+        const A s = Ss[r * LDS + j];
         bool take = idx < hi && s > thr[rr];
         if (take && ex) take = !in_sorted(ex, p.m, idx);
         const unsigned mask = __ballot_sync(0xffffffffu, take);
@@ -242,7 +286,7 @@ __global__ void __launch_bounds__(NT) score_partial(CtdTopkParams p, int64_t cap
 
 template <typename A>
 __global__ void __launch_bounds__(NT) merge_splits(CtdTopkParams p, int64_t cap, int M) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
   int64_t* ix = reinterpret_cast<int64_t*>(smem_raw);
   A* v = reinterpret_cast<A*>(ix + M);
   const int64_t i = blockIdx.x;
@@ -293,7 +337,7 @@ void launch(const CtdTopkParams& p, cudaStream_t st) {
   }
   const int64_t K2 = p.bias == CtdBias::Exact ? 2 * p.K : 0;
   const int64_t hid = p.bias == CtdBias::Exact ? p.hidden : 0;
-  const size_t smem = sizeof(A) * (size_t)(2 * BK * LD + BQ * LD + BN + 4 * BN + K2 * BN + K2 * hid);
+  const size_t smem = sizeof(A) * (size_t)(2 * BK * LD + BQ * LDS + BN + 4 * BN + K2 * BN + K2 * hid);
   auto k1 = score_partial<S, A>;
   TK_CUDA_CHECK(cudaFuncSetAttribute(k1, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   dim3 grid((unsigned)((p.Q + BQ - 1) / BQ), (unsigned)p.nsplit);
