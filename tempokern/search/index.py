@@ -200,8 +200,9 @@ def _bias_args(bias, u_q: torch.Tensor, u_g: torch.Tensor, device):
 
 
 def _rerank(q, emb, cand, k, temperature, bias_args, block_bytes: int = 1 << 26):
-    """(CUDA, and the spec the C++ rerank is tested against.) Scores each query's own candidates (Q, C) under the full CTD score and keeps the k best
-    (ties by lower record position). Query blocks keep the gathered (Qb, C, H) slice bounded."""
+    """Scores each query's own candidates (Q, C) under the full CTD score and keeps the k best (ties by
+    lower record position); -1 / duplicate candidates are ignored. The CUDA rerank, and the spec the C++
+    rerank (ctd_rerank) is tested against. Query blocks keep the gathered (Qb, C, H) slice bounded."""
     Q, C = cand.shape
     acc = torch.float64 if emb.dtype == torch.float64 else torch.float32
     # positions ascending within a row, then a stable sort by score: ties go to the lower position
