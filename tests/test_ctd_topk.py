@@ -387,3 +387,19 @@ def test_cuda_peak_memory_is_not_q_by_n():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < Q * N * 4 // 20, extra  # a score matrix would be 819 MB
+
+
+@pytest.mark.parametrize("Q", [2, 7, 8, 20])  # < 8 queries: direct row-at-a-time path; else packed tiles
+@pytest.mark.parametrize("bias_kind", ["none", "exact", "table"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_direct_and_packed_paths(Q, bias_kind, dtype):
+    torch.manual_seed(Q)
+    N, H = 517, 37
+    q, g = torch.randn(Q, H).to(dtype), torch.randn(N, H).to(dtype)
+    bias = None
+    if bias_kind == "exact":
+        bias = make_bias(Q, N, scale=5.0, spread=2.0, seed=Q)
+    elif bias_kind == "table":
+        bias = (torch.rand(Q) * 2, torch.rand(N) * 2, torch.randn(33) * 5)
+    ex = torch.randint(-1, N, (Q, 4))
+    check_against_reference(q, g, 13, atol=5e-4, bias=bias, exclude=ex, temperature=0.3)

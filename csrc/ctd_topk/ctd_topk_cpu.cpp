@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 #include <omp.h>
 #include "ctd_topk/ctd_topk.h"
@@ -24,6 +25,7 @@ template <> struct VecT<double> { typedef double type __attribute__((vector_size
 constexpr int MR = 6;          // query rows per micro-tile
 constexpr int kChunkPanels = 4;  // gallery panels per chunk (chunk = 4 * NR rows)
 constexpr int kBiasCB = 3;       // hidden units per bias micro-tile
+constexpr int64_t kDirectQ = 8;   // fewer queries than this: no packing, one gallery row at a time
 
 template <typename A> struct Aligned {
   A* ptr = nullptr;
@@ -78,6 +80,8 @@ struct Kernel {
   A temp, bias_plus = 0, bias_minus = 0;
   A bias_ub = std::numeric_limits<A>::infinity();  // >= every computed bias value (pruning)
   std::unique_ptr<Aligned<A>> qpack;   // (QP panels, H, MR)
+  std::unique_ptr<Aligned<A>> qrows;   // direct mode: (Q, H)
+  bool direct = false;
   std::unique_ptr<Aligned<A>> amat;    // exact bias: (Q, K2, HB) first layer folded with the query's angle
   std::vector<A> b1v, w2v, fr;
 
@@ -85,10 +89,17 @@ struct Kernel {
     Q = p.Q; N = p.N; H = p.H; k = p.k;
     QP = (Q + MR - 1) / MR;
     temp = (A)p.temperature;
-    qpack.reset(new Aligned<A>(p.cand ? 1 : (size_t)QP * H * MR));  // rerank reads q rows directly
+    direct = !p.cand && Q < kDirectQ;
+    if (direct) {
+      qrows.reset(new Aligned<A>((size_t)Q * H));
+      for (int64_t i = 0; i < Q; ++i)
+        for (int64_t h = 0; h < H; ++h) qrows->ptr[i * H + h] = load(static_cast<const T*>(p.q) + i * p.q_stride, h);
+    }
+    const bool packed = !p.cand && !direct;  // rerank reads q rows itself
+    qpack.reset(new Aligned<A>(packed ? (size_t)QP * H * MR : 1));
     A* qp = qpack->ptr;
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < (p.cand ? 0 : QP); ++b)
+    for (int64_t b = 0; b < (packed ? QP : 0); ++b)
       for (int r = 0; r < MR; ++r) {
         const int64_t i = b * MR + r;
         if (i >= Q) continue;
@@ -352,6 +363,84 @@ struct Kernel {
     }
   }
 
+  static inline A dot_row(const A* __restrict x, const A* __restrict y, int64_t n) {
+    V acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};  // four chains hide the FMA latency
+    int64_t h = 0;
+    for (; h + 4 * VL <= n; h += 4 * VL) {
+      acc0 += vload(x + h) * vload(y + h);
+      acc1 += vload(x + h + VL) * vload(y + h + VL);
+      acc2 += vload(x + h + 2 * VL) * vload(y + h + 2 * VL);
+      acc3 += vload(x + h + 3 * VL) * vload(y + h + 3 * VL);
+    }
+    for (; h + VL <= n; h += VL) acc0 += vload(x + h) * vload(y + h);
+    acc0 += acc1;
+    acc2 += acc3;
+    acc0 += acc2;
+    A dot = 0;
+    for (int l = 0; l < VL; ++l) dot += acc0[l];
+    for (; h < n; ++h) dot += x[h] * y[h];
+    return dot;
+  }
+
+  // [sin(f ug), cos(f ug)] of one gallery row (exact bias)
+  inline void row_features(A ugv, A* feat) const {
+    for (int64_t kk = 0; kk < p.K; ++kk) {
+      const double a = (double)fr[kk] * (double)ugv;
+      feat[kk] = (A)std::sin(a);
+      feat[p.K + kk] = (A)std::cos(a);
+    }
+  }
+
+  // Bias of one pair; feat = row_features(ug) for the exact bias, hid: HB scratch.
+  inline A pair_bias(int64_t i, A uqv, A ugv, const A* feat, A* hid) const {
+    if (p.bias == CtdBias::Table) return table_at(uqv, ugv);
+    const A d = ugv - uqv;
+    if (d > A(1)) return bias_plus;
+    if (d < A(-1)) return bias_minus;
+    const A* m = amat->ptr + i * K2 * HB;
+    for (int64_t cc = 0; cc < HB; ++cc) hid[cc] = b1v[cc];
+    for (int64_t kk = 0; kk < K2; ++kk) {
+      const A f = feat[kk];
+      const A* mr = m + kk * HB;
+      for (int64_t cc = 0; cc < HB; ++cc) hid[cc] += mr[cc] * f;
+    }
+    A o = 0;
+    for (int64_t cc = 0; cc < HB; ++cc) o += w2v[cc] * (hid[cc] > A(0) ? hid[cc] : A(0));
+    return (A)(p.scale * ((double)o + p.b2));
+  }
+
+  // Few queries: packing a panel costs more than it saves, so dot each gallery row directly.
+  void scan_direct(int64_t lo, int64_t hi, std::vector<TopBuf<A>>& bufs) const {
+    const A* ug = static_cast<const A*>(p.u_g);
+    const A* uq = static_cast<const A*>(p.u_q);
+    const T* g = static_cast<const T*>(p.g);
+    std::vector<A> grow(H), feat(p.bias == CtdBias::Exact ? K2 : 1), hid(p.bias == CtdBias::Exact ? HB : 1);
+    const A* qr = qrows->ptr;
+    for (int64_t idx = lo; idx < hi; ++idx) {
+      const A* gr;
+      if (std::is_same<T, A>::value) {
+        gr = reinterpret_cast<const A*>(g + idx * p.g_stride);
+      } else {
+        const T* gs = g + idx * p.g_stride;
+        for (int64_t h = 0; h < H; ++h) grow[h] = load(gs, h);
+        gr = grow.data();
+      }
+      bool have_feat = false;
+      for (int64_t i = 0; i < Q; ++i) {
+        TopBuf<A>& tb = bufs[i];
+        A s = dot_row(qr + i * H, gr, H) / temp;
+        if (p.bias != CtdBias::None) {
+          if (!(s + bias_ub >= tb.thr)) continue;  // cannot reach the k best
+          if (p.bias == CtdBias::Exact && !have_feat) { row_features(ug[idx], feat.data()); have_feat = true; }
+          s += pair_bias(i, uq[i], ug[idx], feat.data(), hid.data());
+        }
+        if (!(s > tb.thr)) continue;
+        if (excluded(p.exclude ? p.exclude + i * p.m : nullptr, p.m, idx)) continue;
+        tb.push(s, idx);
+      }
+    }
+  }
+
   // Rerank: query i scores only the gallery rows cand[i, 0..C) (ascending; negatives skipped).
   void rerank() const {
     const int64_t C = p.C, cap = std::max<int64_t>(2 * k, k + 64);
@@ -360,7 +449,7 @@ struct Kernel {
     A* vals = static_cast<A*>(p.values);
 #pragma omp parallel
     {
-      std::vector<A> qrow(H), grow(H + VL), feat(p.bias == CtdBias::Exact ? K2 : 1), hid(p.bias == CtdBias::Exact ? HB : 1);
+      std::vector<A> qrow(H), grow(H), feat(p.bias == CtdBias::Exact ? K2 : 1), hid(p.bias == CtdBias::Exact ? HB : 1);
       std::vector<Cand<A>> store(cap);
 #pragma omp for schedule(dynamic, 4)
       for (int64_t i = 0; i < Q; ++i) {
@@ -376,43 +465,11 @@ struct Kernel {
           prev = idx;
           const T* gs = static_cast<const T*>(p.g) + idx * p.g_stride;
           for (int64_t h = 0; h < H; ++h) grow[h] = load(gs, h);
-          V acc0 = {}, acc1 = {};
-          int64_t h = 0;
-          for (; h + 2 * VL <= H; h += 2 * VL) {
-            acc0 += vload(qrow.data() + h) * vload(grow.data() + h);
-            acc1 += vload(qrow.data() + h + VL) * vload(grow.data() + h + VL);
-          }
-          acc0 += acc1;
-          A dot = 0;
-          for (int l = 0; l < VL; ++l) dot += acc0[l];
-          for (; h < H; ++h) dot += qrow[h] * grow[h];
-          A s = dot / temp;
-          if (p.bias != CtdBias::None && !(s + bias_ub >= tb.thr)) continue;  // cannot reach the k best
-          if (p.bias == CtdBias::Exact) {
-            const A d = ug[idx] - uq[i];
-            A b;
-            if (d > A(1)) b = bias_plus;
-            else if (d < A(-1)) b = bias_minus;
-            else {
-              for (int64_t kk = 0; kk < p.K; ++kk) {
-                const double a = (double)fr[kk] * (double)ug[idx];
-                feat[kk] = (A)std::sin(a);
-                feat[p.K + kk] = (A)std::cos(a);
-              }
-              const A* m = amat->ptr + i * K2 * HB;
-              for (int64_t cc = 0; cc < HB; ++cc) hid[cc] = b1v[cc];
-              for (int64_t kk = 0; kk < K2; ++kk) {
-                const A f = feat[kk];
-                const A* mr = m + kk * HB;
-                for (int64_t cc = 0; cc < HB; ++cc) hid[cc] += mr[cc] * f;
-              }
-              A o = 0;
-              for (int64_t cc = 0; cc < HB; ++cc) o += w2v[cc] * (hid[cc] > A(0) ? hid[cc] : A(0));
-              b = (A)(p.scale * ((double)o + p.b2));
-            }
-            s += b;
-          } else if (p.bias == CtdBias::Table) {
-            s += table_at(uq[i], ug[idx]);
+          A s = dot_row(qrow.data(), grow.data(), H) / temp;
+          if (p.bias != CtdBias::None) {
+            if (!(s + bias_ub >= tb.thr)) continue;  // cannot reach the k best
+            if (p.bias == CtdBias::Exact) row_features(ug[idx], feat.data());
+            s += pair_bias(i, uq[i], ug[idx], feat.data(), hid.data());
           }
           if (!(s > tb.thr)) continue;
           if (excluded(ex, p.m, idx)) continue;
@@ -447,7 +504,7 @@ struct Kernel {
       for (int64_t i = 0; i < Q; ++i)
         bufs[i] = TopBuf<A>{store.data() + ((size_t)t * Q + i) * cap, 0, cap, k,
                             -std::numeric_limits<A>::infinity()};
-      if (hi > lo) scan(lo, hi, bufs);
+      if (hi > lo) { if (direct) scan_direct(lo, hi, bufs); else scan(lo, hi, bufs); }
     }
     A* vals = static_cast<A*>(p.values);
 #pragma omp parallel for schedule(static)
