@@ -6,14 +6,16 @@ from ._ops.common import debug_checks_enabled, set_debug_checks
 from ._ops.calendar import calendar_context, calendar_scalar, fourier_table
 from ._ops.offset_bias import offset_bias, offset_bias_lookup
 from ._ops.multipos_infonce import multipos_infonce
+from ._ops.ctd_topk import ctd_topk
 from . import reference
 from . import nn
+from . import search
 from .calendar import Calendar, Interval
 from . import baselines, datasets, eval
 
 __all__ = [
     "__version__", "build_info", "set_debug_checks", "debug_checks_enabled",
     "calendar_scalar", "calendar_context", "fourier_table",
-    "offset_bias", "offset_bias_lookup", "multipos_infonce",
-    "reference", "nn", "Calendar", "Interval", "baselines", "datasets", "eval",
+    "offset_bias", "offset_bias_lookup", "multipos_infonce", "ctd_topk",
+    "reference", "nn", "search", "Calendar", "Interval", "baselines", "datasets", "eval",
 ]
