@@ -10,3 +10,6 @@ __all__ = [
     "__version__", "build_info", "set_debug_checks", "debug_checks_enabled",
     "calendar_scalar", "calendar_context", "fourier_table", "reference",
 ]
+from .calendar import Calendar, Interval
+from . import datasets, eval
+__all__ += ["Calendar", "Interval", "datasets", "eval"]

@@ -1,0 +1,13 @@
+"""Loaders for time-keyed retrieval data: ChunQiuTR format, Zizhi Tongjian jsonl, BEIR-style.
+
+Every loader returns a :class:`RetrievalDataset` (records = gallery, queries with gold ids,
+calendar, load report). Malformed rows raise :class:`DataFormatError` naming file and line, or
+with ``on_error="skip"`` are skipped and counted in ``dataset.report``.
+"""
+from .base import (QUERY_FAMILIES, RECORD_TYPES, DataFormatError, LoadReport, Query, Record,
+                   RetrievalDataset)
+from .zztj import PAPER_TEMPLATE, ZZTJ_TEMPLATES, load_zztj, load_zztj_sample, zztj_time_text
+
+__all__ = ["Record", "Query", "RetrievalDataset", "LoadReport", "DataFormatError", "RECORD_TYPES",
+           "QUERY_FAMILIES", "load_zztj", "load_zztj_sample", "zztj_time_text", "ZZTJ_TEMPLATES",
+           "PAPER_TEMPLATE"]

@@ -1,0 +1,220 @@
+"""Zizhi Tongjian (资治通鉴) jsonl: records keyed by (reign title, era year, lunar month), generated
+point queries (one per month key, classical-Chinese templates, as in ChunQiuTR's cross-corpus
+pilot) and synthesized ``no_event`` records for the months with no entry."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..calendar import LEAP_MONTH, Calendar
+from ._resources import ZZTJ_QIJI, data_path
+from .base import (DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle,
+                   read_jsonl)
+
+__all__ = ["load_zztj", "load_zztj_sample", "zztj_time_text", "ZZTJ_TEMPLATES", "PAPER_TEMPLATE"]
+
+#: the ChunQiuTR release's pilot template
+PAPER_TEMPLATE = "《资治通鉴·{subset}》在{time}记载了什么？"
+#: default templates, used in turn (by the month's rank) for variety
+ZZTJ_TEMPLATES = (
+    PAPER_TEMPLATE,
+    "{time}，所记何事？",
+    "{time}有何事？",
+    "《通鉴·{subset}》{time}之事。",
+)
+NO_EVENT_TEMPLATE = "{time}，是月无事。"
+
+_DIGITS = "〇一二三四五六七八九"
+_MONTHS = {1: "正月", 2: "二月", 3: "三月", 4: "四月", 5: "五月", 6: "六月", 7: "七月", 8: "八月", 9: "九月",
+           10: "十月", 11: "十一月", 12: "十二月"}
+
+
+def _cn_number(n: int) -> str:
+    if n < 10:
+        return _DIGITS[n]
+    if n < 20:
+        return "十" + (_DIGITS[n % 10] if n % 10 else "")
+    if n < 100:
+        return _DIGITS[n // 10] + "十" + (_DIGITS[n % 10] if n % 10 else "")
+    return "".join(_DIGITS[int(c)] for c in str(n))
+
+
+def zztj_time_text(key: Tuple[Any, ...]) -> str:
+    """Classical time phrase of a (reign, era_year, month) key: ``("永明", 2, 1)`` -> 永明二年正月,
+    year 1 -> 元年, the intercalary month -> 闰月."""
+    reign, year, month = key
+    y = "元" if int(year) == 1 else _cn_number(int(year))
+    m = "闰月" if month == LEAP_MONTH else _MONTHS.get(int(month), f"{_cn_number(int(month))}月")
+    return f"{reign}{y}年{m}"
+
+
+def _parse_row(path: str, ln: int, obj: Dict[str, Any]):
+    """-> ("span", None) for span-header rows, else ("record", fields)."""
+    rid = obj.get("id")
+    if not isinstance(rid, str) or not rid.strip():
+        raise DataFormatError(path, ln, "missing or empty string field 'id'")
+    tm = obj.get("time_meta")
+    if not isinstance(tm, dict):
+        raise DataFormatError(path, ln, f"record {rid!r}: missing object field 'time_meta'")
+    if "reign" not in tm and "start_ad_year" in tm:
+        return "span", rid
+    text = obj.get("description")
+    if not isinstance(text, str) or not text.strip():
+        raise DataFormatError(path, ln, f"record {rid!r}: missing or empty string field 'description'")
+    reign = tm.get("reign")
+    if not isinstance(reign, str) or not reign.strip():
+        raise DataFormatError(path, ln, f"record {rid!r}: time_meta.reign must be a non-empty string, got {reign!r}")
+    ey = tm.get("era_year")
+    if isinstance(ey, bool) or not isinstance(ey, int) or ey < 1:
+        raise DataFormatError(path, ln, f"record {rid!r}: time_meta.era_year must be an int >= 1, got {ey!r}")
+    lm, label = tm.get("lunar_month"), tm.get("lunar_month_label")
+    if lm is None and isinstance(label, str) and label.startswith(("闰", "閏")):
+        month: Any = LEAP_MONTH
+    elif isinstance(lm, int) and not isinstance(lm, bool) and 1 <= lm <= 12:
+        month = lm
+    else:
+        raise DataFormatError(path, ln, f"record {rid!r}: time_meta.lunar_month must be 1..12 (or null with "
+                                        f"lunar_month_label 闰月), got {lm!r} / {label!r}")
+    ad = tm.get("ad_year")
+    return "record", dict(id=rid.strip(), text=text.strip(), title=str(obj.get("title") or ""),
+                          reign=reign.strip(), year=ey, month=month,
+                          ad_year=ad if isinstance(ad, int) and not isinstance(ad, bool) else None,
+                          meta={k: obj[k] for k in ("time", "location", "source") if k in obj} | {"time_meta": tm})
+
+
+def load_zztj(path: str, *, subset: Optional[str] = None, eras: Optional[Sequence[Tuple]] = None,
+              templates: Sequence[str] = ZZTJ_TEMPLATES, no_event_records: bool = True,
+              no_event_queries: bool = False, on_error: str = "raise") -> RetrievalDataset:
+    """Load a Zizhi Tongjian jsonl file (see docs/eval.md for the row format).
+
+    - Records: one per event row, keyed ``(reign, era_year, month)`` on a
+      :meth:`Calendar.reign` calendar; ``month`` is 1..12 or :data:`~tempokern.calendar.LEAP_MONTH`
+      for 闰月 rows (placed after the last numbered month seen before it in that year).
+    - ``eras``: chronological ``(title, n_years[, first_ad_year])``; default inferred from the rows
+      (each era up to the last year seen, in order of first appearance).
+    - Span-header rows (``time_meta`` with ``start_ad_year`` and no ``reign``) are not events; they
+      are left out and listed in ``report.notes``.
+    - ``no_event_records``: add one ``no_event`` record for every calendar month with no row.
+    - Queries: one ``point`` query per month key that has records (gold = its records), from
+      ``templates`` (used in turn); ``no_event_queries`` also adds one per empty month (gold = its
+      no_event record, ``pure_no_event=True``).
+    - Malformed rows raise :class:`DataFormatError` (file:line) or, with ``on_error="skip"``, are
+      skipped and listed in ``dataset.report``.
+    """
+    _check_on_error(on_error)
+    if not templates:
+        raise ValueError("templates must hold at least one query template")
+    for t in templates:
+        if "{time}" not in t:
+            raise ValueError(f"query template {t!r} must contain '{{time}}'")
+    report = LoadReport()
+    rows: List[Tuple[int, Dict[str, Any]]] = []
+    spans, ids = [], set()
+    for ln, obj in read_jsonl(path, report, on_error):
+        try:
+            kind, fields = _parse_row(str(path), ln, obj)
+            if kind == "record" and fields["id"] in ids:
+                raise DataFormatError(str(path), ln, f"duplicate record id {fields['id']!r}")
+        except DataFormatError as e:
+            handle(e, report, on_error)
+            continue
+        if kind == "span":
+            spans.append(fields)
+            continue
+        ids.add(fields["id"])
+        rows.append((ln, fields))
+    if spans:
+        report.notes.append(f"{len(spans)} span-header row(s) left out (not events): {', '.join(spans)}")
+    if subset is None:
+        src = next((f["meta"].get("source") for _, f in rows if f["meta"].get("source")), "")
+        subset = src.split("·")[-1] if src else "资治通鉴"
+
+    # place intercalary months: after the last numbered month seen before them in the same year
+    leap: Dict[Tuple[str, int], int] = {}
+    last: Dict[Tuple[str, int], int] = {}
+    kept = []
+    for ln, f in rows:
+        ry = (f["reign"], f["year"])
+        if f["month"] == LEAP_MONTH:
+            if ry not in last:
+                handle(DataFormatError(str(path), ln, f"record {f['id']!r}: 闰月 of {ry[0]}{ry[1]} comes before any "
+                                                      "numbered month of that year; cannot place it"), report, on_error)
+                continue
+            if ry in leap and leap[ry] != last[ry]:
+                handle(DataFormatError(str(path), ln, f"record {f['id']!r}: second intercalary month in "
+                                                      f"{ry[0]}{ry[1]} (after month {leap[ry]} and {last[ry]})"),
+                       report, on_error)
+                continue
+            leap[ry] = last[ry]
+        else:
+            last[ry] = f["month"]
+        kept.append((ln, f))
+    rows = kept
+
+    if eras is None:
+        order: List[str] = []
+        n_years: Dict[str, int] = {}
+        first_ad: Dict[str, int] = {}
+        for _, f in rows:
+            if f["reign"] not in n_years:
+                order.append(f["reign"])
+            n_years[f["reign"]] = max(n_years.get(f["reign"], 0), f["year"])
+            if f["ad_year"] is not None:
+                first_ad.setdefault(f["reign"], f["ad_year"] - f["year"] + 1)
+        if not order:
+            raise ValueError(f"{path}: no dated record to build a calendar from")
+        eras = [(t, n_years[t], first_ad[t]) if t in first_ad else (t, n_years[t]) for t in order]
+    cal = Calendar.reign(eras, leap_months=leap, name=f"zztj-{subset}")
+
+    records: List[Record] = []
+    by_rank: Dict[int, List[str]] = {}
+    for ln, f in rows:
+        key = (f["reign"], f["year"], f["month"])
+        try:
+            r = cal.rank(key)
+        except (KeyError, ValueError) as e:
+            handle(DataFormatError(str(path), ln, f"record {f['id']!r}: time key {key} not in the era list: {e}"),
+                   report, on_error)
+            continue
+        meta = dict(f["meta"])
+        records.append(Record(f["id"], f["text"], key=cal.key_at(r), interval=_iv(r), type="event",
+                              title=f["title"], meta=meta))
+        by_rank.setdefault(r, []).append(f["id"])
+    report.records = len(records)
+
+    empty = [r for r in range(cal.num_units) if r not in by_rank]
+    ne_ids: Dict[int, str] = {}
+    if no_event_records:
+        for r in empty:
+            key = cal.key_at(r)
+            rid = f"no_event:{cal.key_str(key)}"
+            if rid in ids:
+                raise ValueError(f"{path}: a record id collides with synthesized id {rid!r}")
+            records.append(Record(rid, NO_EVENT_TEMPLATE.format(time=zztj_time_text(key), subset=subset), key=key,
+                                  interval=_iv(r), type="no_event", meta={"synthesized": True}))
+            ne_ids[r] = rid
+        report.synthesized = len(ne_ids)
+
+    queries: List[Query] = []
+    q_ranks = sorted(by_rank) + (sorted(ne_ids) if no_event_queries else [])
+    for r in sorted(q_ranks):
+        key = cal.key_at(r)
+        tmpl = templates[r % len(templates)]
+        gold = {d: 1 for d in by_rank[r]} if r in by_rank else {ne_ids[r]: 1}
+        queries.append(Query(f"q:{cal.key_str(key)}", tmpl.format(time=zztj_time_text(key), subset=subset),
+                             interval=_iv(r), family="point", gold=gold, pure_no_event=r not in by_rank,
+                             meta={"key": key, "template": tmpl}))
+    report.queries = len(queries)
+    return RetrievalDataset(f"zztj-{subset}", records, queries, cal, report)
+
+
+def _iv(r: int):
+    from ..calendar import Interval
+    return Interval(r, r)
+
+
+def load_zztj_sample(**kwargs) -> RetrievalDataset:
+    """The packaged sample: 268 rows of the Zizhi Tongjian Qi annals (齐纪, 479-489 CE) from the
+    ChunQiuTR release (MIT): 266 event records over 92 month keys (4 of them 闰月), 2 span headers.
+    Keyword arguments go to :func:`load_zztj`."""
+    with data_path(ZZTJ_QIJI) as p:
+        return load_zztj(str(p), **kwargs)

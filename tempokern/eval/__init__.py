@@ -1,0 +1,10 @@
+"""Evaluation: ChunQiuTR / TEMPO / Re3 metrics and the protocol runner.
+
+- :func:`retrieval_metrics` ``(run, qrels, ks)``: R@k (hit rate), recall@k, MRR@10, nDCG@10, MRR
+- :func:`re3_metrics`: Re3-style R@k and MRR
+- :func:`temporal_metrics` ``(run, verdicts, ks, periods)``: TEMPO TP@k, TR@k, TC@k, NDCG|FC@k
+- :func:`evaluate` ``(scorer_or_index, dataset, protocol=...)``: ChunQiuTR protocol table
+"""
+from .metrics import re3_metrics, rank_documents, retrieval_metrics
+
+__all__ = ["retrieval_metrics", "re3_metrics", "rank_documents"]
