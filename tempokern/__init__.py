@@ -11,5 +11,5 @@ __all__ = [
     "calendar_scalar", "calendar_context", "fourier_table", "reference",
 ]
 from .calendar import Calendar, Interval
-from . import datasets, eval
-__all__ += ["Calendar", "Interval", "datasets", "eval"]
+from . import baselines, datasets, eval
+__all__ += ["Calendar", "Interval", "baselines", "datasets", "eval"]

@@ -148,6 +148,7 @@ class Calendar:
         self._strides = tuple(math.prod(self._sizes[l + 1:]) for l in range(len(lv)))
         self._num_slots = math.prod(self._sizes)
         self._lookup: List[Dict[str, int]] = [{_norm(x): j for j, x in enumerate(l.labels)} for l in lv]
+        self._aliases: List[Dict[str, Any]] = [{} for _ in lv]
         if aliases is not None:
             if len(aliases) != len(lv):
                 raise ValueError(f"aliases must hold one mapping per level ({len(lv)}), got {len(aliases)}")
@@ -157,6 +158,7 @@ class Calendar:
                     if j is None:
                         raise ValueError(f"alias {a!r} of level {lv[l].name} points to unknown label {target!r}")
                     self._lookup[l].setdefault(_norm(a), j)
+                    self._aliases[l][str(a)] = lv[l].labels[j]
         if units is None:
             flats = np.arange(self._num_slots, dtype=np.int64)
         else:
@@ -433,6 +435,21 @@ class Calendar:
         s = {self.split_of_rank(r) for r in interval.ranks()}
         return s.pop() if len(s) == 1 else "mixed"
 
+    def with_splits(self, blocks: Mapping[Any, str], default: str = "train") -> "Calendar":
+        """A copy whose units are split by key prefixes: ``{("永明", 6): "val", ("永明", 7): "test"}``
+        puts every unit under each prefix in that split and the rest in ``default`` (reign-aligned,
+        leak-free blocks as in ChunQiuTR). Later prefixes win where prefixes nest."""
+        assign = [default] * self.num_units
+        for prefix, name in blocks.items():
+            iv = self.span(prefix)
+            for r in iv.ranks():
+                assign[r] = str(name)
+        units = [self.key_at(r) for r in range(self.num_units)]
+        cal = Calendar([(l.name, l.labels) for l in self._levels], units=units, name=self.name,
+                       aliases=self._aliases, splits=dict(zip(units, assign)), sep=self.sep)
+        cal.meta.update(self.meta)
+        return cal
+
     # ---- factories -------------------------------------------------------------------------
     @classmethod
     def chunqiu(cls) -> "Calendar":
@@ -537,6 +554,7 @@ class Calendar:
             "name": self.name, "sep": self.sep,
             "levels": [[l.name, list(l.labels)] for l in self._levels],
             "units": [list(self.key(int(f))) for f in self._unit_flat],
+            "aliases": [dict(a) for a in self._aliases],
             "splits": None if self._splits is None else [self._splits[r] for r in range(self.num_units)],
             "meta": json.loads(json.dumps(self.meta, ensure_ascii=False, default=str)),
         }
@@ -546,6 +564,6 @@ class Calendar:
         units = [tuple(u) for u in d["units"]]
         splits = None if d.get("splits") is None else dict(zip(units, d["splits"]))
         cal = cls([(n, labels) for n, labels in d["levels"]], units=units, name=d.get("name", "calendar"),
-                  splits=splits, sep=d.get("sep", "-"))
+                  splits=splits, sep=d.get("sep", "-"), aliases=d.get("aliases"))
         cal.meta.update(d.get("meta") or {})
         return cal

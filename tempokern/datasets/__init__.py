@@ -6,8 +6,11 @@ with ``on_error="skip"`` are skipped and counted in ``dataset.report``.
 """
 from .base import (QUERY_FAMILIES, RECORD_TYPES, DataFormatError, LoadReport, Query, Record,
                    RetrievalDataset)
+from .beir import load_beir
+from .chunqiutr import POS_SOURCES, gold_from_interval, load_chunqiutr, load_chunqiutr_release
 from .zztj import PAPER_TEMPLATE, ZZTJ_TEMPLATES, load_zztj, load_zztj_sample, zztj_time_text
 
 __all__ = ["Record", "Query", "RetrievalDataset", "LoadReport", "DataFormatError", "RECORD_TYPES",
            "QUERY_FAMILIES", "load_zztj", "load_zztj_sample", "zztj_time_text", "ZZTJ_TEMPLATES",
-           "PAPER_TEMPLATE"]
+           "PAPER_TEMPLATE", "load_beir", "load_chunqiutr", "load_chunqiutr_release",
+           "gold_from_interval", "POS_SOURCES"]

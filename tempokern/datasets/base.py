@@ -140,6 +140,22 @@ class RetrievalDataset:
             raise ValueError(f"dataset {self.name!r} has no queries in split {name!r}; splits: {have}")
         return RetrievalDataset(f"{self.name}[{name}]", self.records, qs, self.calendar, self.report)
 
+    def records_in_split(self, name: str) -> List[Record]:
+        """Records whose time lies wholly in split ``name`` of the calendar (e.g. the training
+        gallery for a trainer); untimed records are never in a split."""
+        if self.calendar is None or not self.calendar.has_splits:
+            raise ValueError(f"dataset {self.name!r} has no calendar with splits")
+        return [r for r in self.records
+                if r.interval is not None and self.calendar.split_of_interval(r.interval) == name]
+
+    def with_calendar(self, calendar: Calendar) -> "RetrievalDataset":
+        """The same data on a calendar with the same units (e.g. ``calendar.with_splits(...)``);
+        query splits are re-derived from their intervals."""
+        if self.calendar is not None and list(calendar) != list(self.calendar):
+            raise ValueError("with_calendar needs a calendar with the same units in the same order")
+        qs = [with_split(replace(q, split=None), calendar) for q in self.queries]
+        return RetrievalDataset(self.name, self.records, qs, calendar, self.report)
+
     def splits(self) -> List[str]:
         return sorted({q.split for q in self.queries if q.split is not None})
 

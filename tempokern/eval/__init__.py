@@ -6,5 +6,8 @@
 - :func:`evaluate` ``(scorer_or_index, dataset, protocol=...)``: ChunQiuTR protocol table
 """
 from .metrics import re3_metrics, rank_documents, retrieval_metrics
+from .runner import CHUNQIU_MODES, EvalTable, Mode, evaluate, parse_protocol
+from .temporal import interval_periods, interval_verdicts, temporal_metrics
 
-__all__ = ["retrieval_metrics", "re3_metrics", "rank_documents"]
+__all__ = ["retrieval_metrics", "re3_metrics", "rank_documents", "temporal_metrics", "interval_verdicts",
+           "interval_periods", "evaluate", "EvalTable", "Mode", "parse_protocol", "CHUNQIU_MODES"]

@@ -97,7 +97,6 @@ def retrieval_metrics(run: Run, qrels: Qrels, ks: Sequence[int] = (1, 5, 10), *,
     validate_run(run)
     validate_qrels(qrels)
     ks = _check_ks(ks)
-    depth = max(max(ks), 10)
     sums: Dict[str, float] = {}
     pq: Dict[str, Dict[str, float]] = {}
     for qid, judged in qrels.items():

@@ -1,0 +1,232 @@
+"""calendar_scalar / calendar_context / fourier_table vs tempokern.reference."""
+import math
+
+import pytest
+import torch
+
+import tempokern
+from tempokern import reference as ref
+
+SHAPES = [  # (B, level sizes)
+    (1, [1]),
+    (7, [12, 32, 12]),
+    (33, [5]),
+    (129, [3, 1, 7, 2]),
+    (65, [2] * 10),  # more levels than one kernel launch takes (8): exercises chunking
+    (40, [300, 3]),  # a level wider than a warp several times
+]
+
+
+def make_logits(B, sizes, dtype=torch.float32, device="cpu", scale=3.0):
+    return [(scale * torch.randn(B, n, dtype=torch.float64)).to(dtype).to(device).requires_grad_() for n in sizes]
+
+
+def grads(out, xs, w):
+    return torch.autograd.grad((out.double() * w).sum(), xs)
+
+
+@pytest.mark.parametrize("B,sizes", SHAPES)
+@pytest.mark.parametrize("tau", [1.0, 0.3])
+def test_scalar_matches_reference(B, sizes, tau, device):
+    xs = make_logits(B, sizes, device=device)
+    got, want = tempokern.calendar_scalar(xs, tau), ref.calendar_scalar(xs, tau)
+    assert got.dtype == torch.float32 and got.shape == (B,)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    w = torch.randn(B, dtype=torch.float64, device=device)
+    for g, r in zip(grads(got, xs, w), grads(want, xs, w)):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("B,sizes", SHAPES)
+@pytest.mark.parametrize("dim", [1, 16, 33, 64])
+def test_context_matches_reference(B, sizes, dim, device):
+    xs = make_logits(B, sizes, device=device)
+    got, want = tempokern.calendar_context(xs, dim, 0.7), ref.calendar_context(xs, dim, 0.7)
+    assert got.shape == (B, len(sizes) * dim) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    w = torch.randn(B, len(sizes) * dim, dtype=torch.float64, device=device)
+    for g, r in zip(grads(got, xs, w), grads(want, xs, w)):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
+def test_chunqiu_formula():
+    # Sharp logits pick (g, y, m); u must be the paper's (g*Y*M + y*M + m) / (G*Y*M - 1).
+    G, Y, M = 12, 32, 12
+    g, y, m = torch.tensor([0, 3, 11]), torch.tensor([0, 17, 31]), torch.tensor([0, 5, 11])
+    xs = [torch.nn.functional.one_hot(i, n).double() * 100 for i, n in ((g, G), (y, Y), (m, M))]
+    u = tempokern.calendar_scalar(xs)
+    want = (g * Y * M + y * M + m).double() / (G * Y * M - 1)
+    torch.testing.assert_close(u, want, atol=1e-12, rtol=0)
+    assert abs(u[0]) < 1e-12 and abs(u[-1] - 1) < 1e-12
+
+
+def test_single_slot_calendar_gives_zero():
+    xs = [torch.randn(4, 1), torch.randn(4, 1)]
+    assert torch.equal(tempokern.calendar_scalar(xs), torch.zeros(4))
+
+
+def test_fourier_table_definition():
+    n, dim = 5, 9
+    t = tempokern.fourier_table(n, dim)
+    half = dim // 2
+    pos = torch.arange(n, dtype=torch.float64) / (n - 1)
+    f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64) / (half - 1))
+    torch.testing.assert_close(t[:, :half].double(), torch.sin(pos[:, None] * f))
+    torch.testing.assert_close(t[:, half:2 * half].double(), torch.cos(pos[:, None] * f))
+    assert torch.all(t[:, 2 * half:] == 0)
+    assert torch.all(tempokern.fourier_table(1, 4)[:, 2:] == 1)  # n == 1: position 0, cos = 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op", ["scalar", "context"])
+def test_low_precision_within_twice_torch_error(dtype, op, device):
+    # flash-attention's rule: error vs a float32 reference at most twice plain PyTorch's own error in that dtype.
+    B, sizes, dim, tau = 257, [12, 32, 12], 32, 0.5
+    xs = make_logits(B, sizes, dtype=dtype, device=device)
+    xs32 = [x.detach().float().requires_grad_() for x in xs]
+    if op == "scalar":
+        fused, exact = tempokern.calendar_scalar(xs, tau), ref.calendar_scalar(xs32, tau)
+        w = ref.level_weights(sizes)
+        plain = sum(wl * (torch.softmax(x / tau, -1) @ torch.arange(x.shape[1], device=device, dtype=dtype))
+                    for wl, x in zip(w, xs))
+    else:
+        fused, exact = tempokern.calendar_context(xs, dim, tau), ref.calendar_context(xs32, dim, tau)
+        plain = torch.cat([torch.softmax(x / tau, -1) @ ref.fourier_table(x.shape[1], dim, dtype=dtype, device=device)
+                           for x in xs], -1)
+    err_fused = (fused.float() - exact).abs().max().item()
+    err_plain = (plain.float() - exact).abs().max().item()
+    assert err_fused <= 2 * err_plain + 1e-6, (err_fused, err_plain)
+    wt = torch.randn_like(exact)
+    g_f = torch.autograd.grad((fused.float() * wt).sum(), xs)
+    g_e = torch.autograd.grad((exact * wt).sum(), xs32)
+    g_p = torch.autograd.grad((plain.float() * wt).sum(), xs)
+    for a, e, p in zip(g_f, g_e, g_p):
+        assert a.dtype == dtype
+        ea, ep = (a.float() - e).abs().max().item(), (p.float() - e).abs().max().item()
+        assert ea <= 2 * ep + 1e-6, (ea, ep)
+
+
+def test_gradcheck_float64():
+    xs = make_logits(6, [3, 4, 2], dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda *a: tempokern.calendar_scalar(list(a), 0.8), xs)
+    assert torch.autograd.gradcheck(lambda *a: tempokern.calendar_context(list(a), 6, 0.8), xs)
+    assert torch.autograd.gradgradcheck is not None
+
+
+def test_opcheck(device):
+    xs = [x.detach().requires_grad_() for x in make_logits(9, [4, 5, 3], device=device)]
+    torch.library.opcheck(torch.ops.tempokern.calendar_scalar.default, (xs, 0.9))
+    torch.library.opcheck(torch.ops.tempokern.calendar_context.default, (xs, 8, 0.9))
+
+
+def test_under_torch_compile():
+    xs = make_logits(11, [12, 32, 12])
+
+    def f(a, b, c):
+        return tempokern.calendar_scalar([a, b, c], 0.5).sum() + tempokern.calendar_context([a, b, c], 8).square().sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    out, want = compiled(*xs), f(*xs)
+    torch.testing.assert_close(out, want)
+    g1 = torch.autograd.grad(out, xs)
+    g2 = torch.autograd.grad(f(*xs), xs)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+
+
+def test_strided_rows_accepted():
+    base = torch.randn(10, 40)
+    xs = [base[:, :12], base[:, 12:44 - 4]]  # non-contiguous row views
+    torch.testing.assert_close(tempokern.calendar_scalar(xs), ref.calendar_scalar(xs))
+    t = torch.randn(12, 10).t()  # column stride != 1
+    torch.testing.assert_close(tempokern.calendar_context([t], 8), ref.calendar_context([t], 8))
+
+
+def test_empty_batch():
+    xs = [torch.randn(0, 4, requires_grad=True), torch.randn(0, 3, requires_grad=True)]
+    assert tempokern.calendar_scalar(xs).shape == (0,)
+    out = tempokern.calendar_context(xs, 5)
+    assert out.shape == (0, 10)
+    out.sum().backward()
+    assert xs[0].grad.shape == (0, 4)
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn", [lambda x, **k: tempokern.calendar_scalar(x, **k),
+                                lambda x, **k: tempokern.calendar_context(x, 8, **k)])
+def test_bad_inputs(fn):
+    good = [torch.randn(4, 3), torch.randn(4, 5)]
+    with pytest.raises(TypeError, match="logits"):
+        fn(torch.randn(4, 3))
+    with pytest.raises(ValueError, match="at least one level"):
+        fn([])
+    with pytest.raises(ValueError, match=r"logits\[1\].*batch size 5"):
+        fn([torch.randn(4, 3), torch.randn(5, 3)])
+    with pytest.raises(ValueError, match=r"logits\[0\] must be 2-D"):
+        fn([torch.randn(4), torch.randn(4, 3)])
+    with pytest.raises(TypeError, match=r"logits\[1\] must be float"):
+        fn([torch.randn(4, 3), torch.ones(4, 3, dtype=torch.long)])
+    with pytest.raises(TypeError, match=r"logits\[1\] has dtype"):
+        fn([torch.randn(4, 3), torch.randn(4, 3, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="at least one class"):
+        fn([torch.randn(4, 0)])
+    for tau in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="tau"):
+            fn(good, tau=tau)
+    with pytest.raises(TypeError, match="tau"):
+        fn(good, tau="1")
+    with pytest.raises(ValueError, match="one device"):
+        fn([torch.randn(4, 3), torch.randn(4, 3, device="meta")])
+
+
+def test_context_bad_dim():
+    with pytest.raises(ValueError, match="dim"):
+        tempokern.calendar_context([torch.randn(2, 3)], 0)
+    with pytest.raises(TypeError, match="dim"):
+        tempokern.calendar_context([torch.randn(2, 3)], 4.0)
+    with pytest.raises(ValueError, match="n must be"):
+        tempokern.fourier_table(0, 4)
+
+
+def test_non_finite_propagates_by_default_and_raises_in_debug():
+    xs = [torch.randn(3, 4), torch.randn(3, 5)]
+    xs[1][1, 2] = float("nan")
+    u = tempokern.calendar_scalar(xs)
+    assert torch.isnan(u[1]) and torch.isfinite(u[[0, 2]]).all()  # as torch would
+    tempokern.set_debug_checks(True)
+    try:
+        with pytest.raises(ValueError, match=r"logits\[1\] contains NaN"):
+            tempokern.calendar_scalar(xs)
+    finally:
+        tempokern.set_debug_checks(False)
+
+
+def test_debug_env_switch_in_subprocess():
+    from conftest import run_python
+    code = ("import torch, tempokern\nx=[torch.tensor([[float('inf'), 0.]])]\n"
+            "try:\n tempokern.calendar_scalar(x)\nexcept ValueError as e:\n print('raised', e)\n")
+    res = run_python(code, TEMPOKERN_CHECK="1")
+    assert "raised" in res.stdout and "NaN or Inf" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.cuda
+def test_cuda_matches_cpu():
+    xs = make_logits(1000, [12, 32, 12, 40])
+    xc = [x.detach().cuda().requires_grad_() for x in xs]
+    for fn in (lambda a: tempokern.calendar_scalar(a, 0.6), lambda a: tempokern.calendar_context(a, 48, 0.6)):
+        a, b = fn(xs), fn(xc)
+        torch.testing.assert_close(b.cpu(), a, atol=2e-6, rtol=1e-5)
+        w = torch.randn_like(a)
+        for g1, g2 in zip(torch.autograd.grad((a * w).sum(), xs), torch.autograd.grad((b * w.cuda()).sum(), xc)):
+            torch.testing.assert_close(g2.cpu(), g1, atol=2e-6, rtol=1e-4)
+
+
+@pytest.mark.cuda
+def test_cuda_on_nondefault_stream():
+    xs = [torch.randn(300, 12, device="cuda"), torch.randn(300, 32, device="cuda")]
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        u = tempokern.calendar_scalar(xs)
+    s.synchronize()
+    torch.testing.assert_close(u, ref.calendar_scalar(xs))
