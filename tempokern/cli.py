@@ -66,7 +66,8 @@ def _model_args(p):
     g.add_argument("--backbone", default="tiny",
                    help="'tiny' (random small BERT with a character vocabulary from the corpus) or a "
                         "transformers model name/path")
-    g.add_argument("--pooling", default="cls", choices=["cls", "mean", "last"])
+    g.add_argument("--pooling", default=None, choices=["cls", "mean", "last"],
+                   help="default: mean for the tiny backbone (trained from scratch), cls otherwise")
     g.add_argument("--ctx-dim", type=int, default=64)
     g.add_argument("--bias-features", type=int, default=32)
     g.add_argument("--bias-hidden", type=int, default=32)
@@ -231,12 +232,10 @@ def build_model(args, ds):
         tok = build_char_tokenizer(texts)
         backbone = tiny_bert(len(tok), hidden=args.tiny_hidden, layers=args.tiny_layers,
                              max_position=max(args.max_length, 64), seed=args.seed)
-        return CTDEncoder(backbone, ds.calendar, tokenizer=tok, pooling=args.pooling, ctx_dim=args.ctx_dim,
+        return CTDEncoder(backbone, ds.calendar, tokenizer=tok, pooling=args.pooling or "mean", ctx_dim=args.ctx_dim,
                           bias_features=args.bias_features, bias_hidden=args.bias_hidden,
                           max_length=args.max_length, temperature=args.temperature)
-    if not os.path.exists(args.backbone) and "/" not in args.backbone and args.backbone != "tiny":
-        pass  # a hub name; transformers raises its own error offline
-    return CTDEncoder(args.backbone, ds.calendar, pooling=args.pooling, ctx_dim=args.ctx_dim,
+    return CTDEncoder(args.backbone, ds.calendar, pooling=args.pooling or "cls", ctx_dim=args.ctx_dim,
                       bias_features=args.bias_features, bias_hidden=args.bias_hidden, max_length=args.max_length,
                       temperature=args.temperature)
 
@@ -249,7 +248,7 @@ def cmd_train(args) -> int:
         raise FileNotFoundError(f"cannot resume: {Path(args.out) / 'last' / 'trainer_state.pt'} does not exist")
     init_distributed_from_env()
     ds = _dataset(args)
-    lr = args.lr if args.lr is not None else (1e-3 if args.backbone == "tiny" else 2e-5)
+    lr = args.lr if args.lr is not None else (3e-3 if args.backbone == "tiny" else 2e-5)
     cfg = TrainConfig(variant=args.variant, epochs=args.epochs, batch_size=args.batch_size, lr=lr,
                       temporal_lr=args.temporal_lr, weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio,
                       grad_accum=args.grad_accum, temperature=args.temperature, lambda_time=args.lambda_time,
