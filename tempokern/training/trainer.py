@@ -58,6 +58,7 @@ class TrainConfig:
     eval_split: str = "val"
     eval_every: int = 1                      # epochs
     max_steps: Optional[int] = None
+    stop_after_epochs: Optional[int] = None  # end this run early (time-boxed); `resume` continues it
     progress: bool = True
     batch_size_eval: int = 64
     eval_neg: bool = True                    # ChunQiuTR switches for validation (see evaluate_model)
@@ -359,6 +360,8 @@ class Trainer:
                     self._save_state(self.out / "last", opt, sched, scaler, epoch, step, best, best_epoch, history)
                 if self.world > 1:
                     dist.barrier()
+                if cfg.stop_after_epochs is not None and epoch + 1 - start_epoch >= cfg.stop_after_epochs:
+                    break
         finally:
             if logf:
                 logf.close()
