@@ -54,7 +54,10 @@ def _data_args(p, required=True):
     g = p.add_argument_group("data")
     g.add_argument("--dataset", choices=["zztj"], help="packaged dataset (zztj: Zizhi Tongjian Qi annals sample)")
     g.add_argument("--data", help="a chronicle file instead of --dataset")
-    g.add_argument("--format", default="zztj", help="format of --data (zztj jsonl)")
+    g.add_argument("--format", default="zztj",
+                   help="format of --data: zztj (Zizhi Tongjian jsonl), chunqiutr (records jsonl, with "
+                        "--data-queries) or chunqiutr-release (release meta JSON, with --data-queries)")
+    g.add_argument("--data-queries", help="queries jsonl for the chunqiutr formats")
     g.add_argument("--split-scheme", default="template", choices=["template", "time"],
                    help="how generated zztj queries are split: by phrasing or by held-out time blocks")
     g.add_argument("--calendar", default="auto",
@@ -208,7 +211,7 @@ def _dataset(args):
         raise CLIError("give --dataset zztj or --data PATH")
     if args.dataset is not None and args.data is not None:
         raise CLIError("give only one of --dataset and --data")
-    ds = load_dataset(args.dataset, args.data, args.format, split=args.split_scheme)
+    ds = load_dataset(args.dataset, args.data, args.format, split=args.split_scheme, queries=args.data_queries)
     check_calendar(args.calendar, ds)
     return ds
 

@@ -131,3 +131,31 @@ def test_bad_split_and_unknown_config_key(trained, tmp_path, capsys):
     assert main(["train", "--data", str(bad_data), "--out", str(tmp_path / "o")]) != 0
     err = capsys.readouterr().err
     assert "bad.jsonl:2" in err
+
+
+def test_train_and_eval_on_chunqiutr_format(tmp_path, capsys):
+    """ChunQiuTR-format files keyed by the real Lu calendar: splits come from Calendar.chunqiu()."""
+    from tempokern import Calendar
+    cal = Calendar.chunqiu()
+    recs, qs = [], []
+    for split in ("train", "val", "test"):
+        for i, key in enumerate(cal.split_keys(split)[:6]):
+            ks = "-".join(map(str, key))
+            for j in range(2):
+                recs.append({"id": f"{split}{i}_{j}", "text": f"公{key[0]}年{key[1]}月{key[2]}事{j}{'甲乙丙丁'[i % 4]}",
+                             "time": ks, "type": "event"})
+            recs.append({"id": f"{split}{i}_neg", "text": f"传曰{key[1]}月之事不书", "time": ks, "type": "neg_comment"})
+            qs.append({"id": f"q{split}{i}", "text": f"{key[0]}公{key[1]}年{key[2]}月何事", "target": ks, "family": "point"})
+    rp, qp = tmp_path / "records.jsonl", tmp_path / "queries.jsonl"
+    rp.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in recs))
+    qp.write_text("\n".join(json.dumps(q, ensure_ascii=False) for q in qs))
+    out = tmp_path / "run"
+    base = ["--data", str(rp), "--format", "chunqiutr", "--data-queries", str(qp), "--calendar", "chunqiu"]
+    assert main(["train", *base, "--epochs", "1", "--batch-size", "4", "--out", str(out), *TINY]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--model", str(out / "best"), *base, "--split", "val"]) == 0
+    assert "| all |" in capsys.readouterr().out
+    assert main(["train", *base[:4], "--out", str(out)]) != 0
+    assert "--data-queries" in capsys.readouterr().err
+    assert main(["train", *base[:-2], "--calendar", "reign", "--out", str(out)]) != 0
+    assert "does not fit" in capsys.readouterr().err

@@ -188,3 +188,19 @@ def test_to_index_and_search_finds_the_record_itself(ds, tmp_path):
     assert ids.shape == (2, 5)
     assert ids[:, 0].tolist() == [3, 11]             # identical text, cosine 1, bias 0 at init
     assert (scores[:, :-1] >= scores[:, 1:]).all()
+
+
+def test_backbone_from_a_local_path(ds, tmp_path):
+    """A transformers name/path loads model and tokenizer (here a saved tiny model: no hub access)."""
+    src = tiny_model(ds)
+    src.backbone.save_pretrained(tmp_path / "bb")
+    src.tokenizer.save_pretrained(tmp_path / "bb")
+    m = CTDEncoder(str(tmp_path / "bb"), ds.calendar, pooling="mean", max_length=32)
+    assert m.backbone_name == str(tmp_path / "bb")
+    assert len(m.tokenizer) == len(src.tokenizer)
+    src.eval()
+    m.eval()
+    with torch.no_grad():
+        a = src.backbone(**src.tokenize(["建元元年"])).last_hidden_state
+        b = m.backbone(**m.tokenize(["建元元年"])).last_hidden_state
+    assert torch.equal(a, b)

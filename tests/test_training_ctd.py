@@ -142,3 +142,28 @@ def test_bad_config(ds):
         TrainConfig.from_dict({"epochz": 3})
     with pytest.raises(ValueError, match="split"):
         evaluate_model(tiny_model(ds), ds, "dev")
+
+
+def test_neg_comment_records_become_extra_negatives(ds):
+    import dataclasses
+    from tempokern.datasets import RetrievalDataset
+    recs = list(ds.records)
+    # turn every third no_event record into a neg_comment record (hard negatives of its month)
+    negs = [i for i, r in enumerate(recs) if r.type == "no_event"][::3]
+    for i in negs:
+        recs[i] = dataclasses.replace(recs[i], type="neg_comment")
+    neg_ids = {recs[i].id for i in negs}
+    qs = [q for q in ds.queries if not set(q.gold) & neg_ids]
+    d2 = RetrievalDataset("with-neg", recs, qs, ds.calendar, ds.report)
+    m = tiny_model(d2).eval()
+    tr = Trainer(m, d2, TrainConfig(variant="full", batch_size=8, progress=False))
+    (batch, extra, off), *_ = tr._epoch_batches(0)
+    assert extra is not None and len(extra) == len(batch)
+    assert all(d2.records[n].type == "neg_comment" for n in extra)
+    loss_fn = _compat.ctd_loss_cls()(temperature=0.05, offset_bias=m.offset_bias, normalize=False)
+    with torch.no_grad():
+        with_neg = tr._loss(batch, extra, off, loss_fn)[1]
+        without = tr._loss(batch, None, off, loss_fn)[1]
+    assert float(with_neg) > float(without)      # more negatives in every q->d denominator
+    tr2 = Trainer(m, d2, TrainConfig(variant="full", batch_size=8, progress=False, hard_negatives=False))
+    assert tr2._epoch_batches(0)[0][1] is None

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 SPLITS = ("train", "val", "test")
-FORMATS = ("zztj",)
+FORMATS = ("zztj", "chunqiutr", "chunqiutr-release")
 
 
 def check_split(split: str, dataset=None, *, allow_all: bool = True) -> str:
@@ -116,9 +116,11 @@ def zztj_demo_dataset(path=None, *, templates_per_month: int = 4, no_event_queri
 
 
 def load_dataset(dataset: Optional[str] = None, data: Optional[str] = None, fmt: str = "zztj",
-                 split: str = "template"):
-    """`dataset="zztj"`: the packaged sample as the demo uses it; `data=PATH`: a chronicle file in
-    format `fmt`. Splits are added by time blocks where the file has none."""
+                 split: str = "template", queries: Optional[str] = None):
+    """`dataset="zztj"`: the packaged sample as the demo uses it; `data=PATH`: a file in format
+    `fmt`: "zztj" (Zizhi Tongjian jsonl; queries generated, split by `split`), "chunqiutr"
+    (records jsonl + `queries` jsonl, ChunQiuTR format) or "chunqiutr-release" (the release's meta
+    JSON + `queries` jsonl); the ChunQiuTR formats take their splits from Calendar.chunqiu()."""
     if (dataset is None) == (data is None):
         raise ValueError("give exactly one of --dataset (zztj) or --data PATH")
     if dataset is not None:
@@ -130,7 +132,15 @@ def load_dataset(dataset: Optional[str] = None, data: Optional[str] = None, fmt:
     p = Path(data)
     if not p.exists():
         raise FileNotFoundError(f"data file {p} does not exist")
-    return zztj_demo_dataset(p, split=split)
+    if fmt == "zztj":
+        return zztj_demo_dataset(p, split=split)
+    if queries is None:
+        raise ValueError(f"format {fmt!r} needs the queries file too (--data-queries PATH)")
+    if not Path(queries).exists():
+        raise FileNotFoundError(f"queries file {queries} does not exist")
+    from tempokern.datasets import load_chunqiutr, load_chunqiutr_release
+    load = load_chunqiutr if fmt == "chunqiutr" else load_chunqiutr_release
+    return load(str(p), str(queries))
 
 
 # ---- what the losses see ------------------------------------------------------------------------
