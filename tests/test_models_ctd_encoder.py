@@ -59,7 +59,7 @@ def test_forward_parts_and_switches(ds):
     m = tiny_model(ds).eval()
     assert [h.out_features for h in m.time_heads] == list(ds.calendar.sizes)
     assert m.ctx_proj.in_features == len(ds.calendar.sizes) * 64
-    assert float(m.ctx_gate) == 1.0 and float(m.offset_bias.scale) == 0.0
+    assert float(m.ctx_gate.detach()) == 1.0 and float(m.offset_bias.scale.detach()) == 0.0
     batch = m.tokenize(["建元元年正月", "以江州刺史萧嶷为都督"])
     out = m(**batch)
     assert out.emb.shape == (2, m.hidden_size)
