@@ -38,8 +38,10 @@ def _reset_cpu_peak() -> bool:
         return False
 
 
-def measure(fn: Callable[[], object], device: torch.device, repeat: int = 3, warmup: int = 1) -> Tuple[float, Optional[float]]:
-    """(median ms, extra peak MB or None when this platform cannot tell)."""
+def measure(fn: Callable[[], object], device: torch.device, repeat: int = 3, warmup: int = 1,
+            times_out: Optional[list] = None) -> Tuple[float, Optional[float]]:
+    """(median ms, extra peak MB or None when this platform cannot tell); every timing is
+    appended to `times_out` when given."""
     for _ in range(warmup):
         fn()
     times = []
@@ -51,6 +53,8 @@ def measure(fn: Callable[[], object], device: torch.device, repeat: int = 3, war
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append((time.perf_counter() - t) * 1e3)
+    if times_out is not None:
+        times_out.extend(times)
     peak = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -146,9 +150,10 @@ def bench_op(op: str, size: int, hidden: int, device: torch.device, repeat: int 
         gen = torch.Generator().manual_seed(seed)
         args, kwargs, grads_of = CASES[op](size, hidden, device, gen)
         try:
-            ms, mb = measure(_runner(fn, args, kwargs, grads_of), device, repeat=repeat)
+            all_ms: list = []
+            ms, mb = measure(_runner(fn, args, kwargs, grads_of), device, repeat=repeat, times_out=all_ms)
             rows.append({"op": op, "provider": provider, "size": size, "hidden": hidden, "ms": ms,
-                         "extra_peak_mb": mb, "pass": "fwd+bwd" if grads_of else "fwd"})
+                         "min_ms": min(all_ms), "extra_peak_mb": mb, "pass": "fwd+bwd" if grads_of else "fwd"})
         except (RuntimeError, MemoryError) as e:   # the reference running out of memory is a result too
             rows.append({"op": op, "provider": provider, "size": size, "hidden": hidden, "ms": None,
                          "extra_peak_mb": None, "pass": "fwd+bwd" if grads_of else "fwd",
@@ -190,6 +195,7 @@ def speedups(result: dict) -> List[dict]:
             continue
         ref = by.get((op, n, "reference"))
         row = {"op": op, "size": n, "pass": r["pass"], "fused_ms": r["ms"], "reference_ms": ref and ref["ms"],
+               "fused_min_ms": r.get("min_ms"), "reference_min_ms": ref and ref.get("min_ms"),
                "fused_peak_mb": r["extra_peak_mb"], "reference_peak_mb": ref and ref["extra_peak_mb"]}
         row["speedup"] = (ref["ms"] / r["ms"]) if ref and ref["ms"] and r["ms"] else None
         out.append(row)
@@ -200,10 +206,13 @@ def markdown(result: dict) -> str:
     def f(v, fmt):
         return "" if v is None else format(v, fmt)
     lines = [f"Device: {result['device']}; torch {result['torch']}; {result['date']}", "",
+             "Times: median (min) over the repeats, in ms.", "",
              "| op | size | pass | fused ms | reference ms | speed-up | fused extra peak MB | reference extra peak MB |",
              "|---|---|---|---|---|---|---|---|"]
     for r in speedups(result):
-        lines.append(f"| {r['op']} | {r['size']} | {r['pass']} | {f(r['fused_ms'], '.2f')} | {f(r['reference_ms'], '.2f')} | "
+        fm = f"{f(r['fused_ms'], '.2f')} ({f(r.get('fused_min_ms'), '.2f')})"
+        rm = f"{f(r['reference_ms'], '.2f')} ({f(r.get('reference_min_ms'), '.2f')})"
+        lines.append(f"| {r['op']} | {r['size']} | {r['pass']} | {fm} | {rm} | "
                      f"{f(r['speedup'], '.1f')}{'x' if r['speedup'] else ''} | {f(r['fused_peak_mb'], '.1f')} | "
                      f"{f(r['reference_peak_mb'], '.1f')} |")
     for op, why in result.get("skipped", {}).items():

@@ -397,6 +397,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("tempokern: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:   # output piped into `head` and closed
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 141
     except Exception as e:  # one readable line; the traceback on request
         if os.environ.get("TEMPOKERN_DEBUG"):
             raise

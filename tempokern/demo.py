@@ -74,8 +74,9 @@ def _plot(rows: List[dict], timing: dict, path: Path) -> Optional[str]:
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([r["name"] for r in rows])
     ax.set_ylabel("test split")
+    ax.set_ylim(0, 1.15)
     ax.set_title("Zizhi Tongjian sample: ablation", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, ncol=len(keys), loc="upper center")
     ax = axes[1]
     if timing.get("fused_ms") and timing.get("reference_ms"):
         ax.bar(["reference", "fused"], [timing["reference_ms"], timing["fused_ms"]], color=["tab:gray", "tab:green"])
