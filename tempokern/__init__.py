@@ -13,3 +13,10 @@ __all__ = [
 from .calendar import Calendar, Interval
 from . import baselines, datasets, eval
 __all__ += ["Calendar", "Interval", "baselines", "datasets", "eval"]
+
+
+def __getattr__(name):  # tempokern.models / tempokern.training on first use (they need transformers at run time)
+    if name in ("models", "training"):
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'tempokern' has no attribute {name!r}")
