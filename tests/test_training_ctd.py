@@ -167,3 +167,19 @@ def test_neg_comment_records_become_extra_negatives(ds):
     assert float(with_neg) > float(without)      # more negatives in every q->d denominator
     tr2 = Trainer(m, d2, TrainConfig(variant="full", batch_size=8, progress=False, hard_negatives=False))
     assert tr2._epoch_batches(0)[0][1] is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("amp", ["bf16", "fp16", "off"])
+def test_cuda_mixed_precision_training(ds, amp):
+    if amp == "bf16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("bf16 not supported on this GPU")
+    m = tiny_model(ds)
+    cfg = TrainConfig(variant="full", epochs=2, batch_size=16, lr=3e-3, progress=False, amp=amp, seed=0)
+    res = train(m, ds, cfg, device="cuda", log=lambda *a: None)
+    losses = [h["loss"] for h in res.history if h["event"] == "step"]
+    assert losses and all(math.isfinite(x) for x in losses)
+    assert all(p.dtype == torch.float32 and p.device.type == "cuda" for p in m.parameters())
+    table = evaluate_model(m, ds, "test")
+    assert 0.0 <= table["all"]["R@1"] <= 1.0
