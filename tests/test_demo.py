@@ -26,3 +26,18 @@ def test_demo_quick_mode(tmp_path, capsys):
     assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
     assert "| name |" in capsys.readouterr().out
     assert seconds < 300
+
+
+def test_demo_with_a_backbone_given_by_path(tmp_path, capsys):
+    """--backbone swaps the tiny model for any transformers model (here one saved to disk)."""
+    from _ctd_helpers import small_dataset, tiny_model
+    src = tiny_model(small_dataset())
+    src.backbone.save_pretrained(tmp_path / "bb")
+    src.tokenizer.save_pretrained(tmp_path / "bb")
+    out = tmp_path / "out"
+    assert main(["demo", "--quick", "--backbone", str(tmp_path / "bb"), "--variants", "baseline", "--epochs", "1",
+                 "--out", str(out), "--no-progress"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["setup"]["backbone"] == str(tmp_path / "bb") and res["setup"]["pooling"] == "cls"
+    assert [r["name"] for r in res["rows"]] == ["baseline"]
+    assert res["setup"]["vocab"] == len(src.tokenizer)
