@@ -19,3 +19,10 @@ __all__ = [
     "offset_bias", "offset_bias_lookup", "multipos_infonce", "ctd_topk",
     "reference", "nn", "search", "Calendar", "Interval", "baselines", "datasets", "eval",
 ]
+
+
+def __getattr__(name):  # tempokern.models / tempokern.training on first use (they need transformers at run time)
+    if name in ("models", "training"):
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'tempokern' has no attribute {name!r}")

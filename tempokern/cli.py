@@ -1,0 +1,416 @@
+"""`tempokern` command line: train | eval | index | search | bench | demo.
+
+Every command takes its flags and, optionally, `--config FILE` (JSON or TOML) whose keys are the
+flag names (dashes or underscores); flags given on the command line win over the file. Errors
+print one readable line and exit non-zero (TEMPOKERN_DEBUG=1 shows the traceback)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+CALENDARS = ("auto", "reign", "chunqiu", "gregorian")
+
+
+class CLIError(Exception):
+    """A user error with a message meant for the terminal."""
+
+
+# ---- config files ------------------------------------------------------------------------------------
+
+def read_config(path) -> dict:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"config file {p} does not exist")
+    text = p.read_text(encoding="utf-8")
+    if p.suffix.lower() == ".toml":
+        try:
+            import tomllib
+        except ImportError:  # Python < 3.11
+            try:
+                import tomli as tomllib
+            except ImportError:
+                raise CLIError("reading TOML configs on Python < 3.11 needs the 'tomli' package") from None
+        try:
+            cfg = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{p} is not valid TOML: {e}") from None
+    else:
+        try:
+            cfg = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{p} must hold a table/object of option: value pairs")
+    return {k.replace("-", "_"): v for k, v in cfg.items()}
+
+
+# ---- parser ------------------------------------------------------------------------------------------
+
+def _data_args(p, required=True):
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", choices=["zztj"], help="packaged dataset (zztj: Zizhi Tongjian Qi annals sample)")
+    g.add_argument("--data", help="a chronicle file instead of --dataset")
+    g.add_argument("--format", default="zztj",
+                   help="format of --data: zztj (Zizhi Tongjian jsonl), chunqiutr (records jsonl, with "
+                        "--data-queries) or chunqiutr-release (release meta JSON, with --data-queries)")
+    g.add_argument("--data-queries", help="queries jsonl for the chunqiutr formats")
+    g.add_argument("--split-scheme", default="template", choices=["template", "time"],
+                   help="how generated zztj queries are split: by phrasing or by held-out time blocks")
+    g.add_argument("--calendar", default="auto",
+                   help=f"calendar the data must be keyed by: {', '.join(CALENDARS)} (auto: the data's own)")
+
+
+def _model_args(p):
+    g = p.add_argument_group("model")
+    g.add_argument("--backbone", default="tiny",
+                   help="'tiny' (random small BERT with a character vocabulary from the corpus) or a "
+                        "transformers model name/path")
+    g.add_argument("--pooling", default=None, choices=["cls", "mean", "last"],
+                   help="default: mean for the tiny backbone (trained from scratch), cls otherwise")
+    g.add_argument("--ctx-dim", type=int, default=64)
+    g.add_argument("--bias-features", type=int, default=32)
+    g.add_argument("--bias-hidden", type=int, default=32)
+    g.add_argument("--max-length", type=int, default=64)
+    g.add_argument("--tiny-hidden", type=int, default=64)
+    g.add_argument("--tiny-layers", type=int, default=2)
+
+
+def _train_args(p):
+    g = p.add_argument_group("training")
+    g.add_argument("--variant", default="full", help="baseline | multipos | bias | context | full")
+    g.add_argument("--epochs", type=int, default=3)
+    g.add_argument("--batch-size", type=int, default=32)
+    g.add_argument("--lr", type=float, default=None, help="default 2e-5 for a pretrained backbone, 1e-3 for tiny")
+    g.add_argument("--temporal-lr", type=float, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--warmup-ratio", type=float, default=0.1)
+    g.add_argument("--grad-accum", type=int, default=1)
+    g.add_argument("--temperature", type=float, default=0.05)
+    g.add_argument("--lambda-time", type=float, default=0.1)
+    g.add_argument("--label-smoothing", type=float, default=0.2)
+    g.add_argument("--neighbor-smoothing", action="store_true")
+    g.add_argument("--no-hard-negatives", dest="hard_negatives", action="store_false")
+    g.add_argument("--amp", default="auto", choices=["auto", "off", "bf16", "fp16"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-steps", type=int, default=None)
+    g.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tempokern", description="Temporal retrieval with fused CTD kernels.")
+    sub = p.add_subparsers(dest="command", metavar="{train,eval,index,search,bench,demo}")
+    sub.required = True
+
+    t = sub.add_parser("train", help="fine-tune a CTD encoder (or the semantic baseline)",
+                       description="Fine-tune a CTDEncoder; writes best/ (by validation R@1), last/ and log.jsonl "
+                                   "to --out. Under torchrun, runs data parallel.")
+    t.add_argument("--config", help="JSON or TOML file of options")
+    t.add_argument("--out", required=False, help="output directory")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from last/")
+    t.add_argument("--device", default=None)
+    _data_args(t)
+    _model_args(t)
+    _train_args(t)
+
+    e = sub.add_parser("eval", help="evaluate a saved encoder (ChunQiuTR metrics)",
+                       description="Evaluate a saved CTDEncoder on a split: R@1/5/10, MRR@10, nDCG@10, recall@k "
+                                   "per query family.")
+    e.add_argument("--config")
+    e.add_argument("--model", required=False, help="directory written by `tempokern train` (best/)")
+    _data_args(e)
+    e.add_argument("--split", default="test", help="train | val | test | all")
+    e.add_argument("--no-neg", dest="neg", action="store_false", help="leave neg_comment records out of the gallery")
+    e.add_argument("--no-ne", dest="ne", action="store_false", help="leave no_event records out of the gallery")
+    e.add_argument("--keep-no-event-queries", dest="drop_no_event", action="store_false",
+                   help="also score queries whose gold is only no_event records")
+    e.add_argument("--out", help="write the table as JSON here (and .md next to it)")
+
+    i = sub.add_parser("index", help="encode a gallery into a TemporalIndex file",
+                       description="Encode the records of a dataset with a saved encoder into a TemporalIndex "
+                                   "(plus PATH.records.json naming the records).")
+    i.add_argument("--config")
+    i.add_argument("--model", required=False)
+    _data_args(i)
+    i.add_argument("--backend", default="exact")
+    i.add_argument("--out", required=False, help="index file to write")
+
+    s = sub.add_parser("search", help="search an index with text queries",
+                       description="Encode queries and return the top-k records under the full CTD score.")
+    s.add_argument("--config")
+    s.add_argument("--model", required=False)
+    s.add_argument("--index", required=False)
+    s.add_argument("--query", action="append", default=[], help="query text (repeatable)")
+    s.add_argument("--queries", help="file with one query per line")
+    s.add_argument("-k", type=int, default=10)
+    s.add_argument("--json", action="store_true", help="print JSON lines")
+
+    b = sub.add_parser("bench", help="fused vs reference timing of every op in this install",
+                       description="Time each fused op against its tempokern.reference version (forward + "
+                                   "backward) and write bench.json, bench.md and bench.png to --out.")
+    b.add_argument("--config")
+    b.add_argument("--out", default="bench-out")
+    b.add_argument("--ops", nargs="*", default=None)
+    b.add_argument("--sizes", nargs="*", type=int, default=[256, 1024])
+    b.add_argument("--hidden", type=int, default=256)
+    b.add_argument("--repeat", type=int, default=3)
+    b.add_argument("--device", default="cpu")
+
+    d = sub.add_parser("demo", help="the end-to-end demo on the packaged Zizhi Tongjian sample",
+                       description="Train the semantic baseline, the CTD ablation rows and full CTD on the "
+                                   "packaged Zizhi Tongjian sample with a small character-level BERT, evaluate, "
+                                   "time the fused loss against the reference and write results.json, "
+                                   "results.md and results.png to --out.")
+    d.add_argument("--config")
+    d.add_argument("--out", default="tempokern-demo")
+    d.add_argument("--quick", action="store_true", help="CI mode: fewer epochs and variants, well under 5 minutes")
+    d.add_argument("--backbone", default="tiny", help="'tiny' or a transformers model name/path")
+    d.add_argument("--variants", nargs="*", default=None)
+    d.add_argument("--epochs", type=int, default=None)
+    d.add_argument("--batch-size", type=int, default=None)
+    d.add_argument("--lr", type=float, default=None)
+    d.add_argument("--max-length", type=int, default=None)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--split-scheme", default="template", choices=["template", "time"],
+                   help="template: held-out query phrasings over all months; time: held-out months")
+    d.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    d.add_argument("--device", default=None)
+    d.add_argument("--no-progress", dest="progress", action="store_false")
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        cfg = read_config(args.config)
+        sub = parser._subparsers._group_actions[0].choices[args.command]
+        known = {a.dest for a in sub._actions}
+        unknown = sorted(set(cfg) - known - {"command"})
+        if unknown:
+            raise CLIError(f"{args.config}: unknown option(s) {unknown} for `tempokern {args.command}`")
+        sub.set_defaults(**cfg)
+        args = parser.parse_args(argv)
+    return args
+
+
+def _need(args, *names):
+    for n in names:
+        if getattr(args, n, None) in (None, ""):
+            raise CLIError(f"--{n.replace('_', '-')} is required (on the command line or in --config)")
+
+
+# ---- commands ----------------------------------------------------------------------------------------
+
+def _dataset(args):
+    from .training.data import load_dataset
+    if args.dataset is None and args.data is None:
+        raise CLIError("give --dataset zztj or --data PATH")
+    if args.dataset is not None and args.data is not None:
+        raise CLIError("give only one of --dataset and --data")
+    ds = load_dataset(args.dataset, args.data, args.format, split=args.split_scheme, queries=args.data_queries)
+    check_calendar(args.calendar, ds)
+    return ds
+
+
+def check_calendar(name: str, ds) -> None:
+    if name not in CALENDARS:
+        raise CLIError(f"unknown calendar {name!r}: expected one of {', '.join(CALENDARS)}")
+    if name == "auto":
+        return
+    cal = ds.calendar
+    kind = ("reign" if "era_years" in getattr(cal, "meta", {}) else getattr(cal, "name", ""))
+    if kind != name:
+        raise CLIError(f"calendar {name!r} does not fit dataset {ds.name!r}, which is keyed by a "
+                       f"{kind or 'custom'} calendar ({', '.join(cal.names)})")
+
+
+def build_model(args, ds):
+    from .models import CTDEncoder, build_char_tokenizer, tiny_bert
+    if args.backbone == "tiny":
+        texts = [r.text for r in ds.records] + [q.text for q in ds.queries]
+        tok = build_char_tokenizer(texts)
+        backbone = tiny_bert(len(tok), hidden=args.tiny_hidden, layers=args.tiny_layers,
+                             max_position=max(args.max_length, 64), seed=args.seed)
+        return CTDEncoder(backbone, ds.calendar, tokenizer=tok, pooling=args.pooling or "mean", ctx_dim=args.ctx_dim,
+                          bias_features=args.bias_features, bias_hidden=args.bias_hidden,
+                          max_length=args.max_length, temperature=args.temperature)
+    return CTDEncoder(args.backbone, ds.calendar, pooling=args.pooling or "cls", ctx_dim=args.ctx_dim,
+                      bias_features=args.bias_features, bias_hidden=args.bias_hidden, max_length=args.max_length,
+                      temperature=args.temperature)
+
+
+def cmd_train(args) -> int:
+    from .training import TrainConfig, train
+    from .training.trainer import init_distributed_from_env, dist_info
+    _need(args, "out")
+    if args.resume and not (Path(args.out) / "last" / "trainer_state.pt").exists():
+        raise FileNotFoundError(f"cannot resume: {Path(args.out) / 'last' / 'trainer_state.pt'} does not exist")
+    init_distributed_from_env()
+    ds = _dataset(args)
+    lr = args.lr if args.lr is not None else (3e-3 if args.backbone == "tiny" else 2e-5)
+    cfg = TrainConfig(variant=args.variant, epochs=args.epochs, batch_size=args.batch_size, lr=lr,
+                      temporal_lr=args.temporal_lr, weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio,
+                      grad_accum=args.grad_accum, temperature=args.temperature, lambda_time=args.lambda_time,
+                      label_smoothing=args.label_smoothing, neighbor_smoothing=args.neighbor_smoothing,
+                      hard_negatives=args.hard_negatives, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
+                      progress=args.progress).validate()
+    from .training.trainer import seed_everything
+    seed_everything(args.seed)
+    model = build_model(args, ds)
+    res = train(model, ds, cfg, args.out, resume=args.resume, device=args.device)
+    rank, _ = dist_info()
+    if rank == 0:
+        out = Path(args.out)
+        if not (out / "best").exists():   # no validation split: the final weights are the result
+            model.save(out / "best")
+        summary = {"variant": args.variant, "steps": res.steps, "best_val_R@1": res.best_metric,
+                   "best_epoch": res.best_epoch, "final_loss": res.final_loss, "seconds": round(res.seconds, 1),
+                   "model": str(out / "best")}
+        print(json.dumps(summary, ensure_ascii=False))
+    return 0
+
+
+def _load_model(path):
+    from .models import CTDEncoder
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model directory {p} does not exist")
+    return CTDEncoder.load(p)
+
+
+def cmd_eval(args) -> int:
+    from .training import METRIC_KEYS, evaluate_model, markdown_table
+    from .training.data import check_split
+    _need(args, "model")
+    check_split(args.split)
+    model = _load_model(args.model)
+    ds = _dataset(args)
+    check_split(args.split, ds)
+    table = evaluate_model(model, ds, args.split, neg=args.neg, ne=args.ne, drop_no_event=args.drop_no_event)
+    rows = [{"name": fam, **m} for fam, m in table.items()]
+    md = markdown_table(rows, list(METRIC_KEYS) + ["queries"], name_key="name")
+    print(md)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out, json.dumps({"split": args.split, "rows": rows}, indent=1))
+        _atomic_write(out.with_suffix(".md"), md + "\n")
+    return 0
+
+
+def cmd_index(args) -> int:
+    _need(args, "model", "out")
+    model = _load_model(args.model)
+    ds = _dataset(args)
+    records = ds.records
+    index = model.to_index(records, backend=args.backend)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    index.save(str(out))
+    _atomic_write(Path(str(out) + ".records.json"),
+                  json.dumps({"ids": [r.id for r in records], "texts": [r.text for r in records]}, ensure_ascii=False))
+    print(json.dumps({"index": str(out), "records": len(records), "backend": args.backend}))
+    return 0
+
+
+def cmd_search(args) -> int:
+    from .models import _compat
+    _need(args, "model", "index")
+    queries = list(args.query)
+    if args.queries:
+        qp = Path(args.queries)
+        if not qp.exists():
+            raise FileNotFoundError(f"queries file {qp} does not exist")
+        queries += [l.strip() for l in qp.read_text(encoding="utf-8").splitlines() if l.strip()]
+    if not queries:
+        raise CLIError("give at least one --query TEXT or --queries FILE")
+    if args.k < 1:
+        raise CLIError(f"-k must be >= 1, got {args.k}")
+    ip = Path(args.index)
+    if not ip.exists():
+        raise FileNotFoundError(f"index file {ip} does not exist")
+    model = _load_model(args.model)
+    index = _compat.temporal_index_cls().load(str(ip))
+    names = None
+    side = Path(str(ip) + ".records.json")
+    if side.exists():
+        names = json.loads(side.read_text())
+    ids, scores = model.search(index, queries, k=min(args.k, len(index)))
+    for qi, q in enumerate(queries):
+        hits = []
+        for rid, sc in zip(ids[qi].tolist(), scores[qi].tolist()):
+            name = names["ids"][rid] if names and 0 <= rid < len(names["ids"]) else rid
+            text = names["texts"][rid] if names and 0 <= rid < len(names["texts"]) else ""
+            hits.append({"id": name, "score": round(float(sc), 4), "text": text[:60]})
+        if args.json:
+            print(json.dumps({"query": q, "hits": hits}, ensure_ascii=False))
+        else:
+            print(f"# {q}")
+            for r, h in enumerate(hits, 1):
+                print(f"{r:3d}. {h['score']:9.4f}  {h['id']}  {h['text']}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import markdown, run_bench, write_outputs
+    if any(n < 1 for n in args.sizes):
+        raise CLIError(f"--sizes must be positive, got {args.sizes}")
+    res = run_bench(args.ops, args.sizes, args.hidden, args.device, args.repeat)
+    files = write_outputs(res, args.out)
+    print(markdown(res))
+    print(json.dumps(files))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+    run_demo(out=args.out, quick=args.quick, backbone=args.backbone, variants=args.variants, epochs=args.epochs,
+             batch_size=args.batch_size, lr=args.lr, max_length=args.max_length, seed=args.seed,
+             threads=args.threads, device=args.device, progress=args.progress, split=args.split_scheme)
+    return 0
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "index": cmd_index, "search": cmd_search, "bench": cmd_bench,
+            "demo": cmd_demo}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:   # argparse: --help (0) or a usage error (2), already printed
+        return int(e.code or 0)
+    except (CLIError, FileNotFoundError, ValueError) as e:
+        print(f"tempokern: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("tempokern: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:   # output piped into `head` and closed
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 141
+    except Exception as e:  # one readable line; the traceback on request
+        if os.environ.get("TEMPOKERN_DEBUG"):
+            raise
+        msg = str(e) if isinstance(e, (CLIError, FileNotFoundError, ValueError, TypeError, KeyError)) else \
+            f"{type(e).__name__}: {e}"
+        print(f"tempokern {args.command}: error: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

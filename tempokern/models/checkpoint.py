@@ -1,0 +1,213 @@
+"""Saving/loading CTDEncoder (safetensors + JSON, atomic, checksummed) and importing the
+temporal modules of ChunQiuTR CTD checkpoints."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Mapping
+
+import torch
+
+FORMAT = "tempokern-ctd-encoder"
+VERSION = 1
+CONFIG_FILE = "tempokern_encoder.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_DIR = "tokenizer"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_encoder(model, path) -> None:
+    """Write a directory: model.safetensors, tempokern_encoder.json (config + checksum) and the
+    tokenizer. Built in a temporary sibling directory and renamed into place, so a crash never
+    leaves a half-written checkpoint under `path`."""
+    from safetensors.torch import save_model
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        save_model(model, str(tmp / WEIGHTS_FILE))
+        if model.tokenizer is not None:
+            model.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+        meta = {
+            "format": FORMAT, "version": VERSION, "encoder": model.config_dict(),
+            "backbone_config": model.backbone.config.to_dict(),
+            "weights_sha256": _sha256(tmp / WEIGHTS_FILE),
+        }
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1, ensure_ascii=False, default=str))
+        old = None
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, old / "x")
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_config(path) -> dict:
+    path = Path(path)
+    cfg_file = path / CONFIG_FILE
+    if not path.is_dir() or not cfg_file.exists():
+        raise FileNotFoundError(f"{path} is not a saved CTDEncoder (no {CONFIG_FILE}); "
+                                "save one with CTDEncoder.save(dir) or `tempokern train`")
+    try:
+        meta = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{cfg_file} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("version") != VERSION:
+        raise ValueError(f"{cfg_file} has format version {meta.get('version')!r}; this tempokern reads "
+                         f"version {VERSION}")
+    return meta
+
+
+def load_encoder(path, calendar: Any = None, *, map_location="cpu"):
+    """Rebuild a CTDEncoder saved by save_encoder; the backbone comes from its stored config, so
+    no model hub is contacted. The weights' checksum is verified before anything is loaded."""
+    from safetensors.torch import load_model
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    from .encoder import CTDEncoder
+    from .levels import LevelSpec, calendar_levels
+
+    path = Path(path)
+    meta = read_config(path)
+    weights = path / WEIGHTS_FILE
+    if not weights.exists():
+        raise FileNotFoundError(f"{weights} is missing")
+    digest = _sha256(weights)
+    if digest != meta.get("weights_sha256"):
+        raise ValueError(f"{weights} does not match the checksum in {CONFIG_FILE} (file truncated or "
+                         "corrupted)")
+    enc = dict(meta["encoder"])
+    levels = [tuple(l) for l in enc.pop("levels")]
+    kind = enc.pop("calendar", "custom")
+    backbone_name = enc.pop("backbone_name", "")
+    if calendar is None:
+        calendar = LevelSpec(levels, kind)
+    elif [tuple(l) for l in calendar_levels(calendar)] != levels:
+        raise ValueError(f"calendar levels {calendar_levels(calendar)} differ from the saved model's {levels}")
+    bcfg = dict(meta["backbone_config"])
+    model_type = bcfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **bcfg)
+    backbone = AutoModel.from_config(config)
+    tok = None
+    if (path / TOKENIZER_DIR).exists():
+        tok = AutoTokenizer.from_pretrained(str(path / TOKENIZER_DIR))
+    model = CTDEncoder(backbone, calendar, tokenizer=tok, **enc)
+    model.backbone_name = backbone_name
+    missing, unexpected = load_model(model, str(weights), strict=False, device=str(map_location))
+    # AutoModel.from_config adds submodules the saved backbone was built without (BERT's pooler):
+    # drop a backbone child whose parameters are all absent from the file; anything else is an error
+    prefixes = {".".join(k.split(".")[:2]) for k in missing if k.startswith("backbone.")}
+    for pre in prefixes:
+        child = pre.split(".")[1]
+        names = [f"{pre}.{n}" for n, _ in getattr(model.backbone, child).named_parameters()]
+        if names and all(n in missing for n in names):
+            setattr(model.backbone, child, None)
+            missing = [k for k in missing if k not in names]
+    if missing or unexpected:
+        raise ValueError(f"{weights} does not fit the model rebuilt from {CONFIG_FILE}: missing "
+                         f"{sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
+    return model
+
+
+# ---- ChunQiuTR checkpoints -------------------------------------------------------------------------
+
+_CQ_HEADS = ("time_head_gong", "time_head_year", "time_head_month")
+
+
+def _read_state_dict(src) -> Dict[str, torch.Tensor]:
+    if isinstance(src, Mapping):
+        sd = dict(src)
+    else:
+        p = Path(src)
+        if not p.exists():
+            raise FileNotFoundError(f"checkpoint {p} does not exist")
+        if p.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            sd = load_file(str(p))
+        else:
+            sd = torch.load(str(p), map_location="cpu", weights_only=True)
+        for key in ("model", "state_dict", "model_state_dict"):
+            if isinstance(sd, Mapping) and key in sd and isinstance(sd[key], Mapping):
+                sd = dict(sd[key])
+    out = {}
+    for k, v in sd.items():
+        for prefix in ("module.", "_orig_mod."):
+            while k.startswith(prefix):
+                k = k[len(prefix):]
+        out[k] = v
+    return out
+
+
+def chunqiu_name_map(model) -> Dict[str, str]:
+    """ChunQiuTR parameter name -> CTDEncoder parameter name."""
+    m = {}
+    for l, name in enumerate(_CQ_HEADS[:len(model.time_heads)]):
+        m[f"{name}.weight"] = f"time_heads.{l}.weight"
+        m[f"{name}.bias"] = f"time_heads.{l}.bias"
+    m.update({"time_ctx_proj.weight": "ctx_proj.weight", "time_ctx_proj.bias": "ctx_proj.bias",
+              "time_ctx_gate": "ctx_gate", "time_rel_alpha": "offset_bias.scale"})
+    for i in (0, 2):
+        for p in ("weight", "bias"):
+            m[f"time_rel_mlp.{i}.{p}"] = f"offset_bias.mlp.{i}.{p}"
+    return m
+
+
+def load_chunqiu_ctd(model, src, *, include_backbone: bool = False) -> dict:
+    """Copy the temporal modules of a ChunQiuTR BertDualEncoder/QwenTimeDualEncoder checkpoint
+    (`time_head_gong/year/month`, `time_ctx_proj`, `time_ctx_gate`, `time_rel_mlp`,
+    `time_rel_alpha`) into `model`. Level l of the calendar takes head gong/year/month in that
+    order, so the calendar must have those three levels with the checkpoint's sizes.
+    include_backbone=True also loads `encoder.*` into the backbone. Returns
+    {"loaded": [...], "missing": [...], "ignored": [...]}; shape mismatches raise ValueError."""
+    sd = _read_state_dict(src)
+    if len(model.levels) != 3 and any(k.startswith(_CQ_HEADS) for k in sd):
+        raise ValueError(f"ChunQiuTR checkpoints have 3 calendar heads (gong/year/month); this model's "
+                         f"calendar has {len(model.levels)} levels {model.levels}")
+    names = chunqiu_name_map(model)
+    own = dict(model.named_parameters())
+    loaded, ignored = [], []
+    updates = {}
+    for k, v in sd.items():
+        target = names.get(k)
+        if target is None and include_backbone and k.startswith("encoder."):
+            target = "backbone." + k[len("encoder."):]
+            if target not in own:
+                target = None
+        if target is None:
+            ignored.append(k)
+            continue
+        p = own[target]
+        v = torch.as_tensor(v)
+        if v.numel() == p.numel() == 1:
+            v = v.reshape(p.shape)
+        if tuple(v.shape) != tuple(p.shape):
+            raise ValueError(f"checkpoint tensor {k} has shape {tuple(v.shape)}, but {target} in this model "
+                             f"has shape {tuple(p.shape)} (check the calendar sizes, ctx_dim, bias_features, "
+                             "bias_hidden and the backbone's hidden size)")
+        updates[target] = v
+        loaded.append(k)
+    if not any(k in names for k in loaded):
+        raise ValueError("no ChunQiuTR temporal weights (time_head_*, time_ctx_*, time_rel_*) found in the "
+                         "checkpoint")
+    with torch.no_grad():
+        for target, v in updates.items():
+            own[target].copy_(v.to(own[target].dtype))
+    missing = [k for k in names if k not in sd]
+    return {"loaded": loaded, "missing": missing, "ignored": ignored}

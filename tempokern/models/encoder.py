@@ -1,0 +1,218 @@
+"""CTDEncoder: a transformers backbone plus ChunQiuTR's temporal modules (calendar heads,
+absolute calendar context, relative offset bias), computed with tempokern's fused ops."""
+from __future__ import annotations
+
+from typing import Any, List, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .._ops.calendar import calendar_context, calendar_scalar
+from . import _compat
+from .levels import LevelSpec, calendar_levels, calendar_name
+
+POOLINGS = ("cls", "mean", "last")
+
+
+class CTDOutput(NamedTuple):
+    """emb: retrieval vectors (B, H); u: latent calendar position (B,) in [0, 1]; logits: one
+    (B, n_l) tensor per level; base: the pooled text vector before the calendar context."""
+    emb: torch.Tensor
+    u: torch.Tensor
+    logits: List[torch.Tensor]
+    base: torch.Tensor
+
+
+class Encoded(NamedTuple):
+    embeddings: torch.Tensor
+    u: torch.Tensor
+    logits: List[torch.Tensor]
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """Pool (B, T, H) token states under a (B, T) attention mask."""
+    if how == "cls":
+        return hidden[:, 0]
+    m = mask.to(hidden.dtype).unsqueeze(-1)
+    if how == "mean":
+        return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-6)
+    # last real token; the argmax of position*mask finds it under left and right padding alike
+    pos = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = (pos * (mask > 0)).argmax(dim=1)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+
+class CTDEncoder(nn.Module):
+    """Dual encoder with the CTD temporal modules on any transformers backbone.
+
+    backbone: a transformers model name/path (loaded with AutoModel/AutoTokenizer) or a built
+    `PreTrainedModel` (pass `tokenizer=` to use `encode`). calendar: a `tempokern.Calendar` (or
+    (name, size) pairs): one linear head per level gives logits; `calendar_scalar` turns them
+    into u; `calendar_context` -> Linear(L*ctx_dim, H) -> h + gamma*c (gamma learned, init 1)
+    when use_context; `OffsetBias(bias_features, bias_hidden)` (scale init 0) scores pairs when
+    use_bias. temperature is the scale the scores were trained at (used by search)."""
+
+    def __init__(self, backbone: Any, calendar: Any, *, pooling: str = "cls", ctx_dim: int = 64,
+                 bias_features: int = 32, bias_hidden: int = 32, use_context: bool = True,
+                 use_bias: bool = True, normalize: bool = True, tokenizer: Any = None,
+                 max_length: int = 128, temperature: float = 0.05, calendar_tau: float = 1.0):
+        super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        for name, v in (("ctx_dim", ctx_dim), ("bias_features", bias_features), ("bias_hidden", bias_hidden),
+                        ("max_length", max_length)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        if isinstance(backbone, str):
+            from transformers import AutoModel, AutoTokenizer
+            self.backbone_name = backbone
+            if tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(backbone)
+            backbone = AutoModel.from_pretrained(backbone)
+        else:
+            self.backbone_name = getattr(getattr(backbone, "config", None), "_name_or_path", "") or ""
+        if not isinstance(backbone, nn.Module) or not hasattr(backbone, "config"):
+            raise TypeError("backbone must be a transformers model name/path or a PreTrainedModel, "
+                            f"got {type(backbone).__name__}")
+        self.backbone = backbone
+        self.tokenizer = tokenizer
+        self.calendar = calendar
+        self.levels = calendar_levels(calendar)
+        self.calendar_kind = calendar_name(calendar)
+        self.pooling, self.normalize = pooling, bool(normalize)
+        self.use_context, self.use_bias = bool(use_context), bool(use_bias)
+        self.ctx_dim, self.bias_features, self.bias_hidden = ctx_dim, bias_features, bias_hidden
+        self.max_length, self.temperature, self.calendar_tau = max_length, float(temperature), float(calendar_tau)
+        H = int(backbone.config.hidden_size)
+        self.hidden_size = H
+        self.time_heads = nn.ModuleList([nn.Linear(H, n) for _, n in self.levels])
+        # the context and bias modules always exist so every ablation row has the same state dict
+        self.ctx_proj = nn.Linear(len(self.levels) * ctx_dim, H)
+        self.ctx_gate = nn.Parameter(torch.tensor(1.0))
+        self.offset_bias = _compat.offset_bias_cls()(bias_features, bias_hidden)
+
+    # ---- configuration ----------------------------------------------------------------------
+    def config_dict(self) -> dict:
+        return {
+            "pooling": self.pooling, "ctx_dim": self.ctx_dim, "bias_features": self.bias_features,
+            "bias_hidden": self.bias_hidden, "use_context": self.use_context, "use_bias": self.use_bias,
+            "normalize": self.normalize, "max_length": self.max_length, "temperature": self.temperature,
+            "calendar_tau": self.calendar_tau, "levels": [list(l) for l in self.levels],
+            "calendar": self.calendar_kind, "backbone_name": self.backbone_name,
+        }
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **extra) -> CTDOutput:
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **extra)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        base = pool(hidden, attention_mask, self.pooling)
+        return self.temporal(base)
+
+    def temporal(self, base: torch.Tensor) -> CTDOutput:
+        """Apply heads, u, context and normalisation to pooled vectors (B, H)."""
+        logits = [head(base) for head in self.time_heads]
+        flogits = [x.float() for x in logits]
+        u = calendar_scalar(flogits, self.calendar_tau)
+        h = base
+        if self.use_context:
+            ctx = calendar_context(flogits, self.ctx_dim, self.calendar_tau)
+            h = base + self.ctx_gate.to(base.dtype) * self.ctx_proj(ctx.to(self.ctx_proj.weight.dtype)).to(base.dtype)
+        emb = F.normalize(h, dim=-1) if self.normalize else h
+        return CTDOutput(emb, u, logits, base)
+
+    def pair_bias(self, u_q: torch.Tensor, u_d: torch.Tensor) -> Optional[torch.Tensor]:
+        """The (Bq, Bd) relative-offset bias, or None when use_bias is off."""
+        return self.offset_bias(u_q.float(), u_d.float()) if self.use_bias else None
+
+    # ---- text API -----------------------------------------------------------------------------
+    def tokenize(self, texts: Sequence[str]) -> dict:
+        if self.tokenizer is None:
+            raise ValueError("this CTDEncoder has no tokenizer: pass tokenizer= when building it "
+                             "from a PreTrainedModel")
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise TypeError("texts must be a list of strings")
+        enc = self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length,
+                             return_tensors="pt")
+        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+    @torch.no_grad()
+    def encode(self, texts: Sequence[str], *, batch_size: int = 64, device=None) -> Encoded:
+        """Embeddings (N, H) float32, u (N,) and per-level logits, in eval mode, in batches."""
+        device = torch.device(device) if device is not None else self.device
+        was_training = self.training
+        self.eval()
+        embs, us, logits = [], [], [[] for _ in self.levels]
+        try:
+            for i in range(0, len(texts), batch_size):
+                batch = {k: v.to(device) for k, v in self.tokenize(texts[i:i + batch_size]).items()}
+                out = self(**batch)
+                embs.append(out.emb.float().cpu())
+                us.append(out.u.float().cpu())
+                for l, x in enumerate(out.logits):
+                    logits[l].append(x.float().cpu())
+        finally:
+            self.train(was_training)
+        if not embs:
+            return Encoded(torch.empty(0, self.hidden_size), torch.empty(0),
+                           [torch.empty(0, n) for _, n in self.levels])
+        return Encoded(torch.cat(embs), torch.cat(us), [torch.cat(x) for x in logits])
+
+    def to_index(self, records: Sequence[Any], *, backend: str = "exact", batch_size: int = 64,
+                 ids: Optional[Sequence[int]] = None, **index_kwargs):
+        """Encode records (dicts or objects with `text`, and `id` if int) into a TemporalIndex.
+        Non-integer record ids are replaced by positions 0..N-1 (pass ids= to choose)."""
+        texts = [_field(r, "text") for r in records]
+        if ids is None:
+            raw = [_field(r, "id", None) for r in records]
+            ids = raw if all(isinstance(x, int) and not isinstance(x, bool) for x in raw) else range(len(records))
+        ids = torch.as_tensor(list(ids), dtype=torch.int64)
+        if ids.numel() != len(texts):
+            raise ValueError(f"ids has {ids.numel()} entries for {len(texts)} records")
+        enc = self.encode(texts, batch_size=batch_size)
+        index = _compat.temporal_index_cls()(self.hidden_size, backend=backend, **index_kwargs)
+        index.add(ids, enc.embeddings, enc.u)
+        return index
+
+    def search(self, index, texts: Sequence[str], k: int = 10, **kw):
+        """Encode queries and search an index under the full CTD score (bias when use_bias)."""
+        enc = self.encode(texts)
+        return index.search(enc.embeddings, enc.u, k, bias=self.offset_bias if self.use_bias else None,
+                            temperature=self.temperature, **kw)
+
+    # ---- persistence (tempokern/models/checkpoint.py) -----------------------------------------
+    def save(self, path) -> None:
+        from .checkpoint import save_encoder
+        save_encoder(self, path)
+
+    @classmethod
+    def load(cls, path, calendar: Any = None, *, map_location="cpu") -> "CTDEncoder":
+        from .checkpoint import load_encoder
+        return load_encoder(path, calendar=calendar, map_location=map_location)
+
+    def load_chunqiu_state_dict(self, state_dict, *, include_backbone: bool = False) -> dict:
+        from .checkpoint import load_chunqiu_ctd
+        return load_chunqiu_ctd(self, state_dict, include_backbone=include_backbone)
+
+
+def _field(r: Any, name: str, default: Any = ...):
+    if isinstance(r, dict):
+        if name in r:
+            return r[name]
+    elif hasattr(r, name):
+        return getattr(r, name)
+    if name == "text":
+        for alt in ("description", "content", "body"):
+            if isinstance(r, dict) and alt in r:
+                return r[alt]
+            if hasattr(r, alt):
+                return getattr(r, alt)
+    if default is ...:
+        raise ValueError(f"record {r!r} has no {name!r} field")
+    return default

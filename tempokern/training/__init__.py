@@ -1,0 +1,10 @@
+"""Training and evaluation of CTDEncoder models (needs transformers + safetensors)."""
+from .data import (add_window_queries, block_split_of_rank, load_dataset, training_pairs, with_block_splits,
+                   zztj_demo_dataset)
+from .evaluate import METRIC_KEYS, evaluate_model, markdown_table
+from .losses import calendar_ce
+from .trainer import VARIANTS, TrainConfig, Trainer, TrainResult, apply_variant, train
+
+__all__ = ["TrainConfig", "Trainer", "TrainResult", "VARIANTS", "train", "apply_variant", "evaluate_model",
+           "markdown_table", "METRIC_KEYS", "calendar_ce", "load_dataset", "zztj_demo_dataset",
+           "with_block_splits", "add_window_queries", "block_split_of_rank", "training_pairs"]

@@ -1,0 +1,180 @@
+"""Glue between tempokern.datasets (RetrievalDataset: records, queries, calendar) and training:
+time-ordered splits for corpora that come without them, window queries, the Zizhi Tongjian
+demo set, and the tensors (spans, level labels) the losses need."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+SPLITS = ("train", "val", "test")
+FORMATS = ("zztj", "chunqiutr", "chunqiutr-release")
+
+
+def check_split(split: str, dataset=None, *, allow_all: bool = True) -> str:
+    ok = SPLITS + (("all",) if allow_all else ())
+    if split not in ok:
+        raise ValueError(f"unknown split {split!r}: expected one of {', '.join(ok)}")
+    if dataset is not None and split != "all" and not any(q.split == split for q in dataset.queries):
+        have = sorted({str(q.split) for q in dataset.queries})
+        raise ValueError(f"dataset {dataset.name!r} has no queries in split {split!r} (it has {have})")
+    return split
+
+
+def queries_of(dataset, split: str):
+    check_split(split, dataset)
+    return list(dataset.queries) if split == "all" else [q for q in dataset.queries if q.split == split]
+
+
+def block_split_of_rank(rank: int, block: int = 3, period: int = 6, val: int = 2, test: int = 5) -> str:
+    """Contiguous time blocks of `block` units; in every `period` blocks, block `val` is
+    validation and block `test` is test (so no unit is in two splits, and held-out months sit
+    between training months as in ChunQiuTR's reign-aligned splits)."""
+    b = (rank // block) % period
+    return "val" if b == val else "test" if b == test else "train"
+
+
+def with_block_splits(dataset, *, block: int = 3, period: int = 6, val: int = 2, test: int = 5):
+    """A copy whose queries without a split get one from `block_split_of_rank`
+    (a query whose interval crosses splits is marked "mixed" and used by no split)."""
+    from tempokern.datasets import RetrievalDataset
+    qs = []
+    for q in dataset.queries:
+        if q.split is None and q.interval is not None:
+            s = {block_split_of_rank(r, block, period, val, test) for r in q.interval.ranks()}
+            q = dataclasses.replace(q, split=s.pop() if len(s) == 1 else "mixed")
+        qs.append(q)
+    return RetrievalDataset(dataset.name, dataset.records, qs, dataset.calendar, dataset.report)
+
+
+WINDOW_TEMPLATES = ("{start}至{end}，有何事？", "自{start}至{end}，所记何事？", "{start}到{end}之间发生了什么？",
+                    "《通鉴》{start}至{end}之事。")
+
+
+def add_window_queries(dataset, *, block: int = 3, templates: Sequence[str] = WINDOW_TEMPLATES[:1],
+                       time_text=None):
+    """Window-family queries over consecutive `block`-unit intervals of the rank axis that hold
+    event records, one per template (meta["template_index"]); gold = those records."""
+    from tempokern.datasets import Query, RetrievalDataset
+    cal = dataset.calendar
+    if time_text is None:
+        from tempokern.datasets import zztj_time_text as time_text
+    events = [r for r in dataset.records if r.type == "event" and r.interval is not None]
+    qs = list(dataset.queries)
+    for start in range(0, cal.num_units, block):
+        from tempokern.calendar import Interval
+        iv = Interval(start, min(cal.num_units, start + block) - 1)
+        gold = {r.id: 1 for r in events if r.interval.overlaps(iv)}
+        if not gold:
+            continue
+        for t, tpl in enumerate(templates):
+            text = tpl.format(start=time_text(cal.key_at(iv.start)), end=time_text(cal.key_at(iv.end)))
+            qid = f"w:{cal.key_str(cal.key_at(iv.start))}" + (f"#{t}" if t else "")
+            qs.append(Query(qid, text, interval=iv, family="window", gold=gold, meta={"template_index": t}))
+    return RetrievalDataset(dataset.name, dataset.records, qs, cal, dataset.report)
+
+
+SPLIT_SCHEMES = ("template", "time")
+
+
+def with_template_splits(dataset, *, val: int = 2, test: int = 3):
+    """Split queries by phrasing: template `val` -> val, `test` -> test, the others train. Every
+    month is in every split, so this measures mapping new phrasings of dates to the (seen)
+    records, not generalisation to unseen months (use the time scheme for that)."""
+    from tempokern.datasets import RetrievalDataset
+    qs = []
+    for q in dataset.queries:
+        t = q.meta.get("template_index")
+        if t is None:
+            raise ValueError(f"query {q.id!r} has no template index; the template split needs generated queries")
+        qs.append(dataclasses.replace(q, split="val" if t == val else "test" if t == test else "train"))
+    return RetrievalDataset(dataset.name, dataset.records, qs, dataset.calendar, dataset.report)
+
+
+def zztj_demo_dataset(path=None, *, templates_per_month: int = 4, no_event_queries: bool = True,
+                      split: str = "template"):
+    """The demo's Zizhi Tongjian set: the loader's records (with synthesized no_event records),
+    point queries under `templates_per_month` templates (no_event_queries: also for the empty
+    months, gold = their no_event record, as ChunQiuTR trains on them) and window queries over
+    3-month blocks. split="template": queries split by phrasing (see with_template_splits);
+    split="time": by 3-month blocks (held-out months, see with_block_splits)."""
+    if split not in SPLIT_SCHEMES:
+        raise ValueError(f"unknown split scheme {split!r}: expected one of {', '.join(SPLIT_SCHEMES)}")
+    from tempokern.datasets import RetrievalDataset, ZZTJ_TEMPLATES, load_zztj, load_zztj_sample
+    base_load = (lambda **kw: load_zztj(str(path), **kw)) if path is not None else load_zztj_sample
+    load = lambda **kw: base_load(no_event_queries=no_event_queries, **kw)  # noqa: E731
+    base = load()
+    n = min(templates_per_month, len(ZZTJ_TEMPLATES))
+    qs = []
+    for t in range(n):
+        # one template for every month (the loader rotates templates by rank otherwise)
+        for q in load(templates=(ZZTJ_TEMPLATES[t],)).queries:
+            qs.append(dataclasses.replace(q, id=f"{q.id}#{t}" if t else q.id, meta={**q.meta, "template_index": t}))
+    ds = RetrievalDataset(base.name, base.records, qs, base.calendar, base.report)
+    ds = add_window_queries(ds, templates=WINDOW_TEMPLATES[:n])
+    return with_template_splits(ds) if split == "template" else with_block_splits(ds)
+
+
+def load_dataset(dataset: Optional[str] = None, data: Optional[str] = None, fmt: str = "zztj",
+                 split: str = "template", queries: Optional[str] = None):
+    """`dataset="zztj"`: the packaged sample as the demo uses it; `data=PATH`: a file in format
+    `fmt`: "zztj" (Zizhi Tongjian jsonl; queries generated, split by `split`), "chunqiutr"
+    (records jsonl + `queries` jsonl, ChunQiuTR format) or "chunqiutr-release" (the release's meta
+    JSON + `queries` jsonl); the ChunQiuTR formats take their splits from Calendar.chunqiu()."""
+    if (dataset is None) == (data is None):
+        raise ValueError("give exactly one of --dataset (zztj) or --data PATH")
+    if dataset is not None:
+        if dataset != "zztj":
+            raise ValueError(f"unknown dataset {dataset!r}: the packaged dataset is 'zztj' (or pass --data PATH)")
+        return zztj_demo_dataset(split=split)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown data format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    p = Path(data)
+    if not p.exists():
+        raise FileNotFoundError(f"data file {p} does not exist")
+    if fmt == "zztj":
+        return zztj_demo_dataset(p, split=split)
+    if queries is None:
+        raise ValueError(f"format {fmt!r} needs the queries file too (--data-queries PATH)")
+    if not Path(queries).exists():
+        raise FileNotFoundError(f"queries file {queries} does not exist")
+    from tempokern.datasets import load_chunqiutr, load_chunqiutr_release
+    load = load_chunqiutr if fmt == "chunqiutr" else load_chunqiutr_release
+    return load(str(p), str(queries))
+
+
+# ---- what the losses see ------------------------------------------------------------------------
+
+def record_span(rec, i: int) -> Tuple[int, int]:
+    """A record's interval on the rank axis; an untimed record gets a private negative point so it
+    overlaps nothing (its own diagonal is then its only positive)."""
+    if rec.interval is None:
+        return (-2 - i, -2 - i)
+    return (rec.interval.start, rec.interval.end)
+
+
+def record_labels(dataset, rec) -> List[int]:
+    """Per-level class indices of a record's calendar key (-1 where unknown)."""
+    L = dataset.calendar.num_levels
+    if rec.key is None:
+        return [-1] * L
+    try:
+        return list(dataset.calendar.index(rec.key))
+    except (KeyError, ValueError, TypeError):
+        return [-1] * L
+
+
+def training_pairs(dataset, split: str = "train", *, per_query: Optional[int] = None,
+                   rng=None) -> List[Tuple[int, int]]:
+    """(query index, record index) for the gold records of every query of `split`; per_query caps
+    how many of a query's gold records are used (a random subset drawn with `rng`)."""
+    rid = {r.id: i for i, r in enumerate(dataset.records)}
+    pairs = []
+    for qi, q in enumerate(dataset.queries):
+        if q.split != split:
+            continue
+        gold = [rid[d] for d, rel in q.gold.items() if rel > 0 and d in rid]
+        if per_query is not None and len(gold) > per_query:
+            gold = (rng.sample(gold, per_query) if rng is not None else gold[:per_query])
+        pairs.extend((qi, g) for g in gold)
+    return pairs

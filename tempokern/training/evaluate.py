@@ -1,0 +1,83 @@
+"""Dense CTD retrieval evaluation with ChunQiuTR-style metrics (per query family)."""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from ..models import _compat
+from .data import queries_of
+
+METRIC_KEYS = ("R@1", "R@5", "R@10", "MRR@10", "nDCG@10")
+
+
+def gallery_of(dataset, *, neg: bool = True, ne: bool = True):
+    return dataset.gallery(neg=neg, ne=ne)
+
+
+@torch.no_grad()
+def score_topk(model, q_texts: Sequence[str], g_enc, k: int, *, batch_size: int = 64):
+    """Top-k gallery indices and scores under the model's full CTD score
+    s = q.g / temperature + bias(u_q, u_g) (bias only when the model uses it)."""
+    qe = model.encode(list(q_texts), batch_size=batch_size)
+    topk = _compat.ctd_topk_fn()
+    bias = None
+    if model.use_bias:
+        bias = (qe.u.float().contiguous(), g_enc.u.float().contiguous(),
+                *[p.detach().float().cpu() for p in _compat.bias_params(model.offset_bias)])
+    k = min(k, g_enc.embeddings.shape[0])
+    vals, idx = topk(qe.embeddings.float().contiguous(), g_enc.embeddings.float().contiguous(), k,
+                     temperature=model.temperature, bias=bias)
+    return vals, idx
+
+
+def evaluate_model(model, dataset, split: str = "test", *, ks=(1, 5, 10), depth: int = 100,
+                   neg: bool = True, ne: bool = True, drop_no_event: bool = False, batch_size: int = 64,
+                   gallery_enc=None) -> Dict[str, Dict[str, float]]:
+    """{"all": metrics, "<family>": metrics, ...} for the queries of `split` against the gallery
+    chosen by ChunQiuTR's switches (neg: neg_comment records, ne: no_event records, drop_no_event:
+    drop queries whose gold is all no_event). Gold lists are cut to the gallery; queries left with
+    no gold are dropped (ChunQiuTR protocol)."""
+    metrics_fn = _compat.retrieval_metrics_fn()
+    gallery = gallery_of(dataset, neg=neg, ne=ne)
+    gids = [r.id for r in gallery]
+    in_gallery = set(gids)
+    queries = [q for q in queries_of(dataset, split)
+               if not (drop_no_event and getattr(q, "pure_no_event", False))]
+    qrels = {}
+    for q in queries:
+        gold = {d: rel for d, rel in q.gold.items() if rel > 0 and d in in_gallery}
+        if gold:
+            qrels[q.id] = gold
+    queries = [q for q in queries if q.id in qrels]
+    if not queries:
+        raise ValueError(f"no query of split {split!r} has a gold record in the gallery")
+    if gallery_enc is None:
+        gallery_enc = model.encode([r.text for r in gallery], batch_size=batch_size)
+    vals, idx = score_topk(model, [q.text for q in queries], gallery_enc, depth, batch_size=batch_size)
+    run = {q.id: {gids[j]: float(v) for j, v in zip(idx[i].tolist(), vals[i].tolist())}
+           for i, q in enumerate(queries)}
+    table = {"all": _clean(metrics_fn(run, qrels, ks=tuple(ks)), len(queries))}
+    for fam in sorted({q.family for q in queries}):
+        ids = [q.id for q in queries if q.family == fam]
+        table[fam] = _clean(metrics_fn({i: run[i] for i in ids}, {i: qrels[i] for i in ids}, ks=tuple(ks)), len(ids))
+    return table
+
+
+def _clean(m: dict, n: int) -> dict:
+    out = {k: float(v) for k, v in m.items() if isinstance(v, (int, float))}
+    out["queries"] = n
+    return out
+
+
+def markdown_table(rows: Sequence[dict], keys: Sequence[str] = METRIC_KEYS, name_key: str = "name") -> str:
+    head = "| " + " | ".join([name_key] + list(keys)) + " |"
+    sep = "|" + "---|" * (len(keys) + 1)
+    lines = [head, sep]
+    for r in rows:
+        cells = [str(r.get(name_key, ""))]
+        for k in keys:
+            v = r.get(k)
+            cells.append(f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

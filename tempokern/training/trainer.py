@@ -1,0 +1,423 @@
+"""CTD / semantic-baseline fine-tuning of a CTDEncoder.
+
+Loss: CTDLoss (fused multi-positive InfoNCE, offset bias in-kernel, neg_comment records as extra
+negatives) + lambda_time x calendar cross-entropy on the positive records; the semantic baseline
+uses the same fused loss with one positive per query (its own pair). AdamW, linear schedule
+with warm-up, gradient accumulation, mixed precision on CUDA, checkpoint selection by validation
+R@1, resume, seeds, JSONL logs, progress bars; data parallel under torchrun (gradients averaged
+across ranks, documents all-gathered by CTDLoss(gather=True))."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..models import _compat
+from .data import record_labels, record_span, training_pairs
+from .evaluate import evaluate_model
+from .losses import calendar_ce
+
+VARIANTS: Dict[str, dict] = {
+    # name: (multi-positive loss, offset bias, calendar context, calendar CE)
+    "baseline": dict(multipos=False, use_bias=False, use_context=False, time_ce=False),
+    "multipos": dict(multipos=True, use_bias=False, use_context=False, time_ce=False),
+    "bias": dict(multipos=True, use_bias=True, use_context=False, time_ce=True),
+    "context": dict(multipos=True, use_bias=False, use_context=True, time_ce=True),
+    "full": dict(multipos=True, use_bias=True, use_context=True, time_ce=True),
+}
+AMP_MODES = ("auto", "off", "bf16", "fp16")
+
+
+@dataclass
+class TrainConfig:
+    variant: str = "full"
+    epochs: int = 3
+    batch_size: int = 32
+    lr: float = 2e-5
+    temporal_lr: Optional[float] = None      # calendar heads, context, bias (default: lr)
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0
+    temperature: float = 0.05
+    lambda_time: float = 0.1
+    label_smoothing: float = 0.2
+    neighbor_smoothing: bool = False
+    hard_negatives: bool = True
+    pairs_per_query: Optional[int] = None   # gold records drawn per query and epoch (None: all)
+    amp: str = "auto"
+    seed: int = 0
+    eval_split: str = "val"
+    eval_every: int = 1                      # epochs
+    max_steps: Optional[int] = None
+    stop_after_epochs: Optional[int] = None  # end this run early (time-boxed); `resume` continues it
+    progress: bool = True
+    batch_size_eval: int = 64
+    eval_neg: bool = True                    # ChunQiuTR switches for validation (see evaluate_model)
+    eval_ne: bool = True
+    eval_drop_no_event: bool = True
+
+    def validate(self) -> "TrainConfig":
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown variant {self.variant!r}: expected one of {', '.join(VARIANTS)}")
+        if self.amp not in AMP_MODES:
+            raise ValueError(f"amp must be one of {AMP_MODES}, got {self.amp!r}")
+        for name in ("epochs", "batch_size", "grad_accum", "eval_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "epochs" else 1):
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.batch_size < 2:
+            raise ValueError("batch_size must be >= 2 (in-batch negatives)")
+        for name in ("lr", "temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 <= self.label_smoothing < 1:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        return self
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(names)}")
+        return cls(**d).validate()
+
+
+@dataclass
+class TrainResult:
+    best_metric: Optional[float]
+    best_epoch: Optional[int]
+    steps: int
+    history: List[dict] = field(default_factory=list)
+    final_loss: Optional[float] = None
+    seconds: float = 0.0
+
+
+def apply_variant(model, variant: str) -> None:
+    v = VARIANTS[variant]
+    model.use_bias, model.use_context = v["use_bias"], v["use_context"]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed % (2 ** 32))
+    except ImportError:
+        pass
+
+
+def dist_info():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_distributed_from_env() -> bool:
+    """Initialise torch.distributed when launched by torchrun (WORLD_SIZE > 1)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or (dist.is_available() and dist.is_initialized()):
+        return dist.is_available() and dist.is_initialized()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    return True
+
+
+def _param_groups(model, lr, temporal_lr, wd):
+    temporal = ("time_heads.", "ctx_proj.", "ctx_gate", "offset_bias.")
+    groups = {}
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_t = n.startswith(temporal)
+        decay = p.ndim >= 2   # no decay on biases, norms and scalar gates/scales
+        key = (is_t, decay)
+        groups.setdefault(key, []).append(p)
+    out = []
+    for (is_t, decay), ps in groups.items():
+        out.append({"params": ps, "lr": (temporal_lr or lr) if is_t else lr, "weight_decay": wd if decay else 0.0})
+    return out
+
+
+def _linear_warmup(total: int, warmup: int):
+    def f(step):
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (total - step) / max(1, total - warmup))
+    return f
+
+
+def _amp_setup(mode: str, device: torch.device):
+    if device.type != "cuda" or mode == "off":
+        return None, None
+    if mode == "auto":
+        mode = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float16
+    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
+    return dtype, scaler
+
+
+class Trainer:
+    def __init__(self, model, dataset, config: TrainConfig, out_dir=None, *, device=None, log=print):
+        self.model, self.data, self.cfg = model, dataset, config.validate()
+        self.out = Path(out_dir) if out_dir is not None else None
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.rank, self.world = dist_info()
+        self.log = log if self.rank == 0 else (lambda *a, **k: None)
+        if model.tokenizer is None:
+            raise ValueError("the model needs a tokenizer to train (CTDEncoder(..., tokenizer=...))")
+        apply_variant(model, config.variant)
+        model.temperature = config.temperature
+        self.variant = VARIANTS[config.variant]
+        self.pairs = training_pairs(dataset, "train")
+        if len(self.pairs) < 2:
+            raise ValueError(f"dataset {dataset.name!r} has {len(self.pairs)} training (query, gold record) pairs; "
+                             "need at least 2")
+        self.spans = [record_span(r, i) for i, r in enumerate(dataset.records)]
+        self.labels = [record_labels(dataset, r) for r in dataset.records]
+        self.negs = [i for i, r in enumerate(dataset.records) if r.type == "neg_comment"] if config.hard_negatives else []
+        self.has_val = any(q.split == config.eval_split for q in dataset.queries)
+
+    # ---- batches ------------------------------------------------------------------------------
+    def _epoch_batches(self, epoch: int):
+        rng = random.Random(self.cfg.seed * 1000003 + epoch)
+        order = training_pairs(self.data, "train", per_query=self.cfg.pairs_per_query, rng=rng)
+        rng.shuffle(order)
+        g = self.cfg.batch_size * self.world
+        batches = [order[i:i + g] for i in range(0, len(order), g)]
+        if len(batches) > 1 and len(batches[-1]) < 2 * self.world:
+            batches.pop()
+        out = []
+        for bi, b in enumerate(batches):
+            per = len(b) // self.world
+            mine = b[self.rank * per:(self.rank + 1) * per]
+            negs = None
+            if self.negs:
+                nrng = random.Random(self.cfg.seed * 7919 + epoch * 104729 + bi)
+                negs = [self._pick_neg(qi, nrng) for qi, _ in mine]
+            out.append((mine, negs, bi * self.cfg.batch_size * self.world + self.rank * per))
+        return out
+
+    def _pick_neg(self, qi, rng):
+        q = self.data.queries[qi]
+        same = [i for i in self.negs if q.interval is not None and self.data.records[i].interval is not None
+                and self.data.records[i].interval.overlaps(q.interval)]
+        return rng.choice(same or self.negs)
+
+    def _loss(self, batch, negs, offset, loss_fn):
+        cfg, model, dev = self.cfg, self.model, self.device
+        qs = [self.data.queries[qi] for qi, _ in batch]
+        ds = [di for _, di in batch]
+        texts = [q.text for q in qs] + [self.data.records[d].text for d in ds]
+        if negs:
+            texts += [self.data.records[n].text for n in negs]
+        enc = {k: v.to(dev) for k, v in model.tokenize(texts).items()}
+        out = model(**enc)
+        B = len(batch)
+        q, d = out.emb[:B], out.emb[B:2 * B]
+        extra = out.emb[2 * B:] if negs else None
+        if self.variant["multipos"]:
+            q_span = (torch.tensor([x.interval.start if x.interval is not None else -1 for x in qs], device=dev),
+                      torch.tensor([x.interval.end if x.interval is not None else -1 for x in qs], device=dev))
+            d_span = tuple(torch.tensor([self.spans[j][k] for j in ds], device=dev) for k in (0, 1))
+        else:
+            ids = torch.arange(offset, offset + B, device=dev)
+            q_span = d_span = (ids, ids)
+        kw = {}
+        if self.variant["use_bias"]:
+            kw = dict(u_q=out.u[:B], u_d=out.u[B:2 * B])
+        loss_ret = loss_fn(q, d, q_span, d_span, extra_neg=extra, **kw)
+        loss_time = torch.zeros((), device=dev)
+        if self.variant["time_ce"] and cfg.lambda_time > 0:
+            labels = torch.tensor([self.labels[j] for j in ds], device=dev, dtype=torch.long)
+            logits = [x[B:2 * B] for x in out.logits]
+            loss_time = calendar_ce(logits, labels, smoothing=cfg.label_smoothing, neighbor=cfg.neighbor_smoothing)
+        return loss_ret + cfg.lambda_time * loss_time, loss_ret.detach(), loss_time.detach()
+
+    # ---- state --------------------------------------------------------------------------------
+    def _save_state(self, where: Path, opt, sched, scaler, epoch, step, best, best_epoch, history):
+        self.model.save(where)
+        state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                 "scaler": scaler.state_dict() if scaler is not None else None, "epoch": epoch, "step": step,
+                 "best": best, "best_epoch": best_epoch, "history": history, "config": asdict(self.cfg),
+                 "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
+        tmp = where / "trainer_state.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, where / "trainer_state.pt")
+
+    def _sync_params(self):
+        if self.world > 1:
+            for p in self.model.parameters():
+                dist.broadcast(p.data, 0)
+
+    def _allreduce_grads(self):
+        if self.world > 1:
+            for p in self.model.parameters():
+                if not p.requires_grad:
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+                p.grad.div_(self.world)
+
+    def fit(self, *, resume: bool = False) -> TrainResult:
+        cfg, model = self.cfg, self.model
+        seed_everything(cfg.seed)
+        model.to(self.device).train()
+        self._sync_params()
+        gather = self.world > 1
+        loss_fn = _compat.ctd_loss_cls()(temperature=cfg.temperature,
+                                          offset_bias=model.offset_bias if self.variant["use_bias"] else None,
+                                          symmetric=True, normalize=False, gather=gather)
+        opt = torch.optim.AdamW(_param_groups(model, cfg.lr, cfg.temporal_lr, cfg.weight_decay), lr=cfg.lr)
+        steps_per_epoch = max(1, math.ceil(len(self._epoch_batches(0)) / cfg.grad_accum))
+        total = steps_per_epoch * cfg.epochs
+        if cfg.max_steps is not None:
+            total = min(total, cfg.max_steps)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _linear_warmup(total, int(cfg.warmup_ratio * total)))
+        amp_dtype, scaler = _amp_setup(cfg.amp, self.device)
+        start_epoch, step, best, best_epoch, history = 0, 0, None, None, []
+        best_state = None
+        if resume:
+            last = self._require_out() / "last"
+            if not (last / "trainer_state.pt").exists():
+                raise FileNotFoundError(f"cannot resume: {last / 'trainer_state.pt'} does not exist")
+            from safetensors.torch import load_model
+            load_model(model, str(last / "model.safetensors"), strict=False, device=str(self.device))
+            st = torch.load(last / "trainer_state.pt", map_location="cpu", weights_only=False)
+            opt.load_state_dict(st["optimizer"])
+            sched.load_state_dict(st["scheduler"])
+            if scaler is not None and st.get("scaler"):
+                scaler.load_state_dict(st["scaler"])
+            start_epoch, step, best, best_epoch, history = (st["epoch"] + 1, st["step"], st["best"],
+                                                            st["best_epoch"], st["history"])
+            torch.set_rng_state(st["torch_rng"])
+            random.setstate(st["py_rng"])
+            self.log(f"resumed from {last} at epoch {start_epoch}, step {step}")
+        logf = None
+        if self.out is not None and self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            logf = open(self.out / "log.jsonl", "a")
+        t0 = time.time()
+        last_loss = None
+        try:
+            for epoch in range(start_epoch, cfg.epochs):
+                if cfg.max_steps is not None and step >= cfg.max_steps:
+                    break
+                batches = self._epoch_batches(epoch)
+                bar = _progress(batches, cfg.progress and self.rank == 0, f"{cfg.variant} epoch {epoch + 1}/{cfg.epochs}")
+                opt.zero_grad(set_to_none=True)
+                for bi, (batch, negs, offset) in enumerate(bar):
+                    with torch.autocast(self.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                        loss, lr_, lt = self._loss(batch, negs, offset, loss_fn)
+                    scaled = loss / cfg.grad_accum
+                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                    if (bi + 1) % cfg.grad_accum and bi + 1 != len(batches):
+                        continue
+                    self._allreduce_grads()
+                    if scaler is not None:
+                        scaler.unscale_(opt)
+                    if cfg.max_grad_norm:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    if scaler is not None:
+                        scaler.step(opt)
+                        scaler.update()
+                    else:
+                        opt.step()
+                    sched.step()
+                    opt.zero_grad(set_to_none=True)
+                    step += 1
+                    last_loss = float(loss.detach())
+                    rec = {"event": "step", "variant": cfg.variant, "epoch": epoch, "step": step, "loss": last_loss,
+                           "loss_retrieval": float(lr_), "loss_time": float(lt), "lr": sched.get_last_lr()[0],
+                           "seconds": round(time.time() - t0, 3)}
+                    history.append(rec)
+                    if logf:
+                        logf.write(json.dumps(rec) + "\n")
+                        logf.flush()
+                    if hasattr(bar, "set_postfix"):
+                        bar.set_postfix(loss=f"{last_loss:.4f}")
+                    if cfg.max_steps is not None and step >= cfg.max_steps:
+                        break
+                if self.has_val and ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs):
+                    best, best_epoch, best_state = self._validate(epoch, step, best, best_epoch, best_state,
+                                                                  history, logf)
+                if self.out is not None and self.rank == 0:
+                    self._save_state(self.out / "last", opt, sched, scaler, epoch, step, best, best_epoch, history)
+                if self.world > 1:
+                    dist.barrier()
+                if cfg.stop_after_epochs is not None and epoch + 1 - start_epoch >= cfg.stop_after_epochs:
+                    break
+        finally:
+            if logf:
+                logf.close()
+        if best_state is not None:
+            model.load_state_dict(best_state)
+        elif self.out is not None and (self.out / "best").exists() and best is not None:
+            from safetensors.torch import load_model
+            load_model(model, str(self.out / "best" / "model.safetensors"), strict=False, device=str(self.device))
+        model.eval()
+        return TrainResult(best, best_epoch, step, history, last_loss, time.time() - t0)
+
+    def _validate(self, epoch, step, best, best_epoch, best_state, history, logf):
+        metric = None
+        if self.rank == 0:
+            table = evaluate_model(self.model, self.data, self.cfg.eval_split, batch_size=self.cfg.batch_size_eval,
+                                   neg=self.cfg.eval_neg, ne=self.cfg.eval_ne,
+                                   drop_no_event=self.cfg.eval_drop_no_event)
+            metric = table["all"]["R@1"]
+            rec = {"event": "eval", "variant": self.cfg.variant, "epoch": epoch, "step": step,
+                   "split": self.cfg.eval_split, **{f"{k}": v for k, v in table["all"].items()}}
+            history.append(rec)
+            if logf:
+                logf.write(json.dumps(rec) + "\n")
+                logf.flush()
+            self.log(f"[{self.cfg.variant}] epoch {epoch + 1}: {self.cfg.eval_split} R@1 {metric:.4f} "
+                     f"MRR@10 {table['all']['MRR@10']:.4f}")
+        self.model.train()
+        if self.world > 1:
+            t = torch.tensor([metric if metric is not None else 0.0], dtype=torch.float64)
+            dist.broadcast(t, 0)
+            metric = float(t)
+        if best is None or metric > best:
+            best, best_epoch = metric, epoch
+            best_state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+            if self.out is not None and self.rank == 0:
+                self.model.save(self.out / "best")
+        return best, best_epoch, best_state
+
+    def _require_out(self) -> Path:
+        if self.out is None:
+            raise ValueError("resume needs the output directory of the interrupted run (out_dir)")
+        return self.out
+
+
+def _progress(it, enabled: bool, desc: str):
+    if not enabled:
+        return it
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return it
+    return tqdm(it, desc=desc, leave=False, dynamic_ncols=True)
+
+
+def train(model, dataset, config: Optional[TrainConfig] = None, out_dir=None, *, resume: bool = False,
+          device=None, log=print) -> TrainResult:
+    """Fine-tune `model` on the train split of `dataset` (a tempokern.datasets.RetrievalDataset
+    whose queries carry splits) and keep the weights with the best validation R@1."""
+    return Trainer(model, dataset, config or TrainConfig(), out_dir, device=device, log=log).fit(resume=resume)

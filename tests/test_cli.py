@@ -1,0 +1,161 @@
+"""`tempokern` command line: every command's --help, a tiny train -> eval -> index -> search run,
+bench, config files, and readable non-zero exits on bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _ctd_helpers import small_dataset  # noqa: F401  (silences stand-in warnings)
+
+from tempokern.cli import main
+
+COMMANDS = ["train", "eval", "index", "search", "bench", "demo"]
+TINY = ["--tiny-hidden", "32", "--tiny-layers", "1", "--max-length", "32", "--no-progress"]
+
+
+def _root():
+    import tempokern
+    return os.path.dirname(os.path.dirname(os.path.abspath(tempokern.__file__)))
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_help_exits_zero(cmd, capsys):
+    assert main([cmd, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert f"tempokern {cmd}" in out and "--config" in out
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    env = dict(os.environ, PYTHONPATH=_root() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "tempokern", "--help"], capture_output=True, text=True, env=env,
+                       cwd=tmp_path)
+    assert r.returncode == 0 and "train" in r.stdout and "demo" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "tempokern", "eval", "--model", str(tmp_path / "missing"),
+                        "--dataset", "zztj"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode != 0
+    assert "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "run"
+    rc = main(["train", "--dataset", "zztj", "--variant", "full", "--epochs", "1", "--max-steps", "3",
+               "--batch-size", "8", "--out", str(out), *TINY])
+    assert rc == 0
+    return out
+
+
+def test_train_eval_index_search(trained, tmp_path, capsys):
+    assert (trained / "best" / "tempokern_encoder.json").exists()
+    res = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(trained / "best"), "--dataset", "zztj", "--split", "test",
+                 "--out", str(res)]) == 0
+    table = json.loads(res.read_text())
+    assert table["split"] == "test"
+    names = {r["name"] for r in table["rows"]}
+    assert {"all", "point", "window"} <= names
+    for r in table["rows"]:
+        for k in ("R@1", "R@5", "R@10", "MRR@10", "nDCG@10", "recall@10"):
+            assert 0.0 <= r[k] <= 1.0
+    assert (tmp_path / "eval.md").read_text().startswith("| name |")
+    idx = tmp_path / "zztj.idx"
+    assert main(["index", "--model", str(trained / "best"), "--dataset", "zztj", "--out", str(idx)]) == 0
+    assert idx.exists() and (tmp_path / "zztj.idx.records.json").exists()
+    capsys.readouterr()
+    assert main(["search", "--model", str(trained / "best"), "--index", str(idx), "--query", "建元元年正月，有何事？",
+                 "-k", "3", "--json"]) == 0
+    hit = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert hit["query"] == "建元元年正月，有何事？" and len(hit["hits"]) == 3
+    assert all(h["id"] for h in hit["hits"])
+
+
+def test_config_file_json_and_toml(tmp_path, capsys):
+    cfg = tmp_path / "bench.toml"
+    cfg.write_text('sizes = [32]\nrepeat = 1\nout = "%s"\nops = ["calendar_scalar"]\n' % (tmp_path / "b"))
+    assert main(["bench", "--config", str(cfg)]) == 0
+    assert (tmp_path / "b" / "bench.md").exists() and (tmp_path / "b" / "bench.json").exists()
+    res = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert {r["provider"] for r in res["rows"]} == {"fused", "reference"}
+    assert all(r["size"] == 32 for r in res["rows"])
+    # a flag on the command line wins over the file
+    cj = tmp_path / "bench.json"
+    cj.write_text(json.dumps({"sizes": [16], "repeat": 1, "ops": ["calendar_scalar"]}))
+    assert main(["bench", "--config", str(cj), "--out", str(tmp_path / "c"), "--sizes", "24"]) == 0
+    res = json.loads((tmp_path / "c" / "bench.json").read_text())
+    assert {r["size"] for r in res["rows"]} == {24}
+
+
+def test_bench_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert main(["bench", "--ops", "calendar_scalar", "calendar_context", "--sizes", "64", "--repeat", "1",
+                 "--out", str(tmp_path)]) == 0
+    png = (tmp_path / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "--model", "/nonexistent/model", "--dataset", "zztj"], "does not exist"),
+    (["train", "--dataset", "zztj", "--out", "{tmp}/x", "--calendar", "mayan"], "unknown calendar"),
+    (["train", "--dataset", "zztj", "--out", "{tmp}/x", "--calendar", "chunqiu"], "does not fit"),
+    (["train", "--data", "{tmp}/missing.jsonl", "--out", "{tmp}/x"], "does not exist"),
+    (["train", "--dataset", "zztj", "--out", "{tmp}/x", "--variant", "fancy"], "unknown variant"),
+    (["train", "--dataset", "zztj", "--out", "{tmp}/x", "--resume"], "cannot resume"),
+    (["train", "--dataset", "zztj"], "--out is required"),
+    (["bench", "--ops", "warp_drive", "--out", "{tmp}/b"], "unknown op"),
+    (["bench", "--config", "{tmp}/nope.toml"], "does not exist"),
+    (["search", "--model", "{tmp}", "--index", "{tmp}/none.idx"], "at least one --query"),
+])
+def test_bad_input_exits_nonzero_with_message(argv, message, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_bad_split_and_unknown_config_key(trained, tmp_path, capsys):
+    assert main(["eval", "--model", str(trained / "best"), "--dataset", "zztj", "--split", "dev"]) != 0
+    assert "unknown split 'dev'" in capsys.readouterr().err
+    bad = tmp_path / "c.json"
+    bad.write_text(json.dumps({"epochz": 2}))
+    assert main(["train", "--config", str(bad)]) != 0
+    assert "unknown option(s) ['epochz']" in capsys.readouterr().err
+    broken = tmp_path / "d.toml"
+    broken.write_text("sizes = [")
+    assert main(["bench", "--config", str(broken)]) != 0
+    assert "not valid TOML" in capsys.readouterr().err
+    bad_data = tmp_path / "bad.jsonl"
+    bad_data.write_text('{"id": "a", "description": "x", "time_meta": {"reign": "建元", "era_year": 1, "lunar_month": 1}}\nnot json\n')
+    assert main(["train", "--data", str(bad_data), "--out", str(tmp_path / "o")]) != 0
+    err = capsys.readouterr().err
+    assert "bad.jsonl:2" in err
+
+
+def test_train_and_eval_on_chunqiutr_format(tmp_path, capsys):
+    """ChunQiuTR-format files keyed by the real Lu calendar: splits come from Calendar.chunqiu()."""
+    from tempokern import Calendar
+    cal = Calendar.chunqiu()
+    recs, qs = [], []
+    for split in ("train", "val", "test"):
+        for i, key in enumerate(cal.split_keys(split)[:6]):
+            ks = "-".join(map(str, key))
+            for j in range(2):
+                recs.append({"id": f"{split}{i}_{j}", "text": f"公{key[0]}年{key[1]}月{key[2]}事{j}{'甲乙丙丁'[i % 4]}",
+                             "time": ks, "type": "event"})
+            recs.append({"id": f"{split}{i}_neg", "text": f"传曰{key[1]}月之事不书", "time": ks, "type": "neg_comment"})
+            qs.append({"id": f"q{split}{i}", "text": f"{key[0]}公{key[1]}年{key[2]}月何事", "target": ks, "family": "point"})
+    rp, qp = tmp_path / "records.jsonl", tmp_path / "queries.jsonl"
+    rp.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in recs))
+    qp.write_text("\n".join(json.dumps(q, ensure_ascii=False) for q in qs))
+    out = tmp_path / "run"
+    base = ["--data", str(rp), "--format", "chunqiutr", "--data-queries", str(qp), "--calendar", "chunqiu"]
+    assert main(["train", *base, "--epochs", "1", "--batch-size", "4", "--out", str(out), *TINY]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--model", str(out / "best"), *base, "--split", "val"]) == 0
+    assert "| all |" in capsys.readouterr().out
+    assert main(["train", *base[:4], "--out", str(out)]) != 0
+    assert "--data-queries" in capsys.readouterr().err
+    assert main(["train", *base[:-2], "--calendar", "reign", "--out", str(out)]) != 0
+    assert "does not fit" in capsys.readouterr().err
