@@ -1,11 +1,7 @@
 """Small datasets and tiny models shared by the CTD model/training/CLI tests."""
 from __future__ import annotations
 
-import warnings
-
 import torch
-
-warnings.filterwarnings("ignore", message="tempokern: .* stand-in", category=RuntimeWarning)
 
 
 def small_dataset(units: int = 15, split: str = "template"):
@@ -32,6 +28,7 @@ def ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """One rank of the CPU gloo test: trains a few steps data-parallel and saves its weights."""
     import json
     import os
+    import warnings
 
     import torch.distributed as dist
 

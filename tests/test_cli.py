@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from _ctd_helpers import small_dataset  # noqa: F401  (silences stand-in warnings)
+from _ctd_helpers import small_dataset  # noqa: F401
 
 from tempokern.cli import main
 

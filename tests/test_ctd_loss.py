@@ -17,14 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def offset_bias_module(features=6, hidden=5, seed=0):
-    """tempokern.nn.OffsetBias when present (issue 3), else a stand-in with the same layout."""
     torch.manual_seed(seed)
-    if hasattr(tempokern.nn, "OffsetBias"):
-        m = tempokern.nn.OffsetBias(features=features, hidden=hidden)
-    else:
-        m = torch.nn.Module()
-        m.mlp = torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
-        m.scale = torch.nn.Parameter(torch.tensor(0.0))
+    m = tempokern.nn.OffsetBias(features=features, hidden=hidden)
     with torch.no_grad():
         m.scale.fill_(0.8)  # non-zero so the bias (and its gradients) matter
     return m.double()

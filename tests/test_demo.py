@@ -2,7 +2,7 @@
 import json
 import time
 
-from _ctd_helpers import small_dataset  # noqa: F401  (silences stand-in warnings)
+from _ctd_helpers import small_dataset  # noqa: F401
 
 from tempokern.cli import main
 
