@@ -5,61 +5,27 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "common/cpu_math.h"
 
 namespace tk {
 namespace mp {
 
 constexpr int64_t kTile = 128;  // scratch width for batched exp: tile rows are at most this wide
 
-// exp for float that GCC vectorises (Cephes expf polynomial, ~1 ulp on the reduced range);
-// 0 below -87.3 (incl. -inf), clamped at 88.3 so masked-out lanes can never become inf.
-__attribute__((always_inline)) inline float vexp(float x) {
-  x = std::min(x, 88.3762626647949f);
-  const bool under = !(x >= -87.3365478515625f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const int32_t bits = ((int32_t)n + 127) << 23;
-  float sc;
-  std::memcpy(&sc, &bits, 4);
-  return under ? 0.f : y * sc;
-}
+// exp: tk::fast_exp (csrc/common/cpu_math.h), 0 below -87.3 (incl. -inf), saturating below
+// FLT_MAX so masked-out lanes never become inf; NaN propagates.
+__attribute__((always_inline)) inline float vexp(float x) { return fast_exp(x); }
 inline double vexp(double x) { return std::exp(x); }
 
-// x[0..n) = exp(x[0..n)) in place. GCC will not vectorise vexp's selects without -ffast-math,
-// so the AVX2 path spells the same polynomial with intrinsics.
+// x[0..n) = exp(x[0..n)) in place, eight lanes at a time through the explicit-vector fast_exp.
 inline void vexp_inplace(float* x, int64_t n) {
   int64_t j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
   for (; j + 8 <= n; j += 8) {
-    __m256 v = _mm256_min_ps(_mm256_loadu_ps(x + j), hi);
-    const __m256 under = _mm256_cmp_ps(v, lo, _CMP_LT_OQ);
-    v = _mm256_max_ps(v, lo);
-    const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    _mm256_storeu_ps(x + j, _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e))));
+    vf8 v;
+    std::memcpy(&v, x + j, sizeof v);
+    v = fast_exp(v);
+    std::memcpy(x + j, &v, sizeof v);
   }
-#endif
   for (; j < n; ++j) x[j] = vexp(x[j]);
 }
 inline void vexp_inplace(double* x, int64_t n) {
