@@ -41,3 +41,15 @@ def run_python(code: str, **env):
     full_env["PYTHONPATH"] = root + os.pathsep + full_env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
                           cwd=tempfile.gettempdir())
+
+
+def shared_data(rel: str) -> str:
+    """The original of a bundled data file in shared/data (beside the checkout in CI, or the
+    workspace copy), or a path that does not exist when neither is there."""
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    for root in (os.path.join(here, "..", "..", "shared", "data"), os.path.join(here, "..", "shared", "data"),
+                 "/work/shared/data"):
+        if os.path.exists(os.path.join(root, rel)):
+            return os.path.join(root, rel)
+    return os.path.join("/nonexistent", rel)

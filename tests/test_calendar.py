@@ -3,24 +3,14 @@ import json
 
 import numpy as np
 import pytest
+from conftest import shared_data
 import torch
 
 import tempokern
 from tempokern import Calendar
 from tempokern.calendar import LEAP_MONTH, Interval
 
-def _shared(rel):
-    """The original in shared/data (beside the checkout in CI, or the workspace copy), if present."""
-    import os
-    here = os.path.dirname(os.path.abspath(__file__))
-    for root in (os.path.join(here, "..", "..", "shared", "data"), os.path.join(here, "..", "shared", "data"),
-                 "/work/shared/data"):
-        if os.path.exists(os.path.join(root, rel)):
-            return os.path.join(root, rel)
-    return os.path.join("/nonexistent", rel)
-
-
-SPLITS = _shared("chunqiu/time_splits_by_month_v1.json")
+SPLITS = shared_data("chunqiu/time_splits_by_month_v1.json")
 
 
 @pytest.fixture(scope="module")

@@ -2,22 +2,12 @@ import json
 import os
 
 import pytest
+from conftest import shared_data
 
 from tempokern.calendar import LEAP_MONTH
 from tempokern.datasets import DataFormatError, load_zztj, load_zztj_sample, zztj_time_text
 
-def _shared(rel):
-    """The original in shared/data (beside the checkout in CI, or the workspace copy), if present."""
-    import os
-    here = os.path.dirname(os.path.abspath(__file__))
-    for root in (os.path.join(here, "..", "..", "shared", "data"), os.path.join(here, "..", "shared", "data"),
-                 "/work/shared/data"):
-        if os.path.exists(os.path.join(root, rel)):
-            return os.path.join(root, rel)
-    return os.path.join("/nonexistent", rel)
-
-
-SHARED_ZZTJ = _shared("zztj/qiji-part.jsonl")
+SHARED_ZZTJ = shared_data("zztj/qiji-part.jsonl")
 
 
 @pytest.fixture(scope="module")
