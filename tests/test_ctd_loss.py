@@ -13,7 +13,8 @@ from tempokern.nn import CTDLoss
 from tempokern.reference import multipos_infonce as ref
 from tempokern.reference import offset_bias, overlap_positives
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tree holding the tempokern this process imported (installed or in-tree build), for subprocesses.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tempokern.__file__)))
 
 
 def offset_bias_module(features=6, hidden=5, seed=0):

@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 import tempokern
 from tempokern.reference import multipos_infonce as ref
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tree holding the tempokern this process imported (installed or in-tree build), for subprocesses.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tempokern.__file__)))
 
 
 def make(B, H, *, N=0, bias=False, dtype=torch.float64, spans="random", hidden=5, D=7, u_lo=-0.5, u_hi=1.5,
@@ -251,7 +253,8 @@ def test_memory_no_bxb_buffer():
             print("REF_OOM")
     """)
     env = dict(os.environ, OMP_NUM_THREADS="2", MALLOC_ARENA_MAX="2", PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=tempfile.gettempdir())
     assert "FUSED_OK" in r.stdout, r.stdout + r.stderr
     assert "REF_OOM" in r.stdout, r.stdout + r.stderr
 
