@@ -35,5 +35,6 @@ def record(file: str, *, op: str, provider: str, size: str, ms: float, extra_pea
             "date": _dt.date.today().isoformat(), "device": device_name(device), "torch": torch.__version__,
             "tempokern": tempokern.__version__, "op": op, "provider": provider, "size": size,
             "ms": f"{ms:.3f}", "extra_peak_mb": "" if extra_peak_mb is None else f"{extra_peak_mb:.1f}",
-            "note": note,
+            # the 1-minute load average says whether other work shared the machine during the run
+            "note": "; ".join(x for x in (note, f"load avg {os.getloadavg()[0]:.1f}") if x),
         })

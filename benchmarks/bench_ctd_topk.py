@@ -97,7 +97,7 @@ def test_ctd_topk_cpu(benchmark, provider, bias_kind):
     flops = 2 * Q * N * H
     record("ctd_topk.csv", op=f"ctd_topk bias={bias_kind}", provider=provider,
            size=f"Q={Q} N={N} H={H} k={k} fp32", ms=ms, device="cpu",
-           note=f"semantic {flops / ms / 1e6:.1f} GFLOP/s; shared 2-core machine under load")
+           note=f"semantic {flops / ms / 1e6:.1f} GFLOP/s")
 
 
 @pytest.mark.cuda

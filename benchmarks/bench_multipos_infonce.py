@@ -104,7 +104,7 @@ def test_cpu_b2048_bias(benchmark, provider):
     benchmark.extra_info.update(extra_peak_mb=mem.extra_mb, gflops=flops(2048) / ms / 1e6)
     record(CSV, op="multipos_infonce fwd+bwd (bias)", provider=provider, size="B=2048 H=768 hidden=D=32",
            ms=ms, extra_peak_mb=mem.extra_mb,
-           note=f"{flops(2048) / ms / 1e6:.1f} GFLOP/s useful (fused count); shared 2-core machine, under load"
+           note=f"{flops(2048) / ms / 1e6:.1f} GFLOP/s useful (fused count)"
            + (f"; {ENV_NOTE}" if ENV_NOTE else ""))
 
 
@@ -115,7 +115,7 @@ def test_cpu_b16384_bias_fused(benchmark):
     ms = benchmark.stats.stats.min * 1e3
     record(CSV, op="multipos_infonce fwd+bwd (bias)", provider="fused", size="B=16384 H=768 hidden=D=32",
            ms=ms, extra_peak_mb=mem.extra_mb,
-           note=f"{flops(16384) / ms / 1e6:.1f} GFLOP/s; reference infeasible (B x B x D intermediates); shared machine"
+           note=f"{flops(16384) / ms / 1e6:.1f} GFLOP/s; reference infeasible (B x B x D intermediates)"
            + (f"; {ENV_NOTE}" if ENV_NOTE else ""))
 
 

@@ -105,7 +105,7 @@ def test_cpu_fwd_bwd_2048(benchmark, provider, weights):
     RESULTS[("fwd_bwd", provider, weights)] = (_ms(benchmark), peak)
     record(FILE, op="offset_bias fwd+bwd", provider=f"{provider} ({weights} weights)",
            size=f"Bq=Bd={B} D=hidden={D}", ms=_ms(benchmark), extra_peak_mb=peak,
-           note="shared 2-core machine under load from other developers")
+           note="")
 
 
 @pytest.mark.parametrize("provider", ["fused_fwd_random", "fused_fwd_mixed", "matmul_h768"])
@@ -122,7 +122,7 @@ def test_cpu_forward_vs_score_matmul_2048(benchmark, provider):
     flops = 2 * B * B * (HIDDEN * D if provider.startswith("fused") else 768)
     RESULTS[("fwd", provider)] = _ms(benchmark)
     record(FILE, op="forward", provider=provider, size=f"B={B}", ms=_ms(benchmark),
-           note=f"{flops / (_ms(benchmark) * 1e-3) / 1e9:.1f} GFLOP/s (dense-equivalent); shared machine under load")
+           note=f"{flops / (_ms(benchmark) * 1e-3) / 1e9:.1f} GFLOP/s (dense-equivalent)")
 
 
 def test_cpu_interleaved_ratios_2048(benchmark):
@@ -156,7 +156,7 @@ def test_cpu_interleaved_ratios_2048(benchmark):
     benchmark.pedantic(rounds, rounds=1, iterations=1)
     for k, ms in best.items():
         record(FILE, op="interleaved", provider=k, size=f"Bq=Bd={B} D=hidden={D}", ms=ms,
-               note="round-robin min of 3; shared machine under load")
+               note="round-robin min of 3")
     lines = [f"{k}: {ms:.0f} ms" for k, ms in best.items()]
     lines.append(f"fwd+bwd speedup vs reference: random {best['reference_fwd_bwd'] / best['fused_fwd_bwd_random']:.1f}x, "
                  f"worst case {best['reference_fwd_bwd'] / best['fused_fwd_bwd_mixed']:.1f}x")
@@ -176,7 +176,7 @@ def test_cpu_fused_16384(benchmark):
     benchmark.pedantic(fwd_bwd, args=(tempokern.offset_bias, xs, G), rounds=1, iterations=1)
     assert all(torch.isfinite(x.grad).all() for x in xs)
     record(FILE, op="offset_bias fwd+bwd", provider="fused", size=f"Bq=Bd={B} D=hidden={D}", ms=_ms(benchmark),
-           note="reference does not fit; shared machine under load")
+           note="reference does not fit")
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------------

@@ -230,3 +230,19 @@ def test_cuda_on_nondefault_stream():
         u = tempokern.calendar_scalar(xs)
     s.synchronize()
     torch.testing.assert_close(u, ref.calendar_scalar(xs))
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "transposed"])
+def test_context_backward_reads_strided_gradients(kind, device):
+    # out.sum() hands backward an expanded (stride-0) gradient; it must be read, not copied or misread.
+    xs = make_logits(37, [12, 32, 5], device=device)
+    xr = [x.detach().clone().requires_grad_() for x in xs]
+    if kind == "broadcast":
+        tempokern.calendar_context(xs, 24, 0.8).sum().backward()
+        ref.calendar_context(xr, 24, 0.8).sum().backward()
+    else:
+        w = torch.randn(3 * 24, 37, device=device).t()  # column stride != 1
+        (tempokern.calendar_context(xs, 24, 0.8) * w).sum().backward()
+        (ref.calendar_context(xr, 24, 0.8) * w).sum().backward()
+    for a, b in zip(xs, xr):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4)

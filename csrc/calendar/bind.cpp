@@ -12,7 +12,7 @@ using LevelArg = std::tuple<uintptr_t, uintptr_t, int64_t, int64_t, double, uint
 
 CalendarParams make_params(int dtype, int64_t B, double inv_tau, const std::vector<LevelArg>& levels,
                            uintptr_t out, uintptr_t grad_out, int64_t out_row_stride, int64_t dim,
-                           bool accumulate) {
+                           bool accumulate, int64_t grad_col_stride) {
   if (levels.empty() || (int)levels.size() > kMaxCalendarLevels)
     fail("calendar kernels take 1.." + std::to_string(kMaxCalendarLevels) + " levels per launch");
   CalendarParams p;
@@ -36,6 +36,7 @@ CalendarParams make_params(int dtype, int64_t B, double inv_tau, const std::vect
   p.out_row_stride = out_row_stride;
   p.dim = dim;
   p.accumulate = accumulate;
+  p.grad_col_stride = grad_col_stride;
   return p;
 }
 }  // namespace
@@ -44,9 +45,9 @@ TK_BIND(calendar) {
   m.def("calendar_launch",
         [](const std::string& op, int device, uintptr_t stream, int dtype, int64_t B, double inv_tau,
            const std::vector<LevelArg>& levels, uintptr_t out, uintptr_t grad_out, int64_t out_row_stride,
-           int64_t dim, bool accumulate) {
-          const CalendarParams p =
-              make_params(dtype, B, inv_tau, levels, out, grad_out, out_row_stride, dim, accumulate);
+           int64_t dim, bool accumulate, int64_t grad_col_stride) {
+          const CalendarParams p = make_params(dtype, B, inv_tau, levels, out, grad_out, out_row_stride, dim,
+                                               accumulate, grad_col_stride);
           if (op == "scalar_fwd")
             run_on(device, [&] { calendar_scalar_fwd_cpu(p); }, [&] { TK_CUDA_ONLY(calendar_scalar_fwd_cuda(p, device, stream)); });
           else if (op == "scalar_bwd")
@@ -57,7 +58,11 @@ TK_BIND(calendar) {
             run_on(device, [&] { calendar_context_bwd_cpu(p); }, [&] { TK_CUDA_ONLY(calendar_context_bwd_cuda(p, device, stream)); });
           else
             fail("unknown calendar op '" + op + "'");
-        });
+        },
+        pybind11::arg("op"), pybind11::arg("device"), pybind11::arg("stream"), pybind11::arg("dtype"),
+        pybind11::arg("B"), pybind11::arg("inv_tau"), pybind11::arg("levels"), pybind11::arg("out"),
+        pybind11::arg("grad_out"), pybind11::arg("out_row_stride"), pybind11::arg("dim"), pybind11::arg("accumulate"),
+        pybind11::arg("grad_col_stride") = 1);
 }
 
 }  // namespace tk

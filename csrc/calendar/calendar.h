@@ -28,6 +28,7 @@ struct CalendarParams {
   void* out = nullptr;
   const void* grad_out = nullptr;
   int64_t out_row_stride = 0;
+  int64_t grad_col_stride = 1;  // calendar_context backward: grad_out may be a broadcast (stride 0)
   int64_t dim = 0;
   bool accumulate = false;  // calendar_scalar: add to out instead of overwriting
 };

@@ -199,8 +199,8 @@ void context_bwd(const CalendarParams& p) {
         for (int r = 0; r < kRows; ++r) {
           A* gr = G.data() + r * Dp;
           if (r < R) {
-            const T* go = static_cast<const T*>(p.grad_out) + (b0 + r) * p.out_row_stride + L.out_col;
-            for (int64_t j = 0; j < D; ++j) gr[j] = load(go, j);
+            const T* go = static_cast<const T*>(p.grad_out) + (b0 + r) * p.out_row_stride + L.out_col * p.grad_col_stride;
+            for (int64_t j = 0; j < D; ++j) gr[j] = load(go, j * p.grad_col_stride);
           } else {
             std::fill(gr, gr + D, A(0));
           }

@@ -110,7 +110,8 @@ __global__ void context_bwd_kernel(CalendarParams p) {
   for (int l = 0; l < p.num_levels; ++l) {
     const auto& L = p.levels[l];
     const S* x = static_cast<const S*>(L.logits) + b * L.row_stride;
-    const S* go = static_cast<const S*>(p.grad_out) + b * p.out_row_stride + L.out_col;
+    const S* go = static_cast<const S*>(p.grad_out) + b * p.out_row_stride + L.out_col * p.grad_col_stride;
+    const int64_t gcs = p.grad_col_stride;
     const A* tab = static_cast<const A*>(L.table);
     A m, s;
     row_stats(x, L.n, inv_tau, m, s);
@@ -119,14 +120,14 @@ __global__ void context_bwd_kernel(CalendarParams p) {
     A dot = 0;
     for (int64_t c = lane; c < L.n; c += 32) {
       A gp = 0;
-      for (int64_t j = 0; j < D; ++j) gp += to_acc(go[j]) * tab[c * D + j];
+      for (int64_t j = 0; j < D; ++j) gp += to_acc(go[j * gcs]) * tab[c * D + j];
       dot += exp(to_acc(x[c]) * inv_tau - m) * inv_s * gp;
     }
     dot = warp_sum(dot);
     S* gl = static_cast<S*>(L.grad_logits) + b * L.n;
     for (int64_t c = lane; c < L.n; c += 32) {
       A gp = 0;
-      for (int64_t j = 0; j < D; ++j) gp += to_acc(go[j]) * tab[c * D + j];
+      for (int64_t j = 0; j < D; ++j) gp += to_acc(go[j * gcs]) * tab[c * D + j];
       gl[c] = from_acc<S>(exp(to_acc(x[c]) * inv_tau - m) * inv_s * (gp - dot) * inv_tau);
     }
   }

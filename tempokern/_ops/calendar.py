@@ -158,13 +158,13 @@ def _calendar_context_backward(grad: torch.Tensor, logits: List[torch.Tensor], d
         return grads
     if dim == 0:
         return [g.zero_() for g in grads]
-    grad = rows_contiguous(grad.to(x0.dtype))
+    grad = grad.to(x0.dtype)  # read through its strides: a broadcast gradient (from .sum()) is not copied
     dev, stream = launch_args(x0)
     tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device) for x in logits]
     levels = _level_args(logits, grads, tables, dim)
     for idx in _chunks(len(logits)):
         _C.calendar_launch("context_bwd", dev, stream, dtype_code(x0), B, 1.0 / tau,
-                           [levels[i] for i in idx], 0, ptr(grad), grad.stride(0), dim, False)
+                           [levels[i] for i in idx], 0, ptr(grad), grad.stride(0), dim, False, grad.stride(1))
     return grads
 
 
