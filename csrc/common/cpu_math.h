@@ -8,25 +8,31 @@
 
 namespace tk {
 
+// exp(xc) / 2^n for n = round(xc / ln2): Cody-Waite reduction r = xc - n ln2, then the Cephes
+// expf minimax polynomial on [-ln2/2, ln2/2]. Shared by the scalar and vector fast_exp.
+template <typename V>
+inline V exp_core(V xc, V n) {
+  V r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  V p = r * 0.0f + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 inline float fast_exp(float x) {
   const float lo = -87.33654f, hi = 88.3762626647949f;
   // Written as selects and arithmetic only, so the vectoriser if-converts it.
   const float keep = x >= lo ? 1.0f : 0.0f;  // 0 for x < lo and -inf; NaN * 0 stays NaN
   float xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
-  // exp(x) = 2^n * exp(r), n = round(x / ln2) by the 1.5*2^23 trick, r = x - n ln2 (Cody-Waite split)
+  // exp(x) = 2^n * exp_core, n = round(x / ln2) by the 1.5*2^23 trick
   const float shift = 12582912.0f;
   const float n = (xc * 1.44269504088896341f + shift) - shift;
-  float r = xc - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  // minimax polynomial for exp(r) on [-ln2/2, ln2/2] (Cephes expf)
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const float p = exp_core(xc, n);
   // 2^n via the exponent bits; n in [-126, 128] after the clamp, so the scale is split in two.
   const int32_t ni = (int32_t)n;
   const int32_t n1 = ni >> 1, n2 = ni - n1;
@@ -51,15 +57,7 @@ inline vf8 fast_exp(vf8 x) {
   vf8 xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
   const vf8 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  vf8 r = xc - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  vf8 p = vf8{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const vf8 p = exp_core(xc, n);
   const vi8 ni = __builtin_convertvector(n, vi8);
   const vi8 n1 = ni >> 1, n2 = ni - n1;
   const vf8 s1 = (vf8)((n1 + 127) << 23), s2 = (vf8)((n2 + 127) << 23);
