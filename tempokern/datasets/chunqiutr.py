@@ -72,6 +72,20 @@ def _finish_query(q_fields: Dict[str, Any], records_by_id: Dict[str, Record], re
     return Query(gold=gold, pure_no_event=computed, **q_fields)
 
 
+def _id_and_text(obj: dict, path: str, ln: int, seen, what: str):
+    """The row's id (ints accepted as strings; must be new to `seen`) and its non-empty text."""
+    rid, text = obj.get("id"), obj.get("text")
+    if isinstance(rid, int) and not isinstance(rid, bool):
+        rid = str(rid)
+    if not isinstance(rid, str) or not rid:
+        raise DataFormatError(path, ln, "missing or empty field 'id'")
+    if rid in seen:
+        raise DataFormatError(path, ln, f"duplicate {what} id {rid!r}")
+    if not isinstance(text, str) or not text.strip():
+        raise DataFormatError(path, ln, f"{what} {rid!r}: missing or empty string field 'text'")
+    return rid, text
+
+
 def load_chunqiutr(records_path: str, queries_path: str, *, calendar: Optional[Calendar] = None,
                    on_error: str = "raise", name: str = "chunqiutr") -> RetrievalDataset:
     """Load ChunQiuTR-format jsonl files.
@@ -91,15 +105,8 @@ def load_chunqiutr(records_path: str, queries_path: str, *, calendar: Optional[C
     rp = str(records_path)
     for ln, obj in read_jsonl(records_path, report, on_error):
         try:
-            rid, text, typ = obj.get("id"), obj.get("text"), obj.get("type", "event")
-            if isinstance(rid, int) and not isinstance(rid, bool):
-                rid = str(rid)
-            if not isinstance(rid, str) or not rid:
-                raise DataFormatError(rp, ln, "missing or empty field 'id'")
-            if rid in by_id:
-                raise DataFormatError(rp, ln, f"duplicate record id {rid!r}")
-            if not isinstance(text, str) or not text.strip():
-                raise DataFormatError(rp, ln, f"record {rid!r}: missing or empty string field 'text'")
+            rid, text = _id_and_text(obj, rp, ln, by_id, "record")
+            typ = obj.get("type", "event")
             if typ not in RECORD_TYPES:
                 raise DataFormatError(rp, ln, f"record {rid!r}: type must be one of {RECORD_TYPES}, got {typ!r}")
             if "time" not in obj:
@@ -123,15 +130,8 @@ def load_chunqiutr(records_path: str, queries_path: str, *, calendar: Optional[C
     seen = set()
     for ln, obj in read_jsonl(queries_path, report, on_error):
         try:
-            qid, text, fam = obj.get("id"), obj.get("text"), obj.get("family", "point")
-            if isinstance(qid, int) and not isinstance(qid, bool):
-                qid = str(qid)
-            if not isinstance(qid, str) or not qid:
-                raise DataFormatError(qp, ln, "missing or empty field 'id'")
-            if qid in seen:
-                raise DataFormatError(qp, ln, f"duplicate query id {qid!r}")
-            if not isinstance(text, str) or not text.strip():
-                raise DataFormatError(qp, ln, f"query {qid!r}: missing or empty string field 'text'")
+            qid, text = _id_and_text(obj, qp, ln, seen, "query")
+            fam = obj.get("family", "point")
             if fam not in QUERY_FAMILIES:
                 raise DataFormatError(qp, ln, f"query {qid!r}: family must be one of {QUERY_FAMILIES}, got {fam!r}")
             if "target" not in obj:
