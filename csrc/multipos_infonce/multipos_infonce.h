@@ -7,7 +7,7 @@
 //
 // Bias (optional) in angle-difference form, prepared by the Python wrapper from offset_bias's weights:
 //   z_ijn = b1_n + A_i[n, :] . Ct[:, j]   when |u_d[j] - u_q[i]| <= 1,   else zc[0, n] (> 1) / zc[1, n] (< -1)
-//   bias_ij = scale * (sum_n w2_n relu(z_ijn) + b2)
+//   bias_ij = scale * (sum_n w2_n relu(z_ijn) + b2)      (units n < n_linear: z_ijn instead of relu(z_ijn))
 // A (Bq, hidden, K2) and Ct (K2, Bd) hold the per-row/per-column sin/cos features; the wrapper
 // differentiates A, Ct and zc back to w1, b1, u_q, u_d with torch, the kernels return their gradients.
 //
@@ -46,6 +46,7 @@ struct MultiposParams {
   const void* zc = nullptr;   // (2, hidden): pre-activations at delta = +1 and -1 (b1 included)
   const void* u_q = nullptr;  // (Bq,) only to decide where the clamp bites
   const void* u_d = nullptr;  // (Bd,)
+  int64_t n_linear = 0;       // CPU: units [0, n_linear) skip the ReLU (merged always-on units, see the wrapper)
 
   // ---- forward outputs (accumulation dtype) ----
   void* loss = nullptr;       // scalar

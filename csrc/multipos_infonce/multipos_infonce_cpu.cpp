@@ -54,24 +54,27 @@ void pack_panels(const A* X, int64_t ld, int64_t n, int64_t H, A* out) {
 template <typename A>
 struct Bias {
   bool on = false;
-  int64_t hidden = 0, K2 = 0, Bd = 0;
+  int64_t hidden = 0, K2 = 0, Bd = 0, nlin = 0;  // units [0, nlin) are linear (no ReLU)
   const A *Am = nullptr, *Ct = nullptr, *b1 = nullptr, *w2 = nullptr, *zc = nullptr, *uq = nullptr, *ud = nullptr;
   A b2 = 0, scale = 0, yc[2] = {0, 0};
 
   explicit Bias(const MultiposParams& p) {
     on = p.has_bias;
     if (!on) return;
-    hidden = p.hidden; K2 = p.K2; Bd = p.Bd;
+    hidden = p.hidden; K2 = p.K2; Bd = p.Bd; nlin = p.n_linear;
     Am = static_cast<const A*>(p.A); Ct = static_cast<const A*>(p.Ct);
     b1 = static_cast<const A*>(p.b1); w2 = static_cast<const A*>(p.w2); zc = static_cast<const A*>(p.zc);
     uq = static_cast<const A*>(p.u_q); ud = static_cast<const A*>(p.u_d);
     b2 = *static_cast<const A*>(p.b2); scale = *static_cast<const A*>(p.scale);
     for (int s = 0; s < 2; ++s) {
       A y = 0;
-      for (int64_t n = 0; n < hidden; ++n) y += w2[n] * std::max(zc[s * hidden + n], A(0));
+      for (int64_t n = 0; n < hidden; ++n) y += w2[n] * act(n, zc[s * hidden + n]);
       yc[s] = y;
     }
   }
+
+  A act(int64_t n, A z) const { return n < nlin ? z : std::max(z, A(0)); }
+  bool active(int64_t n, A z) const { return n < nlin || z > A(0); }
 
   // Columns [j0, j0 + nj) of Ct copied to a (K2 x nj, ld JT) panel: Ct's row stride is Bd, often a
   // multiple of 4 KiB, which would put all K2 rows in one L1 set.
@@ -91,7 +94,10 @@ struct Bias {
     for (int64_t n = 0; n < hidden; ++n) {
       const A w = w2[n];
       const A* zr = z + n * JT;
-      for (int64_t j = 0; j < nj; ++j) y[j] += w * std::max(zr[j], A(0));
+      if (n < nlin)
+        for (int64_t j = 0; j < nj; ++j) y[j] += w * zr[j];
+      else
+        for (int64_t j = 0; j < nj; ++j) y[j] += w * std::max(zr[j], A(0));
     }
     const A u = uq[i];
     int64_t nclamp = 0;
@@ -286,10 +292,11 @@ void bwd(const MultiposParams& p) {
             const A* zr = z.data() + n * JT;
             A* dzr = dz.data() + n * JT;
             A sb1 = 0, sw2 = 0;
+            const A lin = n < bias.nlin ? A(1) : A(0);
 #pragma omp simd reduction(+ : sb1, sw2)
             for (int64_t j = 0; j < nj; ++j) {
               const A zz = zr[j];
-              const A on = zz > A(0) ? gs[j] : A(0);
+              const A on = (zz > A(0) || lin != A(0)) ? gs[j] : A(0);
               sw2 += on * zz;
               dzr[j] = on * w;
               sb1 += on * w;
@@ -304,7 +311,7 @@ void bwd(const MultiposParams& p) {
               const A* zcr = bias.zc + (cl[j] - 1) * hid;
               A* dzcr = ldzc + (cl[j] - 1) * hid;
               for (int64_t n = 0; n < hid; ++n)
-                if (zcr[n] > A(0)) {
+                if (bias.active(n, zcr[n])) {
                   ldw2[n] += g * zcr[n];
                   dzcr[n] += g * bias.w2[n];
                 }
