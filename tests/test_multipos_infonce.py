@@ -124,47 +124,41 @@ def test_gradcheck():
     assert torch.autograd.gradcheck(f, tuple(ins), eps=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("bias,merge", [(False, False), (True, False), (True, True)])
-def test_opcheck(bias, merge):
-    from tempokern._ops.multipos_infonce import _span_bounds, bias_kernel_inputs
+@pytest.mark.parametrize("bias,bounds", [(False, False), (True, False), (True, True)])
+def test_opcheck(bias, bounds):
+    from tempokern._ops.multipos_infonce import _sorted_by_u, _span_bounds, bias_kernel_inputs, interval_bounds
     q, d, sp, neg, b = make(20, 6, N=4, bias=bias, dtype=torch.float32, seed=2)
-    if b is not None and merge:
-        b = b[:3] + (mixed_unit_b1(b[3]),) + b[4:]
-    kb, nlin = ((None,) * 9, 0) if b is None else bias_kernel_inputs(b, torch.float32, merge)
-    assert nlin == int(merge)
-    kb = tuple(x if x is None else x.detach().requires_grad_(x.dtype.is_floating_point and i < 7)
-               for i, x in enumerate(kb))
-    args = (q, d, *_span_bounds(sp[0]), *_span_bounds(sp[1]), neg, *kb, 10.0, 0.5, 0.5, 0, nlin)
+    spans = (*_span_bounds(sp[0]), *_span_bounds(sp[1]))
+    extras = (None,) * 4
+    if bounds:  # the CPU path: rows/columns sorted by u, unit bounds and explicit diagonal partners
+        q, d, *spans, b, diag = _sorted_by_u(q, d, *spans, b, 0)
+        q, d = q.detach().requires_grad_(), d.detach().requires_grad_()
+        extras = (*interval_bounds(b[2], b[3]), *diag)
+    kb = (None,) * 9 if b is None else tuple(
+        x.detach().requires_grad_(x.dtype.is_floating_point and i < 7) for i, x in
+        enumerate(bias_kernel_inputs(b, torch.float32)))
+    args = (q, d, *spans, neg, *kb, *extras, 10.0, 0.5, 0.5, 0)
     torch.library.opcheck(torch.ops.tempokern.multipos_infonce, args)
 
 
-def mixed_unit_b1(b1):
-    """b1 pushing unit 0 always on, unit 1 always off (|b1| far above |w1 phi|), the rest unchanged."""
-    with torch.no_grad():
-        out = b1.detach().clone()
+def forced_b1(b1, kind):
+    """b1 making units always on (+50) / always off (-50) over every delta (|w1 phi| is far smaller)."""
+    out = b1.detach().clone()
+    if kind == "mixed":
         out[0], out[1] = 50.0, -50.0
+    elif kind != "random":
+        out.fill_(50.0 if kind == "all_on" else -50.0)
     return out.requires_grad_()
 
 
-@pytest.mark.parametrize("kind", ["mixed", "all_on", "all_off"])
-def test_bias_unit_merging(kind):
-    # CPU merges provably always-on units into one linear unit and drops always-off ones; loss and
-    # every gradient (w1/b1/w2 of merged and dropped units included) must still match the reference.
-    from tempokern._ops.multipos_infonce import bias_kernel_inputs
-    from tempokern._ops.offset_bias import _unit_classes
-    q, d, sp, neg, b = make(140, 9, N=5, bias=True, hidden=6, D=8, seed=11)
-    b1 = b[3].detach().clone()
-    if kind == "mixed":
-        b1 = mixed_unit_b1(b1).detach()
-    else:
-        b1.fill_(50.0 if kind == "all_on" else -50.0)
-    b = b[:3] + (b1.requires_grad_(),) + b[4:]
-    kb, nlin = bias_kernel_inputs(b, torch.float64, merge=True)
-    assert nlin == 1
-    on, off = _unit_classes(b[2], b1)
-    if kind == "mixed":
-        assert bool(on[0]) and bool(off[1])
-    assert kb[0].shape[1] == 1 + int((~on & ~off).sum())  # the linear unit plus the unprovable ones
+@pytest.mark.parametrize("kind", ["random", "mixed", "all_on", "all_off"])
+def test_bias_unit_pruning(kind):
+    # The CPU kernel sorts rows/columns by u and, per tile, sums provably always-on units into one
+    # linear unit and skips always-off ones; loss and every gradient (w1/b1/w2 of summed and skipped
+    # units included) must still match the reference. Many tiles (B = 333) and a narrow hidden layer
+    # with roots inside [-1, 1] so tiles see on, off and ReLU units.
+    q, d, sp, neg, b = make(333, 9, N=5, bias=True, hidden=6, D=8, seed=11, u_lo=0.0, u_hi=1.0)
+    b = b[:3] + (forced_b1(b[3], kind),) + b[4:]
     fused = run(tempokern.multipos_infonce, q, d, sp, neg, b)
     exact = run(ref, q, d, sp, neg, b)
     assert_close_all(fused, exact, rtol=1e-10, atol=1e-12)
@@ -173,13 +167,25 @@ def test_bias_unit_merging(kind):
             assert torch.count_nonzero(g) == 0
 
 
-def test_bias_unit_merging_float32_and_clamp():
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_bias_sorted_rows_keep_diagonal_fallback(symmetric):
+    # Disjoint spans: every row and column falls back to its own diagonal, which the CPU path must
+    # find again after sorting rows and columns by u (u_q and u_d in opposite orders here).
+    q, d, sp, neg, b = make(200, 8, bias=True, spans="disjoint", seed=4)
+    with torch.no_grad():
+        b[0].copy_(torch.linspace(1.2, -0.3, 200, dtype=b[0].dtype))
+        b[1].copy_(torch.linspace(-0.4, 1.1, 200, dtype=b[1].dtype))
+    assert_close_all(run(tempokern.multipos_infonce, q, d, sp, neg, b, symmetric=symmetric),
+                     run(ref, q, d, sp, neg, b, symmetric=symmetric), rtol=1e-10, atol=1e-12)
+
+
+def test_bias_unit_pruning_float32_and_clamp():
     q, d, sp, neg, b = make(260, 32, N=7, bias=True, hidden=8, D=6, u_lo=-2.0, u_hi=3.0, seed=5,
                             dtype=torch.float32)
-    b = b[:3] + (mixed_unit_b1(b[3]),) + b[4:]
+    b = b[:3] + (forced_b1(b[3], "mixed"),) + b[4:]
     fused = run(tempokern.multipos_infonce, q, d, sp, neg, b, temperature=0.05)
     q64, d64, _, neg64, b64 = make(260, 32, N=7, bias=True, hidden=8, D=6, u_lo=-2.0, u_hi=3.0, seed=5)
-    b64 = b64[:3] + (mixed_unit_b1(b64[3]),) + b64[4:]
+    b64 = b64[:3] + (forced_b1(b64[3], "mixed"),) + b64[4:]
     exact = run(ref, q64, d64, sp, neg64, b64, temperature=0.05)
     assert_close_all(fused, exact, rtol=1e-4, atol=1e-5)
 

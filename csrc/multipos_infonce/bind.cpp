@@ -15,7 +15,7 @@ const void* get(const Ptrs& m, const char* k) {
 }
 void* get_mut(const Ptrs& m, const char* k) { return const_cast<void*>(get(m, k)); }
 
-// sizes: Bq, Bd, N, H, ldq, ldd, ldn, hidden, K2, diag_offset[, allow_tf32[, n_linear]]; scalars: inv_temp, row_weight, col_weight
+// sizes: Bq, Bd, N, H, ldq, ldd, ldn, hidden, K2, diag_offset[, allow_tf32[, ncell]]; scalars: inv_temp, row_weight, col_weight
 MultiposParams make_params(int dtype, const std::vector<int64_t>& sz, const std::vector<double>& sc, const Ptrs& m) {
   if (sz.size() < 10 || sz.size() > 12 || sc.size() != 3)
     fail("multipos_infonce_launch: expected 10 to 12 sizes and 3 scalars");
@@ -24,7 +24,7 @@ MultiposParams make_params(int dtype, const std::vector<int64_t>& sz, const std:
   p.Bq = sz[0]; p.Bd = sz[1]; p.N = sz[2]; p.H = sz[3];
   p.ldq = sz[4]; p.ldd = sz[5]; p.ldn = sz[6]; p.hidden = sz[7]; p.K2 = sz[8]; p.diag_offset = sz[9];
   p.allow_tf32 = sz.size() >= 11 && sz[10] != 0;
-  p.n_linear = sz.size() == 12 ? sz[11] : 0;
+  p.ncell = sz.size() == 12 ? sz[11] : 0;
   p.inv_temp = sc[0]; p.row_weight = sc[1]; p.col_weight = sc[2];
   p.q = get(m, "q"); p.d = get(m, "d"); p.neg = get(m, "neg");
   p.q_lo = static_cast<const int64_t*>(get(m, "q_lo")); p.q_hi = static_cast<const int64_t*>(get(m, "q_hi"));
@@ -32,6 +32,9 @@ MultiposParams make_params(int dtype, const std::vector<int64_t>& sz, const std:
   p.A = get(m, "A"); p.Ct = get(m, "Ct"); p.b1 = get(m, "b1"); p.w2 = get(m, "w2"); p.b2 = get(m, "b2");
   p.scale = get(m, "scale"); p.zc = get(m, "zc"); p.u_q = get(m, "u_q"); p.u_d = get(m, "u_d");
   p.has_bias = p.A != nullptr;
+  p.z_lo = static_cast<const double*>(get(m, "z_lo")); p.z_hi = static_cast<const double*>(get(m, "z_hi"));
+  p.diag_col = static_cast<const int64_t*>(get(m, "diag_col"));
+  p.diag_row = static_cast<const int64_t*>(get(m, "diag_row"));
   p.loss = get_mut(m, "loss"); p.row_stats = get_mut(m, "row_stats"); p.col_stats = get_mut(m, "col_stats");
   p.grad_loss = get(m, "grad_loss");
   p.dq = get_mut(m, "dq"); p.dd = get_mut(m, "dd"); p.dneg = get_mut(m, "dneg"); p.dA = get_mut(m, "dA");
@@ -43,7 +46,10 @@ MultiposParams make_params(int dtype, const std::vector<int64_t>& sz, const std:
   if (p.col_weight != 0.0 && !p.col_stats) fail("multipos_infonce_launch: column loss without col_stats");
   if (p.has_bias && (!p.Ct || !p.b1 || !p.w2 || !p.b2 || !p.scale || !p.zc || !p.u_q || !p.u_d || p.hidden < 1 || p.K2 < 1))
     fail("multipos_infonce_launch: incomplete bias");
-  if (p.n_linear < 0 || p.n_linear > p.hidden) fail("multipos_infonce_launch: bad n_linear");
+  if (p.z_lo || p.z_hi) {
+    if (!p.z_lo || !p.z_hi || p.ncell < 1 || !p.has_bias) fail("multipos_infonce_launch: bad unit bounds");
+  }
+  if (!p.diag_col != !p.diag_row) fail("multipos_infonce_launch: diag_col and diag_row go together");
   return p;
 }
 }  // namespace
@@ -55,14 +61,14 @@ TK_BIND(multipos_infonce) {
           const MultiposParams p = make_params(dtype, sizes, scalars, ptrs);
           if (op == "fwd") {
             if (!p.loss) fail("multipos_infonce_launch: forward needs loss");
-            if (device >= 0 && p.n_linear) fail("multipos_infonce_launch: merged linear units are CPU-only");
+            if (device >= 0 && (p.z_lo || p.diag_col)) fail("multipos_infonce_launch: unit bounds and diag arrays are CPU-only");
             run_on(device, [&] { multipos_infonce_fwd_cpu(p); },
                    [&] { TK_CUDA_ONLY(multipos_infonce_fwd_cuda(p, device, stream, as_ptr(workspace), workspace_bytes)); });
           } else if (op == "bwd") {
             if (!p.grad_loss || !p.dq || !p.dd || (p.N > 0 && !p.dneg)) fail("multipos_infonce_launch: backward needs grads");
             if (p.has_bias && (!p.dA || !p.dCt || !p.db1 || !p.dw2 || !p.db2 || !p.dscale || !p.dzc))
               fail("multipos_infonce_launch: backward needs bias grads");
-            if (device >= 0 && p.n_linear) fail("multipos_infonce_launch: merged linear units are CPU-only");
+            if (device >= 0 && (p.z_lo || p.diag_col)) fail("multipos_infonce_launch: unit bounds and diag arrays are CPU-only");
             run_on(device, [&] { multipos_infonce_bwd_cpu(p); },
                    [&] { TK_CUDA_ONLY(multipos_infonce_bwd_cuda(p, device, stream, as_ptr(workspace), workspace_bytes)); });
           } else {

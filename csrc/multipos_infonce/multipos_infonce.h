@@ -7,7 +7,7 @@
 //
 // Bias (optional) in angle-difference form, prepared by the Python wrapper from offset_bias's weights:
 //   z_ijn = b1_n + A_i[n, :] . Ct[:, j]   when |u_d[j] - u_q[i]| <= 1,   else zc[0, n] (> 1) / zc[1, n] (< -1)
-//   bias_ij = scale * (sum_n w2_n relu(z_ijn) + b2)      (units n < n_linear: z_ijn instead of relu(z_ijn))
+//   bias_ij = scale * (sum_n w2_n relu(z_ijn) + b2)
 // A (Bq, hidden, K2) and Ct (K2, Bd) hold the per-row/per-column sin/cos features; the wrapper
 // differentiates A, Ct and zc back to w1, b1, u_q, u_d with torch, the kernels return their gradients.
 //
@@ -32,6 +32,10 @@ struct MultiposParams {
   const int64_t* d_hi = nullptr;
   double inv_temp = 1.0, row_weight = 1.0, col_weight = 0.0;
   int64_t diag_offset = 0;
+  // CPU, optional: explicit diagonal partners (-1: none), replacing diag_offset when rows/columns were
+  // permuted by the wrapper (it sorts them by u so that tiles span narrow delta ranges).
+  const int64_t* diag_col = nullptr;  // (Bq,) row i's fallback column
+  const int64_t* diag_row = nullptr;  // (Bd,) column j's fallback row
   bool allow_tf32 = false;  // CUDA float32 score tiles on tensor cores (torch.backends.cuda.matmul.allow_tf32)
 
   // ---- bias, all in the accumulation dtype (float32, float64 for float64) ----
@@ -46,7 +50,13 @@ struct MultiposParams {
   const void* zc = nullptr;   // (2, hidden): pre-activations at delta = +1 and -1 (b1 included)
   const void* u_q = nullptr;  // (Bq,) only to decide where the clamp bites
   const void* u_d = nullptr;  // (Bd,)
-  int64_t n_linear = 0;       // CPU: units [0, n_linear) skip the ReLU (merged always-on units, see the wrapper)
+  // CPU: per-interval bounds of z_n(delta) = w1_n . phi(delta) + b1_n over ncell equal cells of [-1, 1]
+  // (hidden x ncell, float64, the float32 rounding margin folded in). A tile whose pairs' deltas all lie
+  // in cells where lo > 0 (hi < 0) has unit n always on (off): its on units are summed into one linear
+  // unit and its off units skipped, exactly. Null: every unit stays a ReLU unit.
+  const double* z_lo = nullptr;
+  const double* z_hi = nullptr;
+  int64_t ncell = 0;
 
   // ---- forward outputs (accumulation dtype) ----
   void* loss = nullptr;       // scalar

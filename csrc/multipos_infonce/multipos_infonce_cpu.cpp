@@ -54,27 +54,26 @@ void pack_panels(const A* X, int64_t ld, int64_t n, int64_t H, A* out) {
 template <typename A>
 struct Bias {
   bool on = false;
-  int64_t hidden = 0, K2 = 0, Bd = 0, nlin = 0;  // units [0, nlin) are linear (no ReLU)
+  int64_t hidden = 0, K2 = 0, Bd = 0, ncell = 0;
   const A *Am = nullptr, *Ct = nullptr, *b1 = nullptr, *w2 = nullptr, *zc = nullptr, *uq = nullptr, *ud = nullptr;
+  const double *zlo = nullptr, *zhi = nullptr;
   A b2 = 0, scale = 0, yc[2] = {0, 0};
 
   explicit Bias(const MultiposParams& p) {
     on = p.has_bias;
     if (!on) return;
-    hidden = p.hidden; K2 = p.K2; Bd = p.Bd; nlin = p.n_linear;
+    hidden = p.hidden; K2 = p.K2; Bd = p.Bd;
     Am = static_cast<const A*>(p.A); Ct = static_cast<const A*>(p.Ct);
     b1 = static_cast<const A*>(p.b1); w2 = static_cast<const A*>(p.w2); zc = static_cast<const A*>(p.zc);
     uq = static_cast<const A*>(p.u_q); ud = static_cast<const A*>(p.u_d);
     b2 = *static_cast<const A*>(p.b2); scale = *static_cast<const A*>(p.scale);
+    zlo = p.z_lo; zhi = p.z_hi; ncell = p.ncell;
     for (int s = 0; s < 2; ++s) {
       A y = 0;
-      for (int64_t n = 0; n < hidden; ++n) y += w2[n] * act(n, zc[s * hidden + n]);
+      for (int64_t n = 0; n < hidden; ++n) y += w2[n] * std::max(zc[s * hidden + n], A(0));
       yc[s] = y;
     }
   }
-
-  A act(int64_t n, A z) const { return n < nlin ? z : std::max(z, A(0)); }
-  bool active(int64_t n, A z) const { return n < nlin || z > A(0); }
 
   // Columns [j0, j0 + nj) of Ct copied to a (K2 x nj, ld JT) panel: Ct's row stride is Bd, often a
   // multiple of 4 KiB, which would put all K2 rows in one L1 set.
@@ -83,35 +82,139 @@ struct Bias {
     for (int64_t m = 0; m < K2; ++m) std::copy(Ct + m * Bd + j0, Ct + m * Bd + j0 + nj, ctp + m * JT);
     if (cp) gemm::transpose_pack(K2, nj, ctp, JT, cp, K2);
   }
+};
 
-  // Row i against columns [j0, j0 + nj): z (hidden x nj, ld JT) pre-activations, y = w2 . relu(z),
-  // cl = 0 inside the clamp, 1 for delta > 1, 2 for delta < -1; adds scale * (y + b2) to srow.
-  // Returns the number of clamped columns.
-  int64_t row(int64_t i, int64_t j0, int64_t nj, const A* ctp, A* z, A* y, uint8_t* cl, A* srow) const {
-    for (int64_t n = 0; n < hidden; ++n) std::fill(z + n * JT, z + n * JT + nj, b1[n]);
-    gemm::acc_nn(hidden, nj, K2, Am + i * hidden * K2, K2, 1, ctp, JT, z, JT, A(1));
-    std::fill(y, y + nj, A(0));
-    for (int64_t n = 0; n < hidden; ++n) {
-      const A w = w2[n];
-      const A* zr = z + n * JT;
-      if (n < nlin)
-        for (int64_t j = 0; j < nj; ++j) y[j] += w * zr[j];
-      else
-        for (int64_t j = 0; j < nj; ++j) y[j] += w * std::max(zr[j], A(0));
+inline void minmax(const float* x, int64_t n, double& lo, double& hi) {
+  lo = std::numeric_limits<double>::infinity();
+  hi = -lo;
+  for (int64_t k = 0; k < n; ++k) { lo = std::min<double>(lo, x[k]); hi = std::max<double>(hi, x[k]); }
+}
+inline void minmax(const double* x, int64_t n, double& lo, double& hi) {
+  lo = std::numeric_limits<double>::infinity();
+  hi = -lo;
+  for (int64_t k = 0; k < n; ++k) { lo = std::min(lo, x[k]); hi = std::max(hi, x[k]); }
+}
+
+// The bias's hidden units as one tile (rows I x columns J) sees them. Over the tile's delta range,
+// units proven always on (z > 0 for every delta there) are summed into one linear unit (compact unit 0
+// when there is any), units proven always off are skipped, the rest stay ReLU units. Exact: relu is
+// the identity or zero on the proven units. With rows and columns sorted by u (the wrapper does that),
+// a tile spans a narrow delta range and nearly every unit is proven one way or the other.
+template <typename A>
+struct TileUnits {
+  int64_t nu = 0;        // compact units
+  bool lin = false;      // compact unit 0 is the linear sum of the on units
+  bool inside = false;   // some pair of the tile has |delta| <= 1 (not clamped)
+  std::vector<int64_t> onu, mix;  // original ids: on units, ReLU units (compact 0/1 + m)
+  std::vector<A> At, bt, wt;      // (IT, nu, K2) compact row weights, (nu) b1 and w2
+
+  explicit TileUnits(const Bias<A>& b) : At(b.on ? IT * b.hidden * b.K2 : 0), bt(b.hidden), wt(b.hidden) {
+    onu.reserve(b.hidden);
+    mix.reserve(b.hidden);
+  }
+
+  // Plan for rows [i0, i0 + mi) against columns whose u lies in [udlo, udhi].
+  void plan(const Bias<A>& b, int64_t i0, int64_t mi, double udlo, double udhi) {
+    double uqlo, uqhi;
+    minmax(b.uq + i0, mi, uqlo, uqhi);
+    const double a = udlo - uqhi, c = udhi - uqlo;
+    onu.clear();
+    mix.clear();
+    inside = a <= 1.0 && c >= -1.0;
+    if (!inside) { nu = 0; lin = false; return; }
+    const int64_t last = b.ncell - 1;
+    const auto cell = [&](double x) {
+      return std::min<int64_t>(last, std::max<int64_t>(0, (int64_t)std::floor((x + 1.0) * 0.5 * (double)b.ncell)));
+    };
+    const int64_t ca = cell(std::max(a, -1.0) - 1e-9), cb = cell(std::min(c, 1.0) + 1e-9);
+    for (int64_t n = 0; n < b.hidden; ++n) {
+      if (!b.zlo) { mix.push_back(n); continue; }
+      const double* lo = b.zlo + n * b.ncell;
+      const double* hi = b.zhi + n * b.ncell;
+      double mn = lo[ca], mx = hi[ca];
+      for (int64_t k = ca + 1; k <= cb; ++k) { mn = std::min(mn, lo[k]); mx = std::max(mx, hi[k]); }
+      if (mn > 0.0) onu.push_back(n);
+      else if (!(mx < 0.0)) mix.push_back(n);
     }
-    const A u = uq[i];
+    lin = !onu.empty();
+    nu = (int64_t)lin + (int64_t)mix.size();
+    int64_t u = 0;
+    if (lin) {
+      A s = 0;
+      for (int64_t n : onu) s += b.w2[n] * b.b1[n];
+      bt[0] = s;
+      wt[0] = A(1);
+      u = 1;
+    }
+    for (int64_t n : mix) { bt[u] = b.b1[n]; wt[u] = b.w2[n]; ++u; }
+    for (int64_t r = 0; r < mi; ++r) {
+      const A* src = b.Am + (i0 + r) * b.hidden * b.K2;
+      A* dst = At.data() + r * nu * b.K2;
+      if (lin) {
+        std::fill(dst, dst + b.K2, A(0));
+        for (int64_t n : onu) {
+          const A w = b.w2[n];
+          const A* x = src + n * b.K2;
+          for (int64_t k = 0; k < b.K2; ++k) dst[k] += w * x[k];
+        }
+      }
+      for (size_t m = 0; m < mix.size(); ++m) std::copy(src + mix[m] * b.K2, src + (mix[m] + 1) * b.K2, dst + (lin + m) * b.K2);
+    }
+  }
+
+  A act(int64_t u, A z) const { return (lin && u == 0) ? z : std::max(z, A(0)); }
+
+  // Tile row r (query i) against columns [j0, j0 + nj): z (nu x nj, ld JT) compact pre-activations,
+  // y = sum_u wt_u act(z_u), cl = 0 inside the clamp, 1 for delta > 1, 2 for delta < -1; adds
+  // scale * (y + b2) to srow. Returns the number of clamped columns.
+  int64_t row(const Bias<A>& b, int64_t r, int64_t i, int64_t j0, int64_t nj, const A* ctp, A* z, A* y,
+              uint8_t* cl, A* srow) const {
+    std::fill(y, y + nj, A(0));
+    if (nu) {
+      for (int64_t u = 0; u < nu; ++u) std::fill(z + u * JT, z + u * JT + nj, bt[u]);
+      gemm::acc_nn(nu, nj, b.K2, At.data() + r * nu * b.K2, b.K2, 1, ctp, JT, z, JT, A(1));
+      for (int64_t u = 0; u < nu; ++u) {
+        const A w = wt[u];
+        const A* zr = z + u * JT;
+        if (lin && u == 0)
+          for (int64_t j = 0; j < nj; ++j) y[j] += w * zr[j];
+        else
+          for (int64_t j = 0; j < nj; ++j) y[j] += w * std::max(zr[j], A(0));
+      }
+    }
+    const A uqi = b.uq[i];
     int64_t nclamp = 0;
 #pragma omp simd reduction(+ : nclamp)
     for (int64_t j = 0; j < nj; ++j) {
-      const A diff = ud[j0 + j] - u;
+      const A diff = b.ud[j0 + j] - uqi;
       const uint8_t c = diff > A(1) ? 1 : (diff < A(-1) ? 2 : 0);
       cl[j] = c;
       nclamp += c != 0;
-      y[j] = c ? yc[c == 1 ? 0 : 1] : y[j];
-      srow[j] += scale * (y[j] + b2);
+      y[j] = c ? b.yc[c == 1 ? 0 : 1] : y[j];
+      srow[j] += b.scale * (y[j] + b.b2);
     }
     return nclamp;
   }
+};
+
+// Per column panel: the range of u_d over its columns (the tile plans' column side).
+template <typename A>
+std::vector<double> panel_u_ranges(const Bias<A>& b, int64_t Bd) {
+  const int64_t nJB = ceil_div(Bd, JT);
+  std::vector<double> out(b.on ? 2 * nJB : 0);
+  if (b.on)
+    for (int64_t jb = 0; jb < nJB; ++jb) minmax(b.ud + jb * JT, std::min(JT, Bd - jb * JT), out[2 * jb], out[2 * jb + 1]);
+  return out;
+}
+
+// Row i's fallback column and column j's fallback row: explicit arrays (rows/columns permuted by the
+// wrapper) or the diagonal offset.
+struct Diag {
+  const int64_t *col = nullptr, *row = nullptr;
+  int64_t off = 0;
+  explicit Diag(const MultiposParams& p) : col(p.diag_col), row(p.diag_row), off(p.diag_offset) {}
+  int64_t col_of(int64_t i) const { return col ? col[i] : i + off; }
+  int64_t row_of(int64_t j) const { return row ? row[j] : j - off; }
 };
 
 template <typename A>
@@ -119,10 +222,12 @@ void fwd(const MultiposParams& p) {
   const A* q = static_cast<const A*>(p.q);
   const A* d = static_cast<const A*>(p.d);
   const A* neg = static_cast<const A*>(p.neg);
-  const int64_t Bq = p.Bq, Bd = p.Bd, N = neg ? p.N : 0, H = p.H, off = p.diag_offset;
+  const int64_t Bq = p.Bq, Bd = p.Bd, N = neg ? p.N : 0, H = p.H;
   const A it = (A)p.inv_temp;
   const bool cols = p.col_weight != 0.0;
   const Bias<A> bias(p);
+  const Diag dg(p);
+  const std::vector<double> pu = panel_u_ranges(bias, Bd);
   const A ninf = -std::numeric_limits<A>::infinity();
 
   std::vector<A> dpan((size_t)(Bd * H)), npan((size_t)(N * H));
@@ -144,6 +249,7 @@ void fwd(const MultiposParams& p) {
     std::vector<int64_t> rcnt(IT);
     std::vector<A> tm(JT), ts(JT), tpm(JT), tps(JT);
     std::vector<int64_t> tc(JT);
+    TileUnits<A> tu(bias);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ib = 0; ib < nIB; ++ib) {
       const int64_t i0 = ib * IT, mi = std::min(IT, Bq - i0);
@@ -159,23 +265,24 @@ void fwd(const MultiposParams& p) {
         for (int64_t r = 0; r < mi; ++r) std::fill(S.data() + r * JT, S.data() + r * JT + nj, A(0));
         gemm::acc_nn(mi, nj, H, q + i0 * p.ldq, p.ldq, 1, dpan.data() + j0 * H, nj, S.data(), JT, it);
         if (bias.on) {
-          bias.pack(j0, nj, ctp.data());
+          tu.plan(bias, i0, mi, pu[2 * jb], pu[2 * jb + 1]);
+          if (tu.nu) bias.pack(j0, nj, ctp.data());
           for (int64_t r = 0; r < mi; ++r)
-            bias.row(i0 + r, j0, nj, ctp.data(), z.data(), y.data(), cl.data(), S.data() + r * JT);
+            tu.row(bias, r, i0 + r, j0, nj, ctp.data(), z.data(), y.data(), cl.data(), S.data() + r * JT);
         }
         for (int64_t r = 0; r < mi; ++r) {
           const int64_t i = i0 + r;
           const A* srow = S.data() + r * JT;
           mp::row_update(srow, nj, rm[r], rsum[r]);
           mp::pos_row_update(srow, nj, p.q_lo[i], p.q_hi[i], p.d_lo + j0, p.d_hi + j0, rpm[r], rps[r], rcnt[r]);
-          const int64_t jd = i + off;
+          const int64_t jd = dg.col_of(i);
           if (jd >= j0 && jd < j0 + nj) rdiag[r] = srow[jd - j0];
         }
         if (cols) {
           mp::col_tile_stats(S.data(), JT, mi, nj, p.q_lo + i0, p.q_hi + i0, p.d_lo + j0, p.d_hi + j0, tm.data(),
                              ts.data(), tpm.data(), tps.data(), tc.data());
           for (int64_t j = 0; j < nj; ++j) {
-            const int64_t id = j0 + j - off;
+            const int64_t id = dg.row_of(j0 + j);
             if (id >= i0 && id < i0 + mi) cdiag[j0 + j] = S[(id - i0) * JT + j];
           }
           locks.lock(jb);
@@ -226,10 +333,12 @@ void bwd(const MultiposParams& p) {
   const A* q = static_cast<const A*>(p.q);
   const A* d = static_cast<const A*>(p.d);
   const A* neg = static_cast<const A*>(p.neg);
-  const int64_t Bq = p.Bq, Bd = p.Bd, N = neg ? p.N : 0, H = p.H, off = p.diag_offset;
+  const int64_t Bq = p.Bq, Bd = p.Bd, N = neg ? p.N : 0, H = p.H;
   const A it = (A)p.inv_temp;
   const bool cols = p.col_weight != 0.0;
   const Bias<A> bias(p);
+  const Diag dg(p);
+  const std::vector<double> pu = panel_u_ranges(bias, Bd);
   const A gl = *static_cast<const A*>(p.grad_loss);
   const A rw = Bq ? (A)(p.row_weight / (double)Bq) * gl : A(0);
   const A cw = Bd ? (A)(p.col_weight / (double)Bd) * gl : A(0);
@@ -252,7 +361,9 @@ void bwd(const MultiposParams& p) {
 #pragma omp parallel
   {
     std::vector<A> S(IT * JT), z(hid * JT), dz(hid * JT), y(JT), gs(JT), ddl(JT * H), dctl(K2 * JT), ctp(K2 * JT), cp(JT * K2);
+    std::vector<A> dat(hid * K2), sb1(hid), sw2(hid);
     std::vector<uint8_t> cl(JT);
+    TileUnits<A> tu(bias);
     std::vector<A> loc(sums.size(), A(0));
     A* ldb1 = loc.data();
     A* ldw2 = ldb1 + hid;
@@ -266,14 +377,15 @@ void bwd(const MultiposParams& p) {
         for (int64_t r = 0; r < mi; ++r) std::fill(S.data() + r * JT, S.data() + r * JT + nj, A(0));
         gemm::acc_nn(mi, nj, H, q + i0 * p.ldq, p.ldq, 1, dpan.data() + j0 * H, nj, S.data(), JT, it);
         if (bias.on) {
-          bias.pack(j0, nj, ctp.data(), cp.data());
+          tu.plan(bias, i0, mi, pu[2 * jb], pu[2 * jb + 1]);
+          if (tu.nu) bias.pack(j0, nj, ctp.data(), cp.data());
           for (int64_t m = 0; m < K2; ++m) std::fill(dctl.data() + m * JT, dctl.data() + m * JT + nj, A(0));
         }
         for (int64_t r = 0; r < mi; ++r) {
           const int64_t i = i0 + r;
           A* srow = S.data() + r * JT;
-          const int64_t nclamp = bias.on ? bias.row(i, j0, nj, ctp.data(), z.data(), y.data(), cl.data(), srow) : 0;
-          mp::grad_row(srow, nj, i, j0, off, p.q_lo[i], p.q_hi[i], p.d_lo, p.d_hi, rw, rs[i], rs[Bq + i],
+          const int64_t nclamp = bias.on ? tu.row(bias, r, i, j0, nj, ctp.data(), z.data(), y.data(), cl.data(), srow) : 0;
+          mp::grad_row(srow, nj, dg.col_of(i), j0, p.q_lo[i], p.q_hi[i], p.d_lo, p.d_hi, rw, rs[i], rs[Bq + i],
                        rs[2 * Bq + i] != A(0), cols ? cw : A(0), cols ? cst : nullptr, Bd);
           if (!bias.on) continue;
           // srow now holds dL/ds_ij = dL/dbias_ij; clamped pairs go to dzc, the rest through z.
@@ -287,22 +399,23 @@ void bwd(const MultiposParams& p) {
           }
           loc[4 * hid] += sdb2;
           loc[4 * hid + 1] += sdsc;
-          for (int64_t n = 0; n < hid; ++n) {
-            const A w = bias.w2[n];
-            const A* zr = z.data() + n * JT;
-            A* dzr = dz.data() + n * JT;
-            A sb1 = 0, sw2 = 0;
-            const A lin = n < bias.nlin ? A(1) : A(0);
-#pragma omp simd reduction(+ : sb1, sw2)
+          const int64_t nu = tu.nu;
+          for (int64_t u = 0; u < nu; ++u) {
+            const A w = tu.wt[u];
+            const A lin = (tu.lin && u == 0) ? A(1) : A(0);
+            const A* zr = z.data() + u * JT;
+            A* dzr = dz.data() + u * JT;
+            A s1 = 0, s2 = 0;
+#pragma omp simd reduction(+ : s1, s2)
             for (int64_t j = 0; j < nj; ++j) {
               const A zz = zr[j];
               const A on = (zz > A(0) || lin != A(0)) ? gs[j] : A(0);
-              sw2 += on * zz;
+              s2 += on * zz;
               dzr[j] = on * w;
-              sb1 += on * w;
+              s1 += on * w;
             }
-            ldb1[n] += sb1;
-            ldw2[n] += sw2;
+            sb1[u] = s1;
+            sw2[u] = s2;
           }
           if (nclamp)
             for (int64_t j = 0; j < nj; ++j) {
@@ -311,13 +424,42 @@ void bwd(const MultiposParams& p) {
               const A* zcr = bias.zc + (cl[j] - 1) * hid;
               A* dzcr = ldzc + (cl[j] - 1) * hid;
               for (int64_t n = 0; n < hid; ++n)
-                if (bias.active(n, zcr[n])) {
+                if (zcr[n] > A(0)) {
                   ldw2[n] += g * zcr[n];
                   dzcr[n] += g * bias.w2[n];
                 }
             }
-          gemm::acc_nn(hid, K2, nj, dz.data(), JT, 1, cp.data(), K2, dA + i * hid * K2, K2, A(1));
-          gemm::acc_nn(K2, nj, hid, bias.Am + i * hid * K2, 1, K2, dz.data(), JT, dctl.data(), JT, A(1));
+          if (!nu) continue;
+          // dL/d(compact row weights), then back to the original units: a ReLU unit's part is its own;
+          // the linear unit's R = sum_j dz_j c_j gives on-unit n dA = w2_n R, db1 = w2_n sum dz,
+          // dw2 = A_i[n] . R + b1_n sum dz (its pre-activation summed against dz).
+          std::fill(dat.begin(), dat.begin() + nu * K2, A(0));
+          gemm::acc_nn(nu, K2, nj, dz.data(), JT, 1, cp.data(), K2, dat.data(), K2, A(1));
+          gemm::acc_nn(K2, nj, nu, tu.At.data() + r * nu * K2, 1, K2, dz.data(), JT, dctl.data(), JT, A(1));
+          A* dAi = dA + i * hid * K2;
+          const A* Ai = bias.Am + i * hid * K2;
+          int64_t u = 0;
+          if (tu.lin) {
+            const A* R = dat.data();
+            for (int64_t n : tu.onu) {
+              const A w = bias.w2[n];
+              A* o = dAi + n * K2;
+              const A* an = Ai + n * K2;
+              A dot = 0;
+              for (int64_t k = 0; k < K2; ++k) { o[k] += w * R[k]; dot += an[k] * R[k]; }
+              ldb1[n] += w * sb1[0];
+              ldw2[n] += dot + bias.b1[n] * sb1[0];
+            }
+            u = 1;
+          }
+          for (int64_t n : tu.mix) {
+            const A* g = dat.data() + u * K2;
+            A* o = dAi + n * K2;
+            for (int64_t k = 0; k < K2; ++k) o[k] += g[k];
+            ldb1[n] += sb1[u];
+            ldw2[n] += sw2[u];
+            ++u;
+          }
         }
         gemm::acc_nn(mi, H, nj, S.data(), JT, 1, d + j0 * p.ldd, p.ldd, dq + i0 * H, H, it);
         A* ddj = dd + j0 * H;

@@ -167,10 +167,9 @@ inline void grad_row_impl(A* srow, int64_t nj, int64_t jdiag, int64_t j0, int64_
 // cst = column stats (3 x Bd) or null when the column loss is off. A weight of 0 switches its term off
 // entirely: its stats may be undefined (partial losses of CTDLoss(gather=True)).
 template <typename A>
-inline void grad_row(A* srow, int64_t nj, int64_t i, int64_t j0, int64_t off, int64_t qlo, int64_t qhi,
+inline void grad_row(A* srow, int64_t nj, int64_t jd, int64_t j0, int64_t qlo, int64_t qhi,
                      const int64_t* dlo, const int64_t* dhi, A rw, A lse, A lsep, bool fb, A cw, const A* cst,
-                     int64_t Bd) {
-  const int64_t jd = i + off;  // column holding row i's diagonal
+                     int64_t Bd) {  // jd: the column holding row i's diagonal (fallback positive)
   const bool rows = rw != A(0);
   if (rows && cst) grad_row_impl<A, true, true>(srow, nj, jd, j0, qlo, qhi, dlo, dhi, rw, lse, lsep, fb, cw, cst, Bd);
   else if (rows) grad_row_impl<A, true, false>(srow, nj, jd, j0, qlo, qhi, dlo, dhi, rw, lse, lsep, fb, cw, cst, Bd);

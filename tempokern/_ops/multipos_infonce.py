@@ -14,7 +14,7 @@ import torch
 
 from .. import _C
 from ..reference.offset_bias import bias_frequencies, offset_features
-from .offset_bias import _unit_classes
+from .offset_bias import interval_bounds
 from .common import check_finite, check_positive, check_same_device, check_tensor, dtype_code, launch_args, ptr
 
 _BIAS_NAMES = ("u_q", "u_d", "w1", "b1", "w2", "b2", "scale")
@@ -34,20 +34,22 @@ def _kernel_operand(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return t
 
 
-def _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d):
+def _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi,
+                 diag_col, diag_row):
     return {k: ptr(v) for k, v in dict(q=q, d=d, neg=extra_neg, q_lo=q_lo, q_hi=q_hi, d_lo=d_lo, d_hi=d_hi, A=A,
-                                        Ct=Ct, b1=b1, w2=w2, b2=b2, scale=scale, zc=zc, u_q=u_q, u_d=u_d).items()
+                                        Ct=Ct, b1=b1, w2=w2, b2=b2, scale=scale, zc=zc, u_q=u_q, u_d=u_d, z_lo=z_lo,
+                                        z_hi=z_hi, diag_col=diag_col, diag_row=diag_row).items()
             if v is not None}
 
 
-def _sizes(q, d, extra_neg, A, diag_offset, n_linear):
+def _sizes(q, d, extra_neg, A, diag_offset, z_lo):
     N = 0 if extra_neg is None else extra_neg.shape[0]
     ldn = 0 if extra_neg is None else extra_neg.stride(0)
     hidden = 0 if A is None else A.shape[1]
     K2 = 0 if A is None else A.shape[2]
     tf32 = int(q.device.type == "cuda" and q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
     return [q.shape[0], d.shape[0], N, q.shape[1], q.stride(0), d.stride(0), ldn, hidden, K2, diag_offset, tf32,
-            n_linear]
+            0 if z_lo is None else z_lo.shape[1]]
 
 
 def _workspace(dev, dtype, sizes, scalars, ptrs, backward, like):
@@ -62,8 +64,10 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
               d_hi: torch.Tensor, extra_neg: Optional[torch.Tensor], A: Optional[torch.Tensor],
               Ct: Optional[torch.Tensor], b1: Optional[torch.Tensor], w2: Optional[torch.Tensor],
               b2: Optional[torch.Tensor], scale: Optional[torch.Tensor], zc: Optional[torch.Tensor],
-              u_q: Optional[torch.Tensor], u_d: Optional[torch.Tensor], inv_temp: float, row_weight: float,
-              col_weight: float, diag_offset: int, n_linear: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              u_q: Optional[torch.Tensor], u_d: Optional[torch.Tensor], z_lo: Optional[torch.Tensor],
+              z_hi: Optional[torch.Tensor], diag_col: Optional[torch.Tensor], diag_row: Optional[torch.Tensor],
+              inv_temp: float, row_weight: float, col_weight: float,
+              diag_offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     acc = _acc(q.dtype)
     q, d = _kernel_operand(q, acc), _kernel_operand(d, acc)
     if extra_neg is not None:
@@ -72,9 +76,10 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
     row_stats = torch.zeros(3, q.shape[0], dtype=acc, device=q.device)
     col_stats = torch.zeros(3, d.shape[0], dtype=acc, device=q.device)
     dev, stream = launch_args(q)
-    ptrs = _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d)
+    ptrs = _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi,
+                        diag_col, diag_row)
     ptrs.update(loss=ptr(loss), row_stats=ptr(row_stats), col_stats=ptr(col_stats))
-    sizes = _sizes(q, d, extra_neg, A, diag_offset, n_linear)
+    sizes = _sizes(q, d, extra_neg, A, diag_offset, z_lo)
     scalars = [inv_temp, row_weight, col_weight]
     ws = _workspace(dev, dtype_code(q), sizes, scalars, ptrs, False, q)
     _C.multipos_infonce_launch("fwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, ptr(ws),
@@ -83,8 +88,8 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
 
 
 @_multipos.register_fake
-def _(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, inv_temp, row_weight,
-      col_weight, diag_offset, n_linear):
+def _(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi, diag_col,
+      diag_row, inv_temp, row_weight, col_weight, diag_offset):
     acc = _acc(q.dtype)
     return (q.new_empty((), dtype=acc), q.new_empty((3, q.shape[0]), dtype=acc),
             q.new_empty((3, d.shape[0]), dtype=acc))
@@ -96,8 +101,10 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
                        d_hi: torch.Tensor, extra_neg: Optional[torch.Tensor], A: Optional[torch.Tensor],
                        Ct: Optional[torch.Tensor], b1: Optional[torch.Tensor], w2: Optional[torch.Tensor],
                        b2: Optional[torch.Tensor], scale: Optional[torch.Tensor], zc: Optional[torch.Tensor],
-                       u_q: Optional[torch.Tensor], u_d: Optional[torch.Tensor], inv_temp: float,
-                       row_weight: float, col_weight: float, diag_offset: int, n_linear: int) -> List[torch.Tensor]:
+                       u_q: Optional[torch.Tensor], u_d: Optional[torch.Tensor], z_lo: Optional[torch.Tensor],
+                       z_hi: Optional[torch.Tensor], diag_col: Optional[torch.Tensor],
+                       diag_row: Optional[torch.Tensor], inv_temp: float, row_weight: float, col_weight: float,
+                       diag_offset: int) -> List[torch.Tensor]:
     acc = _acc(q.dtype)
     in_dtypes = (q.dtype, d.dtype, None if extra_neg is None else extra_neg.dtype)
     q, d = _kernel_operand(q, acc), _kernel_operand(d, acc)
@@ -111,10 +118,11 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
     grads = dict(dq=zeros(q), dd=zeros(d), dneg=zeros(extra_neg), dA=zeros(A), dCt=zeros(Ct), db1=zeros(b1),
                  dw2=zeros(w2), db2=zeros(b2), dscale=zeros(scale), dzc=zeros(zc))
     dev, stream = launch_args(q)
-    ptrs = _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d)
+    ptrs = _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi,
+                        diag_col, diag_row)
     ptrs.update(row_stats=ptr(row_stats.contiguous()), col_stats=ptr(col_stats.contiguous()),
                 grad_loss=ptr(grad), **{k: ptr(v) for k, v in grads.items() if v is not None})
-    sizes = _sizes(q, d, extra_neg, A, diag_offset, n_linear)
+    sizes = _sizes(q, d, extra_neg, A, diag_offset, z_lo)
     scalars = [inv_temp, row_weight, col_weight]
     ws = _workspace(dev, dtype_code(q), sizes, scalars, ptrs, True, q)
     _C.multipos_infonce_launch("bwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, ptr(ws),
@@ -133,7 +141,7 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
 
 @_multipos_backward.register_fake
 def _(grad, row_stats, col_stats, q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d,
-      inv_temp, row_weight, col_weight, diag_offset, n_linear):
+      z_lo, z_hi, diag_col, diag_row, inv_temp, row_weight, col_weight, diag_offset):
     acc = _acc(q.dtype)
     out = [torch.empty_like(q, memory_format=torch.contiguous_format),
            torch.empty_like(d, memory_format=torch.contiguous_format)]
@@ -144,21 +152,22 @@ def _(grad, row_stats, col_stats, q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct
     return out
 
 
+_NTENSORS = 20  # tensor inputs of the op (the rest are scalars)
 _DIFF_INPUTS = {0: 0, 1: 1, 6: 2, 7: 3, 8: 4, 9: 5, 10: 6, 11: 7, 12: 8, 13: 9}  # input index -> grad index
 
 
 def _setup(ctx, inputs, output):
     _, row_stats, col_stats = output
-    ctx.save_for_backward(row_stats, col_stats, *inputs[:16])
-    ctx.scalars = inputs[16:]
-    ctx.present = [t is not None for t in inputs[:16]]
+    ctx.save_for_backward(row_stats, col_stats, *inputs[:_NTENSORS])
+    ctx.scalars = inputs[_NTENSORS:]
+    ctx.present = [t is not None for t in inputs[:_NTENSORS]]
 
 
 def _backward(ctx, grad, _g_rows, _g_cols):
     row_stats, col_stats, *ins = ctx.saved_tensors
     ins = [t if present else None for t, present in zip(ins, ctx.present)]
     grads = torch.ops.tempokern.multipos_infonce_backward(grad, row_stats, col_stats, *ins, *ctx.scalars)
-    out = [None] * 21
+    out = [None] * (_NTENSORS + len(ctx.scalars))
     for i, g in _DIFF_INPUTS.items():
         if ins[i] is not None and ctx.needs_input_grad[i]:
             out[i] = grads[g].to(ins[i].dtype)
@@ -170,34 +179,13 @@ _multipos.register_autograd(_backward, setup_context=_setup)
 
 # ---- preparation and validation ------------------------------------------------------------------
 
-def _merged_units(w1, b1, w2, acc):
-    """(w1, b1, w2, n_linear) with provably always-off hidden units dropped and always-on ones summed into
-    one linear unit (unit 0, no ReLU): exact, since relu is zero or the identity on them for every delta
-    in [-1, 1] (offset_bias's classification). Built with torch ops, so autograd maps the kernel's
-    gradients of the merged unit back to every original w1, b1, w2 entry. Unchanged when nothing merges."""
-    w2 = w2.reshape(-1)
-    on, off = _unit_classes(w1, b1)
-    if not (bool(on.any()) or bool(off.any())):
-        return w1.to(acc), b1.to(acc), w2.to(acc), 0
-    mix = (~on & ~off).nonzero().flatten().to(w1.device)
-    on_idx = on.nonzero().flatten().to(w1.device)
-    w1a, b1a, w2a = w1.to(acc), b1.to(acc), w2.to(acc)
-    lin_w = (w2a[on_idx, None] * w1a[on_idx]).sum(0, keepdim=True)
-    lin_b = (w2a[on_idx] * b1a[on_idx]).sum().reshape(1)
-    return (torch.cat([lin_w, w1a[mix]]), torch.cat([lin_b, b1a[mix]]), torch.cat([w2a.new_ones(1), w2a[mix]]), 1)
-
-
-def bias_kernel_inputs(bias: Sequence[torch.Tensor], acc: torch.dtype, merge: bool = False):
-    """(A, Ct, b1, w2, b2, scale, zc, u_q, u_d), n_linear for the kernel from offset_bias's 7 inputs,
-    differentiable. merge=True (CPU kernels) first merges provably linear hidden units (_merged_units).
+def bias_kernel_inputs(bias: Sequence[torch.Tensor], acc: torch.dtype):
+    """(A, Ct, b1, w2, b2, scale, zc, u_q, u_d) for the kernel from offset_bias's 7 inputs, differentiable.
 
     A[i, n] = [Ws cos(f u_q_i) + Wc sin(f u_q_i), Wc cos(f u_q_i) - Ws sin(f u_q_i)] (hidden x 2K),
     Ct[:, j] = [sin(f u_d_j), cos(f u_d_j)], so w1 phi(u_d_j - u_q_i) = A_i Ct[:, j] (angle-difference identities);
     zc = w1 phi(+-1) + b1 for the pairs where the clamp bites."""
     u_q, u_d, w1, b1, w2, b2, scale = bias
-    n_linear = 0
-    if merge:
-        w1, b1, w2, n_linear = _merged_units(w1, b1, w2, acc)
     hidden, D = w1.shape
     K = max(1, D // 2)
     P = min(2 * K, D)
@@ -217,7 +205,7 @@ def bias_kernel_inputs(bias: Sequence[torch.Tensor], acc: torch.dtype, merge: bo
     ends = torch.tensor([1.0, -1.0], dtype=acc, device=u_q.device)
     zc = (offset_features(ends, D) @ w1.to(acc).t() + b1.to(acc)).contiguous()
     return (A, Ct, b1.to(acc).contiguous(), w2.to(acc).reshape(-1).contiguous(), b2.to(acc).reshape(()).contiguous(),
-            scale.to(acc).reshape(()).contiguous(), zc, uq.detach().contiguous(), ud.detach().contiguous()), n_linear
+            scale.to(acc).reshape(()).contiguous(), zc, uq.detach().contiguous(), ud.detach().contiguous())
 
 
 def _check_span(name: str, span, B: int):
@@ -260,18 +248,40 @@ def validate_bias(bias, Bq: int, Bd: int):
     return tuple(bias)
 
 
+def _sorted_by_u(q, d, q_lo, q_hi, d_lo, d_hi, bias, diag_offset):
+    """Rows sorted by u_q and columns by u_d (CPU kernels): a tile then spans a narrow range of
+    delta = u_d - u_q, over which the kernel proves most bias units always on or off (see
+    interval_bounds). The loss is a mean over rows and columns, so only the diagonal fallback needs
+    the permutations: returned as explicit partners (diag_col, diag_row), -1 for none. Differentiable
+    (index ops); O(B * H) copies."""
+    u_q, u_d = bias[0], bias[1]
+    Bq, Bd = q.shape[0], d.shape[0]
+    pq, pd = torch.argsort(u_q.detach(), stable=True), torch.argsort(u_d.detach(), stable=True)
+    inv_q, inv_d = torch.empty_like(pq), torch.empty_like(pd)
+    inv_q[pq] = torch.arange(Bq, device=pq.device)
+    inv_d[pd] = torch.arange(Bd, device=pd.device)
+    tgt, src = pq + diag_offset, pd - diag_offset
+    diag_col = torch.where((tgt >= 0) & (tgt < Bd), inv_d[tgt.clamp(0, Bd - 1)], -1).contiguous()
+    diag_row = torch.where((src >= 0) & (src < Bq), inv_q[src.clamp(0, Bq - 1)], -1).contiguous()
+    bias = (u_q[pq], u_d[pd], *bias[2:])
+    return (q[pq], d[pd], q_lo[pq].contiguous(), q_hi[pq].contiguous(), d_lo[pd].contiguous(), d_hi[pd].contiguous(),
+            bias, (diag_col, diag_row))
+
+
 def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
                              row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0):
     """The kernel entry on validated inputs: q (Bq, H) vs d (Bd, H), spans as int64 (lo, hi) bounds,
     row/column weights (each loss is the mean over its own rows/columns) and the diagonal offset
     (row i's fallback positive is column i + diag_offset). Used by multipos_infonce and CTDLoss."""
     acc = _acc(q.dtype)
-    # Unit merging needs the weights' values (data-dependent): CPU only, and not while torch.compile traces.
-    merge = q.device.type == "cpu" and not torch.compiler.is_compiling()
-    kb, n_linear = ((None,) * 9, 0) if bias is None else bias_kernel_inputs(bias, acc, merge)
-    loss, _, _ = torch.ops.tempokern.multipos_infonce(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, *kb,
+    extras = (None,) * 4
+    if bias is not None and q.device.type == "cpu" and q.shape[0] and d.shape[0]:
+        q, d, q_lo, q_hi, d_lo, d_hi, bias, diag = _sorted_by_u(q, d, q_lo, q_hi, d_lo, d_hi, bias, diag_offset)
+        extras = (*interval_bounds(bias[2], bias[3]), *diag)
+    kb = (None,) * 9 if bias is None else bias_kernel_inputs(bias, acc)
+    loss, _, _ = torch.ops.tempokern.multipos_infonce(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, *kb, *extras,
                                                       1.0 / temperature, float(row_weight), float(col_weight),
-                                                      int(diag_offset), int(n_linear))
+                                                      int(diag_offset))
     return loss
 
 

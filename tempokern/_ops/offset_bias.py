@@ -4,7 +4,7 @@ recompute the hidden layer in backward and reduce weight gradients into an O(hid
 from __future__ import annotations
 
 import os
-from typing import List
+from typing import List, Tuple
 
 import torch
 
@@ -61,23 +61,28 @@ def _grid(D: int):
     return g
 
 
-def _unit_classes(w1: torch.Tensor, b1: torch.Tensor):
-    """Hidden units whose pre-activation is provably > 0 (always on) or < 0 (always off) for every
-    delta in [-1, 1] (the clamp keeps delta there). h_n is evaluated in float64 on a grid with spacing s
-    and bounded between grid points by the chord minus max|h''| s^2 / 8, with a margin for float32
-    rounding; units that cannot be proven either way stay exact ReLU units."""
-    hidden, D = w1.shape
+def interval_bounds(w1: torch.Tensor, b1: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Bounds (lo, hi), each (hidden, _SAMPLES) float64, of every hidden unit's pre-activation
+    h_n(delta) = w1_n . phi(delta) + b1_n over the _SAMPLES equal intervals of [-1, 1], with a margin for
+    float32 rounding folded in: lo > 0 proves the unit on over that interval, hi < 0 proves it off.
+    h_n is evaluated in float64 at the interval ends and bounded between them by the chord minus
+    max|h''| s^2 / 8 (s the interval width)."""
     w = w1.detach().double().cpu()
     b = b1.detach().double().cpu().reshape(-1)
-    phi, fsq = _grid(D)
-    h = phi @ w.t() + b                                    # (samples, hidden)
+    phi, fsq = _grid(w.shape[1])
+    h = phi @ w.t() + b                                    # (samples + 1, hidden)
     curv = (w.abs() * fsq).sum(1) * (2.0 / _SAMPLES) ** 2 / 8
     margin = 1e-4 * (b.abs() + w.abs().sum(1)) + 1e-30
-    lo = torch.minimum(h[:-1], h[1:]).min(0).values - curv
-    hi = torch.maximum(h[:-1], h[1:]).max(0).values + curv
-    on = lo > margin
-    off = hi < -margin
-    return on, off
+    lo = torch.minimum(h[:-1], h[1:]) - curv - margin
+    hi = torch.maximum(h[:-1], h[1:]) + curv + margin
+    return lo.t().contiguous(), hi.t().contiguous()
+
+
+def _unit_classes(w1: torch.Tensor, b1: torch.Tensor):
+    """Hidden units whose pre-activation is provably > 0 (always on) or < 0 (always off) for every
+    delta in [-1, 1] (the clamp keeps delta there); the others stay exact ReLU units."""
+    lo, hi = interval_bounds(w1, b1)
+    return lo.min(1).values > 0, hi.max(1).values < 0
 
 
 def _prepared(u_q, u_d, w1, b1, w2, b2, scale):
