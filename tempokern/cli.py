@@ -318,7 +318,7 @@ def cmd_index(args) -> int:
 
 
 def cmd_search(args) -> int:
-    from .models import _compat
+    from .search import TemporalIndex
     _need(args, "model", "index")
     queries = list(args.query)
     if args.queries:
@@ -334,7 +334,7 @@ def cmd_search(args) -> int:
     if not ip.exists():
         raise FileNotFoundError(f"index file {ip} does not exist")
     model = _load_model(args.model)
-    index = _compat.temporal_index_cls().load(str(ip))
+    index = TemporalIndex.load(str(ip))
     names = None
     side = Path(str(ip) + ".records.json")
     if side.exists():

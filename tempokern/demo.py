@@ -99,7 +99,7 @@ def run_demo(out="tempokern-demo", *, quick: bool = False, backbone: str = "tiny
              batch_size: Optional[int] = None, lr: Optional[float] = None, max_length: Optional[int] = None,
              seed: int = 0, threads: Optional[int] = None, device=None, progress: bool = True,
              split: str = "template", pairs_per_query: Optional[int] = 3) -> dict:
-    from .models import CTDEncoder, dependency_report
+    from .models import CTDEncoder
     from .training import TrainConfig, VARIANTS, train, zztj_demo_dataset
     from .training.trainer import seed_everything
 
@@ -153,14 +153,13 @@ def run_demo(out="tempokern-demo", *, quick: bool = False, backbone: str = "tiny
              f"({train_s:.0f} s)")
     torch.set_num_threads(threads or own_threads)
     timing = loss_timing(quick, dev)
-    deps = dependency_report()
     result = {
         "rows": rows, "timing": timing,
         "setup": {"dataset": ds.name, "records": len(ds.records), "queries": summ, "split": SPLIT_TEXT[split], "protocol": PROTOCOL,
                   "backbone": backbone, "pooling": pooling, "vocab": len(tok), "epochs": epochs, "batch_size": batch_size, "lr": lr,
                   "max_length": max_length, "seed": seed, "quick": quick, "device": str(dev),
                   "cpu": f"{platform.machine()} x{os.cpu_count()}, torch threads {torch.get_num_threads()}",
-                  "torch": torch.__version__, "dependencies": deps, "seconds": round(time.time() - t_start, 1)},
+                  "torch": torch.__version__, "seconds": round(time.time() - t_start, 1)},
     }
     md = ["# tempokern demo: Zizhi Tongjian (Qi annals) sample", "",
           f"Test split: {rows[0]['queries'] if rows else 0} event queries; {SPLIT_TEXT[split]}. Gallery: all "

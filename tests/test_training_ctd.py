@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from _ctd_helpers import small_dataset, tiny_model
 
-from tempokern.models import _compat
+from tempokern.nn import CTDLoss
 from tempokern.training import METRIC_KEYS, TrainConfig, Trainer, calendar_ce, evaluate_model, train
 from tempokern.training.data import block_split_of_rank, training_pairs, zztj_demo_dataset
 
@@ -73,7 +73,7 @@ def test_baseline_batch_uses_single_positive_loss(ds):
     m = tiny_model(ds).eval()
     tr = Trainer(m, ds, TrainConfig(variant="baseline", batch_size=8, progress=False))
     (batch, negs, off), *_ = tr._epoch_batches(0)
-    loss_fn = _compat.ctd_loss_cls()(temperature=0.05, normalize=False)
+    loss_fn = CTDLoss(temperature=0.05, normalize=False)
     torch.manual_seed(0)
     got, ret, tl = tr._loss(batch, negs, off, loss_fn)
     qs = [ds.queries[qi].text for qi, _ in batch]
@@ -160,7 +160,7 @@ def test_neg_comment_records_become_extra_negatives(ds):
     (batch, extra, off), *_ = tr._epoch_batches(0)
     assert extra is not None and len(extra) == len(batch)
     assert all(d2.records[n].type == "neg_comment" for n in extra)
-    loss_fn = _compat.ctd_loss_cls()(temperature=0.05, offset_bias=m.offset_bias, normalize=False)
+    loss_fn = CTDLoss(temperature=0.05, offset_bias=m.offset_bias, normalize=False)
     with torch.no_grad():
         with_neg = tr._loss(batch, extra, off, loss_fn)[1]
         without = tr._loss(batch, None, off, loss_fn)[1]

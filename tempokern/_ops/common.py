@@ -85,14 +85,19 @@ def check_same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
     return first
 
 
-def check_positive(name: str, value) -> float:
+def scalar_value(name: str, value) -> float:
+    """A Python int/float or a one-element tensor as a float (bools rejected)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{name} must be a positive number, got a tensor of shape {tuple(value.shape)}")
-        value = value.item()
+            raise ValueError(f"{name} must hold one value, got a tensor of shape {tuple(value.shape)}")
+        value = value.detach().reshape(()).item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a positive number, got {type(value).__name__}")
-    value = float(value)
+        raise TypeError(f"{name} must be a number or a one-element tensor, got {type(value).__name__}")
+    return float(value)
+
+
+def check_positive(name: str, value) -> float:
+    value = scalar_value(name, value)
     if not value > 0 or value != value or value == float("inf"):
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return value

@@ -11,7 +11,7 @@ from .. import _C
 from ..reference.ctd_topk import table_values
 from ..reference.offset_bias import bias_frequencies
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code,
-                     launch_args, ptr, rows_contiguous)
+                     launch_args, ptr, rows_contiguous, scalar_value)
 
 _BIAS_NONE, _BIAS_EXACT, _BIAS_TABLE = 0, 1, 2
 # CUDA kernel limits (csrc/ctd_topk/ctd_topk_cuda.cu); beyond them a chunked torch path runs.
@@ -106,16 +106,6 @@ def _vector(name: str, t, n: int, expect: str) -> torch.Tensor:
     return t
 
 
-def _scalar_value(name: str, t) -> float:
-    if isinstance(t, torch.Tensor):
-        if t.numel() != 1:
-            raise ValueError(f"{name} must hold one value, got shape {tuple(t.shape)}")
-        return float(t.detach().reshape(()).item())
-    if isinstance(t, bool) or not isinstance(t, (int, float)):
-        raise TypeError(f"{name} must be a number or a one-element tensor, got {type(t).__name__}")
-    return float(t)
-
-
 def parse_bias(bias, Q: int, N: int, acc: torch.dtype, device):
     """Validates a bias argument; returns (mode, u_q, u_g, w1, b1, w2, b2, scale, table) with
     tensors contiguous in the accumulation dtype (table: float32) on `device`."""
@@ -147,8 +137,8 @@ def parse_bias(bias, Q: int, N: int, acc: torch.dtype, device):
     check_tensor("bias w2", w2, floating=True)
     if w2.numel() != hidden or w2.dim() > 2 or (w2.dim() == 2 and w2.shape[0] != 1):
         raise ValueError(f"bias w2 must have shape (1, {hidden}) matching w1, got {tuple(w2.shape)}")
-    b2v = _scalar_value("bias b2", b2)
-    sv = _scalar_value("bias scale", scale)
+    b2v = scalar_value("bias b2", b2)
+    sv = scalar_value("bias scale", scale)
     for name, t in (("bias w1", w1), ("bias b1", b1), ("bias w2", w2), ("bias b2", b2), ("bias scale", scale)):
         if isinstance(t, torch.Tensor):
             devs[name] = t.device

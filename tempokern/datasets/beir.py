@@ -14,7 +14,7 @@ import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..calendar import Calendar, Interval
+from ..calendar import Calendar
 from .base import DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle, read_jsonl
 
 __all__ = ["load_beir"]
@@ -126,36 +126,31 @@ def load_beir(folder: Optional[str] = None, *, corpus: Optional[str] = None, que
     if cal is None and years:
         cal = Calendar.gregorian(min(years), max(years))
 
-    def interval(path, ln, what, _id, t) -> Optional[Interval]:
-        if t is None:
-            return None
-        try:
-            n = cal.num_levels  # a coarser calendar takes the date's leading fields
-            return cal.interval(t[0][:n], t[1][:n])
-        except (KeyError, ValueError, TypeError) as e:
-            raise DataFormatError(path, ln, f"{what} {_id!r}: time {t} not on calendar {cal.name!r}: "
-                                            f"{e.args[0] if e.args else e}") from None
+    def with_intervals(raw, what):
+        """(obj, id, interval or None) of each row whose time is on the calendar; the others are reported."""
+        for path, ln, obj, t in raw:
+            _id = str(obj.get("_id", obj.get("id")))
+            iv = err = None
+            if t is not None:
+                try:
+                    n = cal.num_levels  # a coarser calendar takes the date's leading fields
+                    iv = cal.interval(t[0][:n], t[1][:n])
+                except (KeyError, ValueError, TypeError) as e:
+                    err = DataFormatError(path, ln, f"{what} {_id!r}: time {t} not on calendar {cal.name!r}: "
+                                                    f"{e.args[0] if e.args else e}")
+            if err is not None:  # raised (or skipped) outside the except block: no chained KeyError traceback
+                handle(err, report, on_error)
+                continue
+            yield obj, _id, iv
 
     records: List[Record] = []
-    for path, ln, obj, t in raw_docs:
-        _id = str(obj.get("_id", obj.get("id")))
-        try:
-            iv = interval(path, ln, "document", _id, t)
-        except DataFormatError as e:
-            handle(e, report, on_error)
-            continue
+    for obj, _id, iv in with_intervals(raw_docs, "document"):
         records.append(Record(_id, obj["text"], interval=iv, title=str(obj.get("title") or ""),
                               meta={k: v for k, v in obj.items() if k not in ("_id", "id", "text", "title")}))
     doc_ids = {r.id for r in records}
     qrels_map = _read_qrels(str(qrels), report, on_error)
     out_q: List[Query] = []
-    for path, ln, obj, t in raw_qs:
-        _id = str(obj.get("_id", obj.get("id")))
-        try:
-            iv = interval(path, ln, "query", _id, t)
-        except DataFormatError as e:
-            handle(e, report, on_error)
-            continue
+    for obj, _id, iv in with_intervals(raw_qs, "query"):
         if _id not in qrels_map:
             continue
         gold = qrels_map.pop(_id)

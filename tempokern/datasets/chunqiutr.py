@@ -86,6 +86,17 @@ def _id_and_text(obj: dict, path: str, ln: int, seen, what: str):
     return rid, text
 
 
+def _category_and_time(obj: dict, path: str, ln: int, label: str, field: str, default: str,
+                       allowed: Sequence[str], time_field: str):
+    """The row's category (`field`, default `default`, one of `allowed`) and its raw time field (required)."""
+    value = obj.get(field, default)
+    if value not in allowed:
+        raise DataFormatError(path, ln, f"{label}: {field} must be one of {allowed}, got {value!r}")
+    if time_field not in obj:
+        raise DataFormatError(path, ln, f"{label}: missing field {time_field!r}")
+    return value, obj[time_field]
+
+
 def load_chunqiutr(records_path: str, queries_path: str, *, calendar: Optional[Calendar] = None,
                    on_error: str = "raise", name: str = "chunqiutr") -> RetrievalDataset:
     """Load ChunQiuTR-format jsonl files.
@@ -106,14 +117,10 @@ def load_chunqiutr(records_path: str, queries_path: str, *, calendar: Optional[C
     for ln, obj in read_jsonl(records_path, report, on_error):
         try:
             rid, text = _id_and_text(obj, rp, ln, by_id, "record")
-            typ = obj.get("type", "event")
-            if typ not in RECORD_TYPES:
-                raise DataFormatError(rp, ln, f"record {rid!r}: type must be one of {RECORD_TYPES}, got {typ!r}")
-            if "time" not in obj:
-                raise DataFormatError(rp, ln, f"record {rid!r}: missing field 'time'")
-            key = _key(cal, obj["time"], rp, ln, f"record {rid!r}")
+            typ, when = _category_and_time(obj, rp, ln, f"record {rid!r}", "type", "event", RECORD_TYPES, "time")
+            key = _key(cal, when, rp, ln, f"record {rid!r}")
             if not cal.is_real(key):
-                raise DataFormatError(rp, ln, f"record {rid!r}: time {obj['time']!r} is a padding slot, not a real "
+                raise DataFormatError(rp, ln, f"record {rid!r}: time {when!r} is a padding slot, not a real "
                                               f"unit of calendar {cal.name!r}")
         except DataFormatError as e:
             handle(e, report, on_error)
@@ -131,12 +138,9 @@ def load_chunqiutr(records_path: str, queries_path: str, *, calendar: Optional[C
     for ln, obj in read_jsonl(queries_path, report, on_error):
         try:
             qid, text = _id_and_text(obj, qp, ln, seen, "query")
-            fam = obj.get("family", "point")
-            if fam not in QUERY_FAMILIES:
-                raise DataFormatError(qp, ln, f"query {qid!r}: family must be one of {QUERY_FAMILIES}, got {fam!r}")
-            if "target" not in obj:
-                raise DataFormatError(qp, ln, f"query {qid!r}: missing field 'target'")
-            iv = _target(cal, obj["target"], qp, ln)
+            fam, target = _category_and_time(obj, qp, ln, f"query {qid!r}", "family", "point", QUERY_FAMILIES,
+                                             "target")
+            iv = _target(cal, target, qp, ln)
             gold = obj.get("gold")
             if gold is not None:
                 if not isinstance(gold, list) or not gold:
@@ -146,7 +150,7 @@ def load_chunqiutr(records_path: str, queries_path: str, *, calendar: Optional[C
             if pne is not None and not isinstance(pne, bool):
                 raise DataFormatError(qp, ln, f"query {qid!r}: pure_no_event must be true/false, got {pne!r}")
             q = _finish_query(dict(id=qid, text=text.strip(), interval=iv, family=fam, gold=gold,
-                                   pure_no_event=pne, meta={"target": obj["target"]}), by_id, records, qp, ln)
+                                   pure_no_event=pne, meta={"target": target}), by_id, records, qp, ln)
         except DataFormatError as e:
             handle(e, report, on_error)
             continue

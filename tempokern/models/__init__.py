@@ -1,11 +1,10 @@
 """Models on transformers backbones: CTDEncoder and small offline backbones for tests/demo.
 
 Needs the `transformers` and `safetensors` packages (imported when used)."""
-from ._compat import dependency_report
 from .checkpoint import load_chunqiu_ctd, load_encoder, save_encoder
 from .encoder import CTDEncoder, CTDOutput, Encoded, pool
 from .levels import LevelSpec, calendar_levels
 from .tiny import build_char_tokenizer, tiny_bert
 
 __all__ = ["CTDEncoder", "CTDOutput", "Encoded", "LevelSpec", "calendar_levels", "pool", "save_encoder",
-           "load_encoder", "load_chunqiu_ctd", "build_char_tokenizer", "tiny_bert", "dependency_report"]
+           "load_encoder", "load_chunqiu_ctd", "build_char_tokenizer", "tiny_bert"]

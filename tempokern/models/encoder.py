@@ -9,7 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._ops.calendar import calendar_context, calendar_scalar
-from . import _compat
+from ..nn import OffsetBias
+from ..search import TemporalIndex
 from .levels import LevelSpec, calendar_levels, calendar_name
 
 POOLINGS = ("cls", "mean", "last")
@@ -92,7 +93,7 @@ class CTDEncoder(nn.Module):
         # the context and bias modules always exist so every ablation row has the same state dict
         self.ctx_proj = nn.Linear(len(self.levels) * ctx_dim, H)
         self.ctx_gate = nn.Parameter(torch.tensor(1.0))
-        self.offset_bias = _compat.offset_bias_cls()(bias_features, bias_hidden)
+        self.offset_bias = OffsetBias(bias_features, bias_hidden)
 
     # ---- configuration ----------------------------------------------------------------------
     def config_dict(self) -> dict:
@@ -176,7 +177,7 @@ class CTDEncoder(nn.Module):
         if ids.numel() != len(texts):
             raise ValueError(f"ids has {ids.numel()} entries for {len(texts)} records")
         enc = self.encode(texts, batch_size=batch_size)
-        index = _compat.temporal_index_cls()(self.hidden_size, backend=backend, **index_kwargs)
+        index = TemporalIndex(self.hidden_size, backend=backend, **index_kwargs)
         index.add(ids, enc.embeddings, enc.u)
         return index
 

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 
 from .._ops.common import check_positive
 from .._ops.multipos_infonce import _span_bounds, multipos_infonce, multipos_infonce_partial, validate
+from .offset_bias import bias_params
 
 
 def _bias_tuple(offset_bias, u_q, u_d):
-    l1, l2 = offset_bias.mlp[0], offset_bias.mlp[2]
-    return (u_q, u_d, l1.weight, l1.bias, l2.weight, l2.bias, offset_bias.scale)
+    return (u_q, u_d, *bias_params(offset_bias))
 
 
 def _gather(x: torch.Tensor, rank: int, world: int, group) -> torch.Tensor:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Tuple
 
 import torch
 from torch import nn
@@ -67,6 +68,13 @@ class BiasTable:
         return f"BiasTable(points={self.points}, device={self.device})"
 
 
+def bias_params(module: nn.Module) -> Tuple[torch.Tensor, ...]:
+    """(w1, b1, w2, b2, scale) of an OffsetBias, in the order the fused ops take them. Duck-typed: any module
+    with ``mlp[0]``/``mlp[2]`` Linear layers and a ``scale`` works (CTDLoss and TemporalIndex accept those)."""
+    l1, l2 = module.mlp[0], module.mlp[2]
+    return l1.weight, l1.bias, l2.weight, l2.bias, module.scale
+
+
 class OffsetBias(nn.Module):
     """Relative-offset bias eps * MLP(phi(clamp(u_d - u_q, -1, 1))) added to query-document scores (CTD).
 
@@ -87,8 +95,7 @@ class OffsetBias(nn.Module):
         self.scale = nn.Parameter(torch.tensor(0.0))
 
     def forward(self, u_q: torch.Tensor, u_d: torch.Tensor) -> torch.Tensor:
-        l1, l2 = self.mlp[0], self.mlp[2]
-        return offset_bias(u_q, u_d, l1.weight, l1.bias, l2.weight, l2.bias, self.scale)
+        return offset_bias(u_q, u_d, *bias_params(self))
 
     @torch.no_grad()
     def table(self, points: int = DEFAULT_TABLE_POINTS) -> BiasTable:
@@ -97,8 +104,7 @@ class OffsetBias(nn.Module):
             raise TypeError(f"points must be an int, got {type(points).__name__}")
         if points < 2:
             raise ValueError(f"points must be >= 2, got {points}")
-        l1, l2 = self.mlp[0], self.mlp[2]
-        return BiasTable(offset_bias_table_values(l1.weight, l1.bias, l2.weight, l2.bias, self.scale, points))
+        return BiasTable(offset_bias_table_values(*bias_params(self), points))
 
     def extra_repr(self) -> str:
         return f"features={self.features}, hidden={self.hidden}"

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from .._ops.ctd_topk import ctd_rerank, ctd_topk
+from ..nn.offset_bias import bias_params
 from ..reference.ctd_topk import offset_bias as _ref_offset_bias
 from ..reference.ctd_topk import table_bias as _ref_table_bias
 from . import _faiss
@@ -188,9 +189,7 @@ def _bias_args(bias, u_q: torch.Tensor, u_g: torch.Tensor, device):
     if bias is None:
         return None
     if hasattr(bias, "mlp") and hasattr(bias, "scale"):  # tempokern.nn.OffsetBias (duck-typed)
-        lin1, lin2 = bias.mlp[0], bias.mlp[2]
-        p = [t.detach().to(device) for t in (lin1.weight, lin1.bias, lin2.weight, lin2.bias,
-                                              torch.as_tensor(bias.scale))]
+        p = [torch.as_tensor(t).detach().to(device) for t in bias_params(bias)]
         return (u_q, u_g, *p)
     if isinstance(bias, torch.Tensor) or hasattr(bias, "values"):  # OffsetBias.table(...)
         values = bias if isinstance(bias, torch.Tensor) else bias.values

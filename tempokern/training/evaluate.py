@@ -5,7 +5,9 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from ..models import _compat
+from .._ops.ctd_topk import ctd_topk
+from ..eval import retrieval_metrics
+from ..nn.offset_bias import bias_params
 from .data import queries_of
 
 METRIC_KEYS = ("R@1", "R@5", "R@10", "MRR@10", "nDCG@10")
@@ -20,14 +22,13 @@ def score_topk(model, q_texts: Sequence[str], g_enc, k: int, *, batch_size: int 
     """Top-k gallery indices and scores under the model's full CTD score
     s = q.g / temperature + bias(u_q, u_g) (bias only when the model uses it)."""
     qe = model.encode(list(q_texts), batch_size=batch_size)
-    topk = _compat.ctd_topk_fn()
     bias = None
     if model.use_bias:
         bias = (qe.u.float().contiguous(), g_enc.u.float().contiguous(),
-                *[p.detach().float().cpu() for p in _compat.bias_params(model.offset_bias)])
+                *[p.detach().float().cpu() for p in bias_params(model.offset_bias)])
     k = min(k, g_enc.embeddings.shape[0])
-    vals, idx = topk(qe.embeddings.float().contiguous(), g_enc.embeddings.float().contiguous(), k,
-                     temperature=model.temperature, bias=bias)
+    vals, idx = ctd_topk(qe.embeddings.float().contiguous(), g_enc.embeddings.float().contiguous(), k,
+                        temperature=model.temperature, bias=bias)
     return vals, idx
 
 
@@ -38,7 +39,6 @@ def evaluate_model(model, dataset, split: str = "test", *, ks=(1, 5, 10), depth:
     chosen by ChunQiuTR's switches (neg: neg_comment records, ne: no_event records, drop_no_event:
     drop queries whose gold is all no_event). Gold lists are cut to the gallery; queries left with
     no gold are dropped (ChunQiuTR protocol)."""
-    metrics_fn = _compat.retrieval_metrics_fn()
     gallery = gallery_of(dataset, neg=neg, ne=ne)
     gids = [r.id for r in gallery]
     in_gallery = set(gids)
@@ -57,10 +57,11 @@ def evaluate_model(model, dataset, split: str = "test", *, ks=(1, 5, 10), depth:
     vals, idx = score_topk(model, [q.text for q in queries], gallery_enc, depth, batch_size=batch_size)
     run = {q.id: {gids[j]: float(v) for j, v in zip(idx[i].tolist(), vals[i].tolist())}
            for i, q in enumerate(queries)}
-    table = {"all": _clean(metrics_fn(run, qrels, ks=tuple(ks)), len(queries))}
+    table = {"all": _clean(retrieval_metrics(run, qrels, ks=tuple(ks)), len(queries))}
     for fam in sorted({q.family for q in queries}):
         ids = [q.id for q in queries if q.family == fam]
-        table[fam] = _clean(metrics_fn({i: run[i] for i in ids}, {i: qrels[i] for i in ids}, ks=tuple(ks)), len(ids))
+        table[fam] = _clean(retrieval_metrics({i: run[i] for i in ids}, {i: qrels[i] for i in ids}, ks=tuple(ks)),
+                            len(ids))
     return table
 
 

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..models import _compat
+from ..nn import CTDLoss
 from .data import record_labels, record_span, training_pairs
 from .evaluate import evaluate_model
 from .losses import calendar_ce
@@ -280,9 +280,9 @@ class Trainer:
         model.to(self.device).train()
         self._sync_params()
         gather = self.world > 1
-        loss_fn = _compat.ctd_loss_cls()(temperature=cfg.temperature,
-                                          offset_bias=model.offset_bias if self.variant["use_bias"] else None,
-                                          symmetric=True, normalize=False, gather=gather)
+        loss_fn = CTDLoss(temperature=cfg.temperature,
+                          offset_bias=model.offset_bias if self.variant["use_bias"] else None,
+                          symmetric=True, normalize=False, gather=gather)
         opt = torch.optim.AdamW(_param_groups(model, cfg.lr, cfg.temporal_lr, cfg.weight_decay), lr=cfg.lr)
         steps_per_epoch = max(1, math.ceil(len(self._epoch_batches(0)) / cfg.grad_accum))
         total = steps_per_epoch * cfg.epochs
