@@ -217,24 +217,44 @@ struct Diag {
   int64_t row_of(int64_t j) const { return row ? row[j] : j - off; }
 };
 
+// What forward and backward share: the inputs, the bias, the diagonal partners and the transposed
+// document (and extra-negative) panels, packed once per pass.
 template <typename A>
-void fwd(const MultiposParams& p) {
-  const A* q = static_cast<const A*>(p.q);
-  const A* d = static_cast<const A*>(p.d);
-  const A* neg = static_cast<const A*>(p.neg);
-  const int64_t Bq = p.Bq, Bd = p.Bd, N = neg ? p.N : 0, H = p.H;
-  const A it = (A)p.inv_temp;
-  const bool cols = p.col_weight != 0.0;
-  const Bias<A> bias(p);
-  const Diag dg(p);
-  const std::vector<double> pu = panel_u_ranges(bias, Bd);
+class Pass {
+ public:
+  explicit Pass(const MultiposParams& params)
+      : p(params), q(static_cast<const A*>(p.q)), d(static_cast<const A*>(p.d)), neg(static_cast<const A*>(p.neg)),
+        Bq(p.Bq), Bd(p.Bd), N(neg ? p.N : 0), H(p.H), it((A)p.inv_temp), cols(p.col_weight != 0.0), bias(p),
+        dg(p), pu(panel_u_ranges(bias, Bd)), dpan((size_t)(Bd * H)), npan((size_t)(N * H)),
+        nIB(ceil_div(Bq, IT)), nJB(ceil_div(Bd, JT)), nNB(ceil_div(N, JT)) {
+    pack_panels(d, p.ldd, Bd, H, dpan.data());
+    if (N) pack_panels(neg, p.ldn, N, H, npan.data());
+  }
+  void fwd();
+  void bwd();
+
+  // S (mi x nj, row stride JT) = inv_temp * q[i0, i0 + mi) . panel (H x nj, a packed panel)
+  void score_tile(int64_t i0, int64_t mi, const A* panel, int64_t nj, A* S) const {
+    for (int64_t r = 0; r < mi; ++r) std::fill(S + r * JT, S + r * JT + nj, A(0));
+    gemm::acc_nn(mi, nj, H, q + i0 * p.ldq, p.ldq, 1, panel, nj, S, JT, it);
+  }
+
+ private:
+  const MultiposParams& p;
+  const A *q, *d, *neg;
+  const int64_t Bq, Bd, N, H;
+  const A it;
+  const bool cols;
+  const Bias<A> bias;
+  const Diag dg;
+  const std::vector<double> pu;
+  std::vector<A> dpan, npan;
+  const int64_t nIB, nJB, nNB;
+};
+
+template <typename A>
+void Pass<A>::fwd() {
   const A ninf = -std::numeric_limits<A>::infinity();
-
-  std::vector<A> dpan((size_t)(Bd * H)), npan((size_t)(N * H));
-  pack_panels(d, p.ldd, Bd, H, dpan.data());
-  if (N) pack_panels(neg, p.ldn, N, H, npan.data());
-
-  const int64_t nIB = ceil_div(Bq, IT), nJB = ceil_div(Bd, JT), nNB = ceil_div(N, JT);
   std::vector<A> cm(cols ? Bd : 0, ninf), cs(cols ? Bd : 0, A(0)), cpm(cols ? Bd : 0, ninf), cps(cols ? Bd : 0, A(0));
   std::vector<A> cdiag(cols ? Bd : 0, std::numeric_limits<A>::quiet_NaN());
   std::vector<int64_t> ccnt(cols ? Bd : 0, 0);
@@ -262,8 +282,7 @@ void fwd(const MultiposParams& p) {
       const int64_t jstart = stagger(ib, nJB);
       for (int64_t t = 0; t < nJB; ++t) {
         const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
-        for (int64_t r = 0; r < mi; ++r) std::fill(S.data() + r * JT, S.data() + r * JT + nj, A(0));
-        gemm::acc_nn(mi, nj, H, q + i0 * p.ldq, p.ldq, 1, dpan.data() + j0 * H, nj, S.data(), JT, it);
+        score_tile(i0, mi, dpan.data() + j0 * H, nj, S.data());
         if (bias.on) {
           tu.plan(bias, i0, mi, pu[2 * jb], pu[2 * jb + 1]);
           if (tu.nu) bias.pack(j0, nj, ctp.data());
@@ -296,8 +315,7 @@ void fwd(const MultiposParams& p) {
       }
       for (int64_t nb = 0; nb < nNB; ++nb) {
         const int64_t k0 = nb * JT, nk = std::min(JT, N - k0);
-        for (int64_t r = 0; r < mi; ++r) std::fill(S.data() + r * JT, S.data() + r * JT + nk, A(0));
-        gemm::acc_nn(mi, nk, H, q + i0 * p.ldq, p.ldq, 1, npan.data() + k0 * H, nk, S.data(), JT, it);
+        score_tile(i0, mi, npan.data() + k0 * H, nk, S.data());
         for (int64_t r = 0; r < mi; ++r) mp::row_update(S.data() + r * JT, nk, rm[r], rsum[r]);
       }
       for (int64_t r = 0; r < mi; ++r) {
@@ -329,16 +347,7 @@ void fwd(const MultiposParams& p) {
 }
 
 template <typename A>
-void bwd(const MultiposParams& p) {
-  const A* q = static_cast<const A*>(p.q);
-  const A* d = static_cast<const A*>(p.d);
-  const A* neg = static_cast<const A*>(p.neg);
-  const int64_t Bq = p.Bq, Bd = p.Bd, N = neg ? p.N : 0, H = p.H;
-  const A it = (A)p.inv_temp;
-  const bool cols = p.col_weight != 0.0;
-  const Bias<A> bias(p);
-  const Diag dg(p);
-  const std::vector<double> pu = panel_u_ranges(bias, Bd);
+void Pass<A>::bwd() {
   const A gl = *static_cast<const A*>(p.grad_loss);
   const A rw = Bq ? (A)(p.row_weight / (double)Bq) * gl : A(0);
   const A cw = Bd ? (A)(p.col_weight / (double)Bd) * gl : A(0);
@@ -347,11 +356,6 @@ void bwd(const MultiposParams& p) {
   A* dq = static_cast<A*>(p.dq);
   A* dd = static_cast<A*>(p.dd);
   A* dneg = static_cast<A*>(p.dneg);
-
-  std::vector<A> dpan((size_t)(Bd * H)), npan((size_t)(N * H));
-  pack_panels(d, p.ldd, Bd, H, dpan.data());
-  if (N) pack_panels(neg, p.ldn, N, H, npan.data());
-  const int64_t nIB = ceil_div(Bq, IT), nJB = ceil_div(Bd, JT), nNB = ceil_div(N, JT);
   Locks jlocks(nJB), nlocks(nNB);
   const int64_t hid = bias.on ? bias.hidden : 0, K2 = bias.on ? bias.K2 : 0;
   A* dA = static_cast<A*>(p.dA);
@@ -374,8 +378,7 @@ void bwd(const MultiposParams& p) {
       const int64_t jstart = stagger(ib, nJB);
       for (int64_t t = 0; t < nJB; ++t) {
         const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
-        for (int64_t r = 0; r < mi; ++r) std::fill(S.data() + r * JT, S.data() + r * JT + nj, A(0));
-        gemm::acc_nn(mi, nj, H, q + i0 * p.ldq, p.ldq, 1, dpan.data() + j0 * H, nj, S.data(), JT, it);
+        score_tile(i0, mi, dpan.data() + j0 * H, nj, S.data());
         if (bias.on) {
           tu.plan(bias, i0, mi, pu[2 * jb], pu[2 * jb + 1]);
           if (tu.nu) bias.pack(j0, nj, ctp.data(), cp.data());
@@ -481,8 +484,7 @@ void bwd(const MultiposParams& p) {
       }
       for (int64_t nb = 0; nb < nNB; ++nb) {
         const int64_t k0 = nb * JT, nk = std::min(JT, N - k0);
-        for (int64_t r = 0; r < mi; ++r) std::fill(S.data() + r * JT, S.data() + r * JT + nk, A(0));
-        gemm::acc_nn(mi, nk, H, q + i0 * p.ldq, p.ldq, 1, npan.data() + k0 * H, nk, S.data(), JT, it);
+        score_tile(i0, mi, npan.data() + k0 * H, nk, S.data());
         for (int64_t r = 0; r < mi; ++r) mp::grad_neg_row(S.data() + r * JT, nk, rw, rs[i0 + r]);
         gemm::acc_nn(mi, H, nk, S.data(), JT, 1, neg + k0 * p.ldn, p.ldn, dq + i0 * H, H, it);
         std::fill(ddl.begin(), ddl.begin() + nk * H, A(0));
@@ -516,14 +518,14 @@ void bwd(const MultiposParams& p) {
 }  // namespace
 
 void multipos_infonce_fwd_cpu(const MultiposParams& p) {
-  if (p.dtype == DType::F32) fwd<float>(p);
-  else if (p.dtype == DType::F64) fwd<double>(p);
+  if (p.dtype == DType::F32) Pass<float>(p).fwd();
+  else if (p.dtype == DType::F64) Pass<double>(p).fwd();
   else fail("multipos_infonce CPU kernels take float32 or float64 (the wrapper upcasts halves)");
 }
 
 void multipos_infonce_bwd_cpu(const MultiposParams& p) {
-  if (p.dtype == DType::F32) bwd<float>(p);
-  else if (p.dtype == DType::F64) bwd<double>(p);
+  if (p.dtype == DType::F32) Pass<float>(p).bwd();
+  else if (p.dtype == DType::F64) Pass<double>(p).bwd();
   else fail("multipos_infonce CPU kernels take float32 or float64 (the wrapper upcasts halves)");
 }
 
