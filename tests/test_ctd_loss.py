@@ -82,11 +82,11 @@ WORKER = textwrap.dedent("""
     from test_ctd_loss import batch, offset_bias_module
     from tempokern.nn import CTDLoss
     rank, world, init, out, sym = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[5], sys.argv[6] == "1"
+    sizes = [int(x) for x in sys.argv[7].split(",")]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.set_num_threads(1)
-    Bl = 24
-    q, d, qsp, dsp, u_q, u_d, neg = batch(world * Bl, 10, 0, seed=7)
-    sl = slice(rank * Bl, (rank + 1) * Bl)
+    q, d, qsp, dsp, u_q, u_d, neg = batch(sum(sizes), 10, 0, seed=7)
+    sl = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
     negs = batch(7 + 3 * rank, 10, 7 + 3 * rank, seed=100 + rank)[-1]   # ragged extra negatives per rank
     loc = [x[sl].clone().requires_grad_() for x in (q, d, u_q, u_d)] + [negs.clone().requires_grad_()]
     ob = offset_bias_module()
@@ -98,16 +98,18 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def expected_rank(r, world, Bl, sym, all_negs):
+def expected_rank(r, sizes, sym, all_negs):
     """Rank r's loss from the materialised reference formulas: local rows vs global documents (+ all
-    extra negatives), local columns vs global queries; other ranks' tensors detached."""
-    q, d, qsp, dsp, u_q, u_d, _ = batch(world * Bl, 10, 0, seed=7)
-    sl = slice(r * Bl, (r + 1) * Bl)
+    extra negatives), local columns vs global queries, weighted by W B_r / T; other ranks' tensors
+    detached."""
+    world, total = len(sizes), sum(sizes)
+    q, d, qsp, dsp, u_q, u_d, _ = batch(total, 10, 0, seed=7)
+    sl = slice(sum(sizes[:r]), sum(sizes[:r + 1]))
     ob = offset_bias_module()
     loc = [x[sl].clone().requires_grad_() for x in (q, d, u_q, u_d)] + [all_negs[r].clone().requires_grad_()]
 
     def with_local(full, x):
-        parts = list(full.detach().split(Bl))
+        parts = list(full.detach().split(sizes))
         parts[r] = x
         return torch.cat(parts)
 
@@ -125,7 +127,7 @@ def expected_rank(r, world, Bl, sym, all_negs):
     fill = torch.finfo(s.dtype).min
     row = torch.logsumexp(torch.cat([s, qn @ ng.t() / 0.1], 1), 1) - torch.logsumexp(s.masked_fill(~pos_r, fill), 1)
     col = torch.logsumexp(s, 0) - torch.logsumexp(s.masked_fill(~pos_c, fill), 0)
-    w = 0.5 if sym else 1.0
+    w = (0.5 if sym else 1.0) * world * sizes[r] / total
     loss = w * row[sl].mean() + (w * col[sl].mean() if sym else 0.0)
     grads = torch.autograd.grad(loss, loc + list(ob.parameters()))
     single = ref(F.normalize(q, dim=-1), F.normalize(d, dim=-1), qsp, dsp, temperature=0.1,
@@ -134,16 +136,16 @@ def expected_rank(r, world, Bl, sym, all_negs):
     return loss.detach(), grads, single.detach()
 
 
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_gather_two_gloo_processes(tmp_path, symmetric):
-    world = 2
+@pytest.mark.parametrize("symmetric,sizes", [(True, (24, 24)), (False, (24, 24)), (True, (24, 17))])
+def test_gather_two_gloo_processes(tmp_path, symmetric, sizes):
+    world = len(sizes)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     init = f"file://{tmp_path / 'rendezvous'}"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), init,
                                os.path.dirname(os.path.abspath(__file__)), str(tmp_path / f"out{r}.pt"),
-                               "1" if symmetric else "0"], env=env, stdout=subprocess.PIPE,
+                               "1" if symmetric else "0", ",".join(map(str, sizes))], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(world)]
     for p in procs:
         out, _ = p.communicate(timeout=300)
@@ -152,7 +154,7 @@ def test_gather_two_gloo_processes(tmp_path, symmetric):
     all_negs = [x["negs"] for x in res]
     losses = []
     for r in range(world):
-        want_loss, want_grads, single = expected_rank(r, world, 24, symmetric, all_negs)
+        want_loss, want_grads, single = expected_rank(r, list(sizes), symmetric, all_negs)
         torch.testing.assert_close(res[r]["loss"], want_loss)
         for i, (a, b) in enumerate(zip(res[r]["grads"], want_grads)):
             torch.testing.assert_close(a, b, msg=lambda m: f"rank {r} grad {i}: {m}")

@@ -16,27 +16,26 @@ def _bias_tuple(offset_bias, u_q, u_d):
     return (u_q, u_d, *bias_params(offset_bias))
 
 
-def _gather(x: torch.Tensor, rank: int, world: int, group) -> torch.Tensor:
-    """Concatenation over ranks along dim 0; this rank's slice is ``x`` itself (keeps its autograd graph),
-    the others arrive detached."""
-    parts = [torch.empty_like(x) for _ in range(world)]
-    torch.distributed.all_gather(parts, x.detach().contiguous(), group=group)
-    parts[rank] = x
-    return torch.cat(parts, dim=0)
+def _sizes(n: int, world: int, group, device) -> list:
+    """The first-dimension size of a tensor on every rank."""
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    parts = [torch.empty_like(t) for _ in range(world)]
+    torch.distributed.all_gather(parts, t, group=group)
+    return [int(p.item()) for p in parts]
 
 
-def _gather_ragged(x: torch.Tensor, rank: int, world: int, group) -> torch.Tensor:
-    """Like _gather for tensors whose first dimension may differ between ranks (extra negatives)."""
-    n = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
-    sizes = [torch.empty_like(n) for _ in range(world)]
-    torch.distributed.all_gather(sizes, n, group=group)
-    sizes = [int(s.item()) for s in sizes]
+def _gather(x: torch.Tensor, rank: int, world: int, group, sizes=None) -> torch.Tensor:
+    """Concatenation over ranks along dim 0 (first dimensions may differ between ranks: ``sizes``, asked
+    for when not given); this rank's slice is ``x`` itself (keeps its autograd graph), the others arrive
+    detached."""
+    if sizes is None:
+        sizes = _sizes(x.shape[0], world, group, x.device)
     m = max(sizes)
     pad = x.detach().new_zeros((m,) + tuple(x.shape[1:]))
     pad[:x.shape[0]] = x.detach()
     parts = [torch.empty_like(pad) for _ in range(world)]
     torch.distributed.all_gather(parts, pad, group=group)
-    parts = [p[:s] for p, s in zip(parts, sizes)]
+    parts = [p[:n] for p, n in zip(parts, sizes)]
     parts[rank] = x
     return torch.cat(parts, dim=0)
 
@@ -51,14 +50,15 @@ class CTDLoss(torch.nn.Module):
     ``mlp[0]``/``mlp[2]`` Linear layers and a ``scale`` parameter); its bias is added inside the kernel.
 
     ``gather=True`` with an initialised torch.distributed group: documents, queries, spans, u and extra
-    negatives are all-gathered, so rank r scores its B local queries against all W*B documents (and, when
-    symmetric, its local documents against all W*B queries). The rank's loss is
-    ``w * mean_{local rows} row_loss + w * mean_{local columns} col_loss`` (w = 1/2 symmetric, else 1 and
-    no column term), so the MEAN over ranks equals the single-process loss on the concatenated batch.
-    Gradients: other ranks' embeddings arrive detached, as in the ChunQiuTR reference, so local
-    embeddings receive the exact gradient of their own rows/columns, but not of the terms where they only
-    appear as candidates for another rank's anchors. All ranks must use the same local batch size
-    (extra_neg may differ). Without an initialised group, gather=True computes the local loss."""
+    negatives are all-gathered, so rank r scores its B_r local queries against all T = sum_r B_r documents
+    (and, when symmetric, its local documents against all T queries). The rank's loss is
+    ``(W B_r / T) * (w * mean_{local rows} row_loss + w * mean_{local columns} col_loss)`` (W ranks; w = 1/2
+    symmetric, else 1 and no column term; the factor is 1 when every rank has the same batch size), so
+    the MEAN over ranks equals the single-process loss on the concatenated batch, also when the local
+    batch sizes differ (an epoch's last batch) and extra_neg counts differ. Gradients: other ranks'
+    embeddings arrive detached, as in the ChunQiuTR reference, so local embeddings receive the exact
+    gradient of their own rows/columns, but not of the terms where they only appear as candidates for
+    another rank's anchors. Without an initialised group, gather=True computes the local loss."""
 
     def __init__(self, temperature: float = 0.05, offset_bias: Optional[torch.nn.Module] = None,
                  symmetric: bool = True, normalize: bool = True, gather: bool = False):
@@ -101,18 +101,17 @@ class CTDLoss(torch.nn.Module):
         dist = torch.distributed
         validate(q, d, q_span, d_span, self.temperature, bias, extra_neg, self.symmetric)
         group, rank, world = None, dist.get_rank(), dist.get_world_size()
-        B = q.shape[0]
-        sizes = [torch.empty(1, dtype=torch.int64, device=q.device) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([B], dtype=torch.int64, device=q.device), group=group)
-        if any(int(s.item()) != B for s in sizes):
-            raise ValueError(f"gather=True needs the same local batch size on every rank, got "
-                             f"{[int(s.item()) for s in sizes]}")
+        sizes = _sizes(q.shape[0], world, group, q.device)
+        start, total = sum(sizes[:rank]), sum(sizes)
+        if total == 0:
+            raise ValueError("gather=True: every rank has an empty batch")
         q_lo, q_hi = _span_bounds(q_span)
         d_lo, d_hi = _span_bounds(d_span)
-        g = lambda x: _gather(x, rank, world, group)  # noqa: E731
+        g = lambda x: _gather(x, rank, world, group, sizes)  # noqa: E731
         d_all, d_lo_all, d_hi_all = g(d), g(d_lo), g(d_hi)
-        neg_all = None if extra_neg is None else _gather_ragged(extra_neg, rank, world, group)
-        w = 0.5 if self.symmetric else 1.0
+        neg_all = None if extra_neg is None else _gather(extra_neg, rank, world, group)
+        # each rank's mean over its own rows, weighted so that the mean over ranks is the global mean
+        w = (0.5 if self.symmetric else 1.0) * world * sizes[rank] / total
         bias_q = None
         if bias is not None:
             u_q, u_d, *mlp = bias
@@ -120,12 +119,12 @@ class CTDLoss(torch.nn.Module):
             bias_q = (u_q, u_d_all, *mlp)
         loss = multipos_infonce_partial(q, d_all, q_lo, q_hi, d_lo_all, d_hi_all, temperature=self.temperature,
                                         bias=bias_q, extra_neg=neg_all, row_weight=w, col_weight=0.0,
-                                        diag_offset=rank * B)
+                                        diag_offset=start)
         if not self.symmetric:
             return loss
         q_all, q_lo_all, q_hi_all = g(q), g(q_lo), g(q_hi)
         bias_d = None if bias is None else (g(bias[0]), bias[1], *bias[2:])
         loss_d = multipos_infonce_partial(q_all, d, q_lo_all, q_hi_all, d_lo, d_hi, temperature=self.temperature,
                                           bias=bias_d, extra_neg=None, row_weight=0.0, col_weight=w,
-                                          diag_offset=-rank * B)
+                                          diag_offset=-start)
         return loss + loss_d
