@@ -1,7 +1,10 @@
 """`tempokern bench`: fused op vs its plain-PyTorch reference, same inputs, same run.
 
 Times forward (+ backward where the op has gradients) and the extra peak memory of each
-provider, for every op that this install has in both `tempokern` and `tempokern.reference`.
+provider, for every op that this install has in both `tempokern` and `tempokern.reference`, and
+checks that they agree: the largest difference between fused and reference outputs and gradients
+(relative to each tensor's largest magnitude), so `tempokern bench --device cuda` also verifies the
+CUDA kernels on a GPU.
 CPU peak memory is the process high-water mark (VmHWM, reset through /proc/self/clear_refs)
 above the resident size before the call; CUDA uses torch.cuda.max_memory_allocated."""
 from __future__ import annotations
@@ -142,7 +145,45 @@ def _runner(fn, args, kwargs, grads_of):
     return run
 
 
-def bench_op(op: str, size: int, hidden: int, device: torch.device, repeat: int = 3, seed: int = 0) -> List[dict]:
+def _results(fn, op, size, hidden, device, seed) -> List[torch.Tensor]:
+    """Floating outputs and the gradients of their sum, for one provider on the case's inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    args, kwargs, grads_of = CASES[op](size, hidden, device, gen)
+    out = fn(*args, **kwargs)
+    outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if o.is_floating_point()]
+    res = [o.detach() for o in outs]
+    if grads_of:
+        loss = outs[0].float().sum() if outs[0].ndim else outs[0].float()
+        grads = torch.autograd.grad(loss, grads_of, allow_unused=True)
+        res += [torch.zeros_like(t) if g is None else g for g, t in zip(grads, grads_of)]
+    return res
+
+
+def max_rel_diff(op: str, size: int, hidden: int, device: torch.device, seed: int = 0) -> float:
+    """max over outputs and gradients of max|fused - reference| / scale, where scale is the tensor's
+    largest reference magnitude, floored for gradients at 1e-3 of the largest gradient magnitude (a
+    gradient that is zero in exact arithmetic, such as the loss's with respect to a constant bias
+    shift, is rounding noise in both providers)."""
+    import tempokern
+    from tempokern import reference
+    a = _results(getattr(tempokern, op), op, size, hidden, device, seed)
+    b = _results(getattr(reference, op), op, size, hidden, device, seed)
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return math.inf
+    gen = torch.Generator().manual_seed(seed)
+    n_out = len(a) - len(CASES[op](size, hidden, device, gen)[2])  # outputs come first, then gradients
+    mags = [y.double().abs().max().item() if y.numel() else 0.0 for y in b]
+    floor = 1e-3 * max(mags[n_out:], default=0.0)
+    worst = 0.0
+    for i, (x, y) in enumerate(zip(a, b)):
+        diff = (x.double() - y.double()).abs().max().item() if x.numel() else 0.0
+        scale = mags[i] if i < n_out else max(mags[i], floor)
+        worst = max(worst, diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf))
+    return worst
+
+
+def bench_op(op: str, size: int, hidden: int, device: torch.device, repeat: int = 3, seed: int = 0,
+             check: bool = True) -> List[dict]:
     import tempokern
     from tempokern import reference
     rows = []
@@ -158,6 +199,8 @@ def bench_op(op: str, size: int, hidden: int, device: torch.device, repeat: int 
             rows.append({"op": op, "provider": provider, "size": size, "hidden": hidden, "ms": None,
                          "extra_peak_mb": None, "pass": "fwd+bwd" if grads_of else "fwd",
                          "error": str(e).splitlines()[0][:200]})
+    if check and all(r["ms"] is not None for r in rows):
+        rows[0]["max_rel_diff"] = max_rel_diff(op, size, hidden, device, seed)
     return rows
 
 
@@ -198,6 +241,7 @@ def speedups(result: dict) -> List[dict]:
                "fused_min_ms": r.get("min_ms"), "reference_min_ms": ref and ref.get("min_ms"),
                "fused_peak_mb": r["extra_peak_mb"], "reference_peak_mb": ref and ref["extra_peak_mb"]}
         row["speedup"] = (ref["ms"] / r["ms"]) if ref and ref["ms"] and r["ms"] else None
+        row["max_rel_diff"] = r.get("max_rel_diff")
         out.append(row)
     return out
 
@@ -207,14 +251,16 @@ def markdown(result: dict) -> str:
         return "" if v is None else format(v, fmt)
     lines = [f"Device: {result['device']}; torch {result['torch']}; {result['date']}", "",
              "Times: median (min) over the repeats, in ms.", "",
-             "| op | size | pass | fused ms | reference ms | speed-up | fused extra peak MB | reference extra peak MB |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Agreement: max |fused - reference| / max |reference| over the outputs and gradients.", "",
+             "| op | size | pass | fused ms | reference ms | speed-up | fused extra peak MB | reference extra peak MB "
+             "| agreement |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in speedups(result):
         fm = f"{f(r['fused_ms'], '.2f')} ({f(r.get('fused_min_ms'), '.2f')})"
         rm = f"{f(r['reference_ms'], '.2f')} ({f(r.get('reference_min_ms'), '.2f')})"
         lines.append(f"| {r['op']} | {r['size']} | {r['pass']} | {fm} | {rm} | "
                      f"{f(r['speedup'], '.1f')}{'x' if r['speedup'] else ''} | {f(r['fused_peak_mb'], '.1f')} | "
-                     f"{f(r['reference_peak_mb'], '.1f')} |")
+                     f"{f(r['reference_peak_mb'], '.1f')} | {f(r['max_rel_diff'], '.1e')} |")
     for op, why in result.get("skipped", {}).items():
         lines.append(f"\n{op}: skipped, {why}")
     return "\n".join(lines) + "\n"

@@ -6,6 +6,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+import tempokern
 
 from _ctd_helpers import small_dataset  # noqa: F401
 
@@ -79,12 +82,24 @@ def test_config_file_json_and_toml(tmp_path, capsys):
     res = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert {r["provider"] for r in res["rows"]} == {"fused", "reference"}
     assert all(r["size"] == 32 for r in res["rows"])
+    fused = [r for r in res["rows"] if r["provider"] == "fused"]
+    assert all(0 <= r["max_rel_diff"] < 1e-4 for r in fused)  # fused and reference agree (float32)
+    assert "agreement" in (tmp_path / "b" / "bench.md").read_text()
     # a flag on the command line wins over the file
     cj = tmp_path / "bench.json"
     cj.write_text(json.dumps({"sizes": [16], "repeat": 1, "ops": ["calendar_scalar"]}))
     assert main(["bench", "--config", str(cj), "--out", str(tmp_path / "c"), "--sizes", "24"]) == 0
     res = json.loads((tmp_path / "c" / "bench.json").read_text())
     assert {r["size"] for r in res["rows"]} == {24}
+
+
+def test_bench_agreement_catches_a_wrong_op(monkeypatch):
+    # the agreement column must flag a fused op that is off by 1% (and pass the real one)
+    from tempokern.bench import max_rel_diff
+    assert max_rel_diff("calendar_scalar", 40, 8, torch.device("cpu")) < 1e-5
+    real = tempokern.calendar_scalar
+    monkeypatch.setattr(tempokern, "calendar_scalar", lambda *a, **k: real(*a, **k) * 1.01)
+    assert max_rel_diff("calendar_scalar", 40, 8, torch.device("cpu")) > 5e-3
 
 
 def test_bench_writes_png(tmp_path):
