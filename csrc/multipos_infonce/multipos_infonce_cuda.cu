@@ -60,6 +60,9 @@ struct Smem {
   A ss[BM][SLD];          // scores, then dL/ds
   A st[6][BM];            // running stats per anchor: m, s, pm, ps, cnt, diag
 };
+static_assert(sizeof(Smem<double, double>) <= 99 * 1024, "float64 tiles must fit sm_86/sm_89's 99 KB opt-in limit");
+static_assert(sizeof(Smem<float, float>) <= 48 * 1024 && sizeof(Smem<__half, float>) <= 48 * 1024,
+              "float32/half tiles stay within the default 48 KB");
 
 // S tile = inv_temp * X[a0:a0+na] . Y[c0:c0+nc]^T into sm.ss (rows >= na / cols >= nc are zero).
 template <typename S, typename A>
