@@ -226,6 +226,7 @@ def test_cuda_matches_cpu():
 def test_cuda_on_nondefault_stream():
     xs = [torch.randn(300, 12, device="cuda"), torch.randn(300, 32, device="cuda")]
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # xs were written on the default stream
     with torch.cuda.stream(s):
         u = tempokern.calendar_scalar(xs)
     s.synchronize()

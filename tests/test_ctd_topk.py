@@ -253,17 +253,20 @@ def test_memory_stays_linear_in_n():
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-3), (torch.float16, 2e-3), (torch.bfloat16, 2e-3)])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-3), (torch.float16, 2e-3), (torch.bfloat16, 2e-3),
+                                        (torch.float64, 1e-9)])  # float64: the CUDA-core double tile path
 @pytest.mark.parametrize("mode", ["none", "exact", "table"])
 def test_cuda_matches_reference(dtype, atol, mode):
     torch.manual_seed(10)
     Q, N, H, k = 70, 3001, 96, 17
     q, g = torch.randn(Q, H, device="cuda").to(dtype), torch.randn(N, H, device="cuda").to(dtype)
     bias = None
+    bdt = torch.float64 if dtype == torch.float64 else torch.float32  # the reference's bias follows u's dtype
     if mode == "exact":
-        bias = make_bias(Q, N, scale=2.0, device="cuda")
+        bias = make_bias(Q, N, scale=2.0, dtype=bdt, device="cuda")
     elif mode == "table":
-        bias = (torch.rand(Q, device="cuda"), torch.rand(N, device="cuda"), torch.randn(129, device="cuda"))
+        bias = (torch.rand(Q, device="cuda", dtype=bdt), torch.rand(N, device="cuda", dtype=bdt),
+                torch.randn(129, device="cuda"))
     check_against_reference(q, g, k, atol=atol, bias=bias, temperature=0.8)
 
 

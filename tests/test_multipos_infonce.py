@@ -1,4 +1,5 @@
 """Fused multi-positive InfoNCE vs the plain PyTorch reference: loss and every gradient."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -319,15 +320,27 @@ def test_memory_no_bxb_buffer():
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@contextlib.contextmanager
+def matmul_tf32(on: bool):
+    # the fp32_precision API: reading or mixing in the legacy allow_tf32 raises once it is in use
+    m = torch.backends.cuda.matmul
+    old = m.fp32_precision
+    m.fp32_precision = "tf32" if on else "ieee"
+    try:
+        yield
+    finally:
+        m.fp32_precision = old
+
+
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("B,N,symmetric", [(300, 0, True), (129, 70, False), (1000, 33, True)])
 def test_cuda_parity_float32(B, N, bias, symmetric):
-    torch.backends.cuda.matmul.allow_tf32 = False
     q, d, sp, neg, b = make(B, 72, N=N, bias=bias, dtype=torch.float32, device="cuda")
     q64, d64, sp64, neg64, b64 = make(B, 72, N=N, bias=bias, dtype=torch.float64)
-    fused = run(tempokern.multipos_infonce, q, d, sp, neg, b, symmetric=symmetric)
+    with matmul_tf32(False):
+        fused = run(tempokern.multipos_infonce, q, d, sp, neg, b, symmetric=symmetric)
     exact = run(ref, q64, d64, sp64, neg64, b64, symmetric=symmetric)
     fused = (fused[0].cpu(), [g.cpu() for g in fused[1]])
     assert_close_all(fused, exact, rtol=2e-4, atol=2e-5)
@@ -396,18 +409,65 @@ def test_parity_random_configs(seed):
 @pytest.mark.cuda
 @cuda
 def test_cuda_float32_tf32_allowed():
-    # With allow_tf32 the float32 score tiles use TF32 tensor cores: compare with torch's own TF32 error.
-    old = torch.backends.cuda.matmul.allow_tf32
-    try:
-        q, d, sp, neg, b = make(500, 96, N=20, bias=True, dtype=torch.float32, device="cuda")
-        with torch.no_grad():
-            for x in (q, d, neg):
-                x.mul_(0.1)
-        torch.backends.cuda.matmul.allow_tf32 = False
+    # With TF32 allowed the float32 score tiles use TF32 tensor cores: compare with torch's own TF32 error.
+    q, d, sp, neg, b = make(500, 96, N=20, bias=True, dtype=torch.float32, device="cuda")
+    with torch.no_grad():
+        for x in (q, d, neg):
+            x.mul_(0.1)
+    with matmul_tf32(False):
         exact = run(ref, q, d, sp, neg, b)[0].item()
-        torch.backends.cuda.matmul.allow_tf32 = True
+    with matmul_tf32(True):
         plain = run(ref, q, d, sp, neg, b)[0].item()
         fused = run(tempokern.multipos_infonce, q, d, sp, neg, b)[0].item()
-        assert abs(fused - exact) <= 2 * abs(plain - exact) + 1e-4
+    assert abs(fused - exact) <= 2 * abs(plain - exact) + 1e-4
+    # torch.set_float32_matmul_precision("high") is the usual switch; the kernel must read it without
+    # tripping torch's legacy/new TF32 API check
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        again = run(tempokern.multipos_infonce, q, d, sp, neg, b)[0].item()
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
+        torch.set_float32_matmul_precision(old)
+    assert abs(again - exact) <= 2 * abs(plain - exact) + 1e-4
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("Bq,Bd,off,rw,cw", [(70, 210, 70, 1.0, 0.0), (210, 70, -70, 0.0, 1.0), (133, 133, 0, 0.5, 0.5)])
+def test_cuda_float64_partial_matches_cpu(Bq, Bd, off, rw, cw):
+    # CTDLoss(gather=True)'s calls on CUDA: Bq != Bd, a diagonal offset, one weight zero; float64 (the
+    # CUDA-core tile path), strided q rows, bias, extra negatives. The CPU kernel is tested against the
+    # reference, so CUDA must give the CPU's numbers.
+    from tempokern._ops.multipos_infonce import multipos_infonce_partial
+    g = torch.Generator().manual_seed(Bq + Bd)
+    H, N, hidden, D = 40, 37, 6, 12
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    q_big, d, neg = r(Bq, 2 * H), r(Bd, H), (r(N, H) if rw else None)
+    q_lo, d_lo = torch.randint(0, 300, (Bq,), generator=g), torch.randint(0, 300, (Bd,), generator=g)
+    q_hi, d_hi = q_lo + torch.randint(0, 4, (Bq,), generator=g), d_lo + torch.randint(0, 4, (Bd,), generator=g)
+    bias = (torch.rand(Bq, generator=g, dtype=torch.float64) * 2 - 0.5,
+            torch.rand(Bd, generator=g, dtype=torch.float64) * 2 - 0.5,
+            r(hidden, D), r(hidden), r(1, hidden), r(1), torch.tensor(0.7, dtype=torch.float64))
+
+    def go(device):
+        qv = q_big.to(device)[:, :H].detach().requires_grad_()  # row stride 2H
+        assert qv.stride(0) == 2 * H
+        leaves = [qv] + [x.to(device).requires_grad_() for x in (d,) + ((neg,) if rw else ()) + bias]
+        dv, nv = leaves[1], (leaves[2] if rw else None)
+        bv = tuple(leaves[-7:])
+        spans = [x.to(device) for x in (q_lo, q_hi, d_lo, d_hi)]
+        loss = multipos_infonce_partial(qv, dv, *spans, temperature=0.2, bias=bv, extra_neg=nv, row_weight=rw,
+                                        col_weight=cw, diag_offset=off)
+        return [loss] + list(torch.autograd.grad(loss, leaves))
+
+    for a, b in zip(go("cuda"), go("cpu")):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_bias_feature_limit_is_a_clear_error():
+    q, d, sp, neg, b = make(10, 8, bias=True, D=70, dtype=torch.float32, device="cuda")
+    with pytest.raises(ValueError, match="D <= 65"):
+        tempokern.multipos_infonce(q, d, *sp, temperature=0.1, bias=b)

@@ -304,7 +304,8 @@ print((hwm() - base) / 2**20)
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("Bq,Bd,D,H,lo,hi", [(37, 53, 32, 32, 0, 1), (300, 77, 7, 5, -2, 3), (5, 700, 64, 16, 0, 1),
-                                              (64, 64, 1, 3, -6, 6), (129, 31, 128, 8, 0, 1)])
+                                              (64, 64, 1, 3, -6, 6), (129, 31, 128, 8, 0, 1),
+                                              (33, 45, 64, 96, -1, 2)])  # float64 backward shrinks its block to fit smem
 def test_cuda_parity(dtype, Bq, Bd, D, H, lo, hi):
     xs = make(Bq, Bd, D, H, dtype, lo, hi, device="cuda", seed=Bq)
     tol = 1e-9 if dtype == torch.float64 else 2e-4

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 #include <mma.h>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include "common/cuda_utils.cuh"
 #include "multipos_infonce/multipos_infonce.h"
@@ -31,7 +32,9 @@ template <> struct IsHalf<__half> { static constexpr bool value = true; };
 template <> struct IsHalf<__nv_bfloat16> { static constexpr bool value = true; };
 
 template <typename A> __device__ __forceinline__ A dexp(A x) { return exp(x); }
-template <> __device__ __forceinline__ float dexp<float>(float x) { return __expf(fmaxf(x, -87.0f)) * (x > -87.0f); }
+// 0 below -87 (incl. -inf) like the CPU's fast_exp; NaN must propagate (fmaxf would turn it into 0 and a
+// diverged batch would give a finite loss that AMP's GradScaler cannot see).
+template <> __device__ __forceinline__ float dexp<float>(float x) { return x > -87.0f ? __expf(x) : (x != x ? x : 0.0f); }
 template <typename A> __device__ __forceinline__ A dlog(A x) { return log(x); }
 template <> __device__ __forceinline__ float dlog<float>(float x) { return logf(x); }
 template <typename A> __device__ __forceinline__ A ninf() { return -INFINITY; }
@@ -44,12 +47,22 @@ template <typename A> __device__ __forceinline__ void lse_merge(A& m, A& s, A m2
 
 template <typename S, typename A>
 struct Smem {
-  S xs[BM][BK + KPAD];
-  S ys[BN][BK + KPAD];
+  // xs/ys live only inside score_tile; ctp is loaded after it and read until the tile's closing
+  // __syncthreads, so they share storage: float64 is 77 KB instead of 109 KB, within the 99 KB a block
+  // may opt into on sm_86/sm_89 (a default build arch).
+  union {
+    struct {
+      S xs[BM][BK + KPAD];
+      S ys[BN][BK + KPAD];
+    };
+    A ctp[kMaxK2][BN];    // bias column features of the candidate (ROW) or anchor (COL) tile
+  };
   A ss[BM][SLD];          // scores, then dL/ds
-  A ctp[kMaxK2][BN];      // bias column features of the candidate (ROW) or anchor (COL) tile
   A st[6][BM];            // running stats per anchor: m, s, pm, ps, cnt, diag
 };
+static_assert(sizeof(Smem<double, double>) <= 99 * 1024, "float64 tiles must fit sm_86/sm_89's 99 KB opt-in limit");
+static_assert(sizeof(Smem<float, float>) <= 48 * 1024 && sizeof(Smem<__half, float>) <= 48 * 1024,
+              "float32/half tiles stay within the default 48 KB");
 
 // S tile = inv_temp * X[a0:a0+na] . Y[c0:c0+nc]^T into sm.ss (rows >= na / cols >= nc are zero).
 template <typename S, typename A>
@@ -167,9 +180,27 @@ template <typename A> __device__ A clamp_y(const BiasArgs<A>& b, int s) {
   return cuda::warp_sum(y);
 }
 
+// w2 . relu(z_ij) for one pair, warp-wide (i, j uniform across the warp): the clamped constants, or the
+// angle-difference first layer with the pair's column features in ctp[:, jl].
+template <typename A>
+__device__ A pair_y(const BiasArgs<A>& b, const A (*ctp)[BN], int64_t i, int64_t j, int jl, A yc0, A yc1) {
+  const A diff = b.ud[j] - b.uq[i];
+  if (diff > A(1)) return yc0;
+  if (diff < A(-1)) return yc1;
+  A part = 0;
+  for (int n = threadIdx.x & 31; n < b.hidden; n += 32) {
+    const A* ar = b.Am + (i * b.hidden + n) * b.K2;
+    A z = b.b1[n];
+    for (int m = 0; m < b.K2; ++m) z += ar[m] * ctp[m][jl];
+    part += b.w2[n] * fmax(z, A(0));
+  }
+  return cuda::warp_sum(part);
+}
+
 template <typename S, typename A, int MODE>
 __global__ void __launch_bounds__(NT) multipos_kernel(MultiposParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // wmma load/store pointers must be 256-bit aligned: the base is, the Smem offsets keep it.
+  extern __shared__ __align__(128) unsigned char smem_raw[];
   Smem<S, A>& sm = *reinterpret_cast<Smem<S, A>*>(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool rowdir = MODE == FWD_ROW || MODE == BWD_ROW;
@@ -240,21 +271,7 @@ __global__ void __launch_bounds__(NT) multipos_kernel(MultiposParams p) {
       for (int a = warp; a < na; a += NT / 32) {
         for (int c = 0; c < nc; ++c) {
           const int64_t i = rowdir ? a0 + a : c0 + c, j = rowdir ? c0 + c : a0 + a;
-          const int jl = rowdir ? c : a;
-          const A diff = b.ud[j] - b.uq[i];
-          A y;
-          if (diff > A(1)) y = yc0;
-          else if (diff < A(-1)) y = yc1;
-          else {
-            A part = 0;
-            for (int n = lane; n < b.hidden; n += 32) {
-              const A* ar = b.Am + (i * b.hidden + n) * b.K2;
-              A z = b.b1[n];
-              for (int m = 0; m < b.K2; ++m) z += ar[m] * sm.ctp[m][jl];
-              part += b.w2[n] * fmax(z, A(0));
-            }
-            y = cuda::warp_sum(part);
-          }
+          const A y = pair_y(b, sm.ctp, i, j, rowdir ? c : a, yc0, yc1);
           if (lane == 0) sm.ss[a][c] += scale * (y + b2);
         }
       }
@@ -407,21 +424,7 @@ __global__ void __launch_bounds__(NT) multipos_kernel(MultiposParams p) {
         if (rowdir) {
           // dscale = sum_c G (y + b2): y recomputed per pair with a warp reduction.
           for (int c = 0; c < nc; ++c) {
-            const int64_t i = a0 + a, j = c0 + c;
-            const A diff = b.ud[j] - b.uq[i];
-            A y;
-            if (diff > A(1)) y = yc0;
-            else if (diff < A(-1)) y = yc1;
-            else {
-              A part = 0;
-              for (int n = lane; n < b.hidden; n += 32) {
-                const A* ar = b.Am + (i * b.hidden + n) * b.K2;
-                A z = b.b1[n];
-                for (int m = 0; m < b.K2; ++m) z += ar[m] * sm.ctp[m][c];
-                part += b.w2[n] * fmax(z, A(0));
-              }
-              y = cuda::warp_sum(part);
-            }
+            const A y = pair_y(b, sm.ctp, a0 + a, c0 + c, c, yc0, yc1);
             if (lane == 0) g_scale += sm.ss[a][c] * (y + b2);
           }
         }
@@ -473,6 +476,12 @@ template <typename S, typename A, int MODE>
 void launch(const MultiposParams& p, cudaStream_t st, int64_t n_anchor) {
   if (n_anchor <= 0) return;
   const size_t smem = sizeof(Smem<S, A>);
+  int device = 0, limit = 0;
+  TK_CUDA_CHECK(cudaGetDevice(&device));
+  TK_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (smem > (size_t)limit)  // a clear error instead of cudaFuncSetAttribute's "invalid argument"
+    fail("multipos_infonce CUDA kernel needs " + std::to_string(smem) + " bytes of shared memory per block, this GPU allows " +
+         std::to_string(limit) + "; use float32 or the CPU");
   auto k = multipos_kernel<S, A, MODE>;
   TK_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   const int64_t blocks = (n_anchor + BM - 1) / BM;
@@ -498,7 +507,7 @@ void run_bwd(const MultiposParams& p, cudaStream_t st) {
 }
 
 void check_k2(const MultiposParams& p) {
-  if (p.has_bias && p.K2 > kMaxK2) fail("multipos_infonce CUDA kernels support bias feature sizes D <= 64");
+  if (p.has_bias && p.K2 > kMaxK2) fail("multipos_infonce CUDA kernels support bias feature sizes D <= 65 (at most 64 sin/cos features)");
 }
 
 }  // namespace

@@ -42,12 +42,24 @@ def _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, sca
             if v is not None}
 
 
+def _tf32_allowed() -> bool:
+    """Whether torch's float32 matmuls may use TF32. Read through fp32_precision (torch >= 2.9): reading the
+    legacy allow_tf32 raises RuntimeError once a user has set the new API ('none' inherits the global one)."""
+    m = torch.backends.cuda.matmul
+    prec = getattr(m, "fp32_precision", None)
+    if prec is None:
+        return bool(m.allow_tf32)
+    if prec == "none":
+        prec = getattr(torch.backends, "fp32_precision", "none")
+    return prec == "tf32"
+
+
 def _sizes(q, d, extra_neg, A, diag_offset, z_lo):
     N = 0 if extra_neg is None else extra_neg.shape[0]
     ldn = 0 if extra_neg is None else extra_neg.stride(0)
     hidden = 0 if A is None else A.shape[1]
     K2 = 0 if A is None else A.shape[2]
-    tf32 = int(q.device.type == "cuda" and q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+    tf32 = int(q.device.type == "cuda" and q.dtype == torch.float32 and _tf32_allowed())
     return [q.shape[0], d.shape[0], N, q.shape[1], q.stride(0), d.stride(0), ldn, hidden, K2, diag_offset, tf32,
             0 if z_lo is None else z_lo.shape[1]]
 
@@ -120,7 +132,9 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
     dev, stream = launch_args(q)
     ptrs = _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi,
                         diag_col, diag_row)
-    ptrs.update(row_stats=ptr(row_stats.contiguous()), col_stats=ptr(col_stats.contiguous()),
+    # held in locals: a temporary .contiguous() copy would be freed before the (asynchronous) kernel reads it
+    row_stats, col_stats = row_stats.contiguous(), col_stats.contiguous()
+    ptrs.update(row_stats=ptr(row_stats), col_stats=ptr(col_stats),
                 grad_loss=ptr(grad), **{k: ptr(v) for k, v in grads.items() if v is not None})
     sizes = _sizes(q, d, extra_neg, A, diag_offset, z_lo)
     scalars = [inv_temp, row_weight, col_weight]
