@@ -316,8 +316,11 @@ void bwd(const OffsetBiasParams& p) {
     std::vector<A> sq(Kf), cq(Kf), Q((size_t)w.hidden * K2), Qd((size_t)w.hidden * K2), phi(w.D), dphi(w.D);
     std::vector<A> Mbuf((size_t)w.hidden * kChunk * JB), gv(JB), Erow((size_t)w.hidden * K2), esrow(w.hidden);
     std::vector<V> E((size_t)w.hidden * K2), esum(w.hidden);
-    A* R = parts + t * psz;
-    A s1 = 0, s0 = 0;
+    // Per-row sums in A, added row by row into double totals: the weight and scalar gradients are sums
+    // over Bq * Bd pairs, and one float accumulator over all of them loses digits that torch keeps.
+    std::vector<A> Rrow(psz);
+    std::vector<double> Rd(psz, 0.0);
+    A* R = Rrow.data();
     A* gdt = gd_thread.data() + (size_t)t * p.Bd;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < p.Bq; ++i) {
@@ -332,6 +335,9 @@ void bwd(const OffsetBiasParams& p) {
         std::fill(esum.begin(), esum.end(), V{});
       }
       const T* G = static_cast<const T*>(p.grad_out) + i * p.ld_grad;
+      std::fill(Rrow.begin(), Rrow.end(), A(0));
+      A s1 = 0;
+      double s0 = 0.0;  // sum of G: the b2 / scale gradients cancel a lot, so no float partials here
       V s1v = V{}, ddrow = V{};
       A gq_row = 0;
       int64_t chunk_blocks[kChunk];
@@ -339,7 +345,7 @@ void bwd(const OffsetBiasParams& p) {
       for (int64_t b = 0; b < cols.nb; ++b) {
         const int64_t j0 = b * JB, nj = std::min<int64_t>(JB, p.Bd - j0);
         for (int jj = 0; jj < JB; ++jj) gv[jj] = jj < nj ? load(G, (j0 + jj) * p.ld_grad_col) : A(0);
-        for (int64_t jj = 0; jj < nj; ++jj) s0 += gv[jj];
+        for (int64_t jj = 0; jj < nj; ++jj) s0 += (double)gv[jj];
         if (row_fast && bias_tile_fast(u, u, cols.dmin[b], cols.dmax[b])) {
           any_fast = true;
           V dd[2] = {V{}, V{}};
@@ -373,11 +379,12 @@ void bwd(const OffsetBiasParams& p) {
         }
         bias_fold_row(Erow.data(), (int64_t)K2, esrow.data(), sq.data(), cq.data(), w.D, w.hidden, R);
       }
-      s1 += KK::hsum(s1v);
       gq[i] = gq_row - KK::hsum(ddrow);
+      for (int64_t k = 0; k < psz - 2; ++k) Rd[k] += (double)Rrow[k];
+      Rd[psz - 2] += (double)s1 + (double)KK::hsum(s1v);
+      Rd[psz - 1] += s0;
     }
-    R[psz - 2] = s1;
-    R[psz - 1] = s0;
+    for (int64_t k = 0; k < psz; ++k) parts[t * psz + k] = (A)Rd[k];
   }
   (void)D1;
 #pragma omp parallel for schedule(static)
