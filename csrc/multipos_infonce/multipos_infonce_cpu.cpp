@@ -360,7 +360,8 @@ void Pass<A>::bwd() {
   const int64_t hid = bias.on ? bias.hidden : 0, K2 = bias.on ? bias.K2 : 0;
   A* dA = static_cast<A*>(p.dA);
   A* dCt = static_cast<A*>(p.dCt);
-  std::vector<A> sums(bias.on ? 4 * hid + 2 : 0, A(0));  // db1, dw2, dzc(2 x hid), db2, dscale
+  // db1, dw2, dzc (2 x hid), db2, dscale: sums over all B^2 pairs, kept in double (per-tile partials in A)
+  std::vector<double> sums(bias.on ? 4 * hid + 2 : 0, 0.0);
 
 #pragma omp parallel
   {
@@ -368,10 +369,10 @@ void Pass<A>::bwd() {
     std::vector<A> dat(hid * K2), sb1(hid), sw2(hid);
     std::vector<uint8_t> cl(JT);
     TileUnits<A> tu(bias);
-    std::vector<A> loc(sums.size(), A(0));
-    A* ldb1 = loc.data();
-    A* ldw2 = ldb1 + hid;
-    A* ldzc = ldw2 + hid;
+    std::vector<double> loc(sums.size(), 0.0);
+    double* ldb1 = loc.data();
+    double* ldw2 = ldb1 + hid;
+    double* ldzc = ldw2 + hid;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ib = 0; ib < nIB; ++ib) {
       const int64_t i0 = ib * IT, mi = std::min(IT, Bq - i0);
@@ -425,7 +426,7 @@ void Pass<A>::bwd() {
               if (!cl[j]) continue;
               const A g = srow[j] * bias.scale;
               const A* zcr = bias.zc + (cl[j] - 1) * hid;
-              A* dzcr = ldzc + (cl[j] - 1) * hid;
+              double* dzcr = ldzc + (cl[j] - 1) * hid;
               for (int64_t n = 0; n < hid; ++n)
                 if (zcr[n] > A(0)) {
                   ldw2[n] += g * zcr[n];
@@ -505,13 +506,13 @@ void Pass<A>::bwd() {
     A* dw2 = static_cast<A*>(p.dw2);
     A* dzc = static_cast<A*>(p.dzc);
     for (int64_t n = 0; n < hid; ++n) {
-      db1[n] += sums[n];
-      dw2[n] += sums[hid + n];
-      dzc[n] += sums[2 * hid + n];
-      dzc[hid + n] += sums[3 * hid + n];
+      db1[n] += (A)sums[n];
+      dw2[n] += (A)sums[hid + n];
+      dzc[n] += (A)sums[2 * hid + n];
+      dzc[hid + n] += (A)sums[3 * hid + n];
     }
-    *static_cast<A*>(p.db2) += sums[4 * hid];
-    *static_cast<A*>(p.dscale) += sums[4 * hid + 1];
+    *static_cast<A*>(p.db2) += (A)sums[4 * hid];
+    *static_cast<A*>(p.dscale) += (A)sums[4 * hid + 1];
   }
 }
 
