@@ -404,19 +404,27 @@ void Pass<A>::bwd() {
           loc[4 * hid] += sdb2;
           loc[4 * hid + 1] += sdsc;
           const int64_t nu = tu.nu;
-          for (int64_t u = 0; u < nu; ++u) {
+          for (int64_t u = 0; u < nu; ++u) {  // two loops, not one with a branch: both vectorise
             const A w = tu.wt[u];
-            const A lin = (tu.lin && u == 0) ? A(1) : A(0);
             const A* zr = z.data() + u * JT;
             A* dzr = dz.data() + u * JT;
             A s1 = 0, s2 = 0;
+            if (tu.lin && u == 0) {
 #pragma omp simd reduction(+ : s1, s2)
-            for (int64_t j = 0; j < nj; ++j) {
-              const A zz = zr[j];
-              const A on = (zz > A(0) || lin != A(0)) ? gs[j] : A(0);
-              s2 += on * zz;
-              dzr[j] = on * w;
-              s1 += on * w;
+              for (int64_t j = 0; j < nj; ++j) {
+                s2 += gs[j] * zr[j];
+                dzr[j] = gs[j] * w;
+                s1 += gs[j] * w;
+              }
+            } else {
+#pragma omp simd reduction(+ : s1, s2)
+              for (int64_t j = 0; j < nj; ++j) {
+                const A zz = zr[j];
+                const A on = zz > A(0) ? gs[j] : A(0);
+                s2 += on * zz;
+                dzr[j] = on * w;
+                s1 += on * w;
+              }
             }
             sb1[u] = s1;
             sw2[u] = s2;
@@ -450,6 +458,7 @@ void Pass<A>::bwd() {
               A* o = dAi + n * K2;
               const A* an = Ai + n * K2;
               A dot = 0;
+#pragma omp simd reduction(+ : dot)
               for (int64_t k = 0; k < K2; ++k) { o[k] += w * R[k]; dot += an[k] * R[k]; }
               ldb1[n] += w * sb1[0];
               ldw2[n] += dot + bias.b1[n] * sb1[0];
