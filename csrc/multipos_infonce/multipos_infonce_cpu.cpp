@@ -84,15 +84,11 @@ struct Bias {
   }
 };
 
-inline void minmax(const float* x, int64_t n, double& lo, double& hi) {
+template <typename A>
+inline void minmax(const A* x, int64_t n, double& lo, double& hi) {
   lo = std::numeric_limits<double>::infinity();
   hi = -lo;
-  for (int64_t k = 0; k < n; ++k) { lo = std::min<double>(lo, x[k]); hi = std::max<double>(hi, x[k]); }
-}
-inline void minmax(const double* x, int64_t n, double& lo, double& hi) {
-  lo = std::numeric_limits<double>::infinity();
-  hi = -lo;
-  for (int64_t k = 0; k < n; ++k) { lo = std::min(lo, x[k]); hi = std::max(hi, x[k]); }
+  for (int64_t k = 0; k < n; ++k) { lo = std::min(lo, (double)x[k]); hi = std::max(hi, (double)x[k]); }
 }
 
 // The bias's hidden units as one tile (rows I x columns J) sees them. Over the tile's delta range,
@@ -104,7 +100,6 @@ template <typename A>
 struct TileUnits {
   int64_t nu = 0;        // compact units
   bool lin = false;      // compact unit 0 is the linear sum of the on units
-  bool inside = false;   // some pair of the tile has |delta| <= 1 (not clamped)
   std::vector<int64_t> onu, mix;  // original ids: on units, ReLU units (compact 0/1 + m)
   std::vector<A> At, bt, wt;      // (IT, nu, K2) compact row weights, (nu) b1 and w2
 
@@ -120,8 +115,7 @@ struct TileUnits {
     const double a = udlo - uqhi, c = udhi - uqlo;
     onu.clear();
     mix.clear();
-    inside = a <= 1.0 && c >= -1.0;
-    if (!inside) { nu = 0; lin = false; return; }
+    if (a > 1.0 || c < -1.0) { nu = 0; lin = false; return; }  // every pair clamped: only the constants
     const int64_t last = b.ncell - 1;
     const auto cell = [&](double x) {
       return std::min<int64_t>(last, std::max<int64_t>(0, (int64_t)std::floor((x + 1.0) * 0.5 * (double)b.ncell)));
@@ -162,10 +156,8 @@ struct TileUnits {
     }
   }
 
-  A act(int64_t u, A z) const { return (lin && u == 0) ? z : std::max(z, A(0)); }
-
   // Tile row r (query i) against columns [j0, j0 + nj): z (nu x nj, ld JT) compact pre-activations,
-  // y = sum_u wt_u act(z_u), cl = 0 inside the clamp, 1 for delta > 1, 2 for delta < -1; adds
+  // y = sum_u wt_u z_u (linear unit) or wt_u relu(z_u), cl = 0 inside the clamp, 1 for delta > 1, 2 for delta < -1; adds
   // scale * (y + b2) to srow. Returns the number of clamped columns.
   int64_t row(const Bias<A>& b, int64_t r, int64_t i, int64_t j0, int64_t nj, const A* ctp, A* z, A* y,
               uint8_t* cl, A* srow) const {

@@ -5,7 +5,9 @@ The bias enters the kernel in angle-difference form: per-row weights A (B, hidde
 sin/cos features Ct (2K, B) are built here with torch (O(B * hidden * D), differentiable), the kernel
 forms the first layer as a small matrix product per tile and returns dL/dA, dL/dCt, and torch's
 autograd carries them back to w1, b1, u_q and u_d. Pairs where the clamp bites use the constant
-pre-activations at delta = +-1 (``zc``), so u outside [0, 1] is exact."""
+pre-activations at delta = +-1 (``zc``), so u outside [0, 1] is exact. On CPU, rows and columns are
+first sorted by u (``_sorted_by_u``) and the kernel gets provable bounds of every hidden unit
+(``interval_bounds``), so each tile evaluates only the units it cannot prove always on or off."""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
