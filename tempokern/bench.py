@@ -145,18 +145,18 @@ def _runner(fn, args, kwargs, grads_of):
     return run
 
 
-def _results(fn, op, size, hidden, device, seed) -> List[torch.Tensor]:
-    """Floating outputs and the gradients of their sum, for one provider on the case's inputs."""
+def _results(fn, op, size, hidden, device, seed) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """(floating outputs, gradients of their sum) for one provider on the case's inputs."""
     gen = torch.Generator().manual_seed(seed)
     args, kwargs, grads_of = CASES[op](size, hidden, device, gen)
     out = fn(*args, **kwargs)
     outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if o.is_floating_point()]
-    res = [o.detach() for o in outs]
+    grads = []
     if grads_of:
         loss = outs[0].float().sum() if outs[0].ndim else outs[0].float()
         grads = torch.autograd.grad(loss, grads_of, allow_unused=True)
-        res += [torch.zeros_like(t) if g is None else g for g, t in zip(grads, grads_of)]
-    return res
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, grads_of)]
+    return [o.detach() for o in outs], grads
 
 
 def max_rel_diff(op: str, size: int, hidden: int, device: torch.device, seed: int = 0) -> float:
@@ -166,12 +166,11 @@ def max_rel_diff(op: str, size: int, hidden: int, device: torch.device, seed: in
     shift, is rounding noise in both providers)."""
     import tempokern
     from tempokern import reference
-    a = _results(getattr(tempokern, op), op, size, hidden, device, seed)
-    b = _results(getattr(reference, op), op, size, hidden, device, seed)
-    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+    fa, ga = _results(getattr(tempokern, op), op, size, hidden, device, seed)
+    fb, gb = _results(getattr(reference, op), op, size, hidden, device, seed)
+    a, b, n_out = fa + ga, fb + gb, len(fb)  # outputs first, then gradients
+    if len(fa) != len(fb) or len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
         return math.inf
-    gen = torch.Generator().manual_seed(seed)
-    n_out = len(a) - len(CASES[op](size, hidden, device, gen)[2])  # outputs come first, then gradients
     mags = [y.double().abs().max().item() if y.numel() else 0.0 for y in b]
     floor = 1e-3 * max(mags[n_out:], default=0.0)
     worst = 0.0
