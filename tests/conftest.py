@@ -1,3 +1,6 @@
+import os
+import sys
+
 import pytest
 import torch
 
@@ -7,7 +10,10 @@ def cuda_ok() -> bool:
     return torch.cuda.is_available() and tempokern.build_info()["cuda_runtime_ok"]
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# "emu": CPU tensors through the shipped CUDA kernels on the CPU emulator (tools/cuda_emu), so the CUDA
+# code runs in every test session, GPU or not. TEMPOKERN_TEST_EMU=0 leaves it out.
+_EMU = os.environ.get("TEMPOKERN_TEST_EMU", "1") not in ("0", "", "false")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + (["emu"] if _EMU else [])
 
 
 def pytest_collection_modifyitems(config, items):
@@ -17,9 +23,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def cuda_emu():
+    """The emulated _C module (built on first use, cached under build/cuda_emu/)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "tools", "cuda_emu"))
+    try:
+        import build as emu_build
+    finally:
+        sys.path.pop(0)
+    return emu_build.load()
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
-    return torch.device(request.param)
+    if request.param != "emu":
+        yield torch.device(request.param)
+        return
+    from tempokern._ops.common import cuda_emulator
+    emu = request.getfixturevalue("cuda_emu")
+    before = emu.emu_launch_count()
+    with cuda_emulator(emu):
+        yield torch.device("cpu")
+    # every test that asks for a device launches at least one kernel: else the emulator was bypassed
+    assert emu.emu_launch_count() > before, "the test ran no kernel on the CUDA emulator"
 
 
 @pytest.fixture(autouse=True)

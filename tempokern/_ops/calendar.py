@@ -6,11 +6,10 @@ from typing import List, Sequence
 
 import torch
 
-from .. import _C
 from ..reference.calendar import fourier_table as _ref_fourier_table
 from ..reference.calendar import level_weights
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code,
-                     launch_args, ptr, rows_contiguous)
+                     kernels, launch_args, ptr, rows_contiguous)
 
 _MAX_LEVELS = 8  # csrc/calendar/calendar.h::kMaxCalendarLevels
 _tables: dict = {}
@@ -70,7 +69,7 @@ def _calendar_scalar(logits: List[torch.Tensor], tau: float) -> torch.Tensor:
     dev, stream = launch_args(x0)
     levels = _level_args(logits)
     for k, idx in enumerate(_chunks(len(levels))):
-        _C.calendar_launch("scalar_fwd", dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
+        kernels().calendar_launch("scalar_fwd", dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
                            [levels[i] for i in idx], ptr(out), 0, 0, 0, k > 0)
     return out
 
@@ -89,7 +88,7 @@ def _calendar_scalar_backward(grad: torch.Tensor, logits: List[torch.Tensor], ta
     dev, stream = launch_args(x0)
     levels = _level_args(logits, grads)
     for idx in _chunks(len(levels)):
-        _C.calendar_launch("scalar_bwd", dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
+        kernels().calendar_launch("scalar_bwd", dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
                            [levels[i] for i in idx], 0, ptr(grad), 0, 0, False)
     return grads
 
@@ -137,7 +136,7 @@ def _calendar_context(logits: List[torch.Tensor], dim: int, tau: float) -> torch
     tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device) for x in logits]
     levels = _level_args(logits, tables=tables, dim=dim)
     for idx in _chunks(L):
-        _C.calendar_launch("context_fwd", dev, stream, dtype_code(x0), B, 1.0 / tau,
+        kernels().calendar_launch("context_fwd", dev, stream, dtype_code(x0), B, 1.0 / tau,
                            [levels[i] for i in idx], ptr(out), 0, out.stride(0), dim, False)
     return out
 
@@ -163,7 +162,7 @@ def _calendar_context_backward(grad: torch.Tensor, logits: List[torch.Tensor], d
     tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device) for x in logits]
     levels = _level_args(logits, grads, tables, dim)
     for idx in _chunks(len(logits)):
-        _C.calendar_launch("context_bwd", dev, stream, dtype_code(x0), B, 1.0 / tau,
+        kernels().calendar_launch("context_bwd", dev, stream, dtype_code(x0), B, 1.0 / tau,
                            [levels[i] for i in idx], 0, ptr(grad), grad.stride(0), dim, False, grad.stride(1))
     return grads
 

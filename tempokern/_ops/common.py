@@ -2,6 +2,7 @@
 arguments, argument validation and the debug finite-value switch."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Iterable, Optional, Sequence
 
@@ -41,10 +42,44 @@ def ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+# The CUDA emulator's module (tools/cuda_emu) while cuda_emulator() is active: CPU tensors then take
+# the CUDA path through the shipped .cu kernels, so they can be tested on a machine without a GPU.
+_emulated = None
+
+
+def kernels():
+    """The compiled module the wrappers launch: tempokern._C, or the emulator's inside cuda_emulator()."""
+    return _C if _emulated is None else _emulated
+
+
+@contextlib.contextmanager
+def cuda_emulator(module):
+    """Runs CPU tensors through the CUDA kernels of `module`, an emulated build of _C (tests only)."""
+    global _emulated
+    prev, _emulated = _emulated, module
+    try:
+        yield module
+    finally:
+        _emulated = prev
+
+
+def on_cuda_path(t) -> bool:
+    """Whether an op on tensor (or device) t runs the CUDA kernels: CUDA, or CPU under the emulator."""
+    dev = t if isinstance(t, torch.device) else t.device
+    return dev.type == "cuda" or (_emulated is not None and dev.type == "cpu")
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the emulator reports an H100's 132)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def launch_args(t: torch.Tensor) -> tuple[int, int]:
     """(device, stream) for a kernel launch: device -1 means CPU."""
     if t.device.type == "cpu":
-        return -1, 0
+        return (-1, 0) if _emulated is None else (0, 0)
     if t.device.type != "cuda":
         raise ValueError(f"tempokern runs on CPU and CUDA tensors, got device {t.device}")
     if not _C.cuda_compiled:

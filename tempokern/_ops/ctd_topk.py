@@ -7,11 +7,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _C
 from ..reference.ctd_topk import table_values
 from ..reference.offset_bias import bias_frequencies
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code,
-                     launch_args, ptr, rows_contiguous, scalar_value)
+                     kernels, launch_args, on_cuda_path, ptr, rows_contiguous, scalar_value, sm_count)
 
 _BIAS_NONE, _BIAS_EXACT, _BIAS_TABLE = 0, 1, 2
 # CUDA kernel limits (csrc/ctd_topk/ctd_topk_cuda.cu); beyond them a chunked torch path runs.
@@ -30,7 +29,7 @@ def _freqs(D: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def _cuda_nsplit(Q: int, N: int, k: int, device) -> int:
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     qblocks = max(1, (Q + 63) // 64)
     want = max(1, (2 * sms + qblocks - 1) // qblocks)       # about two blocks per SM
     kpad = 1 << max(0, (k - 1).bit_length())
@@ -50,7 +49,7 @@ def _ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, temperature: float, mode
     indices = torch.empty(Q, k, dtype=torch.int64, device=q.device)
     if Q == 0:
         return values, indices
-    dev, stream = launch_args(q)
+    dev, stream = launch_args(q) if cand is None else (-1, 0)  # rerank: CPU only (checked by ctd_rerank)
     hidden = D = K = 0
     freqs = None
     if mode == _BIAS_EXACT:
@@ -79,7 +78,7 @@ def _ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, temperature: float, mode
     for a in range(0, Q, step):
         b = min(Q, a + step)
         qa, ea, ca = q[a:b], sl(exclude, a, b), sl(cand, a, b)
-        _C.ctd_topk_launch(
+        kernels().ctd_topk_launch(
             dev, stream, dtype_code(q), (b - a, N, H, k, q.stride(0), g.stride(0)), ptr(qa), ptr(g),
             float(temperature), mode, ptr(sl(u_q, a, b)), ptr(u_g),
             (hidden, D, K, ptr(freqs), ptr(w1), ptr(b1), ptr(w2), float(b2), float(scale)),
@@ -207,7 +206,7 @@ def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1
     check_finite("q", q)
     check_finite("g", g)
     q, g = rows_contiguous(q), rows_contiguous(g)
-    if q.device.type == "cuda" and _cuda_unsupported(k, mode, w1):
+    if on_cuda_path(q) and _cuda_unsupported(k, mode, w1):
         return _chunked_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, ex)
     return torch.ops.tempokern.ctd_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, ex)
 

@@ -14,10 +14,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _C
 from ..reference.offset_bias import bias_frequencies, offset_features
 from .offset_bias import interval_bounds
-from .common import check_finite, check_positive, check_same_device, check_tensor, dtype_code, launch_args, ptr
+from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, kernels, launch_args,
+                     on_cuda_path, ptr)
 
 _BIAS_NAMES = ("u_q", "u_d", "w1", "b1", "w2", "b2", "scale")
 _GRAD_NAMES = ("dq", "dd", "dneg", "dA", "dCt", "db1", "dw2", "db2", "dscale", "dzc")
@@ -29,7 +29,7 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 def _kernel_operand(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """CPU kernels read float32/float64 rows with unit column stride; CUDA reads the storage dtype."""
-    if t.device.type == "cpu" and t.dtype != acc:
+    if not on_cuda_path(t) and t.dtype != acc:
         t = t.to(acc)
     if t.stride(-1) != 1 or (t.dim() == 2 and t.shape[0] > 1 and t.stride(0) < t.shape[1]):
         t = t.contiguous()
@@ -61,7 +61,7 @@ def _sizes(q, d, extra_neg, A, diag_offset, z_lo):
     ldn = 0 if extra_neg is None else extra_neg.stride(0)
     hidden = 0 if A is None else A.shape[1]
     K2 = 0 if A is None else A.shape[2]
-    tf32 = int(q.device.type == "cuda" and q.dtype == torch.float32 and _tf32_allowed())
+    tf32 = int(on_cuda_path(q) and q.dtype == torch.float32 and _tf32_allowed())
     return [q.shape[0], d.shape[0], N, q.shape[1], q.stride(0), d.stride(0), ldn, hidden, K2, diag_offset, tf32,
             0 if z_lo is None else z_lo.shape[1]]
 
@@ -69,7 +69,7 @@ def _sizes(q, d, extra_neg, A, diag_offset, z_lo):
 def _workspace(dev, dtype, sizes, scalars, ptrs, backward, like):
     if dev < 0:
         return None
-    nbytes = _C.multipos_infonce_cuda_workspace(dtype, sizes, scalars, ptrs, backward)
+    nbytes = kernels().multipos_infonce_cuda_workspace(dtype, sizes, scalars, ptrs, backward)
     return torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=like.device)
 
 
@@ -96,7 +96,7 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
     sizes = _sizes(q, d, extra_neg, A, diag_offset, z_lo)
     scalars = [inv_temp, row_weight, col_weight]
     ws = _workspace(dev, dtype_code(q), sizes, scalars, ptrs, False, q)
-    _C.multipos_infonce_launch("fwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, ptr(ws),
+    kernels().multipos_infonce_launch("fwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, ptr(ws),
                                0 if ws is None else ws.numel())
     return loss, row_stats, col_stats
 
@@ -141,7 +141,7 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
     sizes = _sizes(q, d, extra_neg, A, diag_offset, z_lo)
     scalars = [inv_temp, row_weight, col_weight]
     ws = _workspace(dev, dtype_code(q), sizes, scalars, ptrs, True, q)
-    _C.multipos_infonce_launch("bwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, ptr(ws),
+    kernels().multipos_infonce_launch("bwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, ptr(ws),
                                0 if ws is None else ws.numel())
     out = []
     for k in _GRAD_NAMES:
@@ -291,7 +291,7 @@ def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float
     (row i's fallback positive is column i + diag_offset). Used by multipos_infonce and CTDLoss."""
     acc = _acc(q.dtype)
     extras = (None,) * 4
-    if bias is not None and q.device.type == "cpu" and q.shape[0] and d.shape[0]:
+    if bias is not None and not on_cuda_path(q) and q.shape[0] and d.shape[0]:
         q, d, q_lo, q_hi, d_lo, d_hi, bias, diag = _sorted_by_u(q, d, q_lo, q_hi, d_lo, d_hi, bias, diag_offset)
         extras = (*interval_bounds(bias[2], bias[3]), *diag)
     kb = (None,) * 9 if bias is None else bias_kernel_inputs(bias, acc)

@@ -8,9 +8,9 @@ from typing import List, Tuple
 
 import torch
 
-from .. import _C
 from ..reference.offset_bias import bias_frequencies, offset_features
-from .common import check_finite, check_same_device, check_tensor, dtype_code, launch_args, ptr
+from .common import (check_finite, check_same_device, check_tensor, dtype_code, kernels, launch_args,
+                     on_cuda_path, ptr, sm_count)
 
 _freqs: dict = {}
 
@@ -36,9 +36,9 @@ def _frequencies(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 def _num_parts(device: torch.device, Bq: int, Bd: int) -> int:
     """Partial-sum slots of the backward reduction: one per CPU thread, one per CUDA block."""
-    if device.type == "cuda":  # grid: ceil(Bd / 32) column blocks x gy row groups (csrc/offset_bias/*.cu)
+    if on_cuda_path(device):  # grid: ceil(Bd / 32) column blocks x gy row groups (csrc/offset_bias/*.cu)
         gx = max(1, -(-Bd // 32))
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = sm_count(device)
         return gx * max(1, min(-(-Bq // 8), -(-8 * sms // gx)))
     return max(64, os.cpu_count() or 1)
 
@@ -95,7 +95,7 @@ def _prepared(u_q, u_d, w1, b1, w2, b2, scale):
     base = (c(u_q), c(u_d), c(b2).reshape(1), c(scale).reshape(1), _frequencies(w1.shape[1], acc, u_q.device))
     mapping = None
     kw1, kb1, kw2, nlin = w1a, b1a, w2a, 0
-    if u_q.device.type == "cpu":
+    if not on_cuda_path(u_q):
         on, off = _unit_classes(w1, b1)
         if bool(on.any()) or bool(off.any()):
             mix = (~on & ~off).nonzero().flatten()
@@ -123,7 +123,7 @@ def _offset_bias(u_q: torch.Tensor, u_d: torch.Tensor, w1: torch.Tensor, b1: tor
         return out
     uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, _, _ = _prepared(u_q, u_d, w1, b1, w2, b2, scale)
     dev, stream = launch_args(u_q)
-    _C.offset_bias_launch("fwd", dev, stream, dtype_code(out), Bq, Bd, D, kw1.shape[0], ptr(uq), ptr(ud), ptr(f),
+    kernels().offset_bias_launch("fwd", dev, stream, dtype_code(out), Bq, Bd, D, kw1.shape[0], ptr(uq), ptr(ud), ptr(f),
                           ptr(kw1), kw1.stride(0), ptr(kb1), ptr(kw2), ptr(b2a), ptr(sa), ptr(out), out.stride(0),
                           0, 0, 1, 0, 0, 0, 0, 0, 0, nlin)
     return out
@@ -153,7 +153,7 @@ def _offset_bias_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tens
     g_uq = torch.empty(Bq, dtype=acc, device=u_q.device)
     g_ud = torch.empty(Bd, dtype=acc, device=u_q.device)
     parts = torch.empty(nparts, psz, dtype=acc, device=u_q.device)
-    _C.offset_bias_launch("bwd", dev, stream, dtype_code(grad), Bq, Bd, D, kh, ptr(uq), ptr(ud), ptr(f),
+    kernels().offset_bias_launch("bwd", dev, stream, dtype_code(grad), Bq, Bd, D, kh, ptr(uq), ptr(ud), ptr(f),
                           ptr(kw1), kw1.stride(0), ptr(kb1), ptr(kw2), ptr(b2a), ptr(sa), 0, 0,
                           ptr(grad), grad.stride(0), grad.stride(1), ptr(g_uq), ptr(g_ud), ptr(parts), nparts, 0, 0,
                           nlin)
@@ -246,7 +246,7 @@ def _offset_bias_lookup(u_q: torch.Tensor, u_d: torch.Tensor, values: torch.Tens
     uq, ud = u_q.to(acc).contiguous(), u_d.to(acc).contiguous()
     v = values.to(torch.float32).contiguous()
     dev, stream = launch_args(u_q)
-    _C.offset_bias_launch("lookup", dev, stream, dtype_code(out), Bq, Bd, 0, 0, ptr(uq), ptr(ud), 0, 0, 0, 0, 0,
+    kernels().offset_bias_launch("lookup", dev, stream, dtype_code(out), Bq, Bd, 0, 0, ptr(uq), ptr(ud), 0, 0, 0, 0, 0,
                           0, 0, ptr(out), out.stride(0), 0, 0, 1, 0, 0, 0, 0, ptr(v), v.numel(), 0)
     return out
 

@@ -1,0 +1,164 @@
+"""Builds tempokern's compiled module with the CUDA kernels running on the CPU emulator.
+
+The shipped csrc/**/*.cu files are copied with two mechanical rewrites that plain C++ cannot parse
+(`k<<<grid, block, smem, stream>>>(args)` and `extern __shared__ T name[];`) and compiled by g++
+against the shim headers in include/; everything else (bindings, CPU kernels) is compiled as is.
+The result is a `_C` module with the same functions as the real one, for `load()` to return.
+
+    python tools/cuda_emu/build.py [--out DIR] [--asan]
+
+Output goes to build/cuda_emu/<hash of the sources and flags>/, so an unchanged tree is not rebuilt.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+CSRC = ROOT / "csrc"
+
+_LAUNCH = re.compile(r"^(?P<indent>\s*)(?P<kernel>[^\s<][^;]*?)<<<(?P<cfg>.*?)>>>\((?P<args>.*)\);(?P<tail>\s*\\?\s*)$")
+_EXTERN_SHARED = re.compile(
+    r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?(?P<type>[\w:\s]+?)\s+(?P<name>\w+)\s*\[\s*\]\s*;")
+
+
+def rewrite_cu(text: str, origin: str) -> str:
+    """The two rewrites; raises if a launch is written in a form this does not understand."""
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if "<<<" in line:
+            m = _LAUNCH.match(line)
+            if not m:
+                raise SystemExit(f"{origin}:{n}: cannot rewrite this kernel launch for the emulator: {line.strip()}")
+            kernel = m["kernel"].strip()
+            name = kernel.replace('"', "'")
+            args = m["args"].strip()
+            line = (f'{m["indent"]}::emu::Launch({m["cfg"]}).run("{name}", {kernel}'
+                    f'{", " + args if args else ""});{m["tail"]}')
+        line = _EXTERN_SHARED.sub(
+            lambda s: f'{s["type"]}* const {s["name"]} = reinterpret_cast<{s["type"]}*>(::emu::dyn_smem());', line)
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def _pybind11_include() -> str:
+    try:
+        import pybind11
+    except ImportError as e:  # the test extra installs it
+        raise SystemExit("the CUDA emulator build needs pybind11 (pip install pybind11)") from e
+    return pybind11.get_include()
+
+
+def sources() -> tuple[list[Path], list[Path]]:
+    cpp = sorted(CSRC.rglob("*.cpp"))
+    cu = sorted(CSRC.rglob("*.cu"))
+    return cpp, cu
+
+
+def flags(asan: bool) -> list[str]:
+    f = ["-std=c++17", "-fPIC", "-fopenmp", "-g", "-O2", "-fvisibility=hidden", "-Wno-attributes",
+         "-DTK_WITH_CUDA=1", '-DTK_CUDA_ARCHS="emulator"', f"-I{CSRC}",
+         f"-I{_pybind11_include()}", f"-I{sysconfig.get_paths()['include']}"]
+    if asan:
+        f += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+    return f
+
+
+def tree_hash(asan: bool) -> str:
+    h = hashlib.sha256()
+    cpp, cu = sources()
+    files = cpp + cu + sorted(CSRC.rglob("*.h")) + sorted(CSRC.rglob("*.cuh")) + sorted(HERE.rglob("*.h")) + [
+        *sorted(HERE.glob("*.cpp")), Path(__file__)]
+    for p in files:
+        h.update(str(p.relative_to(ROOT)).encode())
+        h.update(p.read_bytes())
+    h.update(" ".join(flags(asan)).encode())
+    h.update(sys.version.encode())
+    return h.hexdigest()[:16]
+
+
+def module_path(out: Path) -> Path:
+    return out / ("_C" + importlib.machinery.EXTENSION_SUFFIXES[0])
+
+
+def build(out: Path | None = None, asan: bool = False, jobs: int | None = None, quiet: bool = False) -> Path:
+    """Builds (if needed) and returns the path of the emulated `_C` module."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise SystemExit(f"the CUDA emulator build needs a C++ compiler ({cxx} not found)")
+    out = out or ROOT / "build" / "cuda_emu" / tree_hash(asan)
+    target = module_path(out)
+    if target.exists():
+        return target
+    gen = out / "gen"
+    obj = out / "obj"
+    gen.mkdir(parents=True, exist_ok=True)
+    obj.mkdir(parents=True, exist_ok=True)
+    cpp, cu = sources()
+    jobs_list = []
+    for p in cpp:
+        jobs_list.append((p, obj / (str(p.relative_to(CSRC)).replace("/", "__") + ".o"), []))
+    for p in cu:
+        g = gen / (str(p.relative_to(CSRC)).replace("/", "__") + ".cpp")
+        g.write_text(rewrite_cu(p.read_text(), str(p.relative_to(ROOT))))
+        # the rewritten file is compiled as if it sat beside the original, so its quoted includes resolve
+        jobs_list.append((g, obj / (g.name + ".o"), [f"-I{p.parent}", f"-I{HERE / 'include'}", "-include", "emu_core.h"]))
+    fl = flags(asan)
+    for extra in ("emu_runtime.cpp", "emu_bind.cpp"):
+        jobs_list.append((HERE / extra, obj / (extra + ".o"), [f"-I{HERE / 'include'}"]))
+
+    def compile_one(job):
+        src, o, extra = job
+        # module.cpp and the bindings include <cuda_runtime.h> under TK_WITH_CUDA: give them the shim too
+        inc = extra if extra else [f"-I{HERE / 'include'}"]
+        cmd = [cxx, *fl, *inc, "-c", str(src), "-o", str(o)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"compiling {src} for the CUDA emulator failed:\n{r.stderr[-6000:]}")
+        return o
+
+    n = jobs or max(1, min(len(jobs_list), os.cpu_count() or 1))
+    with cf.ThreadPoolExecutor(n) as ex:
+        objs = list(ex.map(compile_one, jobs_list))
+    tmp = target.with_suffix(".tmp")
+    link = [cxx, "-shared", "-fopenmp", *(["-fsanitize=address"] if asan else []), *map(str, objs), "-o", str(tmp)]
+    r = subprocess.run(link, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"linking the CUDA emulator module failed:\n{r.stderr[-6000:]}")
+    os.replace(tmp, target)  # atomic: a half-built module is never picked up
+    if not quiet:
+        print(f"built {target}")
+    return target
+
+
+def load(path: Path | None = None):
+    """Imports the emulated `_C` (built if needed) without touching sys.modules['tempokern._C']."""
+    path = Path(path) if path else build(quiet=True)
+    spec = importlib.util.spec_from_file_location("tempokern_cuda_emu._C", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--asan", action="store_true", help="AddressSanitizer build (run with LD_PRELOAD=libasan)")
+    ap.add_argument("--jobs", type=int, default=None)
+    a = ap.parse_args()
+    print(build(a.out, a.asan, a.jobs))
+
+
+if __name__ == "__main__":
+    main()

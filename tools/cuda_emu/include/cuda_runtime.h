@@ -1,0 +1,3 @@
+// CUDA emulator shim: see tools/cuda_emu/README.md.
+#pragma once
+#include "emu_core.h"
