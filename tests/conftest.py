@@ -35,18 +35,55 @@ def cuda_emu():
     return emu_build.load()
 
 
+_kernel_expected = [True]
+
+
+def expect_no_kernel():
+    """For a test on the emulator whose inputs legitimately launch no CUDA kernel (bad input rejected in
+    Python, or a case the wrapper sends to its torch fallback)."""
+    _kernel_expected[0] = False
+
+
+def _on_emulator(request):
+    from tempokern._ops.common import cuda_emulator
+    emu = request.getfixturevalue("cuda_emu")
+    before = emu.emu_launch_count()
+    _kernel_expected[0] = True
+    with cuda_emulator(emu):
+        yield torch.device("cpu")
+    # a test that asks for a device launches at least one kernel: else the emulator was bypassed
+    if _kernel_expected[0]:
+        assert emu.emu_launch_count() > before, "the test ran no kernel on the CUDA emulator"
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     if request.param != "emu":
         yield torch.device(request.param)
         return
+    yield from _on_emulator(request)
+
+
+# Tests of the CUDA kernels run twice: on a GPU ("cuda", skipped without one; `pytest -m cuda`) and on
+# the CUDA emulator ("emu": CPU tensors through the same .cu kernels; `pytest -m emu`).
+GPU_PARAMS = [pytest.param("cuda", marks=pytest.mark.cuda)] + (
+    [pytest.param("emu", marks=pytest.mark.emu)] if _EMU else [])
+
+
+@pytest.fixture(params=GPU_PARAMS)
+def gpu(request):
+    if request.param == "cuda":
+        if not cuda_ok():
+            pytest.skip("needs a working CUDA device")
+        yield torch.device("cuda")
+        return
+    yield from _on_emulator(request)
+
+
+def cpu_kernels():
+    """Inside a `gpu` test: run the CPU kernels (the emulator is off in this block)."""
     from tempokern._ops.common import cuda_emulator
-    emu = request.getfixturevalue("cuda_emu")
-    before = emu.emu_launch_count()
-    with cuda_emulator(emu):
-        yield torch.device("cpu")
-    # every test that asks for a device launches at least one kernel: else the emulator was bypassed
-    assert emu.emu_launch_count() > before, "the test ran no kernel on the CUDA emulator"
+    return cuda_emulator(None)
 
 
 @pytest.fixture(autouse=True)

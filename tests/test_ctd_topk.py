@@ -251,31 +251,30 @@ def test_memory_stays_linear_in_n():
     assert biggest < 64 * 200_000 * 4 // 4
 
 
-@cuda
-@pytest.mark.cuda
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-3), (torch.float16, 2e-3), (torch.bfloat16, 2e-3),
                                         (torch.float64, 1e-9)])  # float64: the CUDA-core double tile path
 @pytest.mark.parametrize("mode", ["none", "exact", "table"])
-def test_cuda_matches_reference(dtype, atol, mode):
+def test_cuda_matches_reference(gpu, dtype, atol, mode):
     torch.manual_seed(10)
     Q, N, H, k = 70, 3001, 96, 17
-    q, g = torch.randn(Q, H, device="cuda").to(dtype), torch.randn(N, H, device="cuda").to(dtype)
+    q, g = torch.randn(Q, H, device=gpu).to(dtype), torch.randn(N, H, device=gpu).to(dtype)
     bias = None
     bdt = torch.float64 if dtype == torch.float64 else torch.float32  # the reference's bias follows u's dtype
     if mode == "exact":
-        bias = make_bias(Q, N, scale=2.0, dtype=bdt, device="cuda")
+        bias = make_bias(Q, N, scale=2.0, dtype=bdt, device=gpu)
+        if dtype == torch.float64:  # the wrapper's chunked torch path (float64 bias tiles exceed sm_86's smem)
+            from conftest import expect_no_kernel
+            expect_no_kernel()
     elif mode == "table":
-        bias = (torch.rand(Q, device="cuda", dtype=bdt), torch.rand(N, device="cuda", dtype=bdt),
-                torch.randn(129, device="cuda"))
+        bias = (torch.rand(Q, device=gpu, dtype=bdt), torch.rand(N, device=gpu, dtype=bdt),
+                torch.randn(129, device=gpu))
     check_against_reference(q, g, k, atol=atol, bias=bias, temperature=0.8)
 
 
-@cuda
-@pytest.mark.cuda
-def test_cuda_ties_exclude_and_large_k():
-    q = torch.randint(-1, 2, (33, 4), device="cuda").float()
-    g = torch.randint(-1, 2, (2000, 4), device="cuda").float()
-    ex = torch.randint(-1, 2000, (33, 7), device="cuda")
+def test_cuda_ties_exclude_and_large_k(gpu):
+    q = torch.randint(-1, 2, (33, 4), device=gpu).float()
+    g = torch.randint(-1, 2, (2000, 4), device=gpu).float()
+    ex = torch.randint(-1, 2000, (33, 7), device=gpu)
     for k in (1, 64, 256, 300, 2000):  # > 256 takes the chunked path
         v, i = tempokern.ctd_topk(q, g, k, exclude=ex)
         rv, ri = ref_topk(q, g, k, exclude=ex)

@@ -300,14 +300,12 @@ print((hwm() - base) / 2**20)
 
 # ---- CUDA ---------------------------------------------------------------------------------------
 
-@pytest.mark.cuda
-@cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("Bq,Bd,D,H,lo,hi", [(37, 53, 32, 32, 0, 1), (300, 77, 7, 5, -2, 3), (5, 700, 64, 16, 0, 1),
                                               (64, 64, 1, 3, -6, 6), (129, 31, 128, 8, 0, 1),
                                               (33, 45, 64, 96, -1, 2)])  # float64 backward shrinks its block to fit smem
-def test_cuda_parity(dtype, Bq, Bd, D, H, lo, hi):
-    xs = make(Bq, Bd, D, H, dtype, lo, hi, device="cuda", seed=Bq)
+def test_cuda_parity(gpu, dtype, Bq, Bd, D, H, lo, hi):
+    xs = make(Bq, Bd, D, H, dtype, lo, hi, device=gpu, seed=Bq)
     if dtype == torch.float64:
         assert_parity(xs, rtol=1e-9, atol=1e-9)
     else:  # gradients are sums over Bq * Bd pairs: judge float32 against float64 truth, like plain torch
@@ -333,14 +331,12 @@ def test_float32_within_twice_torch_error(Bq, Bd, D, H, lo, hi):
     assert_float32_within_twice_torch(make(Bq, Bd, D, H, torch.float32, lo, hi, seed=Bq))
 
 
-@pytest.mark.cuda
-@cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cuda_low_precision(dtype):
-    xs = make(64, 96, 32, 32, torch.float32, device="cuda", seed=9)
+def test_cuda_low_precision(gpu, dtype):
+    xs = make(64, 96, 32, 32, torch.float32, device=gpu, seed=9)
     lo = [x.detach().to(dtype).requires_grad_() for x in xs]
     up = [x.detach().float().requires_grad_() for x in lo]
-    G = torch.randn(64, 96, device="cuda")
+    G = torch.randn(64, 96, device=gpu)
     r_out, r_grads = run(ref.offset_bias, up, G)
     p_out, p_grads = run(ref.offset_bias, lo, G.to(dtype))
     f_out, f_grads = run(tempokern.offset_bias, lo, G.to(dtype))
@@ -349,13 +345,19 @@ def test_cuda_low_precision(dtype):
         assert _max_err(f, r) <= 2 * _max_err(p, r) + 1e-3 * max(1.0, float(r.abs().max())), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_table_lookup(gpu, dtype):
+    m = _trained_like(1, dtype)
+    t = m.table().to(gpu)
+    uq, ud = torch.rand(100, device=gpu) * 3 - 1, torch.rand(90, device=gpu) * 3 - 1
+    uq, ud = uq.to(dtype), ud.to(dtype)
+    torch.testing.assert_close(t(uq, ud), ref.offset_bias_lookup(uq, ud, t.values), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.cuda
 @cuda
-def test_cuda_table_and_devices_and_memory():
+def test_cuda_devices_and_memory():
     m = _trained_like(1, torch.float32)
-    t = m.table().to("cuda")
-    uq, ud = torch.rand(100, device="cuda") * 3 - 1, torch.rand(90, device="cuda") * 3 - 1
-    torch.testing.assert_close(t(uq, ud), ref.offset_bias_lookup(uq, ud, t.values), rtol=1e-6, atol=1e-6)
     xs = make(4, 5, 8, 6, torch.float32)
     with pytest.raises(ValueError, match="one device"):
         tempokern.offset_bias(xs[0].detach().cuda(), *[x.detach() for x in xs[1:]])
