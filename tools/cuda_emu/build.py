@@ -28,7 +28,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 CSRC = ROOT / "csrc"
 
-_LAUNCH = re.compile(r"^(?P<indent>\s*)(?P<kernel>[^\s<][^;]*?)<<<(?P<cfg>.*?)>>>\((?P<args>.*)\);(?P<tail>\s*\\?\s*)$")
+# a launch is a statement of its own line: `kernel<T, U><<<cfg>>>(args);` (a trailing `\\` allowed in macros)
+_LAUNCH = re.compile(r"^(?P<indent>\s*)(?P<kernel>[A-Za-z_][\w:]*(?:<[^;<>]*(?:<[^;<>]*>[^;<>]*)*>)?)"
+                     r"<<<(?P<cfg>.*?)>>>\((?P<args>.*)\);(?P<tail>\s*\\?\s*)$")
 _EXTERN_SHARED = re.compile(
     r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?(?P<type>[\w:\s]+?)\s+(?P<name>\w+)\s*\[\s*\]\s*;")
 
@@ -62,7 +64,7 @@ def _pybind11_include() -> str:
 
 def sources() -> tuple[list[Path], list[Path]]:
     cpp = sorted(CSRC.rglob("*.cpp"))
-    cu = sorted(CSRC.rglob("*.cu"))
+    cu = sorted(CSRC.rglob("*.cu")) + [HERE / "selftest.cu"]
     return cpp, cu
 
 
@@ -110,7 +112,7 @@ def build(out: Path | None = None, asan: bool = False, jobs: int | None = None, 
     for p in cpp:
         jobs_list.append((p, obj / (str(p.relative_to(CSRC)).replace("/", "__") + ".o"), []))
     for p in cu:
-        g = gen / (str(p.relative_to(CSRC)).replace("/", "__") + ".cpp")
+        g = gen / (str(p.relative_to(ROOT)).replace("/", "__") + ".cpp")
         g.write_text(rewrite_cu(p.read_text(), str(p.relative_to(ROOT))))
         # the rewritten file is compiled as if it sat beside the original, so its quoted includes resolve
         jobs_list.append((g, obj / (g.name + ".o"), [f"-I{p.parent}", f"-I{HERE / 'include'}", "-include", "emu_core.h"]))
@@ -137,14 +139,19 @@ def build(out: Path | None = None, asan: bool = False, jobs: int | None = None, 
     if r.returncode != 0:
         raise SystemExit(f"linking the CUDA emulator module failed:\n{r.stderr[-6000:]}")
     os.replace(tmp, target)  # atomic: a half-built module is never picked up
+    if out.parent == ROOT / "build" / "cuda_emu":  # drop builds of older trees
+        for old in out.parent.iterdir():
+            if old != out and old.is_dir() and len(old.name) == 16:
+                shutil.rmtree(old, ignore_errors=True)
     if not quiet:
         print(f"built {target}")
     return target
 
 
 def load(path: Path | None = None):
-    """Imports the emulated `_C` (built if needed) without touching sys.modules['tempokern._C']."""
-    path = Path(path) if path else build(quiet=True)
+    """Imports the emulated `_C` (built if needed) without touching sys.modules['tempokern._C'].
+    TEMPOKERN_EMU_ASAN=1 loads the AddressSanitizer build (the process must run with LD_PRELOAD=libasan)."""
+    path = Path(path) if path else build(asan=os.environ.get("TEMPOKERN_EMU_ASAN") == "1", quiet=True)
     spec = importlib.util.spec_from_file_location("tempokern_cuda_emu._C", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

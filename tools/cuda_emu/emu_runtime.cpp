@@ -236,13 +236,11 @@ bool resolve_warps(BlockRun& b, const char* name) {
   return released;
 }
 
-uint64_t g_seed() {
-  static const uint64_t s = [] {
-    const char* e = std::getenv("TEMPOKERN_EMU_SEED");
-    return e ? std::strtoull(e, nullptr, 10) : 0ull;
-  }();
-  return s;
-}
+std::atomic<uint64_t> g_seed_value{[] {
+  const char* e = std::getenv("TEMPOKERN_EMU_SEED");
+  return e ? std::strtoull(e, nullptr, 10) : 0ull;
+}()};
+uint64_t g_seed() { return g_seed_value.load(); }
 
 void run_block(BlockRun& b, const char* name) {
   const int n = (int)b.fibers.size();
@@ -321,6 +319,7 @@ void device_error(const std::string& what) {
 }
 
 unsigned long long launch_count() { return g_launches.load(); }
+void set_seed(unsigned long long seed) { g_seed_value = seed; }
 
 void set_last_error(cudaError_t e, const std::string& msg) {
   g_last = e;

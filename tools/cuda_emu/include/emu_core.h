@@ -28,7 +28,7 @@
 #define __forceinline__ inline
 #define __noinline__
 #define __launch_bounds__(...)
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 // One block runs at a time on one OS thread, so per-OS-thread statics are per-block shared memory.
 #define __shared__ static thread_local
 #define __constant__ static
