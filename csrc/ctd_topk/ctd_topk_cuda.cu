@@ -1,4 +1,4 @@
-// CUDA fused CTD top-k (unverified on a GPU at the time of writing: compiled only).
+// CUDA fused CTD top-k. Never run on a GPU yet: compiled, and tested on the CPU emulator (tools/cuda_emu).
 // Kernel 1: a block owns 64 queries and one slice of the gallery; per 64-row gallery tile it
 //   computes the 64 x 64 score tile in shared memory (fp16/bf16: tensor cores via wmma; fp32/fp64:
 //   SIMT FMA; fp32 accumulation, fp64 for fp64),

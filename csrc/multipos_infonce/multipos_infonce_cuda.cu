@@ -1,4 +1,5 @@
-// CUDA kernels for the fused multi-positive InfoNCE. UNVERIFIED ON A GPU (written without one; compiled only).
+// CUDA kernels for the fused multi-positive InfoNCE. Never run on a GPU yet: written without one, compiled,
+// and tested on the CPU emulator (tools/cuda_emu).
 //
 // One kernel template, five launches. A CTA owns BM anchors and walks all candidates in BN-wide tiles:
 //   FWD_ROW  anchors = queries,   candidates = documents (+ extra negatives)  -> row stats
