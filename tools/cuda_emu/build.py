@@ -7,7 +7,7 @@ The result is a `_C` module with the same functions as the real one, for `load()
 
     python tools/cuda_emu/build.py [--out DIR] [--asan]
 
-Output goes to build/cuda_emu/<hash of the sources and flags>/, so an unchanged tree is not rebuilt.
+Output goes to build/cuda_emu/<hash of the sources and flags>[-asan]/, so an unchanged tree is not rebuilt.
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def build(out: Path | None = None, asan: bool = False, jobs: int | None = None, 
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise SystemExit(f"the CUDA emulator build needs a C++ compiler ({cxx} not found)")
-    out = out or ROOT / "build" / "cuda_emu" / tree_hash(asan)
+    out = out or ROOT / "build" / "cuda_emu" / (tree_hash(asan) + ("-asan" if asan else ""))
     target = module_path(out)
     if target.exists():
         return target
@@ -139,9 +139,9 @@ def build(out: Path | None = None, asan: bool = False, jobs: int | None = None, 
     if r.returncode != 0:
         raise SystemExit(f"linking the CUDA emulator module failed:\n{r.stderr[-6000:]}")
     os.replace(tmp, target)  # atomic: a half-built module is never picked up
-    if out.parent == ROOT / "build" / "cuda_emu":  # drop builds of older trees
+    if out.parent == ROOT / "build" / "cuda_emu":  # drop builds of older trees (of the same kind)
         for old in out.parent.iterdir():
-            if old != out and old.is_dir() and len(old.name) == 16:
+            if old != out and old.is_dir() and old.name.endswith("-asan") == asan:
                 shutil.rmtree(old, ignore_errors=True)
     if not quiet:
         print(f"built {target}")
