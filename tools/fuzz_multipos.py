@@ -1,6 +1,9 @@
 """Random-configuration fuzzing of tempokern.multipos_infonce against tempokern.reference (float64).
 
-    python tools/fuzz_multipos.py [--seconds 120] [--seed 0]
+    python tools/fuzz_multipos.py [--seconds 120] [--seed 0] [--cuda-emu]
+
+--cuda-emu runs the fused op's CUDA kernels on the CPU emulator (tools/cuda_emu) instead of the CPU
+kernels, with hidden sizes past one warp and D up to the CUDA limit of 65.
 
 Each case draws B, H, extra negatives, hidden/D of the bias, span layout (random, disjoint, all
 overlapping, points), u ranges (inside [0, 1], narrow, wide enough to clamp, all clamped, ties),
@@ -10,6 +13,7 @@ exits 1 if any. b1 is never exactly zero: with D = 1 and u_d == u_q a pre-activa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import time
@@ -17,11 +21,13 @@ import time
 import torch
 
 
-def case(rng: random.Random):
+def case(rng: random.Random, wide: bool = False):
     B = rng.choice([1, 2, 3, 17, 64, 65, 96, 97, 150, 200, 257])
     H = rng.choice([1, 3, 8, 33])
     N = rng.choice([0, 0, 1, 5, 97])
     hidden, D = rng.randint(1, 8), rng.randint(1, 9)
+    if wide and rng.random() < 0.5:
+        hidden, D = rng.choice([31, 32, 33, 64, 70]), rng.choice([2, 31, 32, 63, 64, 65])
     g = torch.Generator().manual_seed(rng.randrange(10 ** 9))
     f64 = dict(dtype=torch.float64)
     q, d = torch.randn(B, H, generator=g, **f64), torch.randn(B, H, generator=g, **f64)
@@ -77,13 +83,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cuda-emu", action="store_true", help="test the CUDA kernels on the CPU emulator")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
+    ctx = contextlib.nullcontext
+    if args.cuda_emu:
+        import os
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu"))
+        import build as emu_build
+        from tempokern._ops.common import cuda_emulator
+        emu = emu_build.load()
+        ctx = lambda: cuda_emulator(emu)  # noqa: E731
     end, n, fails = time.time() + args.seconds, 0, 0
     while time.time() < end:
-        inputs, info = case(rng)
-        bad = compare(inputs)
+        inputs, info = case(rng, wide=args.cuda_emu)
+        with ctx():
+            bad = compare(inputs)
         n += 1
         if bad:
             fails += 1
