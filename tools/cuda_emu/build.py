@@ -108,22 +108,21 @@ def build(out: Path | None = None, asan: bool = False, jobs: int | None = None, 
     gen.mkdir(parents=True, exist_ok=True)
     obj.mkdir(parents=True, exist_ok=True)
     cpp, cu = sources()
+    shim = f"-I{HERE / 'include'}"  # module.cpp and the bindings include <cuda_runtime.h> under TK_WITH_CUDA
     jobs_list = []
     for p in cpp:
-        jobs_list.append((p, obj / (str(p.relative_to(CSRC)).replace("/", "__") + ".o"), []))
+        jobs_list.append((p, obj / (str(p.relative_to(CSRC)).replace("/", "__") + ".o"), [shim]))
     for p in cu:
         g = gen / (str(p.relative_to(ROOT)).replace("/", "__") + ".cpp")
         g.write_text(rewrite_cu(p.read_text(), str(p.relative_to(ROOT))))
         # the rewritten file is compiled as if it sat beside the original, so its quoted includes resolve
-        jobs_list.append((g, obj / (g.name + ".o"), [f"-I{p.parent}", f"-I{HERE / 'include'}", "-include", "emu_core.h"]))
+        jobs_list.append((g, obj / (g.name + ".o"), [f"-I{p.parent}", shim, "-include", "emu_core.h"]))
     fl = flags(asan)
     for extra in ("emu_runtime.cpp", "emu_bind.cpp"):
-        jobs_list.append((HERE / extra, obj / (extra + ".o"), [f"-I{HERE / 'include'}"]))
+        jobs_list.append((HERE / extra, obj / (extra + ".o"), [shim]))
 
     def compile_one(job):
-        src, o, extra = job
-        # module.cpp and the bindings include <cuda_runtime.h> under TK_WITH_CUDA: give them the shim too
-        inc = extra if extra else [f"-I{HERE / 'include'}"]
+        src, o, inc = job
         cmd = [cxx, *fl, *inc, "-c", str(src), "-o", str(o)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:

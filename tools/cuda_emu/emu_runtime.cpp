@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <map>
@@ -360,34 +359,27 @@ void launch(const char* name, dim3 grid, dim3 block, size_t smem, const void* fn
   b.body = &body;
   b.fibers.resize(nthreads);
   b.nwarps = (int)((nthreads + 31) / 32);
-  BlockRun* saved_run = t_run;
-  Block* saved_blk = t_blk;
-  t_run = &b;
-  t_blk = &b;
-  try {
-    for (unsigned z = 0; z < grid.z; ++z)
-      for (unsigned y = 0; y < grid.y; ++y)
-        for (unsigned x = 0; x < grid.x; ++x) {
-          b.bid = {x, y, z};
-          b.error = nullptr;
-          std::memset(dyn_base, 0xff, smem);  // NaN: reading shared memory before writing it shows
-          for (uint64_t i = 0; i < nthreads; ++i) {
-            Fiber& f = b.fibers[i];
-            f.linear = (int)i;
-            f.tid = {(unsigned)(i % block.x), (unsigned)(i / block.x % block.y), (unsigned)(i / block.x / block.y)};
-            f.lane = (int)(i % 32);
-            f.warp = (int)(i / 32);
-            f.state = State::Ready;
-          }
-          run_block(b, name);
-        }
-  } catch (...) {
-    t_run = saved_run;
-    t_blk = saved_blk;
-    throw;
+  for (uint64_t i = 0; i < nthreads; ++i) {
+    Fiber& f = b.fibers[i];
+    f.linear = (int)i;
+    f.tid = {(unsigned)(i % block.x), (unsigned)(i / block.x % block.y), (unsigned)(i / block.x / block.y)};
+    f.lane = (int)(i % 32);
   }
-  t_run = saved_run;
-  t_blk = saved_blk;
+  struct Current {  // this launch's block is the current one until launch() returns or throws
+    BlockRun* run = t_run;
+    Block* blk = t_blk;
+    explicit Current(BlockRun* b) { t_run = b; t_blk = b; }
+    ~Current() { t_run = run; t_blk = blk; }
+  } current(&b);
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        b.bid = {x, y, z};
+        b.error = nullptr;
+        std::memset(dyn_base, 0xff, smem);  // NaN: reading shared memory before writing it shows
+        for (Fiber& f : b.fibers) f.state = State::Ready;
+        run_block(b, name);
+      }
 }
 
 }  // namespace emu

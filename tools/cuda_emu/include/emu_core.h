@@ -61,7 +61,7 @@ extern thread_local Block* t_blk;
 
 struct Thread {
   uint3 tid;
-  int linear, lane, warp;
+  int linear, lane;
 };
 struct Block {
   uint3 bid, bdim, gdim;
