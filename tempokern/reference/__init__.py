@@ -4,6 +4,7 @@ They define the semantics: every fused op is tested against them (forward and
 gradients) and benchmarked against them."""
 from .calendar import calendar_context, calendar_scalar, fourier_table, level_weights
 from .offset_bias import (bias_frequencies, offset_bias, offset_bias_lookup, offset_bias_table_values,
+                          offset_bias_table, offset_bias_tabulated,
                           offset_features, table_points_delta)
 from .multipos_infonce import multipos_infonce, overlap_positives
 from .ctd_topk import ctd_scores, ctd_topk
@@ -11,7 +12,7 @@ from .ctd_topk import ctd_scores, ctd_topk
 __all__ = [
     "calendar_scalar", "calendar_context", "fourier_table", "level_weights",
     "offset_bias", "bias_frequencies", "offset_features", "offset_bias_lookup",
-    "offset_bias_table_values", "table_points_delta",
+    "offset_bias_table_values", "table_points_delta", "offset_bias_table", "offset_bias_tabulated",
     "multipos_infonce", "overlap_positives",
     "ctd_topk", "ctd_scores",
 ]

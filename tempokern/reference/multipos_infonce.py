@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .offset_bias import offset_bias
+from .offset_bias import offset_bias, offset_bias_tabulated
 
 
 def _span_bounds(span: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -24,14 +24,19 @@ def overlap_positives(q_span, d_span) -> torch.Tensor:
 
 def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temperature: float,
                      bias: Optional[Sequence[torch.Tensor]] = None, extra_neg: Optional[torch.Tensor] = None,
-                     symmetric: bool = True) -> torch.Tensor:
+                     symmetric: bool = True, bias_table_points: Optional[int] = None) -> torch.Tensor:
     """Multi-positive InfoNCE over in-batch scores s_ij = q_i . d_j / temperature + bias_ij.
 
     q, d: (B, H). q_span = (q_start, q_end), d_span = (d_start, d_end): integer (B,) tensors.
     Positives of row i: P_i = {j : the two closed intervals overlap}; a row with no positive uses its
-    diagonal j = i (likewise a column in the d->q direction). bias: None or the 7-tuple
+    diagonal j = i. The d->q direction uses that row-fallback mask transposed, plus the diagonal for
+    columns still without a positive, as ChunQiuTR's ``contrastive_loss_inbatch`` does
+    (``retrieval_utils.py``): column j's positives are the overlaps, plus (j, j) when row j or column j
+    has no overlap. bias: None or the 7-tuple
     (u_q, u_d, w1, b1, w2, b2, scale) of offset_bias, added to the q x d block only. extra_neg (N, H):
     extra negatives with scores q_i . n_k / temperature, in the q->d denominators only.
+    bias_table_points=N: the table mode of the bias (:func:`offset_bias_tabulated`: the MLP evaluated
+    exactly in float64 at N points of [-1, 1], linearly interpolated).
 
     loss_q = mean_i [logsumexp_all(s_i.) - logsumexp_{j in P_i}(s_ij)]; symmetric=True returns
     (loss_q + loss_d) / 2 with loss_d the same over columns (no extra negatives there).
@@ -39,11 +44,12 @@ def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temper
     B = q.shape[0]
     s = (q @ d.t()) / temperature
     if bias is not None:
-        s = s + offset_bias(*bias).to(s.dtype)
+        b = offset_bias(*bias) if bias_table_points is None else offset_bias_tabulated(*bias, bias_table_points)
+        s = s + b.to(s.dtype)
     pos = overlap_positives(q_span, d_span)
     eye = torch.eye(B, d.shape[0], dtype=torch.bool, device=q.device)
     pos_r = pos | (eye & ~pos.any(dim=1, keepdim=True))
-    pos_c = pos | (eye & ~pos.any(dim=0, keepdim=True))
+    pos_c = pos_r | (eye & ~pos_r.any(dim=0, keepdim=True))
     neg_inf = torch.finfo(s.dtype).min  # finite fill keeps logsumexp's backward NaN-free
     s_all = s if extra_neg is None else torch.cat([s, (q @ extra_neg.t()) / temperature], dim=1)
     loss_q = (torch.logsumexp(s_all, dim=1) - torch.logsumexp(s.masked_fill(~pos_r, neg_inf), dim=1)).mean()

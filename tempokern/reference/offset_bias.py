@@ -71,6 +71,26 @@ def offset_bias_table_values(w1, b1, w2, b2, scale, points: int) -> torch.Tensor
         return (scale.double() * y).to(torch.float32)
 
 
+def offset_bias_table(w1, b1, w2, b2, scale, points: int) -> torch.Tensor:
+    """The tabulated bias as a differentiable float64 (points,) tensor: values[p] = scale * (w2 . relu(w1
+    phi(delta_p) + b1) + b2) at delta_p = table_points_delta(points). The training table mode
+    (``bias_table_points=N`` of multipos_infonce / CTDLoss, ``table_points=N`` of offset_bias) evaluates
+    the MLP here, exactly, and interpolates it with :func:`offset_bias_lookup`; gradients reach all five
+    MLP inputs through this function."""
+    d = table_points_delta(points, torch.float64, w1.device)
+    phi = offset_features(d, w1.shape[1])
+    h = torch.relu(phi @ w1.double().t() + b1.double())
+    y = (h @ w2.double().t()).squeeze(-1) + b2.double().reshape(())
+    return scale.double().reshape(()) * y
+
+
+def offset_bias_tabulated(u_q, u_d, w1, b1, w2, b2, scale, points: int) -> torch.Tensor:
+    """The table mode of the bias: ``offset_bias_lookup(u_q, u_d, offset_bias_table(w1, ..., points))``,
+    differentiable in all seven inputs (the interpolant's slope for u_q/u_d, zero where the clamp bites).
+    Returned in the promoted dtype of u_q and u_d, like the lookup."""
+    return offset_bias_lookup(u_q, u_d, offset_bias_table(w1, b1, w2, b2, scale, points))
+
+
 def offset_bias_lookup(u_q: torch.Tensor, u_d: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Table evaluation, the spec for the in-kernel lookup: x = (clamp(u_d[j] - u_q[i], -1, 1) + 1) / 2
     * (P - 1) for P = values.numel() points; out = lerp(values[floor(x)], values[floor(x) + 1], x - floor(x))
