@@ -15,7 +15,7 @@ const void* get(const Ptrs& m, const char* k) {
 }
 void* get_mut(const Ptrs& m, const char* k) { return const_cast<void*>(get(m, k)); }
 
-// sizes: Bq, Bd, N, H, ldq, ldd, ldn, hidden, K2, diag_offset[, allow_tf32[, ncell]]; scalars: inv_temp, row_weight, col_weight
+// sizes: Bq, Bd, N, H, ldq, ldd, ldn, hidden, K2, diag_offset[, unused[, ncell]]; scalars: inv_temp, row_weight, col_weight
 MultiposParams make_params(int dtype, const std::vector<int64_t>& sz, const std::vector<double>& sc, const Ptrs& m) {
   if (sz.size() < 10 || sz.size() > 12 || sc.size() != 3)
     fail("multipos_infonce_launch: expected 10 to 12 sizes and 3 scalars");
@@ -23,7 +23,6 @@ MultiposParams make_params(int dtype, const std::vector<int64_t>& sz, const std:
   p.dtype = to_dtype(dtype);
   p.Bq = sz[0]; p.Bd = sz[1]; p.N = sz[2]; p.H = sz[3];
   p.ldq = sz[4]; p.ldd = sz[5]; p.ldn = sz[6]; p.hidden = sz[7]; p.K2 = sz[8]; p.diag_offset = sz[9];
-  p.allow_tf32 = sz.size() >= 11 && sz[10] != 0;
   p.ncell = sz.size() == 12 ? sz[11] : 0;
   p.inv_temp = sc[0]; p.row_weight = sc[1]; p.col_weight = sc[2];
   p.q = get(m, "q"); p.d = get(m, "d"); p.neg = get(m, "neg");
@@ -56,34 +55,22 @@ MultiposParams make_params(int dtype, const std::vector<int64_t>& sz, const std:
 
 TK_BIND(multipos_infonce) {
   m.def("multipos_infonce_launch",
-        [](const std::string& op, int device, uintptr_t stream, int dtype, const std::vector<int64_t>& sizes,
-           const std::vector<double>& scalars, const Ptrs& ptrs, uintptr_t workspace, int64_t workspace_bytes) {
+        [](const std::string& op, int device, uintptr_t, int dtype, const std::vector<int64_t>& sizes,
+           const std::vector<double>& scalars, const Ptrs& ptrs, uintptr_t, int64_t) {
           const MultiposParams p = make_params(dtype, sizes, scalars, ptrs);
           if (op == "fwd") {
             if (!p.loss) fail("multipos_infonce_launch: forward needs loss");
-            if (device >= 0 && (p.z_lo || p.diag_col)) fail("multipos_infonce_launch: unit bounds and diag arrays are CPU-only");
-            run_on(device, [&] { multipos_infonce_fwd_cpu(p); },
-                   [&] { TK_CUDA_ONLY(multipos_infonce_fwd_cuda(p, device, stream, as_ptr(workspace), workspace_bytes)); });
+            if (device >= 0) fail("multipos_infonce_launch is the CPU kernel; CUDA runs multipos_block_launch");
+            run_on(device, [&] { multipos_infonce_fwd_cpu(p); }, [] {});
           } else if (op == "bwd") {
             if (!p.grad_loss || !p.dq || !p.dd || (p.N > 0 && !p.dneg)) fail("multipos_infonce_launch: backward needs grads");
             if (p.has_bias && (!p.dA || !p.dCt || !p.db1 || !p.dw2 || !p.db2 || !p.dscale || !p.dzc))
               fail("multipos_infonce_launch: backward needs bias grads");
-            if (device >= 0 && (p.z_lo || p.diag_col)) fail("multipos_infonce_launch: unit bounds and diag arrays are CPU-only");
-            run_on(device, [&] { multipos_infonce_bwd_cpu(p); },
-                   [&] { TK_CUDA_ONLY(multipos_infonce_bwd_cuda(p, device, stream, as_ptr(workspace), workspace_bytes)); });
+            if (device >= 0) fail("multipos_infonce_launch is the CPU kernel; CUDA runs multipos_block_launch");
+            run_on(device, [&] { multipos_infonce_bwd_cpu(p); }, [] {});
           } else {
             fail("unknown multipos_infonce op '" + op + "'");
           }
-        });
-  m.def("multipos_infonce_cuda_workspace",
-        [](int dtype, const std::vector<int64_t>& sizes, const std::vector<double>& scalars, const Ptrs& ptrs,
-           bool backward) -> int64_t {
-#ifdef TK_WITH_CUDA
-          return multipos_infonce_cuda_workspace(make_params(dtype, sizes, scalars, ptrs), backward);
-#else
-          (void)dtype; (void)sizes; (void)scalars; (void)ptrs; (void)backward;
-          return 0;
-#endif
         });
 }
 

@@ -20,7 +20,7 @@
 namespace tk {
 
 struct MultiposParams {
-  DType dtype = DType::F32;  // CPU: F32 or F64 (the wrapper upcasts halves); CUDA: any
+  DType dtype = DType::F32;  // F32 or F64 (the wrapper upcasts halves); CUDA runs multipos_block.h
   int64_t Bq = 0, Bd = 0, N = 0, H = 0;
   const void* q = nullptr;    // (Bq, H), row stride ldq, unit column stride
   const void* d = nullptr;    // (Bd, H)
@@ -36,7 +36,6 @@ struct MultiposParams {
   // permuted by the wrapper (it sorts them by u so that tiles span narrow delta ranges).
   const int64_t* diag_col = nullptr;  // (Bq,) row i's fallback column
   const int64_t* diag_row = nullptr;  // (Bd,) column j's fallback row
-  bool allow_tf32 = false;  // CUDA float32 score tiles on tensor cores (torch.backends.cuda.matmul.allow_tf32)
 
   // ---- bias, all in the accumulation dtype (float32, float64 for float64) ----
   bool has_bias = false;
@@ -79,12 +78,5 @@ struct MultiposParams {
 
 void multipos_infonce_fwd_cpu(const MultiposParams& p);
 void multipos_infonce_bwd_cpu(const MultiposParams& p);
-#ifdef TK_WITH_CUDA
-void multipos_infonce_fwd_cuda(const MultiposParams& p, int device, uintptr_t stream, void* workspace,
-                               int64_t workspace_bytes);
-void multipos_infonce_bwd_cuda(const MultiposParams& p, int device, uintptr_t stream, void* workspace,
-                               int64_t workspace_bytes);
-int64_t multipos_infonce_cuda_workspace(const MultiposParams& p, bool backward);
-#endif
 
 }  // namespace tk

@@ -326,9 +326,18 @@ void Pass<A>::fwd() {
   if (cols) {
     for (int64_t j = 0; j < Bd; ++j) {
       cst[j] = cm[j] + std::log(cs[j]);
+      // ChunQiuTR's d->q positives: the row-fallback mask transposed (so the diagonal when its row had no
+      // overlap), then the diagonal for columns still without a positive.
+      const int64_t id = dg.row_of(j);
+      const bool rfb = id >= 0 && id < Bq && rs[2 * Bq + id] != A(0);
       const bool fb = ccnt[j] == 0;
-      cst[Bd + j] = fb ? cdiag[j] : cpm[j] + std::log(cps[j]);
-      cst[2 * Bd + j] = fb ? A(1) : A(0);
+      A lpos = fb ? cdiag[j] : cpm[j] + std::log(cps[j]);
+      if (!fb && rfb) {  // overlaps plus the diagonal (never itself an overlap here: its row has none)
+        const A hi = std::max(lpos, cdiag[j]), lo = std::min(lpos, cdiag[j]);
+        lpos = hi + std::log1p(std::exp(lo - hi));
+      }
+      cst[Bd + j] = lpos;
+      cst[2 * Bd + j] = (fb || rfb) ? A(1) : A(0);
       lc += (double)cst[j] - (double)cst[Bd + j];
     }
   }

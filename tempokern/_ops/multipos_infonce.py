@@ -14,7 +14,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..reference.offset_bias import bias_frequencies, offset_features
+from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
+from .multipos_blocked import blocked_loss
 from .offset_bias import interval_bounds
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, kernels, launch_args,
                      on_cuda_path, ptr)
@@ -28,7 +29,7 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 def _kernel_operand(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """CPU kernels read float32/float64 rows with unit column stride; CUDA reads the storage dtype."""
+    """The CPU kernel reads float32/float64 rows with unit column stride; the blocked path any dtype."""
     if not on_cuda_path(t) and t.dtype != acc:
         t = t.to(acc)
     if t.stride(-1) != 1 or (t.dim() == 2 and t.shape[0] > 1 and t.stride(0) < t.shape[1]):
@@ -44,33 +45,13 @@ def _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, sca
             if v is not None}
 
 
-def _tf32_allowed() -> bool:
-    """Whether torch's float32 matmuls may use TF32. Read through fp32_precision (torch >= 2.9): reading the
-    legacy allow_tf32 raises RuntimeError once a user has set the new API ('none' inherits the global one)."""
-    m = torch.backends.cuda.matmul
-    prec = getattr(m, "fp32_precision", None)
-    if prec is None:
-        return bool(m.allow_tf32)
-    if prec == "none":
-        prec = getattr(torch.backends, "fp32_precision", "none")
-    return prec == "tf32"
-
-
 def _sizes(q, d, extra_neg, A, diag_offset, z_lo):
     N = 0 if extra_neg is None else extra_neg.shape[0]
     ldn = 0 if extra_neg is None else extra_neg.stride(0)
     hidden = 0 if A is None else A.shape[1]
     K2 = 0 if A is None else A.shape[2]
-    tf32 = int(on_cuda_path(q) and q.dtype == torch.float32 and _tf32_allowed())
-    return [q.shape[0], d.shape[0], N, q.shape[1], q.stride(0), d.stride(0), ldn, hidden, K2, diag_offset, tf32,
+    return [q.shape[0], d.shape[0], N, q.shape[1], q.stride(0), d.stride(0), ldn, hidden, K2, diag_offset, 0,
             0 if z_lo is None else z_lo.shape[1]]
-
-
-def _workspace(dev, dtype, sizes, scalars, ptrs, backward, like):
-    if dev < 0:
-        return None
-    nbytes = kernels().multipos_infonce_cuda_workspace(dtype, sizes, scalars, ptrs, backward)
-    return torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=like.device)
 
 
 @torch.library.custom_op("tempokern::multipos_infonce", mutates_args=())
@@ -95,9 +76,7 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
     ptrs.update(loss=ptr(loss), row_stats=ptr(row_stats), col_stats=ptr(col_stats))
     sizes = _sizes(q, d, extra_neg, A, diag_offset, z_lo)
     scalars = [inv_temp, row_weight, col_weight]
-    ws = _workspace(dev, dtype_code(q), sizes, scalars, ptrs, False, q)
-    kernels().multipos_infonce_launch("fwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, ptr(ws),
-                               0 if ws is None else ws.numel())
+    kernels().multipos_infonce_launch("fwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, 0, 0)
     return loss, row_stats, col_stats
 
 
@@ -140,9 +119,7 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
                 grad_loss=ptr(grad), **{k: ptr(v) for k, v in grads.items() if v is not None})
     sizes = _sizes(q, d, extra_neg, A, diag_offset, z_lo)
     scalars = [inv_temp, row_weight, col_weight]
-    ws = _workspace(dev, dtype_code(q), sizes, scalars, ptrs, True, q)
-    kernels().multipos_infonce_launch("bwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, ptr(ws),
-                               0 if ws is None else ws.numel())
+    kernels().multipos_infonce_launch("bwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, 0, 0)
     out = []
     for k in _GRAD_NAMES:
         g = grads[k]
@@ -192,6 +169,101 @@ def _backward(ctx, grad, _g_rows, _g_cols):
 
 _multipos.register_autograd(_backward, setup_context=_setup)
 
+
+
+# ---- the blocked path: CUDA (cuBLAS score blocks + fused passes), and the table mode of the bias on CPU ----
+
+_BLOCKED_OUT = ("loss", "dq", "dd", "dneg", "du_q", "du_d", "dtable", "dw1", "db1", "dw2", "db2", "dscale")
+# input index of the op -> index of its gradient among the outputs
+_BLOCKED_GRAD_OF = {0: 1, 1: 2, 6: 3, 7: 4, 8: 5, 9: 6, 10: 7, 11: 8, 12: 9, 13: 10, 14: 11}
+
+
+@torch.library.custom_op("tempokern::multipos_blocked", mutates_args=())
+def _multipos_blocked(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.Tensor, d_lo: torch.Tensor,
+                      d_hi: torch.Tensor, extra_neg: Optional[torch.Tensor], u_q: Optional[torch.Tensor],
+                      u_d: Optional[torch.Tensor], table: Optional[torch.Tensor], w1: Optional[torch.Tensor],
+                      b1: Optional[torch.Tensor], w2: Optional[torch.Tensor], b2: Optional[torch.Tensor],
+                      scale: Optional[torch.Tensor], inv_temp: float, row_weight: float, col_weight: float,
+                      diag_offset: int, want_grad: bool, block_rows: int) -> List[torch.Tensor]:
+    exact = None if w1 is None else (w1, b1, w2, b2, scale)
+    out = blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact, inv_temp, row_weight,
+                       col_weight, diag_offset, want_grad, block_rows)
+    acc = _acc(q.dtype)
+    return [t if t is not None else q.new_empty(0, dtype=acc) for t in out]
+
+
+@_multipos_blocked.register_fake
+def _(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, w1, b1, w2, b2, scale, inv_temp, row_weight,
+      col_weight, diag_offset, want_grad, block_rows):
+    acc = _acc(q.dtype)
+    ins = dict(dq=q, dd=d, dneg=extra_neg, du_q=u_q, du_d=u_d, dtable=table, dw1=w1, db1=b1, dw2=w2, db2=b2,
+               dscale=scale)
+    out = [q.new_empty((), dtype=acc)]
+    for name in _BLOCKED_OUT[1:]:
+        t = ins[name]
+        if not want_grad or t is None or (name in ("du_q", "du_d") and table is None and w1 is None):
+            out.append(q.new_empty(0, dtype=acc))
+        else:
+            out.append(q.new_empty(t.shape, dtype=torch.float64 if w1 is not None and name in (
+                "du_q", "du_d", "dw1", "db1", "dw2", "db2", "dscale") else acc))
+    return out
+
+
+def _blocked_setup(ctx, inputs, output):
+    ctx.want_grad = inputs[19]
+    ctx.in_meta = [(t.dtype, t.shape) if isinstance(t, torch.Tensor) else None for t in inputs[:15]]
+    ctx.save_for_backward(*output[1:])
+
+
+def _blocked_backward(ctx, grads):
+    g = grads[0]
+    if not ctx.want_grad:
+        raise RuntimeError("multipos_infonce: backward was called, but the forward ran without gradients (no input "
+                           "required grad, or grad mode was off); call it again with grad enabled")
+    saved = ctx.saved_tensors
+    out = [None] * 21
+    for i, k in _BLOCKED_GRAD_OF.items():
+        meta = ctx.in_meta[i]
+        if meta is None or not ctx.needs_input_grad[i]:
+            continue
+        dt, shape = meta
+        out[i] = (saved[k - 1] * g.to(saved[k - 1].dtype)).reshape(shape).to(dt)
+    return tuple(out)
+
+
+_multipos_blocked.register_autograd(_blocked_backward, setup_context=_blocked_setup)
+
+
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
+                     row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0,
+                     bias_table_points: Optional[int] = None, block_rows: int = 0):
+    """The blocked path on validated inputs (see multipos_blocked.py): every CUDA call, and the table
+    mode of the bias on CPU. With ``bias_table_points=N`` the bias MLP is evaluated exactly in float64 at N
+    points of [-1, 1] (differentiable torch) and interpolated in the kernels; gradients are exact for the
+    interpolated function."""
+    acc = _acc(q.dtype)
+    u_q = u_d = table = None
+    exact = (None,) * 5
+    if bias is not None:
+        u_q, u_d, w1, b1, w2, b2, scale = bias
+        if bias_table_points is not None:
+            table = offset_bias_table(w1, b1, w2, b2, scale, int(bias_table_points)).to(acc)
+            u_q, u_d = u_q.to(acc).contiguous(), u_d.to(acc).contiguous()
+        else:
+            exact = (w1, b1, w2, b2, scale)
+            u_q, u_d = u_q.contiguous(), u_d.contiguous()
+    q, d = _kernel_operand(q, q.dtype), _kernel_operand(d, d.dtype)
+    if extra_neg is not None:
+        extra_neg = _kernel_operand(extra_neg, extra_neg.dtype)
+    want = _needs_grad(q, d, extra_neg, u_q, u_d, table, *exact)
+    out = torch.ops.tempokern.multipos_blocked(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, *exact,
+                                               1.0 / temperature, float(row_weight), float(col_weight),
+                                               int(diag_offset), want, int(block_rows))
+    return out[0]
 
 # ---- preparation and validation ------------------------------------------------------------------
 
@@ -284,14 +356,33 @@ def _sorted_by_u(q, d, q_lo, q_hi, d_lo, d_hi, bias, diag_offset):
             bias, (diag_col, diag_row))
 
 
+def check_table_points(points, bias) -> Optional[int]:
+    """Validates ``bias_table_points``: None (exact MLP bias) or an int >= 2, only with a bias."""
+    if points is None:
+        return None
+    if isinstance(points, bool) or not isinstance(points, int):
+        raise TypeError(f"bias_table_points must be None or an int, got {type(points).__name__}")
+    if points < 2:
+        raise ValueError(f"bias_table_points must be >= 2, got {points}")
+    if bias is None:
+        raise ValueError("bias_table_points was given without a bias")
+    return points
+
+
 def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
-                             row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0):
+                             row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0,
+                             bias_table_points: Optional[int] = None):
     """The kernel entry on validated inputs: q (Bq, H) vs d (Bd, H), spans as int64 (lo, hi) bounds,
     row/column weights (each loss is the mean over its own rows/columns) and the diagonal offset
-    (row i's fallback positive is column i + diag_offset). Used by multipos_infonce and CTDLoss."""
+    (row i's fallback positive is column i + diag_offset). Used by multipos_infonce and CTDLoss.
+    CUDA (and the table mode anywhere) runs the blocked path; CPU without a table the fused tiled kernel."""
+    if on_cuda_path(q) or bias_table_points is not None:
+        return blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias,
+                                extra_neg=extra_neg, row_weight=row_weight, col_weight=col_weight,
+                                diag_offset=diag_offset, bias_table_points=bias_table_points)
     acc = _acc(q.dtype)
     extras = (None,) * 4
-    if bias is not None and not on_cuda_path(q) and q.shape[0] and d.shape[0]:
+    if bias is not None and q.shape[0] and d.shape[0]:
         q, d, q_lo, q_hi, d_lo, d_hi, bias, diag = _sorted_by_u(q, d, q_lo, q_hi, d_lo, d_hi, bias, diag_offset)
         extras = (*interval_bounds(bias[2], bias[3]), *diag)
     kb = (None,) * 9 if bias is None else bias_kernel_inputs(bias, acc)
@@ -338,18 +429,25 @@ def validate(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric, *, s
 
 def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temperature: float,
                      bias: Optional[Sequence[torch.Tensor]] = None, extra_neg: Optional[torch.Tensor] = None,
-                     symmetric: bool = True) -> torch.Tensor:
+                     symmetric: bool = True, bias_table_points: Optional[int] = None) -> torch.Tensor:
     """Fused multi-positive interval-overlap InfoNCE; same semantics as
-    :func:`tempokern.reference.multipos_infonce`, memory O((B + N) * H + B * hidden * D).
+    :func:`tempokern.reference.multipos_infonce`.
+
+    CPU (no table): one tiled kernel, memory O((B + N) * H + B * hidden * D). CUDA: cuBLAS score blocks
+    and fused passes around them (tempokern/_ops/multipos_blocked.py), memory O(R * (B + N)) for blocks of
+    R rows (the whole batch when it fits in 1 GiB). ``bias_table_points=N`` (with a bias): the table mode,
+    the MLP evaluated exactly at N points of [-1, 1] and linearly interpolated (gradients exact for the
+    interpolant; 4097 recommended, see docs/multipos_infonce.md); None: the exact MLP per pair.
 
     q, d (B, H) used as given; q_span = (q_start, q_end), d_span = (d_start, d_end) integer (B,) tensors
     (closed intervals, either order); bias None or offset_bias's (u_q, u_d, w1, b1, w2, b2, scale);
     extra_neg (N, H) joins the q->d denominators only. Returns a 0-d float32 tensor (float64 for
     float64 input); gradients flow to q, d, extra_neg and all seven bias inputs."""
     temperature, bias = validate(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric)
+    bias_table_points = check_table_points(bias_table_points, bias)
     q_lo, q_hi = _span_bounds(q_span)
     d_lo, d_hi = _span_bounds(d_span)
     w = 0.5 if symmetric else 1.0
     return multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias,
                                     extra_neg=extra_neg, row_weight=w, col_weight=w if symmetric else 0.0,
-                                    diag_offset=0)
+                                    diag_offset=0, bias_table_points=bias_table_points)

@@ -1,0 +1,76 @@
+// Python entry for the fused passes of the blocked multi-positive InfoNCE
+// (tempokern/_ops/multipos_blocked.py validates, allocates and drives them).
+#include <map>
+#include <string>
+#include "common/bind_utils.h"
+#include "common/registry.h"
+#include "multipos_infonce/multipos_block.h"
+
+namespace tk {
+namespace {
+using Ptrs = std::map<std::string, uintptr_t>;
+
+const void* get(const Ptrs& m, const char* k) {
+  auto it = m.find(k);
+  return it == m.end() ? nullptr : as_ptr(it->second);
+}
+void* get_mut(const Ptrs& m, const char* k) { return const_cast<void*>(get(m, k)); }
+
+// dtypes: sdtype, odtype, adtype. sizes: R, C, i0, lds, pos, cols, diag_offset, bias_mode, P, ldb, TR, nct,
+// nrt, nslots, slot0, Bq, ldo, nhist. scalars: inv_temp, gr, gc.
+MultiposBlockParams make(const std::vector<int>& dt, const std::vector<int64_t>& sz, const std::vector<double>& sc,
+                         const Ptrs& m) {
+  if (dt.size() != 3 || sz.size() != 18 || sc.size() != 3) fail("multipos_block_launch: expected 3 dtypes, 18 sizes, 3 scalars");
+  MultiposBlockParams p;
+  p.sdtype = to_dtype(dt[0]);
+  p.odtype = to_dtype(dt[1]);
+  p.adtype = to_dtype(dt[2]);
+  p.R = sz[0]; p.C = sz[1]; p.i0 = sz[2]; p.lds = sz[3]; p.pos = sz[4] != 0; p.cols = sz[5] != 0;
+  p.diag_offset = sz[6]; p.bias_mode = (int)sz[7]; p.P = sz[8]; p.ldb = sz[9]; p.TR = sz[10]; p.nct = sz[11];
+  p.nrt = sz[12]; p.nslots = sz[13]; p.slot0 = sz[14]; p.Bq = sz[15]; p.ldo = sz[16]; p.nhist = sz[17];
+  p.inv_temp = sc[0]; p.gr = sc[1]; p.gc = sc[2];
+  p.S = get(m, "S");
+  p.q_lo = static_cast<const int64_t*>(get(m, "q_lo")); p.q_hi = static_cast<const int64_t*>(get(m, "q_hi"));
+  p.d_lo = static_cast<const int64_t*>(get(m, "d_lo")); p.d_hi = static_cast<const int64_t*>(get(m, "d_hi"));
+  p.row_none = static_cast<const uint8_t*>(get(m, "row_none"));
+  p.col_none = static_cast<const uint8_t*>(get(m, "col_none"));
+  p.u_q = get(m, "u_q"); p.u_d = get(m, "u_d"); p.table = get(m, "table"); p.dense = get(m, "dense");
+  p.row_part = get_mut(m, "row_part"); p.col_part = get_mut(m, "col_part");
+  p.row_lse = get(m, "row_lse"); p.col_lse = get(m, "col_lse");
+  p.dS = get_mut(m, "dS"); p.G = get_mut(m, "G"); p.duq_part = get_mut(m, "duq_part");
+  p.dud_part = get_mut(m, "dud_part"); p.hist = static_cast<double*>(get_mut(m, "hist"));
+  if (p.R < 0 || p.C < 0 || p.TR < 1 || p.nslots < 1 || p.slot0 < 0) fail("multipos_block_launch: bad sizes");
+  if (!p.S) fail("multipos_block_launch: missing S");
+  if (p.pos && (!p.q_lo || !p.q_hi || !p.d_lo || !p.d_hi || !p.row_none || !p.col_none))
+    fail("multipos_block_launch: positives need spans and fallback flags");
+  if (p.bias_mode == 1 && (!p.u_q || !p.u_d || !p.table || p.P < 2)) fail("multipos_block_launch: incomplete table bias");
+  if (p.bias_mode == 2 && !p.dense) fail("multipos_block_launch: dense bias without its block");
+  if (p.bias_mode < 0 || p.bias_mode > 2) fail("multipos_block_launch: bad bias mode");
+  return p;
+}
+}  // namespace
+
+TK_BIND(multipos_block) {
+  m.def("multipos_block_launch",
+        [](const std::string& op, int device, uintptr_t stream, const std::vector<int>& dtypes,
+           const std::vector<int64_t>& sizes, const std::vector<double>& scalars, const Ptrs& ptrs) {
+          const MultiposBlockParams p = make(dtypes, sizes, scalars, ptrs);
+          if (op == "fwd") {
+            if (!p.row_part || (p.cols && !p.col_part)) fail("multipos_block_launch: forward needs its partial outputs");
+            run_on(device, [&] { multipos_block_fwd_cpu(p); },
+                   [&] { TK_CUDA_ONLY(multipos_block_fwd_cuda(p, device, stream)); });
+          } else if (op == "bwd") {
+            if (!p.dS || (p.gr != 0.0 && !p.row_lse) || (p.cols && p.gc != 0.0 && !p.col_lse))
+              fail("multipos_block_launch: backward needs dS and the statistics");
+            if (p.bias_mode == 1 && (!p.duq_part || !p.dud_part || !p.hist || p.nhist < 1))
+              fail("multipos_block_launch: table backward needs its partial outputs");
+            if (p.bias_mode == 2 && !p.G) fail("multipos_block_launch: dense backward needs G");
+            run_on(device, [&] { multipos_block_bwd_cpu(p); },
+                   [&] { TK_CUDA_ONLY(multipos_block_bwd_cuda(p, device, stream)); });
+          } else {
+            fail("unknown multipos_block op '" + op + "'");
+          }
+        });
+}
+
+}  // namespace tk

@@ -1,0 +1,294 @@
+"""Blocked multi-positive InfoNCE: the CUDA execution of the CTD loss (and its table-bias mode on CPU).
+
+Schedule (one step, B rows, H features, C = B columns, N extra negatives):
+  pass 1, per block of R rows:  S = q_blk d^T through torch (cuBLAS on CUDA: bf16/fp16 operands with
+      float32 output where torch offers ``mm(..., out_dtype=float32)``, float32 (TF32 as torch is set) or
+      float64 otherwise), then one fused kernel over S: offset bias, span-overlap mask, online row and column
+      log-sum-exp partials (merged with torch.logsumexp). Extra negatives: E = q_blk n^T, row partials only.
+  pass 2 (in the forward when a gradient will be needed; reuses S when everything fits in one block):
+      S again, one fused kernel writes dS = inv_temp * dL/dx once in the operand dtype (and the bias
+      gradient: table histogram + dL/du partials, or dL/dbias for the exact MLP), then torch:
+      dq_blk = dS d, dd += dS^T q_blk.
+Products: 2 B C H flops (pass 1) + 6 B C H (pass 2; 4 when one block holds everything). Bytes per score
+element: 4 written by cuBLAS + 4 read (pass 1), 4 + 4 + 2 written + 2 x 2 read (pass 2), float32 scores
+and bf16 dS. Extra memory: R x (C + N) x (score bytes + dS bytes) for the block (plus 8 bytes per element
+for the exact bias block and its gradient), O((B + N) H) for the gradients; never B x B unless one block
+holds it within the budget. The loss's gradient with respect to its output scale is linear, so the
+gradients are computed for d loss = 1 and scaled in backward.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import List, Optional
+
+import torch
+
+from .common import DTYPE_CODES, kernels, launch_args, on_cuda_path, ptr, sm_count
+
+_TILE_COLS = 256
+_out_dtype_ok: dict = {}
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _mm_out_f32(device: torch.device) -> bool:
+    """Whether torch.mm accepts out_dtype=float32 for half operands on this device (torch >= 2.10 on CUDA)."""
+    key = str(device)
+    ok = _out_dtype_ok.get(key)
+    if ok is None:
+        try:
+            a = torch.ones(2, 8, dtype=torch.bfloat16, device=device)
+            ok = torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            ok = False
+        _out_dtype_ok[key] = ok
+    return ok
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for the fused passes: float32 output for fp16/bf16 operands on CUDA when torch can (cuBLAS
+    accumulates in float32 either way), the operands' dtype otherwise. CPU operands are float32/float64."""
+    if a.device.type == "cuda" and a.dtype in (torch.float16, torch.bfloat16) and _mm_out_f32(a.device):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a, b)
+
+
+def none_flags(q_lo, q_hi, d_lo, d_hi):
+    """(row_none (Bq,), col_none (Bd,)) uint8: 1 where the row (column) overlaps no column (row).
+    O((Bq + Bd) log) with sorted bounds: overlaps_i = Bd - #(d_lo > q_hi_i) - #(d_hi < q_lo_i) (disjoint)."""
+    Bq, Bd = q_lo.shape[0], d_lo.shape[0]
+    dlo, dhi = torch.sort(d_lo).values, torch.sort(d_hi).values
+    qlo, qhi = torch.sort(q_lo).values, torch.sort(q_hi).values
+    row = Bd - (Bd - torch.searchsorted(dlo, q_hi, right=True)) - torch.searchsorted(dhi, q_lo)
+    col = Bq - (Bq - torch.searchsorted(qlo, d_hi, right=True)) - torch.searchsorted(qhi, d_lo)
+    return (row == 0).to(torch.uint8).contiguous(), (col == 0).to(torch.uint8).contiguous()
+
+
+def _budget(device: torch.device) -> int:
+    env = os.environ.get("TEMPOKERN_BLOCK_BYTES")
+    if env:
+        return max(1, int(env))
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(max(64 << 20, min(1 << 30, free // 4)))
+    return 256 << 20
+
+
+def block_rows(Bq: int, C: int, N: int, per_elem: int, device: torch.device, requested: int = 0) -> int:
+    """Rows per block: the whole batch when its score block fits the budget (1 GiB on CUDA, at most a
+    quarter of free memory; TEMPOKERN_BLOCK_BYTES overrides), else a multiple of 256 rows."""
+    if requested > 0:
+        return max(1, min(Bq, requested))
+    per_row = max(1, (C + N) * per_elem)
+    R = _budget(device) // per_row
+    if R >= Bq:
+        return max(1, Bq)
+    return int(max(256, R // 256 * 256)) if R >= 256 else int(max(1, R))
+
+
+def tiling(R: int, C: int, device: torch.device):
+    """(TR, nct, nrt): CUDA blocks of TR rows x 256 columns, at least 4 x SMs of them where the block has
+    the work for it; CPU: nrt chunks of TR rows (4 per thread)."""
+    if on_cuda_path(device):
+        nct = max(1, -(-C // _TILE_COLS))
+        want = -(-4 * sm_count(device) // nct)
+        TR = max(32, -(-max(1, -(-R // want)) // 32) * 32, -(-R // 65535))
+    else:
+        nct = 1
+        TR = max(1, -(-R // (4 * max(1, torch.get_num_threads()))))
+    nrt = max(1, -(-R // TR))
+    return TR, nct, nrt
+
+
+class _Launcher:
+    """Common arguments of every kernel launch of one loss evaluation."""
+
+    def __init__(self, q, C, acc, sdtype, odtype, inv_temp, diag_offset, cols, spans, flags, bias_mode, u_q, u_d,
+                 table):
+        self.dev, self.stream = launch_args(q)
+        self.device = q.device
+        self.C, self.acc, self.inv_temp, self.diag_offset, self.cols = C, acc, inv_temp, diag_offset, cols
+        self.sd, self.od, self.ad = DTYPE_CODES[sdtype], DTYPE_CODES[odtype], DTYPE_CODES[acc]
+        self.spans, self.flags = spans, flags
+        self.bias_mode, self.u_q, self.u_d, self.table = bias_mode, u_q, u_d, table
+        self.Bq = q.shape[0]
+
+    def _ptrs(self, S, pos, bias_mode, extra):
+        q_lo, q_hi, d_lo, d_hi = self.spans
+        p = dict(S=ptr(S))
+        if pos:
+            p.update(q_lo=ptr(q_lo), q_hi=ptr(q_hi), d_lo=ptr(d_lo), d_hi=ptr(d_hi), row_none=ptr(self.flags[0]),
+                     col_none=ptr(self.flags[1]))
+        if bias_mode == 1:
+            p.update(u_q=ptr(self.u_q), u_d=ptr(self.u_d), table=ptr(self.table))
+        p.update({k: ptr(v) for k, v in extra.items() if v is not None})
+        return p
+
+    def launch(self, op, S, i0, *, pos, cols, bias_mode, dense=None, tiling_, nslots=1, slot0=0, gr=0.0, gc=0.0,
+               dS=None, nhist=0, **outs):
+        TR, nct, nrt = tiling_
+        R, C = S.shape
+        P = 0 if bias_mode != 1 else self.table.numel()
+        sizes = [R, C, i0, S.stride(0), int(pos), int(cols), self.diag_offset, bias_mode, P,
+                 0 if dense is None else dense.stride(0), TR, nct, nrt, nslots, slot0, self.Bq,
+                 0 if dS is None else dS.stride(0), nhist]
+        sd = DTYPE_CODES[S.dtype]
+        od = self.od if dS is None else DTYPE_CODES[dS.dtype]
+        ptrs = self._ptrs(S, pos, bias_mode, dict(dense=dense, dS=dS, **outs))
+        kernels().multipos_block_launch(op, self.dev, self.stream, [sd, od, self.ad], sizes,
+                                        [self.inv_temp, gr, gc], ptrs)
+
+
+def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact, inv_temp: float,
+                 row_weight: float, col_weight: float, diag_offset: int, want_grad: bool,
+                 requested_rows: int = 0) -> List[Optional[torch.Tensor]]:
+    """Loss and (for d loss = 1, when want_grad) the gradients [dq, dd, dneg, du_q, du_d, dtable, dexact...].
+
+    q (Bq, H), d (Bd, H), spans as int64 (lo, hi) bounds; bias: the table mode (u_q, u_d, table in the
+    accumulation dtype) or the exact MLP (``exact`` = (w1, b1, w2, b2, scale), evaluated per block by
+    tempokern's offset_bias kernels), or neither."""
+    acc = _acc(q.dtype)
+    cuda_path = on_cuda_path(q)
+    Bq, H = q.shape
+    Bd = d.shape[0]
+    N = 0 if extra_neg is None else extra_neg.shape[0]
+    if not cuda_path:  # CPU: products in the accumulation dtype
+        q, d = q.to(acc), d.to(acc)
+        extra_neg = None if extra_neg is None else extra_neg.to(acc)
+    elif q.device.type == "cpu":  # the CUDA emulator: torch's CPU products, float32 scores
+        q32, d32 = q.to(acc), d.to(acc)
+    bias_mode = 1 if table is not None else (2 if exact is not None else 0)
+    cols = col_weight != 0.0
+    spans = (q_lo, q_hi, d_lo, d_hi)
+    flags = none_flags(q_lo, q_hi, d_lo, d_hi)
+
+    def scores(a_rows, b):  # (R, H) x (C, H) -> (R, C)
+        if cuda_path and q.device.type == "cpu":
+            return torch.mm(a_rows.to(acc), b.to(acc).t())
+        return _mm(a_rows, b.t())
+
+    def prod(a, b):  # gradient products, float32 output for half operands where torch can
+        if q.device.type == "cpu":
+            return torch.mm(a.to(acc), b.to(acc))
+        return _mm(a, b)
+
+    sdtype = acc if (q.device.type == "cpu" or q.dtype == acc or _mm_out_f32(q.device)) else q.dtype
+    odtype = q.dtype if cuda_path else acc
+    per_elem = torch.tensor([], dtype=sdtype).element_size() + torch.tensor([], dtype=odtype).element_size()
+    if bias_mode == 2:
+        per_elem += 2 * torch.tensor([], dtype=acc).element_size()
+    R = block_rows(Bq, Bd, N, per_elem, q.device, requested_rows)
+    L = _Launcher(q, Bd, acc, sdtype, odtype, inv_temp, diag_offset, cols, spans, flags, bias_mode, u_q, u_d, table)
+    w1 = b1 = w2 = b2 = scale = None
+    if exact is not None:
+        w1, b1, w2, b2, scale = exact
+
+    def dense_block(i0, r):
+        return torch.ops.tempokern.offset_bias(u_q[i0:i0 + r], u_d, w1, b1, w2, b2, scale).to(acc).contiguous()
+
+    row_lse = torch.empty(2, Bq, dtype=acc, device=q.device)
+    col_lse = torch.full((Bd, 2), -math.inf, dtype=acc, device=q.device)
+    keep = None
+    blocks = [(i0, min(R, Bq - i0)) for i0 in range(0, Bq, R)] if Bq else []
+    for i0, r in blocks:
+        qb = q[i0:i0 + r]
+        S = scores(qb, d)
+        tS = tiling(r, Bd, q.device)
+        tE = tiling(r, N, q.device) if N else (1, 0, 1)
+        nslots = tS[1] + tE[1]
+        row_part = torch.empty(r, nslots, 2, dtype=acc, device=q.device)
+        col_part = torch.empty(tS[2], Bd, 2, dtype=acc, device=q.device) if cols else None
+        dense = dense_block(i0, r) if bias_mode == 2 else None
+        L.launch("fwd", S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS, nslots=nslots,
+                 slot0=0, row_part=row_part, col_part=col_part)
+        E = None
+        if N:
+            E = scores(qb, extra_neg)
+            L.launch("fwd", E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, nslots=nslots, slot0=tS[1],
+                     row_part=row_part)
+        row_lse[:, i0:i0 + r] = torch.logsumexp(row_part, dim=1).t()
+        if cols:
+            col_lse = torch.logaddexp(col_lse, torch.logsumexp(col_part, dim=0))
+        if len(blocks) == 1:
+            keep = (S, E, dense)
+        del S, E, dense
+    col_lse = col_lse.t().contiguous()
+
+    tot = torch.zeros((), dtype=torch.float64, device=q.device)
+    if row_weight != 0.0:
+        tot = tot + row_weight * (row_lse[0].double() - row_lse[1].double()).mean()
+    if cols:
+        tot = tot + col_weight * (col_lse[0].double() - col_lse[1].double()).mean()
+    loss = tot.to(acc)
+    if not want_grad:
+        return [loss] + [None] * 11
+
+    gr = row_weight / Bq if Bq else 0.0
+    gc = col_weight / Bd if Bd else 0.0
+    gdt = acc if q.device.type == "cpu" else (torch.float32 if _mm_out_f32(q.device) or q.dtype == acc else q.dtype)
+    dq = torch.empty(Bq, H, dtype=gdt, device=q.device)
+    dd = torch.zeros(Bd, H, dtype=gdt, device=q.device)
+    dneg = torch.zeros(N, H, dtype=gdt, device=q.device) if N else None
+    du_q = du_d = dtable = hist = None
+    if bias_mode == 1:
+        du_q = torch.empty(Bq, dtype=acc, device=q.device)
+        du_d = torch.zeros(Bd, dtype=torch.float64, device=q.device)
+        nh = max(1, max(tiling(r, Bd, q.device)[1] * tiling(r, Bd, q.device)[2] for _, r in blocks)) if blocks else 1
+        hist = torch.zeros(nh, table.numel(), dtype=torch.float64, device=q.device)
+    ex = None
+    if bias_mode == 2:
+        ex = [torch.zeros(Bq, dtype=torch.float64, device=q.device), torch.zeros(Bd, dtype=torch.float64, device=q.device)]
+        ex += [torch.zeros(t.shape, dtype=torch.float64, device=q.device) for t in exact]
+    qops = q if not (cuda_path and q.device.type == "cpu") else q32
+    dops = d if not (cuda_path and q.device.type == "cpu") else d32
+    for i0, r in blocks:
+        qb = q[i0:i0 + r]
+        if keep is not None:
+            S, E, dense = keep
+        else:
+            S = scores(qb, d)
+            E = scores(qb, extra_neg) if N else None
+            dense = dense_block(i0, r) if bias_mode == 2 else None
+        tS = tiling(r, Bd, q.device)
+        dS = torch.empty(r, Bd, dtype=odtype, device=q.device)
+        G = torch.empty(r, Bd, dtype=acc, device=q.device) if bias_mode == 2 else None
+        outs = dict(row_lse=row_lse, col_lse=col_lse if cols else None, G=G)
+        if bias_mode == 1:
+            outs.update(duq_part=torch.empty(r, tS[1], dtype=acc, device=q.device),
+                        dud_part=torch.empty(tS[2], Bd, dtype=acc, device=q.device), hist=hist)
+        L.launch("bwd", S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS, gr=gr, gc=gc,
+                 dS=dS, nhist=0 if hist is None else hist.shape[0], **outs)
+        del S, dense
+        qbo = qops[i0:i0 + r]
+        dq[i0:i0 + r] = prod(dS, dops)
+        dd += prod(dS.t(), qbo)
+        if bias_mode == 1:
+            du_q[i0:i0 + r] = outs["duq_part"].sum(1)
+            du_d += outs["dud_part"].double().sum(0)
+        if bias_mode == 2:
+            g7 = torch.ops.tempokern.offset_bias_backward(G, u_q[i0:i0 + r], u_d, w1, b1, w2, b2, scale)
+            ex[0][i0:i0 + r] += g7[0].double()
+            for k in range(1, 7):
+                ex[k] += g7[k].double().reshape(ex[k].shape)
+        del dS, G
+        if N:
+            tE = tiling(r, N, q.device)
+            dE = torch.empty(r, N, dtype=odtype, device=q.device)
+            L.launch("bwd", E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, gr=gr, gc=0.0, dS=dE,
+                     row_lse=row_lse)
+            negops = extra_neg if not (cuda_path and q.device.type == "cpu") else extra_neg.to(acc)
+            dq[i0:i0 + r] += prod(dE, negops)
+            dneg += prod(dE.t(), qbo)
+            del dE
+        del E
+        keep = None
+    if bias_mode == 1:
+        dtable = hist.sum(0)
+        du_d = du_d.to(acc)
+    dexact = [None] * 5
+    if ex is not None:
+        du_q, du_d, dexact = ex[0], ex[1], ex[2:]
+    return [loss, dq.to(acc), dd.to(acc), None if dneg is None else dneg.to(acc), du_q, du_d, dtable, *dexact]
