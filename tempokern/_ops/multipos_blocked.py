@@ -228,7 +228,8 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
 
     gr = row_weight / Bq if Bq else 0.0
     gc = col_weight / Bd if Bd else 0.0
-    gdt = acc if q.device.type == "cpu" else (torch.float32 if _mm_out_f32(q.device) or q.dtype == acc else q.dtype)
+    # gradient accumulators: float32 (float64 for float64) unless half operands must give half products
+    gdt = acc if (q.device.type == "cpu" or q.dtype == acc or _mm_out_f32(q.device)) else q.dtype
     dq = torch.empty(Bq, H, dtype=gdt, device=q.device)
     dd = torch.zeros(Bd, H, dtype=gdt, device=q.device)
     dneg = torch.zeros(N, H, dtype=gdt, device=q.device) if N else None
