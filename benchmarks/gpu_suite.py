@@ -70,6 +70,10 @@ def _is_oom(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and "out of memory" in str(e).lower())
 
 
+def failure(e: BaseException) -> str:
+    return "out of memory" if _is_oom(e) else f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+
+
 def free_memory(dev: torch.device) -> None:
     gc.collect()
     if dev.type == "cuda":
@@ -761,21 +765,21 @@ class Suite:
             self.emit(case, impl, "status", why)
             self.log(f"{case.key} {impl}: {why}")
             return None
+        status = None
         try:
             fns = [case.steps[impl](s) for s in sets]
             t = time_step(fns, self.dev, self.args.repeats, self.args.measure_s)
             del fns
         except Unsupported as e:
-            self.emit(case, impl, "status", f"unsupported: {e}")
-            self.log(f"{case.key} {impl}: unsupported: {e}")
-            return None
+            status = f"unsupported: {e}"
         except Exception as e:  # noqa: BLE001  (a failure is a result: report it and go on)
-            status = "out of memory" if _is_oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            free_memory(self.dev)
+            status = failure(e)
+        # outside the except blocks: the traceback's frames (and their tensors) are gone before empty_cache
+        free_memory(self.dev)
+        if status is not None:
             self.emit(case, impl, "status", status)
             self.log(f"{case.key} {impl}: {status}")
             return None
-        free_memory(self.dev)
         runs = f"median of {t.runs} timed runs after 1 warm-up; {len(sets)} rotating input set(s)"
         self.emit(case, impl, "time_ms", t.ms, runs)
         self.emit(case, impl, "extra_peak_mb", "" if t.peak_mb is None else t.peak_mb,
@@ -803,10 +807,11 @@ class Suite:
         try:
             sets = self.n_sets(case)
         except Exception as e:  # noqa: BLE001
-            status = "out of memory" if _is_oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            sets, status = None, failure(e)
+        if sets is None:
+            free_memory(self.dev)
             for impl in impls:
                 self.emit(case, impl, "status", f"{status} (building the inputs)")
-            free_memory(self.dev)
             return
         ms = {}
         for impl in impls:
@@ -837,9 +842,8 @@ class Suite:
             except Unsupported as e:
                 self.emit(case, impl, "agreement", "", f"unsupported: {e}")
             except Exception as e:  # noqa: BLE001
-                what = "out of memory" if _is_oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                free_memory(self.dev)
-                self.emit(case, impl, "agreement", "", f"not computed: {what}")
+                self.emit(case, impl, "agreement", "", f"not computed: {failure(e)}")
+            free_memory(self.dev)
         for impl, r in res.items():
             worst, worst_q = -1.0, ""
             for qn, v in r.items():
@@ -1043,23 +1047,29 @@ def main(argv=None) -> Tuple[Path, Path]:
             compiled[fn] = torch.compile(fn, dynamic=False, backend=args.compile_backend)
         return compiled[fn]
 
+    try:
+        re.compile(args.only or "")
+    except re.error as e:
+        raise SystemExit(f"gpu_suite: --only {args.only!r} is not a regular expression ({e})")
+    if not build_cases(args, torch.device(args.device), 0.0, compile_fn):   # cheap: cases build inputs lazily
+        raise SystemExit(f"gpu_suite: --only {args.only!r} matches no case")
     suite = Suite(args, [prog] + argv)
     import tempokern
     suite.log(f"tempokern {tempokern.__version__} from {Path(tempokern.__file__).parent} on {suite.meta['device']}; "
               f"commit {suite.meta['git_commit']}; writing {suite.csv_path}")
     bw = suite.bandwidth()
     cases = build_cases(args, suite.dev, bw, compile_fn)
-    if not cases:
-        raise SystemExit(f"gpu_suite: --only {args.only!r} matches no case")
-    # everything but torch.compile first (compilation is the slow part), then the compile baselines
-    for case, pos in cases:
-        suite.run_case(case, pos, [i for i in IMPLS if i != "compile"], agreement=True)
-    for case, pos in cases:
-        if "compile" in case.steps:
-            suite.run_case(case, pos, ["compile"], agreement=False)
-    suite._csv.close()
-    text = tables(suite.rows, suite.meta, bw)
-    suite.md_path.write_text(text)
+    try:
+        # everything but torch.compile first (compilation is the slow part), then the compile baselines
+        for case, pos in cases:
+            suite.run_case(case, pos, [i for i in IMPLS if i != "compile"], agreement=True)
+        for case, pos in cases:
+            if "compile" in case.steps:
+                suite.run_case(case, pos, ["compile"], agreement=False)
+    finally:   # an interrupted run still gets its tables (the CSV is written row by row)
+        suite._csv.close()
+        text = tables(suite.rows, suite.meta, bw)
+        suite.md_path.write_text(text)
     print("\n" + text, flush=True)
     suite.log(f"wrote {suite.csv_path} and {suite.md_path}")
     return suite.csv_path, suite.md_path
