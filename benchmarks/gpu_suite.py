@@ -74,8 +74,11 @@ def failure(e: BaseException) -> str:
     return "out of memory" if _is_oom(e) else f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
 
 
-def free_memory(dev: torch.device) -> None:
-    gc.collect()
+def free_memory(dev: torch.device, collect: bool = False) -> None:
+    """Hand cached CUDA blocks back (after a failure also run the cycle collector: a full gc.collect costs
+    ~0.4 s once torch._dynamo is imported, too much to pay after every measurement)."""
+    if collect:
+        gc.collect()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
@@ -775,7 +778,7 @@ class Suite:
         except Exception as e:  # noqa: BLE001  (a failure is a result: report it and go on)
             status = failure(e)
         # outside the except blocks: the traceback's frames (and their tensors) are gone before empty_cache
-        free_memory(self.dev)
+        free_memory(self.dev, collect=status is not None)
         if status is not None:
             self.emit(case, impl, "status", status)
             self.log(f"{case.key} {impl}: {status}")
@@ -809,7 +812,7 @@ class Suite:
         except Exception as e:  # noqa: BLE001
             sets, status = None, failure(e)
         if sets is None:
-            free_memory(self.dev)
+            free_memory(self.dev, collect=True)
             for impl in impls:
                 self.emit(case, impl, "status", f"{status} (building the inputs)")
             return
@@ -836,6 +839,7 @@ class Suite:
         res = {}
         note = ""
         for impl in impls:   # one impl at a time: an unsupported tempokern keyword must not hide eager's numbers
+            failed = False
             try:
                 r, note = case.agree(inp, [impl])
                 res.update(r)
@@ -843,7 +847,8 @@ class Suite:
                 self.emit(case, impl, "agreement", "", f"unsupported: {e}")
             except Exception as e:  # noqa: BLE001
                 self.emit(case, impl, "agreement", "", f"not computed: {failure(e)}")
-            free_memory(self.dev)
+                failed = True
+            free_memory(self.dev, collect=failed)
         for impl, r in res.items():
             worst, worst_q = -1.0, ""
             for qn, v in r.items():

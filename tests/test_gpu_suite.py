@@ -143,14 +143,14 @@ def test_out_of_memory_is_reported_and_the_suite_goes_on(suite, tmp_path, monkey
 
     monkeypatch.setattr(reference, "multipos_infonce", oom)
     freed = []
-    monkeypatch.setattr(suite, "free_memory", lambda dev: freed.append(dev))
+    monkeypatch.setattr(suite, "free_memory", lambda dev, collect=False: freed.append(collect))
     rows, _ = run(suite, tmp_path, "--no-compile", "--only", "multipos_infonce/no bias|ctd_topk/no bias")
     assert calls
     for size in ("B=48", "B=96"):
         assert one(rows, case="no bias", size=size, impl="eager", metric="status")["value"] == "out of memory"
         assert one(rows, case="no bias", size=size, impl="tempokern", metric="status")["value"] == "ok"
         assert "out of memory" in one(rows, size=size, impl="eager", metric="agreement")["note"]
-    assert freed   # memory released after the failure
+    assert any(freed)   # memory released, with the cycle collector, after the failure
     assert one(rows, op="ctd_topk", impl="tempokern", metric="status")["value"] == "ok"
 
 
