@@ -285,16 +285,16 @@ def loss_step(fn_get, check_keyword=True):
 
 
 def row_blocks_mm(a, b, max_out_bytes=4 << 30):
-    """a @ b.T in row blocks written into one reused buffer (outputs of at most max_out_bytes): the bare
-    matmul yardstick, also where the whole (B, B) product would not fit."""
+    """The bare matmul yardstick a @ b.T, in the inputs' dtype; where the whole product would exceed
+    max_out_bytes, in row blocks of at most that output (each block freed before the next: the caching
+    allocator hands the same memory back), so that B = 262,144 has a yardstick too."""
     rows = max(1, min(a.shape[0], max_out_bytes // max(1, b.shape[0] * a.element_size())))
-    buf = torch.empty(rows, b.shape[0], dtype=a.dtype, device=a.device)
 
     def run():
         with torch.no_grad():
             for r0 in range(0, a.shape[0], rows):
-                r1 = min(a.shape[0], r0 + rows)
-                torch.mm(a[r0:r1], b.t(), out=buf[:r1 - r0])
+                out = a[r0:r0 + rows] @ b.t()
+                del out
         return None
     return run
 

@@ -192,3 +192,75 @@ def test_cuda_mode_without_a_cuda_build_is_a_clear_error(suite, tmp_path):
     msg = str(e.value)
     assert msg.startswith("gpu_suite:") and "CUDA" in msg
     assert not list(tmp_path.iterdir())   # nothing written before the check
+
+
+def test_targets_name_cases_of_the_full_suite(suite):
+    """Every row of issue 14's Targets table matches a case of the full-size (GPU) suite, so the table can
+    say met or not (building the cases allocates nothing)."""
+    args = suite.parse_args(["--out", "unused"])
+    keys = {(c.op, c.case, c.size) for c, _ in suite.build_cases(args, torch.device("cuda"), 3e12, lambda f: f)}
+    for label, op, case, size, *_ in suite.TARGETS:
+        assert (op, case, size) in keys, label
+    sizes = {c.size for c, _ in suite.build_cases(args, torch.device("cuda"), 3e12, lambda f: f)}
+    for want in ("B=8192", "B=65536", "B=262144", "Q=1024 N=1000000 k=10", "Q=1 N=1000000 k=10",
+                 "Q=16 N=1000000 k=10", "rows=1048576 levels=12x32x12", "8192x8192"):
+        assert want in sizes
+
+
+class FakeCuda:
+    """Just enough of torch.cuda for the suite's CUDA-only bookkeeping (events, peak memory, free memory,
+    L2 size) to run on a machine without a GPU."""
+
+    def __init__(self, free_bytes=80 << 30, l2=50 << 20):
+        self.free, self.l2, self.allocated, self.peak, self.syncs = free_bytes, l2, 1 << 30, 0, 0
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.t = None
+
+            def record(self):
+                self.t = __import__("time").perf_counter()
+
+            def elapsed_time(self, other):
+                return (other.t - self.t) * 1e3
+
+        self.Event = Event
+
+    def install(self, monkeypatch):
+        c = torch.cuda
+        monkeypatch.setattr(c, "Event", self.Event)
+        monkeypatch.setattr(c, "synchronize", lambda *a: setattr(self, "syncs", self.syncs + 1))
+        monkeypatch.setattr(c, "memory_allocated", lambda *a: self.allocated)
+        monkeypatch.setattr(c, "reset_peak_memory_stats", lambda *a: setattr(self, "peak", self.allocated))
+        monkeypatch.setattr(c, "max_memory_allocated", lambda *a: self.peak)
+        monkeypatch.setattr(c, "mem_get_info", lambda *a: (self.free, 80 << 30))
+        monkeypatch.setattr(c, "empty_cache", lambda: None)
+        monkeypatch.setattr(c, "get_device_name", lambda *a: "Fake GPU")
+        monkeypatch.setattr(c, "get_device_properties",
+                            lambda *a: type("P", (), {"L2_cache_size": self.l2, "multi_processor_count": 132})())
+
+
+def test_cuda_bookkeeping_with_a_fake_device(suite, tmp_path, monkeypatch):
+    fake = FakeCuda(free_bytes=40 << 30)
+    fake.install(monkeypatch)
+    dev = torch.device("cuda")
+
+    def step():   # "allocates" 5 MiB above what was there
+        fake.peak = max(fake.peak, fake.allocated + (5 << 20))
+    t = suite.time_step([step, step], dev, repeats=4, budget_s=60)
+    assert t.runs == 4 and t.peak_mb == pytest.approx(5.0) and t.ms >= 0 and fake.syncs >= 2 * 4
+    s = suite.Suite(suite.parse_args(["--out", str(tmp_path)]), ["benchmarks/gpu_suite.py", "--out", str(tmp_path)])
+    assert s.meta["device"] == "Fake GPU" and s.csv_path.name.startswith("gpu-") and "fake-gpu" in s.csv_path.name
+    case = suite.Case("op", "c", "n", make=lambda seed: {"x": torch.empty(30 << 20, dtype=torch.uint8)},
+                      steps={}, mem_bytes={"eager": 100 << 30, "compile": 1 << 30})
+    why = s.skip_reason(case, "eager", 0)
+    assert why.startswith("skipped: known to run out of memory") and "40 GiB free" in why
+    assert s.skip_reason(case, "compile", 0) is None and s.skip_reason(case, "tempokern", 0) is None
+    assert len(s.n_sets(case)) == 4            # 30 MiB a set vs 2 x 50 MiB of L2: rotate 4 copies
+    fake.l2 = 20 << 20
+    assert len(s.n_sets(case)) == 2            # 2 x 20 MiB: two copies of 30 MiB
+    fake.l2 = 10 << 20
+    assert len(s.n_sets(case)) == 1
+    s._csv.close()
