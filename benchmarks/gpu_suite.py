@@ -119,18 +119,17 @@ def sync(dev: torch.device) -> None:
 
 def time_step(fns: Sequence[Callable[[], object]], dev: torch.device, repeats: int, budget_s: float) -> Timing:
     """One warm-up call (for compile: the compilation), then up to `repeats` timed calls cycling through
-    `fns` (one per rotating input set), fewer when the warm-up says they would take over `budget_s`.
-    CUDA: synchronize, event, step, event, synchronize per call (the step's whole GPU time, launch gaps
-    included); the peak memory of the first timed call above what was allocated before it."""
+    `fns` (one per rotating input set); the first timed call decides how many fit in about `budget_s`
+    (at least one). CUDA: synchronize, event, step, event, synchronize per call (the step's whole GPU time,
+    launch gaps included); the peak memory of the first timed call above what was allocated before it."""
     sync(dev)
     t0 = time.perf_counter()
     out = fns[0]()
     sync(dev)
     warm = time.perf_counter() - t0
     del out
-    n = max(1, min(repeats, int(budget_s / max(warm, 1e-6))))
-    times, peak = [], None
-    for r in range(n):
+    times, peak, n, r = [], None, repeats, 0
+    while r < n:
         f = fns[(r + 1) % len(fns)]
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -150,6 +149,9 @@ def time_step(fns: Sequence[Callable[[], object]], dev: torch.device, repeats: i
             out = f()
             times.append((time.perf_counter() - t) * 1e3)
         del out
+        if r == 0:
+            n = max(1, min(repeats, int(budget_s * 1e3 / max(times[0], 1e-3))))
+        r += 1
     return Timing(statistics.median(times), peak, warm, n)
 
 
