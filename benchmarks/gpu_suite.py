@@ -881,7 +881,8 @@ class Suite:
             for i, r in res.items()) + (f" ({note})" if note else ""))
 
     def bandwidth(self) -> float:
-        """Device-to-device copy bandwidth (read + write) of 1 GiB, GB/s: the memory floor's yardstick."""
+        """Device-to-device copy bandwidth (read + write) of a 1 GiB float32 tensor in bytes/s, the yardstick of
+        the memory floors; a CSV row of its own (op "_device", impl "eager", metric bandwidth_GBps)."""
         if self.dev.type != "cuda":
             return 0.0
         x = torch.empty(1 << 28, dtype=torch.float32, device=self.dev)
@@ -890,6 +891,8 @@ class Suite:
         bw = 2 * x.numel() * 4 / (t.ms * 1e-3)
         del x, y
         free_memory(self.dev)
+        self.emit(Case("_device", "copy (read + write)", "1 GiB", make=lambda s: {}, steps={}), "eager",
+                  "bandwidth_GBps", bw / 1e9, f"y.copy_(x), float32; median of {t.runs} CUDA-event timings")
         self.log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
         return bw
 
@@ -955,7 +958,7 @@ def tables(rows: List[dict], meta: dict, bandwidth: float) -> str:
               "error of the output/loss and every gradient vs float64 on the same inputs. err_vs_torch: largest "
               "ratio of tempokern's error to eager torch's in the same dtype (<= 2 meets the 2x rule). "
               "floor: from the flop/byte count (see the CSV notes).", ""]
-    for op in dict.fromkeys(k[0] for k in order):
+    for op in dict.fromkeys(k[0] for k in order if not k[0].startswith("_")):
         lines += [f"## {op}", "", "| case | size | impl | ms | extra MB | floor ms | agreement | err_vs_torch | "
                   "status |", "|---|---|---|---|---|---|---|---|---|"]
         for key in (k for k in order if k[0] == op):
