@@ -1021,25 +1021,31 @@ def parse_args(argv):
     return args
 
 
+def die(message: str):
+    """A usage or set-up error: the message on stderr, exit status 2, nothing measured."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def check_build(device: str) -> None:
     """Exit with a clear message (status 2) when the suite cannot run on `device`."""
     try:
         import tempokern
     except ImportError as e:
-        raise SystemExit(f"gpu_suite: cannot import tempokern ({e}). It builds nothing: install it "
+        die(f"gpu_suite: cannot import tempokern ({e}). It builds nothing: install it "
                          "(TEMPOKERN_CUDA=ON pip install .) or build in place (TEMPOKERN_CUDA=ON tools/dev_build.sh).")
     if device != "cuda":
         return
     info = tempokern.build_info()
     where = Path(tempokern.__file__).parent
     if not info["cuda_compiled"]:
-        raise SystemExit(f"gpu_suite: the tempokern at {where} was built without CUDA kernels; rebuild with "
+        die(f"gpu_suite: the tempokern at {where} was built without CUDA kernels; rebuild with "
                          "TEMPOKERN_CUDA=ON TEMPOKERN_CUDA_ARCHS=90 pip install . (or tools/dev_build.sh), then rerun.")
     if not torch.cuda.is_available():
-        raise SystemExit(f"gpu_suite: torch {torch.__version__} sees no CUDA device (torch.version.cuda = "
+        die(f"gpu_suite: torch {torch.__version__} sees no CUDA device (torch.version.cuda = "
                          f"{torch.version.cuda}); run on a GPU machine, or use --device cpu for the test mode.")
     if not info["cuda_runtime_ok"]:
-        raise SystemExit(f"gpu_suite: tempokern's CUDA runtime is unavailable: {info['cuda_runtime_message']}")
+        die(f"gpu_suite: tempokern's CUDA runtime is unavailable: {info['cuda_runtime_message']}")
 
 
 def main(argv=None) -> Tuple[Path, Path]:
@@ -1060,9 +1066,9 @@ def main(argv=None) -> Tuple[Path, Path]:
     try:
         re.compile(args.only or "")
     except re.error as e:
-        raise SystemExit(f"gpu_suite: --only {args.only!r} is not a regular expression ({e})")
+        die(f"gpu_suite: --only {args.only!r} is not a regular expression ({e})")
     if not build_cases(args, torch.device(args.device), 0.0, compile_fn):   # cheap: cases build inputs lazily
-        raise SystemExit(f"gpu_suite: --only {args.only!r} matches no case")
+        die(f"gpu_suite: --only {args.only!r} matches no case")
     suite = Suite(args, [prog] + argv)
     import tempokern
     suite.log(f"tempokern {tempokern.__version__} from {Path(tempokern.__file__).parent} on {suite.meta['device']}; "

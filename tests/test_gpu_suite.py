@@ -190,14 +190,19 @@ def test_compare_relative_floor_for_zero_gradients(suite):
     assert r["grad b"][1] == pytest.approx(4e-4 / 4e-3, rel=1e-3)   # floored at 1e-3 of the largest gradient
 
 
-def test_cuda_mode_without_a_cuda_build_is_a_clear_error(suite, tmp_path):
+def test_cuda_mode_without_a_cuda_build_is_a_clear_error(suite, tmp_path, capsys):
     if torch.cuda.is_available() and tempokern.build_info()["cuda_compiled"]:
         pytest.skip("this machine can run the GPU suite")
     with pytest.raises(SystemExit) as e:
-        suite.main(["--out", str(tmp_path)])
-    msg = str(e.value)
+        suite.main(["--out", str(tmp_path / "out")])
+    assert e.value.code == 2
+    msg = capsys.readouterr().err
     assert msg.startswith("gpu_suite:") and "CUDA" in msg
-    assert not list(tmp_path.iterdir())   # nothing written before the check
+    assert not (tmp_path / "out").exists()   # nothing written before the check
+    with pytest.raises(SystemExit) as e:
+        suite.main(["--device", "cpu", "--out", str(tmp_path / "out"), "--only", "no-such-op"])
+    assert e.value.code == 2 and "matches no case" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_targets_name_cases_of_the_full_suite(suite):
