@@ -190,7 +190,8 @@ class Case:
     size: str
     make: Callable[[int], dict]                  # seed -> one input set (dict)
     steps: Dict[str, Callable[[dict], Callable[[], object]]]   # impl -> (inputs -> zero-arg step)
-    agree: Optional[Callable[[dict, List[str]], Tuple[dict, str]]] = None   # (inputs, impls) -> ({impl: {q: (abs, rel)}}, note)
+    # (inputs, impls) -> ({impl: {quantity: (abs, rel)}}, note)
+    agree: Optional[Callable[[dict, List[str]], Tuple[dict, str]]] = None
     mem_bytes: Dict[str, float] = field(default_factory=dict)   # impl -> estimated extra bytes (known-OOM skip)
     scale: float = 1.0                           # work relative to the previous size of the same series
     floor: Optional[Callable[[Dict[str, float]], Tuple[float, str]]] = None    # measured {impl: ms} -> (floor, how)

@@ -181,9 +181,11 @@ def test_time_step_rotates_inputs_and_respects_the_budget(suite):
 
 
 def test_compare_relative_floor_for_zero_gradients(suite):
-    want = [("loss", torch.tensor(2.0, dtype=torch.float64)), ("grad a", torch.tensor([1.0, -4.0], dtype=torch.float64)),
-            ("grad b", torch.zeros(2, dtype=torch.float64))]
-    got = [("loss", torch.tensor(2.002)), ("grad a", torch.tensor([1.0, -4.004])), ("grad b", torch.tensor([0.0, 4e-4]))]
+    f64 = dict(dtype=torch.float64)
+    want = [("loss", torch.tensor(2.0, **f64)), ("grad a", torch.tensor([1.0, -4.0], **f64)),
+            ("grad b", torch.zeros(2, **f64))]
+    got = [("loss", torch.tensor(2.002)), ("grad a", torch.tensor([1.0, -4.004])),
+           ("grad b", torch.tensor([0.0, 4e-4]))]
     r = suite.compare(got, want)
     assert r["loss"][0] == pytest.approx(0.002, rel=1e-3) and r["loss"][1] == pytest.approx(0.001, rel=1e-3)
     assert r["grad a"][1] == pytest.approx(0.001, rel=1e-3)
