@@ -271,6 +271,9 @@ def test_cuda_bookkeeping_with_a_fake_device(suite, tmp_path, monkeypatch):
     why = s.skip_reason(case, "eager", 0)
     assert why.startswith("skipped: known to run out of memory") and "40 GiB free" in why
     assert s.skip_reason(case, "compile", 0) is None and s.skip_reason(case, "tempokern", 0) is None
+    s.args.budget_s = 30   # no compilation starts in the budget's last 60 s; the fused op still runs
+    assert "left for a compilation" in s.skip_reason(case, "compile", 0)
+    assert s.skip_reason(case, "tempokern", 0) is None
     assert len(s.n_sets(case)) == 4            # 30 MiB a set vs 2 x 50 MiB of L2: rotate 4 copies
     fake.l2 = 20 << 20
     assert len(s.n_sets(case)) == 2            # 2 x 20 MiB: two copies of 30 MiB
