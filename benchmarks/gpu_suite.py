@@ -812,6 +812,13 @@ class Suite:
         return [first] + [case.make(self.args.seed + 100 * i) for i in range(1, n)]
 
     def run_case(self, case: Case, series_pos: int, impls: Sequence[str], agreement: bool) -> None:
+        impls = [i for i in impls if i in case.steps]
+        whys = [self.skip_reason(case, i, series_pos) for i in impls]
+        if all(whys):   # nothing to run: do not build the inputs
+            for impl, why in zip(impls, whys):
+                self.emit(case, impl, "status", why)
+                self.log(f"{case.key} {impl}: {why}")
+            return
         self.log(f"{case.key}: inputs")
         try:
             sets = self.n_sets(case)
@@ -958,8 +965,9 @@ def tables(rows: List[dict], meta: dict, bandwidth: float) -> str:
              f"command: `{meta['command']}`", ""]
     if bandwidth:
         lines += [f"Device-to-device copy bandwidth (read + write, 1 GiB): {bandwidth / 1e9:.0f} GB/s.", ""]
-    lines += ["Times: CUDA-event median of one step (fwd+bwd unless the case says fwd). agreement: largest relative "
-              "error of the output/loss and every gradient vs float64 on the same inputs. err_vs_torch: largest "
+    lines += ["Times: median of one step, fwd+bwd unless the case says fwd (CUDA events; perf_counter on CPU). "
+              "agreement: largest relative error of the output/loss and every gradient vs float64 on the same "
+              "inputs. err_vs_torch: largest "
               "ratio of tempokern's error to eager torch's in the same dtype (<= 2 meets the 2x rule). "
               "floor: from the flop/byte count (see the CSV notes).", ""]
     for op in dict.fromkeys(k[0] for k in order if not k[0].startswith("_")):
