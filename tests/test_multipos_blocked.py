@@ -111,8 +111,8 @@ def test_several_blocks_match_reference(gpu, mode, rows):
 @pytest.mark.parametrize("sms", [132, 108, 58, 1])
 def test_tiling_at_other_sm_counts(gpu, monkeypatch, sms):
     monkeypatch.setattr(mpb, "sm_count", lambda device: sms)
-    TR, nct, nrt = mpb.tiling(600, 1000, gpu)
-    assert nct == 4 and TR % 32 == 0 and nrt == -(-600 // TR)
+    TR, nct, nrt = mpb.tiling(600, 3000, gpu)
+    assert nct == -(-3000 // mpb.TILE_COLS) and TR % 32 == 0 and nrt == -(-600 // TR)
     assert nct * nrt >= min(4 * sms, nct * -(-600 // 32))  # at least 4 x SMs blocks where there are rows for it
     q, d, sp, neg, b = make(70, 10, N=3, bias=True, device=gpu, seed=sms)
     got, want = run_pair(q, d, sp, neg, b, pts=33)

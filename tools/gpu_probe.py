@@ -84,8 +84,21 @@ def main():
     for B in (8192, 65536):
         run_case("tempokern table4097", B, "tempokern", bias=True, pts=4097)
     run_case("tempokern exact", 8192, "tempokern", bias=True)
-    run_case("compile exact", 8192, comp, bias=True, reps=3)
-    run_case("compile none", 65536, comp, reps=3)
+    if a.cases == "all":
+        run_case("compile exact", 8192, comp, bias=True, reps=3)
+        run_case("compile none", 65536, comp, reps=3)
+    from torch.profiler import ProfilerActivity, profile
+    for B, bias, pts in ((8192, False, None), (65536, True, 4097), (8192, True, None)):
+        q, d, sp, b = make(B, bias=bias)
+        def step():
+            loss = tempokern.multipos_infonce(q, d, *sp, temperature=0.05, bias=b, bias_table_points=pts)
+            loss.backward()
+        step(); torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step(); torch.cuda.synchronize()
+        print(f"--- profile B={B} bias={bias} pts={pts}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60), flush=True)
+        del q, d, sp, b
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 //
 //   forward ("fwd"): x_ij = inv_temp * S_ij + bias_ij; per (row, column tile) the log-sum-exp of x over all
 //     columns and over the row's positives, per (row tile, column) the same over the column's positives;
-//     the driver merges the partials with torch.logsumexp (O(R * C / 256 + C * R / TR) numbers).
+//     the driver merges the partials with torch.logsumexp (O(R * C / 1024 + C * R / TR) numbers).
 //   backward ("bwd"): with the final row and column statistics, dL/dx_ij =
 //       gr * (exp(x - La_i) - [pos_r] exp(x - Lp_i)) + gc * (exp(x - Ca_j) - [pos_c] exp(x - Cp_j)),
 //     written once as dS = inv_temp * dL/dx in the dtype of the next product (dq = dS d, dd += dS^T q);
@@ -49,7 +49,7 @@ struct MultiposBlockParams {
   const void* dense = nullptr;
   int64_t ldb = 0;
 
-  // tiling (chosen by the driver): TR rows x 256 columns per CUDA block; nct = ceil(C / 256) column tiles,
+  // tiling (chosen by the driver): TR rows x 1024 columns per CUDA block; nct = ceil(C / 1024) column tiles,
   // nrt = ceil(R / TR) row tiles. CPU: one row per task, nrt row chunks.
   int64_t TR = 32, nct = 1, nrt = 1;
 

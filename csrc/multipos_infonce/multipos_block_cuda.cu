@@ -1,8 +1,8 @@
 // CUDA passes of the blocked multi-positive InfoNCE (see multipos_block.h for the math).
 //
-// Layout, both kernels: a CUDA block of 256 threads owns TR rows x 256 columns of the score block; thread t
-// owns column c0 + t and walks the rows, so every row of S is read as 256 consecutive elements (coalesced)
-// and every row of dS is written the same way. Column statistics (and dL/du_d) stay in the thread's
+// Layout, both kernels: a CUDA block of 256 threads owns TR rows x 1024 columns of the score block; thread t
+// owns columns c0 + t + 256 k (k < 4) and walks the rows 4 at a time, so every load instruction reads 256
+// consecutive elements (coalesced), 16 loads per thread in flight, and every row of dS is written the same way. Column statistics (and dL/du_d) stay in the thread's
 // registers; row statistics (and dL/du_q) are reduced per warp with shuffles and combined across the 8 warps
 // in shared memory every 32 rows. The grid (nct x nrt) is sized by the driver to at least 4x the SM count.
 // Bytes per element: forward reads S once (4 B for float32 scores); backward reads S and writes dS once.
@@ -19,7 +19,8 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 
-__device__ __forceinline__ float dexp(float x) { return expf(x); }
+// exp through the SFU's exp2 (2 ulp over the whole range: as accurate as expf where the terms matter)
+__device__ __forceinline__ float dexp(float x) { return exp2f(x * 1.4426950408889634f); }
 __device__ __forceinline__ double dexp(double x) { return exp(x); }
 __device__ __forceinline__ float dlog(float x) { return logf(x); }
 __device__ __forceinline__ float dfloor(float x) { return floorf(x); }
@@ -56,22 +57,23 @@ __device__ __forceinline__ A table_bias(const A* T, int64_t P, A half_span, A de
   return v0 + t * (v1 - v0);
 }
 
-// Per-element context shared by both passes.
+// Column context (thread-owned columns) and row context (broadcast loads).
 template <typename A> struct Col {
   int64_t lo = 0, hi = -1;
-  bool none = false;
+  bool none = false, valid = false;
   A ud = 0;
 };
 
 template <typename A>
-__device__ __forceinline__ Col<A> load_col(const MultiposBlockParams& p, int64_t j, bool jv) {
+__device__ __forceinline__ Col<A> load_col(const MultiposBlockParams& p, int64_t j) {
   Col<A> c;
-  if (jv && p.pos) {
+  c.valid = j < p.C;
+  if (c.valid && p.pos) {
     c.lo = p.d_lo[j];
     c.hi = p.d_hi[j];
     c.none = p.col_none[j] != 0;
   }
-  if (jv && p.bias_mode == 1) c.ud = static_cast<const A*>(p.u_d)[j];
+  if (c.valid && p.bias_mode == 1) c.ud = static_cast<const A*>(p.u_d)[j];
   return c;
 }
 
@@ -93,11 +95,39 @@ __device__ __forceinline__ RowCtx<A> load_row(const MultiposBlockParams& p, int6
   return r;
 }
 
-// Combine the 8 warps' (max, sum) partials of 32 rows and write (lse_all, lse_pos) per row.
+// x = inv_temp * s + bias and the two positive flags of one pair (bin / weight / slope for the table).
+template <typename A> struct Elem {
+  A x, slope, t;
+  int64_t idx;
+  bool pr, pc;
+};
+
 template <typename A>
-__device__ __forceinline__ void flush_rows(const MultiposBlockParams& p, A (*wpart)[32][4], int64_t rb, int64_t r1) {
+__device__ __forceinline__ Elem<A> element(const MultiposBlockParams& p, A s, int64_t r, int64_t i, int64_t j,
+                                           const RowCtx<A>& rc, const Col<A>& c, A it, A half_span, const A* T,
+                                           const A* dense) {
+  Elem<A> e;
+  e.x = s * it;
+  e.slope = A(0);
+  e.t = A(0);
+  e.idx = 0;
+  if (p.bias_mode == 1) e.x += table_bias<A>(T, p.P, half_span, c.ud - rc.uq, e.slope, e.idx, e.t);
+  else if (p.bias_mode == 2) e.x += dense[r * p.ldb + j];
+  e.pr = e.pc = false;
+  if (p.pos) {
+    const bool ov = max(rc.lo, c.lo) <= min(rc.hi, c.hi);
+    const bool dg = j == i + p.diag_offset;
+    e.pr = ov || (rc.none && dg);
+    e.pc = ov || (dg && (rc.none || c.none));
+  }
+  return e;
+}
+
+// Combine the 8 warps' (max, sum) partials of up to 32 rows and write (lse_all, lse_pos) per row.
+template <typename A>
+__device__ __forceinline__ void flush_rows(const MultiposBlockParams& p, A (*wpart)[32][4], int64_t rb, int nr) {
   const int tid = threadIdx.x;
-  if (tid < 32 && rb + tid < r1) {
+  if (tid < nr) {
     A lse[2];
     for (int k = 0; k < 2; ++k) {
       A m = ninf<A>();
@@ -116,12 +146,16 @@ __device__ __forceinline__ void flush_rows(const MultiposBlockParams& p, A (*wpa
   }
 }
 
+// Each thread owns KC columns (j = c0 + tid + 256 k) and walks the block's rows RB at a time, all KC x RB
+// loads of a batch issued before any is used (bytes in flight hide the memory latency).
+constexpr int KC = 4;
+constexpr int RB = 4;
+
 template <typename ST, typename A>
 __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockParams p) {
   __shared__ A wpart[kWarps][32][4];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t j = (int64_t)blockIdx.x * kThreads + tid;
-  const bool jv = j < p.C;
+  const int64_t c0 = (int64_t)blockIdx.x * kThreads * KC + tid;
   const int64_t r0 = (int64_t)blockIdx.y * p.TR;
   const int64_t r1 = min(r0 + p.TR, p.R);
   const ST* S = static_cast<const ST*>(p.S);
@@ -129,59 +163,118 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
   const A half_span = (A)(0.5 * (double)(p.P - 1));
   const A* T = static_cast<const A*>(p.table);
   const A* dense = static_cast<const A*>(p.dense);
-  const Col<A> c = load_col<A>(p, j, jv);
-  A cm = ninf<A>(), cs = 0, cpm = ninf<A>(), cps = 0;
+  Col<A> c[KC];
+#pragma unroll
+  for (int k = 0; k < KC; ++k) c[k] = load_col<A>(p, c0 + k * kThreads);
+  A cm[KC], cs[KC], cpm[KC], cps[KC];
+#pragma unroll
+  for (int k = 0; k < KC; ++k) {
+    cm[k] = ninf<A>();
+    cpm[k] = ninf<A>();
+    cs[k] = cps[k] = A(0);
+  }
 
   for (int64_t rb = r0; rb < r1; rb += 32) {
     const int nr = (int)min((int64_t)32, r1 - rb);
-    for (int rr = 0; rr < nr; ++rr) {
-      const int64_t r = rb + rr, i = p.i0 + r;
-      const RowCtx<A> rc = load_row<A>(p, i);
-      A x = ninf<A>();
-      bool pr = false, pc = false;
-      if (jv) {
-        x = cuda::to_acc(S[r * p.lds + j]) * it;
-        if (p.bias_mode == 1) {
-          A slope, t;
-          int64_t idx;
-          x += table_bias<A>(T, p.P, half_span, c.ud - rc.uq, slope, idx, t);
-        } else if (p.bias_mode == 2) {
-          x += dense[r * p.ldb + j];
+    for (int rr0 = 0; rr0 < nr; rr0 += RB) {
+      A sv[RB][KC];
+#pragma unroll
+      for (int b = 0; b < RB; ++b)
+#pragma unroll
+        for (int k = 0; k < KC; ++k)
+          sv[b][k] = (rr0 + b < nr && c[k].valid) ? cuda::to_acc(S[(rb + rr0 + b) * p.lds + c0 + k * kThreads])
+                                                   : A(0);
+      A xb[RB][KC];
+      bool pcb[RB][KC];
+#pragma unroll
+      for (int b = 0; b < RB; ++b) {
+        const int rr = rr0 + b;
+        if (rr >= nr) break;  // uniform
+        const int64_t r = rb + rr, i = p.i0 + r;
+        const RowCtx<A> rc = load_row<A>(p, i);
+        A x[KC];
+        bool pr[KC];
+        A lm = ninf<A>(), lpm = ninf<A>();
+#pragma unroll
+        for (int k = 0; k < KC; ++k) {
+          const int64_t j = c0 + k * kThreads;
+          if (c[k].valid) {
+            const Elem<A> e = element<A>(p, sv[b][k], r, i, j, rc, c[k], it, half_span, T, dense);
+            x[k] = e.x;
+            pr[k] = e.pr;
+            pcb[b][k] = e.pc;
+          } else {
+            x[k] = ninf<A>();
+            pr[k] = false;
+            pcb[b][k] = false;
+          }
+          xb[b][k] = x[k];
+          lm = max(lm, x[k]);
+          if (pr[k]) lpm = max(lpm, x[k]);
         }
-        if (p.pos) {
-          const bool ov = max(rc.lo, c.lo) <= min(rc.hi, c.hi);
-          const bool dg = j == i + p.diag_offset;
-          pr = ov || (rc.none && dg);
-          pc = ov || (dg && (rc.none || c.none));
+        const A wm = cuda::warp_max(lm);
+        A ls = 0;
+#pragma unroll
+        for (int k = 0; k < KC; ++k)  // (a row of NaN keeps its NaN)
+          if (c[k].valid) ls += wm != ninf<A>() ? dexp(x[k] - wm) : (x[k] != x[k] ? x[k] : A(0));
+        const A ws = cuda::warp_sum(ls);
+        A pm = ninf<A>(), ps = 0;
+        if (__ballot_sync(kFull, lpm != ninf<A>())) {
+          pm = cuda::warp_max(lpm);
+          A lps = 0;
+#pragma unroll
+          for (int k = 0; k < KC; ++k)
+            if (pr[k]) lps += dexp(x[k] - pm);
+          ps = cuda::warp_sum(lps);
+        }
+        if (lane == 0) {
+          wpart[warp][rr][0] = wm;
+          wpart[warp][rr][1] = ws;
+          wpart[warp][rr][2] = pm;
+          wpart[warp][rr][3] = ps;
         }
       }
-      // row partial of this warp's 32 columns
-      const A wm = cuda::warp_max(x);
-      const A ws = cuda::warp_sum(jv && wm != ninf<A>() ? dexp(x - wm) : A(0));
-      A pm = ninf<A>(), ps = 0;
-      if (__ballot_sync(kFull, pr)) {
-        pm = cuda::warp_max(pr ? x : ninf<A>());
-        ps = cuda::warp_sum(pr ? dexp(x - pm) : A(0));
-      }
-      if (lane == 0) {
-        wpart[warp][rr][0] = wm;
-        wpart[warp][rr][1] = ws;
-        wpart[warp][rr][2] = pm;
-        wpart[warp][rr][3] = ps;
-      }
-      if (jv && p.cols) {
-        online_add(cm, cs, x);
-        if (pc) online_add(cpm, cps, x);
+      if (p.cols) {  // column statistics of the batch: one rescale per batch, not per element
+        const int nb = min(RB, nr - rr0);
+#pragma unroll
+        for (int k = 0; k < KC; ++k) {
+          if (!c[k].valid) continue;
+          A bm = cm[k], bpm = cpm[k];
+          for (int b = 0; b < nb; ++b) {
+            bm = max(bm, xb[b][k]);
+            if (pcb[b][k]) bpm = max(bpm, xb[b][k]);
+          }
+          if (bm != ninf<A>()) {
+            A acc = cs[k] * dexp(cm[k] - bm);
+            for (int b = 0; b < nb; ++b) acc += dexp(xb[b][k] - bm);
+            cs[k] = acc;
+            cm[k] = bm;
+          } else {
+            for (int b = 0; b < nb; ++b)
+              if (xb[b][k] != xb[b][k]) cs[k] = xb[b][k];  // NaN stays NaN
+          }
+          if (bpm != ninf<A>()) {
+            A acc = cps[k] * dexp(cpm[k] - bpm);
+            for (int b = 0; b < nb; ++b)
+              if (pcb[b][k]) acc += dexp(xb[b][k] - bpm);
+            cps[k] = acc;
+            cpm[k] = bpm;
+          }
+        }
       }
     }
     __syncthreads();
-    flush_rows<A>(p, wpart, rb, rb + nr);
+    flush_rows<A>(p, wpart, rb, nr);
     __syncthreads();
   }
-  if (jv && p.cols) {
-    A* out = static_cast<A*>(p.col_part) + ((int64_t)blockIdx.y * p.C + j) * 2;
-    out[0] = cs > A(0) ? cm + dlog(cs) : (cs == cs ? ninf<A>() : cs);
-    out[1] = cps > A(0) ? cpm + dlog(cps) : (cps == cps ? ninf<A>() : cps);
+  if (p.cols) {
+#pragma unroll
+    for (int k = 0; k < KC; ++k) {
+      if (!c[k].valid) continue;
+      A* out = static_cast<A*>(p.col_part) + ((int64_t)blockIdx.y * p.C + c0 + k * kThreads) * 2;
+      out[0] = cs[k] > A(0) ? cm[k] + dlog(cs[k]) : (cs[k] == cs[k] ? ninf<A>() : cs[k]);
+      out[1] = cps[k] > A(0) ? cpm[k] + dlog(cps[k]) : (cps[k] == cps[k] ? ninf<A>() : cps[k]);
+    }
   }
 }
 
@@ -191,8 +284,7 @@ __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockPa
   A* hs = reinterpret_cast<A*>(mpb_smem);  // table mode: the block's histogram of dL/dtable (P values)
   __shared__ A rowacc[32];
   const int tid = threadIdx.x, lane = tid & 31;
-  const int64_t j = (int64_t)blockIdx.x * kThreads + tid;
-  const bool jv = j < p.C;
+  const int64_t c0 = (int64_t)blockIdx.x * kThreads * KC + tid;
   const int64_t r0 = (int64_t)blockIdx.y * p.TR;
   const int64_t r1 = min(r0 + p.TR, p.R);
   const ST* S = static_cast<const ST*>(p.S);
@@ -214,56 +306,68 @@ __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockPa
   if (tid < 32) rowacc[tid] = A(0);
   __syncthreads();
 
-  const Col<A> c = load_col<A>(p, j, jv);
-  A ca = 0, cp = 0;
-  if (jv && cols) {
-    ca = cl[j];
-    cp = cl[p.C + j];
+  Col<A> c[KC];
+  A ca[KC], cp[KC], dud[KC];
+#pragma unroll
+  for (int k = 0; k < KC; ++k) {
+    const int64_t j = c0 + k * kThreads;
+    c[k] = load_col<A>(p, j);
+    ca[k] = cp[k] = dud[k] = A(0);
+    if (c[k].valid && cols) {
+      ca[k] = cl[j];
+      cp[k] = cl[p.C + j];
+    }
   }
-  A dud = 0;
 
   for (int64_t rb = r0; rb < r1; rb += 32) {
     const int nr = (int)min((int64_t)32, r1 - rb);
-    for (int rr = 0; rr < nr; ++rr) {
-      const int64_t r = rb + rr, i = p.i0 + r;
-      const RowCtx<A> rc = load_row<A>(p, i);
-      A dD = 0;
-      if (jv) {
-        A x = cuda::to_acc(S[r * p.lds + j]) * it;
-        A slope = 0, t = 0;
-        int64_t idx = 0;
-        if (table) x += table_bias<A>(T, p.P, half_span, c.ud - rc.uq, slope, idx, t);
-        else if (p.bias_mode == 2) x += dense[r * p.ldb + j];
-        bool pr = false, pc = false;
-        if (p.pos) {
-          const bool ov = max(rc.lo, c.lo) <= min(rc.hi, c.hi);
-          const bool dg = j == i + p.diag_offset;
-          pr = ov || (rc.none && dg);
-          pc = ov || (dg && (rc.none || c.none));
-        }
-        A g = 0;
+    for (int rr0 = 0; rr0 < nr; rr0 += RB) {
+      A sv[RB][KC];
+#pragma unroll
+      for (int b = 0; b < RB; ++b)
+#pragma unroll
+        for (int k = 0; k < KC; ++k)
+          sv[b][k] = (rr0 + b < nr && c[k].valid) ? cuda::to_acc(S[(rb + rr0 + b) * p.lds + c0 + k * kThreads])
+                                                   : A(0);
+#pragma unroll
+      for (int b = 0; b < RB; ++b) {
+        const int rr = rr0 + b;
+        if (rr >= nr) break;  // uniform
+        const int64_t r = rb + rr, i = p.i0 + r;
+        const RowCtx<A> rc = load_row<A>(p, i);
+        A la = 0, lp = 0;
         if (rows) {
-          const A la = rl[i], lp = rl[p.Bq + i];
-          g = gr * (dexp(x - la) - (pr ? dexp(x - lp) : A(0)));
+          la = rl[i];
+          lp = rl[p.Bq + i];
         }
-        if (cols) g += gc * (dexp(x - ca) - (pc ? dexp(x - cp) : A(0)));
-        dS[r * p.ldo + j] = cuda::from_acc<OT>(g * it);
-        if (p.bias_mode == 2) G[r * p.ldo + j] = g;
-        if (table) {
-          dD = g * slope;
-          dud += dD;
-          if (hist_smem) {
-            atomicAdd(hs + idx, g - g * t);
-            atomicAdd(hs + idx + 1, g * t);
-          } else {
-            atomicAdd(hist_g + idx, (double)(g - g * t));
-            atomicAdd(hist_g + idx + 1, (double)(g * t));
+        A rsum = 0;
+#pragma unroll
+        for (int k = 0; k < KC; ++k) {
+          if (!c[k].valid) continue;
+          const int64_t j = c0 + k * kThreads;
+          const Elem<A> e = element<A>(p, sv[b][k], r, i, j, rc, c[k], it, half_span, T, dense);
+          A g = 0;
+          if (rows) g = gr * (dexp(e.x - la) - (e.pr ? dexp(e.x - lp) : A(0)));
+          if (cols) g += gc * (dexp(e.x - ca[k]) - (e.pc ? dexp(e.x - cp[k]) : A(0)));
+          dS[r * p.ldo + j] = cuda::from_acc<OT>(g * it);
+          if (p.bias_mode == 2) G[r * p.ldo + j] = g;
+          if (table) {
+            const A dD = g * e.slope;
+            dud[k] += dD;
+            rsum += dD;
+            if (hist_smem) {
+              atomicAdd(hs + e.idx, g - g * e.t);
+              atomicAdd(hs + e.idx + 1, g * e.t);
+            } else {
+              atomicAdd(hist_g + e.idx, (double)(g - g * e.t));
+              atomicAdd(hist_g + e.idx + 1, (double)(g * e.t));
+            }
           }
         }
-      }
-      if (table) {
-        const A wsum = cuda::warp_sum(dD);
-        if (lane == 0) atomicAdd(rowacc + rr, wsum);
+        if (table) {
+          const A wsum = cuda::warp_sum(rsum);
+          if (lane == 0) atomicAdd(rowacc + rr, wsum);
+        }
       }
     }
     if (table) {
@@ -276,7 +380,9 @@ __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockPa
     }
   }
   if (table) {
-    if (jv) static_cast<A*>(p.dud_part)[(int64_t)blockIdx.y * p.C + j] = dud;
+#pragma unroll
+    for (int k = 0; k < KC; ++k)
+      if (c[k].valid) static_cast<A*>(p.dud_part)[(int64_t)blockIdx.y * p.C + c0 + k * kThreads] = dud[k];
     if (hist_smem) {
       __syncthreads();
       double* h = p.hist + hid * p.P;
@@ -300,7 +406,7 @@ template <typename F> void dispatch_fwd(DType sd, DType ad, F&& f) {
 }
 
 void check(const MultiposBlockParams& p) {
-  if (p.R < 0 || p.C < 0 || p.TR < 1 || p.nct != (p.C + kThreads - 1) / kThreads || p.nrt != (p.R + p.TR - 1) / p.TR)
+  if (p.R < 0 || p.C < 0 || p.TR < 1 || p.nct != (p.C + kThreads * KC - 1) / (kThreads * KC) || p.nrt != (p.R + p.TR - 1) / p.TR)
     throw std::runtime_error("multipos_block: inconsistent tiling");
   if (p.nrt > 65535) throw std::runtime_error("multipos_block: too many row tiles (raise TR)");
   if (p.bias_mode == 1 && p.P < 2) throw std::runtime_error("multipos_block: the table needs >= 2 points");

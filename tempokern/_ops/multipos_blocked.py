@@ -26,7 +26,7 @@ import torch
 
 from .common import DTYPE_CODES, kernels, launch_args, on_cuda_path, ptr, sm_count
 
-_TILE_COLS = 256
+TILE_COLS = 1024  # columns per CUDA block of the fused passes (256 threads x 4)
 _out_dtype_ok: dict = {}
 
 
@@ -46,6 +46,26 @@ def _mm_out_f32(device: torch.device) -> bool:
             ok = False
         _out_dtype_ok[key] = ok
     return ok
+
+
+_addmm_ok: dict = {}
+
+
+def _addmm_into(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """c += a @ b with c float32 and a, b fp16/bf16 on CUDA: one cuBLAS call accumulating into c where torch
+    offers addmm(..., out_dtype=float32, out=c), else a float32 product and an add."""
+    key = str(c.device)
+    if _addmm_ok.get(key, True) and c.dtype == torch.float32 and a.dtype != c.dtype:
+        try:
+            torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+            _addmm_ok[key] = True
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            _addmm_ok[key] = False
+    if a.dtype == c.dtype:
+        c.addmm_(a, b)
+    else:
+        c += _mm(a, b)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -90,10 +110,10 @@ def block_rows(Bq: int, C: int, N: int, per_elem: int, device: torch.device, req
 
 
 def tiling(R: int, C: int, device: torch.device):
-    """(TR, nct, nrt): CUDA blocks of TR rows x 256 columns, at least 4 x SMs of them where the block has
+    """(TR, nct, nrt): CUDA blocks of TR rows x 1024 columns, at least 4 x SMs of them where the block has
     the work for it; CPU: nrt chunks of TR rows (4 per thread)."""
     if on_cuda_path(device):
-        nct = max(1, -(-C // _TILE_COLS))
+        nct = max(1, -(-C // TILE_COLS))
         want = -(-4 * sm_count(device) // nct)
         TR = max(32, -(-max(1, -(-R // want)) // 32) * 32, -(-R // 65535))
     else:
@@ -175,6 +195,12 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
             return torch.mm(a.to(acc), b.to(acc))
         return _mm(a, b)
 
+    def prod_into(c, a, b):  # c += a @ b
+        if q.device.type == "cpu":
+            c.addmm_(a.to(acc), b.to(acc))
+        else:
+            _addmm_into(c, a, b)
+
     sdtype = acc if (q.device.type == "cpu" or q.dtype == acc or _mm_out_f32(q.device)) else q.dtype
     odtype = q.dtype if cuda_path else acc
     per_elem = torch.tensor([], dtype=sdtype).element_size() + torch.tensor([], dtype=odtype).element_size()
@@ -230,9 +256,10 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     gc = col_weight / Bd if Bd else 0.0
     # gradient accumulators: float32 (float64 for float64) unless half operands must give half products
     gdt = acc if (q.device.type == "cpu" or q.dtype == acc or _mm_out_f32(q.device)) else q.dtype
-    dq = torch.empty(Bq, H, dtype=gdt, device=q.device)
-    dd = torch.zeros(Bd, H, dtype=gdt, device=q.device)
-    dneg = torch.zeros(N, H, dtype=gdt, device=q.device) if N else None
+    single = len(blocks) == 1
+    dq = torch.empty(Bq, H, dtype=gdt, device=q.device) if not single else None
+    dd = torch.zeros(Bd, H, dtype=gdt, device=q.device) if not single else None
+    dneg = torch.zeros(N, H, dtype=gdt, device=q.device) if N and not single else None
     du_q = du_d = dtable = hist = None
     if bias_mode == 1:
         du_q = torch.empty(Bq, dtype=acc, device=q.device)
@@ -264,8 +291,11 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
                  dS=dS, nhist=0 if hist is None else hist.shape[0], **outs)
         del S, dense
         qbo = qops[i0:i0 + r]
-        dq[i0:i0 + r] = prod(dS, dops)
-        dd += prod(dS.t(), qbo)
+        if single:  # one block: the products are the gradients, no accumulation
+            dq, dd = prod(dS, dops), prod(dS.t(), qbo)
+        else:
+            dq[i0:i0 + r] = prod(dS, dops)
+            prod_into(dd, dS.t(), qbo)
         if bias_mode == 1:
             du_q[i0:i0 + r] = outs["duq_part"].sum(1)
             du_d += outs["dud_part"].double().sum(0)
@@ -281,8 +311,11 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
             L.launch("bwd", E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, gr=gr, gc=0.0, dS=dE,
                      row_lse=row_lse)
             negops = extra_neg if not (cuda_path and q.device.type == "cpu") else extra_neg.to(acc)
-            dq[i0:i0 + r] += prod(dE, negops)
-            dneg += prod(dE.t(), qbo)
+            prod_into(dq[i0:i0 + r], dE, negops)
+            if single:
+                dneg = prod(dE.t(), qbo)
+            else:
+                prod_into(dneg, dE.t(), qbo)
             del dE
         del E
         keep = None
@@ -292,4 +325,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     dexact = [None] * 5
     if ex is not None:
         du_q, du_d, dexact = ex[0], ex[1], ex[2:]
+    if not blocks:
+        dq, dd = q.new_zeros(Bq, H, dtype=acc), q.new_zeros(Bd, H, dtype=acc)
+        dneg = q.new_zeros(N, H, dtype=acc) if N else None
     return [loss, dq.to(acc), dd.to(acc), None if dneg is None else dneg.to(acc), du_q, du_d, dtable, *dexact]
