@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..nn import CTDLoss
-from .data import record_labels, record_span, training_pairs
+from .data import (HardNegatives, gold_indices, num_training_pairs, record_labels, record_span, train_units,
+                   training_pairs)
 from .evaluate import evaluate_model
 from .losses import calendar_ce
 
@@ -49,10 +50,11 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     temperature: float = 0.05
     lambda_time: float = 0.1
-    label_smoothing: float = 0.2
-    neighbor_smoothing: bool = False
+    label_smoothing: float = 0.2             # epsilon of the calendar CE's smoothing
+    neighbor_smoothing: bool = True          # ChunQiuTR's --time_label_smoothing (False: uniform smoothing)
     hard_negatives: bool = True
-    pairs_per_query: Optional[int] = None   # gold records drawn per query and epoch (None: all)
+    hard_negative_pool: int = 16             # ChunQiuTR's num_negatives: the pool one negative is drawn from
+    pairs_per_query: Optional[int] = 1       # gold records drawn per query and epoch (1: ChunQiuTR; None: all)
     amp: str = "auto"
     seed: int = 0
     eval_split: str = "val"
@@ -70,7 +72,11 @@ class TrainConfig:
             raise ValueError(f"unknown variant {self.variant!r}: expected one of {', '.join(VARIANTS)}")
         if self.amp not in AMP_MODES:
             raise ValueError(f"amp must be one of {AMP_MODES}, got {self.amp!r}")
-        for name in ("epochs", "batch_size", "grad_accum", "eval_every"):
+        if self.pairs_per_query is not None and (isinstance(self.pairs_per_query, bool)
+                                                 or not isinstance(self.pairs_per_query, int)
+                                                 or self.pairs_per_query < 1):
+            raise ValueError(f"pairs_per_query must be None or a positive int, got {self.pairs_per_query!r}")
+        for name in ("epochs", "batch_size", "grad_accum", "eval_every", "hard_negative_pool"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "epochs" else 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -183,19 +189,31 @@ class Trainer:
         apply_variant(model, config.variant)
         model.temperature = config.temperature
         self.variant = VARIANTS[config.variant]
-        self.pairs = training_pairs(dataset, "train")
-        if len(self.pairs) < 2:
-            raise ValueError(f"dataset {dataset.name!r} has {len(self.pairs)} training (query, gold record) pairs; "
-                             "need at least 2")
+        self.gold = gold_indices(dataset, "train")
+        n_pairs = num_training_pairs(self.gold, config.pairs_per_query)
+        if n_pairs < 2:
+            raise ValueError(f"dataset {dataset.name!r} has {n_pairs} training (query, gold record) pairs "
+                             f"per epoch (pairs_per_query={config.pairs_per_query}); need at least 2")
         self.spans = [record_span(r, i) for i, r in enumerate(dataset.records)]
         self.labels = [record_labels(dataset, r) for r in dataset.records]
-        self.negs = [i for i, r in enumerate(dataset.records) if r.type == "neg_comment"] if config.hard_negatives else []
+        # hard negatives only from the training split's months (no val/test month leaks into training)
+        self.negs = (HardNegatives(dataset, train_units(dataset, "train"), config.hard_negative_pool)
+                     if config.hard_negatives else None)
         self.has_val = any(q.split == config.eval_split for q in dataset.queries)
 
     # ---- batches ------------------------------------------------------------------------------
+    def num_batches(self) -> int:
+        """Batches per epoch (what len(_epoch_batches(e)) is, without drawing them)."""
+        n = num_training_pairs(self.gold, self.cfg.pairs_per_query)
+        g = self.cfg.batch_size * self.world
+        nb = max(1, math.ceil(n / g))
+        if nb > 1 and n - (nb - 1) * g < 2 * self.world:
+            nb -= 1
+        return nb
+
     def _epoch_batches(self, epoch: int):
         rng = random.Random(self.cfg.seed * 1000003 + epoch)
-        order = training_pairs(self.data, "train", per_query=self.cfg.pairs_per_query, rng=rng)
+        order = training_pairs(self.data, "train", per_query=self.cfg.pairs_per_query, rng=rng, gold=self.gold)
         rng.shuffle(order)
         g = self.cfg.batch_size * self.world
         batches = [order[i:i + g] for i in range(0, len(order), g)]
@@ -208,15 +226,9 @@ class Trainer:
             negs = None
             if self.negs:
                 nrng = random.Random(self.cfg.seed * 7919 + epoch * 104729 + bi)
-                negs = [self._pick_neg(qi, nrng) for qi, _ in mine]
+                negs = [n for n in (self.negs.pick(qi, di, nrng) for qi, di in mine) if n is not None] or None
             out.append((mine, negs, bi * self.cfg.batch_size * self.world + self.rank * per))
         return out
-
-    def _pick_neg(self, qi, rng):
-        q = self.data.queries[qi]
-        same = [i for i in self.negs if q.interval is not None and self.data.records[i].interval is not None
-                and self.data.records[i].interval.overlaps(q.interval)]
-        return rng.choice(same or self.negs)
 
     def _loss(self, batch, negs, offset, loss_fn):
         cfg, model, dev = self.cfg, self.model, self.device
@@ -284,7 +296,7 @@ class Trainer:
                           offset_bias=model.offset_bias if self.variant["use_bias"] else None,
                           symmetric=True, normalize=False, gather=gather)
         opt = torch.optim.AdamW(_param_groups(model, cfg.lr, cfg.temporal_lr, cfg.weight_decay), lr=cfg.lr)
-        steps_per_epoch = max(1, math.ceil(len(self._epoch_batches(0)) / cfg.grad_accum))
+        steps_per_epoch = max(1, math.ceil(self.num_batches() / cfg.grad_accum))
         total = steps_per_epoch * cfg.epochs
         if cfg.max_steps is not None:
             total = min(total, cfg.max_steps)
