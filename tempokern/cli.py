@@ -79,6 +79,18 @@ def _model_args(p):
     g.add_argument("--tiny-layers", type=int, default=2)
 
 
+def _pairs_per_query(v: str):
+    if v == "all":
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'all', got {v!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'all', got {v!r}")
+    return n
+
+
 def _train_args(p):
     g = p.add_argument_group("training")
     g.add_argument("--variant", default="full", help="baseline | multipos | bias | context | full")
@@ -91,9 +103,23 @@ def _train_args(p):
     g.add_argument("--grad-accum", type=int, default=1)
     g.add_argument("--temperature", type=float, default=0.05)
     g.add_argument("--lambda-time", type=float, default=0.1)
-    g.add_argument("--label-smoothing", type=float, default=0.2)
-    g.add_argument("--neighbor-smoothing", action="store_true")
-    g.add_argument("--no-hard-negatives", dest="hard_negatives", action="store_false")
+    g.add_argument("--label-smoothing", type=float, default=0.2,
+                   help="epsilon of the calendar cross-entropy's label smoothing (default 0.2)")
+    g.add_argument("--neighbor-smoothing", dest="neighbor_smoothing", action="store_true", default=True,
+                   help="neighbour label smoothing: the target keeps 1-eps, its adjacent classes share eps "
+                        "(ChunQiuTR's --time_label_smoothing; the default)")
+    g.add_argument("--uniform-smoothing", dest="neighbor_smoothing", action="store_false",
+                   help="uniform label smoothing instead of neighbour smoothing")
+    g.add_argument("--pairs-per-query", type=_pairs_per_query, default=1,
+                   help="gold records drawn per training query and epoch: 1 (default, ChunQiuTR's sampler), "
+                        "k, or 'all' for every (query, gold) pair")
+    g.add_argument("--no-hard-negatives", dest="hard_negatives", action="store_false",
+                   help="no neg_comment extra negatives (default: one per pair, from training-split months)")
+    g.add_argument("--scorer", default="encoder", choices=["encoder", "ctd"],
+                   help="validation scorer for checkpoint selection: encoder (the backbone alone, as the "
+                        "reference; default) or ctd (the full model with context and bias)")
+    g.add_argument("--gather-mode", default="tempokern", choices=["tempokern", "chunqiutr"],
+                   help="CTDLoss all-gather semantics under torchrun (see docs/multipos_infonce.md)")
     g.add_argument("--amp", default="auto", choices=["auto", "off", "bf16", "fp16"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-steps", type=int, default=None)
@@ -127,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-ne", dest="ne", action="store_false", help="leave no_event records out of the gallery")
     e.add_argument("--keep-no-event-queries", dest="drop_no_event", action="store_false",
                    help="also score queries whose gold is only no_event records")
+    e.add_argument("--scorer", default="ctd", choices=["ctd", "encoder"],
+                   help="ctd: the full model (calendar context and offset bias, as trained; default); encoder: "
+                        "the backbone alone, pooled and L2-normalised, as ChunQiuTR's evaluate.py (enc_only) "
+                        "reports the paper's numbers (docs/eval.md)")
     e.add_argument("--out", help="write the table as JSON here (and .md next to it)")
 
     i = sub.add_parser("index", help="encode a gallery into a TemporalIndex file",
@@ -257,7 +287,8 @@ def cmd_train(args) -> int:
                       grad_accum=args.grad_accum, temperature=args.temperature, lambda_time=args.lambda_time,
                       label_smoothing=args.label_smoothing, neighbor_smoothing=args.neighbor_smoothing,
                       hard_negatives=args.hard_negatives, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
-                      progress=args.progress).validate()
+                      progress=args.progress, pairs_per_query=args.pairs_per_query, eval_scorer=args.scorer,
+                      gather_mode=args.gather_mode).validate()
     from .training.trainer import seed_everything
     seed_everything(args.seed)
     model = build_model(args, ds)
@@ -290,14 +321,17 @@ def cmd_eval(args) -> int:
     model = _load_model(args.model)
     ds = _dataset(args)
     check_split(args.split, ds)
-    table = evaluate_model(model, ds, args.split, neg=args.neg, ne=args.ne, drop_no_event=args.drop_no_event)
+    table = evaluate_model(model, ds, args.split, neg=args.neg, ne=args.ne, drop_no_event=args.drop_no_event,
+                           scorer=args.scorer)
     rows = [{"name": fam, **m} for fam, m in table.items()]
     md = markdown_table(rows, list(METRIC_KEYS) + ["queries"], name_key="name")
     print(md)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out, json.dumps({"split": args.split, "rows": rows}, indent=1))
+        mode = f"neg{int(args.neg)}_ne{int(args.ne)}_dq{int(args.drop_no_event)}"
+        _atomic_write(out, json.dumps({"split": args.split, "scorer": args.scorer, "mode": mode, "rows": rows},
+                                      indent=1))
         _atomic_write(out.with_suffix(".md"), md + "\n")
     return 0
 

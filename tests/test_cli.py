@@ -63,6 +63,18 @@ def test_train_eval_index_search(trained, tmp_path, capsys):
         for k in ("R@1", "R@5", "R@10", "MRR@10", "nDCG@10", "recall@10"):
             assert 0.0 <= r[k] <= 1.0
     assert (tmp_path / "eval.md").read_text().startswith("| name |")
+    assert table["scorer"] == "ctd" and table["mode"] == "neg1_ne1_dq1"
+    # the reference's protocol: encoder-only scoring, pure no_event queries kept (issue 13 item 4)
+    res2 = tmp_path / "eval_enc.json"
+    assert main(["eval", "--model", str(trained / "best"), "--dataset", "zztj", "--split", "test", "--scorer", "encoder",
+                 "--keep-no-event-queries", "--out", str(res2)]) == 0
+    t2 = json.loads(res2.read_text())
+    assert t2["scorer"] == "encoder" and t2["mode"] == "neg1_ne1_dq0"
+    from tempokern.models import CTDEncoder
+    from tempokern.training import evaluate_model, zztj_demo_dataset
+    want = evaluate_model(CTDEncoder.load(trained / "best"), zztj_demo_dataset(), "test", scorer="encoder",
+                          drop_no_event=False)
+    assert {r["name"]: r["R@1"] for r in t2["rows"]} == {k: v["R@1"] for k, v in want.items()}
     idx = tmp_path / "zztj.idx"
     assert main(["index", "--model", str(trained / "best"), "--dataset", "zztj", "--out", str(idx)]) == 0
     assert idx.exists() and (tmp_path / "zztj.idx.records.json").exists()
@@ -118,6 +130,8 @@ def test_bench_writes_png(tmp_path):
     (["train", "--dataset", "zztj", "--out", "{tmp}/x", "--variant", "fancy"], "unknown variant"),
     (["train", "--dataset", "zztj", "--out", "{tmp}/x", "--resume"], "cannot resume"),
     (["train", "--dataset", "zztj"], "--out is required"),
+    (["eval", "--model", "{tmp}", "--dataset", "zztj", "--scorer", "bm25"], "invalid choice"),
+    (["train", "--dataset", "zztj", "--out", "{tmp}/x", "--pairs-per-query", "0"], "positive int or 'all'"),
     (["bench", "--ops", "warp_drive", "--out", "{tmp}/b"], "unknown op"),
     (["bench", "--config", "{tmp}/nope.toml"], "does not exist"),
     (["search", "--model", "{tmp}", "--index", "{tmp}/none.idx"], "at least one --query"),

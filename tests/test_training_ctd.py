@@ -339,3 +339,69 @@ def test_default_time_loss_is_neighbour_smoothing_mean_over_levels(ds):
     per_level = [_chunqiu_neighbor_ce(x[B:2 * B], torch.tensor([l[k] for l in labels]), 0.2)
                  for k, x in enumerate(out.logits)]
     assert torch.allclose(lt, torch.stack(per_level).mean(), atol=1e-5)
+
+
+# ---- issue 13 item 4: the reference's evaluation protocol -----------------------------------------
+
+def test_encoder_scorer_is_the_backbone_alone(ds):
+    """scorer="encoder": the backbone's pooled vector, L2-normalised (no context, no bias), as the
+    reference's evaluate.py (enc_only) and validation (base_model.encoder)."""
+    from tempokern.models.encoder import pool
+    m = tiny_model(ds, pooling="cls").eval()
+    with torch.no_grad():
+        m.ctx_gate.fill_(3.0)             # the context must not reach encoder-only vectors
+    texts = [r.text for r in ds.records[:7]]
+    enc = m.tokenize(texts)
+    with torch.no_grad():
+        h = m.backbone(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state[:, 0]
+    got = m.encode(texts, scorer="encoder").embeddings
+    torch.testing.assert_close(got, F.normalize(h, dim=-1))
+    assert not torch.allclose(m.encode(texts).embeddings, got, atol=1e-3)   # ctd adds the context
+    with pytest.raises(ValueError, match="scorer"):
+        m.encode(texts, scorer="bm25")
+
+
+def test_evaluate_model_encoder_scorer_matches_cosine_ranking(ds):
+    m = tiny_model(ds).eval()
+    with torch.no_grad():
+        m.offset_bias.scale.fill_(5.0)    # a strong bias: must be ignored by the encoder scorer
+    table = evaluate_model(m, ds, "test", scorer="encoder", drop_no_event=False)
+    gallery = ds.gallery()
+    qs = [q for q in ds.queries if q.split == "test" and any(g in {r.id for r in gallery} for g in q.gold)]
+    from tempokern.models.encoder import pool
+    def vecs(texts):
+        enc = m.tokenize(texts)
+        with torch.no_grad():
+            h = m.backbone(**enc).last_hidden_state
+        return F.normalize(pool(h, enc["attention_mask"], m.pooling), dim=-1)
+    s = vecs([q.text for q in qs]) @ vecs([r.text for r in gallery]).T
+    top1 = s.argmax(1).tolist()
+    r1 = sum(gallery[j].id in q.gold for q, j in zip(qs, top1)) / len(qs)
+    assert table["all"]["queries"] == len(qs)
+    assert abs(table["all"]["R@1"] - r1) < 1e-9
+    ctd = evaluate_model(m, ds, "test", scorer="ctd", drop_no_event=False)
+    assert ctd["all"]["queries"] == len(qs)
+
+
+def test_checkpoint_selection_follows_the_reference_by_default(ds, monkeypatch):
+    """Fails on a030c41 (selected on neg1_ne1_dq1 with the full CTD score): the reference selects on
+    validation R@1 of the encoder alone under neg1_ne1_dq0."""
+    import tempokern.training.trainer as trainer_mod
+    seen = []
+    real = trainer_mod.evaluate_model
+
+    def spy(*a, **kw):
+        seen.append(kw)
+        return real(*a, **kw)
+    monkeypatch.setattr(trainer_mod, "evaluate_model", spy)
+    m = tiny_model(ds)
+    res = train(m, ds, TrainConfig(epochs=1, batch_size=8, lr=1e-3, progress=False, max_steps=2),
+                log=lambda *a: None)
+    assert seen and all(kw["neg"] and kw["ne"] and not kw["drop_no_event"] and kw["scorer"] == "encoder"
+                        for kw in seen)
+    ev = [h for h in res.history if h["event"] == "eval"]
+    assert ev and ev[0]["mode"] == "neg1_ne1_dq0" and ev[0]["scorer"] == "encoder"
+    with pytest.raises(ValueError, match="scorer"):
+        TrainConfig(eval_scorer="full").validate()
+    with pytest.raises(ValueError, match="gather_mode"):
+        TrainConfig(gather_mode="x").validate()

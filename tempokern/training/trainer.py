@@ -63,13 +63,22 @@ class TrainConfig:
     stop_after_epochs: Optional[int] = None  # end this run early (time-boxed); `resume` continues it
     progress: bool = True
     batch_size_eval: int = 64
-    eval_neg: bool = True                    # ChunQiuTR switches for validation (see evaluate_model)
+    # checkpoint selection as the reference: validation R@1 under neg1_ne1_dq0 (neg_comment and no_event
+    # records in the gallery, pure no_event queries kept), scored by the encoder alone (evaluate_model)
+    eval_neg: bool = True
     eval_ne: bool = True
-    eval_drop_no_event: bool = True
+    eval_drop_no_event: bool = False
+    eval_scorer: str = "encoder"             # "encoder" (the reference's validation) or "ctd" (the full model)
+    gather_mode: str = "tempokern"           # CTDLoss(gather=True) semantics under torchrun (see CTDLoss)
 
     def validate(self) -> "TrainConfig":
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown variant {self.variant!r}: expected one of {', '.join(VARIANTS)}")
+        from ..models.encoder import check_scorer
+        check_scorer(self.eval_scorer)
+        from ..nn.ctd_loss import GATHER_MODES
+        if self.gather_mode not in GATHER_MODES:
+            raise ValueError(f"gather_mode must be one of {GATHER_MODES}, got {self.gather_mode!r}")
         if self.amp not in AMP_MODES:
             raise ValueError(f"amp must be one of {AMP_MODES}, got {self.amp!r}")
         if self.pairs_per_query is not None and (isinstance(self.pairs_per_query, bool)
@@ -294,7 +303,7 @@ class Trainer:
         gather = self.world > 1
         loss_fn = CTDLoss(temperature=cfg.temperature,
                           offset_bias=model.offset_bias if self.variant["use_bias"] else None,
-                          symmetric=True, normalize=False, gather=gather)
+                          symmetric=True, normalize=False, gather=gather, gather_mode=cfg.gather_mode)
         opt = torch.optim.AdamW(_param_groups(model, cfg.lr, cfg.temporal_lr, cfg.weight_decay), lr=cfg.lr)
         steps_per_epoch = max(1, math.ceil(self.num_batches() / cfg.grad_accum))
         total = steps_per_epoch * cfg.epochs
@@ -390,10 +399,12 @@ class Trainer:
         if self.rank == 0:
             table = evaluate_model(self.model, self.data, self.cfg.eval_split, batch_size=self.cfg.batch_size_eval,
                                    neg=self.cfg.eval_neg, ne=self.cfg.eval_ne,
-                                   drop_no_event=self.cfg.eval_drop_no_event)
+                                   drop_no_event=self.cfg.eval_drop_no_event, scorer=self.cfg.eval_scorer)
             metric = table["all"]["R@1"]
             rec = {"event": "eval", "variant": self.cfg.variant, "epoch": epoch, "step": step,
-                   "split": self.cfg.eval_split, **{f"{k}": v for k, v in table["all"].items()}}
+                   "split": self.cfg.eval_split, "scorer": self.cfg.eval_scorer,
+                   "mode": f"neg{int(self.cfg.eval_neg)}_ne{int(self.cfg.eval_ne)}_dq{int(self.cfg.eval_drop_no_event)}",
+                   **{f"{k}": v for k, v in table["all"].items()}}
             history.append(rec)
             if logf:
                 logf.write(json.dumps(rec) + "\n")
