@@ -405,3 +405,38 @@ def test_checkpoint_selection_follows_the_reference_by_default(ds, monkeypatch):
         TrainConfig(eval_scorer="full").validate()
     with pytest.raises(ValueError, match="gather_mode"):
         TrainConfig(gather_mode="x").validate()
+
+
+# ---- issue 13 item 7: leap months in chronological order on u --------------------------------------
+
+def test_leap_month_targets_put_u_in_chronological_order():
+    """Fails on a030c41: the heads' target for an intercalary month was the month level's 13th slot, so the
+    u they learn put 闰 (after month 3) after month 12; the targets now follow the rank axis."""
+    import tempokern
+    from tempokern.calendar import Calendar, LEAP_MONTH
+    from tempokern.datasets import Record, RetrievalDataset
+    from tempokern.training.data import record_labels
+    cal = Calendar.reign([("甲", 2), ("乙", 2)], leap_months={("甲", 1): 3, ("乙", 2): 12})
+    recs = [Record(f"r{r}", "x", key=cal.key_at(r)) for r in range(cal.num_units)]
+    ds = RetrievalDataset("leap", recs, [], cal)
+    labels = [record_labels(ds, r) for r in recs]
+    assert labels[3] == [0.0, 0.0, 2.5]                      # 甲元年闰月 (after month 3): between months 3 and 4
+    assert cal.key_at(3) == ("甲", 1, LEAP_MONTH)
+    assert labels[-1][2] == 12.0                             # a leap month after month 12 keeps the 13th slot
+    # the u the heads are trained towards (the target distribution's expectation, per level) is increasing in rank
+    def target_logits(col, n):
+        lo = torch.floor(torch.tensor(col)).long()
+        f = torch.tensor(col) - lo
+        p = torch.zeros(len(col), n, dtype=torch.float64)
+        p[torch.arange(len(col)), lo] += 1 - f
+        p[torch.arange(len(col)), (lo + 1).clamp_max(n - 1)] += f
+        return torch.log(p.clamp_min(1e-300))
+    logits = [target_logits([l[k] for l in labels], n) for k, n in enumerate(cal.sizes)]
+    u = tempokern.calendar_scalar(logits)
+    assert bool((u[1:] > u[:-1]).all()), u
+    # calendar_ce with a half label is the mixture of the two neighbouring targets
+    x = torch.randn(2, 13)
+    half = calendar_ce([x], torch.tensor([[2.5], [7.0]]), smoothing=0.2, neighbor=True)
+    want = (0.5 * _chunqiu_neighbor_ce(x[:1], torch.tensor([2]), 0.2) + 0.5 * _chunqiu_neighbor_ce(x[:1], torch.tensor([3]), 0.2)
+            + _chunqiu_neighbor_ce(x[1:], torch.tensor([7]), 0.2)) / 2
+    assert torch.allclose(half, want, atol=1e-6)

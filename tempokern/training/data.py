@@ -153,15 +153,40 @@ def record_span(rec, i: int) -> Tuple[int, int]:
     return (rec.interval.start, rec.interval.end)
 
 
-def record_labels(dataset, rec) -> List[int]:
-    """Per-level class indices of a record's calendar key (-1 where unknown)."""
-    L = dataset.calendar.num_levels
+def record_labels(dataset, rec) -> List[float]:
+    """Per-level class indices of a record's calendar key (-1 where unknown), the targets of the
+    calendar heads. An intercalary month (reign calendars: the month level's last slot, 闰) placed
+    after month m < 12 gets the month label (m - 1) + 0.5: half on month m, half on month m + 1,
+    so the u the heads learn lies between them, in chronological order (the grid's 13th slot
+    would put it after month 12). A leap month after month 12 keeps the slot: it is chronological.
+    A record whose key has fewer components than the calendar has levels (e.g. a year-level record
+    without a month) gets -1 on the missing levels."""
+    cal = dataset.calendar
+    L = cal.num_levels
     if rec.key is None:
         return [-1] * L
+    key = tuple(rec.key)
     try:
-        return list(dataset.calendar.index(rec.key))
+        if len(key) < L:
+            return [float(cal._level_index(l, c, key)) for l, c in enumerate(key)] + [-1] * (L - len(key))
+        out = [float(i) for i in cal.index(key)]
     except (KeyError, ValueError, TypeError):
         return [-1] * L
+    after = _leap_after(cal, key)
+    if after is not None and after < cal.sizes[-1] - 1:
+        out[-1] = (after - 1) + 0.5
+    return out
+
+
+def _leap_after(cal, key) -> Optional[int]:
+    """m when `key` is a reign calendar's intercalary month placed after month m, else None."""
+    from tempokern.calendar import LEAP_MONTH
+    if key[-1] != LEAP_MONTH:
+        return None
+    for t, y, m in cal.meta.get("leap_months", ()):
+        if (t, y) == (key[0], key[1]):
+            return int(m)
+    return None
 
 
 def gold_indices(dataset, split: str = "train") -> List[Tuple[int, List[int]]]:

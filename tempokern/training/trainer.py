@@ -264,7 +264,7 @@ class Trainer:
         loss_ret = loss_fn(q, d, q_span, d_span, extra_neg=extra, **kw)
         loss_time = torch.zeros((), device=dev)
         if self.variant["time_ce"] and cfg.lambda_time > 0:
-            labels = torch.tensor([self.labels[j] for j in ds], device=dev, dtype=torch.long)
+            labels = torch.tensor([self.labels[j] for j in ds], device=dev, dtype=torch.float32)
             logits = [x[B:2 * B] for x in out.logits]
             loss_time = calendar_ce(logits, labels, smoothing=cfg.label_smoothing, neighbor=cfg.neighbor_smoothing)
         return loss_ret + cfg.lambda_time * loss_time, loss_ret.detach(), loss_time.detach()
