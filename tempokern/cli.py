@@ -341,7 +341,7 @@ def cmd_index(args) -> int:
     model = _load_model(args.model)
     ds = _dataset(args)
     records = ds.records
-    index = model.to_index(records, backend=args.backend)
+    index = model.to_index(records, backend=args.backend, ids=range(len(records)))   # positions; names below
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     index.save(str(out))
@@ -409,9 +409,8 @@ def cmd_demo(args) -> int:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    from .models.checkpoint import atomic_write
+    atomic_write(path, text)
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "index": cmd_index, "search": cmd_search, "bench": cmd_bench,

@@ -84,15 +84,17 @@ def _plot(rows: List[dict], timing: dict, path: Path) -> Optional[str]:
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp, dpi=110)
+    from .models.checkpoint import fsync_path
+    fsync_path(tmp)
     os.replace(tmp, path)
+    fsync_path(path.parent)
     plt.close(fig)
     return str(path)
 
 
 def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    from .models.checkpoint import atomic_write
+    atomic_write(path, text)
 
 
 def run_demo(out="tempokern-demo", *, quick: bool = False, backbone: str = "tiny",

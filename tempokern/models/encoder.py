@@ -181,12 +181,19 @@ class CTDEncoder(nn.Module):
 
     def to_index(self, records: Sequence[Any], *, backend: str = "exact", batch_size: int = 64,
                  ids: Optional[Sequence[int]] = None, **index_kwargs):
-        """Encode records (dicts or objects with `text`, and `id` if int) into a TemporalIndex.
-        Non-integer record ids are replaced by positions 0..N-1 (pass ids= to choose)."""
+        """Encode records (dicts or objects with `text`, and an integer `id`) into a TemporalIndex,
+        which stores int64 ids. Records with other ids (every `tempokern.datasets.Record` has a
+        string id) need `ids=`: e.g. `ids=range(len(records))`, keeping `[r.id for r in records]` to
+        map the positions back (`tempokern index` writes that list next to the index)."""
         texts = [_field(r, "text") for r in records]
         if ids is None:
             raw = [_field(r, "id", None) for r in records]
-            ids = raw if all(isinstance(x, int) and not isinstance(x, bool) for x in raw) else range(len(records))
+            bad = next((x for x in raw if not (isinstance(x, int) and not isinstance(x, bool))), ...)
+            if bad is not ...:
+                raise ValueError(f"to_index: record id {bad!r} is not an int, and TemporalIndex stores int64 ids; "
+                                 "pass ids= (e.g. ids=range(len(records))) and keep the records' own ids to map "
+                                 "the search results back")
+            ids = raw
         ids = torch.as_tensor(list(ids), dtype=torch.int64)
         if ids.numel() != len(texts):
             raise ValueError(f"ids has {ids.numel()} entries for {len(texts)} records")

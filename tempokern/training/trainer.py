@@ -276,9 +276,11 @@ class Trainer:
                  "scaler": scaler.state_dict() if scaler is not None else None, "epoch": epoch, "step": step,
                  "best": best, "best_epoch": best_epoch, "history": history, "config": asdict(self.cfg),
                  "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
-        tmp = where / "trainer_state.pt.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, where / "trainer_state.pt")
+        import io
+        from ..models.checkpoint import atomic_write
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        atomic_write(where / "trainer_state.pt", buf.getvalue())
 
     def _sync_params(self):
         if self.world > 1:
@@ -317,8 +319,7 @@ class Trainer:
             last = self._require_out() / "last"
             if not (last / "trainer_state.pt").exists():
                 raise FileNotFoundError(f"cannot resume: {last / 'trainer_state.pt'} does not exist")
-            from safetensors.torch import load_model
-            load_model(model, str(last / "model.safetensors"), strict=False, device=str(self.device))
+            _load_weights(model, last, self.device)
             st = torch.load(last / "trainer_state.pt", map_location="cpu", weights_only=False)
             opt.load_state_dict(st["optimizer"])
             sched.load_state_dict(st["scheduler"])
@@ -389,8 +390,7 @@ class Trainer:
         if best_state is not None:
             model.load_state_dict(best_state)
         elif self.out is not None and (self.out / "best").exists() and best is not None:
-            from safetensors.torch import load_model
-            load_model(model, str(self.out / "best" / "model.safetensors"), strict=False, device=str(self.device))
+            _load_weights(model, self.out / "best", self.device)
         model.eval()
         return TrainResult(best, best_epoch, step, history, last_loss, time.time() - t0)
 
@@ -427,6 +427,16 @@ class Trainer:
         if self.out is None:
             raise ValueError("resume needs the output directory of the interrupted run (out_dir)")
         return self.out
+
+
+def _load_weights(model, where: Path, device) -> None:
+    """Load a checkpoint written by model.save into `model` (the same architecture): every parameter
+    and buffer must be there (resuming with missing weights would silently train from a mix)."""
+    from safetensors.torch import load_model
+    missing, unexpected = load_model(model, str(where / "model.safetensors"), strict=False, device=str(device))
+    if missing or unexpected:
+        raise ValueError(f"{where / 'model.safetensors'} does not fit the model being trained: missing "
+                         f"{sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
 
 
 def _progress(it, enabled: bool, desc: str):
