@@ -78,14 +78,25 @@ def _clean(m: dict, n: int) -> dict:
     return out
 
 
+def _cell(key: str, v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        if "seconds" in key:
+            return f"{v:.1f} s"
+        if "loss" in key:
+            return f"{v:.4g}"
+        return f"{v:.3f}"
+    return str(v)
+
+
 def markdown_table(rows: Sequence[dict], keys: Sequence[str] = METRIC_KEYS, name_key: str = "name") -> str:
-    head = "| " + " | ".join([name_key] + list(keys)) + " |"
+    """Rows as a markdown table: metrics with 3 decimals, losses with 4 significant digits, durations
+    (keys with "seconds") as "12.3 s"."""
+    head = "| " + " | ".join([name_key] + [k.replace("_seconds", " time") for k in keys]) + " |"
     sep = "|" + "---|" * (len(keys) + 1)
     lines = [head, sep]
     for r in rows:
-        cells = [str(r.get(name_key, ""))]
-        for k in keys:
-            v = r.get(k)
-            cells.append(f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v)))
+        cells = [str(r.get(name_key, ""))] + [_cell(k, r.get(k)) for k in keys]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

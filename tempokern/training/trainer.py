@@ -439,14 +439,47 @@ def _load_weights(model, where: Path, device) -> None:
                          f"{sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
 
 
-def _progress(it, enabled: bool, desc: str):
+class PlainProgress:
+    """Progress as plain lines (about every 10% of an epoch and at its end), for logs written to a file:
+    a tqdm bar there floods the file with carriage-return frames."""
+
+    def __init__(self, it, desc: str, stream=None, every: float = 0.1):
+        import sys
+        self.items, self.desc = list(it), desc
+        self.stream = stream if stream is not None else sys.stderr
+        self.step = max(1, int(len(self.items) * every))
+        self.postfix = {}
+
+    def __len__(self):
+        return len(self.items)
+
+    def set_postfix(self, **kw):
+        self.postfix = kw
+
+    def __iter__(self):
+        n = len(self.items)
+        t0 = time.time()
+        for i, x in enumerate(self.items, 1):
+            yield x
+            if i % self.step == 0 or i == n:
+                post = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+                print(f"{self.desc}: {i}/{n} batches, {time.time() - t0:.1f} s{' ' + post if post else ''}",
+                      file=self.stream, flush=True)
+
+
+def _progress(it, enabled: bool, desc: str, stream=None):
+    """A tqdm bar on a terminal; plain lines (PlainProgress) when stderr is a file or a pipe."""
+    import sys
     if not enabled:
         return it
+    stream = stream if stream is not None else sys.stderr
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        return PlainProgress(it, desc, stream)
     try:
         from tqdm.auto import tqdm
     except ImportError:
-        return it
-    return tqdm(it, desc=desc, leave=False, dynamic_ncols=True)
+        return PlainProgress(it, desc, stream)
+    return tqdm(it, desc=desc, leave=False, dynamic_ncols=True, file=stream)
 
 
 def train(model, dataset, config: Optional[TrainConfig] = None, out_dir=None, *, resume: bool = False,
