@@ -71,33 +71,59 @@ def _model_args(p):
                         "transformers model name/path")
     g.add_argument("--pooling", default=None, choices=["cls", "mean", "last"],
                    help="default: mean for the tiny backbone (trained from scratch), cls otherwise")
-    g.add_argument("--ctx-dim", type=int, default=64)
-    g.add_argument("--bias-features", type=int, default=32)
-    g.add_argument("--bias-hidden", type=int, default=32)
-    g.add_argument("--max-length", type=int, default=64)
-    g.add_argument("--tiny-hidden", type=int, default=64)
-    g.add_argument("--tiny-layers", type=int, default=2)
+    g.add_argument("--ctx-dim", type=int, default=64, help="width of each level's Fourier calendar context (default 64)")
+    g.add_argument("--bias-features", type=int, default=32, help='Fourier features of the offset bias MLP (default 32)')
+    g.add_argument("--bias-hidden", type=int, default=32, help='hidden units of the offset bias MLP (default 32)')
+    g.add_argument("--max-length", type=int, default=64, help='tokens per text, longer texts are truncated (default 64)')
+    g.add_argument("--tiny-hidden", type=int, default=64, help='hidden size of the tiny backbone (default 64)')
+    g.add_argument("--tiny-layers", type=int, default=2, help='layers of the tiny backbone (default 2)')
+
+
+def _pairs_per_query(v: str):
+    if v == "all":
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'all', got {v!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'all', got {v!r}")
+    return n
 
 
 def _train_args(p):
     g = p.add_argument_group("training")
     g.add_argument("--variant", default="full", help="baseline | multipos | bias | context | full")
-    g.add_argument("--epochs", type=int, default=3)
-    g.add_argument("--batch-size", type=int, default=32)
+    g.add_argument("--epochs", type=int, default=3, help='training epochs (default 3)')
+    g.add_argument("--batch-size", type=int, default=32, help='(query, record) pairs per batch and rank, >= 2 (default 32)')
     g.add_argument("--lr", type=float, default=None, help="default 2e-5 for a pretrained backbone, 1e-3 for tiny")
-    g.add_argument("--temporal-lr", type=float, default=None)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--warmup-ratio", type=float, default=0.1)
-    g.add_argument("--grad-accum", type=int, default=1)
-    g.add_argument("--temperature", type=float, default=0.05)
-    g.add_argument("--lambda-time", type=float, default=0.1)
-    g.add_argument("--label-smoothing", type=float, default=0.2)
-    g.add_argument("--neighbor-smoothing", action="store_true")
-    g.add_argument("--no-hard-negatives", dest="hard_negatives", action="store_false")
-    g.add_argument("--amp", default="auto", choices=["auto", "off", "bf16", "fp16"])
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-steps", type=int, default=None)
-    g.add_argument("--no-progress", dest="progress", action="store_false")
+    g.add_argument("--temporal-lr", type=float, default=None, help='learning rate of the calendar heads, context and bias (default: --lr)')
+    g.add_argument("--weight-decay", type=float, default=0.01, help='AdamW weight decay on weight matrices (default 0.01)')
+    g.add_argument("--warmup-ratio", type=float, default=0.1, help='fraction of steps of linear warm-up (default 0.1)')
+    g.add_argument("--grad-accum", type=int, default=1, help='batches accumulated per optimizer step (default 1)')
+    g.add_argument("--temperature", type=float, default=0.05, help='InfoNCE temperature (default 0.05)')
+    g.add_argument("--lambda-time", type=float, default=0.1, help='weight of the calendar cross-entropy L_time (default 0.1)')
+    g.add_argument("--label-smoothing", type=float, default=0.2,
+                   help="epsilon of the calendar cross-entropy's label smoothing (default 0.2)")
+    g.add_argument("--neighbor-smoothing", dest="neighbor_smoothing", action="store_true", default=True,
+                   help="neighbour label smoothing: the target keeps 1-eps, its adjacent classes share eps "
+                        "(ChunQiuTR's --time_label_smoothing; the default)")
+    g.add_argument("--uniform-smoothing", dest="neighbor_smoothing", action="store_false",
+                   help="uniform label smoothing instead of neighbour smoothing")
+    g.add_argument("--pairs-per-query", type=_pairs_per_query, default=1,
+                   help="gold records drawn per training query and epoch: 1 (default, ChunQiuTR's sampler), "
+                        "k, or 'all' for every (query, gold) pair")
+    g.add_argument("--no-hard-negatives", dest="hard_negatives", action="store_false",
+                   help="no neg_comment extra negatives (default: one per pair, from training-split months)")
+    g.add_argument("--scorer", default="encoder", choices=["encoder", "ctd"],
+                   help="validation scorer for checkpoint selection: encoder (the backbone alone, as the "
+                        "reference; default) or ctd (the full model with context and bias)")
+    g.add_argument("--gather-mode", default="tempokern", choices=["tempokern", "chunqiutr"],
+                   help="CTDLoss all-gather semantics under torchrun (see docs/multipos_infonce.md)")
+    g.add_argument("--amp", default="auto", choices=["auto", "off", "bf16", "fp16"], help='mixed precision on CUDA (auto: bf16 where supported, else fp16)')
+    g.add_argument("--seed", type=int, default=0, help='random seed (default 0)')
+    g.add_argument("--max-steps", type=int, default=None, help='stop after this many optimizer steps')
+    g.add_argument("--no-progress", dest="progress", action="store_false", help='no progress bars (they become plain log lines when stderr is not a terminal)')
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="JSON or TOML file of options")
     t.add_argument("--out", required=False, help="output directory")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from last/")
-    t.add_argument("--device", default=None)
+    t.add_argument("--device", default=None, help='cpu, cuda or cuda:N (default: cuda when available)')
     _data_args(t)
     _model_args(t)
     _train_args(t)
@@ -119,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a saved encoder (ChunQiuTR metrics)",
                        description="Evaluate a saved CTDEncoder on a split: R@1/5/10, MRR@10, nDCG@10, recall@k "
                                    "per query family.")
-    e.add_argument("--config")
+    e.add_argument("--config", help='JSON or TOML file of options (flags win)')
     e.add_argument("--model", required=False, help="directory written by `tempokern train` (best/)")
     _data_args(e)
     e.add_argument("--split", default="test", help="train | val | test | all")
@@ -127,58 +153,62 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-ne", dest="ne", action="store_false", help="leave no_event records out of the gallery")
     e.add_argument("--keep-no-event-queries", dest="drop_no_event", action="store_false",
                    help="also score queries whose gold is only no_event records")
+    e.add_argument("--scorer", default="ctd", choices=["ctd", "encoder"],
+                   help="ctd: the full model (calendar context and offset bias, as trained; default); encoder: "
+                        "the backbone alone, pooled and L2-normalised, as ChunQiuTR's evaluate.py (enc_only) "
+                        "reports the paper's numbers (docs/eval.md)")
     e.add_argument("--out", help="write the table as JSON here (and .md next to it)")
 
     i = sub.add_parser("index", help="encode a gallery into a TemporalIndex file",
                        description="Encode the records of a dataset with a saved encoder into a TemporalIndex "
                                    "(plus PATH.records.json naming the records).")
-    i.add_argument("--config")
-    i.add_argument("--model", required=False)
+    i.add_argument("--config", help='JSON or TOML file of options (flags win)')
+    i.add_argument("--model", required=False, help='directory written by `tempokern train` (e.g. run/best)')
     _data_args(i)
-    i.add_argument("--backend", default="exact")
+    i.add_argument("--backend", default="exact", help='exact | faiss-flat | faiss-ivf | faiss-hnsw (faiss needs pip install .[faiss])')
     i.add_argument("--out", required=False, help="index file to write")
 
     s = sub.add_parser("search", help="search an index with text queries",
                        description="Encode queries and return the top-k records under the full CTD score.")
-    s.add_argument("--config")
-    s.add_argument("--model", required=False)
-    s.add_argument("--index", required=False)
+    s.add_argument("--config", help='JSON or TOML file of options (flags win)')
+    s.add_argument("--model", required=False, help='directory written by `tempokern train` (the encoder that built the index)')
+    s.add_argument("--index", required=False, help='index file written by `tempokern index`')
     s.add_argument("--query", action="append", default=[], help="query text (repeatable)")
     s.add_argument("--queries", help="file with one query per line")
-    s.add_argument("-k", type=int, default=10)
+    s.add_argument("-k", type=int, default=10, help='results per query (default 10)')
     s.add_argument("--json", action="store_true", help="print JSON lines")
 
     b = sub.add_parser("bench", help="fused vs reference timing of every op in this install",
                        description="Time each fused op against its tempokern.reference version (forward + "
                                    "backward) and write bench.json, bench.md and bench.png to --out.")
-    b.add_argument("--config")
-    b.add_argument("--out", default="bench-out")
-    b.add_argument("--ops", nargs="*", default=None)
-    b.add_argument("--sizes", nargs="*", type=int, default=[256, 1024])
-    b.add_argument("--hidden", type=int, default=256)
-    b.add_argument("--repeat", type=int, default=3)
-    b.add_argument("--device", default="cpu")
+    b.add_argument("--config", help='JSON or TOML file of options (flags win)')
+    b.add_argument("--out", default="bench-out", help='folder for bench.json, bench.md and bench.png (default bench-out)')
+    b.add_argument("--ops", nargs="*", default=None, help='ops to time (default: all)')
+    b.add_argument("--sizes", nargs="*", type=int, default=[256, 1024], help='batch sizes B to time (default 256 1024)')
+    b.add_argument("--hidden", type=int, default=256, help='embedding size H (default 256)')
+    b.add_argument("--repeat", type=int, default=3, help='timed repetitions per case, the median is reported (default 3)')
+    b.add_argument("--device", default="cpu", help='cpu or cuda (default cpu)')
 
     d = sub.add_parser("demo", help="the end-to-end demo on the packaged Zizhi Tongjian sample",
                        description="Train the semantic baseline, the CTD ablation rows and full CTD on the "
                                    "packaged Zizhi Tongjian sample with a small character-level BERT, evaluate, "
                                    "time the fused loss against the reference and write results.json, "
                                    "results.md and results.png to --out.")
-    d.add_argument("--config")
-    d.add_argument("--out", default="tempokern-demo")
+    d.add_argument("--config", help='JSON or TOML file of options (flags win)')
+    d.add_argument("--out", default="tempokern-demo", help='output folder (default ./tempokern-demo)')
     d.add_argument("--quick", action="store_true", help="CI mode: fewer epochs and variants, well under 5 minutes")
     d.add_argument("--backbone", default="tiny", help="'tiny' or a transformers model name/path")
-    d.add_argument("--variants", nargs="*", default=None)
-    d.add_argument("--epochs", type=int, default=None)
-    d.add_argument("--batch-size", type=int, default=None)
-    d.add_argument("--lr", type=float, default=None)
-    d.add_argument("--max-length", type=int, default=None)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--variants", nargs="*", default=None, help='ablation rows to train: baseline multipos bias context full (default all; --quick: baseline full)')
+    d.add_argument("--epochs", type=int, default=None, help='epochs per row (default 10; --quick 3)')
+    d.add_argument("--batch-size", type=int, default=None, help='pairs per batch (default 32)')
+    d.add_argument("--lr", type=float, default=None, help='learning rate (default 3e-3 tiny, 2e-5 pretrained)')
+    d.add_argument("--max-length", type=int, default=None, help='tokens per text (default 64; --quick 48)')
+    d.add_argument("--seed", type=int, default=0, help='random seed (default 0)')
     d.add_argument("--split-scheme", default="template", choices=["template", "time"],
                    help="template: held-out query phrasings over all months; time: held-out months")
     d.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    d.add_argument("--device", default=None)
-    d.add_argument("--no-progress", dest="progress", action="store_false")
+    d.add_argument("--device", default=None, help='cpu, cuda or cuda:N (default: cuda when available)')
+    d.add_argument("--no-progress", dest="progress", action="store_false", help='no progress bars')
     return p
 
 
@@ -201,6 +231,69 @@ def _need(args, *names):
     for n in names:
         if getattr(args, n, None) in (None, ""):
             raise CLIError(f"--{n.replace('_', '-')} is required (on the command line or in --config)")
+
+
+def _check_device(dev) -> None:
+    if not dev or not str(dev).startswith("cuda"):
+        return
+    import torch
+    if torch.version.cuda is None:
+        raise CLIError(f"--device {dev}: this PyTorch build has no CUDA support (a CPU-only wheel); install a "
+                       "CUDA build of torch, or use --device cpu")
+    if not torch.cuda.is_available():
+        raise CLIError(f"--device {dev}: no CUDA device is visible (torch.cuda.is_available() is False)")
+
+
+def _positive(args, *names, minimum=1):
+    for n in names:
+        v = getattr(args, n, None)
+        if v is not None and not v >= minimum:
+            flag = f"-{n}" if len(n) == 1 else f"--{n.replace('_', '-')}"
+            raise CLIError(f"{flag} must be >= {minimum}, got {v}")
+
+
+def validate_args(args) -> None:
+    """Usage checks of every command, before any data is loaded or any folder is created (exit 2)."""
+    cmd = args.command
+    if cmd in ("train", "demo"):
+        _positive(args, "epochs", "max_steps", "grad_accum", "threads")
+        _positive(args, "batch_size", minimum=2)
+        if getattr(args, "lr", None) is not None and not args.lr > 0:
+            raise CLIError(f"--lr must be > 0, got {args.lr}")
+    if cmd == "train":
+        _need(args, "out")
+        _positive(args, "tiny_hidden", "tiny_layers", "max_length", "ctx_dim", "bias_features", "bias_hidden")
+        if not args.temperature > 0:
+            raise CLIError(f"--temperature must be > 0, got {args.temperature}")
+        if not 0 <= args.label_smoothing < 1:
+            raise CLIError(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
+        if not 0 <= args.warmup_ratio < 1:
+            raise CLIError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
+        from .training.trainer import VARIANTS
+        if args.variant not in VARIANTS:
+            raise CLIError(f"unknown variant {args.variant!r}: expected one of {', '.join(VARIANTS)}")
+    if cmd == "demo":
+        _positive(args, "max_length")
+        from .training.trainer import VARIANTS
+        for v in args.variants or ():
+            if v not in VARIANTS:
+                raise CLIError(f"unknown variant {v!r}: expected some of {', '.join(VARIANTS)}")
+    if cmd == "eval":
+        _need(args, "model")
+    if cmd == "index":
+        _need(args, "model", "out")
+    if cmd == "search":
+        _need(args, "model", "index")
+        _positive(args, "k")
+    if cmd == "bench":
+        if any(n < 1 for n in args.sizes):
+            raise CLIError(f"--sizes must be positive, got {args.sizes}")
+        _positive(args, "hidden", "repeat")
+    if cmd in ("train", "eval", "index", "demo", "bench"):
+        _check_device(getattr(args, "device", None))
+    if cmd in ("train", "eval", "index") and getattr(args, "split_scheme", None) is not None:
+        if (args.dataset is None) == (args.data is None):
+            raise CLIError("give exactly one of --dataset zztj or --data PATH")
 
 
 # ---- commands ----------------------------------------------------------------------------------------
@@ -257,7 +350,8 @@ def cmd_train(args) -> int:
                       grad_accum=args.grad_accum, temperature=args.temperature, lambda_time=args.lambda_time,
                       label_smoothing=args.label_smoothing, neighbor_smoothing=args.neighbor_smoothing,
                       hard_negatives=args.hard_negatives, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
-                      progress=args.progress).validate()
+                      progress=args.progress, pairs_per_query=args.pairs_per_query, eval_scorer=args.scorer,
+                      gather_mode=args.gather_mode).validate()
     from .training.trainer import seed_everything
     seed_everything(args.seed)
     model = build_model(args, ds)
@@ -290,14 +384,17 @@ def cmd_eval(args) -> int:
     model = _load_model(args.model)
     ds = _dataset(args)
     check_split(args.split, ds)
-    table = evaluate_model(model, ds, args.split, neg=args.neg, ne=args.ne, drop_no_event=args.drop_no_event)
+    table = evaluate_model(model, ds, args.split, neg=args.neg, ne=args.ne, drop_no_event=args.drop_no_event,
+                           scorer=args.scorer)
     rows = [{"name": fam, **m} for fam, m in table.items()]
     md = markdown_table(rows, list(METRIC_KEYS) + ["queries"], name_key="name")
     print(md)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out, json.dumps({"split": args.split, "rows": rows}, indent=1))
+        mode = f"neg{int(args.neg)}_ne{int(args.ne)}_dq{int(args.drop_no_event)}"
+        _atomic_write(out, json.dumps({"split": args.split, "scorer": args.scorer, "mode": mode, "rows": rows},
+                                      indent=1))
         _atomic_write(out.with_suffix(".md"), md + "\n")
     return 0
 
@@ -307,7 +404,7 @@ def cmd_index(args) -> int:
     model = _load_model(args.model)
     ds = _dataset(args)
     records = ds.records
-    index = model.to_index(records, backend=args.backend)
+    index = model.to_index(records, backend=args.backend, ids=range(len(records)))   # positions; names below
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     index.save(str(out))
@@ -328,8 +425,6 @@ def cmd_search(args) -> int:
         queries += [l.strip() for l in qp.read_text(encoding="utf-8").splitlines() if l.strip()]
     if not queries:
         raise CLIError("give at least one --query TEXT or --queries FILE")
-    if args.k < 1:
-        raise CLIError(f"-k must be >= 1, got {args.k}")
     ip = Path(args.index)
     if not ip.exists():
         raise FileNotFoundError(f"index file {ip} does not exist")
@@ -357,8 +452,6 @@ def cmd_search(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import markdown, run_bench, write_outputs
-    if any(n < 1 for n in args.sizes):
-        raise CLIError(f"--sizes must be positive, got {args.sizes}")
     res = run_bench(args.ops, args.sizes, args.hidden, args.device, args.repeat)
     files = write_outputs(res, args.out)
     print(markdown(res))
@@ -375,9 +468,8 @@ def cmd_demo(args) -> int:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    from .models.checkpoint import atomic_write
+    atomic_write(path, text)
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "index": cmd_index, "search": cmd_search, "bench": cmd_bench,
@@ -393,7 +485,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"tempokern: error: {e}", file=sys.stderr)
         return 2
     try:
+        validate_args(args)
+    except CLIError as e:
+        print(f"tempokern {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    out = getattr(args, "out", None)
+    out_existed = out is None or os.path.exists(out)
+    try:
         return COMMANDS[args.command](args)
+    except CLIError as e:   # a usage error found while running (e.g. --resume without a run)
+        _drop_empty(out, out_existed)
+        print(f"tempokern {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("tempokern: interrupted", file=sys.stderr)
         return 130
@@ -406,10 +509,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as e:  # one readable line; the traceback on request
         if os.environ.get("TEMPOKERN_DEBUG"):
             raise
+        _drop_empty(out, out_existed)
         msg = str(e) if isinstance(e, (CLIError, FileNotFoundError, ValueError, TypeError, KeyError)) else \
             f"{type(e).__name__}: {e}"
         print(f"tempokern {args.command}: error: {msg}", file=sys.stderr)
         return 1
+
+
+def _drop_empty(out, existed: bool) -> None:
+    """A rejected command leaves no empty output folder behind (one it created)."""
+    if out is None or existed:
+        return
+    try:
+        if os.path.isdir(out) and not os.listdir(out):
+            os.rmdir(out)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

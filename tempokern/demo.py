@@ -84,15 +84,17 @@ def _plot(rows: List[dict], timing: dict, path: Path) -> Optional[str]:
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp, dpi=110)
+    from .models.checkpoint import fsync_path
+    fsync_path(tmp)
     os.replace(tmp, path)
+    fsync_path(path.parent)
     plt.close(fig)
     return str(path)
 
 
 def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    from .models.checkpoint import atomic_write
+    atomic_write(path, text)
 
 
 def run_demo(out="tempokern-demo", *, quick: bool = False, backbone: str = "tiny",
@@ -166,7 +168,8 @@ def run_demo(out="tempokern-demo", *, quick: bool = False, backbone: str = "tiny
           f"Test split: {rows[0]['queries'] if rows else 0} event queries; {SPLIT_TEXT[split]}. Gallery: all "
           f"{len(ds.records)} records incl. synthesized no_event records. Backbone: {backbone} "
           f"(vocabulary {len(tok)}), {epochs} epochs, seed {seed}.", "",
-          markdown_table(rows, list(METRIC_KEYS) + ["best_val_R@1", "final_loss", "train_seconds"]), ""]
+          markdown_table(rows, list(METRIC_KEYS) + ["best_val_R@1", "final_loss", "train_seconds"]), "",
+          variants_text(variants, rows[0]["queries"] if rows else 0), ""]
     if timing.get("fused_ms"):
         md.append(f"CTD loss (multi-positive InfoNCE + offset bias, fwd+bwd, B={timing['B']}, H={timing['H']}, "
                   f"{result['setup']['cpu'] if dev.type == 'cpu' else dev}): fused {timing['fused_ms']:.1f} ms vs "
@@ -184,6 +187,27 @@ def run_demo(out="tempokern-demo", *, quick: bool = False, backbone: str = "tiny
     result["files"] = {"json": str(out / "results.json"), "markdown": str(out / "results.md"), "png": png}
     print(text)
     return result
+
+
+VARIANT_TEXT = {
+    "baseline": "semantic baseline: single-positive in-batch InfoNCE (each query's own pair), no temporal module",
+    "multipos": "+ multi-positive loss: every in-batch record whose interval overlaps the query's is a positive",
+    "bias": "+ multi-positive, the relative-offset bias on scores and the calendar cross-entropy (no context)",
+    "context": "+ multi-positive, the absolute calendar context in the embeddings and the calendar cross-entropy (no bias)",
+    "full": "full CTD: multi-positive, context, bias and calendar cross-entropy",
+}
+
+
+def variants_text(variants: Sequence[str], n_test: int) -> str:
+    """What the rows are, and why two of them can show the same numbers."""
+    lines = ["Rows (docs/models.md, the paper's ablation):", ""]
+    lines += [f"- `{v}`: {VARIANT_TEXT.get(v, v)}" for v in variants]
+    lines += ["", f"Metrics are fractions of {n_test} test queries, so they move in steps of 1/{max(1, n_test)}; "
+              "best_val_R@1 is the validation R@1 the checkpoint was selected on (encoder-only, as the reference). "
+              "Two rows can be identical when their switches leave the selected checkpoint's test ranking "
+              "unchanged: e.g. when no batch holds two records of overlapping months, multipos trains exactly "
+              "as baseline, and a bias whose scale stays near 0 scores as no bias."]
+    return "\n".join(lines)
 
 
 def _mb(v):

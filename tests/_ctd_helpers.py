@@ -24,6 +24,14 @@ def tiny_model(ds, *, hidden: int = 32, layers: int = 1, seed: int = 0, max_leng
     return CTDEncoder(bb, ds.calendar, tokenizer=tok, max_length=max_length, **kw)
 
 
+def no_dropout(model):
+    """Dropout off, so a run's losses are a function of weights and batch (comparable across processes)."""
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+    return model
+
+
 def ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """One rank of the CPU gloo test: trains a few steps data-parallel and saves its weights."""
     import json
@@ -39,7 +47,7 @@ def ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         from tempokern.training import TrainConfig, train
         ds = small_dataset()
         # different initial weights per rank: the trainer must broadcast rank 0's
-        m = tiny_model(ds, seed=rank)
+        m = no_dropout(tiny_model(ds, seed=rank))
         cfg = TrainConfig(variant="full", epochs=1, batch_size=8, lr=3e-3, progress=False, seed=0, max_steps=4)
         res = train(m, ds, cfg, out_dir if rank == 0 else None, log=lambda *a: None)
         torch.save({k: v.detach().clone() for k, v in m.state_dict().items()}, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -63,6 +63,18 @@ def test_train_eval_index_search(trained, tmp_path, capsys):
         for k in ("R@1", "R@5", "R@10", "MRR@10", "nDCG@10", "recall@10"):
             assert 0.0 <= r[k] <= 1.0
     assert (tmp_path / "eval.md").read_text().startswith("| name |")
+    assert table["scorer"] == "ctd" and table["mode"] == "neg1_ne1_dq1"
+    # the reference's protocol: encoder-only scoring, pure no_event queries kept (issue 13 item 4)
+    res2 = tmp_path / "eval_enc.json"
+    assert main(["eval", "--model", str(trained / "best"), "--dataset", "zztj", "--split", "test", "--scorer", "encoder",
+                 "--keep-no-event-queries", "--out", str(res2)]) == 0
+    t2 = json.loads(res2.read_text())
+    assert t2["scorer"] == "encoder" and t2["mode"] == "neg1_ne1_dq0"
+    from tempokern.models import CTDEncoder
+    from tempokern.training import evaluate_model, zztj_demo_dataset
+    want = evaluate_model(CTDEncoder.load(trained / "best"), zztj_demo_dataset(), "test", scorer="encoder",
+                          drop_no_event=False)
+    assert {r["name"]: r["R@1"] for r in t2["rows"]} == {k: v["R@1"] for k, v in want.items()}
     idx = tmp_path / "zztj.idx"
     assert main(["index", "--model", str(trained / "best"), "--dataset", "zztj", "--out", str(idx)]) == 0
     assert idx.exists() and (tmp_path / "zztj.idx.records.json").exists()
@@ -118,6 +130,8 @@ def test_bench_writes_png(tmp_path):
     (["train", "--dataset", "zztj", "--out", "{tmp}/x", "--variant", "fancy"], "unknown variant"),
     (["train", "--dataset", "zztj", "--out", "{tmp}/x", "--resume"], "cannot resume"),
     (["train", "--dataset", "zztj"], "--out is required"),
+    (["eval", "--model", "{tmp}", "--dataset", "zztj", "--scorer", "bm25"], "invalid choice"),
+    (["train", "--dataset", "zztj", "--out", "{tmp}/x", "--pairs-per-query", "0"], "positive int or 'all'"),
     (["bench", "--ops", "warp_drive", "--out", "{tmp}/b"], "unknown op"),
     (["bench", "--config", "{tmp}/nope.toml"], "does not exist"),
     (["search", "--model", "{tmp}", "--index", "{tmp}/none.idx"], "at least one --query"),
@@ -174,3 +188,84 @@ def test_train_and_eval_on_chunqiutr_format(tmp_path, capsys):
     assert "--data-queries" in capsys.readouterr().err
     assert main(["train", *base[:-2], "--calendar", "reign", "--out", str(out)]) != 0
     assert "does not fit" in capsys.readouterr().err
+
+
+# ---- issue 13 items 25-27: usage errors, --help, readable outputs ----------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--epochs", "-3", "--out", "{tmp}/demo"], "--epochs must be >= 1"),
+    (["demo", "--variants", "fancy", "--out", "{tmp}/demo"], "unknown variant"),
+    (["eval", "--dataset", "zztj"], "--model is required"),
+    (["train", "--dataset", "zztj", "--out", "{tmp}/demo", "--batch-size", "1"], "--batch-size must be >= 2"),
+    (["train", "--dataset", "zztj", "--out", "{tmp}/demo", "--lr", "0"], "--lr must be > 0"),
+    (["search", "--model", "{tmp}", "--index", "{tmp}/x", "-k", "0", "--query", "q"], "-k must be >= 1"),
+    (["bench", "--sizes", "0", "--out", "{tmp}/demo"], "--sizes must be positive"),
+])
+def test_usage_errors_exit_2_before_any_work(argv, message, tmp_path, capsys, monkeypatch):
+    """Fails on a030c41: usage errors exited 1 (docs/cli.md says 2), `demo --epochs -3` loaded the data
+    first, and a rejected command left an empty output folder."""
+    import tempokern.training.data as data_mod
+    monkeypatch.setattr(data_mod, "zztj_demo_dataset", lambda *a, **k: pytest.fail("loaded data before checking"))
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "demo").exists()
+
+
+def test_failed_command_removes_the_empty_output_folder_it_created(tmp_path, capsys):
+    out = tmp_path / "new"
+    assert main(["train", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out), *TINY]) == 1
+    assert not out.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert main(["train", "--data", str(tmp_path / "missing.jsonl"), "--out", str(kept), *TINY]) == 1
+    assert kept.exists()                      # folders the user made are never removed
+
+
+def test_cuda_device_without_cuda_is_said_in_words(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    assert main(["bench", "--device", "cuda", "--sizes", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda" in err and ("no CUDA support" in err or "no CUDA device" in err)
+    assert "AssertionError" not in err
+
+
+def test_every_option_has_help():
+    """Fails on a030c41: most options of bench, search (--model, --index, -k) and others had none."""
+    import argparse
+    from tempokern.cli import build_parser
+    p = build_parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {'/'.join(a.option_strings)}" for name, sp in sub.choices.items() for a in sp._actions
+               if a.option_strings and not isinstance(a, argparse._HelpAction) and not a.help]
+    assert not missing, missing
+
+
+def test_markdown_durations_and_losses_are_readable():
+    from tempokern.training import markdown_table
+    md = markdown_table([{"name": "full", "R@1": 0.5, "final_loss": 1.234567, "train_seconds": 18.8}],
+                        ["R@1", "final_loss", "train_seconds"])
+    assert "| full | 0.500 | 1.235 | 18.8 s |" in md and "train time" in md and "18.800" not in md
+
+
+def test_variants_text_says_what_rows_are():
+    from tempokern.demo import variants_text
+    t = variants_text(["baseline", "multipos", "bias", "context", "full"], 40)
+    for v in ("baseline", "multipos", "bias", "context", "full"):
+        assert f"- `{v}`:" in t
+    assert "1/40" in t and "identical" in t
+
+
+def test_progress_is_plain_lines_when_not_a_terminal():
+    """Fails on a030c41: tqdm frames flooded log files. Off a terminal: a few plain lines."""
+    import io
+    from tempokern.training.trainer import _progress
+    buf = io.StringIO()
+    bar = _progress(range(50), True, "full epoch 1/3", stream=buf)
+    for _ in bar:
+        bar.set_postfix(loss="0.5")
+    lines = buf.getvalue().splitlines()
+    assert 2 <= len(lines) <= 11 and "\r" not in buf.getvalue()
+    assert lines[-1].startswith("full epoch 1/3: 50/50 batches") and "loss=0.5" in lines[-1]

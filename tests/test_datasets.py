@@ -300,3 +300,74 @@ def test_zztj_reign_aligned_splits(zz):
     assert zz.queries[0].split is None                      # the original is untouched
     with pytest.raises(ValueError, match="same units"):
         zz.with_calendar(Calendar.chunqiu())
+
+
+# ---- issue 13 item 8: Zizhi Tongjian records without a month -------------------------------------
+
+def test_zztj_records_without_a_month_are_read_as_the_reference_keys_them(tmp_path):
+    """Fails on a030c41 (`lunar_month must be 1..12 ... got 0 / '无月'`): rows dated to a year only are
+    common in the annals (about half the records of the Jin annals demo in the ChunQiuTR release). They are
+    read as year-long records, grouped by (reign, year, label) as the reference's extract_month_key does
+    (label, else the season), each group one query; the emperor is kept."""
+    emp = "晋世祖武皇帝"
+    rows = [
+        _row(1, reign="泰始", month=3, lunar_month_label="三月", emperor=emp),
+        _row(2, reign="泰始", month=0, lunar_month_label="无月", emperor=emp),
+        _row(3, reign="泰始", month=0, lunar_month_label="无月", emperor=emp),
+        _row(4, reign="泰始", year=2, month=None, lunar_month_label="是岁", emperor=emp),
+        _row(5, reign="泰始", year=2, month=None, lunar_month_label="—"),
+        _row(6, reign="泰始", year=2, month=5, lunar_month_label="五月"),
+        _row(7, reign="泰始", year=2, month=0, lunar_month_label="闰月"),          # intercalary, lunar_month 0
+        _row(8, reign="泰始", year=3, month=None, lunar_month_label="", season="冬"),
+    ]
+    d = load_zztj(_write(tmp_path, rows))
+    cal = d.calendar
+    rec = {r.id: r for r in d.records}
+    year1 = cal.span(("泰始", 1))
+    assert len(year1) == 12
+    for i in ("r2", "r3"):
+        assert rec[i].interval == year1 and rec[i].key == ("泰始", 1) and rec[i].type == "event"
+        assert rec[i].meta["month_label"] == "无月" and rec[i].meta["emperor"] == emp
+    assert rec["r4"].interval == cal.span(("泰始", 2)) and rec["r4"].meta["month_label"] == "是岁"
+    assert "emperor" not in rec["r5"].meta and rec["r5"].meta["month_label"] == "—"
+    assert rec["r8"].meta["month_label"] == "冬" and rec["r8"].interval == cal.span(("泰始", 3))
+    assert rec["r7"].key == ("泰始", 2, "闰") and cal.rank(rec["r7"].key) == cal.rank(("泰始", 2, 5)) + 1
+    # the month groups: one query per month with records, one per (reign, year, label) group
+    by = {q.id: q for q in d.queries}
+    assert set(by["q:泰始-1-无月"].gold) == {"r2", "r3"} and by["q:泰始-1-无月"].family == "year"
+    assert "泰始元年无月" in by["q:泰始-1-无月"].text
+    assert set(by["q:泰始-2-是岁"].gold) == {"r4"} and set(by["q:泰始-2-—"].gold) == {"r5"}
+    assert set(by["q:泰始-3-冬"].gold) == {"r8"}
+    month_q = [q for q in d.queries if q.family == "point"]
+    assert {tuple(q.gold) for q in month_q} == {("r1",), ("r6",), ("r7",)}
+    # year-dated records do not fill months: 泰始元年's other months still get their no_event record
+    assert sum(r.type == "no_event" and r.key[:2] == ("泰始", 1) for r in d.records) == 11
+    assert "dated to a year" in d.report.summary()
+    # in the gallery and gold of evaluation
+    assert {"r2", "r4", "r8"} <= {r.id for r in d.gallery()}
+
+
+def test_zztj_rows_without_month_or_label_still_fail_with_file_and_line(tmp_path):
+    p = _write(tmp_path, [_row(1), _row(2, month=None, lunar_month_label="")])
+    with pytest.raises(DataFormatError, match=r"z\.jsonl:2: .*lunar_month"):
+        load_zztj(p)
+    p = _write(tmp_path, [_row(1), _row(2, month=0, lunar_month_label="无月", era_year=None)])
+    with pytest.raises(DataFormatError, match=r"z\.jsonl:2: .*era_year"):
+        load_zztj(p)
+    p = _write(tmp_path, [_row(1), _row(2, month=-1, lunar_month_label="无月")])
+    with pytest.raises(DataFormatError, match=r"z\.jsonl:2: .*lunar_month"):
+        load_zztj(p)
+
+
+def test_year_dated_records_have_no_month_target():
+    """The calendar heads get the reign and year of a year-dated record, no month target (-1: skipped)."""
+    import tempfile
+    from tempokern.training.data import record_labels
+    rows = [_row(i, reign="泰始", year=1 + i % 2, month=1 + i % 12, lunar_month_label="x") for i in range(12)]
+    rows += [_row(20 + i, reign="泰始", year=1 + i % 2, month=0, lunar_month_label="无月") for i in range(4)]
+    import pathlib
+    with tempfile.TemporaryDirectory() as t:
+        d = load_zztj(_write(pathlib.Path(t), rows))
+    rec = {r.id: r for r in d.records}
+    assert record_labels(d, rec["r20"]) == [0.0, 0.0, -1] and record_labels(d, rec["r21"]) == [0.0, 1.0, -1]
+    assert record_labels(d, rec["r1"]) == [0.0, 1.0, 1.0]

@@ -182,8 +182,14 @@ def test_bad_arguments(ds):
 def test_to_index_and_search_finds_the_record_itself(ds, tmp_path):
     m = tiny_model(ds).eval()
     recs = ds.records[:20]
-    index = m.to_index(recs)
+    # Fails on a030c41, which silently replaced the records' string ids by positions (issue 13 item 18)
+    with pytest.raises(ValueError, match="not an int"):
+        m.to_index(recs)
+    index = m.to_index(recs, ids=range(20))
     assert len(index) == 20
+    dicts = [{"id": 100 + i, "text": r.text} for i, r in enumerate(recs)]
+    ids2, _ = m.search(m.to_index(dicts), [recs[3].text], k=1)
+    assert ids2.tolist() == [[103]]                  # integer ids are kept
     ids, scores = m.search(index, [recs[3].text, recs[11].text], k=5)
     assert ids.shape == (2, 5)
     assert ids[:, 0].tolist() == [3, 11]             # identical text, cosine 1, bias 0 at init
@@ -204,3 +210,74 @@ def test_backbone_from_a_local_path(ds, tmp_path):
         a = src.backbone(**src.tokenize(["建元元年"])).last_hidden_state
         b = m.backbone(**m.tokenize(["建元元年"])).last_hidden_state
     assert torch.equal(a, b)
+
+
+# ---- issue 13 item 19: atomic, durable checkpoints ---------------------------------------------------
+
+def test_save_encoder_never_leaves_no_checkpoint(ds, tmp_path, monkeypatch):
+    """Fails on a030c41: save_encoder renamed the old checkpoint away before moving the new one in, so a
+    crash between the two renames left no checkpoint at `path`. Now the swap is atomic (Linux), and on
+    the fallback path the old checkpoint is recovered on the next read."""
+    import tempokern.models.checkpoint as ck
+    m = tiny_model(ds).eval()
+    path = tmp_path / "best"
+    m.save(path)
+    before = (path / "model.safetensors").read_bytes()
+    with torch.no_grad():
+        m.ctx_gate.fill_(7.0)
+    calls = []
+    real_replace = ck.os.replace
+
+    def crash_on_second_rename(a, b):
+        calls.append((str(a), str(b)))
+        if len(calls) == 2:
+            raise KeyboardInterrupt("simulated crash between the two renames")
+        return real_replace(a, b)
+    # 1) the atomic exchange: `path` holds the new checkpoint, nothing else is renamed
+    (tmp_path / "p1").mkdir()
+    (tmp_path / "p2").mkdir()
+    has_exchange = ck._exchange(tmp_path / "p1", tmp_path / "p2")
+    monkeypatch.setattr(ck.os, "replace", crash_on_second_rename)
+    m.save(path)
+    if has_exchange:
+        assert calls == []
+    assert float(CTDEncoder.load(path).ctx_gate) == 7.0
+    # 2) the fallback (no renameat2): a crash after moving the old one away is recovered on load
+    monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+    with torch.no_grad():
+        m.ctx_gate.fill_(9.0)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        m.save(path)
+    monkeypatch.setattr(ck.os, "replace", real_replace)
+    assert not path.exists()                                  # the crash window
+    assert float(CTDEncoder.load(path).ctx_gate) == 7.0       # recovered: the previous checkpoint
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".best.tmp-", ".best.old"))]
+    m.save(path)
+    assert float(CTDEncoder.load(path).ctx_gate) == 9.0
+    assert before != (path / "model.safetensors").read_bytes()
+
+
+def test_atomic_write_fsyncs(tmp_path, monkeypatch):
+    import tempokern.models.checkpoint as ck
+    synced = []
+    real = ck.os.fsync
+    monkeypatch.setattr(ck.os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    ck.atomic_write(tmp_path / "a.json", '{"x": 1}')
+    assert (tmp_path / "a.json").read_text() == '{"x": 1}'
+    assert len(synced) >= 2                                    # the file and its directory
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_resume_with_missing_weights_raises(ds, tmp_path):
+    """Fails on a030c41 (load_model(strict=False) ignored missing keys on resume)."""
+    from safetensors.torch import load_file, save_file
+    from tempokern.training import TrainConfig, train
+    cfg = dict(variant="full", epochs=2, batch_size=16, lr=1e-3, progress=False, seed=0)
+    train(tiny_model(ds), ds, TrainConfig(**cfg, stop_after_epochs=1), tmp_path / "run", log=lambda *a: None)
+    w = tmp_path / "run" / "last" / "model.safetensors"
+    sd = load_file(str(w))
+    sd.pop(next(k for k in sd if k.startswith("offset_bias.")))
+    save_file(sd, str(w))
+    with pytest.raises(ValueError, match="missing"):
+        train(tiny_model(ds), ds, TrainConfig(**cfg), tmp_path / "run", resume=True, log=lambda *a: None)

@@ -67,18 +67,37 @@ def _parse_row(path: str, ln: int, obj: Dict[str, Any]):
     if isinstance(ey, bool) or not isinstance(ey, int) or ey < 1:
         raise DataFormatError(path, ln, f"record {rid!r}: time_meta.era_year must be an int >= 1, got {ey!r}")
     lm, label = tm.get("lunar_month"), tm.get("lunar_month_label")
-    if lm is None and isinstance(label, str) and label.startswith(("闰", "閏")):
+    label = label.strip() if isinstance(label, str) else ""
+    no_month = lm is None or (lm == 0 and not isinstance(lm, bool))
+    year_label = None
+    if no_month and label.startswith(("闰", "閏")):
         month: Any = LEAP_MONTH
     elif isinstance(lm, int) and not isinstance(lm, bool) and 1 <= lm <= 12:
         month = lm
+    elif no_month and (label or _season(tm)):
+        # a record dated to the year only (无月 "no month", 是岁 "this year", "—", or a season without a
+        # month): keyed by its label as the reference's extract_month_key (label, else the season)
+        month, year_label = None, label or _season(tm)
     else:
-        raise DataFormatError(path, ln, f"record {rid!r}: time_meta.lunar_month must be 1..12 (or null with "
-                                        f"lunar_month_label 闰月), got {lm!r} / {label!r}")
+        raise DataFormatError(path, ln, f"record {rid!r}: time_meta.lunar_month must be 1..12, or 0/null with a "
+                                        f"lunar_month_label (闰月 for an intercalary month; 无月, 是岁, ... for a "
+                                        f"record dated to the year) or a season, got {lm!r} / {label!r}")
     ad = tm.get("ad_year")
+    meta = {k: obj[k] for k in ("time", "location", "source") if k in obj} | {"time_meta": tm}
+    emperor = tm.get("emperor")
+    if isinstance(emperor, str) and emperor.strip():
+        meta["emperor"] = emperor.strip()
+    if year_label is not None:
+        meta["month_label"] = year_label
     return "record", dict(id=rid.strip(), text=text.strip(), title=str(obj.get("title") or ""),
                           reign=reign.strip(), year=ey, month=month,
                           ad_year=ad if isinstance(ad, int) and not isinstance(ad, bool) else None,
-                          meta={k: obj[k] for k in ("time", "location", "source") if k in obj} | {"time_meta": tm})
+                          meta=meta)
+
+
+def _season(tm) -> str:
+    s = tm.get("season")
+    return s.strip() if isinstance(s, str) else ""
 
 
 def load_zztj(path: str, *, subset: Optional[str] = None, eras: Optional[Sequence[Tuple]] = None,
@@ -134,6 +153,9 @@ def load_zztj(path: str, *, subset: Optional[str] = None, eras: Optional[Sequenc
     kept = []
     for ln, f in rows:
         ry = (f["reign"], f["year"])
+        if f["month"] is None:            # dated to the year only: takes no month slot
+            kept.append((ln, f))
+            continue
         if f["month"] == LEAP_MONTH:
             if ry not in last:
                 handle(DataFormatError(str(path), ln, f"record {f['id']!r}: 闰月 of {ry[0]}{ry[1]} comes before any "
@@ -167,7 +189,23 @@ def load_zztj(path: str, *, subset: Optional[str] = None, eras: Optional[Sequenc
 
     records: List[Record] = []
     by_rank: Dict[int, List[str]] = {}
+    by_year_label: Dict[Tuple[str, int, str], List[str]] = {}
+    year_iv: Dict[Tuple[str, int, str], Any] = {}
     for ln, f in rows:
+        if f["month"] is None:
+            key = (f["reign"], f["year"])
+            try:
+                iv = cal.span(key)
+            except (KeyError, ValueError, IndexError) as e:
+                handle(DataFormatError(str(path), ln, f"record {f['id']!r}: year {key} not in the era list: {e}"),
+                       report, on_error)
+                continue
+            g = (f["reign"], f["year"], f["meta"]["month_label"])
+            records.append(Record(f["id"], f["text"], key=key, interval=iv, type="event", title=f["title"],
+                                  meta=dict(f["meta"])))
+            by_year_label.setdefault(g, []).append(f["id"])
+            year_iv[g] = iv
+            continue
         key = (f["reign"], f["year"], f["month"])
         try:
             r = cal.rank(key)
@@ -180,6 +218,10 @@ def load_zztj(path: str, *, subset: Optional[str] = None, eras: Optional[Sequenc
                               title=f["title"], meta=meta))
         by_rank.setdefault(r, []).append(f["id"])
     report.records = len(records)
+    if by_year_label:
+        report.notes.append(f"{sum(map(len, by_year_label.values()))} record(s) dated to a year without a month "
+                            f"({', '.join(sorted({g[2] for g in by_year_label}))}): year-long intervals, "
+                            f"{len(by_year_label)} (reign, year, label) query group(s)")
 
     empty = [r for r in range(cal.num_units) if r not in by_rank]
     ne_ids: Dict[int, str] = {}
@@ -203,6 +245,15 @@ def load_zztj(path: str, *, subset: Optional[str] = None, eras: Optional[Sequenc
         queries.append(Query(f"q:{cal.key_str(key)}", tmpl.format(time=zztj_time_text(key), subset=subset),
                              interval=_iv(r), family="point", gold=gold, pure_no_event=r not in by_rank,
                              meta={"key": key, "template": tmpl}))
+    # one query per (reign, year, label) group of year-dated records, as the reference's month groups
+    # (extract_month_key keys them by label): interval = the year, gold = the group's records
+    for g in sorted(by_year_label, key=lambda g: (year_iv[g].start, g[2])):
+        reign, year, label = g
+        tmpl = templates[year_iv[g].start % len(templates)]
+        y = "元" if int(year) == 1 else _cn_number(int(year))
+        queries.append(Query(f"q:{reign}-{year}-{label}", tmpl.format(time=f"{reign}{y}年{label}", subset=subset),
+                             interval=year_iv[g], family="year", gold={d: 1 for d in by_year_label[g]},
+                             meta={"key": (reign, year), "month_label": label, "template": tmpl}))
     report.queries = len(queries)
     return RetrievalDataset(f"zztj-{subset}", records, queries, cal, report)
 

@@ -14,6 +14,16 @@ from ..search import TemporalIndex
 from .levels import LevelSpec, calendar_levels, calendar_name
 
 POOLINGS = ("cls", "mean", "last")
+#: how retrieval vectors are scored: "ctd" = the full CTD model (calendar context in the embedding, offset
+#: bias on pairs, each when the model uses it); "encoder" = the backbone alone (pooled, L2-normalised, dot
+#: product; no context, no bias), as ChunQiuTR's evaluate.py ("enc_only") and its validation do
+SCORERS = ("ctd", "encoder")
+
+
+def check_scorer(scorer: str) -> str:
+    if scorer not in SCORERS:
+        raise ValueError(f"scorer must be one of {SCORERS}, got {scorer!r}")
+    return scorer
 
 
 class CTDOutput(NamedTuple):
@@ -144,8 +154,11 @@ class CTDEncoder(nn.Module):
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
     @torch.no_grad()
-    def encode(self, texts: Sequence[str], *, batch_size: int = 64, device=None) -> Encoded:
-        """Embeddings (N, H) float32, u (N,) and per-level logits, in eval mode, in batches."""
+    def encode(self, texts: Sequence[str], *, batch_size: int = 64, device=None, scorer: str = "ctd") -> Encoded:
+        """Embeddings (N, H) float32, u (N,) and per-level logits, in eval mode, in batches.
+        scorer="ctd": the CTD embedding (with the calendar context when use_context); "encoder": the
+        backbone's pooled vector, L2-normalised (ChunQiuTR's encoder-only scoring)."""
+        check_scorer(scorer)
         device = torch.device(device) if device is not None else self.device
         was_training = self.training
         self.eval()
@@ -154,7 +167,8 @@ class CTDEncoder(nn.Module):
             for i in range(0, len(texts), batch_size):
                 batch = {k: v.to(device) for k, v in self.tokenize(texts[i:i + batch_size]).items()}
                 out = self(**batch)
-                embs.append(out.emb.float().cpu())
+                emb = out.emb if scorer == "ctd" else F.normalize(out.base.float(), dim=-1)
+                embs.append(emb.float().cpu())
                 us.append(out.u.float().cpu())
                 for l, x in enumerate(out.logits):
                     logits[l].append(x.float().cpu())
@@ -167,12 +181,19 @@ class CTDEncoder(nn.Module):
 
     def to_index(self, records: Sequence[Any], *, backend: str = "exact", batch_size: int = 64,
                  ids: Optional[Sequence[int]] = None, **index_kwargs):
-        """Encode records (dicts or objects with `text`, and `id` if int) into a TemporalIndex.
-        Non-integer record ids are replaced by positions 0..N-1 (pass ids= to choose)."""
+        """Encode records (dicts or objects with `text`, and an integer `id`) into a TemporalIndex,
+        which stores int64 ids. Records with other ids (every `tempokern.datasets.Record` has a
+        string id) need `ids=`: e.g. `ids=range(len(records))`, keeping `[r.id for r in records]` to
+        map the positions back (`tempokern index` writes that list next to the index)."""
         texts = [_field(r, "text") for r in records]
         if ids is None:
             raw = [_field(r, "id", None) for r in records]
-            ids = raw if all(isinstance(x, int) and not isinstance(x, bool) for x in raw) else range(len(records))
+            bad = next((x for x in raw if not (isinstance(x, int) and not isinstance(x, bool))), ...)
+            if bad is not ...:
+                raise ValueError(f"to_index: record id {bad!r} is not an int, and TemporalIndex stores int64 ids; "
+                                 "pass ids= (e.g. ids=range(len(records))) and keep the records' own ids to map "
+                                 "the search results back")
+            ids = raw
         ids = torch.as_tensor(list(ids), dtype=torch.int64)
         if ids.numel() != len(texts):
             raise ValueError(f"ids has {ids.numel()} entries for {len(texts)} records")

@@ -153,28 +153,165 @@ def record_span(rec, i: int) -> Tuple[int, int]:
     return (rec.interval.start, rec.interval.end)
 
 
-def record_labels(dataset, rec) -> List[int]:
-    """Per-level class indices of a record's calendar key (-1 where unknown)."""
-    L = dataset.calendar.num_levels
+def record_labels(dataset, rec) -> List[float]:
+    """Per-level class indices of a record's calendar key (-1 where unknown), the targets of the
+    calendar heads. An intercalary month (reign calendars: the month level's last slot, 闰) placed
+    after month m < 12 gets the month label (m - 1) + 0.5: half on month m, half on month m + 1,
+    so the u the heads learn lies between them, in chronological order (the grid's 13th slot
+    would put it after month 12). A leap month after month 12 keeps the slot: it is chronological.
+    A record whose key has fewer components than the calendar has levels (e.g. a year-level record
+    without a month) gets -1 on the missing levels."""
+    cal = dataset.calendar
+    L = cal.num_levels
     if rec.key is None:
         return [-1] * L
+    key = tuple(rec.key)
     try:
-        return list(dataset.calendar.index(rec.key))
+        if len(key) < L:
+            return [float(cal._level_index(l, c, key)) for l, c in enumerate(key)] + [-1] * (L - len(key))
+        out = [float(i) for i in cal.index(key)]
     except (KeyError, ValueError, TypeError):
         return [-1] * L
+    after = _leap_after(cal, key)
+    if after is not None and after < cal.sizes[-1] - 1:
+        out[-1] = (after - 1) + 0.5
+    return out
 
 
-def training_pairs(dataset, split: str = "train", *, per_query: Optional[int] = None,
-                   rng=None) -> List[Tuple[int, int]]:
-    """(query index, record index) for the gold records of every query of `split`; per_query caps
-    how many of a query's gold records are used (a random subset drawn with `rng`)."""
+def _leap_after(cal, key) -> Optional[int]:
+    """m when `key` is a reign calendar's intercalary month placed after month m, else None."""
+    from tempokern.calendar import LEAP_MONTH
+    if key[-1] != LEAP_MONTH:
+        return None
+    for t, y, m in cal.meta.get("leap_months", ()):
+        if (t, y) == (key[0], key[1]):
+            return int(m)
+    return None
+
+
+def gold_indices(dataset, split: str = "train") -> List[Tuple[int, List[int]]]:
+    """(query index, record indices of its gold records) for every query of `split` with at least
+    one gold record in the dataset."""
     rid = {r.id: i for i, r in enumerate(dataset.records)}
-    pairs = []
+    out = []
     for qi, q in enumerate(dataset.queries):
         if q.split != split:
             continue
         gold = [rid[d] for d, rel in q.gold.items() if rel > 0 and d in rid]
-        if per_query is not None and len(gold) > per_query:
-            gold = (rng.sample(gold, per_query) if rng is not None else gold[:per_query])
-        pairs.extend((qi, g) for g in gold)
+        if gold:
+            out.append((qi, gold))
+    return out
+
+
+def training_pairs(dataset, split: str = "train", *, per_query: Optional[int] = None,
+                   rng=None, gold=None) -> List[Tuple[int, int]]:
+    """(query index, record index) for the gold records of every query of `split`; per_query caps
+    how many of a query's gold records are used (a random subset drawn with `rng`; per_query=1 is
+    ChunQiuTR's sampler: one positive drawn per query and epoch). `gold`: the output of
+    :func:`gold_indices`, when the caller has it already."""
+    pairs = []
+    for qi, g in (gold if gold is not None else gold_indices(dataset, split)):
+        if per_query is not None and len(g) > per_query:
+            g = (rng.sample(g, per_query) if rng is not None else g[:per_query])
+        pairs.extend((qi, x) for x in g)
     return pairs
+
+
+def num_training_pairs(gold, per_query: Optional[int]) -> int:
+    """len(training_pairs(...)) without drawing them."""
+    return sum(len(g) if per_query is None else min(per_query, len(g)) for _, g in gold)
+
+
+def train_units(dataset, split: str = "train") -> set:
+    """Rank units of the training split: the calendar's `split` units when the calendar carries
+    splits (ChunQiuTR's month splits), otherwise every unit some `split` query targets (under the
+    time-block scheme those are the training blocks; under the template scheme every month)."""
+    cal = dataset.calendar
+    if cal is not None and getattr(cal, "has_splits", False):
+        return {r for r in range(cal.num_units) if cal.split_of_interval(_unit(r)) == split}
+    units = set()
+    for q in dataset.queries:
+        if q.split == split and q.interval is not None:
+            units.update(q.interval.ranks())
+    return units
+
+
+def _unit(r: int):
+    from tempokern.calendar import Interval
+    return Interval(r, r)
+
+
+class HardNegatives:
+    """ChunQiuTR's hard-negative sampler (``ChunqiuTrainDataset._sample_negative_sids`` and the
+    collator's pick), restricted to the training split's months:
+
+    * candidates of a query: the neg_comment records of the training months its interval covers,
+      all of whose own months are training months;
+    * the reference draws a pool of `pool` (16) negatives, the local candidates first, topped up
+      with random training-month negatives, and the collator takes one at random from the pool;
+      this draws the same distribution directly: a local candidate with probability
+      min(n_local, pool) / min(pool, n_local + n_rest), otherwise a uniform other training-month
+      negative.
+
+    Lookups are O(1) per pair: a month -> negatives map, and each query's candidate list built
+    once and cached."""
+
+    def __init__(self, dataset, units: set, pool: int = 16):
+        self.data, self.units, self.pool = dataset, units, pool
+        self.by_unit: Dict[int, List[int]] = {}
+        self.all: List[int] = []
+        for i, r in enumerate(dataset.records):
+            if r.type != "neg_comment" or r.interval is None:
+                continue
+            rs = r.interval.ranks()
+            if not all(u in units for u in rs):
+                continue
+            self.all.append(i)
+            for u in rs:
+                self.by_unit.setdefault(u, []).append(i)
+        self._local: Dict[int, Tuple[List[int], set]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.all)
+
+    def local(self, qi: int) -> Tuple[List[int], set]:
+        got = self._local.get(qi)
+        if got is None:
+            q = self.data.queries[qi]
+            seen, out = set(), []
+            if q.interval is not None:
+                for u in q.interval.ranks():
+                    for i in self.by_unit.get(u, ()):
+                        if i not in seen:
+                            seen.add(i)
+                            out.append(i)
+            got = self._local[qi] = (out, seen)
+        return got
+
+    def pick(self, qi: int, pos: int, rng) -> Optional[int]:
+        """One negative for query `qi` whose sampled positive is record `pos` (never `pos`)."""
+        local, local_set = self.local(qi)
+        if pos in local_set:
+            local = [i for i in local if i != pos]
+            local_set = set(local)
+        n_local = len(local)
+        n_rest = len(self.all) - n_local - (1 if pos not in local_set and pos in self._all_set else 0)
+        total = min(self.pool, n_local + n_rest)
+        if total <= 0:
+            return None
+        k = rng.randrange(total)
+        if k < min(n_local, self.pool):
+            return local[rng.randrange(n_local)]
+        for _ in range(64):
+            c = self.all[rng.randrange(len(self.all))]
+            if c != pos and c not in local_set:
+                return c
+        rest = [c for c in self.all if c != pos and c not in local_set]
+        return rest[rng.randrange(len(rest))]
+
+    @property
+    def _all_set(self) -> set:
+        s = getattr(self, "_all_set_cache", None)
+        if s is None:
+            s = self._all_set_cache = set(self.all)
+        return s

@@ -8,6 +8,7 @@ import torch
 from .._ops.ctd_topk import ctd_topk
 from ..eval import retrieval_metrics
 from ..nn.offset_bias import bias_params
+from ..models.encoder import check_scorer
 from .data import queries_of
 
 METRIC_KEYS = ("R@1", "R@5", "R@10", "MRR@10", "nDCG@10")
@@ -18,27 +19,32 @@ def gallery_of(dataset, *, neg: bool = True, ne: bool = True):
 
 
 @torch.no_grad()
-def score_topk(model, q_texts: Sequence[str], g_enc, k: int, *, batch_size: int = 64):
-    """Top-k gallery indices and scores under the model's full CTD score
-    s = q.g / temperature + bias(u_q, u_g) (bias only when the model uses it)."""
-    qe = model.encode(list(q_texts), batch_size=batch_size)
+def score_topk(model, q_texts: Sequence[str], g_enc, k: int, *, batch_size: int = 64, scorer: str = "ctd"):
+    """Top-k gallery indices and scores. scorer="ctd": the model's full CTD score
+    s = q.g / temperature + bias(u_q, u_g) (bias only when the model uses it); "encoder": the cosine of
+    the backbone's pooled vectors (g_enc must then come from model.encode(..., scorer="encoder"))."""
+    check_scorer(scorer)
+    qe = model.encode(list(q_texts), batch_size=batch_size, scorer=scorer)
     bias = None
-    if model.use_bias:
+    if scorer == "ctd" and model.use_bias:
         bias = (qe.u.float().contiguous(), g_enc.u.float().contiguous(),
                 *[p.detach().float().cpu() for p in bias_params(model.offset_bias)])
     k = min(k, g_enc.embeddings.shape[0])
     vals, idx = ctd_topk(qe.embeddings.float().contiguous(), g_enc.embeddings.float().contiguous(), k,
-                        temperature=model.temperature, bias=bias)
+                        temperature=model.temperature if scorer == "ctd" else 1.0, bias=bias)
     return vals, idx
 
 
 def evaluate_model(model, dataset, split: str = "test", *, ks=(1, 5, 10), depth: int = 100,
                    neg: bool = True, ne: bool = True, drop_no_event: bool = False, batch_size: int = 64,
-                   gallery_enc=None) -> Dict[str, Dict[str, float]]:
+                   gallery_enc=None, scorer: str = "ctd") -> Dict[str, Dict[str, float]]:
     """{"all": metrics, "<family>": metrics, ...} for the queries of `split` against the gallery
     chosen by ChunQiuTR's switches (neg: neg_comment records, ne: no_event records, drop_no_event:
-    drop queries whose gold is all no_event). Gold lists are cut to the gallery; queries left with
-    no gold are dropped (ChunQiuTR protocol)."""
+    drop queries whose gold is all no_event; the reference names the combination
+    neg{neg}_ne{ne}_dq{drop_no_event}). Gold lists are cut to the gallery; queries left with no gold
+    are dropped (ChunQiuTR protocol). scorer: "ctd" (the full model) or "encoder" (the backbone alone,
+    as the reference's evaluate.py and validation score); see docs/eval.md."""
+    check_scorer(scorer)
     gallery = gallery_of(dataset, neg=neg, ne=ne)
     gids = [r.id for r in gallery]
     in_gallery = set(gids)
@@ -53,8 +59,9 @@ def evaluate_model(model, dataset, split: str = "test", *, ks=(1, 5, 10), depth:
     if not queries:
         raise ValueError(f"no query of split {split!r} has a gold record in the gallery")
     if gallery_enc is None:
-        gallery_enc = model.encode([r.text for r in gallery], batch_size=batch_size)
-    vals, idx = score_topk(model, [q.text for q in queries], gallery_enc, depth, batch_size=batch_size)
+        gallery_enc = model.encode([r.text for r in gallery], batch_size=batch_size, scorer=scorer)
+    vals, idx = score_topk(model, [q.text for q in queries], gallery_enc, depth, batch_size=batch_size,
+                           scorer=scorer)
     run = {q.id: {gids[j]: float(v) for j, v in zip(idx[i].tolist(), vals[i].tolist())}
            for i, q in enumerate(queries)}
     table = {"all": _clean(retrieval_metrics(run, qrels, ks=tuple(ks)), len(queries))}
@@ -71,14 +78,25 @@ def _clean(m: dict, n: int) -> dict:
     return out
 
 
+def _cell(key: str, v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        if "seconds" in key:
+            return f"{v:.1f} s"
+        if "loss" in key:
+            return f"{v:.4g}"
+        return f"{v:.3f}"
+    return str(v)
+
+
 def markdown_table(rows: Sequence[dict], keys: Sequence[str] = METRIC_KEYS, name_key: str = "name") -> str:
-    head = "| " + " | ".join([name_key] + list(keys)) + " |"
+    """Rows as a markdown table: metrics with 3 decimals, losses with 4 significant digits, durations
+    (keys with "seconds") as "12.3 s"."""
+    head = "| " + " | ".join([name_key] + [k.replace("_seconds", " time") for k in keys]) + " |"
     sep = "|" + "---|" * (len(keys) + 1)
     lines = [head, sep]
     for r in rows:
-        cells = [str(r.get(name_key, ""))]
-        for k in keys:
-            v = r.get(k)
-            cells.append(f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v)))
+        cells = [str(r.get(name_key, ""))] + [_cell(k, r.get(k)) for k in keys]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

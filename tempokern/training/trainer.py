@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..nn import CTDLoss
-from .data import record_labels, record_span, training_pairs
+from .data import (HardNegatives, gold_indices, num_training_pairs, record_labels, record_span, train_units,
+                   training_pairs)
 from .evaluate import evaluate_model
 from .losses import calendar_ce
 
@@ -49,10 +50,11 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     temperature: float = 0.05
     lambda_time: float = 0.1
-    label_smoothing: float = 0.2
-    neighbor_smoothing: bool = False
+    label_smoothing: float = 0.2             # epsilon of the calendar CE's smoothing
+    neighbor_smoothing: bool = True          # ChunQiuTR's --time_label_smoothing (False: uniform smoothing)
     hard_negatives: bool = True
-    pairs_per_query: Optional[int] = None   # gold records drawn per query and epoch (None: all)
+    hard_negative_pool: int = 16             # ChunQiuTR's num_negatives: the pool one negative is drawn from
+    pairs_per_query: Optional[int] = 1       # gold records drawn per query and epoch (1: ChunQiuTR; None: all)
     amp: str = "auto"
     seed: int = 0
     eval_split: str = "val"
@@ -61,16 +63,29 @@ class TrainConfig:
     stop_after_epochs: Optional[int] = None  # end this run early (time-boxed); `resume` continues it
     progress: bool = True
     batch_size_eval: int = 64
-    eval_neg: bool = True                    # ChunQiuTR switches for validation (see evaluate_model)
+    # checkpoint selection as the reference: validation R@1 under neg1_ne1_dq0 (neg_comment and no_event
+    # records in the gallery, pure no_event queries kept), scored by the encoder alone (evaluate_model)
+    eval_neg: bool = True
     eval_ne: bool = True
-    eval_drop_no_event: bool = True
+    eval_drop_no_event: bool = False
+    eval_scorer: str = "encoder"             # "encoder" (the reference's validation) or "ctd" (the full model)
+    gather_mode: str = "tempokern"           # CTDLoss(gather=True) semantics under torchrun (see CTDLoss)
 
     def validate(self) -> "TrainConfig":
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown variant {self.variant!r}: expected one of {', '.join(VARIANTS)}")
+        from ..models.encoder import check_scorer
+        check_scorer(self.eval_scorer)
+        from ..nn.ctd_loss import GATHER_MODES
+        if self.gather_mode not in GATHER_MODES:
+            raise ValueError(f"gather_mode must be one of {GATHER_MODES}, got {self.gather_mode!r}")
         if self.amp not in AMP_MODES:
             raise ValueError(f"amp must be one of {AMP_MODES}, got {self.amp!r}")
-        for name in ("epochs", "batch_size", "grad_accum", "eval_every"):
+        if self.pairs_per_query is not None and (isinstance(self.pairs_per_query, bool)
+                                                 or not isinstance(self.pairs_per_query, int)
+                                                 or self.pairs_per_query < 1):
+            raise ValueError(f"pairs_per_query must be None or a positive int, got {self.pairs_per_query!r}")
+        for name in ("epochs", "batch_size", "grad_accum", "eval_every", "hard_negative_pool"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "epochs" else 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -183,19 +198,31 @@ class Trainer:
         apply_variant(model, config.variant)
         model.temperature = config.temperature
         self.variant = VARIANTS[config.variant]
-        self.pairs = training_pairs(dataset, "train")
-        if len(self.pairs) < 2:
-            raise ValueError(f"dataset {dataset.name!r} has {len(self.pairs)} training (query, gold record) pairs; "
-                             "need at least 2")
+        self.gold = gold_indices(dataset, "train")
+        n_pairs = num_training_pairs(self.gold, config.pairs_per_query)
+        if n_pairs < 2:
+            raise ValueError(f"dataset {dataset.name!r} has {n_pairs} training (query, gold record) pairs "
+                             f"per epoch (pairs_per_query={config.pairs_per_query}); need at least 2")
         self.spans = [record_span(r, i) for i, r in enumerate(dataset.records)]
         self.labels = [record_labels(dataset, r) for r in dataset.records]
-        self.negs = [i for i, r in enumerate(dataset.records) if r.type == "neg_comment"] if config.hard_negatives else []
+        # hard negatives only from the training split's months (no val/test month leaks into training)
+        self.negs = (HardNegatives(dataset, train_units(dataset, "train"), config.hard_negative_pool)
+                     if config.hard_negatives else None)
         self.has_val = any(q.split == config.eval_split for q in dataset.queries)
 
     # ---- batches ------------------------------------------------------------------------------
+    def num_batches(self) -> int:
+        """Batches per epoch (what len(_epoch_batches(e)) is, without drawing them)."""
+        n = num_training_pairs(self.gold, self.cfg.pairs_per_query)
+        g = self.cfg.batch_size * self.world
+        nb = max(1, math.ceil(n / g))
+        if nb > 1 and n - (nb - 1) * g < 2 * self.world:
+            nb -= 1
+        return nb
+
     def _epoch_batches(self, epoch: int):
         rng = random.Random(self.cfg.seed * 1000003 + epoch)
-        order = training_pairs(self.data, "train", per_query=self.cfg.pairs_per_query, rng=rng)
+        order = training_pairs(self.data, "train", per_query=self.cfg.pairs_per_query, rng=rng, gold=self.gold)
         rng.shuffle(order)
         g = self.cfg.batch_size * self.world
         batches = [order[i:i + g] for i in range(0, len(order), g)]
@@ -208,15 +235,9 @@ class Trainer:
             negs = None
             if self.negs:
                 nrng = random.Random(self.cfg.seed * 7919 + epoch * 104729 + bi)
-                negs = [self._pick_neg(qi, nrng) for qi, _ in mine]
+                negs = [n for n in (self.negs.pick(qi, di, nrng) for qi, di in mine) if n is not None] or None
             out.append((mine, negs, bi * self.cfg.batch_size * self.world + self.rank * per))
         return out
-
-    def _pick_neg(self, qi, rng):
-        q = self.data.queries[qi]
-        same = [i for i in self.negs if q.interval is not None and self.data.records[i].interval is not None
-                and self.data.records[i].interval.overlaps(q.interval)]
-        return rng.choice(same or self.negs)
 
     def _loss(self, batch, negs, offset, loss_fn):
         cfg, model, dev = self.cfg, self.model, self.device
@@ -243,7 +264,7 @@ class Trainer:
         loss_ret = loss_fn(q, d, q_span, d_span, extra_neg=extra, **kw)
         loss_time = torch.zeros((), device=dev)
         if self.variant["time_ce"] and cfg.lambda_time > 0:
-            labels = torch.tensor([self.labels[j] for j in ds], device=dev, dtype=torch.long)
+            labels = torch.tensor([self.labels[j] for j in ds], device=dev, dtype=torch.float32)
             logits = [x[B:2 * B] for x in out.logits]
             loss_time = calendar_ce(logits, labels, smoothing=cfg.label_smoothing, neighbor=cfg.neighbor_smoothing)
         return loss_ret + cfg.lambda_time * loss_time, loss_ret.detach(), loss_time.detach()
@@ -255,9 +276,11 @@ class Trainer:
                  "scaler": scaler.state_dict() if scaler is not None else None, "epoch": epoch, "step": step,
                  "best": best, "best_epoch": best_epoch, "history": history, "config": asdict(self.cfg),
                  "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
-        tmp = where / "trainer_state.pt.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, where / "trainer_state.pt")
+        import io
+        from ..models.checkpoint import atomic_write
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        atomic_write(where / "trainer_state.pt", buf.getvalue())
 
     def _sync_params(self):
         if self.world > 1:
@@ -282,9 +305,9 @@ class Trainer:
         gather = self.world > 1
         loss_fn = CTDLoss(temperature=cfg.temperature,
                           offset_bias=model.offset_bias if self.variant["use_bias"] else None,
-                          symmetric=True, normalize=False, gather=gather)
+                          symmetric=True, normalize=False, gather=gather, gather_mode=cfg.gather_mode)
         opt = torch.optim.AdamW(_param_groups(model, cfg.lr, cfg.temporal_lr, cfg.weight_decay), lr=cfg.lr)
-        steps_per_epoch = max(1, math.ceil(len(self._epoch_batches(0)) / cfg.grad_accum))
+        steps_per_epoch = max(1, math.ceil(self.num_batches() / cfg.grad_accum))
         total = steps_per_epoch * cfg.epochs
         if cfg.max_steps is not None:
             total = min(total, cfg.max_steps)
@@ -296,8 +319,7 @@ class Trainer:
             last = self._require_out() / "last"
             if not (last / "trainer_state.pt").exists():
                 raise FileNotFoundError(f"cannot resume: {last / 'trainer_state.pt'} does not exist")
-            from safetensors.torch import load_model
-            load_model(model, str(last / "model.safetensors"), strict=False, device=str(self.device))
+            _load_weights(model, last, self.device)
             st = torch.load(last / "trainer_state.pt", map_location="cpu", weights_only=False)
             opt.load_state_dict(st["optimizer"])
             sched.load_state_dict(st["scheduler"])
@@ -368,8 +390,7 @@ class Trainer:
         if best_state is not None:
             model.load_state_dict(best_state)
         elif self.out is not None and (self.out / "best").exists() and best is not None:
-            from safetensors.torch import load_model
-            load_model(model, str(self.out / "best" / "model.safetensors"), strict=False, device=str(self.device))
+            _load_weights(model, self.out / "best", self.device)
         model.eval()
         return TrainResult(best, best_epoch, step, history, last_loss, time.time() - t0)
 
@@ -378,10 +399,12 @@ class Trainer:
         if self.rank == 0:
             table = evaluate_model(self.model, self.data, self.cfg.eval_split, batch_size=self.cfg.batch_size_eval,
                                    neg=self.cfg.eval_neg, ne=self.cfg.eval_ne,
-                                   drop_no_event=self.cfg.eval_drop_no_event)
+                                   drop_no_event=self.cfg.eval_drop_no_event, scorer=self.cfg.eval_scorer)
             metric = table["all"]["R@1"]
             rec = {"event": "eval", "variant": self.cfg.variant, "epoch": epoch, "step": step,
-                   "split": self.cfg.eval_split, **{f"{k}": v for k, v in table["all"].items()}}
+                   "split": self.cfg.eval_split, "scorer": self.cfg.eval_scorer,
+                   "mode": f"neg{int(self.cfg.eval_neg)}_ne{int(self.cfg.eval_ne)}_dq{int(self.cfg.eval_drop_no_event)}",
+                   **{f"{k}": v for k, v in table["all"].items()}}
             history.append(rec)
             if logf:
                 logf.write(json.dumps(rec) + "\n")
@@ -406,14 +429,57 @@ class Trainer:
         return self.out
 
 
-def _progress(it, enabled: bool, desc: str):
+def _load_weights(model, where: Path, device) -> None:
+    """Load a checkpoint written by model.save into `model` (the same architecture): every parameter
+    and buffer must be there (resuming with missing weights would silently train from a mix)."""
+    from safetensors.torch import load_model
+    missing, unexpected = load_model(model, str(where / "model.safetensors"), strict=False, device=str(device))
+    if missing or unexpected:
+        raise ValueError(f"{where / 'model.safetensors'} does not fit the model being trained: missing "
+                         f"{sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
+
+
+class PlainProgress:
+    """Progress as plain lines (about every 10% of an epoch and at its end), for logs written to a file:
+    a tqdm bar there floods the file with carriage-return frames."""
+
+    def __init__(self, it, desc: str, stream=None, every: float = 0.1):
+        import sys
+        self.items, self.desc = list(it), desc
+        self.stream = stream if stream is not None else sys.stderr
+        self.step = max(1, int(len(self.items) * every))
+        self.postfix = {}
+
+    def __len__(self):
+        return len(self.items)
+
+    def set_postfix(self, **kw):
+        self.postfix = kw
+
+    def __iter__(self):
+        n = len(self.items)
+        t0 = time.time()
+        for i, x in enumerate(self.items, 1):
+            yield x
+            if i % self.step == 0 or i == n:
+                post = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+                print(f"{self.desc}: {i}/{n} batches, {time.time() - t0:.1f} s{' ' + post if post else ''}",
+                      file=self.stream, flush=True)
+
+
+def _progress(it, enabled: bool, desc: str, stream=None):
+    """A tqdm bar on a terminal; plain lines (PlainProgress) when stderr is a file or a pipe."""
+    import sys
     if not enabled:
         return it
+    stream = stream if stream is not None else sys.stderr
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        return PlainProgress(it, desc, stream)
     try:
         from tqdm.auto import tqdm
     except ImportError:
-        return it
-    return tqdm(it, desc=desc, leave=False, dynamic_ncols=True)
+        return PlainProgress(it, desc, stream)
+    return tqdm(it, desc=desc, leave=False, dynamic_ncols=True, file=stream)
 
 
 def train(model, dataset, config: Optional[TrainConfig] = None, out_dir=None, *, resume: bool = False,
