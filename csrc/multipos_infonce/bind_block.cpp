@@ -30,8 +30,8 @@ MultiposBlockParams make(const std::vector<int>& dt, const std::vector<int64_t>&
   p.nrt = sz[12]; p.nslots = sz[13]; p.slot0 = sz[14]; p.Bq = sz[15]; p.ldo = sz[16]; p.nhist = sz[17];
   p.inv_temp = sc[0]; p.gr = sc[1]; p.gc = sc[2];
   p.S = get(m, "S");
-  p.q_lo = static_cast<const int64_t*>(get(m, "q_lo")); p.q_hi = static_cast<const int64_t*>(get(m, "q_hi"));
-  p.d_lo = static_cast<const int64_t*>(get(m, "d_lo")); p.d_hi = static_cast<const int64_t*>(get(m, "d_hi"));
+  p.q_lo = static_cast<const int32_t*>(get(m, "q_lo")); p.q_hi = static_cast<const int32_t*>(get(m, "q_hi"));
+  p.d_lo = static_cast<const int32_t*>(get(m, "d_lo")); p.d_hi = static_cast<const int32_t*>(get(m, "d_hi"));
   p.row_none = static_cast<const uint8_t*>(get(m, "row_none"));
   p.col_none = static_cast<const uint8_t*>(get(m, "col_none"));
   p.u_q = get(m, "u_q"); p.u_d = get(m, "u_d"); p.table = get(m, "table"); p.dense = get(m, "dense");

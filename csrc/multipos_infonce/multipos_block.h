@@ -34,8 +34,10 @@ struct MultiposBlockParams {
   int64_t lds = 0;
   bool pos = true;   // positives (false: extra-negative block)
   bool cols = true;  // column statistics / column loss term
-  const int64_t *q_lo = nullptr, *q_hi = nullptr;  // (Bq,) global
-  const int64_t *d_lo = nullptr, *d_hi = nullptr;  // (C,)
+  // span bounds, int32: the driver shifts them by their minimum (or replaces them by their ranks when the
+  // range exceeds int32), which keeps every comparison
+  const int32_t *q_lo = nullptr, *q_hi = nullptr;  // (Bq,) global
+  const int32_t *d_lo = nullptr, *d_hi = nullptr;  // (C,)
   const uint8_t* row_none = nullptr;               // (Bq,) 1: the row has no overlapping column
   const uint8_t* col_none = nullptr;               // (C,)
   int64_t diag_offset = 0;

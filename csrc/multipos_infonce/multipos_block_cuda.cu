@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include "common/cuda_utils.cuh"
 #include "multipos_infonce/multipos_block.h"
 
@@ -19,8 +20,17 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 
-// exp through the SFU's exp2 (2 ulp over the whole range: as accurate as expf where the terms matter)
-__device__ __forceinline__ float dexp(float x) { return exp2f(x * 1.4426950408889634f); }
+// exp through the SFU's exp2 (ex2.approx: relative error ~2^-22 over the range; the rounding of x * log2(e)
+// adds |x| * 2^-24, no more than the rounding of a float32 score itself)
+__device__ __forceinline__ float dexp(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+#else
+  return exp2f(x * 1.4426950408889634f);
+#endif
+}
 __device__ __forceinline__ double dexp(double x) { return exp(x); }
 __device__ __forceinline__ float dlog(float x) { return logf(x); }
 __device__ __forceinline__ float dfloor(float x) { return floorf(x); }
@@ -57,66 +67,68 @@ __device__ __forceinline__ A table_bias(const A* T, int64_t P, A half_span, A de
   return v0 + t * (v1 - v0);
 }
 
-// Column context (thread-owned columns) and row context (broadcast loads).
+// Column context (thread-owned columns) and row context (broadcast loads). BM: bias mode (0 none, 1 table,
+// 2 dense), POS: positives (false for an extra-negative block); both compile-time, so unused loads vanish.
 template <typename A> struct Col {
-  int64_t lo = 0, hi = -1;
+  int32_t lo = 0, hi = -1;
   bool none = false, valid = false;
   A ud = 0;
 };
 
-template <typename A>
+template <typename A, int BM, bool POS>
 __device__ __forceinline__ Col<A> load_col(const MultiposBlockParams& p, int64_t j) {
   Col<A> c;
   c.valid = j < p.C;
-  if (c.valid && p.pos) {
-    c.lo = p.d_lo[j];
-    c.hi = p.d_hi[j];
-    c.none = p.col_none[j] != 0;
+  if (c.valid) {
+    if (POS) {
+      c.lo = p.d_lo[j];
+      c.hi = p.d_hi[j];
+      c.none = p.col_none[j] != 0;
+    }
+    if (BM == 1) c.ud = static_cast<const A*>(p.u_d)[j];
   }
-  if (c.valid && p.bias_mode == 1) c.ud = static_cast<const A*>(p.u_d)[j];
   return c;
 }
 
 template <typename A> struct RowCtx {
-  int64_t lo = 0, hi = -1;
+  int32_t lo = 0, hi = -1;
   bool none = false;
   A uq = 0;
 };
 
-template <typename A>
+template <typename A, int BM, bool POS>
 __device__ __forceinline__ RowCtx<A> load_row(const MultiposBlockParams& p, int64_t i) {
   RowCtx<A> r;
-  if (p.pos) {
-    r.lo = p.q_lo[i];
-    r.hi = p.q_hi[i];
-    r.none = p.row_none[i] != 0;
+  if (POS) {
+    r.lo = __ldg(p.q_lo + i);
+    r.hi = __ldg(p.q_hi + i);
+    r.none = __ldg(p.row_none + i) != 0;
   }
-  if (p.bias_mode == 1) r.uq = static_cast<const A*>(p.u_q)[i];
+  if (BM == 1) r.uq = __ldg(static_cast<const A*>(p.u_q) + i);
   return r;
 }
 
 // x = inv_temp * s + bias and the two positive flags of one pair (bin / weight / slope for the table).
+// dg: whether this pair is the row's diagonal partner (j == i + diag_offset).
 template <typename A> struct Elem {
   A x, slope, t;
   int64_t idx;
   bool pr, pc;
 };
 
-template <typename A>
-__device__ __forceinline__ Elem<A> element(const MultiposBlockParams& p, A s, int64_t r, int64_t i, int64_t j,
-                                           const RowCtx<A>& rc, const Col<A>& c, A it, A half_span, const A* T,
-                                           const A* dense) {
+template <typename A, int BM, bool POS>
+__device__ __forceinline__ Elem<A> element(const MultiposBlockParams& p, A s, const A* dense_row, int64_t j, bool dg,
+                                           const RowCtx<A>& rc, const Col<A>& c, A it, A half_span, const A* T) {
   Elem<A> e;
   e.x = s * it;
   e.slope = A(0);
   e.t = A(0);
   e.idx = 0;
-  if (p.bias_mode == 1) e.x += table_bias<A>(T, p.P, half_span, c.ud - rc.uq, e.slope, e.idx, e.t);
-  else if (p.bias_mode == 2) e.x += dense[r * p.ldb + j];
+  if (BM == 1) e.x += table_bias<A>(T, p.P, half_span, c.ud - rc.uq, e.slope, e.idx, e.t);
+  if (BM == 2) e.x += dense_row[j];
   e.pr = e.pc = false;
-  if (p.pos) {
+  if (POS) {
     const bool ov = max(rc.lo, c.lo) <= min(rc.hi, c.hi);
-    const bool dg = j == i + p.diag_offset;
     e.pr = ov || (rc.none && dg);
     e.pc = ov || (dg && (rc.none || c.none));
   }
@@ -151,21 +163,19 @@ __device__ __forceinline__ void flush_rows(const MultiposBlockParams& p, A (*wpa
 constexpr int KC = 4;
 constexpr int RB = 4;
 
-template <typename ST, typename A>
+template <typename ST, typename A, int BM, bool POS>
 __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockParams p) {
   __shared__ A wpart[kWarps][32][4];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t c0 = (int64_t)blockIdx.x * kThreads * KC + tid;
   const int64_t r0 = (int64_t)blockIdx.y * p.TR;
   const int64_t r1 = min(r0 + p.TR, p.R);
-  const ST* S = static_cast<const ST*>(p.S);
   const A it = (A)p.inv_temp;
   const A half_span = (A)(0.5 * (double)(p.P - 1));
   const A* T = static_cast<const A*>(p.table);
-  const A* dense = static_cast<const A*>(p.dense);
   Col<A> c[KC];
 #pragma unroll
-  for (int k = 0; k < KC; ++k) c[k] = load_col<A>(p, c0 + k * kThreads);
+  for (int k = 0; k < KC; ++k) c[k] = load_col<A, BM, POS>(p, c0 + k * kThreads);
   A cm[KC], cs[KC], cpm[KC], cps[KC];
 #pragma unroll
   for (int k = 0; k < KC; ++k) {
@@ -173,17 +183,20 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
     cpm[k] = ninf<A>();
     cs[k] = cps[k] = A(0);
   }
+  const bool cols = POS && p.cols;
+  // j - (i + diag_offset) for k = 0 at row r0: the diagonal test is one compare of a running counter
+  const int64_t dbase = c0 - (p.i0 + r0 + p.diag_offset);
 
   for (int64_t rb = r0; rb < r1; rb += 32) {
     const int nr = (int)min((int64_t)32, r1 - rb);
     for (int rr0 = 0; rr0 < nr; rr0 += RB) {
+      const ST* Sb = static_cast<const ST*>(p.S) + (rb + rr0) * p.lds + c0;
       A sv[RB][KC];
 #pragma unroll
       for (int b = 0; b < RB; ++b)
 #pragma unroll
         for (int k = 0; k < KC; ++k)
-          sv[b][k] = (rr0 + b < nr && c[k].valid) ? cuda::to_acc(S[(rb + rr0 + b) * p.lds + c0 + k * kThreads])
-                                                   : A(0);
+          sv[b][k] = (rr0 + b < nr && c[k].valid) ? cuda::to_acc(Sb[b * p.lds + k * kThreads]) : A(0);
       A xb[RB][KC];
       bool pcb[RB][KC];
 #pragma unroll
@@ -191,40 +204,39 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
         const int rr = rr0 + b;
         if (rr >= nr) break;  // uniform
         const int64_t r = rb + rr, i = p.i0 + r;
-        const RowCtx<A> rc = load_row<A>(p, i);
-        A x[KC];
-        bool pr[KC];
+        const RowCtx<A> rc = load_row<A, BM, POS>(p, i);
+        const A* drow = BM == 2 ? static_cast<const A*>(p.dense) + r * p.ldb : nullptr;
+        const int64_t dd = dbase - (r - r0);
         A lm = ninf<A>(), lpm = ninf<A>();
+        bool pr[KC];
 #pragma unroll
         for (int k = 0; k < KC; ++k) {
-          const int64_t j = c0 + k * kThreads;
           if (c[k].valid) {
-            const Elem<A> e = element<A>(p, sv[b][k], r, i, j, rc, c[k], it, half_span, T, dense);
-            x[k] = e.x;
+            const Elem<A> e = element<A, BM, POS>(p, sv[b][k], drow, c0 + k * kThreads, dd + k * kThreads == 0, rc,
+                                                  c[k], it, half_span, T);
+            xb[b][k] = e.x;
             pr[k] = e.pr;
             pcb[b][k] = e.pc;
           } else {
-            x[k] = ninf<A>();
-            pr[k] = false;
-            pcb[b][k] = false;
+            xb[b][k] = ninf<A>();
+            pr[k] = pcb[b][k] = false;
           }
-          xb[b][k] = x[k];
-          lm = max(lm, x[k]);
-          if (pr[k]) lpm = max(lpm, x[k]);
+          lm = max(lm, xb[b][k]);
+          if (pr[k]) lpm = max(lpm, xb[b][k]);
         }
         const A wm = cuda::warp_max(lm);
         A ls = 0;
 #pragma unroll
         for (int k = 0; k < KC; ++k)  // (a row of NaN keeps its NaN)
-          if (c[k].valid) ls += wm != ninf<A>() ? dexp(x[k] - wm) : (x[k] != x[k] ? x[k] : A(0));
+          if (c[k].valid) ls += wm != ninf<A>() ? dexp(xb[b][k] - wm) : (xb[b][k] != xb[b][k] ? xb[b][k] : A(0));
         const A ws = cuda::warp_sum(ls);
         A pm = ninf<A>(), ps = 0;
-        if (__ballot_sync(kFull, lpm != ninf<A>())) {
+        if (POS && __ballot_sync(kFull, lpm != ninf<A>())) {
           pm = cuda::warp_max(lpm);
           A lps = 0;
 #pragma unroll
           for (int k = 0; k < KC; ++k)
-            if (pr[k]) lps += dexp(x[k] - pm);
+            if (pr[k]) lps += dexp(xb[b][k] - pm);
           ps = cuda::warp_sum(lps);
         }
         if (lane == 0) {
@@ -234,29 +246,35 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
           wpart[warp][rr][3] = ps;
         }
       }
-      if (p.cols) {  // column statistics of the batch: one rescale per batch, not per element
+      if (cols) {  // column statistics of the batch: one rescale per batch, not per element
         const int nb = min(RB, nr - rr0);
 #pragma unroll
         for (int k = 0; k < KC; ++k) {
           if (!c[k].valid) continue;
           A bm = cm[k], bpm = cpm[k];
-          for (int b = 0; b < nb; ++b) {
+#pragma unroll
+          for (int b = 0; b < RB; ++b) {
+            if (b >= nb) break;
             bm = max(bm, xb[b][k]);
             if (pcb[b][k]) bpm = max(bpm, xb[b][k]);
           }
           if (bm != ninf<A>()) {
             A acc = cs[k] * dexp(cm[k] - bm);
-            for (int b = 0; b < nb; ++b) acc += dexp(xb[b][k] - bm);
+#pragma unroll
+            for (int b = 0; b < RB; ++b)
+              if (b < nb) acc += dexp(xb[b][k] - bm);
             cs[k] = acc;
             cm[k] = bm;
           } else {
-            for (int b = 0; b < nb; ++b)
-              if (xb[b][k] != xb[b][k]) cs[k] = xb[b][k];  // NaN stays NaN
+#pragma unroll
+            for (int b = 0; b < RB; ++b)
+              if (b < nb && xb[b][k] != xb[b][k]) cs[k] = xb[b][k];  // NaN stays NaN
           }
           if (bpm != ninf<A>()) {
             A acc = cps[k] * dexp(cpm[k] - bpm);
-            for (int b = 0; b < nb; ++b)
-              if (pcb[b][k]) acc += dexp(xb[b][k] - bpm);
+#pragma unroll
+            for (int b = 0; b < RB; ++b)
+              if (b < nb && pcb[b][k]) acc += dexp(xb[b][k] - bpm);
             cps[k] = acc;
             cpm[k] = bpm;
           }
@@ -267,7 +285,7 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
     flush_rows<A>(p, wpart, rb, nr);
     __syncthreads();
   }
-  if (p.cols) {
+  if (cols) {
 #pragma unroll
     for (int k = 0; k < KC; ++k) {
       if (!c[k].valid) continue;
@@ -278,7 +296,7 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
   }
 }
 
-template <typename ST, typename OT, typename A>
+template <typename ST, typename OT, typename A, int BM, bool POS>
 __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockParams p, int hist_smem) {
   extern __shared__ unsigned char mpb_smem[];
   A* hs = reinterpret_cast<A*>(mpb_smem);  // table mode: the block's histogram of dL/dtable (P values)
@@ -287,15 +305,12 @@ __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockPa
   const int64_t c0 = (int64_t)blockIdx.x * kThreads * KC + tid;
   const int64_t r0 = (int64_t)blockIdx.y * p.TR;
   const int64_t r1 = min(r0 + p.TR, p.R);
-  const ST* S = static_cast<const ST*>(p.S);
-  OT* dS = static_cast<OT*>(p.dS);
   A* G = static_cast<A*>(p.G);
   const A it = (A)p.inv_temp, gr = (A)p.gr, gc = (A)p.gc;
-  const bool rows = p.gr != 0.0, cols = p.cols && p.gc != 0.0;
-  const bool table = p.bias_mode == 1;
+  const bool rows = p.gr != 0.0, cols = POS && p.cols && p.gc != 0.0;
+  constexpr bool table = BM == 1;
   const A half_span = (A)(0.5 * (double)(p.P - 1));
   const A* T = static_cast<const A*>(p.table);
-  const A* dense = static_cast<const A*>(p.dense);
   const A* rl = static_cast<const A*>(p.row_lse);
   const A* cl = static_cast<const A*>(p.col_lse);
   const int64_t hid = (int64_t)blockIdx.y * gridDim.x + blockIdx.x;
@@ -311,46 +326,51 @@ __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockPa
 #pragma unroll
   for (int k = 0; k < KC; ++k) {
     const int64_t j = c0 + k * kThreads;
-    c[k] = load_col<A>(p, j);
+    c[k] = load_col<A, BM, POS>(p, j);
     ca[k] = cp[k] = dud[k] = A(0);
     if (c[k].valid && cols) {
       ca[k] = cl[j];
       cp[k] = cl[p.C + j];
     }
   }
+  const int64_t dbase = c0 - (p.i0 + r0 + p.diag_offset);
 
   for (int64_t rb = r0; rb < r1; rb += 32) {
     const int nr = (int)min((int64_t)32, r1 - rb);
     for (int rr0 = 0; rr0 < nr; rr0 += RB) {
+      const ST* Sb = static_cast<const ST*>(p.S) + (rb + rr0) * p.lds + c0;
+      OT* Ob = static_cast<OT*>(p.dS) + (rb + rr0) * p.ldo + c0;
       A sv[RB][KC];
 #pragma unroll
       for (int b = 0; b < RB; ++b)
 #pragma unroll
         for (int k = 0; k < KC; ++k)
-          sv[b][k] = (rr0 + b < nr && c[k].valid) ? cuda::to_acc(S[(rb + rr0 + b) * p.lds + c0 + k * kThreads])
-                                                   : A(0);
+          sv[b][k] = (rr0 + b < nr && c[k].valid) ? cuda::to_acc(Sb[b * p.lds + k * kThreads]) : A(0);
 #pragma unroll
       for (int b = 0; b < RB; ++b) {
         const int rr = rr0 + b;
         if (rr >= nr) break;  // uniform
         const int64_t r = rb + rr, i = p.i0 + r;
-        const RowCtx<A> rc = load_row<A>(p, i);
+        const RowCtx<A> rc = load_row<A, BM, POS>(p, i);
+        const A* drow = BM == 2 ? static_cast<const A*>(p.dense) + r * p.ldb : nullptr;
+        const int64_t dd = dbase - (r - r0);
         A la = 0, lp = 0;
         if (rows) {
-          la = rl[i];
-          lp = rl[p.Bq + i];
+          la = __ldg(rl + i);
+          if (POS) lp = __ldg(rl + p.Bq + i);
         }
         A rsum = 0;
 #pragma unroll
         for (int k = 0; k < KC; ++k) {
           if (!c[k].valid) continue;
           const int64_t j = c0 + k * kThreads;
-          const Elem<A> e = element<A>(p, sv[b][k], r, i, j, rc, c[k], it, half_span, T, dense);
+          const Elem<A> e = element<A, BM, POS>(p, sv[b][k], drow, j, dd + k * kThreads == 0, rc, c[k], it,
+                                                half_span, T);
           A g = 0;
           if (rows) g = gr * (dexp(e.x - la) - (e.pr ? dexp(e.x - lp) : A(0)));
           if (cols) g += gc * (dexp(e.x - ca[k]) - (e.pc ? dexp(e.x - cp[k]) : A(0)));
-          dS[r * p.ldo + j] = cuda::from_acc<OT>(g * it);
-          if (p.bias_mode == 2) G[r * p.ldo + j] = g;
+          Ob[b * p.ldo + k * kThreads] = cuda::from_acc<OT>(g * it);
+          if (BM == 2) G[r * p.ldo + j] = g;
           if (table) {
             const A dD = g * e.slope;
             dud[k] += dD;
@@ -391,6 +411,20 @@ __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockPa
   }
 }
 
+// Calls f(BM, POS) as compile-time constants for the combinations the driver launches.
+template <typename F> void dispatch_mode(const MultiposBlockParams& p, F&& f) {
+  if (!p.pos) {
+    if (p.bias_mode != 0) throw std::runtime_error("multipos_block: an extra-negative block takes no bias");
+    f(std::integral_constant<int, 0>{}, std::false_type{});
+    return;
+  }
+  switch (p.bias_mode) {
+    case 0: f(std::integral_constant<int, 0>{}, std::true_type{}); break;
+    case 1: f(std::integral_constant<int, 1>{}, std::true_type{}); break;
+    default: f(std::integral_constant<int, 2>{}, std::true_type{}); break;
+  }
+}
+
 template <typename F> void dispatch_fwd(DType sd, DType ad, F&& f) {
   if (ad == DType::F64) {
     if (sd != DType::F64) throw std::runtime_error("multipos_block: float64 accumulation needs float64 scores");
@@ -423,7 +457,11 @@ void multipos_block_fwd_cuda(const MultiposBlockParams& p, int device, uintptr_t
   dispatch_fwd(p.sdtype, p.adtype, [&](auto s, auto a) {
     using ST = decltype(s);
     using A = decltype(a);
-    mpb_fwd_kernel<ST, A><<<grid, kThreads, 0, st>>>(p);
+    dispatch_mode(p, [&](auto bm, auto pos) {
+      constexpr int BM = decltype(bm)::value;
+      constexpr bool POS = decltype(pos)::value;
+      mpb_fwd_kernel<ST, A, BM, POS><<<grid, kThreads, 0, st>>>(p);
+    });
   });
   cuda::check_launch();
 }
@@ -445,10 +483,14 @@ void multipos_block_bwd_cuda(const MultiposBlockParams& p, int device, uintptr_t
     const size_t smem = hist_smem ? hbytes : 0;
     auto launch = [&](auto o) {
       using OT = decltype(o);
-      auto kern = mpb_bwd_kernel<ST, OT, A>;
-      if (smem > 48 * 1024)
-        TK_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      mpb_bwd_kernel<ST, OT, A><<<grid, kThreads, smem, st>>>(p, hist_smem);
+      dispatch_mode(p, [&](auto bm, auto pos) {
+        constexpr int BM = decltype(bm)::value;
+        constexpr bool POS = decltype(pos)::value;
+        auto kern = mpb_bwd_kernel<ST, OT, A, BM, POS>;
+        if (smem > 48 * 1024)
+          TK_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        mpb_bwd_kernel<ST, OT, A, BM, POS><<<grid, kThreads, smem, st>>>(p, hist_smem);
+      });
     };
     if constexpr (sizeof(A) == 8) {
       launch(double{});

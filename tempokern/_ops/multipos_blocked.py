@@ -87,6 +87,19 @@ def none_flags(q_lo, q_hi, d_lo, d_hi):
     return (row == 0).to(torch.uint8).contiguous(), (col == 0).to(torch.uint8).contiguous()
 
 
+def spans32(q_lo, q_hi, d_lo, d_hi):
+    """The four span-bound arrays as int32 with every comparison between them kept: shifted by their common
+    minimum, or replaced by their ranks among all bounds when the range does not fit int32."""
+    allb = torch.cat([q_lo, q_hi, d_lo, d_hi])
+    if allb.numel() == 0:
+        return tuple(t.to(torch.int32) for t in (q_lo, q_hi, d_lo, d_hi))
+    if allb.device.type == "cpu" and int(allb.max()) - int(allb.min()) < 2**31 - 1:
+        out = (allb - allb.min()).to(torch.int32)
+    else:  # ranks (number of smaller bounds): order-preserving, and no device synchronisation on CUDA
+        out = torch.searchsorted(torch.sort(allb).values, allb).to(torch.int32)
+    return tuple(t.contiguous() for t in torch.split(out, [q_lo.numel(), q_hi.numel(), d_lo.numel(), d_hi.numel()]))
+
+
 def _budget(device: torch.device) -> int:
     env = os.environ.get("TEMPOKERN_BLOCK_BYTES")
     if env:
@@ -182,8 +195,8 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         q32, d32 = q.to(acc), d.to(acc)
     bias_mode = 1 if table is not None else (2 if exact is not None else 0)
     cols = col_weight != 0.0
-    spans = (q_lo, q_hi, d_lo, d_hi)
-    flags = none_flags(q_lo, q_hi, d_lo, d_hi)
+    spans = spans32(q_lo, q_hi, d_lo, d_hi)
+    flags = none_flags(*spans)
 
     def scores(a_rows, b):  # (R, H) x (C, H) -> (R, C)
         if cuda_path and q.device.type == "cpu":
