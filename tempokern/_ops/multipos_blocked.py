@@ -28,6 +28,7 @@ from .common import DTYPE_CODES, kernels, launch_args, on_cuda_path, ptr, sm_cou
 
 TILE_COLS = 1024  # columns per CUDA block of the fused passes (256 threads x 4)
 _out_dtype_ok: dict = {}
+_SIZE = {torch.float64: 8, torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -116,6 +117,8 @@ def block_rows(Bq: int, C: int, N: int, per_elem: int, device: torch.device, req
     if requested > 0:
         return max(1, min(Bq, requested))
     per_row = max(1, (C + N) * per_elem)
+    if Bq * per_row <= 64 << 20:  # small enough for one block whatever the budget (no memory query)
+        return max(1, Bq)
     R = _budget(device) // per_row
     if R >= Bq:
         return max(1, Bq)
@@ -216,9 +219,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
 
     sdtype = acc if (q.device.type == "cpu" or q.dtype == acc or _mm_out_f32(q.device)) else q.dtype
     odtype = q.dtype if cuda_path else acc
-    per_elem = torch.tensor([], dtype=sdtype).element_size() + torch.tensor([], dtype=odtype).element_size()
-    if bias_mode == 2:
-        per_elem += 2 * torch.tensor([], dtype=acc).element_size()
+    per_elem = _SIZE[sdtype] + _SIZE[odtype] + (2 * _SIZE[acc] if bias_mode == 2 else 0)
     R = block_rows(Bq, Bd, N, per_elem, q.device, requested_rows)
     L = _Launcher(q, Bd, acc, sdtype, odtype, inv_temp, diag_offset, cols, spans, flags, bias_mode, u_q, u_d, table)
     w1 = b1 = w2 = b2 = scale = None
@@ -228,10 +229,12 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     def dense_block(i0, r):
         return torch.ops.tempokern.offset_bias(u_q[i0:i0 + r], u_d, w1, b1, w2, b2, scale).to(acc).contiguous()
 
-    row_lse = torch.empty(2, Bq, dtype=acc, device=q.device)
-    col_lse = torch.full((Bd, 2), -math.inf, dtype=acc, device=q.device)
     keep = None
     blocks = [(i0, min(R, Bq - i0)) for i0 in range(0, Bq, R)] if Bq else []
+    single = len(blocks) == 1
+    row_lse = torch.empty(2, Bq, dtype=acc, device=q.device) if not single else None
+    col_lse = torch.full((Bd, 2), -math.inf, dtype=acc, device=q.device) if not single or Bd == 0 or not cols \
+        else None
     for i0, r in blocks:
         qb = q[i0:i0 + r]
         S = scores(qb, d)
@@ -248,20 +251,27 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
             E = scores(qb, extra_neg)
             L.launch("fwd", E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, nslots=nslots, slot0=tS[1],
                      row_part=row_part)
-        row_lse[:, i0:i0 + r] = torch.logsumexp(row_part, dim=1).t()
-        if cols:
-            col_lse = torch.logaddexp(col_lse, torch.logsumexp(col_part, dim=0))
-        if len(blocks) == 1:
+        if single:
+            row_lse = torch.logsumexp(row_part, dim=1).t().contiguous()
+            if cols:
+                col_lse = torch.logsumexp(col_part, dim=0)
             keep = (S, E, dense)
+        else:
+            row_lse[:, i0:i0 + r] = torch.logsumexp(row_part, dim=1).t()
+            if cols:
+                col_lse = torch.logaddexp(col_lse, torch.logsumexp(col_part, dim=0))
         del S, E, dense
+    if row_lse is None:  # no rows
+        row_lse = torch.empty(2, 0, dtype=acc, device=q.device)
     col_lse = col_lse.t().contiguous()
 
-    tot = torch.zeros((), dtype=torch.float64, device=q.device)
+    tot = None  # sums in float64
     if row_weight != 0.0:
-        tot = tot + row_weight * (row_lse[0].double() - row_lse[1].double()).mean()
+        tot = (row_lse[0] - row_lse[1]).double().mean() * row_weight
     if cols:
-        tot = tot + col_weight * (col_lse[0].double() - col_lse[1].double()).mean()
-    loss = tot.to(acc)
+        tc = (col_lse[0] - col_lse[1]).double().mean() * col_weight
+        tot = tc if tot is None else tot + tc
+    loss = torch.zeros((), dtype=acc, device=q.device) if tot is None else tot.to(acc)
     if not want_grad:
         return [loss] + [None] * 11
 
@@ -269,7 +279,6 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     gc = col_weight / Bd if Bd else 0.0
     # gradient accumulators: float32 (float64 for float64) unless half operands must give half products
     gdt = acc if (q.device.type == "cpu" or q.dtype == acc or _mm_out_f32(q.device)) else q.dtype
-    single = len(blocks) == 1
     dq = torch.empty(Bq, H, dtype=gdt, device=q.device) if not single else None
     dd = torch.zeros(Bd, H, dtype=gdt, device=q.device) if not single else None
     dneg = torch.zeros(N, H, dtype=gdt, device=q.device) if N and not single else None
