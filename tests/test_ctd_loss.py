@@ -172,23 +172,19 @@ def _run_workers(tmp_path, script_text, world, *args):
 
 
 # Random spans, symmetric: some rows need the diagonal fallback, and the reference's column fallback is the
-# row-fallback mask transposed (tempokern.reference since 9b649fc). The kernels at this commit still derive it
-# from the raw overlap (issue 13 item 2, being rewritten in _ops/csrc), so these two cases fail until then. Even
-# after, the column pass of the gathered loss sees q_all x d_local only and cannot know whether a local query
-# overlaps a document of another rank (which decides its diagonal): multipos_infonce_partial needs that
-# per-row flag from CTDLoss for these to pass. Paired spans (training: each pair is a gold record) agree.
-_FALLBACK = pytest.mark.xfail(reason="column fallback of the kernels/partial op (issue 13 item 2)", strict=False)
+# row-fallback mask transposed (issue 13 item 2). The gathered column pass sees q_all x d_local only, so CTDLoss
+# passes which queries overlap no document on any rank (multipos_infonce_partial's row_none).
 
 
-@pytest.mark.parametrize("symmetric,sizes,paired", [pytest.param(True, (24, 24), False, marks=_FALLBACK),
+@pytest.mark.parametrize("symmetric,sizes,paired", [(True, (24, 24), False),
                                                     (False, (24, 24), False),
-                                                    pytest.param(True, (24, 17), False, marks=_FALLBACK),
+                                                    (True, (24, 17), False),
                                                     (True, (24, 17), True), (False, (20, 13), True)])
 def test_gather_two_gloo_processes(tmp_path, symmetric, sizes, paired):
     """gather_mode="tempokern": each rank's loss and gradients are its rows/columns of the single-process
     reference on the concatenated batch (other ranks' tensors detached), and the mean over ranks is the
     single-process loss. With random spans some rows need the diagonal fallback; the column fallback of
-    the reference is the row-fallback mask transposed (issue 13 item 2, kernels being updated)."""
+    the reference is the row-fallback mask transposed (issue 13 item 2)."""
     world = len(sizes)
     for rc, out in _run_workers(tmp_path, WORKER, world, "1" if symmetric else "0", ",".join(map(str, sizes)),
                                 "tempokern", "1" if paired else "0"):

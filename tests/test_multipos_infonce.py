@@ -138,8 +138,24 @@ def test_opcheck(bias, bounds):
     kb = (None,) * 9 if b is None else tuple(
         x.detach().requires_grad_(x.dtype.is_floating_point and i < 7) for i, x in
         enumerate(bias_kernel_inputs(b, torch.float32)))
-    args = (q, d, *spans, neg, *kb, *extras, 10.0, 0.5, 0.5, 0)
+    row_none = (torch.arange(20) % 3 == 0).to(torch.uint8)  # the optional global row-fallback flags
+    args = (q, d, *spans, neg, *kb, *extras, row_none if bounds else None, 10.0, 0.5, 0.5, 0)
     torch.library.opcheck(torch.ops.tempokern.multipos_infonce, args)
+
+
+@pytest.mark.parametrize("table", [False, True])
+def test_opcheck_blocked(table):
+    # the blocked op (every CUDA call, the table mode on CPU): schema, fake tensor, autograd registration
+    from tempokern._ops.multipos_infonce import _span_bounds
+    from tempokern.reference.offset_bias import offset_bias_table
+    q, d, sp, neg, b = make(20, 6, N=4, bias=table, dtype=torch.float32, seed=2)
+    spans = (*_span_bounds(sp[0]), *_span_bounds(sp[1]))
+    bias = (None,) * 3
+    if table:
+        tab = offset_bias_table(*b[2:], 33).float().detach().requires_grad_()
+        bias = (b[0].detach().requires_grad_(), b[1].detach().requires_grad_(), tab)
+    args = (q, d, *spans, neg, *bias, None, None, None, None, None, 10.0, 0.5, 0.5, 0, True, 0, None)
+    torch.library.opcheck(torch.ops.tempokern.multipos_blocked, args)
 
 
 def forced_b1(b1, kind):

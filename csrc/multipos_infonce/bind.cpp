@@ -34,6 +34,7 @@ MultiposParams make_params(int dtype, const std::vector<int64_t>& sz, const std:
   p.z_lo = static_cast<const double*>(get(m, "z_lo")); p.z_hi = static_cast<const double*>(get(m, "z_hi"));
   p.diag_col = static_cast<const int64_t*>(get(m, "diag_col"));
   p.diag_row = static_cast<const int64_t*>(get(m, "diag_row"));
+  p.row_none = static_cast<const uint8_t*>(get(m, "row_none"));
   p.loss = get_mut(m, "loss"); p.row_stats = get_mut(m, "row_stats"); p.col_stats = get_mut(m, "col_stats");
   p.grad_loss = get(m, "grad_loss");
   p.dq = get_mut(m, "dq"); p.dd = get_mut(m, "dd"); p.dneg = get_mut(m, "dneg"); p.dA = get_mut(m, "dA");

@@ -36,6 +36,9 @@ struct MultiposParams {
   // permuted by the wrapper (it sorts them by u so that tiles span narrow delta ranges).
   const int64_t* diag_col = nullptr;  // (Bq,) row i's fallback column
   const int64_t* diag_row = nullptr;  // (Bd,) column j's fallback row
+  // optional (Bq,) 1 where row i has no overlapping document at all (the caller may see more documents than
+  // this call's Bd: CTDLoss's gathered column pass); null: decided from this call's columns
+  const uint8_t* row_none = nullptr;
 
   // ---- bias, all in the accumulation dtype (float32, float64 for float64) ----
   bool has_bias = false;

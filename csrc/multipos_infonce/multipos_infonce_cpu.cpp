@@ -329,7 +329,7 @@ void Pass<A>::fwd() {
       // ChunQiuTR's d->q positives: the row-fallback mask transposed (so the diagonal when its row had no
       // overlap), then the diagonal for columns still without a positive.
       const int64_t id = dg.row_of(j);
-      const bool rfb = id >= 0 && id < Bq && rs[2 * Bq + id] != A(0);
+      const bool rfb = id >= 0 && id < Bq && (p.row_none ? p.row_none[id] != 0 : rs[2 * Bq + id] != A(0));
       const bool fb = ccnt[j] == 0;
       A lpos = fb ? cdiag[j] : cpm[j] + std::log(cps[j]);
       if (!fb && rfb) {  // overlaps plus the diagonal (never itself an overlap here: its row has none)

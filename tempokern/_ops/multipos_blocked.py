@@ -180,7 +180,7 @@ class _Launcher:
 
 def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact, inv_temp: float,
                  row_weight: float, col_weight: float, diag_offset: int, want_grad: bool,
-                 requested_rows: int = 0) -> List[Optional[torch.Tensor]]:
+                 requested_rows: int = 0, row_none: Optional[torch.Tensor] = None) -> List[Optional[torch.Tensor]]:
     """Loss and (for d loss = 1, when want_grad) the gradients [dq, dd, dneg, du_q, du_d, dtable, dexact...].
 
     q (Bq, H), d (Bd, H), spans as int64 (lo, hi) bounds; bias: the table mode (u_q, u_d, table in the
@@ -200,6 +200,8 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     cols = col_weight != 0.0
     spans = spans32(q_lo, q_hi, d_lo, d_hi)
     flags = none_flags(*spans)
+    if row_none is not None:  # the caller knows more documents than this call's (CTDLoss's gathered column pass)
+        flags = (row_none, flags[1])
 
     def scores(a_rows, b):  # (R, H) x (C, H) -> (R, C)
         if cuda_path and q.device.type == "cpu":
@@ -342,7 +344,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         del E
         keep = None
     if bias_mode == 1:
-        dtable = hist.sum(0)
+        dtable = hist.sum(0).to(acc)  # float64 totals, returned in the table's dtype
         du_d = du_d.to(acc)
     dexact = [None] * 5
     if ex is not None:

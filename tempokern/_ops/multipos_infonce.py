@@ -38,10 +38,10 @@ def _kernel_operand(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 
 
 def _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi,
-                 diag_col, diag_row):
+                 diag_col, diag_row, row_none=None):
     return {k: ptr(v) for k, v in dict(q=q, d=d, neg=extra_neg, q_lo=q_lo, q_hi=q_hi, d_lo=d_lo, d_hi=d_hi, A=A,
                                         Ct=Ct, b1=b1, w2=w2, b2=b2, scale=scale, zc=zc, u_q=u_q, u_d=u_d, z_lo=z_lo,
-                                        z_hi=z_hi, diag_col=diag_col, diag_row=diag_row).items()
+                                        z_hi=z_hi, diag_col=diag_col, diag_row=diag_row, row_none=row_none).items()
             if v is not None}
 
 
@@ -61,7 +61,7 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
               b2: Optional[torch.Tensor], scale: Optional[torch.Tensor], zc: Optional[torch.Tensor],
               u_q: Optional[torch.Tensor], u_d: Optional[torch.Tensor], z_lo: Optional[torch.Tensor],
               z_hi: Optional[torch.Tensor], diag_col: Optional[torch.Tensor], diag_row: Optional[torch.Tensor],
-              inv_temp: float, row_weight: float, col_weight: float,
+              row_none: Optional[torch.Tensor], inv_temp: float, row_weight: float, col_weight: float,
               diag_offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     acc = _acc(q.dtype)
     q, d = _kernel_operand(q, acc), _kernel_operand(d, acc)
@@ -72,7 +72,7 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
     col_stats = torch.zeros(3, d.shape[0], dtype=acc, device=q.device)
     dev, stream = launch_args(q)
     ptrs = _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi,
-                        diag_col, diag_row)
+                        diag_col, diag_row, row_none)
     ptrs.update(loss=ptr(loss), row_stats=ptr(row_stats), col_stats=ptr(col_stats))
     sizes = _sizes(q, d, extra_neg, A, diag_offset, z_lo)
     scalars = [inv_temp, row_weight, col_weight]
@@ -82,7 +82,7 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
 
 @_multipos.register_fake
 def _(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi, diag_col,
-      diag_row, inv_temp, row_weight, col_weight, diag_offset):
+      diag_row, row_none, inv_temp, row_weight, col_weight, diag_offset):
     acc = _acc(q.dtype)
     return (q.new_empty((), dtype=acc), q.new_empty((3, q.shape[0]), dtype=acc),
             q.new_empty((3, d.shape[0]), dtype=acc))
@@ -96,8 +96,8 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
                        b2: Optional[torch.Tensor], scale: Optional[torch.Tensor], zc: Optional[torch.Tensor],
                        u_q: Optional[torch.Tensor], u_d: Optional[torch.Tensor], z_lo: Optional[torch.Tensor],
                        z_hi: Optional[torch.Tensor], diag_col: Optional[torch.Tensor],
-                       diag_row: Optional[torch.Tensor], inv_temp: float, row_weight: float, col_weight: float,
-                       diag_offset: int) -> List[torch.Tensor]:
+                       diag_row: Optional[torch.Tensor], row_none: Optional[torch.Tensor], inv_temp: float,
+                       row_weight: float, col_weight: float, diag_offset: int) -> List[torch.Tensor]:
     acc = _acc(q.dtype)
     in_dtypes = (q.dtype, d.dtype, None if extra_neg is None else extra_neg.dtype)
     q, d = _kernel_operand(q, acc), _kernel_operand(d, acc)
@@ -112,7 +112,7 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
                  dw2=zeros(w2), db2=zeros(b2), dscale=zeros(scale), dzc=zeros(zc))
     dev, stream = launch_args(q)
     ptrs = _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi,
-                        diag_col, diag_row)
+                        diag_col, diag_row, row_none)
     # held in locals: a temporary .contiguous() copy would be freed before the (asynchronous) kernel reads it
     row_stats, col_stats = row_stats.contiguous(), col_stats.contiguous()
     ptrs.update(row_stats=ptr(row_stats), col_stats=ptr(col_stats),
@@ -134,7 +134,7 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
 
 @_multipos_backward.register_fake
 def _(grad, row_stats, col_stats, q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d,
-      z_lo, z_hi, diag_col, diag_row, inv_temp, row_weight, col_weight, diag_offset):
+      z_lo, z_hi, diag_col, diag_row, row_none, inv_temp, row_weight, col_weight, diag_offset):
     acc = _acc(q.dtype)
     out = [torch.empty_like(q, memory_format=torch.contiguous_format),
            torch.empty_like(d, memory_format=torch.contiguous_format)]
@@ -145,7 +145,7 @@ def _(grad, row_stats, col_stats, q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct
     return out
 
 
-_NTENSORS = 20  # tensor inputs of the op (the rest are scalars)
+_NTENSORS = 21  # tensor inputs of the op (the rest are scalars)
 _DIFF_INPUTS = {0: 0, 1: 1, 6: 2, 7: 3, 8: 4, 9: 5, 10: 6, 11: 7, 12: 8, 13: 9}  # input index -> grad index
 
 
@@ -179,10 +179,10 @@ _BLOCKED_GRAD_OF = {0: 1, 1: 2, 6: 3, 7: 4, 8: 5, 9: 6, 10: 7, 11: 8, 12: 9, 13:
 
 
 def _blocked_impl(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, w1, b1, w2, b2, scale, inv_temp,
-                  row_weight, col_weight, diag_offset, want_grad, block_rows) -> List[torch.Tensor]:
+                  row_weight, col_weight, diag_offset, want_grad, block_rows, row_none) -> List[torch.Tensor]:
     exact = None if w1 is None else (w1, b1, w2, b2, scale)
     out = blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact, inv_temp, row_weight,
-                       col_weight, diag_offset, want_grad, block_rows)
+                       col_weight, diag_offset, want_grad, block_rows, row_none)
     acc = _acc(q.dtype)
     return [t if t is not None else q.new_empty(0, dtype=acc) for t in out]
 
@@ -193,14 +193,15 @@ def _multipos_blocked(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi
                       u_d: Optional[torch.Tensor], table: Optional[torch.Tensor], w1: Optional[torch.Tensor],
                       b1: Optional[torch.Tensor], w2: Optional[torch.Tensor], b2: Optional[torch.Tensor],
                       scale: Optional[torch.Tensor], inv_temp: float, row_weight: float, col_weight: float,
-                      diag_offset: int, want_grad: bool, block_rows: int) -> List[torch.Tensor]:
+                      diag_offset: int, want_grad: bool, block_rows: int,
+                      row_none: Optional[torch.Tensor]) -> List[torch.Tensor]:
     return _blocked_impl(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, w1, b1, w2, b2, scale, inv_temp,
-                         row_weight, col_weight, diag_offset, want_grad, block_rows)
+                         row_weight, col_weight, diag_offset, want_grad, block_rows, row_none)
 
 
 @_multipos_blocked.register_fake
 def _(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, w1, b1, w2, b2, scale, inv_temp, row_weight,
-      col_weight, diag_offset, want_grad, block_rows):
+      col_weight, diag_offset, want_grad, block_rows, row_none):
     acc = _acc(q.dtype)
     ins = dict(dq=q, dd=d, dneg=extra_neg, du_q=u_q, du_d=u_d, dtable=table, dw1=w1, db1=b1, dw2=w2, db2=b2,
                dscale=scale)
@@ -227,7 +228,7 @@ def _blocked_backward(ctx, grads):
         raise RuntimeError("multipos_infonce: backward was called, but the forward ran without gradients (no input "
                            "required grad, or grad mode was off); call it again with grad enabled")
     saved = ctx.saved_tensors
-    out = [None] * 21
+    out = [None] * 22
     for i, k in _BLOCKED_GRAD_OF.items():
         meta = ctx.in_meta[i]
         if meta is None or not ctx.needs_input_grad[i]:
@@ -268,7 +269,8 @@ def _needs_grad(*ts) -> bool:
 
 def blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
                      row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0,
-                     bias_table_points: Optional[int] = None, block_rows: int = 0):
+                     bias_table_points: Optional[int] = None, block_rows: int = 0,
+                     row_none: Optional[torch.Tensor] = None):
     """The blocked path on validated inputs (see multipos_blocked.py): every CUDA call, and the table
     mode of the bias on CPU. With ``bias_table_points=N`` the bias MLP is evaluated exactly in float64 at N
     points of [-1, 1] (differentiable torch) and interpolated in the kernels; gradients are exact for the
@@ -289,7 +291,7 @@ def blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=N
         extra_neg = _kernel_operand(extra_neg, extra_neg.dtype)
     want = _needs_grad(q, d, extra_neg, u_q, u_d, table, *exact)
     args = (q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, *exact, 1.0 / temperature, float(row_weight),
-            float(col_weight), int(diag_offset), want, int(block_rows))
+            float(col_weight), int(diag_offset), want, int(block_rows), row_none)
     if _compiling() or not want:
         return torch.ops.tempokern.multipos_blocked(*args)[0]
     return _BlockedEager.apply(*args)[0]
@@ -400,24 +402,30 @@ def check_table_points(points, bias) -> Optional[int]:
 
 def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
                              row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0,
-                             bias_table_points: Optional[int] = None):
+                             bias_table_points: Optional[int] = None, row_none: Optional[torch.Tensor] = None):
     """The kernel entry on validated inputs: q (Bq, H) vs d (Bd, H), spans as int64 (lo, hi) bounds,
     row/column weights (each loss is the mean over its own rows/columns) and the diagonal offset
     (row i's fallback positive is column i + diag_offset). Used by multipos_infonce and CTDLoss.
+    ``row_none`` (Bq,) bool: rows with no overlapping document anywhere (default: none among these d), which
+    decides the column fallback (CTDLoss's gathered column pass sees only the local documents).
     CUDA (and the table mode anywhere) runs the blocked path; CPU without a table the fused tiled kernel."""
+    if row_none is not None:
+        row_none = row_none.to(torch.uint8).contiguous()
     if on_cuda_path(q) or bias_table_points is not None:
         return blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias,
                                 extra_neg=extra_neg, row_weight=row_weight, col_weight=col_weight,
-                                diag_offset=diag_offset, bias_table_points=bias_table_points)
+                                diag_offset=diag_offset, bias_table_points=bias_table_points, row_none=row_none)
     acc = _acc(q.dtype)
     extras = (None,) * 4
     if bias is not None and q.shape[0] and d.shape[0]:
+        if row_none is not None:  # the same stable permutation _sorted_by_u applies to the rows
+            row_none = row_none[torch.argsort(bias[0].detach(), stable=True)].contiguous()
         q, d, q_lo, q_hi, d_lo, d_hi, bias, diag = _sorted_by_u(q, d, q_lo, q_hi, d_lo, d_hi, bias, diag_offset)
         extras = (*interval_bounds(bias[2], bias[3]), *diag)
     kb = (None,) * 9 if bias is None else bias_kernel_inputs(bias, acc)
     loss, _, _ = torch.ops.tempokern.multipos_infonce(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, *kb, *extras,
-                                                      1.0 / temperature, float(row_weight), float(col_weight),
-                                                      int(diag_offset))
+                                                      row_none, 1.0 / temperature, float(row_weight),
+                                                      float(col_weight), int(diag_offset))
     return loss
 
 

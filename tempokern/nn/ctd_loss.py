@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .._ops.common import check_positive
+from .._ops.multipos_blocked import none_flags, spans32
 from .._ops.multipos_infonce import _span_bounds, multipos_infonce, multipos_infonce_partial, validate
 from .._ops.offset_bias import offset_bias as _offset_bias
 from .offset_bias import bias_params
@@ -177,9 +178,12 @@ class CTDLoss(torch.nn.Module):
             return loss
         q_all, q_lo_all, q_hi_all = g(q), g(q_lo), g(q_hi)
         bias_d = None if bias is None else (g(bias[0]), bias[1], *bias[2:])
+        # the column fallback needs to know which queries overlap no document on any rank (ChunQiuTR's d->q mask
+        # is the row-fallback mask transposed): decided here against all documents
+        row_none = none_flags(*spans32(q_lo_all, q_hi_all, d_lo_all, d_hi_all))[0].bool()
         loss_d = multipos_infonce_partial(q_all, d, q_lo_all, q_hi_all, d_lo, d_hi, temperature=self.temperature,
                                           bias=bias_d, extra_neg=None, row_weight=0.0, col_weight=w,
-                                          diag_offset=-start)
+                                          diag_offset=-start, row_none=row_none)
         return loss + loss_d
 
     def _chunqiutr(self, q, d, q_span, d_span, bias, extra_neg, rank, world, group):
