@@ -407,6 +407,85 @@ void lookup(const OffsetBiasParams& p) {
   }
 }
 
+// Training table mode, forward: the lookup with the table in A (exact MLP samples, not rounded to float32).
+template <typename T, typename A>
+void table_fwd(const OffsetBiasParams& p) {
+  const A* uq = static_cast<const A*>(p.u_q);
+  const A* ud = static_cast<const A*>(p.u_d);
+  const A* v = static_cast<const A*>(p.table_a);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < p.Bq; ++i) {
+    T* o = static_cast<T*>(p.out) + i * p.ld_out;
+    const A u = uq[i];
+    for (int64_t j = 0; j < p.Bd; ++j) store(o, j, bias_table_lookup<A>(v, p.points, ud[j] - u));
+  }
+}
+
+// Training table mode, backward: per pair, x = (clamp(diff) + 1) (P - 1) / 2, i0 = clamp(floor(x), 0, P - 2),
+// t = x - i0; dL/dvalues[i0] += g (1 - t), dL/dvalues[i0 + 1] += g t (one double histogram per thread, Python
+// sums the slots); ddelta = g slope where the clamp passes, into d u_d (+) and d u_q (-), summed in double
+// (per-thread column sums reduced in a fixed order: deterministic for a fixed thread count).
+template <typename T, typename A>
+void table_bwd(const OffsetBiasParams& p) {
+  const A* uq = static_cast<const A*>(p.u_q);
+  const A* ud = static_cast<const A*>(p.u_d);
+  const A* v = static_cast<const A*>(p.table_a);
+  A* gq = static_cast<A*>(p.grad_uq);
+  A* gd = static_cast<A*>(p.grad_ud);
+  double* parts = static_cast<double*>(p.partials);
+  const int64_t P = p.points;
+  std::fill(parts, parts + p.nparts * P, 0.0);
+  std::fill(gq, gq + p.Bq, A(0));
+  std::fill(gd, gd + p.Bd, A(0));
+  if (p.Bq == 0 || p.Bd == 0) return;
+  const int nthreads = (int)std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), p.nparts));
+  std::vector<double> gd_thread((size_t)nthreads * p.Bd, 0.0);
+  int used_threads = 1;
+  const A half = A(0.5) * A(P - 1);
+  const T* G = static_cast<const T*>(p.grad_out);
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int t = omp_get_thread_num();
+#pragma omp single
+    used_threads = omp_get_num_threads();
+    double* hist = parts + (size_t)t * P;
+    double* gdt = gd_thread.data() + (size_t)t * p.Bd;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < p.Bq; ++i) {
+      const A u = uq[i];
+      const T* Gi = G + i * p.ld_grad;
+      double row = 0.0;
+      for (int64_t j = 0; j < p.Bd; ++j) {
+        const A diff = ud[j] - u;
+        const A g = load(Gi, j * p.ld_grad_col);
+        const A x = (bias_clamp(diff) + A(1)) * half;
+        if (!(x == x)) {  // NaN position: NaN gradients for u, nothing binned (the reference's index is undefined)
+          row += (double)x;
+          gdt[j] += (double)x;
+          continue;
+        }
+        int64_t i0 = (int64_t)std::floor(x);
+        i0 = i0 < 0 ? 0 : (i0 > P - 2 ? P - 2 : i0);
+        const A tt = x - A(i0);
+        hist[i0] += (double)(g * (A(1) - tt));
+        hist[i0 + 1] += (double)(g * tt);
+        if (bias_passes(diff)) {
+          const A dd = g * ((v[i0 + 1] - v[i0]) * half);
+          row -= (double)dd;
+          gdt[j] += (double)dd;
+        }
+      }
+      gq[i] = (A)row;
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < p.Bd; ++j) {
+    double s = 0;
+    for (int t = 0; t < used_threads; ++t) s += gd_thread[(size_t)t * p.Bd + j];
+    gd[j] = (A)s;
+  }
+}
+
 template <template <typename, typename> class Fn>
 void dispatch(const OffsetBiasParams& p) {
   dispatch_float(p.dtype, [&](auto t) {
@@ -417,11 +496,15 @@ void dispatch(const OffsetBiasParams& p) {
 template <typename T, typename A> struct FwdFn { static void run(const OffsetBiasParams& p) { fwd<T, A>(p); } };
 template <typename T, typename A> struct BwdFn { static void run(const OffsetBiasParams& p) { bwd<T, A>(p); } };
 template <typename T, typename A> struct LookupFn { static void run(const OffsetBiasParams& p) { lookup<T, A>(p); } };
+template <typename T, typename A> struct TableFwdFn { static void run(const OffsetBiasParams& p) { table_fwd<T, A>(p); } };
+template <typename T, typename A> struct TableBwdFn { static void run(const OffsetBiasParams& p) { table_bwd<T, A>(p); } };
 
 }  // namespace
 
 void offset_bias_fwd_cpu(const OffsetBiasParams& p) { dispatch<FwdFn>(p); }
 void offset_bias_bwd_cpu(const OffsetBiasParams& p) { dispatch<BwdFn>(p); }
 void offset_bias_lookup_cpu(const OffsetBiasParams& p) { dispatch<LookupFn>(p); }
+void offset_bias_table_fwd_cpu(const OffsetBiasParams& p) { dispatch<TableFwdFn>(p); }
+void offset_bias_table_bwd_cpu(const OffsetBiasParams& p) { dispatch<TableBwdFn>(p); }
 
 }  // namespace tk

@@ -220,14 +220,147 @@ __global__ void bwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
   }
 }
 
-template <typename S, typename A>
-__global__ void lookup_kernel(OffsetBiasParams p) {
+template <typename S, typename A, typename V>
+__global__ void lookup_kernel(OffsetBiasParams p, const V* table) {
   const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.Bd) return;
   const A ud = static_cast<const A*>(p.u_d)[j];
   for (int64_t i = blockIdx.y; i < p.Bq; i += gridDim.y) {
     const A uq = static_cast<const A*>(p.u_q)[i];
-    static_cast<S*>(p.out)[i * p.ld_out + j] = from_acc<S>(bias_table_lookup<A>(p.table, p.points, ud - uq));
+    static_cast<S*>(p.out)[i * p.ld_out + j] = from_acc<S>(bias_table_lookup<A>(table, p.points, ud - uq));
+  }
+}
+
+// ---- training table mode: backward ---------------------------------------------------------------------
+// One CTA of kTableTileCols threads per tile of kTableTileRows x kTableTileCols pairs (thread = document),
+// grid-striding over tiles; grid = nparts CTAs (Python: min(tiles, 2 x SMs)), each owning one float64
+// slot of `points` bins in p.partials. Per tile: the bins its pairs can touch follow from the tile's u ranges
+// (the bin is monotone in u_d - u_q); they are covered by windows of kHistBins bins, each a float64
+// shared-memory histogram. A thread walks its column down the tile's rows and sums consecutive pairs that
+// fall in the same bin in registers (A; clamped pairs and clustered positions make long runs), then adds
+// each run to the histogram (shared atomics, float64: a tile can pile 16k pairs into one bin); each window
+// is added once per bin into the CTA's float64 slot (no global atomics: the slot is the CTA's own).
+// d u_d: per-thread register sums over the tile's rows -> colpart[row tile][j]; d u_q: warp sums per row,
+// then the 8 warps in a fixed order -> rowpart[column tile][i]. Python sums both partial arrays in float64.
+constexpr int kHistBins = 5120;  // 40 KB of double: N = 4097 fits one window
+
+template <typename A>
+__device__ __forceinline__ A block_reduce_minmax(A v, bool want_max, A* scratch) {
+  // scratch: >= 32 values; every thread of the block calls this (block-uniform)
+  for (int o = 16; o > 0; o >>= 1) {
+    const A w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = want_max ? (w > v ? w : v) : (w < v ? w : v);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  A r = scratch[0];
+  for (int w = 1; w < nw; ++w) r = want_max ? (scratch[w] > r ? scratch[w] : r) : (scratch[w] < r ? scratch[w] : r);
+  return r;
+}
+
+template <typename A>
+__device__ __forceinline__ int64_t table_bin(A diff, A half, int64_t P) {
+  const A x = (bias_clamp(diff) + A(1)) * half;
+  int64_t i0 = (int64_t)bias_floor(x);
+  return i0 < 0 ? 0 : (i0 > P - 2 ? P - 2 : i0);
+}
+
+// Adds a run (bin b: a0, bin b + 1: a1) to the window [w0, w0 + kHistBins) of the histogram.
+template <typename A>
+__device__ __forceinline__ void table_flush_run(double* hist, int64_t b, int64_t w0, A a0, A a1) {
+  if (b < 0) return;
+  const int64_t k = b - w0;
+  if (k >= 0 && k < kHistBins) atomicAdd(&hist[k], (double)a0);
+  if (k + 1 >= 0 && k + 1 < kHistBins) atomicAdd(&hist[k + 1], (double)a1);
+}
+
+template <typename S, typename A>
+__global__ void __launch_bounds__(kTableTileCols) table_bwd_kernel(OffsetBiasParams p, int64_t n_ct, int64_t ntiles) {
+  constexpr int TR = kTableTileRows, NW = kTableTileCols / 32;
+  __shared__ double hist[kHistBins];
+  __shared__ A rowacc[NW][TR];
+  __shared__ A suq[TR];
+  __shared__ A scratch[32];
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int64_t P = p.points;
+  const A half = A(0.5) * A(P - 1);
+  const A* v = static_cast<const A*>(p.table_a);
+  const A* uqp = static_cast<const A*>(p.u_q);
+  const S* G = static_cast<const S*>(p.grad_out);
+  A* rowpart = static_cast<A*>(p.grad_uq);
+  A* colpart = static_cast<A*>(p.grad_ud);
+  double* slot = static_cast<double*>(p.partials) + (int64_t)blockIdx.x * P;
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const int64_t rt = tile / n_ct, ct = tile % n_ct;
+    const int64_t i0 = rt * TR, j = ct * kTableTileCols + t;
+    const int nrows = (int)(p.Bq - i0 < TR ? p.Bq - i0 : TR);
+    const bool jv = j < p.Bd;
+    const A ud = jv ? static_cast<const A*>(p.u_d)[j] : A(0);
+    if (t < nrows) suq[t] = uqp[i0 + t];
+    __syncthreads();
+    // the tile's bin range [blo, bhi + 1]; a NaN anywhere makes it the whole table
+    const A uq_mine = t < nrows ? suq[t] : suq[0];
+    const A udmin = block_reduce_minmax<A>(jv ? ud : A(INFINITY), false, scratch);
+    const A udmax = block_reduce_minmax<A>(jv ? ud : A(-INFINITY), true, scratch);
+    const A uqmin = block_reduce_minmax<A>(uq_mine, false, scratch);
+    const A uqmax = block_reduce_minmax<A>(uq_mine, true, scratch);
+    const A dlo = udmin - uqmax, dhi = udmax - uqmin;
+    int64_t blo = 0, bhi = P - 2;
+    if (dlo == dlo && dhi == dhi) {
+      blo = table_bin(dlo, half, P);
+      bhi = table_bin(dhi, half, P);
+    }
+    A colsum = 0;
+    bool first = true;
+    for (int64_t w0 = blo; w0 <= bhi + 1; w0 += kHistBins) {
+      for (int b = t; b < kHistBins; b += blockDim.x) hist[b] = 0.0;
+      __syncthreads();
+      int64_t rb = -1;  // the current run: bin rb gets ra0, bin rb + 1 gets ra1
+      A ra0 = 0, ra1 = 0;
+      for (int r = 0; r < nrows; ++r) {  // block-uniform bound
+        A dd = 0;
+        if (jv) {
+          const A diff = ud - suq[r];
+          const A g = to_acc(G[(i0 + r) * p.ld_grad + j * p.ld_grad_col]);
+          const A x = (bias_clamp(diff) + A(1)) * half;
+          if (x == x) {
+            int64_t b = (int64_t)bias_floor(x);
+            b = b < 0 ? 0 : (b > P - 2 ? P - 2 : b);
+            const A tt = x - A(b);
+            if (b != rb) {
+              table_flush_run(hist, rb, w0, ra0, ra1);
+              rb = b;
+              ra0 = ra1 = A(0);
+            }
+            ra0 += g * (A(1) - tt);
+            ra1 += g * tt;
+            if (first && bias_passes(diff)) dd = g * ((v[b + 1] - v[b]) * half);
+          } else {
+            dd = x;  // NaN position: NaN gradients for u, nothing binned
+          }
+        }
+        if (first) {
+          colsum += dd;
+          const A rs = warp_sum(dd);
+          if (lane == 0) rowacc[warp][r] = rs;
+        }
+      }
+      table_flush_run(hist, rb, w0, ra0, ra1);
+      __syncthreads();
+      const int64_t nb = P - w0 < kHistBins ? P - w0 : kHistBins;
+      for (int64_t b = t; b < nb; b += blockDim.x)
+        if (hist[b] != 0.0) slot[w0 + b] += hist[b];
+      if (first && t < nrows) {
+        A s = 0;
+        for (int w = 0; w < NW; ++w) s += rowacc[w][t];
+        rowpart[ct * p.Bq + i0 + t] = -s;
+      }
+      first = false;
+      __syncthreads();
+    }
+    if (jv) colpart[rt * p.Bd + j] = colsum;
   }
 }
 
@@ -260,10 +393,24 @@ template <typename S, typename A>
 void launch(const OffsetBiasParams& p, int device, uintptr_t stream, int which) {
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   const int64_t gx = (p.Bd + kCols - 1) / kCols;
-  if (which == 2) {
+  if (which == 2 || which == 3) {  // lookup (float32 BiasTable) / table-mode forward (table in A)
     if (p.Bq == 0 || p.Bd == 0) return;
     const dim3 grid((unsigned)((p.Bd + 127) / 128), (unsigned)std::min<int64_t>(p.Bq, 65535));
-    lookup_kernel<S, A><<<grid, 128, 0, st>>>(p);
+    if (which == 2)
+      lookup_kernel<S, A, float><<<grid, 128, 0, st>>>(p, p.table);
+    else
+      lookup_kernel<S, A, A><<<grid, 128, 0, st>>>(p, static_cast<const A*>(p.table_a));
+    check_launch();
+    return;
+  }
+  if (which == 4) {  // table-mode backward; partial layouts in offset_bias.h
+    TK_CUDA_CHECK(cudaMemsetAsync(p.partials, 0, sizeof(double) * p.points * p.nparts, st));
+    if (p.Bq == 0 || p.Bd == 0) return;
+    const int64_t n_ct = (p.Bd + kTableTileCols - 1) / kTableTileCols;
+    const int64_t n_rt = (p.Bq + kTableTileRows - 1) / kTableTileRows;
+    const int64_t ntiles = n_ct * n_rt;
+    const int64_t grid = std::min<int64_t>(std::min<int64_t>(p.nparts, ntiles), 1 << 30);
+    table_bwd_kernel<S, A><<<(unsigned)grid, kTableTileCols, 0, st>>>(p, n_ct, ntiles);
     check_launch();
     return;
   }
@@ -322,5 +469,7 @@ void run(const OffsetBiasParams& p, int device, uintptr_t stream, int which) {
 void offset_bias_fwd_cuda(const OffsetBiasParams& p, int device, uintptr_t stream) { run(p, device, stream, 0); }
 void offset_bias_bwd_cuda(const OffsetBiasParams& p, int device, uintptr_t stream) { run(p, device, stream, 1); }
 void offset_bias_lookup_cuda(const OffsetBiasParams& p, int device, uintptr_t stream) { run(p, device, stream, 2); }
+void offset_bias_table_fwd_cuda(const OffsetBiasParams& p, int device, uintptr_t stream) { run(p, device, stream, 3); }
+void offset_bias_table_bwd_cuda(const OffsetBiasParams& p, int device, uintptr_t stream) { run(p, device, stream, 4); }
 
 }  // namespace tk

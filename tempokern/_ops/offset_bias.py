@@ -8,11 +8,21 @@ from typing import List, Tuple
 
 import torch
 
-from ..reference.offset_bias import bias_frequencies, offset_features
+from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
 from .common import (check_finite, check_same_device, check_tensor, dtype_code, kernels, launch_args,
                      on_cuda_path, ptr, sm_count)
 
+# Module-level caches, bounded (issue 13 item 20): the frequency vectors per (D, dtype, device) and the
+# classification grids per D. At most _CACHE_MAX entries each; the oldest entry goes first.
+_CACHE_MAX = 16
 _freqs: dict = {}
+
+
+def _cache_put(cache: dict, key, value):
+    while len(cache) >= _CACHE_MAX:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -30,7 +40,7 @@ def _frequencies(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     key = (D, dtype, str(device))
     f = _freqs.get(key)
     if f is None:
-        f = _freqs[key] = bias_frequencies(D, dtype, device).contiguous()
+        f = _cache_put(_freqs, key, bias_frequencies(D, dtype, device).contiguous())
     return f
 
 
@@ -57,7 +67,7 @@ def _grid(D: int):
         f = bias_frequencies(D, torch.float64)
         fsq = torch.cat([f * f, f * f])[:D]
         fsq = torch.cat([fsq, fsq.new_zeros(D - fsq.numel())])
-        g = _grids[D] = (offset_features(d, D), fsq)
+        g = _cache_put(_grids, D, (offset_features(d, D), fsq))
     return g
 
 
@@ -222,15 +232,105 @@ def _validate(u_q, u_d, w1, b1, w2, b2, scale) -> None:
         check_finite(name, t)
 
 
+def check_table_points(name: str, points) -> int:
+    """A table size: an int >= 2 (bools rejected)."""
+    if isinstance(points, bool) or not isinstance(points, int):
+        raise TypeError(f"{name} must be an int (or None), got {type(points).__name__}")
+    if points < 2:
+        raise ValueError(f"{name} must be >= 2, got {points}")
+    return points
+
+
 def offset_bias(u_q: torch.Tensor, u_d: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
-                b2: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+                b2: torch.Tensor, scale: torch.Tensor, table_points=None) -> torch.Tensor:
     """Relative-offset bias (Bq, Bd): scale * (w2 . relu(w1 phi(clamp(u_d[j] - u_q[i], -1, 1)) + b1) + b2).
 
     u_q (Bq,), u_d (Bd,), w1 (hidden, D), b1 (hidden,), w2 (1, hidden), b2 (1,), scale 0-d; phi as in
     :func:`tempokern.reference.offset_bias`. Output in the promoted dtype of the inputs (float32
-    accumulation, float64 for float64); differentiable in all seven inputs. Memory O(Bq*Bd + B*D)."""
+    accumulation, float64 for float64); differentiable in all seven inputs. Memory O(Bq*Bd + B*D).
+
+    ``table_points=N`` (an int >= 2) is the training table mode: the MLP is evaluated exactly in float64 at
+    the N grid points delta_p = -1 + 2p/(N-1) (:func:`tempokern.reference.offset_bias_table`, differentiable
+    torch), and the kernels interpolate linearly between them; gradients are exact for that interpolated
+    function (spec: :func:`tempokern.reference.offset_bias_tabulated`) and reach all seven inputs. The output
+    then has the promoted dtype of u_q and u_d (like the lookup). Extra memory O(N x 2 SMs) float64 on CUDA."""
     _validate(u_q, u_d, w1, b1, w2, b2, scale)
-    return torch.ops.tempokern.offset_bias(u_q, u_d, w1, b1, w2, b2, scale)
+    if table_points is None:
+        return torch.ops.tempokern.offset_bias(u_q, u_d, w1, b1, w2, b2, scale)
+    N = check_table_points("table_points", table_points)
+    return torch.ops.tempokern.offset_bias_interp(u_q, u_d, offset_bias_table(w1, b1, w2, b2, scale, N))
+
+
+# ---- training table mode: interpolation of a differentiable table -----------------------------------
+
+def _table_parts(device: torch.device, Bq: int, Bd: int):
+    """(rparts, cparts, nparts): rows of the d u_q / d u_d partial arrays and histogram slots of the table
+    backward (CUDA: one per column / row tile and one per CTA, grid = min(tiles, 2 x SMs); CPU: 1, 1, threads)."""
+    if on_cuda_path(device):
+        n_ct, n_rt = -(-Bd // _TABLE_TILE_COLS), -(-Bq // _TABLE_TILE_ROWS)
+        return n_ct, n_rt, max(1, min(n_ct * n_rt, 2 * sm_count(device)))
+    return 1, 1, max(1, min(64, os.cpu_count() or 1))
+
+
+_TABLE_TILE_ROWS, _TABLE_TILE_COLS = 64, 256  # csrc/offset_bias/offset_bias.h kTableTile{Rows,Cols}
+
+
+@torch.library.custom_op("tempokern::offset_bias_interp", mutates_args=())
+def _offset_bias_interp(u_q: torch.Tensor, u_d: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    out_dt = torch.promote_types(u_q.dtype, u_d.dtype)
+    acc = _acc(out_dt)
+    Bq, Bd = u_q.shape[0], u_d.shape[0]
+    out = torch.empty(Bq, Bd, dtype=out_dt, device=u_q.device)
+    if Bq == 0 or Bd == 0:
+        return out
+    uq, ud, v = u_q.to(acc).contiguous(), u_d.to(acc).contiguous(), values.to(acc).contiguous()
+    dev, stream = launch_args(u_q)
+    kernels().offset_bias_launch("tfwd", dev, stream, dtype_code(out), Bq, Bd, 0, 0, ptr(uq), ptr(ud), 0, 0, 0, 0, 0,
+                                 0, 0, ptr(out), out.stride(0), 0, 0, 1, 0, 0, 0, 0, ptr(v), v.numel(), 0)
+    return out
+
+
+@_offset_bias_interp.register_fake
+def _(u_q, u_d, values):
+    return u_q.new_empty(u_q.shape[0], u_d.shape[0], dtype=torch.promote_types(u_q.dtype, u_d.dtype))
+
+
+@torch.library.custom_op("tempokern::offset_bias_interp_backward", mutates_args=())
+def _offset_bias_interp_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tensor,
+                                 values: torch.Tensor) -> List[torch.Tensor]:
+    out_dt = torch.promote_types(u_q.dtype, u_d.dtype)
+    acc = _acc(out_dt)
+    Bq, Bd, N = u_q.shape[0], u_d.shape[0], values.shape[0]
+    dev_t = u_q.device
+    if Bq == 0 or Bd == 0:
+        return [torch.zeros_like(u_q), torch.zeros_like(u_d), torch.zeros_like(values)]
+    uq, ud, v = u_q.to(acc).contiguous(), u_d.to(acc).contiguous(), values.to(acc).contiguous()
+    grad = grad.to(out_dt)
+    rparts, cparts, nparts = _table_parts(dev_t, Bq, Bd)
+    g_uq = torch.empty(rparts, Bq, dtype=acc, device=dev_t)
+    g_ud = torch.empty(cparts, Bd, dtype=acc, device=dev_t)
+    hist = torch.empty(nparts, N, dtype=torch.float64, device=dev_t)
+    dev, stream = launch_args(u_q)
+    kernels().offset_bias_launch("tbwd", dev, stream, dtype_code(grad), Bq, Bd, 0, 0, ptr(uq), ptr(ud), 0, 0, 0, 0, 0,
+                                 0, 0, 0, 0, ptr(grad), grad.stride(0), grad.stride(1), ptr(g_uq), ptr(g_ud),
+                                 ptr(hist), nparts, ptr(v), N, 0)
+    return [g_uq.double().sum(0).to(u_q.dtype), g_ud.double().sum(0).to(u_d.dtype), hist.sum(0).to(values.dtype)]
+
+
+@_offset_bias_interp_backward.register_fake
+def _(grad, u_q, u_d, values):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (u_q, u_d, values)]
+
+
+def _interp_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _interp_backward(ctx, grad):
+    return tuple(torch.ops.tempokern.offset_bias_interp_backward(grad, *ctx.saved_tensors))
+
+
+_offset_bias_interp.register_autograd(_interp_backward, setup_context=_interp_setup)
 
 
 # ---- table lookup (inference) ----------------------------------------------------------------------
