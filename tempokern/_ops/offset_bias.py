@@ -110,8 +110,10 @@ def _prepared(u_q, u_d, w1, b1, w2, b2, scale):
         if bool(on.any()) or bool(off.any()):
             mix = (~on & ~off).nonzero().flatten()
             on_idx = on.nonzero().flatten()
-            lin_w = (w2a[on_idx, None] * w1a[on_idx]).sum(0, keepdim=True)
-            lin_b = (w2a[on_idx] * b1a[on_idx]).sum().reshape(1)
+            # merged in float64, rounded once (float32 calls: a float32 sum of products here would put one
+            # correlated rounding error into every pair's y)
+            lin_w = (w2a[on_idx, None].double() * w1a[on_idx].double()).sum(0, keepdim=True).to(acc)
+            lin_b = (w2a[on_idx].double() * b1a[on_idx].double()).sum().reshape(1).to(acc)
             kw1 = torch.cat([lin_w, w1a[mix]]).contiguous()
             kb1 = torch.cat([lin_b, b1a[mix]]).contiguous()
             kw2 = torch.cat([w2a.new_ones(1), w2a[mix]]).contiguous()
