@@ -45,11 +45,13 @@ def _frequencies(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 
 def _num_parts(device: torch.device, Bq: int, Bd: int) -> int:
-    """Partial-sum slots of the backward reduction: one per CPU thread, one per CUDA block."""
-    if on_cuda_path(device):  # grid: ceil(Bd / 32) column blocks x gy row groups (csrc/offset_bias/*.cu)
+    """Partial-sum slots of the backward reduction: one per CPU thread, one per CUDA block. CUDA grid (both
+    directions): gx = ceil(Bd / 32) column blocks x gy row groups with gx * gy >= 8 x SMs where the batch has
+    the rows (csrc/offset_bias/offset_bias_cuda.cu); the forward takes gy from this too."""
+    if on_cuda_path(device):
         gx = max(1, -(-Bd // 32))
         sms = sm_count(device)
-        return gx * max(1, min(-(-Bq // 8), -(-8 * sms // gx)))
+        return gx * max(1, min(-(-Bq // 8), -(-8 * sms // gx), 65535))
     return max(64, os.cpu_count() or 1)
 
 
@@ -135,9 +137,10 @@ def _offset_bias(u_q: torch.Tensor, u_d: torch.Tensor, w1: torch.Tensor, b1: tor
         return out
     uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, _, _ = _prepared(u_q, u_d, w1, b1, w2, b2, scale)
     dev, stream = launch_args(u_q)
+    nparts = _num_parts(u_q.device, Bq, Bd) if on_cuda_path(u_q) else 0  # CUDA: sets the grid
     kernels().offset_bias_launch("fwd", dev, stream, dtype_code(out), Bq, Bd, D, kw1.shape[0], ptr(uq), ptr(ud), ptr(f),
                           ptr(kw1), kw1.stride(0), ptr(kb1), ptr(kw2), ptr(b2a), ptr(sa), ptr(out), out.stride(0),
-                          0, 0, 1, 0, 0, 0, 0, 0, 0, nlin)
+                          0, 0, 1, 0, 0, 0, nparts, 0, 0, nlin)
     return out
 
 
@@ -162,14 +165,21 @@ def _offset_bias_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tens
     nparts = _num_parts(u_q.device, Bq, Bd)
     kh = kw1.shape[0]
     psz = kh * (D + 1) + 2
-    g_uq = torch.empty(Bq, dtype=acc, device=u_q.device)
-    g_ud = torch.empty(Bd, dtype=acc, device=u_q.device)
-    parts = torch.empty(nparts, psz, dtype=acc, device=u_q.device)
+    if on_cuda_path(u_q):  # per-block partials: d u_q (gx, Bq) in acc, d u_d (gy, Bd) and slots in float64
+        gx = max(1, -(-Bd // 32))
+        g_uq = torch.empty(gx, Bq, dtype=acc, device=u_q.device)
+        g_ud = torch.empty(nparts // gx, Bd, dtype=torch.float64, device=u_q.device)
+        parts = torch.empty(nparts, psz, dtype=torch.float64, device=u_q.device)
+    else:
+        g_uq = torch.empty(1, Bq, dtype=acc, device=u_q.device)
+        g_ud = torch.empty(1, Bd, dtype=acc, device=u_q.device)
+        parts = torch.empty(nparts, psz, dtype=acc, device=u_q.device)
     kernels().offset_bias_launch("bwd", dev, stream, dtype_code(grad), Bq, Bd, D, kh, ptr(uq), ptr(ud), ptr(f),
                           ptr(kw1), kw1.stride(0), ptr(kb1), ptr(kw2), ptr(b2a), ptr(sa), 0, 0,
                           ptr(grad), grad.stride(0), grad.stride(1), ptr(g_uq), ptr(g_ud), ptr(parts), nparts, 0, 0,
                           nlin)
-    tot = parts.sum(0)
+    tot = parts.double().sum(0)
+    g_uq, g_ud = g_uq.double().sum(0), g_ud.double().sum(0)
     s1, s0 = tot[-2], tot[-1]
     Rk = tot[:kh * (D + 1)].view(kh, D + 1)
     if mapping is None:
@@ -180,11 +190,12 @@ def _offset_bias_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tens
         R[on_idx] = Rk[0]
         R[mix] = Rk[1:]
     # Weight gradients from R = sum_pairs M phi (see csrc/offset_bias/bias_math.h).
-    g_w1 = w2a[:, None] * R[:, :D]
-    g_b1 = w2a * R[:, D]
-    g_w2 = b1a * R[:, D] + (w1a * R[:, :D]).sum(1)
-    g_scale = s1 + b2a[0] * s0
-    g_b2 = sa[0] * s0
+    w2d, b1d, w1d = w2a.double(), b1a.double(), w1a.double()  # the last products in float64 too
+    g_w1 = w2d[:, None] * R[:, :D]
+    g_b1 = w2d * R[:, D]
+    g_w2 = b1d * R[:, D] + (w1d * R[:, :D]).sum(1)
+    g_scale = s1 + b2a[0].double() * s0
+    g_b2 = sa[0].double() * s0
     return [g_uq.to(u_q.dtype), g_ud.to(u_d.dtype), g_w1.to(w1.dtype), g_b1.to(b1.dtype).reshape(b1.shape),
             g_w2.to(w2.dtype).reshape(w2.shape), g_b2.to(b2.dtype).reshape(b2.shape),
             g_scale.to(scale.dtype).reshape(scale.shape)]
