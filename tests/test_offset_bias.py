@@ -574,3 +574,89 @@ def test_cuda_table_mode_long_sums_and_partials(gpu, monkeypatch):
     torch.testing.assert_close(out, cout, rtol=1e-12, atol=1e-12)
     for a, b in zip(grads, cgrads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+# ---- float32 accuracy of the reduced gradients (issue 14 item 5): long sums, tight bound ----------------
+
+def assert_reduced_grads_within_twice_torch(xs):
+    """d u_q / d u_d / w1 / b1 / w2 / b2 no further from float64 than twice plain torch float32, plus only
+    4 float32 ulps of the tensor's scale (no sqrt(pairs) slack). The output and d scale = sum G y inherit
+    every pair's forward rounding (a random walk whose size varies between implementations of equal per-pair
+    accuracy), so those two keep the sqrt(pairs) slack of assert_float32_within_twice_torch."""
+    Bq, Bd = xs[0].shape[0], xs[1].shape[0]
+    G = torch.randn(Bq, Bd, generator=torch.Generator().manual_seed(1)).to(xs[0].device)
+    x64 = [x.detach().double().requires_grad_() for x in xs]
+    r_out, r_grads = run(ref.offset_bias, x64, G.double())
+    p_out, p_grads = run(ref.offset_bias, xs, G)
+    f_out, f_grads = run(tempokern.offset_bias, xs, G)
+    slack = (Bq * Bd) ** 0.5 * torch.finfo(torch.float32).eps
+    for name, f, p, r in zip(("out",) + NAMES, (f_out,) + f_grads, (p_out,) + p_grads, (r_out,) + r_grads):
+        s = max(1.0, float(r.detach().abs().max()))
+        extra = (slack if name in ("out", "scale") else 4 * torch.finfo(torch.float32).eps) * s
+        assert _max_err(f, r) <= 2 * _max_err(p, r) + extra, (name, _max_err(f, r) / s, _max_err(p, r) / s)
+
+
+@pytest.mark.parametrize("Bq,Bd", [(8, 3000), (3000, 8)])
+def test_float32_reduced_gradients_long_sums(Bq, Bd):
+    assert_reduced_grads_within_twice_torch(make(Bq, Bd, 32, 32, torch.float32, seed=Bq))
+
+
+@pytest.mark.parametrize("Bq,Bd", [(8, 3000), (3000, 8)])
+def test_cuda_float32_reduced_gradients_long_sums(gpu, monkeypatch, Bq, Bd):
+    import tempokern._ops.offset_bias as ob
+    monkeypatch.setattr(ob, "sm_count", lambda device: 58)
+    assert_reduced_grads_within_twice_torch(make(Bq, Bd, 32, 32, torch.float32, device=gpu, seed=Bq))
+
+
+@pytest.mark.parametrize("sms", [132, 108, 58, 1])
+def test_cuda_grid_sizes(gpu, monkeypatch, sms):
+    """The exact kernels at the grids of an H100, A100, L4 (and one SM: a few blocks walking many rows)."""
+    import tempokern._ops.offset_bias as ob
+    monkeypatch.setattr(ob, "sm_count", lambda device: sms)
+    nparts = ob._num_parts(gpu, 300, 77)
+    gx = 3
+    assert nparts % gx == 0 and nparts // gx == max(1, min(-(-300 // 8), -(-8 * sms // gx)))
+    assert_parity(make(300, 77, 7, 5, lo=-2, hi=3, device=gpu, seed=sms), rtol=1e-9, atol=1e-9)
+
+
+# ---- formulas pinned by hand (issue 13 item 15): independent of tempokern.reference -------------------
+
+def test_frequencies_and_phi_pinned_by_hand():
+    import math
+    # D = 8: K = 4, t = 0, 1/3, 2/3, 1, f = 10000^-t
+    want_f = [1.0, 10000 ** (-1 / 3), 10000 ** (-2 / 3), 1e-4]
+    assert want_f[1] == pytest.approx(0.046415888336127774, rel=1e-15)
+    torch.testing.assert_close(ref.bias_frequencies(8, torch.float64),
+                               torch.tensor(want_f, dtype=torch.float64), rtol=1e-14, atol=0)
+    torch.testing.assert_close(ref.bias_frequencies(2, torch.float64), torch.tensor([1.0], dtype=torch.float64))
+    delta = 0.5
+    want_phi = [math.sin(delta * f) for f in want_f] + [math.cos(delta * f) for f in want_f]
+    assert want_phi[0] == pytest.approx(0.479425538604203) and want_phi[4] == pytest.approx(0.8775825618903728)
+    torch.testing.assert_close(ref.offset_features(torch.tensor(delta, dtype=torch.float64), 8),
+                               torch.tensor(want_phi, dtype=torch.float64), rtol=1e-14, atol=1e-15)
+    # the fused op with one hidden unit picking feature m: out = scale * (relu(phi_m(delta)) + b2)
+    for m, want in ((0, want_phi[0]), (1, want_phi[1]), (5, want_phi[5]), (7, want_phi[7])):
+        w1 = torch.zeros(1, 8, dtype=torch.float64)
+        w1[0, m] = 1.0
+        out = tempokern.offset_bias(torch.tensor([0.25], dtype=torch.float64), torch.tensor([0.75], dtype=torch.float64),
+                                    w1, torch.zeros(1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64),
+                                    torch.tensor([0.125], dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64))
+        assert float(out) == pytest.approx(2.0 * (want + 0.125), rel=1e-13), m
+    # D = 5 (odd): K = 2, f = [1, 1e-4], phi = [sin d, sin 1e-4 d, cos d, cos 1e-4 d, 0]; the clamp: delta 3 -> 1
+    want5 = [math.sin(1.0), math.sin(1e-4), math.cos(1.0), math.cos(1e-4), 0.0]
+    torch.testing.assert_close(ref.offset_features(torch.tensor(3.0, dtype=torch.float64).clamp(-1, 1), 5),
+                               torch.tensor(want5, dtype=torch.float64), rtol=1e-14, atol=1e-15)
+    w1 = torch.tensor([[0.0, 0.0, 0.0, 1.0, 7.0]], dtype=torch.float64)  # cos(1e-4 * delta); the pad weight is inert
+    out = tempokern.offset_bias(torch.tensor([0.0], dtype=torch.float64), torch.tensor([3.0], dtype=torch.float64), w1,
+                                torch.zeros(1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64),
+                                torch.zeros(1, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+    assert float(out) == pytest.approx(math.cos(1e-4), rel=1e-14)
+
+
+def test_module_caches_are_bounded():
+    import tempokern._ops.offset_bias as ob
+    for D in range(1, 3 * ob._CACHE_MAX):
+        ob._frequencies(D, torch.float32, torch.device("cpu"))
+        ob._grid(D)
+    assert len(ob._freqs) <= ob._CACHE_MAX and len(ob._grids) <= ob._CACHE_MAX
+    assert (3 * ob._CACHE_MAX - 1) in ob._grids  # the newest stays
