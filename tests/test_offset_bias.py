@@ -544,10 +544,13 @@ def test_module_table_points():
         OffsetBias(8, 4, table_points=1)
 
 
-@pytest.mark.parametrize("sms", [132, 108, 58])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("Bq,Bd,lo,hi,N", [(70, 300, 0.0, 1.0, 4097), (130, 530, -2.0, 3.0, 65537),
-                                           (65, 257, 0.45, 0.55, 16385), (3, 5, 0.0, 1.0, 2)])
+_TCASES = [(70, 300, 0.0, 1.0, 4097), (130, 530, -2.0, 3.0, 65537), (65, 257, 0.45, 0.55, 16385), (3, 5, 0.0, 1.0, 2)]
+_F32, _F64 = torch.float32, torch.float64
+
+
+@pytest.mark.parametrize("sms,dtype,Bq,Bd,lo,hi,N", [
+    (132, _F32, *_TCASES[0]), (108, _F64, *_TCASES[0]), (58, _F32, *_TCASES[1]), (132, _F64, *_TCASES[1]),
+    (108, _F32, *_TCASES[2]), (58, _F64, *_TCASES[2]), (132, _F32, *_TCASES[3]), (58, _F64, *_TCASES[3])])
 def test_cuda_table_mode(gpu, monkeypatch, sms, dtype, Bq, Bd, lo, hi, N):
     import tempokern._ops.offset_bias as ob
     monkeypatch.setattr(ob, "sm_count", lambda device: sms)
