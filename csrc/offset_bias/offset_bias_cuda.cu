@@ -31,7 +31,7 @@ struct SmemLayout {
   int64_t hidden, D;
   int rows;        // query rows per iteration = blockDim / 32
   int ldb;         // batch row stride (backward): blockDim + 4 (multiple of 4: vector reads)
-  int hE, dE;      // hidden and D + 1 rounded up to even (the reduction's 2 x 2 tiles)
+  int hE, dE;      // hidden and D rounded up to even (the reduction's 2 x 2 tiles)
   bool rd_smem;    // backward: the block's float64 R totals live in shared memory (else in its global slot)
   // [W (hidden x 2KP): sin weights | cos weights] [b1 (hidden)] [w2 (hidden)] [freqs (KP)]
   // [row feats (rows x 2KP)] | backward: [M (hE x ldb)] [phi (dE x ldb)] [R totals, double (hidden x (D+1))]
@@ -172,7 +172,9 @@ __global__ void fwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
 // sums over the block's rows, then the warps in a fixed order -> p.grad_ud (gy x Bd, double); s1, s0 the same
 // into the block's slot. No global atomics; Python sums the partial rows in float64.
 template <typename S, typename A, int KMAX>
-__global__ void bwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
+// float, K <= 16 (D <= 33, the CTD default): at most 128 registers (ptxas sm_90: 56 bytes of spill, outside
+// the pair loop or not, unmeasured), so two 256-thread blocks share an SM instead of one at 168 registers.
+__global__ void __launch_bounds__(256, (KMAX <= 16 && sizeof(A) == 4) ? 2 : 1) bwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* sm = reinterpret_cast<A*>(smem_raw);
   load_weights(p, L, sm);
@@ -186,11 +188,8 @@ __global__ void bwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
   A* sM = sm + L.M();
   A* sP = sm + L.phi();
   for (int k = lane; k < 2 * KP; k += 32) rf[k] = A(0);
-  // constant rows: phi rows past the features are 0, row D is the 1 of R[:, D] = sum M, padding rows 0
-  for (int64_t e = t; e < (int64_t)(L.dE - P) * L.ldb; e += nt) {
-    const int64_t m = P + e / L.ldb;
-    sP[m * L.ldb + e % L.ldb] = m == D ? A(1) : A(0);
-  }
+  // constant rows: phi rows past the features and the padding row are 0
+  for (int64_t e = t; e < (int64_t)(L.dE - P) * L.ldb; e += nt) sP[P * L.ldb + e] = A(0);
   for (int64_t e = t; e < (int64_t)(L.hE - p.hidden) * L.ldb; e += nt) sM[p.hidden * L.ldb + e] = A(0);
   for (int64_t e = t; L.rd_smem && e < p.hidden * D1; e += nt) racc[e] = 0.0;
   __syncthreads();
@@ -248,14 +247,15 @@ __global__ void bwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
     const A row_sum = warp_sum(dd);
     if (row_ok && lane == 0) rowpart[i] = -row_sum;
     __syncthreads();
-    // R[n, m] += sum over this batch's pairs of M[n] phi[m] (row D of phi is the constant 1)
+    // R[n, m] += sum over this batch's pairs of M[n] phi[m]; R[n, D] += sum of M[n] (tasks with m0 = 0)
     for (int task = t; task < ntasks; task += nt) {
       const int n0 = 2 * (task / ntm), m0 = 2 * (task % ntm);
       const A* m0r = sM + (int64_t)n0 * L.ldb;
       const A* m1r = m0r + L.ldb;
       const A* p0r = sP + (int64_t)m0 * L.ldb;
       const A* p1r = p0r + L.ldb;
-      A a00 = 0, a01 = 0, a10 = 0, a11 = 0;
+      A a00 = 0, a01 = 0, a10 = 0, a11 = 0, e0 = 0, e1 = 0;
+      const bool esum = m0 == 0;  // these tasks also give R[:, D] = sum M (so the tiles need not cover it)
       for (int q = 0; q < nt; q += 4) {
         const Vec4<A> x0 = *reinterpret_cast<const Vec4<A>*>(m0r + q), x1 = *reinterpret_cast<const Vec4<A>*>(m1r + q);
         const Vec4<A> y0 = *reinterpret_cast<const Vec4<A>*>(p0r + q), y1 = *reinterpret_cast<const Vec4<A>*>(p1r + q);
@@ -265,15 +265,21 @@ __global__ void bwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
           a01 += x0.v[e] * y1.v[e];
           a10 += x1.v[e] * y0.v[e];
           a11 += x1.v[e] * y1.v[e];
+          if (esum) {
+            e0 += x0.v[e];
+            e1 += x1.v[e];
+          }
         }
       }
       if (n0 < p.hidden) {
-        if (m0 < D1) racc[n0 * D1 + m0] += (double)a00;
-        if (m0 + 1 < D1) racc[n0 * D1 + m0 + 1] += (double)a01;
+        if (m0 < D) racc[n0 * D1 + m0] += (double)a00;
+        if (m0 + 1 < D) racc[n0 * D1 + m0 + 1] += (double)a01;
+        if (esum) racc[n0 * D1 + D] += (double)e0;
       }
       if (n0 + 1 < p.hidden) {
-        if (m0 < D1) racc[(n0 + 1) * D1 + m0] += (double)a10;
-        if (m0 + 1 < D1) racc[(n0 + 1) * D1 + m0 + 1] += (double)a11;
+        if (m0 < D) racc[(n0 + 1) * D1 + m0] += (double)a10;
+        if (m0 + 1 < D) racc[(n0 + 1) * D1 + m0 + 1] += (double)a11;
+        if (esum) racc[(n0 + 1) * D1 + D] += (double)e1;
       }
     }
     __syncthreads();
@@ -460,7 +466,7 @@ SmemLayout<A> make_layout(const OffsetBiasParams& p, int threads, bool rd_smem) 
   L.rows = threads / 32;
   L.ldb = threads + 4;
   L.hE = (int)((p.hidden + 1) / 2 * 2);
-  L.dE = (int)((p.D + 2) / 2 * 2);
+  L.dE = (int)((p.D + 1) / 2 * 2);
   L.rd_smem = rd_smem;
   return L;
 }
