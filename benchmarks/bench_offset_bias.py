@@ -246,6 +246,108 @@ def test_cuda_fused_vs_reference():
                    device="cuda")
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_exact_and_table_8192():
+    """The GPU targets of the exact and the table mode (float32, B = 8192, D = hidden = 32): CUDA-event medians.
+    Floors (H100, ~60 TFLOP/s FP32 on CUDA cores, ~3 TB/s): exact forward 2 * 1024 flops/pair * 67M pairs =
+    137 GFLOP -> 2.3 ms; backward 3 products of that size (recompute h, h', R) -> 6.9 ms; fwd+bwd >= 9.2 ms.
+    Table mode: memory-bound, forward writes 268 MB (0.09 ms), backward reads G (0.09 ms) plus 2 shared-memory
+    float64 atomics per pair (run-length merged)."""
+    B = 8192
+    xs = inputs(B, "cuda")
+    G = torch.randn(B, B, device="cuda")
+
+    def median_ms(fn, reps=10):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        return sorted(times)[len(times) // 2]
+
+    cases = [("exact fwd", lambda: tempokern.offset_bias(*[x.detach() for x in xs])),
+             ("exact fwd+bwd", lambda: torch.autograd.grad((tempokern.offset_bias(*xs) * G).sum(), xs))]
+    for N in (4097, 16385, 65537):
+        cases.append((f"table N={N} fwd+bwd",
+                      lambda N=N: torch.autograd.grad((tempokern.offset_bias(*xs, table_points=N) * G).sum(), xs)))
+    for name, fn in cases:
+        ms = median_ms(fn)
+        record(FILE, op=f"offset_bias {name}", provider="fused", size=f"Bq=Bd={B} D=hidden={D} float32", ms=ms,
+               device="cuda")
+        print(f"cuda B={B} {name}: {ms:.2f} ms")
+
+
+# ---- table mode: error against the exact bias (python benchmarks/bench_offset_bias.py table-error) ----------
+
+def table_error(out_path=None, seeds=50, months=4608):
+    """Worst |table mode - exact bias| (both float64, so only the interpolation shows; and the float32 table
+    mode, what training runs) for nn.OffsetBias-initialised weights (features = hidden = 32, scale = 1: the
+    error scales with |scale|), at the ChunQiuTR month spacing (u = k / (months - 1), every delta that
+    occurs) and at 20,001 uniform deltas; also the worst slope error |d table/d delta - d bias/d delta| at
+    the month deltas (what d u_q / d u_d see). Writes JSON."""
+    import json
+    from tempokern.nn import OffsetBias
+    from tempokern.nn.offset_bias import bias_params
+    step = 1.0 / (months - 1)
+    d_month = torch.arange(-(months - 1), months, dtype=torch.float64) * step
+    d_month = d_month.clamp(-1, 1)
+    d_unif = torch.linspace(-1, 1, 20001, dtype=torch.float64)
+    zero = torch.zeros(1, dtype=torch.float64)
+    rows = []
+    for N in (1025, 4097, 9215, 16385, 65537):
+        worst = dict(month=0.0, uniform=0.0, month_f32=0.0, slope_month=0.0, bias_max=0.0)
+        per_seed = []
+        for seed in range(seeds):
+            torch.manual_seed(seed)
+            m = OffsetBias(32, 32).double()
+            with torch.no_grad():
+                m.scale.fill_(1.0)
+            prm = bias_params(m)
+            res = {}
+            for key, dd in (("month", d_month), ("uniform", d_unif)):
+                ud = dd.clone().requires_grad_()
+                exact = ref.offset_bias(zero, ud, *prm)[0]
+                (ge,) = torch.autograd.grad(exact.sum(), ud)
+                ud2 = dd.clone().requires_grad_()
+                tab = tempokern.offset_bias(zero, ud2, *prm, table_points=N)[0]
+                (gt,) = torch.autograd.grad(tab.sum(), ud2)
+                res[key] = float((tab - exact).abs().max())
+                if key == "month":
+                    res["slope_month"] = float((gt - ge)[1:-1].abs().max())  # the clamp ends excluded
+                    res["bias_max"] = float(exact.abs().max())
+                    t32 = tempokern.offset_bias(zero.float(), dd.float(), *[p.float() for p in prm], table_points=N)[0]
+                    res["month_f32"] = float((t32.double() - exact).abs().max())
+            per_seed.append(res["month"])
+            for k in worst:
+                worst[k] = max(worst[k], res[k])
+        per_seed.sort()
+        rows.append(dict(points=N, table_step=2.0 / (N - 1), seeds=seeds, worst_abs_err_month=worst["month"],
+                         median_abs_err_month=per_seed[len(per_seed) // 2], worst_abs_err_uniform=worst["uniform"],
+                         worst_abs_err_month_float32=worst["month_f32"], worst_slope_err_month=worst["slope_month"],
+                         max_abs_bias=worst["bias_max"]))
+        print(rows[-1])
+    out = dict(what="table mode (offset_bias(..., table_points=N)) vs the exact bias, nn.OffsetBias init, "
+                    "features = hidden = 32, scale = 1", month_spacing=step, months=months, rows=rows,
+               command="python benchmarks/bench_offset_bias.py table-error", torch=torch.__version__)
+    path = Path(out_path) if out_path else ROOT / "benchmarks" / "results" / "offset_bias_table_error.json"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print("wrote", path)
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["table-error"]:
+        table_error(*sys.argv[2:3])
+    else:
+        print("usage: python benchmarks/bench_offset_bias.py table-error [OUT.json]")
+
+
 # ---- summary ---------------------------------------------------------------------------------------------
 
 def test_zz_summary():

@@ -11,7 +11,7 @@ import torch
 import tempokern
 from tempokern import reference as ref
 from tempokern.nn import BiasTable, OffsetBias
-from tempokern.nn.offset_bias import DEFAULT_TABLE_POINTS, TABLE_ERROR_BOUND
+from tempokern.nn.offset_bias import DEFAULT_TABLE_POINTS, TABLE_ERROR_BOUND, bias_params
 
 NAMES = ("u_q", "u_d", "w1", "b1", "w2", "b2", "scale")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -427,3 +427,239 @@ def test_nan_positions_propagate_like_reference():
     t = _trained_like(0).table(33)
     look = t(xs[0].detach().float(), xs[1].detach().float())
     assert torch.equal(torch.isnan(look), torch.isnan(want))
+
+
+# ---- training table mode (table_points=N): exact for the interpolated function ------------------------
+
+def _run_table(fn, xs, G, N):
+    out = fn(*xs, N) if fn is ref.offset_bias_tabulated else fn(*xs, table_points=N)
+    return out, torch.autograd.grad((out * G).sum(), xs)
+
+
+def assert_table_parity(xs, N, tol=1e-9, G=None):
+    Bq, Bd = xs[0].shape[0], xs[1].shape[0]
+    if G is None:
+        G = torch.randn(Bq, Bd, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(xs[0])
+    out, grads = _run_table(tempokern.offset_bias, xs, G, N)
+    rout, rgrads = _run_table(ref.offset_bias_tabulated, xs, G, N)
+    assert out.shape == (Bq, Bd) and out.dtype == rout.dtype
+    torch.testing.assert_close(out, rout, rtol=tol, atol=tol)
+    for name, a, b in zip(NAMES, grads, rgrads):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, float(b.abs().max())),
+                                   msg=lambda m: f"grad {name}: {m}")
+
+
+def assert_table_float32_within_twice_torch(xs, N):
+    """float32 table mode vs the float64 tabulated bias, against plain torch's float32 error on the same inputs."""
+    Bq, Bd = xs[0].shape[0], xs[1].shape[0]
+    G = torch.randn(Bq, Bd, generator=torch.Generator().manual_seed(5)).to(xs[0].device)
+    x64 = [x.detach().double().requires_grad_() for x in xs]
+    r_out, r_grads = _run_table(ref.offset_bias_tabulated, x64, G.double(), N)
+    p_out, p_grads = _run_table(ref.offset_bias_tabulated, xs, G, N)
+    f_out, f_grads = _run_table(tempokern.offset_bias, xs, G, N)
+    assert f_out.dtype == torch.float32
+    for name, f, p, r in zip(("out",) + NAMES, (f_out,) + f_grads, (p_out,) + p_grads, (r_out,) + r_grads):
+        tiny = 4 * torch.finfo(torch.float32).eps * max(1.0, float(r.detach().abs().max()))
+        assert _max_err(f, r) <= 2 * _max_err(p, r) + tiny, (name, _max_err(f, r), _max_err(p, r))
+
+
+TABLE_CASES = [(1, 1, 32, 32, 0.0, 1.0, 2), (37, 53, 32, 16, -0.7, 1.3, 17), (64, 300, 8, 5, 0.0, 1.0, 4097),
+               (129, 77, 7, 3, -2.0, 3.0, 65537), (70, 260, 32, 32, 0.0, 1.0, 16385)]
+
+
+@pytest.mark.parametrize("Bq,Bd,D,H,lo,hi,N", TABLE_CASES)
+def test_table_mode_float64_matches_tabulated_autograd(Bq, Bd, D, H, lo, hi, N):
+    assert_table_parity(make(Bq, Bd, D, H, lo=lo, hi=hi, seed=Bq + N), N)
+
+
+@pytest.mark.parametrize("Bq,Bd,D,H,lo,hi,N", TABLE_CASES[1:4])
+def test_table_mode_float32_within_twice_torch(Bq, Bd, D, H, lo, hi, N):
+    assert_table_float32_within_twice_torch(make(Bq, Bd, D, H, torch.float32, lo=lo, hi=hi, seed=N), N)
+
+
+def test_table_mode_float32_long_sums():
+    # d u_q sums over 3000 columns, d u_d over 3000 rows, d values over 24k pairs
+    assert_table_float32_within_twice_torch(make(8, 3000, 32, 32, torch.float32, seed=1), 4097)
+    assert_table_float32_within_twice_torch(make(3000, 8, 32, 32, torch.float32, seed=2), 4097)
+
+
+def test_table_mode_clamp_boundary_and_gradcheck():
+    xs = make(3, 4, 8, 4)
+    with torch.no_grad():
+        xs[0].copy_(torch.tensor([0.0, 1.0, 0.5], dtype=torch.float64))
+        xs[1].copy_(torch.tensor([1.0, 0.0, -0.5, 1.5], dtype=torch.float64))  # deltas of exactly +-1 and beyond
+    assert_table_parity(xs, 9)
+    # away from the bin edges the interpolant is smooth in u and linear in the values
+    xs = make(4, 5, 6, 5, lo=0.1, hi=0.9, seed=13)
+    f = lambda *a: tempokern.offset_bias(*a, table_points=5)  # noqa: E731
+    assert torch.autograd.gradcheck(f, xs, eps=1e-7, atol=1e-6)
+
+
+def test_table_mode_matches_exact_bias_on_grid_points():
+    # at delta on the grid the interpolant equals the exact MLP
+    xs = make(1, 33, 16, 8, seed=4)
+    with torch.no_grad():
+        xs[0].zero_()
+        xs[1].copy_(ref.table_points_delta(33))
+    torch.testing.assert_close(tempokern.offset_bias(*xs, table_points=33), ref.offset_bias(*xs),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_table_mode_bad_points():
+    xs = [x.detach() for x in make(4, 5, 8, 6)]
+    with pytest.raises(ValueError, match="table_points must be >= 2"):
+        tempokern.offset_bias(*xs, table_points=1)
+    with pytest.raises(TypeError, match="table_points must be an int"):
+        tempokern.offset_bias(*xs, table_points=4.0)
+    with pytest.raises(TypeError, match="table_points must be an int"):
+        tempokern.offset_bias(*xs, table_points=True)
+    with pytest.raises(ValueError, match="b1 must have shape"):
+        tempokern.offset_bias(*_args(b1=torch.rand(5, dtype=torch.float64)), table_points=9)
+
+
+def test_table_mode_opcheck_and_empty():
+    uq, ud = torch.rand(9), torch.rand(13)
+    v = torch.randn(17, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.tempokern.offset_bias_interp.default, (uq, ud, v))
+    torch.library.opcheck(torch.ops.tempokern.offset_bias_interp_backward.default, (torch.randn(9, 13), uq, ud, v))
+    xs = make(0, 5, 8, 4)
+    out = tempokern.offset_bias(*xs, table_points=9)
+    assert out.shape == (0, 5)
+    grads = torch.autograd.grad(out.sum(), xs, allow_unused=True)
+    assert grads[2] is None or float(grads[2].abs().sum()) == 0.0
+
+
+def test_module_table_points():
+    m = _trained_like(2)
+    assert m.table_points is None
+    uq, ud = torch.rand(11, dtype=torch.float64), torch.rand(13, dtype=torch.float64)
+    m.table_points = 257
+    out = m(uq, ud)
+    torch.testing.assert_close(out, ref.offset_bias_tabulated(uq, ud, *bias_params(m), 257), rtol=1e-12, atol=1e-12)
+    out.sum().backward()
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in m.parameters())
+    assert OffsetBias(8, 4, table_points=65).table_points == 65
+    with pytest.raises(ValueError, match="table_points must be >= 2"):
+        OffsetBias(8, 4, table_points=1)
+
+
+_TCASES = [(70, 300, 0.0, 1.0, 4097), (130, 530, -2.0, 3.0, 65537), (65, 257, 0.45, 0.55, 16385), (3, 5, 0.0, 1.0, 2)]
+_F32, _F64 = torch.float32, torch.float64
+
+
+@pytest.mark.parametrize("sms,dtype,Bq,Bd,lo,hi,N", [
+    (132, _F32, *_TCASES[0]), (108, _F64, *_TCASES[0]), (58, _F32, *_TCASES[1]), (132, _F64, *_TCASES[1]),
+    (108, _F32, *_TCASES[2]), (58, _F64, *_TCASES[2]), (132, _F32, *_TCASES[3]), (58, _F64, *_TCASES[3])])
+def test_cuda_table_mode(gpu, monkeypatch, sms, dtype, Bq, Bd, lo, hi, N):
+    import tempokern._ops.offset_bias as ob
+    monkeypatch.setattr(ob, "sm_count", lambda device: sms)
+    xs = make(Bq, Bd, 16, 8, dtype, lo, hi, device=gpu, seed=Bq + sms)
+    if dtype == torch.float64:
+        assert_table_parity(xs, N)
+    else:
+        assert_table_float32_within_twice_torch(xs, N)
+
+
+def test_cuda_table_mode_long_sums_and_partials(gpu, monkeypatch):
+    import tempokern._ops.offset_bias as ob
+    monkeypatch.setattr(ob, "sm_count", lambda device: 2)  # 4 CTAs: each walks many tiles into its own slot
+    assert ob._table_parts(gpu, 3000, 8)[2] == 4
+    assert_table_float32_within_twice_torch(make(8, 3000, 32, 32, torch.float32, device=gpu, seed=1), 4097)
+    assert_table_float32_within_twice_torch(make(3000, 8, 32, 32, torch.float32, device=gpu, seed=2), 65537)
+    # float64 against the CPU kernel (an independent implementation of the same spec)
+    xs = make(200, 300, 8, 4, device=gpu, seed=3)
+    G = torch.randn(200, 300, dtype=torch.float64)
+    out, grads = _run_table(tempokern.offset_bias, xs, G, 1025)
+    from conftest import cpu_kernels
+    with cpu_kernels():
+        cout, cgrads = _run_table(tempokern.offset_bias, xs, G, 1025)
+    torch.testing.assert_close(out, cout, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, cgrads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+# ---- float32 accuracy of the reduced gradients (issue 14 item 5): long sums, tight bound ----------------
+
+def assert_reduced_grads_within_twice_torch(xs):
+    """d u_q / d u_d / w1 / b1 / w2 / b2 no further from float64 than twice plain torch float32, plus only
+    4 float32 ulps of the tensor's scale (no sqrt(pairs) slack). The output and d scale = sum G y inherit
+    every pair's forward rounding (a random walk whose size varies between implementations of equal per-pair
+    accuracy), so those two keep the sqrt(pairs) slack of assert_float32_within_twice_torch."""
+    Bq, Bd = xs[0].shape[0], xs[1].shape[0]
+    G = torch.randn(Bq, Bd, generator=torch.Generator().manual_seed(1)).to(xs[0].device)
+    x64 = [x.detach().double().requires_grad_() for x in xs]
+    r_out, r_grads = run(ref.offset_bias, x64, G.double())
+    p_out, p_grads = run(ref.offset_bias, xs, G)
+    f_out, f_grads = run(tempokern.offset_bias, xs, G)
+    slack = (Bq * Bd) ** 0.5 * torch.finfo(torch.float32).eps
+    for name, f, p, r in zip(("out",) + NAMES, (f_out,) + f_grads, (p_out,) + p_grads, (r_out,) + r_grads):
+        s = max(1.0, float(r.detach().abs().max()))
+        extra = (slack if name in ("out", "scale") else 4 * torch.finfo(torch.float32).eps) * s
+        assert _max_err(f, r) <= 2 * _max_err(p, r) + extra, (name, _max_err(f, r) / s, _max_err(p, r) / s)
+
+
+@pytest.mark.parametrize("Bq,Bd", [(8, 3000), (3000, 8)])
+def test_float32_reduced_gradients_long_sums(Bq, Bd):
+    assert_reduced_grads_within_twice_torch(make(Bq, Bd, 32, 32, torch.float32, seed=Bq))
+
+
+@pytest.mark.parametrize("Bq,Bd", [(8, 3000), (3000, 8)])
+def test_cuda_float32_reduced_gradients_long_sums(gpu, monkeypatch, Bq, Bd):
+    import tempokern._ops.offset_bias as ob
+    monkeypatch.setattr(ob, "sm_count", lambda device: 58)
+    assert_reduced_grads_within_twice_torch(make(Bq, Bd, 32, 32, torch.float32, device=gpu, seed=Bq))
+
+
+@pytest.mark.parametrize("sms", [132, 108, 58, 1])
+def test_cuda_grid_sizes(gpu, monkeypatch, sms):
+    """The exact kernels at the grids of an H100, A100, L4 (and one SM: a few blocks walking many rows)."""
+    import tempokern._ops.offset_bias as ob
+    monkeypatch.setattr(ob, "sm_count", lambda device: sms)
+    nparts = ob._num_parts(gpu, 300, 77)
+    gx = 3
+    assert nparts % gx == 0 and nparts // gx == max(1, min(-(-300 // 8), -(-8 * sms // gx)))
+    assert_parity(make(300, 77, 7, 5, lo=-2, hi=3, device=gpu, seed=sms), rtol=1e-9, atol=1e-9)
+
+
+# ---- formulas pinned by hand (issue 13 item 15): independent of tempokern.reference -------------------
+
+def test_frequencies_and_phi_pinned_by_hand():
+    import math
+    # D = 8: K = 4, t = 0, 1/3, 2/3, 1, f = 10000^-t
+    want_f = [1.0, 10000 ** (-1 / 3), 10000 ** (-2 / 3), 1e-4]
+    assert want_f[1] == pytest.approx(0.046415888336127774, rel=1e-15)
+    torch.testing.assert_close(ref.bias_frequencies(8, torch.float64),
+                               torch.tensor(want_f, dtype=torch.float64), rtol=1e-14, atol=0)
+    torch.testing.assert_close(ref.bias_frequencies(2, torch.float64), torch.tensor([1.0], dtype=torch.float64))
+    delta = 0.5
+    want_phi = [math.sin(delta * f) for f in want_f] + [math.cos(delta * f) for f in want_f]
+    assert want_phi[0] == pytest.approx(0.479425538604203) and want_phi[4] == pytest.approx(0.8775825618903728)
+    torch.testing.assert_close(ref.offset_features(torch.tensor(delta, dtype=torch.float64), 8),
+                               torch.tensor(want_phi, dtype=torch.float64), rtol=1e-14, atol=1e-15)
+    # the fused op with one hidden unit picking feature m: out = scale * (relu(phi_m(delta)) + b2)
+    for m, want in ((0, want_phi[0]), (1, want_phi[1]), (5, want_phi[5]), (7, want_phi[7])):
+        w1 = torch.zeros(1, 8, dtype=torch.float64)
+        w1[0, m] = 1.0
+        out = tempokern.offset_bias(torch.tensor([0.25], dtype=torch.float64), torch.tensor([0.75], dtype=torch.float64),
+                                    w1, torch.zeros(1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64),
+                                    torch.tensor([0.125], dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64))
+        assert float(out) == pytest.approx(2.0 * (want + 0.125), rel=1e-13), m
+    # D = 5 (odd): K = 2, f = [1, 1e-4], phi = [sin d, sin 1e-4 d, cos d, cos 1e-4 d, 0]; the clamp: delta 3 -> 1
+    want5 = [math.sin(1.0), math.sin(1e-4), math.cos(1.0), math.cos(1e-4), 0.0]
+    torch.testing.assert_close(ref.offset_features(torch.tensor(3.0, dtype=torch.float64).clamp(-1, 1), 5),
+                               torch.tensor(want5, dtype=torch.float64), rtol=1e-14, atol=1e-15)
+    w1 = torch.tensor([[0.0, 0.0, 0.0, 1.0, 7.0]], dtype=torch.float64)  # cos(1e-4 * delta); the pad weight is inert
+    out = tempokern.offset_bias(torch.tensor([0.0], dtype=torch.float64), torch.tensor([3.0], dtype=torch.float64), w1,
+                                torch.zeros(1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64),
+                                torch.zeros(1, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+    assert float(out) == pytest.approx(math.cos(1e-4), rel=1e-14)
+
+
+def test_module_caches_are_bounded():
+    import tempokern._ops.offset_bias as ob
+    for D in range(1, 3 * ob._CACHE_MAX):
+        ob._frequencies(D, torch.float32, torch.device("cpu"))
+        ob._grid(D)
+    assert len(ob._freqs) <= ob._CACHE_MAX and len(ob._grids) <= ob._CACHE_MAX
+    assert (3 * ob._CACHE_MAX - 1) in ob._grids  # the newest stays

@@ -223,8 +223,9 @@ template <typename A> TK_HD bool bias_tile_fast(A qmin, A qmax, A dmin, A dmax) 
 
 // ---- lookup table ---------------------------------------------------------------------------------------
 
-// Table value at the unclamped difference diff (see the format above); points >= 2.
-template <typename A> TK_HD A bias_table_lookup(const float* values, int64_t points, A diff) {
+// Table value at the unclamped difference diff (see the format above); points >= 2. V: the table's storage
+// type (float for BiasTable; A for the training table mode, whose values are exact float64 MLP samples).
+template <typename A, typename V> TK_HD A bias_table_lookup(const V* values, int64_t points, A diff) {
   const A x = (bias_clamp(diff) + A(1)) * (A(0.5) * A(points - 1));
   if (!(x == x)) return x;  // NaN in, NaN out (and no float -> int conversion of NaN)
   int64_t i = (int64_t)bias_floor(x);
@@ -234,7 +235,7 @@ template <typename A> TK_HD A bias_table_lookup(const float* values, int64_t poi
 }
 
 // d lookup / d diff: the segment slope inside (-1, 1) and 0 where the clamp holds delta.
-template <typename A> TK_HD A bias_table_slope(const float* values, int64_t points, A diff) {
+template <typename A, typename V> TK_HD A bias_table_slope(const V* values, int64_t points, A diff) {
   if (!(diff == diff)) return diff;
   if (!bias_passes(diff)) return A(0);
   const A x = (diff + A(1)) * (A(0.5) * A(points - 1));

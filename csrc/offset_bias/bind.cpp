@@ -31,6 +31,20 @@ TK_BIND(offset_bias) {
             run_on(device, [&] { offset_bias_lookup_cpu(p); }, [&] { TK_CUDA_ONLY(offset_bias_lookup_cuda(p, device, stream)); });
             return;
           }
+          if (op == "tfwd" || op == "tbwd") {  // training table mode: `table` holds `points` values in A
+            if (points < 2) fail("offset_bias table mode: the table needs at least 2 points");
+            p.table = nullptr;
+            p.table_a = as_ptr(table);
+            if (op == "tfwd")
+              run_on(device, [&] { offset_bias_table_fwd_cpu(p); },
+                     [&] { TK_CUDA_ONLY(offset_bias_table_fwd_cuda(p, device, stream)); });
+            else {
+              if (nparts < 1) fail("offset_bias table backward needs at least one partial-sum slot");
+              run_on(device, [&] { offset_bias_table_bwd_cpu(p); },
+                     [&] { TK_CUDA_ONLY(offset_bias_table_bwd_cuda(p, device, stream)); });
+            }
+            return;
+          }
           if (D < 1 || hidden < 1) fail("offset_bias: D and hidden must be >= 1");
           if (op == "fwd")
             run_on(device, [&] { offset_bias_fwd_cpu(p); }, [&] { TK_CUDA_ONLY(offset_bias_fwd_cuda(p, device, stream)); });

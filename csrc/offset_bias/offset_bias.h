@@ -35,7 +35,17 @@ struct OffsetBiasParams {
   // Table lookup: float32 values (points,), see bias_math.h for the format.
   const float* table = nullptr;
   int64_t points = 0;
+  // Training table mode ("tfwd" / "tbwd"): values (points,) in A, the exact MLP at the grid points.
+  // tbwd writes: grad_uq as (rparts, Bq) and grad_ud as (cparts, Bd) partial sums in A (Python sums the
+  // rows in float64; CPU: rparts = cparts = 1, CUDA: one row per column / row tile), and dL/dvalues as
+  // nparts slots of `points` doubles in `partials` (Python sums the slots).
+  const void* table_a = nullptr;
 };
+
+// Tiles of the CUDA table backward: kTableTileRows query rows x kTableTileCols documents per tile (one
+// document per thread). Python sizes the partial buffers from these (tempokern/_ops/offset_bias.py).
+constexpr int kTableTileRows = 64;
+constexpr int kTableTileCols = 256;
 
 #if defined(__CUDACC__)
 __host__ __device__
@@ -45,10 +55,14 @@ inline int64_t offset_bias_part_size(const OffsetBiasParams& p) { return p.hidde
 void offset_bias_fwd_cpu(const OffsetBiasParams& p);
 void offset_bias_bwd_cpu(const OffsetBiasParams& p);
 void offset_bias_lookup_cpu(const OffsetBiasParams& p);
+void offset_bias_table_fwd_cpu(const OffsetBiasParams& p);
+void offset_bias_table_bwd_cpu(const OffsetBiasParams& p);
 #ifdef TK_WITH_CUDA
 void offset_bias_fwd_cuda(const OffsetBiasParams& p, int device, uintptr_t stream);
 void offset_bias_bwd_cuda(const OffsetBiasParams& p, int device, uintptr_t stream);
 void offset_bias_lookup_cuda(const OffsetBiasParams& p, int device, uintptr_t stream);
+void offset_bias_table_fwd_cuda(const OffsetBiasParams& p, int device, uintptr_t stream);
+void offset_bias_table_bwd_cuda(const OffsetBiasParams& p, int device, uintptr_t stream);
 #endif
 
 }  // namespace tk

@@ -305,8 +305,8 @@ void bwd(const OffsetBiasParams& p) {
   cols.build(ud, p.Bd, w.freqs, w.D);
   const int Kf = cols.K, K2 = cols.K2;
   const int nthreads = (int)std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), p.nparts));
-  // Per-thread d u_d, reduced after the loop in a fixed order (deterministic for a fixed thread count).
-  std::vector<A> gd_thread((size_t)nthreads * p.Bd, A(0));
+  // Per-thread d u_d in double, reduced after the loop in a fixed order (deterministic for a fixed thread count).
+  std::vector<double> gd_thread((size_t)nthreads * p.Bd, 0.0);
   int used_threads = 1;
 #pragma omp parallel num_threads(nthreads)
   {
@@ -314,14 +314,27 @@ void bwd(const OffsetBiasParams& p) {
 #pragma omp single
     used_threads = omp_get_num_threads();
     std::vector<A> sq(Kf), cq(Kf), Q((size_t)w.hidden * K2), Qd((size_t)w.hidden * K2), phi(w.D), dphi(w.D);
-    std::vector<A> Mbuf((size_t)w.hidden * kChunk * JB), gv(JB), Erow((size_t)w.hidden * K2), esrow(w.hidden);
+    std::vector<A> Mbuf((size_t)w.hidden * kChunk * JB), gv(JB);
     std::vector<V> E((size_t)w.hidden * K2), esum(w.hidden);
+    // Hierarchical sums (float32 accuracy, issue 14 item 5): E and esum hold one chunk of kChunk * JB columns
+    // in A, then go into the row's double totals Ed / esd; the fold with the row's sin/cos runs in double.
+    std::vector<double> Ed((size_t)w.hidden * K2), esd(w.hidden), sqd(Kf), cqd(Kf), Rfast((size_t)w.hidden * D1);
     // Per-row sums in A, added row by row into double totals: the weight and scalar gradients are sums
     // over Bq * Bd pairs, and one float accumulator over all of them loses digits that torch keeps.
     std::vector<A> Rrow(psz);
     std::vector<double> Rd(psz, 0.0);
     A* R = Rrow.data();
-    A* gdt = gd_thread.data() + (size_t)t * p.Bd;
+    double* gdt = gd_thread.data() + (size_t)t * p.Bd;
+    auto flush_chunk = [&]() {
+      for (size_t k = 0; k < Ed.size(); ++k) {
+        Ed[k] += (double)KK::hsum(E[k]);
+        E[k] = V{};
+      }
+      for (int64_t n = 0; n < w.hidden; ++n) {
+        esd[n] += (double)KK::hsum(esum[n]);
+        esum[n] = V{};
+      }
+    };
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < p.Bq; ++i) {
       const A u = uq[i];
@@ -333,13 +346,13 @@ void bwd(const OffsetBiasParams& p) {
         bias_row_dweights(Q.data(), (int64_t)K2, w.freqs, Kf, w.hidden, Qd.data(), (int64_t)K2);
         std::fill(E.begin(), E.end(), V{});
         std::fill(esum.begin(), esum.end(), V{});
+        std::fill(Ed.begin(), Ed.end(), 0.0);
+        std::fill(esd.begin(), esd.end(), 0.0);
       }
       const T* G = static_cast<const T*>(p.grad_out) + i * p.ld_grad;
       std::fill(Rrow.begin(), Rrow.end(), A(0));
-      A s1 = 0;
-      double s0 = 0.0;  // sum of G: the b2 / scale gradients cancel a lot, so no float partials here
-      V s1v = V{}, ddrow = V{};
-      A gq_row = 0;
+      double s1 = 0.0, s0 = 0.0;  // sums of G y and G: per block in A, then double
+      double gq_row = 0.0;
       int64_t chunk_blocks[kChunk];
       int nchunk = 0;
       for (int64_t b = 0; b < cols.nb; ++b) {
@@ -348,50 +361,55 @@ void bwd(const OffsetBiasParams& p) {
         for (int64_t jj = 0; jj < nj; ++jj) s0 += (double)gv[jj];
         if (row_fast && bias_tile_fast(u, u, cols.dmin[b], cols.dmax[b])) {
           any_fast = true;
-          V dd[2] = {V{}, V{}};
+          V dd[2] = {V{}, V{}}, s1v = V{};
           fast_block_bwd(Q.data(), Qd.data(), K2, w.hidden, p.n_linear, w.b1, w.w2, w.scale, cols.block(b), gv.data(),
                          Mbuf.data() + nchunk * JB, (int64_t)kChunk * JB, dd, s1v);
           chunk_blocks[nchunk++] = b;
           if (nchunk == kChunk) {
             chunk_E(Mbuf.data(), (int64_t)kChunk * JB, chunk_blocks, nchunk, cols, w.hidden, E.data(), esum.data());
+            flush_chunk();
             nchunk = 0;
           }
-          ddrow += dd[0] + dd[1];
-          for (int64_t jj = 0; jj < nj; ++jj) gdt[j0 + jj] += jj < W ? dd[0][jj] : dd[1][jj - W];
+          s1 += (double)KK::hsum(s1v);
+          gq_row -= (double)KK::hsum(dd[0] + dd[1]);
+          for (int64_t jj = 0; jj < nj; ++jj) gdt[j0 + jj] += (double)(jj < W ? dd[0][jj] : dd[1][jj - W]);
         } else {
           for (int64_t jj = 0; jj < nj; ++jj) {
-            A dummy0 = 0;
+            A dummy0 = 0, s1p = 0;
             const A d = bias_pair_backward(ud[j0 + jj] - u, gv[jj], w.freqs, w.D, w.hidden, w.w1, w.ld_w1, w.b1,
-                                           w.w2, w.scale, phi.data(), dphi.data(), R, &s1, &dummy0, p.n_linear);
-            gq_row -= d;
-            gdt[j0 + jj] += d;
+                                           w.w2, w.scale, phi.data(), dphi.data(), R, &s1p, &dummy0, p.n_linear);
+            s1 += (double)s1p;
+            gq_row -= (double)d;
+            gdt[j0 + jj] += (double)d;
           }
         }
       }
       if (nchunk > 0) {
         chunk_E(Mbuf.data(), (int64_t)kChunk * JB, chunk_blocks, nchunk, cols, w.hidden, E.data(), esum.data());
+        flush_chunk();
         nchunk = 0;
       }
       if (any_fast) {
-        for (int64_t n = 0; n < w.hidden; ++n) {
-          for (int m = 0; m < K2; ++m) Erow[n * K2 + m] = KK::hsum(E[n * K2 + m]);
-          esrow[n] = KK::hsum(esum[n]);
+        for (int k = 0; k < Kf; ++k) {
+          sqd[k] = (double)sq[k];
+          cqd[k] = (double)cq[k];
         }
-        bias_fold_row(Erow.data(), (int64_t)K2, esrow.data(), sq.data(), cq.data(), w.D, w.hidden, R);
+        std::fill(Rfast.begin(), Rfast.end(), 0.0);
+        bias_fold_row(Ed.data(), (int64_t)K2, esd.data(), sqd.data(), cqd.data(), w.D, w.hidden, Rfast.data());
+        for (int64_t k = 0; k < psz - 2; ++k) Rd[k] += Rfast[k];
       }
-      gq[i] = gq_row - KK::hsum(ddrow);
+      gq[i] = (A)gq_row;
       for (int64_t k = 0; k < psz - 2; ++k) Rd[k] += (double)Rrow[k];
-      Rd[psz - 2] += (double)s1 + (double)KK::hsum(s1v);
+      Rd[psz - 2] += s1;
       Rd[psz - 1] += s0;
     }
     for (int64_t k = 0; k < psz; ++k) parts[t * psz + k] = (A)Rd[k];
   }
-  (void)D1;
 #pragma omp parallel for schedule(static)
   for (int64_t j = 0; j < p.Bd; ++j) {
-    A s = 0;
+    double s = 0;
     for (int t = 0; t < used_threads; ++t) s += gd_thread[(size_t)t * p.Bd + j];
-    gd[j] = s;
+    gd[j] = (A)s;
   }
 }
 
@@ -407,6 +425,85 @@ void lookup(const OffsetBiasParams& p) {
   }
 }
 
+// Training table mode, forward: the lookup with the table in A (exact MLP samples, not rounded to float32).
+template <typename T, typename A>
+void table_fwd(const OffsetBiasParams& p) {
+  const A* uq = static_cast<const A*>(p.u_q);
+  const A* ud = static_cast<const A*>(p.u_d);
+  const A* v = static_cast<const A*>(p.table_a);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < p.Bq; ++i) {
+    T* o = static_cast<T*>(p.out) + i * p.ld_out;
+    const A u = uq[i];
+    for (int64_t j = 0; j < p.Bd; ++j) store(o, j, bias_table_lookup<A>(v, p.points, ud[j] - u));
+  }
+}
+
+// Training table mode, backward: per pair, x = (clamp(diff) + 1) (P - 1) / 2, i0 = clamp(floor(x), 0, P - 2),
+// t = x - i0; dL/dvalues[i0] += g (1 - t), dL/dvalues[i0 + 1] += g t (one double histogram per thread, Python
+// sums the slots); ddelta = g slope where the clamp passes, into d u_d (+) and d u_q (-), summed in double
+// (per-thread column sums reduced in a fixed order: deterministic for a fixed thread count).
+template <typename T, typename A>
+void table_bwd(const OffsetBiasParams& p) {
+  const A* uq = static_cast<const A*>(p.u_q);
+  const A* ud = static_cast<const A*>(p.u_d);
+  const A* v = static_cast<const A*>(p.table_a);
+  A* gq = static_cast<A*>(p.grad_uq);
+  A* gd = static_cast<A*>(p.grad_ud);
+  double* parts = static_cast<double*>(p.partials);
+  const int64_t P = p.points;
+  std::fill(parts, parts + p.nparts * P, 0.0);
+  std::fill(gq, gq + p.Bq, A(0));
+  std::fill(gd, gd + p.Bd, A(0));
+  if (p.Bq == 0 || p.Bd == 0) return;
+  const int nthreads = (int)std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), p.nparts));
+  std::vector<double> gd_thread((size_t)nthreads * p.Bd, 0.0);
+  int used_threads = 1;
+  const A half = A(0.5) * A(P - 1);
+  const T* G = static_cast<const T*>(p.grad_out);
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int t = omp_get_thread_num();
+#pragma omp single
+    used_threads = omp_get_num_threads();
+    double* hist = parts + (size_t)t * P;
+    double* gdt = gd_thread.data() + (size_t)t * p.Bd;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < p.Bq; ++i) {
+      const A u = uq[i];
+      const T* Gi = G + i * p.ld_grad;
+      double row = 0.0;
+      for (int64_t j = 0; j < p.Bd; ++j) {
+        const A diff = ud[j] - u;
+        const A g = load(Gi, j * p.ld_grad_col);
+        const A x = (bias_clamp(diff) + A(1)) * half;
+        if (!(x == x)) {  // NaN position: NaN gradients for u, nothing binned (the reference's index is undefined)
+          row += (double)x;
+          gdt[j] += (double)x;
+          continue;
+        }
+        int64_t i0 = (int64_t)std::floor(x);
+        i0 = i0 < 0 ? 0 : (i0 > P - 2 ? P - 2 : i0);
+        const A tt = x - A(i0);
+        hist[i0] += (double)(g * (A(1) - tt));
+        hist[i0 + 1] += (double)(g * tt);
+        if (bias_passes(diff)) {
+          const A dd = g * ((v[i0 + 1] - v[i0]) * half);
+          row -= (double)dd;
+          gdt[j] += (double)dd;
+        }
+      }
+      gq[i] = (A)row;
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < p.Bd; ++j) {
+    double s = 0;
+    for (int t = 0; t < used_threads; ++t) s += gd_thread[(size_t)t * p.Bd + j];
+    gd[j] = (A)s;
+  }
+}
+
 template <template <typename, typename> class Fn>
 void dispatch(const OffsetBiasParams& p) {
   dispatch_float(p.dtype, [&](auto t) {
@@ -417,11 +514,15 @@ void dispatch(const OffsetBiasParams& p) {
 template <typename T, typename A> struct FwdFn { static void run(const OffsetBiasParams& p) { fwd<T, A>(p); } };
 template <typename T, typename A> struct BwdFn { static void run(const OffsetBiasParams& p) { bwd<T, A>(p); } };
 template <typename T, typename A> struct LookupFn { static void run(const OffsetBiasParams& p) { lookup<T, A>(p); } };
+template <typename T, typename A> struct TableFwdFn { static void run(const OffsetBiasParams& p) { table_fwd<T, A>(p); } };
+template <typename T, typename A> struct TableBwdFn { static void run(const OffsetBiasParams& p) { table_bwd<T, A>(p); } };
 
 }  // namespace
 
 void offset_bias_fwd_cpu(const OffsetBiasParams& p) { dispatch<FwdFn>(p); }
 void offset_bias_bwd_cpu(const OffsetBiasParams& p) { dispatch<BwdFn>(p); }
 void offset_bias_lookup_cpu(const OffsetBiasParams& p) { dispatch<LookupFn>(p); }
+void offset_bias_table_fwd_cpu(const OffsetBiasParams& p) { dispatch<TableFwdFn>(p); }
+void offset_bias_table_bwd_cpu(const OffsetBiasParams& p) { dispatch<TableBwdFn>(p); }
 
 }  // namespace tk

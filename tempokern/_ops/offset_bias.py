@@ -8,11 +8,21 @@ from typing import List, Tuple
 
 import torch
 
-from ..reference.offset_bias import bias_frequencies, offset_features
+from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
 from .common import (check_finite, check_same_device, check_tensor, dtype_code, kernels, launch_args,
                      on_cuda_path, ptr, sm_count)
 
+# Module-level caches, bounded (issue 13 item 20): the frequency vectors per (D, dtype, device) and the
+# classification grids per D. At most _CACHE_MAX entries each; the oldest entry goes first.
+_CACHE_MAX = 16
 _freqs: dict = {}
+
+
+def _cache_put(cache: dict, key, value):
+    while len(cache) >= _CACHE_MAX:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -30,16 +40,18 @@ def _frequencies(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     key = (D, dtype, str(device))
     f = _freqs.get(key)
     if f is None:
-        f = _freqs[key] = bias_frequencies(D, dtype, device).contiguous()
+        f = _cache_put(_freqs, key, bias_frequencies(D, dtype, device).contiguous())
     return f
 
 
 def _num_parts(device: torch.device, Bq: int, Bd: int) -> int:
-    """Partial-sum slots of the backward reduction: one per CPU thread, one per CUDA block."""
-    if on_cuda_path(device):  # grid: ceil(Bd / 32) column blocks x gy row groups (csrc/offset_bias/*.cu)
+    """Partial-sum slots of the backward reduction: one per CPU thread, one per CUDA block. CUDA grid (both
+    directions): gx = ceil(Bd / 32) column blocks x gy row groups with gx * gy >= 8 x SMs where the batch has
+    the rows (csrc/offset_bias/offset_bias_cuda.cu); the forward takes gy from this too."""
+    if on_cuda_path(device):
         gx = max(1, -(-Bd // 32))
         sms = sm_count(device)
-        return gx * max(1, min(-(-Bq // 8), -(-8 * sms // gx)))
+        return gx * max(1, min(-(-Bq // 8), -(-8 * sms // gx), 65535))
     return max(64, os.cpu_count() or 1)
 
 
@@ -57,7 +69,7 @@ def _grid(D: int):
         f = bias_frequencies(D, torch.float64)
         fsq = torch.cat([f * f, f * f])[:D]
         fsq = torch.cat([fsq, fsq.new_zeros(D - fsq.numel())])
-        g = _grids[D] = (offset_features(d, D), fsq)
+        g = _cache_put(_grids, D, (offset_features(d, D), fsq))
     return g
 
 
@@ -100,8 +112,10 @@ def _prepared(u_q, u_d, w1, b1, w2, b2, scale):
         if bool(on.any()) or bool(off.any()):
             mix = (~on & ~off).nonzero().flatten()
             on_idx = on.nonzero().flatten()
-            lin_w = (w2a[on_idx, None] * w1a[on_idx]).sum(0, keepdim=True)
-            lin_b = (w2a[on_idx] * b1a[on_idx]).sum().reshape(1)
+            # merged in float64, rounded once (float32 calls: a float32 sum of products here would put one
+            # correlated rounding error into every pair's y)
+            lin_w = (w2a[on_idx, None].double() * w1a[on_idx].double()).sum(0, keepdim=True).to(acc)
+            lin_b = (w2a[on_idx].double() * b1a[on_idx].double()).sum().reshape(1).to(acc)
             kw1 = torch.cat([lin_w, w1a[mix]]).contiguous()
             kb1 = torch.cat([lin_b, b1a[mix]]).contiguous()
             kw2 = torch.cat([w2a.new_ones(1), w2a[mix]]).contiguous()
@@ -123,9 +137,10 @@ def _offset_bias(u_q: torch.Tensor, u_d: torch.Tensor, w1: torch.Tensor, b1: tor
         return out
     uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, _, _ = _prepared(u_q, u_d, w1, b1, w2, b2, scale)
     dev, stream = launch_args(u_q)
+    nparts = _num_parts(u_q.device, Bq, Bd) if on_cuda_path(u_q) else 0  # CUDA: sets the grid
     kernels().offset_bias_launch("fwd", dev, stream, dtype_code(out), Bq, Bd, D, kw1.shape[0], ptr(uq), ptr(ud), ptr(f),
                           ptr(kw1), kw1.stride(0), ptr(kb1), ptr(kw2), ptr(b2a), ptr(sa), ptr(out), out.stride(0),
-                          0, 0, 1, 0, 0, 0, 0, 0, 0, nlin)
+                          0, 0, 1, 0, 0, 0, nparts, 0, 0, nlin)
     return out
 
 
@@ -150,14 +165,21 @@ def _offset_bias_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tens
     nparts = _num_parts(u_q.device, Bq, Bd)
     kh = kw1.shape[0]
     psz = kh * (D + 1) + 2
-    g_uq = torch.empty(Bq, dtype=acc, device=u_q.device)
-    g_ud = torch.empty(Bd, dtype=acc, device=u_q.device)
-    parts = torch.empty(nparts, psz, dtype=acc, device=u_q.device)
+    if on_cuda_path(u_q):  # per-block partials: d u_q (gx, Bq) in acc, d u_d (gy, Bd) and slots in float64
+        gx = max(1, -(-Bd // 32))
+        g_uq = torch.empty(gx, Bq, dtype=acc, device=u_q.device)
+        g_ud = torch.empty(nparts // gx, Bd, dtype=torch.float64, device=u_q.device)
+        parts = torch.empty(nparts, psz, dtype=torch.float64, device=u_q.device)
+    else:
+        g_uq = torch.empty(1, Bq, dtype=acc, device=u_q.device)
+        g_ud = torch.empty(1, Bd, dtype=acc, device=u_q.device)
+        parts = torch.empty(nparts, psz, dtype=acc, device=u_q.device)
     kernels().offset_bias_launch("bwd", dev, stream, dtype_code(grad), Bq, Bd, D, kh, ptr(uq), ptr(ud), ptr(f),
                           ptr(kw1), kw1.stride(0), ptr(kb1), ptr(kw2), ptr(b2a), ptr(sa), 0, 0,
                           ptr(grad), grad.stride(0), grad.stride(1), ptr(g_uq), ptr(g_ud), ptr(parts), nparts, 0, 0,
                           nlin)
-    tot = parts.sum(0)
+    tot = parts.double().sum(0)
+    g_uq, g_ud = g_uq.double().sum(0), g_ud.double().sum(0)
     s1, s0 = tot[-2], tot[-1]
     Rk = tot[:kh * (D + 1)].view(kh, D + 1)
     if mapping is None:
@@ -168,11 +190,12 @@ def _offset_bias_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tens
         R[on_idx] = Rk[0]
         R[mix] = Rk[1:]
     # Weight gradients from R = sum_pairs M phi (see csrc/offset_bias/bias_math.h).
-    g_w1 = w2a[:, None] * R[:, :D]
-    g_b1 = w2a * R[:, D]
-    g_w2 = b1a * R[:, D] + (w1a * R[:, :D]).sum(1)
-    g_scale = s1 + b2a[0] * s0
-    g_b2 = sa[0] * s0
+    w2d, b1d, w1d = w2a.double(), b1a.double(), w1a.double()  # the last products in float64 too
+    g_w1 = w2d[:, None] * R[:, :D]
+    g_b1 = w2d * R[:, D]
+    g_w2 = b1d * R[:, D] + (w1d * R[:, :D]).sum(1)
+    g_scale = s1 + b2a[0].double() * s0
+    g_b2 = sa[0].double() * s0
     return [g_uq.to(u_q.dtype), g_ud.to(u_d.dtype), g_w1.to(w1.dtype), g_b1.to(b1.dtype).reshape(b1.shape),
             g_w2.to(w2.dtype).reshape(w2.shape), g_b2.to(b2.dtype).reshape(b2.shape),
             g_scale.to(scale.dtype).reshape(scale.shape)]
@@ -222,15 +245,105 @@ def _validate(u_q, u_d, w1, b1, w2, b2, scale) -> None:
         check_finite(name, t)
 
 
+def check_table_points(name: str, points) -> int:
+    """A table size: an int >= 2 (bools rejected)."""
+    if isinstance(points, bool) or not isinstance(points, int):
+        raise TypeError(f"{name} must be an int (or None), got {type(points).__name__}")
+    if points < 2:
+        raise ValueError(f"{name} must be >= 2, got {points}")
+    return points
+
+
 def offset_bias(u_q: torch.Tensor, u_d: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
-                b2: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+                b2: torch.Tensor, scale: torch.Tensor, table_points=None) -> torch.Tensor:
     """Relative-offset bias (Bq, Bd): scale * (w2 . relu(w1 phi(clamp(u_d[j] - u_q[i], -1, 1)) + b1) + b2).
 
     u_q (Bq,), u_d (Bd,), w1 (hidden, D), b1 (hidden,), w2 (1, hidden), b2 (1,), scale 0-d; phi as in
     :func:`tempokern.reference.offset_bias`. Output in the promoted dtype of the inputs (float32
-    accumulation, float64 for float64); differentiable in all seven inputs. Memory O(Bq*Bd + B*D)."""
+    accumulation, float64 for float64); differentiable in all seven inputs. Memory O(Bq*Bd + B*D).
+
+    ``table_points=N`` (an int >= 2) is the training table mode: the MLP is evaluated exactly in float64 at
+    the N grid points delta_p = -1 + 2p/(N-1) (:func:`tempokern.reference.offset_bias_table`, differentiable
+    torch), and the kernels interpolate linearly between them; gradients are exact for that interpolated
+    function (spec: :func:`tempokern.reference.offset_bias_tabulated`) and reach all seven inputs. The output
+    then has the promoted dtype of u_q and u_d (like the lookup). Extra memory O(N x 2 SMs) float64 on CUDA."""
     _validate(u_q, u_d, w1, b1, w2, b2, scale)
-    return torch.ops.tempokern.offset_bias(u_q, u_d, w1, b1, w2, b2, scale)
+    if table_points is None:
+        return torch.ops.tempokern.offset_bias(u_q, u_d, w1, b1, w2, b2, scale)
+    N = check_table_points("table_points", table_points)
+    return torch.ops.tempokern.offset_bias_interp(u_q, u_d, offset_bias_table(w1, b1, w2, b2, scale, N))
+
+
+# ---- training table mode: interpolation of a differentiable table -----------------------------------
+
+def _table_parts(device: torch.device, Bq: int, Bd: int):
+    """(rparts, cparts, nparts): rows of the d u_q / d u_d partial arrays and histogram slots of the table
+    backward (CUDA: one per column / row tile and one per CTA, grid = min(tiles, 2 x SMs); CPU: 1, 1, threads)."""
+    if on_cuda_path(device):
+        n_ct, n_rt = -(-Bd // _TABLE_TILE_COLS), -(-Bq // _TABLE_TILE_ROWS)
+        return n_ct, n_rt, max(1, min(n_ct * n_rt, 2 * sm_count(device)))
+    return 1, 1, max(1, min(64, os.cpu_count() or 1))
+
+
+_TABLE_TILE_ROWS, _TABLE_TILE_COLS = 64, 256  # csrc/offset_bias/offset_bias.h kTableTile{Rows,Cols}
+
+
+@torch.library.custom_op("tempokern::offset_bias_interp", mutates_args=())
+def _offset_bias_interp(u_q: torch.Tensor, u_d: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    out_dt = torch.promote_types(u_q.dtype, u_d.dtype)
+    acc = _acc(out_dt)
+    Bq, Bd = u_q.shape[0], u_d.shape[0]
+    out = torch.empty(Bq, Bd, dtype=out_dt, device=u_q.device)
+    if Bq == 0 or Bd == 0:
+        return out
+    uq, ud, v = u_q.to(acc).contiguous(), u_d.to(acc).contiguous(), values.to(acc).contiguous()
+    dev, stream = launch_args(u_q)
+    kernels().offset_bias_launch("tfwd", dev, stream, dtype_code(out), Bq, Bd, 0, 0, ptr(uq), ptr(ud), 0, 0, 0, 0, 0,
+                                 0, 0, ptr(out), out.stride(0), 0, 0, 1, 0, 0, 0, 0, ptr(v), v.numel(), 0)
+    return out
+
+
+@_offset_bias_interp.register_fake
+def _(u_q, u_d, values):
+    return u_q.new_empty(u_q.shape[0], u_d.shape[0], dtype=torch.promote_types(u_q.dtype, u_d.dtype))
+
+
+@torch.library.custom_op("tempokern::offset_bias_interp_backward", mutates_args=())
+def _offset_bias_interp_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tensor,
+                                 values: torch.Tensor) -> List[torch.Tensor]:
+    out_dt = torch.promote_types(u_q.dtype, u_d.dtype)
+    acc = _acc(out_dt)
+    Bq, Bd, N = u_q.shape[0], u_d.shape[0], values.shape[0]
+    dev_t = u_q.device
+    if Bq == 0 or Bd == 0:
+        return [torch.zeros_like(u_q), torch.zeros_like(u_d), torch.zeros_like(values)]
+    uq, ud, v = u_q.to(acc).contiguous(), u_d.to(acc).contiguous(), values.to(acc).contiguous()
+    grad = grad.to(out_dt)
+    rparts, cparts, nparts = _table_parts(dev_t, Bq, Bd)
+    g_uq = torch.empty(rparts, Bq, dtype=acc, device=dev_t)
+    g_ud = torch.empty(cparts, Bd, dtype=acc, device=dev_t)
+    hist = torch.empty(nparts, N, dtype=torch.float64, device=dev_t)
+    dev, stream = launch_args(u_q)
+    kernels().offset_bias_launch("tbwd", dev, stream, dtype_code(grad), Bq, Bd, 0, 0, ptr(uq), ptr(ud), 0, 0, 0, 0, 0,
+                                 0, 0, 0, 0, ptr(grad), grad.stride(0), grad.stride(1), ptr(g_uq), ptr(g_ud),
+                                 ptr(hist), nparts, ptr(v), N, 0)
+    return [g_uq.double().sum(0).to(u_q.dtype), g_ud.double().sum(0).to(u_d.dtype), hist.sum(0).to(values.dtype)]
+
+
+@_offset_bias_interp_backward.register_fake
+def _(grad, u_q, u_d, values):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (u_q, u_d, values)]
+
+
+def _interp_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _interp_backward(ctx, grad):
+    return tuple(torch.ops.tempokern.offset_bias_interp_backward(grad, *ctx.saved_tensors))
+
+
+_offset_bias_interp.register_autograd(_interp_backward, setup_context=_interp_setup)
 
 
 # ---- table lookup (inference) ----------------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import Tuple
 import torch
 from torch import nn
 
-from .._ops.offset_bias import offset_bias, offset_bias_lookup
+from .._ops.offset_bias import check_table_points, offset_bias, offset_bias_lookup
 from ..reference.offset_bias import offset_bias_table_values
 
 #: Default table size (16 KiB of float32). Worst absolute error vs the exact op, measured over 200 randomly
@@ -81,9 +81,14 @@ class OffsetBias(nn.Module):
     ``mlp = Sequential(Linear(features, hidden), ReLU(), Linear(hidden, 1))`` and ``scale`` (the paper's
     eps, initialised at 0 so training starts from the absolute-only scorer). The names map one to one onto
     the published ChunQiuTR checkpoints: ``time_rel_mlp.*`` -> ``mlp.*`` and ``time_rel_alpha`` -> ``scale``.
-    ``forward(u_q, u_d)`` returns the (Bq, Bd) bias through the fused op :func:`tempokern.offset_bias`."""
+    ``forward(u_q, u_d)`` returns the (Bq, Bd) bias through the fused op :func:`tempokern.offset_bias`.
 
-    def __init__(self, features: int = 32, hidden: int = 32):
+    ``table_points=N`` (constructor argument or attribute, default None = exact MLP) trains through the table
+    mode: the MLP is evaluated exactly at N grid points of delta and interpolated (``offset_bias(...,
+    table_points=N)``); gradients are exact for the interpolant. See docs/offset_bias.md for the error vs the
+    exact bias and the recommended N."""
+
+    def __init__(self, features: int = 32, hidden: int = 32, table_points=None):
         super().__init__()
         for name, v in (("features", features), ("hidden", hidden)):
             if isinstance(v, bool) or not isinstance(v, int):
@@ -93,9 +98,10 @@ class OffsetBias(nn.Module):
         self.features, self.hidden = features, hidden
         self.mlp = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
         self.scale = nn.Parameter(torch.tensor(0.0))
+        self.table_points = None if table_points is None else check_table_points("table_points", table_points)
 
     def forward(self, u_q: torch.Tensor, u_d: torch.Tensor) -> torch.Tensor:
-        return offset_bias(u_q, u_d, *bias_params(self))
+        return offset_bias(u_q, u_d, *bias_params(self), table_points=self.table_points)
 
     @torch.no_grad()
     def table(self, points: int = DEFAULT_TABLE_POINTS) -> BiasTable:
@@ -107,4 +113,5 @@ class OffsetBias(nn.Module):
         return BiasTable(offset_bias_table_values(*bias_params(self), points))
 
     def extra_repr(self) -> str:
-        return f"features={self.features}, hidden={self.hidden}"
+        extra = "" if self.table_points is None else f", table_points={self.table_points}"
+        return f"features={self.features}, hidden={self.hidden}{extra}"
