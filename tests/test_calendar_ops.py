@@ -329,13 +329,15 @@ def test_float64_parity_odd_sizes(B, sizes, dim, device):
             torch.testing.assert_close(g, r, atol=1e-9, rtol=0)
 
 
-@pytest.mark.parametrize("sms", [1, 58, 108, 132])
+@pytest.mark.parametrize("sms,per_sm", [(1, 2), (58, None), (108, None), (132, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cuda_grid_stride_at_sm_counts(sms, dtype, gpu, monkeypatch):
-    # The CUDA grid is min(row tiles, 8 x SM count): with 1 SM, 8 CTAs walk 17 tiles of 128 rows (33 of 64 in
-    # float64), so every CTA loops; 58 (L4), 108 (A100) and 132 (H100) give one tile per CTA here. Every row
-    # must come out right, forward and backward, with levels of 1, 12, 33 classes and dim 40.
+def test_cuda_grid_stride_at_sm_counts(sms, per_sm, dtype, gpu, monkeypatch):
+    # The CUDA grid is min(row tiles, _CTAS_PER_SM x SM count). With 1 SM and 2 CTAs per SM, 2 CTAs walk 17
+    # tiles of 128 rows (33 of 64 in float64): every CTA loops. 58 (L4), 108 (A100) and 132 (H100) SMs at the
+    # real factor give one tile per CTA here. Every row must come out right, forward and backward, with
+    # levels of 1, 12 and 33 classes and dim 40.
     import tempokern._ops.common as common
+    from tempokern._ops import calendar as cal
     seen = []
     real = common.sm_count
 
@@ -344,6 +346,8 @@ def test_cuda_grid_stride_at_sm_counts(sms, dtype, gpu, monkeypatch):
         return sms
 
     monkeypatch.setattr(common, "sm_count", fake)
+    if per_sm is not None:
+        monkeypatch.setattr(cal, "_CTAS_PER_SM", per_sm)
     B, sizes, dim = 128 * 16 + 5, [1, 12, 33], 40
     xs = make_logits(B, sizes, dtype=dtype, device=gpu)
     x64 = [x.detach().double().requires_grad_() for x in xs]
@@ -371,3 +375,40 @@ def test_table_cache_is_bounded():
         cal._table(n, 4, torch.float32, torch.device("cpu"))
         assert cal._table(5, 3, torch.float32, torch.device("cpu")) is keep
     assert len(cal._tables) == cal._TABLE_CACHE_SIZE
+
+
+@pytest.mark.emu
+def test_cuda_kernels_do_not_depend_on_thread_order(cuda_emu, monkeypatch):
+    # The emulator runs each block's threads to their next barrier in a seeded random order: a missing
+    # __syncthreads around the shared tiles changes results. Every output element is written by one thread
+    # in a fixed order, so results must be bitwise equal. Multi-chunk levels, odd dim, grid-stride (1 SM).
+    import tempokern._ops.common as common
+    from tempokern._ops.common import cuda_emulator
+    from tempokern._ops import calendar as cal
+    monkeypatch.setattr(common, "sm_count", lambda device: 1)
+    monkeypatch.setattr(cal, "_CTAS_PER_SM", 3)
+    g = torch.Generator().manual_seed(5)
+
+    def run():
+        outs = []
+        for dt in (torch.float32, torch.float64, torch.bfloat16):
+            xs = [(3 * torch.randn(1100, n, generator=g)).to(dt).requires_grad_() for n in (70, 1, 12, 33)]
+            u = tempokern.calendar_scalar(xs, 0.7)
+            outs += [u, *torch.autograd.grad((u * torch.randn(u.shape, generator=g)).sum(), xs)]
+            c = tempokern.calendar_context(xs, 37, 0.7)
+            w = torch.randn(c.shape, generator=g).to(dt)
+            outs += [c, *torch.autograd.grad((c * w).sum(), xs)]
+        return outs
+
+    try:
+        with cuda_emulator(cuda_emu):
+            cuda_emu.emu_set_seed(0)
+            g.manual_seed(5)
+            base = run()
+            for s in (1, 2):
+                cuda_emu.emu_set_seed(s)
+                g.manual_seed(5)
+                for i, (a, b) in enumerate(zip(base, run())):
+                    assert torch.equal(a, b), (s, i)
+    finally:
+        cuda_emu.emu_set_seed(0)

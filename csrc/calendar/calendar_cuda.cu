@@ -2,7 +2,7 @@
 //
 // Design (memory-bound ops; see docs in tempokern/_ops/calendar.py):
 // - A CTA owns a tile of R rows (R = its thread count: 128 for float/half/bf16, 64 for double) and walks
-//   tiles with a grid-stride loop; the grid is min(tiles, max_ctas), max_ctas = 8 x the SM count (Python).
+//   tiles with a grid-stride loop; the grid is min(tiles, max_ctas), max_ctas = 64 x the SM count (Python).
 // - Every global access is a flat tile copy: consecutive threads touch consecutive columns of a row, then
 //   the next row (logits tiles, the gradient tile, the output tile), so loads and stores are coalesced
 //   whatever the level size n or the dim. Tiles are at most kCW = 32 columns wide (longer levels and
@@ -36,16 +36,27 @@ __host__ __device__ inline int64_t round32(int64_t x) { return (x + kCW - 1) / k
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // dst[r * kLd + c] = scale * src[r * rs + c * cs] for r < rows, c < cw: consecutive threads read
-// consecutive columns of a row, then the next row (coalesced when cs == 1).
+// consecutive columns of a row, then the next row (coalesced when cs == 1). Each thread issues kU loads
+// before it stores any (memory-level parallelism: up to kU loads in flight per thread).
+constexpr int kU = 8;
 template <int NT, typename S, typename A>
 __device__ __forceinline__ void load_tile(A* dst, const S* src, int64_t rs, int64_t cs, int rows, int cw, A scale) {
   const int total = rows * cw, dr = NT / cw, dc = NT % cw;
   int r = (int)threadIdx.x / cw, c = (int)threadIdx.x % cw;
-  for (int i = threadIdx.x; i < total; i += NT) {
-    dst[r * kLd + c] = to_acc(src[r * rs + c * cs]) * scale;
-    r += dr;
-    c += dc;
-    if (c >= cw) { c -= cw; ++r; }
+  for (int i0 = threadIdx.x; i0 < total; i0 += NT * kU) {
+    A v[kU];
+    int off[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      off[u] = r * kLd + c;
+      v[u] = (i0 + u * NT < total) ? to_acc(src[r * rs + c * cs]) * scale : A(0);
+      r += dr;
+      c += dc;
+      if (c >= cw) { c -= cw; ++r; }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (i0 + u * NT < total) dst[off[u]] = v[u];
   }
 }
 

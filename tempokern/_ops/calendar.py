@@ -15,7 +15,11 @@ from .common import (check_finite, check_positive, check_same_device, check_tens
 
 _MAX_LEVELS = 8  # csrc/calendar/calendar.h::kMaxCalendarLevels
 _CW = 32  # csrc/calendar/calendar_cuda.cu::kCW: CUDA tables are zero-padded to multiples of it
-_CTAS_PER_SM = 8  # CUDA grid: min(row tiles, 8 x SM count) CTAs, grid-stride over the tiles
+# CUDA grid: min(row tiles, 64 x SM count) CTAs of 128 rows (64 in float64), grid-stride over the tiles beyond.
+# A cap, not a target: 1M rows are 8,192 tiles -> 8,192 CTAs, ~10 waves at the 6 resident CTAs per SM of an
+# H100 (5 in the backward), so the last wave's tail is short; a small fixed multiple (8 x SMs) would leave
+# 1.3 waves and up to half the card idle at the end. At least 2 x SMs whenever there are that many tiles.
+_CTAS_PER_SM = 64
 _TABLE_CACHE_SIZE = 32  # Fourier tables kept (least recently used dropped): bounded, pins little memory
 _tables: "collections.OrderedDict" = collections.OrderedDict()
 
@@ -56,7 +60,7 @@ def _table(n: int, dim: int, dtype: torch.dtype, device: torch.device, layout: s
 
 
 def _max_ctas(x: torch.Tensor) -> int:
-    return _CTAS_PER_SM * common.sm_count(x.device) if on_cuda_path(x) else 0
+    return max(1, _CTAS_PER_SM * common.sm_count(x.device)) if on_cuda_path(x) else 0
 
 
 def _chunks(n: int):
