@@ -412,3 +412,24 @@ def test_cuda_kernels_do_not_depend_on_thread_order(cuda_emu, monkeypatch):
                     assert torch.equal(a, b), (s, i)
     finally:
         cuda_emu.emu_set_seed(0)
+
+
+def test_non_finite_logits_match_torch(device):
+    # -inf masks classes (finite result, also when a whole 32-class chunk of a level is -inf: the online
+    # softmax must not turn exp(-inf - -inf) into NaN); NaN, +inf and all -inf rows give NaN as in torch.
+    xs = make_logits(6, [40, 5], dtype=torch.float64, device=device)
+    with torch.no_grad():
+        xs[0][0, :32] = float("-inf")   # first chunk of a row all -inf, the rest finite
+        xs[0][1, 3] = float("-inf")
+        xs[1][2, 1] = float("nan")
+        xs[1][3, 4] = float("inf")
+        xs[1][4, :] = float("-inf")     # whole row masked
+    for fused, plain in ((lambda a: tempokern.calendar_scalar(a, 0.8), lambda a: ref.calendar_scalar(a, 0.8)),
+                         (lambda a: tempokern.calendar_context(a, 7, 0.8),
+                          lambda a: ref.calendar_context(a, 7, 0.8))):
+        got, want = fused(xs), plain(xs)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0, equal_nan=True)
+        assert torch.isfinite(got[[0, 1, 5]]).all()
+        w = torch.randn_like(want)
+        for g, r in zip(grads(got, xs, w), grads(want, xs, w)):
+            torch.testing.assert_close(g, r, atol=1e-12, rtol=0, equal_nan=True)

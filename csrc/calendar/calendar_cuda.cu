@@ -84,7 +84,8 @@ __device__ __forceinline__ void chunk_stats(const A* x, int cw, int64_t c0, A& m
   s *= scale;
   if (WithE) e *= scale;
   for (int c = 0; c < cw; ++c) {
-    const A ex = exp(x[c] - mc);
+    // -inf adds 0 even while the running max is -inf (exp(-inf - -inf) would be NaN); NaN still propagates
+    const A ex = x[c] == -INFINITY ? A(0) : exp(x[c] - mc);
     s += ex;
     if (WithE) e += (A)(c0 + c) * ex;
   }
