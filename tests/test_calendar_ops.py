@@ -65,6 +65,40 @@ def test_single_slot_calendar_gives_zero():
     assert torch.equal(tempokern.calendar_scalar(xs), torch.zeros(4))
 
 
+def test_fourier_table_pinned_values():
+    # Hand-written values (math.sin/cos of the positions times the frequencies 1, 1e-2, 1e-4), independent of
+    # tempokern.reference: n = 3 -> positions 0, 1/2, 1; dim = 7 -> half = 3, freqs exp(-ln(1e4) i / 2), i < 3,
+    # columns [sin x3, cos x3, 0].
+    want = torch.tensor([
+        [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0],
+        [0.479425538604203, 0.004999979166692708, 4.999999997916667e-05,
+         0.8775825618903728, 0.9999875000260416, 0.99999999875, 0.0],
+        [0.8414709848078965, 0.009999833334166664, 9.999999983333334e-05,
+         0.5403023058681398, 0.9999500004166653, 0.999999995, 0.0],
+    ], dtype=torch.float64)
+    for fn in (tempokern.fourier_table, ref.fourier_table):
+        torch.testing.assert_close(fn(3, 7, dtype=torch.float64), want, atol=1e-15, rtol=0)
+        torch.testing.assert_close(fn(3, 6, dtype=torch.float64), want[:, :6], atol=1e-15, rtol=0)
+        # half = 1: one frequency, exp(0) = 1 (the max(1, half - 1) guard)
+        torch.testing.assert_close(fn(3, 2, dtype=torch.float64), want[:, [0, 3]], atol=1e-15, rtol=0)
+        # dim = 1: ChunQiuTR returns the position column c / (n - 1) (issue 13, item 6)
+        torch.testing.assert_close(fn(5, 1, dtype=torch.float64),
+                                   torch.tensor([[0.0], [0.25], [0.5], [0.75], [1.0]], dtype=torch.float64))
+        assert torch.equal(fn(1, 1, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64))
+        assert torch.equal(fn(1, 3, dtype=torch.float64), torch.tensor([[0.0, 1.0, 0.0]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("sizes", [[5], [1, 7], [33]])
+def test_context_dim_one_is_expected_position(sizes, device):
+    # with the position column as codebook, calendar_context(dim=1) is each level's expected c / (n - 1)
+    xs = make_logits(23, sizes, dtype=torch.float64, device=device)
+    got = tempokern.calendar_context(xs, 1, 0.9)
+    for l, x in enumerate(xs):
+        n = x.shape[1]
+        e = torch.softmax(x.detach() / 0.9, -1) @ torch.arange(n, dtype=torch.float64, device=device)
+        torch.testing.assert_close(got[:, l], e / max(1, n - 1), atol=1e-12, rtol=0)
+
+
 def test_fourier_table_definition():
     n, dim = 5, 9
     t = tempokern.fourier_table(n, dim)
@@ -79,9 +113,10 @@ def test_fourier_table_definition():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("op", ["scalar", "context"])
-def test_low_precision_within_twice_torch_error(dtype, op, device):
+@pytest.mark.parametrize("sizes,dim", [([12, 32, 12], 32), ([70, 1, 7], 45)])
+def test_low_precision_within_twice_torch_error(dtype, op, sizes, dim, device):
     # flash-attention's rule: error vs a float32 reference at most twice plain PyTorch's own error in that dtype.
-    B, sizes, dim, tau = 257, [12, 32, 12], 32, 0.5
+    B, tau = 257, 0.5
     xs = make_logits(B, sizes, dtype=dtype, device=device)
     xs32 = [x.detach().float().requires_grad_() for x in xs]
     if op == "scalar":
@@ -110,7 +145,17 @@ def test_gradcheck_float64():
     xs = make_logits(6, [3, 4, 2], dtype=torch.float64)
     assert torch.autograd.gradcheck(lambda *a: tempokern.calendar_scalar(list(a), 0.8), xs)
     assert torch.autograd.gradcheck(lambda *a: tempokern.calendar_context(list(a), 6, 0.8), xs)
-    assert torch.autograd.gradgradcheck is not None
+
+
+@pytest.mark.parametrize("op", ["scalar", "context"])
+def test_double_backward_is_not_supported(op):
+    # The ops are differentiable once (their backward is a custom op without a formula of its own):
+    # a second derivative must fail loudly, not return zeros.
+    xs = make_logits(4, [3, 5], dtype=torch.float64)
+    out = tempokern.calendar_scalar(xs) if op == "scalar" else tempokern.calendar_context(xs, 4)
+    g = torch.autograd.grad(out.square().sum(), xs, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        torch.autograd.grad(sum(x.sum() for x in g), xs)
 
 
 def test_opcheck(device):
@@ -256,3 +301,136 @@ def test_context_backward_reads_strided_gradients(kind, device):
         (ref.calendar_context(xr, 24, 0.8) * w).sum().backward()
     for a, b in zip(xs, xr):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4)
+
+
+# ---- CUDA kernels: layout, chunking and grid-stride paths ---------------------------------------
+
+ODD = [  # (B, level sizes, dim): levels of 1 and of more than 32 classes (several chunks), odd dims
+    (1, [1], 1),
+    (3, [1, 1], 5),
+    (129, [33, 1, 12], 33),
+    (130, [64, 65], 31),
+    (67, [12, 32, 12], 100),
+    (40, [97], 64),
+]
+
+
+@pytest.mark.parametrize("B,sizes,dim", ODD)
+def test_float64_parity_odd_sizes(B, sizes, dim, device):
+    # float64: fused forward and every gradient within 1e-9 of the reference (CPU kernels and CUDA kernels)
+    xs = make_logits(B, sizes, dtype=torch.float64, device=device)
+    for fused, plain in ((lambda a: tempokern.calendar_scalar(a, 0.7), lambda a: ref.calendar_scalar(a, 0.7)),
+                         (lambda a: tempokern.calendar_context(a, dim, 0.7),
+                          lambda a: ref.calendar_context(a, dim, 0.7))):
+        got, want = fused(xs), plain(xs)
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want, atol=1e-9, rtol=0)
+        w = torch.randn_like(want)
+        for g, r in zip(grads(got, xs, w), grads(want, xs, w)):
+            torch.testing.assert_close(g, r, atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("sms,per_sm", [(1, 2), (58, None), (108, None), (132, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_grid_stride_at_sm_counts(sms, per_sm, dtype, gpu, monkeypatch):
+    # The CUDA grid is min(row tiles, _CTAS_PER_SM x SM count). With 1 SM and 2 CTAs per SM, 2 CTAs walk 17
+    # tiles of 128 rows (33 of 64 in float64): every CTA loops. 58 (L4), 108 (A100) and 132 (H100) SMs at the
+    # real factor give one tile per CTA here. Every row must come out right, forward and backward, with
+    # levels of 1, 12 and 33 classes and dim 40.
+    import tempokern._ops.common as common
+    from tempokern._ops import calendar as cal
+    seen = []
+    real = common.sm_count
+
+    def fake(device):
+        seen.append(real(device))
+        return sms
+
+    monkeypatch.setattr(common, "sm_count", fake)
+    if per_sm is not None:
+        monkeypatch.setattr(cal, "_CTAS_PER_SM", per_sm)
+    B, sizes, dim = 128 * 16 + 5, [1, 12, 33], 40
+    xs = make_logits(B, sizes, dtype=dtype, device=gpu)
+    x64 = [x.detach().double().requires_grad_() for x in xs]
+    tol = dict(atol=1e-9, rtol=0) if dtype == torch.float64 else dict(atol=2e-6, rtol=1e-5)
+    gtol = dict(atol=1e-9, rtol=0) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-4)
+    for fused, plain in ((lambda a: tempokern.calendar_scalar(a, 0.6), lambda a: ref.calendar_scalar(a, 0.6)),
+                         (lambda a: tempokern.calendar_context(a, dim, 0.6),
+                          lambda a: ref.calendar_context(a, dim, 0.6))):
+        got, want = fused(xs), plain(x64)
+        torch.testing.assert_close(got.double(), want, **tol)
+        w = torch.randn_like(want)
+        for g, r in zip(grads(got, xs, w), grads(want, x64, w)):
+            torch.testing.assert_close(g.double(), r, **gtol)
+    assert seen, "the CUDA launch did not ask sm_count for its grid"
+
+
+def test_table_cache_is_bounded():
+    from tempokern._ops import calendar as cal
+    for n in range(1, 3 * cal._TABLE_CACHE_SIZE):
+        cal._table(n, 8, torch.float32, torch.device("cpu"))
+    assert len(cal._tables) == cal._TABLE_CACHE_SIZE
+    # least recently used goes first: a table used again survives
+    keep = cal._table(5, 3, torch.float32, torch.device("cpu"))
+    for n in range(1, cal._TABLE_CACHE_SIZE):
+        cal._table(n, 4, torch.float32, torch.device("cpu"))
+        assert cal._table(5, 3, torch.float32, torch.device("cpu")) is keep
+    assert len(cal._tables) == cal._TABLE_CACHE_SIZE
+
+
+@pytest.mark.emu
+def test_cuda_kernels_do_not_depend_on_thread_order(cuda_emu, monkeypatch):
+    # The emulator runs each block's threads to their next barrier in a seeded random order: a missing
+    # __syncthreads around the shared tiles changes results. Every output element is written by one thread
+    # in a fixed order, so results must be bitwise equal. Multi-chunk levels, odd dim, grid-stride (1 SM).
+    import tempokern._ops.common as common
+    from tempokern._ops.common import cuda_emulator
+    from tempokern._ops import calendar as cal
+    monkeypatch.setattr(common, "sm_count", lambda device: 1)
+    monkeypatch.setattr(cal, "_CTAS_PER_SM", 3)
+    g = torch.Generator().manual_seed(5)
+
+    def run():
+        outs = []
+        for dt in (torch.float32, torch.float64, torch.bfloat16):
+            xs = [(3 * torch.randn(1100, n, generator=g)).to(dt).requires_grad_() for n in (70, 1, 12, 33)]
+            u = tempokern.calendar_scalar(xs, 0.7)
+            outs += [u, *torch.autograd.grad((u * torch.randn(u.shape, generator=g)).sum(), xs)]
+            c = tempokern.calendar_context(xs, 37, 0.7)
+            w = torch.randn(c.shape, generator=g).to(dt)
+            outs += [c, *torch.autograd.grad((c * w).sum(), xs)]
+        return outs
+
+    try:
+        with cuda_emulator(cuda_emu):
+            cuda_emu.emu_set_seed(0)
+            g.manual_seed(5)
+            base = run()
+            for s in (1, 2):
+                cuda_emu.emu_set_seed(s)
+                g.manual_seed(5)
+                for i, (a, b) in enumerate(zip(base, run())):
+                    assert torch.equal(a, b), (s, i)
+    finally:
+        cuda_emu.emu_set_seed(0)
+
+
+def test_non_finite_logits_match_torch(device):
+    # -inf masks classes (finite result, also when a whole 32-class chunk of a level is -inf: the online
+    # softmax must not turn exp(-inf - -inf) into NaN); NaN, +inf and all -inf rows give NaN as in torch.
+    xs = make_logits(6, [40, 5], dtype=torch.float64, device=device)
+    with torch.no_grad():
+        xs[0][0, :32] = float("-inf")   # first chunk of a row all -inf, the rest finite
+        xs[0][1, 3] = float("-inf")
+        xs[1][2, 1] = float("nan")
+        xs[1][3, 4] = float("inf")
+        xs[1][4, :] = float("-inf")     # whole row masked
+    for fused, plain in ((lambda a: tempokern.calendar_scalar(a, 0.8), lambda a: ref.calendar_scalar(a, 0.8)),
+                         (lambda a: tempokern.calendar_context(a, 7, 0.8),
+                          lambda a: ref.calendar_context(a, 7, 0.8))):
+        got, want = fused(xs), plain(xs)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0, equal_nan=True)
+        assert torch.isfinite(got[[0, 1, 5]]).all()
+        w = torch.randn_like(want)
+        for g, r in zip(grads(got, xs, w), grads(want, xs, w)):
+            torch.testing.assert_close(g, r, atol=1e-12, rtol=0, equal_nan=True)

@@ -12,7 +12,7 @@ using LevelArg = std::tuple<uintptr_t, uintptr_t, int64_t, int64_t, double, uint
 
 CalendarParams make_params(int dtype, int64_t B, double inv_tau, const std::vector<LevelArg>& levels,
                            uintptr_t out, uintptr_t grad_out, int64_t out_row_stride, int64_t dim,
-                           bool accumulate, int64_t grad_col_stride) {
+                           bool accumulate, int64_t grad_col_stride, int64_t max_ctas) {
   if (levels.empty() || (int)levels.size() > kMaxCalendarLevels)
     fail("calendar kernels take 1.." + std::to_string(kMaxCalendarLevels) + " levels per launch");
   CalendarParams p;
@@ -37,6 +37,7 @@ CalendarParams make_params(int dtype, int64_t B, double inv_tau, const std::vect
   p.dim = dim;
   p.accumulate = accumulate;
   p.grad_col_stride = grad_col_stride;
+  p.max_ctas = max_ctas;
   return p;
 }
 }  // namespace
@@ -45,9 +46,9 @@ TK_BIND(calendar) {
   m.def("calendar_launch",
         [](const std::string& op, int device, uintptr_t stream, int dtype, int64_t B, double inv_tau,
            const std::vector<LevelArg>& levels, uintptr_t out, uintptr_t grad_out, int64_t out_row_stride,
-           int64_t dim, bool accumulate, int64_t grad_col_stride) {
+           int64_t dim, bool accumulate, int64_t grad_col_stride, int64_t max_ctas) {
           const CalendarParams p = make_params(dtype, B, inv_tau, levels, out, grad_out, out_row_stride, dim,
-                                               accumulate, grad_col_stride);
+                                               accumulate, grad_col_stride, max_ctas);
           if (op == "scalar_fwd")
             run_on(device, [&] { calendar_scalar_fwd_cpu(p); }, [&] { TK_CUDA_ONLY(calendar_scalar_fwd_cuda(p, device, stream)); });
           else if (op == "scalar_bwd")
@@ -62,7 +63,7 @@ TK_BIND(calendar) {
         pybind11::arg("op"), pybind11::arg("device"), pybind11::arg("stream"), pybind11::arg("dtype"),
         pybind11::arg("B"), pybind11::arg("inv_tau"), pybind11::arg("levels"), pybind11::arg("out"),
         pybind11::arg("grad_out"), pybind11::arg("out_row_stride"), pybind11::arg("dim"), pybind11::arg("accumulate"),
-        pybind11::arg("grad_col_stride") = 1);
+        pybind11::arg("grad_col_stride") = 1, pybind11::arg("max_ctas") = 0);
 }
 
 }  // namespace tk

@@ -13,7 +13,9 @@ struct CalendarLevel {
   int64_t n = 0;
   int64_t row_stride = 0;
   double weight = 0.0;           // calendar_scalar: prod(n_k, k > l) / (prod(n) - 1)
-  const void* table = nullptr;   // calendar_context: (n, dim) Fourier table in the accumulation dtype
+  // calendar_context, Fourier table in the accumulation dtype: CPU (n, dim); CUDA forward (n, roundup(dim, 32)),
+  // CUDA backward its transpose (dim, roundup(n, 32)), zero-padded, rows 32-byte aligned.
+  const void* table = nullptr;
   int64_t out_col = 0;           // calendar_context: first output column of this level
 };
 
@@ -31,6 +33,7 @@ struct CalendarParams {
   int64_t grad_col_stride = 1;  // calendar_context backward: grad_out may be a broadcast (stride 0)
   int64_t dim = 0;
   bool accumulate = false;  // calendar_scalar: add to out instead of overwriting
+  int64_t max_ctas = 0;     // CUDA: grid size cap (grid-stride over row tiles); 0 = one CTA per tile
 };
 
 void calendar_scalar_fwd_cpu(const CalendarParams& p);

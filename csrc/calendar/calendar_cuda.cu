@@ -1,5 +1,23 @@
-// CUDA kernels for the soft-calendar ops: one warp per batch row, softmax
-// statistics by warp reduction, probabilities recomputed instead of stored.
+// CUDA kernels for the soft-calendar ops: one thread per batch row, rows staged through shared memory.
+//
+// Design (memory-bound ops; see docs in tempokern/_ops/calendar.py):
+// - A CTA owns a tile of R rows (R = its thread count: 128 for float/half/bf16, 64 for double) and walks
+//   tiles with a grid-stride loop; the grid is min(tiles, max_ctas), max_ctas = 64 x the SM count (Python).
+// - Every global access is a flat tile copy: consecutive threads touch consecutive columns of a row, then
+//   the next row (logits tiles, the gradient tile, the output tile), so loads and stores are coalesced
+//   whatever the level size n or the dim. Tiles are at most kCW = 32 columns wide (longer levels and
+//   wider outputs go in chunks), stored with a leading dimension of 33 so thread r's row is bank-
+//   conflict free.
+// - Thread r then works on its own row from shared memory: softmax statistics online over the chunks
+//   (running max and rescaled sums), the expectation (scalar) or the mixture sum_c p_c T[c, :] (context,
+//   32 register accumulators, table rows read as 16-byte vectors that every lane of a warp shares: one
+//   broadcast load each). No warp shuffles, no per-row reductions across threads.
+// - Backward recomputes probabilities (nothing saved but the logits): scalar d logit_c = g w p_c (c - e)/tau,
+//   context dp_c = <g, T[c]> (the gradient tile in shared memory, the transposed table broadcast), then
+//   d logit_c = p_c (dp_c - sum_k p_k dp_k) / tau, written into the logits tile and stored flat.
+//   Levels of more than 32 classes take a second pass (dot first, then the gradients).
+// Tables come from Python zero-padded: forward (n, roundup(dim, 32)), backward (dim, roundup(n, 32)),
+// in the accumulation dtype, 16-byte aligned rows.
 #include "calendar/calendar.h"
 #include "common/cuda_utils.cuh"
 
@@ -7,157 +25,337 @@ namespace tk {
 namespace {
 using namespace tk::cuda;
 
-constexpr int kWarps = 4;
+constexpr int kCW = 32;       // columns per staged tile chunk (classes, output or gradient columns)
+constexpr int kLd = kCW + 1;  // shared leading dimension: thread r's row is conflict-free
 
-// Row max and sum of exp(x*inv_tau - max) for one level, computed by a whole warp.
-template <typename S, typename A>
-__device__ __forceinline__ void row_stats(const S* x, int64_t n, A inv_tau, A& m, A& s) {
-  const int lane = threadIdx.x & 31;
-  A mx = -INFINITY;
-  for (int64_t c = lane; c < n; c += 32) mx = max(mx, to_acc(x[c]) * inv_tau);
-  mx = warp_max(mx);
-  A sm = 0;
-  for (int64_t c = lane; c < n; c += 32) sm += exp(to_acc(x[c]) * inv_tau - mx);
-  m = mx;
-  s = warp_sum(sm);
-}
+template <typename A> struct Rows { static constexpr int value = sizeof(A) == 8 ? 64 : 128; };
 
-template <typename S, typename A>
-__global__ void scalar_fwd_kernel(CalendarParams p) {
-  const int64_t b = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (b >= p.B) return;
-  const int lane = threadIdx.x & 31;
-  const A inv_tau = (A)p.inv_tau;
-  A u = 0;
-  for (int l = 0; l < p.num_levels; ++l) {
-    const auto& L = p.levels[l];
-    const S* x = static_cast<const S*>(L.logits) + b * L.row_stride;
-    A m, s;
-    row_stats(x, L.n, inv_tau, m, s);
-    A e = 0;
-    for (int64_t c = lane; c < L.n; c += 32) e += (A)c * exp(to_acc(x[c]) * inv_tau - m);
-    e = warp_sum(e) / s;
-    u += (A)L.weight * e;
-  }
-  if (lane == 0) {
-    A* out = static_cast<A*>(p.out);
-    out[b] = p.accumulate ? out[b] + u : u;
+template <typename A> struct alignas(4 * sizeof(A)) Vec4 { A v[4]; };
+
+__host__ __device__ inline int64_t round32(int64_t x) { return (x + kCW - 1) / kCW * kCW; }
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// dst[r * kLd + c] = scale * src[r * rs + c * cs] for r < rows, c < cw: consecutive threads read
+// consecutive columns of a row, then the next row (coalesced when cs == 1). Each thread issues kU loads
+// before it stores any (memory-level parallelism: up to kU loads in flight per thread).
+constexpr int kU = 8;
+template <int NT, typename S, typename A>
+__device__ __forceinline__ void load_tile(A* dst, const S* src, int64_t rs, int64_t cs, int rows, int cw, A scale) {
+  const int total = rows * cw, dr = NT / cw, dc = NT % cw;
+  int r = (int)threadIdx.x / cw, c = (int)threadIdx.x % cw;
+  for (int i0 = threadIdx.x; i0 < total; i0 += NT * kU) {
+    A v[kU];
+    int off[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      off[u] = r * kLd + c;
+      v[u] = (i0 + u * NT < total) ? to_acc(src[r * rs + c * cs]) * scale : A(0);
+      r += dr;
+      c += dc;
+      if (c >= cw) { c -= cw; ++r; }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (i0 + u * NT < total) dst[off[u]] = v[u];
   }
 }
 
-template <typename S, typename A>
-__global__ void scalar_bwd_kernel(CalendarParams p) {
-  const int64_t b = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (b >= p.B) return;
-  const int lane = threadIdx.x & 31;
-  const A inv_tau = (A)p.inv_tau;
-  const A g = static_cast<const A*>(p.grad_out)[b];
-  for (int l = 0; l < p.num_levels; ++l) {
-    const auto& L = p.levels[l];
-    const S* x = static_cast<const S*>(L.logits) + b * L.row_stride;
-    A m, s;
-    row_stats(x, L.n, inv_tau, m, s);
-    A e = 0;
-    for (int64_t c = lane; c < L.n; c += 32) e += (A)c * exp(to_acc(x[c]) * inv_tau - m);
-    e = warp_sum(e) / s;
-    const A k = g * (A)L.weight * inv_tau / s;
-    S* gl = static_cast<S*>(L.grad_logits) + b * L.n;
-    for (int64_t c = lane; c < L.n; c += 32)
-      gl[c] = from_acc<S>(k * exp(to_acc(x[c]) * inv_tau - m) * ((A)c - e));
+// dst[r * rs + c] = src[r * kLd + c] for r < rows, c < cw (coalesced the same way).
+template <int NT, typename S, typename A>
+__device__ __forceinline__ void store_tile(S* dst, int64_t rs, const A* src, int rows, int cw) {
+  const int total = rows * cw, dr = NT / cw, dc = NT % cw;
+  int r = (int)threadIdx.x / cw, c = (int)threadIdx.x % cw;
+  for (int i = threadIdx.x; i < total; i += NT) {
+    dst[r * rs + c] = from_acc<S>(src[r * kLd + c]);
+    r += dr;
+    c += dc;
+    if (c >= cw) { c -= cw; ++r; }
   }
 }
 
-// out[j] = sum_c p_c T[c, j]: lanes own columns, probabilities are broadcast by shuffle.
-template <typename S, typename A>
-__global__ void context_fwd_kernel(CalendarParams p) {
-  const int64_t b = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (b >= p.B) return;
-  const int lane = threadIdx.x & 31;
+// Online softmax statistics of one chunk x[0, cw) (already scaled by 1/tau, classes c0 + c):
+// running max m, sum s = sum exp(x - m) and (WithE) e = sum (c0 + c) exp(x - m).
+template <bool WithE, typename A>
+__device__ __forceinline__ void chunk_stats(const A* x, int cw, int64_t c0, A& m, A& s, A& e) {
+  A mc = m;
+  for (int c = 0; c < cw; ++c) mc = max(mc, x[c]);
+  // m == mc also covers a row that is -inf so far (exp(-inf - -inf) would be NaN)
+  const A scale = (m == mc) ? A(1) : exp(m - mc);
+  s *= scale;
+  if (WithE) e *= scale;
+  for (int c = 0; c < cw; ++c) {
+    // -inf adds 0 even while the running max is -inf (exp(-inf - -inf) would be NaN); NaN still propagates
+    const A ex = x[c] == -INFINITY ? A(0) : exp(x[c] - mc);
+    s += ex;
+    if (WithE) e += (A)(c0 + c) * ex;
+  }
+  m = mc;
+}
+
+// Stats over all chunks of a level; leaves the last chunk in xs. Block-uniform (barriers inside).
+template <int R, bool WithE, typename S, typename A>
+__device__ __forceinline__ void level_stats(A* xs, const S* x, int64_t rs, int64_t n, int rows, A inv_tau,
+                                            bool active, A& m, A& s, A& e) {
+  m = -INFINITY;
+  s = 0;
+  e = 0;
+  for (int64_t c0 = 0; c0 < n; c0 += kCW) {
+    const int cw = (int)min64(n - c0, kCW);
+    __syncthreads();
+    load_tile<R>(xs, x + c0, rs, 1, rows, cw, inv_tau);
+    __syncthreads();
+    if (active) chunk_stats<WithE>(xs + threadIdx.x * kLd, cw, c0, m, s, e);
+  }
+}
+
+template <typename S, typename A, bool Bwd>
+__global__ void __launch_bounds__(Rows<A>::value) scalar_kernel(CalendarParams p) {
+  constexpr int R = Rows<A>::value;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* xs = reinterpret_cast<A*>(smem_raw);
+  const int t = threadIdx.x;
+  A* out = static_cast<A*>(p.out);
+  const A* grad_out = static_cast<const A*>(p.grad_out);
   const A inv_tau = (A)p.inv_tau;
-  const int64_t D = p.dim;
-  for (int l = 0; l < p.num_levels; ++l) {
-    const auto& L = p.levels[l];
-    const S* x = static_cast<const S*>(L.logits) + b * L.row_stride;
-    const A* tab = static_cast<const A*>(L.table);
-    A m, s;
-    row_stats(x, L.n, inv_tau, m, s);
-    const A inv_s = A(1) / s;
-    S* o = static_cast<S*>(p.out) + b * p.out_row_stride + L.out_col;
-    for (int64_t j0 = 0; j0 < D; j0 += 32) {
-      const int64_t j = j0 + lane;
-      A acc = 0;
-      for (int64_t c0 = 0; c0 < L.n; c0 += 32) {
-        const int64_t c = c0 + lane;
-        const A pc = c < L.n ? exp(to_acc(x[c]) * inv_tau - m) * inv_s : A(0);
-        const int kmax = (L.n - c0) < 32 ? (int)(L.n - c0) : 32;
-        for (int k = 0; k < kmax; ++k) {
-          const A pk = __shfl_sync(0xffffffffu, pc, k);
-          if (j < D) acc += pk * tab[(c0 + k) * D + j];
+  const int64_t ntiles = (p.B + R - 1) / R;
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const int64_t b0 = tile * R;
+    const int rows = (int)min64(p.B - b0, R);
+    const bool active = t < rows;
+    A u = 0;
+    const A g = (Bwd && active) ? grad_out[b0 + t] : A(0);
+    for (int l = 0; l < p.num_levels; ++l) {
+      const auto& L = p.levels[l];
+      const S* x = static_cast<const S*>(L.logits) + b0 * L.row_stride;
+      A m, s, e;
+      level_stats<R, true>(xs, x, L.row_stride, L.n, rows, inv_tau, active, m, s, e);
+      e = e / s;
+      if (!Bwd) {
+        u += (A)L.weight * e;
+        continue;
+      }
+      // d logit_c = g w p_c (c - e) / tau, p_c = exp(x_c - m) / s
+      const A k = g * (A)L.weight * inv_tau / s;
+      S* gl = static_cast<S*>(L.grad_logits) + b0 * L.n;
+      for (int64_t c0 = 0; c0 < L.n; c0 += kCW) {
+        const int cw = (int)min64(L.n - c0, kCW);
+        if (L.n > kCW) {  // one chunk: level_stats left it in xs
+          __syncthreads();
+          load_tile<R>(xs, x + c0, L.row_stride, 1, rows, cw, inv_tau);
+          __syncthreads();
+        }
+        if (active) {
+          A* xr = xs + t * kLd;
+          for (int c = 0; c < cw; ++c) xr[c] = k * exp(xr[c] - m) * ((A)(c0 + c) - e);
+        }
+        __syncthreads();
+        store_tile<R>(gl + c0, L.n, xs, rows, cw);
+      }
+    }
+    if (!Bwd && active) out[b0 + t] = p.accumulate ? out[b0 + t] + u : u;
+  }
+}
+
+// acc[q] += w * T[q], q < 32, T 16-byte aligned; groups of four beyond `width` are skipped.
+template <typename A>
+__device__ __forceinline__ void axpy32(A (&acc)[kCW], A w, const A* T, int width) {
+#pragma unroll
+  for (int q4 = 0; q4 < kCW / 4; ++q4) {
+    if (4 * q4 < width) {
+      const Vec4<A> v = *reinterpret_cast<const Vec4<A>*>(T + 4 * q4);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[4 * q4 + i] += w * v.v[i];
+    }
+  }
+}
+
+template <typename S, typename A>
+__global__ void __launch_bounds__(Rows<A>::value) context_fwd_kernel(CalendarParams p) {
+  constexpr int R = Rows<A>::value;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* xs = reinterpret_cast<A*>(smem_raw);  // logits chunk (then probabilities when a level is one chunk)
+  A* os = xs + R * kLd;                    // output tile
+  const int t = threadIdx.x;
+  const A inv_tau = (A)p.inv_tau;
+  const int64_t D = p.dim, Dp = round32(D);
+  const int64_t ntiles = (p.B + R - 1) / R;
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const int64_t b0 = tile * R;
+    const int rows = (int)min64(p.B - b0, R);
+    const bool active = t < rows;
+    for (int l = 0; l < p.num_levels; ++l) {
+      const auto& L = p.levels[l];
+      const S* x = static_cast<const S*>(L.logits) + b0 * L.row_stride;
+      const A* tab = static_cast<const A*>(L.table);  // (n, Dp)
+      A m, s, e;
+      level_stats<R, false>(xs, x, L.row_stride, L.n, rows, inv_tau, active, m, s, e);
+      const A inv_s = A(1) / s;
+      const bool one_chunk = L.n <= kCW;
+      A* xr = xs + t * kLd;
+      if (one_chunk && active)
+        for (int c = 0; c < L.n; ++c) xr[c] = exp(xr[c] - m) * inv_s;
+      S* o = static_cast<S*>(p.out) + b0 * p.out_row_stride + L.out_col;
+      for (int64_t j0 = 0; j0 < D; j0 += kCW) {
+        const int jw = (int)min64(D - j0, kCW);
+        A acc[kCW];
+#pragma unroll
+        for (int q = 0; q < kCW; ++q) acc[q] = 0;
+        for (int64_t c0 = 0; c0 < L.n; c0 += kCW) {
+          const int cw = (int)min64(L.n - c0, kCW);
+          if (!one_chunk) {
+            __syncthreads();
+            load_tile<R>(xs, x + c0, L.row_stride, 1, rows, cw, inv_tau);
+            __syncthreads();
+          }
+          if (active)
+            for (int c = 0; c < cw; ++c) {
+              const A pc = one_chunk ? xr[c] : exp(xr[c] - m) * inv_s;
+              axpy32(acc, pc, tab + (c0 + c) * Dp + j0, jw);
+            }
+        }
+        if (active) {
+#pragma unroll
+          for (int q = 0; q < kCW; ++q) os[t * kLd + q] = acc[q];
+        }
+        __syncthreads();
+        store_tile<R>(o + j0, p.out_row_stride, os, rows, jw);
+        __syncthreads();  // os is rewritten by the next column block
+      }
+    }
+  }
+}
+
+// acc[c] = <g_row, TT[:, c0 + c]> for c < 32 (classes beyond cw come out 0: the table is zero-padded).
+// Block-uniform: stages the gradient tile in chunks of 32 columns.
+template <int R, typename S, typename A>
+__device__ __forceinline__ void grad_dot_table(A (&acc)[kCW], A* gs, const S* go, int64_t grs, int64_t gcs,
+                                               const A* tabT, int64_t D, int64_t Np, int64_t c0, int cw,
+                                               int rows, bool active) {
+#pragma unroll
+  for (int q = 0; q < kCW; ++q) acc[q] = 0;
+  for (int64_t j0 = 0; j0 < D; j0 += kCW) {
+    const int jw = (int)min64(D - j0, kCW);
+    __syncthreads();
+    load_tile<R>(gs, go + j0 * gcs, grs, gcs, rows, jw, A(1));
+    __syncthreads();
+    if (active) {
+      const A* gr = gs + threadIdx.x * kLd;
+      for (int j = 0; j < jw; ++j) axpy32(acc, gr[j], tabT + (j0 + j) * Np + c0, cw);
+    }
+  }
+}
+
+template <typename S, typename A>
+__global__ void __launch_bounds__(Rows<A>::value) context_bwd_kernel(CalendarParams p) {
+  constexpr int R = Rows<A>::value;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* xs = reinterpret_cast<A*>(smem_raw);  // logits chunk -> probabilities -> gradients
+  A* gs = xs + R * kLd;                    // incoming gradient tile
+  const int t = threadIdx.x;
+  const A inv_tau = (A)p.inv_tau;
+  const int64_t D = p.dim, gcs = p.grad_col_stride, grs = p.out_row_stride;
+  const int64_t ntiles = (p.B + R - 1) / R;
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const int64_t b0 = tile * R;
+    const int rows = (int)min64(p.B - b0, R);
+    const bool active = t < rows;
+    for (int l = 0; l < p.num_levels; ++l) {
+      const auto& L = p.levels[l];
+      const S* x = static_cast<const S*>(L.logits) + b0 * L.row_stride;
+      const S* go = static_cast<const S*>(p.grad_out) + b0 * grs + L.out_col * gcs;
+      const A* tabT = static_cast<const A*>(L.table);  // (D, Np)
+      const int64_t Np = round32(L.n);
+      S* gl = static_cast<S*>(L.grad_logits) + b0 * L.n;
+      A m, s, e;
+      level_stats<R, false>(xs, x, L.row_stride, L.n, rows, inv_tau, active, m, s, e);
+      const A inv_s = A(1) / s;
+      A* xr = xs + t * kLd;
+      A acc[kCW];
+      if (L.n <= kCW) {  // one chunk, already in xs: probabilities in place, one pass
+        const int cw = (int)L.n;
+        if (active)
+          for (int c = 0; c < cw; ++c) xr[c] = exp(xr[c] - m) * inv_s;
+        grad_dot_table<R>(acc, gs, go, grs, gcs, tabT, D, Np, 0, cw, rows, active);
+        if (active) {
+          A dot = 0;
+#pragma unroll
+          for (int q = 0; q < kCW; ++q)
+            if (q < cw) dot += xr[q] * acc[q];
+#pragma unroll
+          for (int q = 0; q < kCW; ++q)
+            if (q < cw) xr[q] = xr[q] * (acc[q] - dot) * inv_tau;
+        }
+        __syncthreads();
+        store_tile<R>(gl, L.n, xs, rows, cw);
+        continue;
+      }
+      // Several chunks: dot = sum_c p_c dp_c first, then the gradients (dp recomputed).
+      A dot = 0;
+      for (int pass = 0; pass < 2; ++pass) {
+        for (int64_t c0 = 0; c0 < L.n; c0 += kCW) {
+          const int cw = (int)min64(L.n - c0, kCW);
+          __syncthreads();
+          load_tile<R>(xs, x + c0, L.row_stride, 1, rows, cw, inv_tau);
+          __syncthreads();
+          grad_dot_table<R>(acc, gs, go, grs, gcs, tabT, D, Np, c0, cw, rows, active);
+          if (active) {
+#pragma unroll
+            for (int q = 0; q < kCW; ++q) {
+              if (q < cw) {
+                const A pq = exp(xr[q] - m) * inv_s;
+                if (pass == 0) dot += pq * acc[q];
+                else xr[q] = pq * (acc[q] - dot) * inv_tau;
+              }
+            }
+          }
+          if (pass == 1) {
+            __syncthreads();
+            store_tile<R>(gl + c0, L.n, xs, rows, cw);
+          }
         }
       }
-      if (j < D) o[j] = from_acc<S>(acc);
-    }
-  }
-}
-
-template <typename S, typename A>
-__global__ void context_bwd_kernel(CalendarParams p) {
-  const int64_t b = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (b >= p.B) return;
-  const int lane = threadIdx.x & 31;
-  const A inv_tau = (A)p.inv_tau;
-  const int64_t D = p.dim;
-  for (int l = 0; l < p.num_levels; ++l) {
-    const auto& L = p.levels[l];
-    const S* x = static_cast<const S*>(L.logits) + b * L.row_stride;
-    const S* go = static_cast<const S*>(p.grad_out) + b * p.out_row_stride + L.out_col * p.grad_col_stride;
-    const int64_t gcs = p.grad_col_stride;
-    const A* tab = static_cast<const A*>(L.table);
-    A m, s;
-    row_stats(x, L.n, inv_tau, m, s);
-    const A inv_s = A(1) / s;
-    // Pass 1: dot = sum_c p_c <g, T[c]>.  Pass 2: grad_c = p_c (<g, T[c]> - dot) / tau.
-    A dot = 0;
-    for (int64_t c = lane; c < L.n; c += 32) {
-      A gp = 0;
-      for (int64_t j = 0; j < D; ++j) gp += to_acc(go[j * gcs]) * tab[c * D + j];
-      dot += exp(to_acc(x[c]) * inv_tau - m) * inv_s * gp;
-    }
-    dot = warp_sum(dot);
-    S* gl = static_cast<S*>(L.grad_logits) + b * L.n;
-    for (int64_t c = lane; c < L.n; c += 32) {
-      A gp = 0;
-      for (int64_t j = 0; j < D; ++j) gp += to_acc(go[j * gcs]) * tab[c * D + j];
-      gl[c] = from_acc<S>(exp(to_acc(x[c]) * inv_tau - m) * inv_s * (gp - dot) * inv_tau);
     }
   }
 }
 
 template <typename Fn>
-void launch_rows(const CalendarParams& p, int device, uintptr_t stream, Fn&& launch) {
+void launch_tiles(const CalendarParams& p, int device, uintptr_t stream, int tiles_of_2, Fn&& launch) {
   if (p.B == 0) return;
   set_device(device);
-  const dim3 grid((unsigned)((p.B + kWarps - 1) / kWarps)), block(32 * kWarps);
   dispatch_device_float(p.dtype, [&](auto t) {
     using S = decltype(t);
     using A = decltype(to_acc(S{}));
-    launch(S{}, A{}, grid, block, reinterpret_cast<cudaStream_t>(stream));
+    constexpr int R = Rows<A>::value;
+    const int64_t ntiles = (p.B + R - 1) / R;
+    const int64_t cap = p.max_ctas > 0 ? p.max_ctas : ntiles;
+    const unsigned grid = (unsigned)std::min<int64_t>(std::min<int64_t>(ntiles, cap), 1 << 30);
+    const size_t smem = (size_t)tiles_of_2 * R * kLd * sizeof(A);  // <= 33,792 B: under the 48 KB default
+    launch(S{}, A{}, dim3(grid), dim3(R), smem, reinterpret_cast<cudaStream_t>(stream));
   });
   check_launch();
 }
 
 }  // namespace
 
-#define TK_CALENDAR_LAUNCH(fn, kernel)                                                  \
-  void fn(const CalendarParams& p, int device, uintptr_t stream) {                      \
-    launch_rows(p, device, stream, [&](auto s, auto a, dim3 g, dim3 b, cudaStream_t st) { \
-      kernel<decltype(s), decltype(a)><<<g, b, 0, st>>>(p);                             \
-    });                                                                                 \
-  }
-
-TK_CALENDAR_LAUNCH(calendar_scalar_fwd_cuda, scalar_fwd_kernel)
-TK_CALENDAR_LAUNCH(calendar_scalar_bwd_cuda, scalar_bwd_kernel)
-TK_CALENDAR_LAUNCH(calendar_context_fwd_cuda, context_fwd_kernel)
-TK_CALENDAR_LAUNCH(calendar_context_bwd_cuda, context_bwd_kernel)
+void calendar_scalar_fwd_cuda(const CalendarParams& p, int device, uintptr_t stream) {
+  launch_tiles(p, device, stream, 1, [&](auto s, auto a, dim3 g, dim3 b, size_t sm, cudaStream_t st) {
+    scalar_kernel<decltype(s), decltype(a), false><<<g, b, sm, st>>>(p);
+  });
+}
+void calendar_scalar_bwd_cuda(const CalendarParams& p, int device, uintptr_t stream) {
+  launch_tiles(p, device, stream, 1, [&](auto s, auto a, dim3 g, dim3 b, size_t sm, cudaStream_t st) {
+    scalar_kernel<decltype(s), decltype(a), true><<<g, b, sm, st>>>(p);
+  });
+}
+void calendar_context_fwd_cuda(const CalendarParams& p, int device, uintptr_t stream) {
+  launch_tiles(p, device, stream, 2, [&](auto s, auto a, dim3 g, dim3 b, size_t sm, cudaStream_t st) {
+    context_fwd_kernel<decltype(s), decltype(a)><<<g, b, sm, st>>>(p);
+  });
+}
+void calendar_context_bwd_cuda(const CalendarParams& p, int device, uintptr_t stream) {
+  launch_tiles(p, device, stream, 2, [&](auto s, auto a, dim3 g, dim3 b, size_t sm, cudaStream_t st) {
+    context_bwd_kernel<decltype(s), decltype(a)><<<g, b, sm, st>>>(p);
+  });
+}
 
 }  // namespace tk

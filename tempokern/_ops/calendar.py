@@ -2,29 +2,65 @@
 calendar_context (softmax-weighted Fourier codes per level)."""
 from __future__ import annotations
 
+import collections
 from typing import List, Sequence
 
 import torch
 
+from . import common
 from ..reference.calendar import fourier_table as _ref_fourier_table
 from ..reference.calendar import level_weights
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code,
-                     kernels, launch_args, ptr, rows_contiguous)
+                     kernels, launch_args, on_cuda_path, ptr, rows_contiguous)
 
 _MAX_LEVELS = 8  # csrc/calendar/calendar.h::kMaxCalendarLevels
-_tables: dict = {}
+_CW = 32  # csrc/calendar/calendar_cuda.cu::kCW: CUDA tables are zero-padded to multiples of it
+# CUDA grid: min(row tiles, 64 x SM count) CTAs of 128 rows (64 in float64), grid-stride over the tiles beyond.
+# A cap, not a target: 1M rows are 8,192 tiles -> 8,192 CTAs, ~10 waves at the 6 resident CTAs per SM of an
+# H100 (5 in the backward), so the last wave's tail is short; a small fixed multiple (8 x SMs) would leave
+# 1.3 waves and up to half the card idle at the end. At least 2 x SMs whenever there are that many tiles.
+_CTAS_PER_SM = 64
+_TABLE_CACHE_SIZE = 32  # Fourier tables kept (least recently used dropped): bounded, pins little memory
+_tables: "collections.OrderedDict" = collections.OrderedDict()
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _table(n: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (n, dim, dtype, str(device))
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _table(n: int, dim: int, dtype: torch.dtype, device: torch.device, layout: str = "cpu") -> torch.Tensor:
+    """fourier_table(n, dim) in the layout a kernel reads: "cpu" (n, dim); "cuda_fwd" (n, roundup(dim, 32));
+    "cuda_bwd" the transpose (dim, roundup(n, 32)); CUDA layouts zero-padded, each its own allocation
+    (aligned rows). Cached in a small LRU."""
+    key = (n, dim, dtype, str(device), layout)
     t = _tables.get(key)
-    if t is None:
-        t = _tables[key] = _ref_fourier_table(n, dim, dtype=dtype, device=device).contiguous()
+    if t is not None:
+        _tables.move_to_end(key)
+        return t
+    base = _ref_fourier_table(n, dim, dtype=torch.float64)
+    if layout == "cuda_fwd":
+        t = torch.zeros(n, _round_up(dim, _CW), dtype=torch.float64)
+        t[:, :dim] = base
+    elif layout == "cuda_bwd":
+        t = torch.zeros(dim, _round_up(n, _CW), dtype=torch.float64)
+        t[:, :n] = base.t()
+    else:
+        t = base
+    t = t.to(dtype=dtype, device=device).contiguous()
+    if layout != "cpu" and t.data_ptr() % 32:
+        raise RuntimeError("tempokern: a CUDA calendar table is not 32-byte aligned")
+    _tables[key] = t
+    while len(_tables) > _TABLE_CACHE_SIZE:
+        _tables.popitem(last=False)
     return t
+
+
+def _max_ctas(x: torch.Tensor) -> int:
+    return max(1, _CTAS_PER_SM * common.sm_count(x.device)) if on_cuda_path(x) else 0
 
 
 def _chunks(n: int):
@@ -70,7 +106,7 @@ def _calendar_scalar(logits: List[torch.Tensor], tau: float) -> torch.Tensor:
     levels = _level_args(logits)
     for k, idx in enumerate(_chunks(len(levels))):
         kernels().calendar_launch("scalar_fwd", dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
-                           [levels[i] for i in idx], ptr(out), 0, 0, 0, k > 0)
+                           [levels[i] for i in idx], ptr(out), 0, 0, 0, k > 0, 1, _max_ctas(x0))
     return out
 
 
@@ -89,7 +125,7 @@ def _calendar_scalar_backward(grad: torch.Tensor, logits: List[torch.Tensor], ta
     levels = _level_args(logits, grads)
     for idx in _chunks(len(levels)):
         kernels().calendar_launch("scalar_bwd", dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
-                           [levels[i] for i in idx], 0, ptr(grad), 0, 0, False)
+                           [levels[i] for i in idx], 0, ptr(grad), 0, 0, False, 1, _max_ctas(x0))
     return grads
 
 
@@ -133,11 +169,12 @@ def _calendar_context(logits: List[torch.Tensor], dim: int, tau: float) -> torch
     if dim == 0 or B == 0:
         return out
     dev, stream = launch_args(x0)
-    tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device) for x in logits]
+    layout = "cuda_fwd" if on_cuda_path(x0) else "cpu"
+    tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device, layout) for x in logits]
     levels = _level_args(logits, tables=tables, dim=dim)
     for idx in _chunks(L):
         kernels().calendar_launch("context_fwd", dev, stream, dtype_code(x0), B, 1.0 / tau,
-                           [levels[i] for i in idx], ptr(out), 0, out.stride(0), dim, False)
+                           [levels[i] for i in idx], ptr(out), 0, out.stride(0), dim, False, 1, _max_ctas(x0))
     return out
 
 
@@ -159,11 +196,13 @@ def _calendar_context_backward(grad: torch.Tensor, logits: List[torch.Tensor], d
         return [g.zero_() for g in grads]
     grad = grad.to(x0.dtype)  # read through its strides: a broadcast gradient (from .sum()) is not copied
     dev, stream = launch_args(x0)
-    tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device) for x in logits]
+    layout = "cuda_bwd" if on_cuda_path(x0) else "cpu"
+    tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device, layout) for x in logits]
     levels = _level_args(logits, grads, tables, dim)
     for idx in _chunks(len(logits)):
         kernels().calendar_launch("context_bwd", dev, stream, dtype_code(x0), B, 1.0 / tau,
-                           [levels[i] for i in idx], 0, ptr(grad), grad.stride(0), dim, False, grad.stride(1))
+                           [levels[i] for i in idx], 0, ptr(grad), grad.stride(0), dim, False, grad.stride(1),
+                           _max_ctas(x0))
     return grads
 
 

@@ -35,9 +35,12 @@ def calendar_scalar(logits: Sequence[torch.Tensor], tau: float = 1.0) -> torch.T
 
 def fourier_table(n: int, dim: int, *, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """Fixed sinusoidal codebook (n, dim): position c/(n-1) (0 if n == 1), half = dim // 2
-    frequencies exp(-ln(10000) i / max(1, half - 1)), columns [sin, cos], zero-padded to dim."""
+    frequencies exp(-ln(10000) i / max(1, half - 1)), columns [sin, cos], zero-padded to dim.
+    dim == 1 (no frequency): the position column c/(n-1) itself, as ChunQiuTR's _build_fourier_table."""
     half = dim // 2
     pos = torch.arange(n, dtype=torch.float64) / max(1, n - 1)
+    if half == 0:
+        return pos[:, None].to(dtype=dtype, device=device)
     i = torch.arange(half, dtype=torch.float64)
     freqs = torch.exp(-math.log(10000.0) * i / max(1, half - 1))
     ang = pos[:, None] * freqs[None, :]
