@@ -173,13 +173,9 @@ def _errs(got, truth):
             for x, y in zip([got[0], *got[1]], [truth[0], *truth[1]])]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("mode", ["none", "table", "exact"])
-def test_two_x_torch_rule(gpu, dtype, mode):
-    # loss and every gradient: the fused op's error against float64 at most twice plain torch's own error in
-    # that dtype (plus a floor of a few ulps of the dtype for gradients that torch happens to get exact)
+def _two_x_errors(gpu, dtype, mode, seed):
     B = 96 if gpu.type == "cpu" else 256
-    q, d, sp, neg, b = make(B, 32, N=9, bias=mode != "none", dtype=torch.float64, device=gpu, seed=11,
+    q, d, sp, neg, b = make(B, 32, N=9, bias=mode != "none", dtype=torch.float64, device=gpu, seed=seed,
                             u_lo=0.0, u_hi=1.0)
     with torch.no_grad():
         q /= q.norm(dim=1, keepdim=True)
@@ -196,9 +192,26 @@ def test_two_x_torch_rule(gpu, dtype, mode):
     plain = both(lambda: ref(ql, dl, *sp, temperature=0.1, bias=bl, extra_neg=nl, bias_table_points=pts), ins)
     fused = both(lambda: tempokern.multipos_infonce(ql, dl, *sp, temperature=0.1, bias=bl, extra_neg=nl,
                                                     bias_table_points=pts), ins)
+    return _errs(fused, truth), _errs(plain, truth)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["none", "table", "exact"])
+def test_two_x_torch_rule(gpu, dtype, mode):
+    # loss and every gradient: the fused op's error against float64 at most twice plain torch's own error in
+    # that dtype (plus a floor of a few ulps of the dtype for gradients that torch happens to get exact).
+    # The exact bias's parameter gradients (w1, b1, w2, b2, scale) are sums of B^2 terms that cancel (each
+    # softmax row of dL/dx sums to 0): torch's own error there varies 100x between draws, so both errors are
+    # the largest over three draws, with the slack test_offset_bias gives such sums (sqrt(pairs) ulps).
+    seeds = (11, 12, 13) if mode == "exact" else (11,)
+    runs = [_two_x_errors(gpu, dtype, mode, sd) for sd in seeds]
     eps = torch.finfo(dtype).eps
-    for k, (ef, et) in enumerate(zip(_errs(fused, truth), _errs(plain, truth))):
-        assert ef <= 2 * et + 4 * eps, f"output {k}: fused {ef:.2e} vs torch {et:.2e} ({dtype}, {mode})"
+    pairs = (96 if gpu.type == "cpu" else 256) ** 2
+    for k in range(len(runs[0][0])):
+        ef = max(r[0][k] for r in runs)
+        et = max(r[1][k] for r in runs)
+        floor = pairs ** 0.5 * eps if mode == "exact" and k >= 6 else 4 * eps
+        assert ef <= 2 * et + floor, f"output {k}: fused {ef:.2e} vs torch {et:.2e} ({dtype}, {mode})"
 
 
 def test_table_points_validation():
