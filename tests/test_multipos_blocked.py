@@ -259,3 +259,20 @@ def test_cuda_memory_grows_with_block_not_b_squared():
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < (1 << 30) + 64 * B * H * 4, extra          # the 1 GiB block budget + O(B H) gradients
     assert extra < B * B * 4                                   # never a float32 B x B
+
+
+def test_ctdloss_table_mode_matches_reference():
+    torch.manual_seed(1)
+    ob = tempokern.nn.OffsetBias(features=8, hidden=6).double()
+    crit = tempokern.nn.CTDLoss(temperature=0.1, offset_bias=ob, bias_table_points=129)
+    q, d, sp, neg, _ = make(30, 8, N=4, seed=9)
+    u_q, u_d = torch.rand(30, dtype=torch.float64), torch.rand(30, dtype=torch.float64)
+    params = list(ob.parameters())
+    got = both(lambda: crit(q, d, *sp, u_q=u_q, u_d=u_d, extra_neg=neg), [q, d, neg] + params)
+    import torch.nn.functional as F
+    b = (u_q, u_d, *tempokern.nn.offset_bias.bias_params(ob))
+    want = both(lambda: ref(F.normalize(q, dim=-1), F.normalize(d, dim=-1), *sp, temperature=0.1, bias=b,
+                            extra_neg=F.normalize(neg, dim=-1), bias_table_points=129), [q, d, neg] + params)
+    assert_all_close(got, want, rtol=1e-9, atol=1e-10)
+    with pytest.raises(ValueError, match="bias_table_points"):
+        tempokern.nn.CTDLoss(bias_table_points=129)

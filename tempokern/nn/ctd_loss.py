@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from .._ops.common import check_positive
 from .._ops.multipos_blocked import none_flags, spans32
-from .._ops.multipos_infonce import _span_bounds, multipos_infonce, multipos_infonce_partial, validate
+from .._ops.multipos_infonce import (_span_bounds, check_table_points, multipos_infonce, multipos_infonce_partial,
+                                     validate)
 from .._ops.offset_bias import offset_bias as _offset_bias
 from .offset_bias import bias_params
 
@@ -109,7 +110,7 @@ class CTDLoss(torch.nn.Module):
 
     def __init__(self, temperature: float = 0.05, offset_bias: Optional[torch.nn.Module] = None,
                  symmetric: bool = True, normalize: bool = True, gather: bool = False,
-                 gather_mode: str = "tempokern"):
+                 gather_mode: str = "tempokern", bias_table_points: Optional[int] = None):
         super().__init__()
         self.temperature = check_positive("temperature", temperature)
         if offset_bias is not None and not (hasattr(offset_bias, "mlp") and hasattr(offset_bias, "scale")):
@@ -123,10 +124,18 @@ class CTDLoss(torch.nn.Module):
         if gather_mode not in GATHER_MODES:
             raise ValueError(f"gather_mode must be one of {GATHER_MODES}, got {gather_mode!r}")
         self.gather_mode = gather_mode
+        if bias_table_points is not None:
+            if offset_bias is None:
+                raise ValueError("bias_table_points needs an offset_bias")
+            check_table_points(bias_table_points, ())
+            if gather and gather_mode == "chunqiutr":
+                raise ValueError("bias_table_points is not available with gather_mode='chunqiutr' (plain torch)")
+        self.bias_table_points = bias_table_points
 
     def extra_repr(self) -> str:
         return (f"temperature={self.temperature}, symmetric={self.symmetric}, normalize={self.normalize}, "
-                f"gather={self.gather}, gather_mode={self.gather_mode!r}")
+                f"gather={self.gather}, gather_mode={self.gather_mode!r}, "
+                f"bias_table_points={self.bias_table_points}")
 
     def forward(self, q: torch.Tensor, d: torch.Tensor, q_span, d_span, u_q: Optional[torch.Tensor] = None,
                 u_d: Optional[torch.Tensor] = None, extra_neg: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -145,7 +154,8 @@ class CTDLoss(torch.nn.Module):
         dist = torch.distributed
         if not (self.gather and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return multipos_infonce(q, d, q_span, d_span, temperature=self.temperature, bias=bias,
-                                    extra_neg=extra_neg, symmetric=self.symmetric)
+                                    extra_neg=extra_neg, symmetric=self.symmetric,
+                                    bias_table_points=self.bias_table_points)
         return self._gathered(q, d, q_span, d_span, bias, extra_neg)
 
     def _gathered(self, q, d, q_span, d_span, bias, extra_neg):
@@ -173,7 +183,7 @@ class CTDLoss(torch.nn.Module):
             bias_q = (u_q, u_d_all, *mlp)
         loss = multipos_infonce_partial(q, d_all, q_lo, q_hi, d_lo_all, d_hi_all, temperature=self.temperature,
                                         bias=bias_q, extra_neg=neg_all, row_weight=w, col_weight=0.0,
-                                        diag_offset=start)
+                                        diag_offset=start, bias_table_points=self.bias_table_points)
         if not self.symmetric:
             return loss
         q_all, q_lo_all, q_hi_all = g(q), g(q_lo), g(q_hi)
@@ -183,7 +193,8 @@ class CTDLoss(torch.nn.Module):
         row_none = none_flags(*spans32(q_lo_all, q_hi_all, d_lo_all, d_hi_all))[0].bool()
         loss_d = multipos_infonce_partial(q_all, d, q_lo_all, q_hi_all, d_lo, d_hi, temperature=self.temperature,
                                           bias=bias_d, extra_neg=None, row_weight=0.0, col_weight=w,
-                                          diag_offset=-start, row_none=row_none)
+                                          diag_offset=-start, row_none=row_none,
+                                          bias_table_points=self.bias_table_points)
         return loss + loss_d
 
     def _chunqiutr(self, q, d, q_span, d_span, bias, extra_neg, rank, world, group):
