@@ -159,9 +159,47 @@ def test_float64_kernels_fit_sm86_shared_memory(cuda_emu, smem_optin):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
-def test_too_little_shared_memory_is_a_clear_error(cuda_emu, smem_optin):
-    smem_optin(48 * 1024)  # no GPU tempokern targets is this small; the kernel must say so, not crash
-    q, d = torch.randn(20, 8, dtype=torch.float64), torch.randn(20, 8, dtype=torch.float64)
+def test_table_histogram_beyond_shared_memory_falls_back_to_global(cuda_emu, smem_optin):
+    # the multipos table backward keeps its histogram in shared memory when it fits the device's opt-in
+    # limit; past it (here 2,049 float64 bins, 16 KB, over a 12 KB limit) it scatters into global memory,
+    # slower but the same numbers
+    smem_optin(12 * 1024)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(20, 8, dtype=torch.float64, generator=g).requires_grad_()
+    d = torch.randn(20, 8, dtype=torch.float64, generator=g).requires_grad_()
     lo = torch.arange(20)
-    with cuda_emulator(cuda_emu), pytest.raises(ValueError, match="shared memory"):
-        tempokern.multipos_infonce(q, d, (lo, lo), (lo, lo), temperature=0.1)
+    b = (torch.rand(20, dtype=torch.float64, generator=g), torch.rand(20, dtype=torch.float64, generator=g),
+         torch.randn(4, 6, dtype=torch.float64, generator=g), torch.randn(4, dtype=torch.float64, generator=g),
+         torch.randn(1, 4, dtype=torch.float64, generator=g), torch.randn(1, dtype=torch.float64, generator=g),
+         torch.tensor(0.5, dtype=torch.float64))
+    b = tuple(t.requires_grad_() for t in b)
+    ins = [q, d, *b]
+    from tempokern.reference import multipos_infonce as ref
+    want = torch.autograd.grad(ref(q, d, (lo, lo + 1), (lo, lo), temperature=0.1, bias=b, bias_table_points=2049), ins)
+    with cuda_emulator(cuda_emu):
+        got = torch.autograd.grad(tempokern.multipos_infonce(q, d, (lo, lo + 1), (lo, lo), temperature=0.1, bias=b,
+                                                             bias_table_points=2049), ins)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-10)
+
+
+def test_emulator_switch_is_local_to_the_calling_thread(cuda_emu):
+    # issue 13 item 21: while one thread emulates, CPU ops in another thread keep the CPU kernels
+    import threading
+
+    from tempokern._ops import common
+    seen = {}
+
+    def other():
+        seen["path"] = common.on_cuda_path(torch.device("cpu"))
+        seen["kernels"] = common.kernels()
+        seen["sms"] = common.sm_count(torch.device("cpu"))
+
+    with common.cuda_emulator(cuda_emu):
+        assert common.on_cuda_path(torch.device("cpu")) and common.kernels() is cuda_emu
+        assert common.sm_count(torch.device("cpu")) == common.EMULATED_SM_COUNT
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert seen == {"path": False, "kernels": common._C, "sms": 1}
+    assert not common.on_cuda_path(torch.device("cpu"))

@@ -3,6 +3,7 @@ arguments, argument validation and the debug finite-value switch."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from typing import Iterable, Optional, Sequence
 
@@ -43,43 +44,51 @@ def ptr(t: Optional[torch.Tensor]) -> int:
 
 
 # The CUDA emulator's module (tools/cuda_emu) while cuda_emulator() is active: CPU tensors then take
-# the CUDA path through the shipped .cu kernels, so they can be tested on a machine without a GPU.
-_emulated = None
+# the CUDA path through the shipped .cu kernels, so they can be tested on a machine without a GPU. A
+# context variable, not a process global: only the code running inside cuda_emulator() (in that thread
+# or task) is emulated, every other thread's CPU calls stay on the CPU kernels.
+_emulated: contextvars.ContextVar = contextvars.ContextVar("tempokern_cuda_emulator", default=None)
+
+#: SM count the emulator reports (tools/cuda_emu/emu_runtime.cpp, cudaDevAttrMultiProcessorCount)
+EMULATED_SM_COUNT = 132
 
 
 def kernels():
     """The compiled module the wrappers launch: tempokern._C, or the emulator's inside cuda_emulator()."""
-    return _C if _emulated is None else _emulated
+    emu = _emulated.get()
+    return _C if emu is None else emu
 
 
 @contextlib.contextmanager
 def cuda_emulator(module):
-    """Runs CPU tensors through the CUDA kernels of `module`, an emulated build of _C (tests only)."""
-    global _emulated
-    prev, _emulated = _emulated, module
+    """Runs CPU tensors through the CUDA kernels of `module`, an emulated build of _C (tests only);
+    `module=None` switches the emulator off inside the block."""
+    token = _emulated.set(module)
     try:
         yield module
     finally:
-        _emulated = prev
+        _emulated.reset(token)
 
 
 def on_cuda_path(t) -> bool:
     """Whether an op on tensor (or device) t runs the CUDA kernels: CUDA, or CPU under the emulator."""
     dev = t if isinstance(t, torch.device) else t.device
-    return dev.type == "cuda" or (_emulated is not None and dev.type == "cpu")
+    return dev.type == "cuda" or (_emulated.get() is not None and dev.type == "cpu")
 
 
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (the emulator reports an H100's 132)."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """Streaming multiprocessors of the device the CUDA kernels run on (the emulator's for CPU tensors
+    under cuda_emulator(); 1 for plain CPU, where grids do not apply)."""
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(idx).multi_processor_count
+    return EMULATED_SM_COUNT if _emulated.get() is not None else 1
 
 
 def launch_args(t: torch.Tensor) -> tuple[int, int]:
     """(device, stream) for a kernel launch: device -1 means CPU."""
     if t.device.type == "cpu":
-        return (-1, 0) if _emulated is None else (0, 0)
+        return (-1, 0) if _emulated.get() is None else (0, 0)
     if t.device.type != "cuda":
         raise ValueError(f"tempokern runs on CPU and CUDA tensors, got device {t.device}")
     if not _C.cuda_compiled:
