@@ -25,7 +25,7 @@ namespace {
 
 constexpr int SEL_WARPS = 4;   // warps per CTA of select_block
 constexpr int SCAN_WARPS = 8;  // warps per CTA of scan_rows
-constexpr int SEL_UNROLL = 4;  // scores in flight per lane
+constexpr int SEL_UNROLL = 8;  // scores in flight per lane
 constexpr int MAX_K2 = 64;     // 2K features of the exact bias (checked by the launcher)
 
 struct alignas(16) Vec16 { unsigned int x, y, z, w; };
@@ -80,6 +80,7 @@ template <typename A>
 __device__ __forceinline__ void offer(A s, int64_t idx, bool take, A* bv, int64_t* bi, int& cnt, A& thr,
                                       int k, int cap) {
   const int lane = threadIdx.x & 31;
+  take = take && s > thr;  // thr may have risen since the caller's test
   unsigned mask = __ballot_sync(0xffffffffu, take);
   if (!mask) return;
   if (cnt + __popc(mask) > cap) {
@@ -154,27 +155,36 @@ __global__ void __launch_bounds__(SEL_WARPS * 32) select_block(CtdCudaParams p) 
   const A* row = static_cast<const A*>(p.scores) + i * p.s_stride;
   A* bv = static_cast<A*>(p.ws_values) + w * p.cap;  // w == i * nslices + sl
   int64_t* bi = p.ws_indices + w * p.cap;
-  const A temp = (A)p.temperature;
+  const A inv_t = A(1) / (A)p.temperature;  // s = dot * (1 / T), as torch scales by a scalar on CUDA
   A thr = p.thr_seed ? static_cast<const A*>(p.thr_seed)[i] : neg_inf<A>();
   int cnt = 0;
   const A uqv = p.bias != CtdBias::None ? static_cast<const A*>(p.u_q)[i] : A(0);
   const int64_t* ex = p.exclude ? p.exclude + i * p.m : nullptr;
   for (int64_t j0 = lo; j0 < hi; j0 += 32 * SEL_UNROLL) {
-    A v[SEL_UNROLL];
+    A s[SEL_UNROLL];
 #pragma unroll
     for (int u = 0; u < SEL_UNROLL; ++u) {
       const int64_t j = j0 + u * 32 + lane;
-      v[u] = j < hi ? row[j] : A(0);
+      s[u] = j < hi ? row[j] : A(0);
     }
+    bool t[SEL_UNROLL];
+    bool any = false;
 #pragma unroll
     for (int u = 0; u < SEL_UNROLL; ++u) {
       const int64_t j = j0 + u * 32 + lane;
-      A s = v[u] / temp;
-      bool take = j < hi;
-      add_bias<A>(p, i, uqv, j, s, take, thr);
-      take = take && s > thr;
+      s[u] *= inv_t;
+      t[u] = j < hi;
+      add_bias<A>(p, i, uqv, j, s[u], t[u], thr);
+      t[u] = t[u] && s[u] > thr;
+      any = any || t[u];
+    }
+    if (!__ballot_sync(0xffffffffu, any)) continue;  // the common case once thr has risen
+#pragma unroll
+    for (int u = 0; u < SEL_UNROLL; ++u) {
+      const int64_t j = j0 + u * 32 + lane;
+      bool take = t[u];
       if (take && ex) take = !in_sorted(ex, p.m, p.col0 + j);
-      offer<A>(s, p.col0 + j, take, bv, bi, cnt, thr, (int)p.k, (int)p.cap);
+      offer<A>(s[u], p.col0 + j, take, bv, bi, cnt, thr, (int)p.k, (int)p.cap);
     }
   }
   warp_fill(bv, bi, cnt, (int)p.cap);
@@ -200,7 +210,7 @@ __global__ void __launch_bounds__(SCAN_WARPS * 32) scan_rows(CtdCudaParams p) {
   const bool vec = (reinterpret_cast<uintptr_t>(g) % 16 == 0) && ((p.g_stride * (int64_t)sizeof(S)) % 16 == 0);
   const int64_t npieces = vec ? H / VW : 0;
   const int64_t tail0 = npieces * VW;  // [tail0, H): scalar loads
-  const A temp = (A)p.temperature;
+  const A inv_t = A(1) / (A)p.temperature;
   const A* uq = static_cast<const A*>(p.u_q);
   int cnt[QM];
   A thr[QM];
@@ -250,7 +260,7 @@ __global__ void __launch_bounds__(SCAN_WARPS * 32) scan_rows(CtdCudaParams p) {
       if (r >= Q) break;
       A* bv = static_cast<A*>(p.ws_values) + ((int64_t)r * p.nslices + w) * p.cap;
       int64_t* bi = p.ws_indices + ((int64_t)r * p.nslices + w) * p.cap;
-      A s = mine[r] / temp;
+      A s = mine[r] * inv_t;
       bool take = valid;
       add_bias<A>(p, r, p.bias != CtdBias::None ? uq[r] : A(0), j, s, take, thr[r]);
       take = take && s > thr[r];

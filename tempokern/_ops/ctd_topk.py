@@ -28,6 +28,8 @@ _MIN_CHUNK = 4096           # gallery columns per score block, at least
 _MIN_SLICE = 256            # columns / rows per warp, at least (bounds the merge size)
 _WS_ENTRIES = 1 << 22       # scan workspace entries (Q * slices * cap), at most: 48 MiB in float32
 _SEL_WARPS, _SCAN_WARPS = 4, 8  # warps per CTA of the two kernels (ctd_topk_cuda.cu)
+_SEL_CTAS_PER_SM = 16       # select grid: 16 CTAs x 4 warps per SM (full occupancy: loads in flight)
+_SCAN_CTAS_PER_SM = 4       # scan grid: 4 CTAs x 8 warps per SM
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -192,7 +194,7 @@ def _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, tabl
 
     if Q <= _SCAN_MAX_Q and Q * H * es <= _SCAN_SMEM:
         # one pass over the gallery: slices of rows, one warp each, >= 2 CTAs per SM where N allows
-        want = max(1, min(4 * sms * _SCAN_WARPS, _WS_ENTRIES // (Q * cap)))
+        want = max(1, min(_SCAN_CTAS_PER_SM * sms * _SCAN_WARPS, _WS_ENTRIES // (Q * cap)))
         ns, per = _slices(N, want)
         ws_v = torch.empty(Q, ns, cap, dtype=acc, device=q.device)
         ws_i = torch.empty(Q, ns, cap, dtype=torch.int64, device=q.device)
@@ -217,7 +219,7 @@ def _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, tabl
             free = torch.cuda.mem_get_info(q.device)[0]
             chunk = max(_MIN_CHUNK, min(chunk, free // 4 // (Qb * es)))
         chunk = min(N, chunk)
-        want = max(1, -(-2 * sms * _SEL_WARPS // Qb))          # >= 2 CTAs per SM
+        want = max(1, -(-_SEL_CTAS_PER_SM * sms * _SEL_WARPS // Qb))  # >= 16 CTAs per SM
         uq_b = None if u_q is None else u_q[a:b]
         ex_b = None if ex is None else ex[a:b]
         amat = _amat(uq_b, w1p, fr, acc) if mode == _BIAS_EXACT else None
@@ -317,7 +319,8 @@ def _same(devs: dict) -> None:
 def check_temperature(temperature, acc: torch.dtype) -> float:
     """A finite temperature > 0 whose reciprocal the accumulation dtype can hold (scores are s / T)."""
     t = check_positive("temperature", temperature)
-    if not 1.0 / t <= torch.finfo(acc).max:
+    ta = float(torch.tensor(t, dtype=acc))     # what the kernels see
+    if ta == 0.0 or not 1.0 / ta <= torch.finfo(acc).max:
         raise ValueError(f"temperature {t!r} is too small: 1 / temperature overflows {acc} (the dtype the "
                          "scores are computed in)")
     return t
