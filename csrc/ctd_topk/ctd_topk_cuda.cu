@@ -100,7 +100,7 @@ __device__ __forceinline__ void offer(A s, int64_t idx, bool take, A* bv, int64_
 
 // Exact offset bias of query i (row of amat) and a gallery row at ugv; feat: the row's 2K features or null.
 template <typename A>
-__device__ A exact_bias(const CtdCudaParams& p, int64_t i, A uqv, A ugv, const A* feat) {
+__device__ __forceinline__ A exact_bias(const CtdCudaParams& p, int64_t i, A uqv, A ugv, const A* feat) {
   const A d = ugv - uqv;
   const A* ends = static_cast<const A*>(p.bias_ends);
   if (d > A(1)) return ends[0];
@@ -131,13 +131,16 @@ __device__ A exact_bias(const CtdCudaParams& p, int64_t i, A uqv, A ugv, const A
 }
 
 // Score of one pair after the bias, or take = false when it cannot beat thr (bias pruned).
-template <typename A>
+// MODE: the bias kind as a template argument, so the no-bias and table kernels carry none of the exact
+// MLP's registers.
+template <typename A, int MODE>
 __device__ __forceinline__ void add_bias(const CtdCudaParams& p, int64_t i, A uqv, int64_t jloc, A& s, bool& take,
                                          A thr) {
-  if (!take || p.bias == CtdBias::None) return;
+  if constexpr (MODE == (int)CtdBias::None) return;
+  if (!take) return;
   if (s + (A)p.bias_ub < thr) { take = false; return; }  // s + bias <= s + bias_ub < thr
   const A ugv = static_cast<const A*>(p.u_g)[jloc];
-  if (p.bias == CtdBias::Table) {
+  if constexpr (MODE == (int)CtdBias::Table) {
     s += bias::bias_table_lookup<A>(p.table, p.P, ugv - uqv);
   } else {
     const A* feat = p.feats ? static_cast<const A*>(p.feats) + jloc * 2 * p.K : nullptr;
@@ -145,8 +148,9 @@ __device__ __forceinline__ void add_bias(const CtdCudaParams& p, int64_t i, A uq
   }
 }
 
-template <typename A>
+template <typename A, int MODE>
 __global__ void __launch_bounds__(SEL_WARPS * 32) select_block(CtdCudaParams p) {
+  __shared__ A stash[SEL_WARPS * SEL_UNROLL * 32];  // candidates' scores, per lane (rare path)
   const int lane = threadIdx.x & 31;
   const int64_t w = (int64_t)blockIdx.x * SEL_WARPS + (threadIdx.x >> 5);
   const int64_t i = w / p.nslices, sl = w % p.nslices;
@@ -167,31 +171,33 @@ __global__ void __launch_bounds__(SEL_WARPS * 32) select_block(CtdCudaParams p) 
       const int64_t j = j0 + u * 32 + lane;
       s[u] = j < hi ? row[j] : A(0);
     }
-    bool t[SEL_UNROLL];
-    bool any = false;
+    unsigned tm = 0;  // bit u: element u of this lane can enter
 #pragma unroll
     for (int u = 0; u < SEL_UNROLL; ++u) {
       const int64_t j = j0 + u * 32 + lane;
       s[u] *= inv_t;
-      t[u] = j < hi;
-      add_bias<A>(p, i, uqv, j, s[u], t[u], thr);
-      t[u] = t[u] && s[u] > thr;
-      any = any || t[u];
+      bool t = j < hi;
+      add_bias<A, MODE>(p, i, uqv, j, s[u], t, thr);
+      if (t && s[u] > thr) tm |= 1u << u;
     }
-    if (!__ballot_sync(0xffffffffu, any)) continue;  // the common case once thr has risen
+    if (!__ballot_sync(0xffffffffu, tm != 0)) continue;  // the common case once thr has risen
+    // rare path, one copy of the code: each lane stashes its own scores and reads them back
+    A* st = stash + (threadIdx.x >> 5) * SEL_UNROLL * 32 + lane;
 #pragma unroll
+    for (int u = 0; u < SEL_UNROLL; ++u) st[u * 32] = s[u];
+#pragma unroll 1
     for (int u = 0; u < SEL_UNROLL; ++u) {
       const int64_t j = j0 + u * 32 + lane;
-      bool take = t[u];
+      bool take = (tm >> u) & 1u;
       if (take && ex) take = !in_sorted(ex, p.m, p.col0 + j);
-      offer<A>(s[u], p.col0 + j, take, bv, bi, cnt, thr, (int)p.k, (int)p.cap);
+      offer<A>(st[u * 32], p.col0 + j, take, bv, bi, cnt, thr, (int)p.k, (int)p.cap);
     }
   }
   warp_fill(bv, bi, cnt, (int)p.cap);
   warp_bitonic(bv, bi, (int)p.cap);
 }
 
-template <typename S, typename A, int QM>
+template <typename S, typename A, int QM, int MODE>
 __global__ void __launch_bounds__(SCAN_WARPS * 32) scan_rows(CtdCudaParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* qs = reinterpret_cast<A*>(smem_raw);  // (Q, H)
@@ -262,7 +268,7 @@ __global__ void __launch_bounds__(SCAN_WARPS * 32) scan_rows(CtdCudaParams p) {
       int64_t* bi = p.ws_indices + ((int64_t)r * p.nslices + w) * p.cap;
       A s = mine[r] * inv_t;
       bool take = valid;
-      add_bias<A>(p, r, p.bias != CtdBias::None ? uq[r] : A(0), j, s, take, thr[r]);
+      add_bias<A, MODE>(p, r, MODE != (int)CtdBias::None ? uq[r] : A(0), j, s, take, thr[r]);
       take = take && s > thr[r];
       if (take && p.exclude) take = !in_sorted(p.exclude + r * p.m, p.m, j);
       offer<A>(s, j, take, bv, bi, cnt[r], thr[r], (int)p.k, (int)p.cap);
@@ -280,6 +286,16 @@ __global__ void __launch_bounds__(SCAN_WARPS * 32) scan_rows(CtdCudaParams p) {
 
 template <typename S> struct AccOf { using type = float; };
 template <> struct AccOf<double> { using type = double; };
+
+template <int M> struct ModeTag { static constexpr int value = M; };
+
+template <typename F> void with_mode(CtdBias b, F&& f) {
+  switch (b) {
+    case CtdBias::None: f(ModeTag<(int)CtdBias::None>{}); break;
+    case CtdBias::Exact: f(ModeTag<(int)CtdBias::Exact>{}); break;
+    case CtdBias::Table: f(ModeTag<(int)CtdBias::Table>{}); break;
+  }
+}
 
 void check_common(const CtdCudaParams& p) {
   if (p.Q < 1 || p.N < 1 || p.k < 1 || p.nslices < 1 || p.per_slice < 1 || p.cap < p.k + 32 || p.cap > (1 << 20) ||
@@ -303,13 +319,15 @@ void ctd_topk_cuda_select(const CtdCudaParams& p, int device, uintptr_t stream) 
   const int64_t warps = p.Q * p.nslices;
   const int64_t blocks = (warps + SEL_WARPS - 1) / SEL_WARPS;
   if (blocks > INT_MAX) fail("ctd_topk (CUDA): too many (query, slice) pairs in one launch");
-  if (p.dtype == DType::F64) {
-    select_block<double><<<(unsigned)blocks, SEL_WARPS * 32, 0, st>>>(p);
-  } else if (p.dtype == DType::F32) {
-    select_block<float><<<(unsigned)blocks, SEL_WARPS * 32, 0, st>>>(p);
-  } else {
-    fail("ctd_topk (CUDA): the score block must be float32 or float64");
-  }
+  if (p.dtype != DType::F64 && p.dtype != DType::F32) fail("ctd_topk (CUDA): the score block must be float32 or float64");
+  with_mode(p.bias, [&](auto mode) {
+    constexpr int M = decltype(mode)::value;
+    if (p.dtype == DType::F64) {
+      select_block<double, M><<<(unsigned)blocks, SEL_WARPS * 32, 0, st>>>(p);
+    } else {
+      select_block<float, M><<<(unsigned)blocks, SEL_WARPS * 32, 0, st>>>(p);
+    }
+  });
   cuda::check_launch();
 }
 
@@ -325,11 +343,14 @@ void ctd_topk_cuda_scan(const CtdCudaParams& p, int device, uintptr_t stream) {
     using A = typename AccOf<S>::type;
     const size_t smem = sizeof(A) * (size_t)(p.Q * p.H);
     if (smem > 48 * 1024) fail("ctd_topk (CUDA): Q * H too large for the scan pass (48 KB of shared memory)");
-    if (p.Q == 1) {
-      scan_rows<S, A, 1><<<(unsigned)blocks, SCAN_WARPS * 32, smem, st>>>(p);
-    } else {
-      scan_rows<S, A, 4><<<(unsigned)blocks, SCAN_WARPS * 32, smem, st>>>(p);
-    }
+    with_mode(p.bias, [&](auto mode) {
+      constexpr int M = decltype(mode)::value;
+      if (p.Q == 1) {
+        scan_rows<S, A, 1, M><<<(unsigned)blocks, SCAN_WARPS * 32, smem, st>>>(p);
+      } else {
+        scan_rows<S, A, 4, M><<<(unsigned)blocks, SCAN_WARPS * 32, smem, st>>>(p);
+      }
+    });
     cuda::check_launch();
   });
 }
