@@ -2,11 +2,11 @@
 //
 // select_block: the big products are cuBLAS's (the driver writes a Q x chunk score block with
 //   torch.mm); this kernel is the one pass over that block: one warp per (query, slice of the block's
-//   columns) reads its scores coalesced (4 x 128-byte loads in flight per warp), divides by the
-//   temperature, adds the bias only where score + bias_ub can still beat the warp's running k-th value
-//   (exact pruning), and appends the survivors with a ballot to its candidate buffer in the workspace,
-//   bitonic-pruned to the k best when full. Per element: 4 (8) bytes read; the buffer is touched only
-//   by candidates.
+//   columns) reads its scores coalesced (8 x 128-byte loads in flight per warp), multiplies by 1/T (as
+//   torch scales by a scalar on CUDA), adds the bias only where score + bias_ub can still beat the warp's
+//   running k-th value (exact pruning), and appends the survivors with a ballot to its candidate buffer
+//   in the workspace, bitonic-pruned to the k best when full. Per element: 4 (8) bytes read; the buffer
+//   is touched only by candidates.
 // scan_rows: Q <= 4 (serving). One warp per slice of gallery rows; the warp reads each row once with
 //   16-byte loads (coalesced: the lanes cover consecutive 16-byte pieces of the row), multiplies with
 //   the queries staged in shared memory, reduces with shuffles, and lane r keeps row r of each round of
