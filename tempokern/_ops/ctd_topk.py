@@ -108,12 +108,12 @@ def _bias_setup(mode, w1, b1, w2, b2, scale, acc, device):
     ang = delta[:, None] * fr[None, :]
     phi = torch.cat([torch.sin(ang), torch.cos(ang)], 1)                    # (S, 2K)
     vals = scale * (torch.relu(phi @ w1p.t() + b1d) @ w2d + b2)            # (S,)
-    best = float(vals.max())
     # the CPU kernel's rigorous margin (ctd_topk_cpu.cpp, upper_bound): Lipschitz x half the spacing
     # plus rounding of the angle-difference evaluation in the accumulation dtype
     aw = w1p.abs()
-    lip = float((w2d.abs() * (aw * torch.cat([fr, fr])[None, :]).sum(1)).sum())
-    mag = float((w2d.abs() * (b1d.abs() + aw.sum(1))).sum())
+    lip = (w2d.abs() * (aw * torch.cat([fr, fr])[None, :]).sum(1)).sum()
+    mag = (w2d.abs() * (b1d.abs() + aw.sum(1))).sum()
+    best, lip, mag = torch.stack([vals.max(), lip, mag]).tolist()          # one host sync
     margin = (abs(scale) * (lip / (S - 1) + mag * 64.0 * eps * (2 * K + 8))
               + 8.0 * eps * (abs(best) + abs(scale) * abs(b2)))
     ub = best + margin
@@ -184,7 +184,8 @@ def _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, tabl
     if mode == _BIAS_TABLE:
         tv = table.to(torch.float64)
         e32 = float(torch.finfo(torch.float32).eps)
-        ub = float(tv.max()) + 8.0 * e32 * float(tv.abs().max())
+        tmax, tabs = torch.stack([tv.max(), tv.abs().max()]).tolist()      # one host sync
+        ub = tmax + 8.0 * e32 * tabs
         ub = ub + 4 * e32 * abs(ub) + 4 * e32 if math.isfinite(ub) else math.inf
     hidden = w1.shape[0] if mode == _BIAS_EXACT else 0
     K = fr.shape[0] if mode == _BIAS_EXACT else 0
