@@ -98,23 +98,27 @@ __device__ __forceinline__ void offer(A s, int64_t idx, bool take, A* bv, int64_
   __syncwarp();
 }
 
-// Exact offset bias of query i (row of amat) and a gallery row at ugv; feat: the row's 2K features or null.
-template <typename A>
-__device__ __forceinline__ A exact_bias(const CtdCudaParams& p, int64_t i, A uqv, A ugv, const A* feat) {
-  const A d = ugv - uqv;
-  const A* ends = static_cast<const A*>(p.bias_ends);
-  if (d > A(1)) return ends[0];
-  if (d < A(-1)) return ends[1];
-  const int K = (int)p.K, K2 = 2 * K, hid = (int)p.hidden;
-  A f[MAX_K2];
+// The MLP of the exact bias for query i (row of amat) and a gallery row at ugv; feat: the row's 2K
+// features or null (computed here in double). KC: 2K as a compile-time constant (the features and the
+// first-layer rows then live in registers, loops unrolled), or 0 for any 2K <= MAX_K2.
+template <typename A, int KC>
+__device__ __forceinline__ A exact_mlp(const CtdCudaParams& p, int64_t i, A ugv, const A* feat) {
+  constexpr int CAP = KC > 0 ? KC : MAX_K2;
+  const int K2 = KC > 0 ? KC : (int)(2 * p.K), K = K2 / 2, hid = (int)p.hidden;
+  A f[CAP];
   if (feat) {
-    for (int kk = 0; kk < K2; ++kk) f[kk] = feat[kk];
+#pragma unroll
+    for (int kk = 0; kk < CAP; ++kk)
+      if (kk < K2) f[kk] = feat[kk];
   } else {
     const A* fr = static_cast<const A*>(p.freqs);
-    for (int kk = 0; kk < K; ++kk) {
-      const double a = (double)fr[kk] * (double)ugv;
-      f[kk] = (A)sin(a);
-      f[K + kk] = (A)cos(a);
+#pragma unroll
+    for (int kk = 0; kk < CAP / 2; ++kk) {
+      if (kk < K) {
+        const double a = (double)fr[kk] * (double)ugv;
+        f[kk] = (A)sin(a);
+        f[K + kk] = (A)cos(a);
+      }
     }
   }
   const A* am = static_cast<const A*>(p.amat) + i * hid * K2;
@@ -122,15 +126,29 @@ __device__ __forceinline__ A exact_bias(const CtdCudaParams& p, int64_t i, A uqv
   const A* w2 = static_cast<const A*>(p.w2);
   A out = A(0);
   for (int c = 0; c < hid; ++c) {
-    const A* w = am + c * K2;
-    A h = b1[c];
-    for (int kk = 0; kk < K2; ++kk) h += w[kk] * f[kk];
+    const A* w = am + c * K2;  // the same address in every lane of the warp (one query): a broadcast
+    A h0 = b1[c], h1 = A(0);   // two chains
+#pragma unroll
+    for (int kk = 0; kk < CAP; kk += 2) {
+      if (kk < K2) h0 += w[kk] * f[kk];
+      if (kk + 1 < K2) h1 += w[kk + 1] * f[kk + 1];
+    }
+    const A h = h0 + h1;
     out += w2[c] * (h > A(0) ? h : A(0));
   }
+  return out;
+}
+
+template <typename A>
+__device__ __forceinline__ A exact_bias(const CtdCudaParams& p, int64_t i, A uqv, A ugv, const A* feat) {
+  const A d = ugv - uqv;
+  const A* ends = static_cast<const A*>(p.bias_ends);
+  if (d > A(1)) return ends[0];
+  if (d < A(-1)) return ends[1];
+  const A out = p.K == 16 ? exact_mlp<A, 32>(p, i, ugv, feat) : exact_mlp<A, 0>(p, i, ugv, feat);  // D = 32, 33
   return (A)(p.scale * ((double)out + p.b2));
 }
 
-// Score of one pair after the bias, or take = false when it cannot beat thr (bias pruned).
 // MODE: the bias kind as a template argument, so the no-bias and table kernels carry none of the exact
 // MLP's registers.
 template <typename A, int MODE>
@@ -149,7 +167,7 @@ __device__ __forceinline__ void add_bias(const CtdCudaParams& p, int64_t i, A uq
 }
 
 template <typename A, int MODE>
-__global__ void __launch_bounds__(SEL_WARPS * 32) select_block(CtdCudaParams p) {
+__global__ void __launch_bounds__(SEL_WARPS * 32, MODE == (int)CtdBias::Exact ? 4 : 8) select_block(CtdCudaParams p) {
   __shared__ A stash[SEL_WARPS * SEL_UNROLL * 32];  // candidates' scores, per lane (rare path)
   const int lane = threadIdx.x & 31;
   const int64_t w = (int64_t)blockIdx.x * SEL_WARPS + (threadIdx.x >> 5);
@@ -171,17 +189,17 @@ __global__ void __launch_bounds__(SEL_WARPS * 32) select_block(CtdCudaParams p) 
       const int64_t j = j0 + u * 32 + lane;
       s[u] = j < hi ? row[j] : A(0);
     }
-    unsigned tm = 0;  // bit u: element u of this lane can enter
+    unsigned tm = 0;  // bit u: element u of this lane may enter (for a bias: s + bias_ub >= thr)
+    const A ub = MODE == (int)CtdBias::None ? A(0) : (A)p.bias_ub;
 #pragma unroll
     for (int u = 0; u < SEL_UNROLL; ++u) {
       const int64_t j = j0 + u * 32 + lane;
       s[u] *= inv_t;
-      bool t = j < hi;
-      add_bias<A, MODE>(p, i, uqv, j, s[u], t, thr);
-      if (t && s[u] > thr) tm |= 1u << u;
+      const bool may = MODE == (int)CtdBias::None ? s[u] > thr : !(s[u] + ub < thr);
+      if (j < hi && may) tm |= 1u << u;
     }
     if (!__ballot_sync(0xffffffffu, tm != 0)) continue;  // the common case once thr has risen
-    // rare path, one copy of the code: each lane stashes its own scores and reads them back
+    // rare path, one copy of the code (the bias MLP included): each lane stashes its own scores
     A* st = stash + (threadIdx.x >> 5) * SEL_UNROLL * 32 + lane;
 #pragma unroll
     for (int u = 0; u < SEL_UNROLL; ++u) st[u * 32] = s[u];
@@ -189,8 +207,11 @@ __global__ void __launch_bounds__(SEL_WARPS * 32) select_block(CtdCudaParams p) 
     for (int u = 0; u < SEL_UNROLL; ++u) {
       const int64_t j = j0 + u * 32 + lane;
       bool take = (tm >> u) & 1u;
+      A sv = st[u * 32];
+      add_bias<A, MODE>(p, i, uqv, j, sv, take, thr);
+      take = take && sv > thr;
       if (take && ex) take = !in_sorted(ex, p.m, p.col0 + j);
-      offer<A>(st[u * 32], p.col0 + j, take, bv, bi, cnt, thr, (int)p.k, (int)p.cap);
+      offer<A>(sv, p.col0 + j, take, bv, bi, cnt, thr, (int)p.k, (int)p.cap);
     }
   }
   warp_fill(bv, bi, cnt, (int)p.cap);
