@@ -51,12 +51,12 @@ def _bias(kind, u_q, u_g, w1, b1, w2, b2, device):
     return (u_q, u_g, vals.float())
 
 
-def eager_topk(q, g, k, temperature, bias, chunk=4096):
-    """The baseline: per gallery chunk, matmul + reference bias, torch.topk, running merge."""
+def eager_topk(q, g, k, temperature, bias, chunk=4096, dt=torch.float32):
+    """The baseline: per gallery chunk, matmul + reference bias, torch.topk, running merge (in dt)."""
     best_v = best_i = None
     for c0 in range(0, g.shape[0], chunk):
         c1 = min(g.shape[0], c0 + chunk)
-        s = (q.float() @ g[c0:c1].float().t()) / temperature
+        s = (q.to(dt) @ g[c0:c1].to(dt).t()) / temperature
         if bias is not None and len(bias) == 7:
             s = s + offset_bias(bias[0], bias[1][c0:c1], *bias[2:])
         elif bias is not None:
@@ -100,32 +100,63 @@ def test_ctd_topk_cpu(benchmark, provider, bias_kind):
            note=f"semantic {flops / ms / 1e6:.1f} GFLOP/s")
 
 
+def _cuda_time(fn, reps=10):
+    """Median CUDA-event time (ms) after a warm-up, and the peak memory above what was allocated before."""
+    fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated() - base
+
+
+CUDA_CASES = [(1024, "none"), (1024, "exact"), (1024, "exact-worst"), (1024, "table"),
+              (1, "none"), (1, "exact"), (1, "table"), (16, "none"), (16, "exact")]
+# Targets (issue 14, H100, bf16, H = 768, k = 10, N = 1M): Q 1024 none <= 9 ms, exact <= 40 ms, table <= 12 ms;
+# Q 1 exact <= 1.2 ms. Floors: Q 1024: cuBLAS q @ g.T (2.4 ms measured) + one read of the 4 GB fp32 score
+# blocks (~1.3 ms at 3 TB/s); Q 1: one read of the 1.5 GB gallery (~0.5 ms).
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("provider", ["tempokern-none", "tempokern-table", "tempokern-exact", "torch-topk", "faiss-flat-gpu"])
-def test_ctd_topk_cuda(benchmark, provider):
-    Q, N, H, k = CUDA_SIZE["Q"], CUDA_SIZE["N"], CUDA_SIZE["H"], CUDA_SIZE["k"]
+@pytest.mark.parametrize("Q,bias_kind", CUDA_CASES)
+@pytest.mark.parametrize("provider", ["tempokern", "torch-topk", "mm"])
+def test_ctd_topk_cuda(provider, Q, bias_kind):
+    N, H, k = CUDA_SIZE["N"], CUDA_SIZE["H"], CUDA_SIZE["k"]
+    temperature = 0.05
     q, g, u_q, u_g, w1, b1, w2, b2 = _data(Q, N, H, "cuda", torch.bfloat16)
-    if provider.startswith("tempokern"):
-        bias = _bias(provider.split("-")[1], u_q, u_g, w1, b1, w2, b2, "cuda")
-        fn = lambda: tempokern.ctd_topk(q, g, k, bias=bias)  # noqa: E731
+    if bias_kind == "exact-worst":
+        q = q * 1e-3  # the bias decides the ranking: nothing can be pruned
+    bias = _bias(bias_kind, u_q, u_g, w1, b1, w2, b2, "cuda")
+    if provider != "tempokern" and bias_kind != "none":
+        pytest.skip("the yardsticks have no bias")
+    agree = ""
+    if provider == "tempokern":
+        fn = lambda: tempokern.ctd_topk(q, g, k, temperature=temperature, bias=bias)  # noqa: E731
+        # agreement with the float64 reference on the first 32 queries (eager, chunked)
+        m = min(Q, 32)
+        bias_m = None
+        if bias is not None and len(bias) == 3:
+            bias_m = (bias[0][:m].double(), bias[1].double(), bias[2])
+        elif bias is not None:
+            bias_m = (bias[0][:m].double(), bias[1].double()) + tuple(t.double() for t in bias[2:])
+        rv, ri = eager_topk(q[:m], g, k, temperature, bias_m, dt=torch.float64)
+        v, i = (t[:m] for t in tempokern.ctd_topk(q, g, k, temperature=temperature, bias=bias))
+        agree = (f"indices equal {float((i == ri).float().mean()):.4f}, "
+                 f"max |value - fp64| {float((v.double() - rv).abs().max()):.2e}")
     elif provider == "torch-topk":
         fn = lambda: torch.topk(q @ g.t(), k, dim=1)  # noqa: E731
     else:
-        faiss = pytest.importorskip("faiss")
-        if not hasattr(faiss, "StandardGpuResources"):
-            pytest.skip("faiss has no GPU support")
-        res = faiss.StandardGpuResources()
-        index = faiss.GpuIndexFlatIP(res, H)
-        index.add(g.float().cpu().numpy())
-        qn = q.float().cpu().numpy()
-        fn = lambda: index.search(qn, k)  # noqa: E731
-
-    def run():
-        fn()
-        _sync("cuda")
-
-    benchmark.group = f"ctd_topk cuda Q={Q} N={N} H={H} k={k} bf16"
-    benchmark.pedantic(run, rounds=5, warmup_rounds=1, iterations=1)
-    record("ctd_topk.csv", op="ctd_topk", provider=provider, size=f"Q={Q} N={N} H={H} k={k} bf16",
-           ms=benchmark.stats.stats.median * 1e3, device="cuda")
+        fn = lambda: q @ g.t()  # noqa: E731
+    ms, mem = _cuda_time(fn)
+    size = f"Q={Q} N={N} H={H} k={k} bf16 T={temperature}"
+    print(f"\nctd_topk cuda {size} bias={bias_kind} {provider}: {ms:.3f} ms, extra peak {mem / 2**20:.0f} MiB {agree}")
+    record("ctd_topk.csv", op=f"ctd_topk bias={bias_kind}", provider=provider, size=size, ms=ms, device="cuda",
+           note=f"extra peak {mem / 2**20:.0f} MiB; {agree}")

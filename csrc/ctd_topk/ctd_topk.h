@@ -38,17 +38,58 @@ struct CtdTopkParams {
   // outputs: values (Q, k) in A, indices (Q, k) int64; missing slots are -inf / -1
   void* values = nullptr;
   int64_t* indices = nullptr;
-  // CUDA only: workspace of nsplit partial lists per query, (Q, nsplit, k) values in A + int64 ids
-  void* ws_values = nullptr;
-  int64_t* ws_indices = nullptr;
-  int64_t nsplit = 1, cap = 0;    // cap: candidates per (query, split), a power of two >= k + 32
-  void* ws_bias = nullptr;        // (Q, 2K, hidden) per-query first-layer matrix in A (exact bias)
-  const void* bias_ends = nullptr;  // (2,) in A: the exact bias at delta = +1 and -1 (CUDA)
 };
 
 void ctd_topk_cpu(const CtdTopkParams& p);
+
+// CUDA passes of the fused top-k; the driver (chunking, cuBLAS score blocks, merges) is the Python
+// wrapper tempokern/_ops/ctd_topk.py. Both kernels keep one candidate buffer per (query, slice) in the
+// workspace ws (Q, nslices, cap), cap a power of two >= k + 32, sorted at the end (best first, ties by
+// lower gallery index) so that its first k entries are the slice's top-k; missing entries are
+// (-inf, INT64_MAX).
+//   select: scores (Q, N) in A (a block of q @ g[col0 : col0 + N].T written by cuBLAS, row stride
+//           s_stride); one warp per (query, slice of per_slice columns); adds the bias, prunes with
+//           bias_ub, and selects. Global indices are col0 + column.
+//   scan:   Q <= 4 queries; one warp per slice of per_slice gallery rows computes the dot products
+//           itself (16-byte loads of g when aligned), adds the bias and selects: one pass over g.
+struct CtdCudaParams {
+  DType dtype = DType::F32;       // scan: the embeddings' dtype; select: the scores' (F32 or F64)
+  int64_t Q = 0, N = 0, H = 0, k = 0;
+  const void* q = nullptr;        // scan: (Q, H), row stride q_stride
+  int64_t q_stride = 0;
+  const void* g = nullptr;        // scan: (N, H), row stride g_stride
+  int64_t g_stride = 0;
+  const void* scores = nullptr;   // select: (Q, N) in A
+  int64_t s_stride = 0, col0 = 0;
+  double temperature = 1.0;
+  CtdBias bias = CtdBias::None;
+  const void* u_q = nullptr;      // (Q,) in A
+  const void* u_g = nullptr;      // (N,) in A (select: the block's columns)
+  // exact bias: amat (Q, hidden, 2K) in A, the first layer folded with each query's angles, times the
+  // gallery row's features [sin(f u_g), cos(f u_g)] (feats (N, 2K) in A, or computed per pair in
+  // double from freqs (K,) when feats is null); pairs with |u_g - u_q| > 1 take bias_ends (+1, -1).
+  int64_t hidden = 0, K = 0;
+  const void* freqs = nullptr;
+  const void* amat = nullptr;
+  const void* feats = nullptr;
+  const void* b1 = nullptr;       // (hidden,) in A
+  const void* w2 = nullptr;       // (hidden,) in A
+  const void* bias_ends = nullptr;
+  double b2 = 0.0, scale = 0.0;
+  double bias_ub = 0.0;           // >= every bias value the kernel can compute (exact pruning)
+  const float* table = nullptr;   // table bias: P float32 samples
+  int64_t P = 0;
+  const int64_t* exclude = nullptr;  // (Q, m) int64 global row indices, rows sorted ascending
+  int64_t m = 0;
+  const void* thr_seed = nullptr;    // select: (Q,) in A, a lower bound of each query's k-th score so far, or null
+  void* ws_values = nullptr;
+  int64_t* ws_indices = nullptr;
+  int64_t nslices = 1, per_slice = 0, cap = 0;
+};
+
 #ifdef TK_WITH_CUDA
-void ctd_topk_cuda(const CtdTopkParams& p, int device, uintptr_t stream);
+void ctd_topk_cuda_select(const CtdCudaParams& p, int device, uintptr_t stream);
+void ctd_topk_cuda_scan(const CtdCudaParams& p, int device, uintptr_t stream);
 #endif
 
 }  // namespace tk

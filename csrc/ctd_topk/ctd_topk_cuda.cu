@@ -1,15 +1,21 @@
-// CUDA fused CTD top-k. Never run on a GPU yet: compiled, and tested on the CPU emulator (tools/cuda_emu).
-// Kernel 1: a block owns 64 queries and one slice of the gallery; per 64-row gallery tile it
-//   computes the 64 x 64 score tile in shared memory (fp16/bf16: tensor cores via wmma; fp32/fp64:
-//   SIMT FMA; fp32 accumulation, fp64 for fp64),
-//   adds the bias, and each warp updates 8 queries' candidate buffers in the workspace
-//   (ballot-append, bitonic prune to the k best when full). At the end each buffer is sorted.
-// Kernel 2: per query, merge the nsplit sorted partial lists (bitonic sort in shared memory).
-// Memory: workspace (Q, nsplit, cap) with nsplit * k <= 2048; never Q x N.
-#include <algorithm>
+// CUDA passes of the fused CTD top-k (driver: tempokern/_ops/ctd_topk.py; layouts: ctd_topk.h).
+//
+// select_block: the big products are cuBLAS's (the driver writes a Q x chunk score block with
+//   torch.mm); this kernel is the one pass over that block: one warp per (query, slice of the block's
+//   columns) reads its scores coalesced (8 x 128-byte loads in flight per warp), multiplies by 1/T (as
+//   torch scales by a scalar on CUDA), adds the bias only where score + bias_ub can still beat the warp's
+//   running k-th value (exact pruning), and appends the survivors with a ballot to its candidate buffer
+//   in the workspace, bitonic-pruned to the k best when full. Per element: 4 (8) bytes read; the buffer
+//   is touched only by candidates.
+// scan_rows: Q <= 4 (serving). One warp per slice of gallery rows; the warp reads each row once with
+//   16-byte loads (coalesced: the lanes cover consecutive 16-byte pieces of the row), multiplies with
+//   the queries staged in shared memory, reduces with shuffles, and lane r keeps row r of each round of
+//   32 rows; then the same bias + selection step as select_block. Bytes: N * H * sizeof(S) once.
+// The driver merges the buffers' first k entries (stable sort: ties to the lower index).
 #include <cfloat>
 #include <climits>
-#include <mma.h>
+#include <cmath>
+#include <cstring>
 #include "common/cuda_utils.cuh"
 #include "ctd_topk/ctd_topk.h"
 #include "offset_bias/bias_math.h"
@@ -17,14 +23,12 @@
 namespace tk {
 namespace {
 
-constexpr int BQ = 64, BN = 64, BK = 32, LD = 65, NT = 256;
-constexpr int LDS = 68;  // score tile row stride: a multiple of 4 floats, as wmma::store_matrix_sync needs
-constexpr int LDH = 40;  // fp16/bf16 tile row stride (elements): a multiple of 8, 32-byte aligned 16-row blocks
+constexpr int SEL_WARPS = 4;   // warps per CTA of select_block
+constexpr int SCAN_WARPS = 8;  // warps per CTA of scan_rows
+constexpr int SEL_UNROLL = 8;  // scores in flight per lane
+constexpr int MAX_K2 = 64;     // 2K features of the exact bias (checked by the launcher)
 
-// fp16/bf16 score tiles run on tensor cores (wmma 16x16x16, fp32 accumulation)
-template <typename S> struct TensorCore { static constexpr bool value = false; };
-template <> struct TensorCore<__half> { static constexpr bool value = true; };
-template <> struct TensorCore<__nv_bfloat16> { static constexpr bool value = true; };
+struct alignas(16) Vec16 { unsigned int x, y, z, w; };
 
 template <typename A> __device__ __forceinline__ A neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() { return -INFINITY; }
@@ -46,7 +50,7 @@ __device__ __forceinline__ bool in_sorted(const int64_t* row, int64_t m, int64_t
 
 // One warp sorts n (power of two) entries in global memory, best first.
 template <typename A>
-__device__ void warp_bitonic(A* v, int64_t* ix, int n) {
+__device__ __noinline__ void warp_bitonic(A* v, int64_t* ix, int n) {
   const int lane = threadIdx.x & 31;
   for (int size = 2; size <= n; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
@@ -64,304 +68,312 @@ __device__ void warp_bitonic(A* v, int64_t* ix, int n) {
 }
 
 template <typename A>
-__device__ void warp_fill(A* v, int64_t* ix, int from, int n) {
+__device__ __noinline__ void warp_fill(A* v, int64_t* ix, int from, int n) {
   for (int t = from + (threadIdx.x & 31); t < n; t += 32) { v[t] = neg_inf<A>(); ix[t] = LLONG_MAX; }
   __syncwarp();
 }
 
-// amat[i][kk][c]: the first layer folded with query i's angles (see ctd_topk_cpu.cpp).
+// Warp-uniform call: lanes with `take` append (s, idx) to the buffer (bv, bi) of `cap` entries holding
+// `cnt`; when it would overflow, it is sorted and cut to the k best and thr becomes the k-th value
+// (a new entry must beat it strictly: its index is higher than every buffered one's).
 template <typename A>
-__global__ void build_amat(CtdTopkParams p) {
-  const int64_t total = p.Q * p.K * p.hidden;
-  const A* w1 = static_cast<const A*>(p.w1);
-  const A* uq = static_cast<const A*>(p.u_q);
-  const A* fr = static_cast<const A*>(p.freqs);
-  A* am = static_cast<A*>(p.ws_bias);
-  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < total; e += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t c = e % p.hidden, kk = (e / p.hidden) % p.K, i = e / (p.hidden * p.K);
-    const double a = (double)fr[kk] * (double)uq[i];
-    const A sq = (A)sin(a), cq = (A)cos(a);
-    const A ws = kk < p.D ? w1[c * p.D + kk] : A(0);
-    const A wc = p.K + kk < p.D ? w1[c * p.D + p.K + kk] : A(0);
-    A* m = am + i * 2 * p.K * p.hidden;
-    m[kk * p.hidden + c] = ws * cq + wc * sq;
-    m[(p.K + kk) * p.hidden + c] = wc * cq - ws * sq;
+__device__ __forceinline__ void offer(A s, int64_t idx, bool take, A* bv, int64_t* bi, int& cnt, A& thr,
+                                      int k, int cap) {
+  const int lane = threadIdx.x & 31;
+  take = take && s > thr;  // thr may have risen since the caller's test
+  unsigned mask = __ballot_sync(0xffffffffu, take);
+  if (!mask) return;
+  if (cnt + __popc(mask) > cap) {
+    warp_fill(bv, bi, cnt, cap);
+    warp_bitonic(bv, bi, cap);
+    cnt = k;
+    thr = bv[k - 1];
+    take = take && s > thr;
+    mask = __ballot_sync(0xffffffffu, take);
+    if (!mask) return;
+  }
+  const int pos = cnt + __popc(mask & ((1u << lane) - 1u));
+  if (take) { bv[pos] = s; bi[pos] = idx; }
+  cnt += __popc(mask);
+  __syncwarp();
+}
+
+// The MLP of the exact bias for query i (row of amat) and a gallery row at ugv; feat: the row's 2K
+// features or null (computed here in double). KC: 2K as a compile-time constant (the features and the
+// first-layer rows then live in registers, loops unrolled), or 0 for any 2K <= MAX_K2.
+template <typename A, int KC>
+__device__ __forceinline__ A exact_mlp(const CtdCudaParams& p, int64_t i, A ugv, const A* feat) {
+  constexpr int CAP = KC > 0 ? KC : MAX_K2;
+  const int K2 = KC > 0 ? KC : (int)(2 * p.K), K = K2 / 2, hid = (int)p.hidden;
+  A f[CAP];
+  if (feat) {
+#pragma unroll
+    for (int kk = 0; kk < CAP; ++kk)
+      if (kk < K2) f[kk] = feat[kk];
+  } else {
+    const A* fr = static_cast<const A*>(p.freqs);
+#pragma unroll
+    for (int kk = 0; kk < CAP / 2; ++kk) {
+      if (kk < K) {
+        const double a = (double)fr[kk] * (double)ugv;
+        f[kk] = (A)sin(a);
+        f[K + kk] = (A)cos(a);
+      }
+    }
+  }
+  const A* am = static_cast<const A*>(p.amat) + i * hid * K2;
+  const A* b1 = static_cast<const A*>(p.b1);
+  const A* w2 = static_cast<const A*>(p.w2);
+  A out = A(0);
+  for (int c = 0; c < hid; ++c) {
+    const A* w = am + c * K2;  // the same address in every lane of the warp (one query): a broadcast
+    A h0 = b1[c], h1 = A(0);   // two chains
+#pragma unroll
+    for (int kk = 0; kk < CAP; kk += 2) {
+      if (kk < K2) h0 += w[kk] * f[kk];
+      if (kk + 1 < K2) h1 += w[kk + 1] * f[kk + 1];
+    }
+    const A h = h0 + h1;
+    out += w2[c] * (h > A(0) ? h : A(0));
+  }
+  return out;
+}
+
+template <typename A>
+__device__ __forceinline__ A exact_bias(const CtdCudaParams& p, int64_t i, A uqv, A ugv, const A* feat) {
+  const A d = ugv - uqv;
+  const A* ends = static_cast<const A*>(p.bias_ends);
+  if (d > A(1)) return ends[0];
+  if (d < A(-1)) return ends[1];
+  const A out = p.K == 16 ? exact_mlp<A, 32>(p, i, ugv, feat) : exact_mlp<A, 0>(p, i, ugv, feat);  // D = 32, 33
+  return (A)(p.scale * ((double)out + p.b2));
+}
+
+// MODE: the bias kind as a template argument, so the no-bias and table kernels carry none of the exact
+// MLP's registers.
+template <typename A, int MODE>
+__device__ __forceinline__ void add_bias(const CtdCudaParams& p, int64_t i, A uqv, int64_t jloc, A& s, bool& take,
+                                         A thr) {
+  if constexpr (MODE == (int)CtdBias::None) return;
+  if (!take) return;
+  if (s + (A)p.bias_ub < thr) { take = false; return; }  // s + bias <= s + bias_ub < thr
+  const A ugv = static_cast<const A*>(p.u_g)[jloc];
+  if constexpr (MODE == (int)CtdBias::Table) {
+    s += bias::bias_table_lookup<A>(p.table, p.P, ugv - uqv);
+  } else {
+    const A* feat = p.feats ? static_cast<const A*>(p.feats) + jloc * 2 * p.K : nullptr;
+    s += exact_bias<A>(p, i, uqv, ugv, feat);
   }
 }
 
-template <typename S, typename A>
-__global__ void __launch_bounds__(NT) score_partial(CtdTopkParams p, int64_t cap, int64_t per_split) {
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  A* Qs = reinterpret_cast<A*>(smem_raw);      // BK x LD
-  A* Gs = Qs + BK * LD;                        // BK x LD
-  A* Ss = Gs + BK * LD;                        // BQ x LDS
-  A* ugs = Ss + BQ * LDS;                       // BN
-  A* red = ugs + BN;                           // 4 x BN
-  A* Fs = red + 4 * BN;                        // K2 x BN
-  A* As = Fs + 2 * p.K * BN;                   // K2 x hidden
+template <typename A, int MODE>
+__global__ void __launch_bounds__(SEL_WARPS * 32, MODE == (int)CtdBias::Exact ? 4 : 8) select_block(CtdCudaParams p) {
+  __shared__ A stash[SEL_WARPS * SEL_UNROLL * 32];  // candidates' scores, per lane (rare path)
+  const int lane = threadIdx.x & 31;
+  const int64_t w = (int64_t)blockIdx.x * SEL_WARPS + (threadIdx.x >> 5);
+  const int64_t i = w / p.nslices, sl = w % p.nslices;
+  if (i >= p.Q) return;  // warp-uniform; this kernel has no block barrier
+  const int64_t lo = sl * p.per_slice, hi = min(p.N, lo + p.per_slice);
+  const A* row = static_cast<const A*>(p.scores) + i * p.s_stride;
+  A* bv = static_cast<A*>(p.ws_values) + w * p.cap;  // w == i * nslices + sl
+  int64_t* bi = p.ws_indices + w * p.cap;
+  const A inv_t = A(1) / (A)p.temperature;  // s = dot * (1 / T), as torch scales by a scalar on CUDA
+  A thr = p.thr_seed ? static_cast<const A*>(p.thr_seed)[i] : neg_inf<A>();
+  int cnt = 0;
+  const A uqv = p.bias != CtdBias::None ? static_cast<const A*>(p.u_q)[i] : A(0);
+  const int64_t* ex = p.exclude ? p.exclude + i * p.m : nullptr;
+  for (int64_t j0 = lo; j0 < hi; j0 += 32 * SEL_UNROLL) {
+    A s[SEL_UNROLL];
+#pragma unroll
+    for (int u = 0; u < SEL_UNROLL; ++u) {
+      const int64_t j = j0 + u * 32 + lane;
+      s[u] = j < hi ? row[j] : A(0);
+    }
+    unsigned tm = 0;  // bit u: element u of this lane may enter (for a bias: s + bias_ub >= thr)
+    const A ub = MODE == (int)CtdBias::None ? A(0) : (A)p.bias_ub;
+#pragma unroll
+    for (int u = 0; u < SEL_UNROLL; ++u) {
+      const int64_t j = j0 + u * 32 + lane;
+      s[u] *= inv_t;
+      const bool may = MODE == (int)CtdBias::None ? s[u] > thr : !(s[u] + ub < thr);
+      if (j < hi && may) tm |= 1u << u;
+    }
+    if (!__ballot_sync(0xffffffffu, tm != 0)) continue;  // the common case once thr has risen
+    // rare path, one copy of the code (the bias MLP included): each lane stashes its own scores
+    A* st = stash + (threadIdx.x >> 5) * SEL_UNROLL * 32 + lane;
+#pragma unroll
+    for (int u = 0; u < SEL_UNROLL; ++u) st[u * 32] = s[u];
+#pragma unroll 1
+    for (int u = 0; u < SEL_UNROLL; ++u) {
+      const int64_t j = j0 + u * 32 + lane;
+      bool take = (tm >> u) & 1u;
+      A sv = st[u * 32];
+      add_bias<A, MODE>(p, i, uqv, j, sv, take, thr);
+      take = take && sv > thr;
+      if (take && ex) take = !in_sorted(ex, p.m, p.col0 + j);
+      offer<A>(sv, p.col0 + j, take, bv, bi, cnt, thr, (int)p.k, (int)p.cap);
+    }
+  }
+  warp_fill(bv, bi, cnt, (int)p.cap);
+  warp_bitonic(bv, bi, (int)p.cap);
+}
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t q0 = (int64_t)blockIdx.x * BQ;
-  const int64_t split = blockIdx.y;
-  const int64_t lo = split * per_split, hi = min(p.N, lo + per_split);
+template <typename S, typename A, int QM, int MODE>
+__global__ void __launch_bounds__(SCAN_WARPS * 32) scan_rows(CtdCudaParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* qs = reinterpret_cast<A*>(smem_raw);  // (Q, H)
+  const int Q = (int)p.Q;
+  const int64_t H = p.H;
   const S* q = static_cast<const S*>(p.q);
-  const S* g = static_cast<const S*>(p.g);
-  const A* ug = static_cast<const A*>(p.u_g);
-  const A* uq = static_cast<const A*>(p.u_q);
-  const A temp = (A)p.temperature;
-  const int K2 = (int)(2 * p.K), hid = (int)p.hidden;
-  A* wsv = static_cast<A*>(p.ws_values);
-  int64_t* wsi = p.ws_indices;
-
-  // this warp's 8 queries: running count and threshold (uniform across the warp)
-  int cnt[BQ / 8];
-  A thr[BQ / 8];
-#pragma unroll
-  for (int r = 0; r < BQ / 8; ++r) { cnt[r] = 0; thr[r] = neg_inf<A>(); }
-
-  const int ty = tid / 16, tx = tid % 16;
-  for (int64_t n0 = lo; n0 < hi; n0 += BN) {
-    if constexpr (TensorCore<S>::value) {
-      using namespace nvcuda;
-      S* Qh = reinterpret_cast<S*>(Qs);  // BQ x LDH, h innermost (aliases the fp32 tiles)
-      S* Gh = reinterpret_cast<S*>(Gs);  // BN x LDH
-      const S zero = cuda::from_acc<S>(0.f);
-      const int wr = warp / 2, wc = (warp % 2) * 2;  // this warp's 16 x 32 piece of the 64 x 64 tile
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> c0, c1;
-      wmma::fill_fragment(c0, 0.f);
-      wmma::fill_fragment(c1, 0.f);
-      for (int64_t h0 = 0; h0 < p.H; h0 += BK) {
-        for (int e = tid; e < BQ * BK; e += NT) {
-          const int row = e / BK, col = e % BK;
-          const int64_t qi = q0 + row, h = h0 + col, gj = n0 + row;
-          Qh[row * LDH + col] = (qi < p.Q && h < p.H) ? q[qi * p.q_stride + h] : zero;
-          Gh[row * LDH + col] = (gj < hi && h < p.H) ? g[gj * p.g_stride + h] : zero;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, S, wmma::row_major> fa;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, S, wmma::col_major> fb0, fb1;  // (k, n) = g[n][k]
-          wmma::load_matrix_sync(fa, Qh + wr * 16 * LDH + kk, LDH);
-          wmma::load_matrix_sync(fb0, Gh + wc * 16 * LDH + kk, LDH);
-          wmma::load_matrix_sync(fb1, Gh + (wc + 1) * 16 * LDH + kk, LDH);
-          wmma::mma_sync(c0, fa, fb0, c0);
-          wmma::mma_sync(c1, fa, fb1, c1);
-        }
-        __syncthreads();
-      }
-      for (int t = 0; t < c0.num_elements; ++t) { c0.x[t] = c0.x[t] / (float)temp; c1.x[t] = c1.x[t] / (float)temp; }
-      wmma::store_matrix_sync(reinterpret_cast<float*>(Ss) + wr * 16 * LDS + wc * 16, c0, LDS, wmma::mem_row_major);
-      wmma::store_matrix_sync(reinterpret_cast<float*>(Ss) + wr * 16 * LDS + (wc + 1) * 16, c1, LDS,
-                              wmma::mem_row_major);
-    } else {
-      A acc[4][4];
-#pragma unroll
-      for (int a = 0; a < 4; ++a)
-#pragma unroll
-        for (int b = 0; b < 4; ++b) acc[a][b] = A(0);
-      for (int64_t h0 = 0; h0 < p.H; h0 += BK) {
-        for (int e = tid; e < BQ * BK; e += NT) {
-          const int row = e / BK, col = e % BK;
-          const int64_t qi = q0 + row, h = h0 + col, gj = n0 + row;
-          Qs[col * LD + row] = (qi < p.Q && h < p.H) ? (A)cuda::to_acc(q[qi * p.q_stride + h]) : A(0);
-          Gs[col * LD + row] = (gj < hi && h < p.H) ? (A)cuda::to_acc(g[gj * p.g_stride + h]) : A(0);
-        }
-        __syncthreads();
-#pragma unroll 8
-        for (int kk = 0; kk < BK; ++kk) {
-          A qa[4], gb[4];
-#pragma unroll
-          for (int a = 0; a < 4; ++a) qa[a] = Qs[kk * LD + ty + 16 * a];
-#pragma unroll
-          for (int b = 0; b < 4; ++b) gb[b] = Gs[kk * LD + tx + 16 * b];
-#pragma unroll
-          for (int a = 0; a < 4; ++a)
-#pragma unroll
-            for (int b = 0; b < 4; ++b) acc[a][b] += qa[a] * gb[b];
-        }
-        __syncthreads();
-      }
-#pragma unroll
-      for (int a = 0; a < 4; ++a)
-#pragma unroll
-        for (int b = 0; b < 4; ++b) Ss[(ty + 16 * a) * LDS + tx + 16 * b] = acc[a][b] / temp;
-    }
-    if (p.bias != CtdBias::None && tid < BN) ugs[tid] = (n0 + tid < hi) ? ug[n0 + tid] : A(0);
-    __syncthreads();
-
-    if (p.bias == CtdBias::Table) {
-      for (int e = tid; e < BQ * BN; e += NT) {
-        const int r = e / BN, j = e % BN;
-        if (q0 + r >= p.Q) continue;
-        Ss[r * LDS + j] += bias::bias_table_lookup<A>(p.table, p.P, ugs[j] - uq[q0 + r]);
-      }
-      __syncthreads();
-    } else if (p.bias == CtdBias::Exact) {
-      const A* fr = static_cast<const A*>(p.freqs);
-      for (int e = tid; e < (int)p.K * BN; e += NT) {
-        const int kk = e / BN, j = e % BN;
-        const double a = (double)fr[kk] * (double)ugs[j];
-        Fs[kk * BN + j] = (A)sin(a);
-        Fs[(p.K + kk) * BN + j] = (A)cos(a);
-      }
-      const A* b1 = static_cast<const A*>(p.b1);
-      const A* w2 = static_cast<const A*>(p.w2);
-      const A* ends = static_cast<const A*>(p.bias_ends);  // bias at delta = +1, -1
-      const int j = tid % BN, grp = tid / BN;              // 4 groups split the hidden units
-      for (int r = 0; r < BQ && q0 + r < p.Q; ++r) {
-        const A* am = static_cast<const A*>(p.ws_bias) + (q0 + r) * K2 * hid;
-        for (int e = tid; e < K2 * hid; e += NT) As[e] = am[e];
-        __syncthreads();
-        A part = A(0);
-        for (int c = grp; c < hid; c += 4) {
-          A h = b1[c];
-          for (int kk = 0; kk < K2; ++kk) h += As[kk * hid + c] * Fs[kk * BN + j];
-          part += w2[c] * (h > A(0) ? h : A(0));
-        }
-        red[grp * BN + j] = part;
-        __syncthreads();
-        if (grp == 0) {
-          const A d = ugs[j] - uq[q0 + r];
-          const A b = d > A(1) ? ends[0]
-                    : (d < A(-1) ? ends[1]
-                                 : (A)(p.scale * ((double)(red[j] + red[BN + j] + red[2 * BN + j] + red[3 * BN + j]) + p.b2)));
-          Ss[r * LDS + j] += b;
-        }
-        // next iteration's As write is after this barrier
-        __syncthreads();
-      }
-    }
-
-    // candidates: warp w updates queries w*8 .. w*8+7
-#pragma unroll
-    for (int rr = 0; rr < BQ / 8; ++rr) {
-      const int r = warp * (BQ / 8) + rr;
-      const int64_t i = q0 + r;
-      if (i >= p.Q) continue;  // warp-uniform
-      A* bv = wsv + (i * p.nsplit + split) * cap;
-      int64_t* bi = wsi + (i * p.nsplit + split) * cap;
-      const int64_t* ex = p.exclude ? p.exclude + i * p.m : nullptr;
-      for (int half = 0; half < BN / 32; ++half) {
-        const int j = half * 32 + lane;
-        const int64_t idx = n0 + j;
-        const A s = Ss[r * LDS + j];
-        bool take = idx < hi && s > thr[rr];
-        if (take && ex) take = !in_sorted(ex, p.m, idx);
-        const unsigned mask = __ballot_sync(0xffffffffu, take);
-        if (!mask) continue;
-        const int add = __popc(mask);
-        if (cnt[rr] + add > cap) {
-          warp_fill(bv, bi, cnt[rr], (int)cap);
-          warp_bitonic(bv, bi, (int)cap);
-          cnt[rr] = (int)p.k;
-          thr[rr] = bv[p.k - 1];
-          take = take && s > thr[rr];
-          const unsigned m2 = __ballot_sync(0xffffffffu, take);
-          if (!m2) continue;
-          const int pos = cnt[rr] + __popc(m2 & ((1u << lane) - 1u));
-          if (take) { bv[pos] = s; bi[pos] = idx; }
-          cnt[rr] += __popc(m2);
-        } else {
-          const int pos = cnt[rr] + __popc(mask & ((1u << lane) - 1u));
-          if (take) { bv[pos] = s; bi[pos] = idx; }
-          cnt[rr] += add;
-        }
-        __syncwarp();
-      }
-    }
-    __syncthreads();
-  }
-  // sort each buffer so its first k entries are this split's list
-#pragma unroll
-  for (int rr = 0; rr < BQ / 8; ++rr) {
-    const int64_t i = q0 + warp * (BQ / 8) + rr;
-    if (i >= p.Q) continue;
-    A* bv = wsv + (i * p.nsplit + split) * cap;
-    int64_t* bi = wsi + (i * p.nsplit + split) * cap;
-    warp_fill(bv, bi, cnt[rr], (int)cap);
-    warp_bitonic(bv, bi, (int)cap);
-  }
-}
-
-template <typename A>
-__global__ void __launch_bounds__(NT) merge_splits(CtdTopkParams p, int64_t cap, int M) {
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  int64_t* ix = reinterpret_cast<int64_t*>(smem_raw);
-  A* v = reinterpret_cast<A*>(ix + M);
-  const int64_t i = blockIdx.x;
-  const A* wsv = static_cast<const A*>(p.ws_values) + i * p.nsplit * cap;
-  const int64_t* wsi = p.ws_indices + i * p.nsplit * cap;
-  for (int t = threadIdx.x; t < M; t += blockDim.x) {
-    const int64_t sp = t / p.k, j = t % p.k;
-    if (sp < p.nsplit) { v[t] = wsv[sp * cap + j]; ix[t] = wsi[sp * cap + j]; }
-    else { v[t] = neg_inf<A>(); ix[t] = LLONG_MAX; }
-  }
+  for (int64_t e = threadIdx.x; e < Q * H; e += blockDim.x)
+    qs[e] = (A)cuda::to_acc(q[(e / H) * p.q_stride + e % H]);
   __syncthreads();
-  for (int size = 2; size <= M; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int t = threadIdx.x; t < M / 2; t += blockDim.x) {
-        const int lo = 2 * t - (t & (stride - 1));
-        const int hi = lo + stride;
-        const bool up = (lo & size) == 0;
-        A a = v[lo], b = v[hi];
-        int64_t ia = ix[lo], ib = ix[hi];
-        if (better(b, ib, a, ia) == up) { v[lo] = b; v[hi] = a; ix[lo] = ib; ix[hi] = ia; }
+  const int lane = threadIdx.x & 31;
+  const int64_t w = (int64_t)blockIdx.x * SCAN_WARPS + (threadIdx.x >> 5);
+  if (w >= p.nslices) return;  // after the only block barrier; warp-uniform
+  const int64_t lo = w * p.per_slice, hi = min(p.N, lo + p.per_slice);
+  const S* g = static_cast<const S*>(p.g);
+  constexpr int VW = 16 / (int)sizeof(S);
+  const bool vec = (reinterpret_cast<uintptr_t>(g) % 16 == 0) && ((p.g_stride * (int64_t)sizeof(S)) % 16 == 0);
+  const int64_t npieces = vec ? H / VW : 0;
+  const int64_t tail0 = npieces * VW;  // [tail0, H): scalar loads
+  const A inv_t = A(1) / (A)p.temperature;
+  const A* uq = static_cast<const A*>(p.u_q);
+  int cnt[QM];
+  A thr[QM];
+#pragma unroll
+  for (int r = 0; r < QM; ++r) { cnt[r] = 0; thr[r] = neg_inf<A>(); }
+  for (int64_t base = lo; base < hi; base += 32) {
+    const int rows = (int)min((int64_t)32, hi - base);
+    A mine[QM];
+#pragma unroll
+    for (int r = 0; r < QM; ++r) mine[r] = A(0);
+    for (int rr = 0; rr < rows; ++rr) {
+      const S* gr = g + (base + rr) * p.g_stride;
+      A acc[QM];
+#pragma unroll
+      for (int r = 0; r < QM; ++r) acc[r] = A(0);
+#pragma unroll 4
+      for (int64_t pc = lane; pc < npieces; pc += 32) {
+        const Vec16 raw = *reinterpret_cast<const Vec16*>(gr + pc * VW);  // one 16-byte load
+        S e[VW];
+        memcpy(e, &raw, sizeof(raw));  // not a pointer cast: that would break strict aliasing
+#pragma unroll
+        for (int t = 0; t < VW; ++t) {
+          const A gv = (A)cuda::to_acc(e[t]);
+#pragma unroll
+          for (int r = 0; r < QM; ++r)
+            if (r < Q) acc[r] += qs[r * H + pc * VW + t] * gv;
+        }
       }
-      __syncthreads();
+      for (int64_t h = tail0 + lane; h < H; h += 32) {
+        const A gv = (A)cuda::to_acc(gr[h]);
+#pragma unroll
+        for (int r = 0; r < QM; ++r)
+          if (r < Q) acc[r] += qs[r * H + h] * gv;
+      }
+#pragma unroll
+      for (int r = 0; r < QM; ++r) {
+        if (r < Q) {  // Q is uniform: every lane takes part in the shuffles
+          const A t = cuda::warp_sum(acc[r]);
+          if (lane == rr) mine[r] = t;
+        }
+      }
+    }
+    const int64_t j = base + lane;
+    const bool valid = lane < rows;
+#pragma unroll
+    for (int r = 0; r < QM; ++r) {
+      if (r >= Q) break;
+      A* bv = static_cast<A*>(p.ws_values) + ((int64_t)r * p.nslices + w) * p.cap;
+      int64_t* bi = p.ws_indices + ((int64_t)r * p.nslices + w) * p.cap;
+      A s = mine[r] * inv_t;
+      bool take = valid;
+      add_bias<A, MODE>(p, r, MODE != (int)CtdBias::None ? uq[r] : A(0), j, s, take, thr[r]);
+      take = take && s > thr[r];
+      if (take && p.exclude) take = !in_sorted(p.exclude + r * p.m, p.m, j);
+      offer<A>(s, j, take, bv, bi, cnt[r], thr[r], (int)p.k, (int)p.cap);
     }
   }
-  A* out = static_cast<A*>(p.values) + i * p.k;
-  int64_t* oi = p.indices + i * p.k;
-  for (int t = threadIdx.x; t < p.k; t += blockDim.x) {
-    const bool missing = v[t] == neg_inf<A>();
-    out[t] = v[t];
-    oi[t] = missing ? -1 : ix[t];
+#pragma unroll
+  for (int r = 0; r < QM; ++r) {
+    if (r >= Q) break;
+    A* bv = static_cast<A*>(p.ws_values) + ((int64_t)r * p.nslices + w) * p.cap;
+    int64_t* bi = p.ws_indices + ((int64_t)r * p.nslices + w) * p.cap;
+    warp_fill(bv, bi, cnt[r], (int)p.cap);
+    warp_bitonic(bv, bi, (int)p.cap);
   }
 }
 
 template <typename S> struct AccOf { using type = float; };
 template <> struct AccOf<double> { using type = double; };
 
-template <typename S>
-void launch(const CtdTopkParams& p, cudaStream_t st) {
-  using A = typename AccOf<S>::type;
-  const int64_t cap = p.cap;
-  const int64_t tiles = (p.N + BN - 1) / BN;
-  const int64_t per_split = (tiles + p.nsplit - 1) / p.nsplit * BN;
-  if (p.bias == CtdBias::Exact) {
-    const int64_t total = p.Q * p.K * p.hidden;
-    const int blocks = (int)std::min<int64_t>((total + 255) / 256, 65535);
-    build_amat<A><<<blocks, 256, 0, st>>>(p);
-    cuda::check_launch();
+template <int M> struct ModeTag { static constexpr int value = M; };
+
+template <typename F> void with_mode(CtdBias b, F&& f) {
+  switch (b) {
+    case CtdBias::None: f(ModeTag<(int)CtdBias::None>{}); break;
+    case CtdBias::Exact: f(ModeTag<(int)CtdBias::Exact>{}); break;
+    case CtdBias::Table: f(ModeTag<(int)CtdBias::Table>{}); break;
   }
-  const int64_t K2 = p.bias == CtdBias::Exact ? 2 * p.K : 0;
-  const int64_t hid = p.bias == CtdBias::Exact ? p.hidden : 0;
-  const size_t smem = sizeof(A) * (size_t)(2 * BK * LD + BQ * LDS + BN + 4 * BN + K2 * BN + K2 * hid);
-  auto k1 = score_partial<S, A>;
-  TK_CUDA_CHECK(cudaFuncSetAttribute(k1, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  dim3 grid((unsigned)((p.Q + BQ - 1) / BQ), (unsigned)p.nsplit);
-  k1<<<grid, NT, smem, st>>>(p, cap, per_split);
-  cuda::check_launch();
-  int M = 1;
-  while (M < p.nsplit * p.k) M <<= 1;
-  const size_t smem2 = (size_t)M * (sizeof(A) + sizeof(int64_t));
-  auto k2 = merge_splits<A>;
-  TK_CUDA_CHECK(cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem2));
-  k2<<<(unsigned)p.Q, NT, smem2, st>>>(p, cap, M);
-  cuda::check_launch();
+}
+
+void check_common(const CtdCudaParams& p) {
+  if (p.Q < 1 || p.N < 1 || p.k < 1 || p.nslices < 1 || p.per_slice < 1 || p.cap < p.k + 32 || p.cap > (1 << 20) ||
+      (p.cap & (p.cap - 1)) != 0 || !p.ws_values || !p.ws_indices)
+    fail("ctd_topk (CUDA): bad workspace geometry");
+  if (p.nslices * p.per_slice < p.N || (p.nslices - 1) * p.per_slice >= p.N)
+    fail("ctd_topk (CUDA): slices must cover the columns, none empty");
+  if (p.bias == CtdBias::Exact && (p.K < 1 || 2 * p.K > MAX_K2 || p.hidden < 1 || !p.amat || !p.bias_ends ||
+                                   (!p.feats && !p.freqs)))
+    fail("ctd_topk (CUDA): bad exact-bias arguments (2K <= 64)");
+  if (p.bias == CtdBias::Table && (p.P < 2 || !p.table)) fail("ctd_topk (CUDA): bad bias table");
 }
 
 }  // namespace
 
-void ctd_topk_cuda(const CtdTopkParams& p, int device, uintptr_t stream) {
+void ctd_topk_cuda_select(const CtdCudaParams& p, int device, uintptr_t stream) {
   cuda::set_device(device);
-  if (p.nsplit < 1 || p.nsplit > 65535 || p.cap < p.k + 32 || (p.cap & (p.cap - 1)) != 0 || p.nsplit * p.k > 2048)
-    fail("ctd_topk (CUDA): bad workspace geometry");
-  if (p.bias == CtdBias::Exact && (2 * p.K > 64 || 2 * p.K * p.hidden > 4096 || !p.ws_bias || !p.bias_ends))
-    fail("ctd_topk (CUDA): bias MLP too large for the fused kernel");
+  check_common(p);
+  if (!p.scores || p.s_stride < p.N) fail("ctd_topk (CUDA): bad score block");
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  cuda::dispatch_device_float(p.dtype, [&](auto t) { launch<decltype(t)>(p, st); });
+  const int64_t warps = p.Q * p.nslices;
+  const int64_t blocks = (warps + SEL_WARPS - 1) / SEL_WARPS;
+  if (blocks > INT_MAX) fail("ctd_topk (CUDA): too many (query, slice) pairs in one launch");
+  if (p.dtype != DType::F64 && p.dtype != DType::F32) fail("ctd_topk (CUDA): the score block must be float32 or float64");
+  with_mode(p.bias, [&](auto mode) {
+    constexpr int M = decltype(mode)::value;
+    if (p.dtype == DType::F64) {
+      select_block<double, M><<<(unsigned)blocks, SEL_WARPS * 32, 0, st>>>(p);
+    } else {
+      select_block<float, M><<<(unsigned)blocks, SEL_WARPS * 32, 0, st>>>(p);
+    }
+  });
+  cuda::check_launch();
+}
+
+void ctd_topk_cuda_scan(const CtdCudaParams& p, int device, uintptr_t stream) {
+  cuda::set_device(device);
+  check_common(p);
+  if (p.Q > 4 || !p.q || !p.g || p.H < 1) fail("ctd_topk (CUDA): the scan pass takes 1 to 4 queries");
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  const int64_t blocks = (p.nslices + SCAN_WARPS - 1) / SCAN_WARPS;
+  if (blocks > INT_MAX) fail("ctd_topk (CUDA): too many slices");
+  cuda::dispatch_device_float(p.dtype, [&](auto t) {
+    using S = decltype(t);
+    using A = typename AccOf<S>::type;
+    const size_t smem = sizeof(A) * (size_t)(p.Q * p.H);
+    if (smem > 48 * 1024) fail("ctd_topk (CUDA): Q * H too large for the scan pass (48 KB of shared memory)");
+    with_mode(p.bias, [&](auto mode) {
+      constexpr int M = decltype(mode)::value;
+      if (p.Q == 1) {
+        scan_rows<S, A, 1, M><<<(unsigned)blocks, SCAN_WARPS * 32, smem, st>>>(p);
+      } else {
+        scan_rows<S, A, 4, M><<<(unsigned)blocks, SCAN_WARPS * 32, smem, st>>>(p);
+      }
+    });
+    cuda::check_launch();
+  });
 }
 
 }  // namespace tk

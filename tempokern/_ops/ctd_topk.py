@@ -2,6 +2,7 @@
 ever holding the (Q, N) score matrix. See :func:`tempokern.reference.ctd_topk` for the spec."""
 from __future__ import annotations
 
+import math
 import operator
 from typing import Optional, Tuple
 
@@ -9,15 +10,26 @@ import torch
 
 from ..reference.ctd_topk import table_values
 from ..reference.offset_bias import bias_frequencies
+from .. import _C
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code,
                      kernels, launch_args, on_cuda_path, ptr, rows_contiguous, scalar_value, sm_count)
 
 _BIAS_NONE, _BIAS_EXACT, _BIAS_TABLE = 0, 1, 2
-# CUDA kernel limits (csrc/ctd_topk/ctd_topk_cuda.cu); beyond them a chunked torch path runs.
-_CUDA_MAX_K = 256
-_CUDA_MAX_BIAS_MAT = 4096   # 2K * hidden floats of the per-query first-layer matrix in shared memory
-_CUDA_MERGE = 2048          # nsplit * k candidates merged per query
 _CPU_QBLOCK = 2048          # queries per CPU launch
+
+# CUDA path (csrc/ctd_topk/ctd_topk_cuda.cu, driver below). Beyond these limits a chunked torch path runs.
+_CUDA_MAX_K = 1024          # candidate buffers of cap = pow2(k + 32) entries per (query, slice)
+_CUDA_MAX_K2 = 64           # 2K features of the exact bias (a per-lane array in the kernel)
+_SCAN_MAX_Q = 4             # Q <= this: one fused pass over the gallery (no cuBLAS)
+_SCAN_SMEM = 48 * 1024      # the scan pass stages the queries in shared memory: Q * H * sizeof(acc)
+_BLOCK_BYTES = 1 << 28      # score block Q_block x chunk in the accumulation dtype (256 MiB)
+_QBLOCK = 4096              # queries per score block (bounds the per-query bias matrices and workspaces)
+_MIN_CHUNK = 4096           # gallery columns per score block, at least
+_MIN_SLICE = 256            # columns / rows per warp, at least (bounds the merge size)
+_WS_ENTRIES = 1 << 22       # scan workspace entries (Q * slices * cap), at most: 48 MiB in float32
+_SEL_WARPS, _SCAN_WARPS = 4, 8  # warps per CTA of the two kernels (ctd_topk_cuda.cu)
+_SEL_CTAS_PER_SM = 16       # select grid: 16 CTAs x 4 warps per SM (full occupancy: loads in flight)
+_SCAN_CTAS_PER_SM = 4       # scan grid: 4 CTAs x 8 warps per SM
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -26,14 +38,6 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _freqs(D: int, dtype: torch.dtype, device) -> torch.Tensor:
     return bias_frequencies(D, dtype, device).contiguous()  # exactly the reference's frequencies
-
-
-def _cuda_nsplit(Q: int, N: int, k: int, device) -> int:
-    sms = sm_count(device)
-    qblocks = max(1, (Q + 63) // 64)
-    want = max(1, (2 * sms + qblocks - 1) // qblocks)       # about two blocks per SM
-    kpad = 1 << max(0, (k - 1).bit_length())
-    return int(max(1, min(want, _CUDA_MERGE // kpad, (N + 127) // 128)))
 
 
 @torch.library.custom_op("tempokern::ctd_topk", mutates_args=())
@@ -45,47 +49,208 @@ def _ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, temperature: float, mode
     Q, H = q.shape
     N = g.shape[0]
     acc = _acc_dtype(q.dtype)
+    if cand is None and on_cuda_path(q):
+        if Q == 0:
+            return (torch.empty(0, k, dtype=acc, device=q.device), torch.empty(0, k, dtype=torch.int64, device=q.device))
+        return _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, exclude)
     values = torch.empty(Q, k, dtype=acc, device=q.device)
     indices = torch.empty(Q, k, dtype=torch.int64, device=q.device)
     if Q == 0:
         return values, indices
-    dev, stream = launch_args(q) if cand is None else (-1, 0)  # rerank: CPU only (checked by ctd_rerank)
+    if q.device.type != "cpu":
+        raise ValueError("candidate rerank runs on CPU tensors only")
     hidden = D = K = 0
     freqs = None
     if mode == _BIAS_EXACT:
         hidden, D = w1.shape
         K = max(1, D // 2)
         freqs = _freqs(D, acc, q.device)
-    ws_v = ws_i = ws_b = ends = None
-    nsplit, cap = 1, 0
-    if dev >= 0 and cand is not None:
-        raise ValueError("candidate rerank runs on CPU tensors only")
-    if dev >= 0:
-        nsplit = _cuda_nsplit(Q, N, k, q.device)
-        cap = _pow2(k + 32)
-        ws_v = torch.empty(Q, nsplit, cap, dtype=acc, device=q.device)
-        ws_i = torch.empty(Q, nsplit, cap, dtype=torch.int64, device=q.device)
-        if mode == _BIAS_EXACT:
-            from ..reference.ctd_topk import offset_bias
-            ws_b = torch.empty(Q, 2 * K, hidden, dtype=acc, device=q.device)
-            ends = offset_bias(torch.zeros(1, dtype=acc, device=q.device),
-                               torch.tensor([1.0, -1.0], dtype=acc, device=q.device), w1, b1, w2.reshape(1, -1),
-                               torch.tensor([b2], dtype=acc, device=q.device),
-                               torch.tensor(scale, dtype=acc, device=q.device)).reshape(2).to(acc).contiguous()
     # CPU: query blocks bound the per-thread candidate buffers and the per-query bias matrices
-    step = _CPU_QBLOCK if dev < 0 else Q
     sl = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
-    for a in range(0, Q, step):
-        b = min(Q, a + step)
+    for a in range(0, Q, _CPU_QBLOCK):
+        b = min(Q, a + _CPU_QBLOCK)
         qa, ea, ca = q[a:b], sl(exclude, a, b), sl(cand, a, b)
-        kernels().ctd_topk_launch(
-            dev, stream, dtype_code(q), (b - a, N, H, k, q.stride(0), g.stride(0)), ptr(qa), ptr(g),
+        _C.ctd_topk_launch(
+            -1, 0, dtype_code(q), (b - a, N, H, k, q.stride(0), g.stride(0)), ptr(qa), ptr(g),
             float(temperature), mode, ptr(sl(u_q, a, b)), ptr(u_g),
             (hidden, D, K, ptr(freqs), ptr(w1), ptr(b1), ptr(w2), float(b2), float(scale)),
             ptr(table), 0 if table is None else table.shape[0], ptr(ea), 0 if ea is None else ea.shape[1],
-            ptr(ca), 0 if ca is None else ca.shape[1], ptr(values[a:b]), ptr(indices[a:b]), ptr(ws_v), ptr(ws_i),
-            nsplit, cap, ptr(ws_b), ptr(ends))
+            ptr(ca), 0 if ca is None else ca.shape[1], ptr(values[a:b]), ptr(indices[a:b]))
     return values, indices
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA driver. Per query block (<= _QBLOCK queries) and gallery chunk: cuBLAS writes the score block
+# q_blk @ g_chunk.T (torch.mm; float32 output for fp16/bf16 operands), select_block adds the bias where
+# it can still matter and keeps a top-k per (query, slice) in the workspace, and a stable sort merges
+# those lists into the running top-k (ties to the lower index: the lists are concatenated in index
+# order). Q <= _SCAN_MAX_Q skips cuBLAS: scan_rows streams the gallery once. Extra memory:
+# score block <= _BLOCK_BYTES, workspace Q_blk x slices x cap, bias matrices Q_blk x hidden x 2K.
+
+def _bias_setup(mode, w1, b1, w2, b2, scale, acc, device):
+    """Per-call bias constants: (upper bound of every bias value, ends (bias(+1), bias(-1)) in acc,
+    padded first layer (hidden, 2K) and frequencies (K,) in float64)."""
+    if mode == _BIAS_NONE:
+        return 0.0, None, None, None
+    eps = float(torch.finfo(acc).eps)
+    if mode == _BIAS_TABLE:
+        return None, None, None, None   # the table's bound is computed from its values by the caller
+    hidden, D = w1.shape
+    K = max(1, D // 2)
+    P = min(2 * K, D)
+    f64 = torch.float64
+    w1p = torch.zeros(hidden, 2 * K, dtype=f64, device=device)
+    w1p[:, :P] = w1[:, :P].to(f64)
+    fr = _freqs(D, acc, device).to(f64)
+    b1d, w2d = b1.to(f64), w2.reshape(-1).to(f64)
+    S = 1025
+    delta = torch.linspace(-1.0, 1.0, S, dtype=f64, device=device)
+    ang = delta[:, None] * fr[None, :]
+    phi = torch.cat([torch.sin(ang), torch.cos(ang)], 1)                    # (S, 2K)
+    vals = scale * (torch.relu(phi @ w1p.t() + b1d) @ w2d + b2)            # (S,)
+    # the CPU kernel's rigorous margin (ctd_topk_cpu.cpp, upper_bound): Lipschitz x half the spacing
+    # plus rounding of the angle-difference evaluation in the accumulation dtype
+    aw = w1p.abs()
+    lip = (w2d.abs() * (aw * torch.cat([fr, fr])[None, :]).sum(1)).sum()
+    mag = (w2d.abs() * (b1d.abs() + aw.sum(1))).sum()
+    best, lip, mag = torch.stack([vals.max(), lip, mag]).tolist()          # one host sync
+    margin = (abs(scale) * (lip / (S - 1) + mag * 64.0 * eps * (2 * K + 8))
+              + 8.0 * eps * (abs(best) + abs(scale) * abs(b2)))
+    ub = best + margin
+    ub = ub + 4 * eps * abs(ub) + 4 * eps
+    ends = torch.stack([vals[-1], vals[0]]).to(acc).contiguous()         # delta = +1, -1
+    return (ub if math.isfinite(ub) else math.inf), ends, w1p, fr
+
+
+def _amat(u_q, w1p, fr, acc):
+    """Per query i the first layer folded with its angles: (Q, hidden, 2K); columns [0, K) multiply
+    sin(f u_g), [K, 2K) cos(f u_g) (angle-difference identities, as the CPU kernel)."""
+    K = fr.shape[0]
+    a = u_q.to(torch.float64)[:, None] * fr[None, :]
+    sq, cq = torch.sin(a)[:, None, :], torch.cos(a)[:, None, :]          # (Q, 1, K)
+    ws, wc = w1p[None, :, :K], w1p[None, :, K:]                           # (1, hidden, K)
+    return torch.cat([ws * cq + wc * sq, wc * cq - ws * sq], 2).to(acc).contiguous()
+
+
+def _feats(u_g, fr, acc):
+    a = u_g.to(torch.float64)[:, None] * fr[None, :]
+    return torch.cat([torch.sin(a), torch.cos(a)], 1).to(acc).contiguous()
+
+
+_mm_out_dtype = [True]
+
+
+def _score_block(qa: torch.Tensor, gc: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """q_blk @ g_chunk.T in the accumulation dtype through torch (cuBLAS on CUDA)."""
+    if qa.dtype == acc:
+        return torch.mm(qa, gc.to(acc).t())
+    if qa.is_cuda and _mm_out_dtype[0]:
+        try:  # bf16/fp16 operands, fp32 accumulation and output in one cuBLAS call
+            return torch.mm(qa, gc.t(), out_dtype=acc)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _mm_out_dtype[0] = False
+    return torch.mm(qa.to(acc), gc.to(acc).t())
+
+
+def _pass(kind, dev, stream, ints, ptrs, reals):
+    kernels().ctd_topk_cuda_pass(dev, stream, kind, [int(x) for x in ints], [int(x) for x in ptrs],
+                                 [float(x) for x in reals])
+
+
+def _merge(parts_v, parts_i, k):
+    """Stable merge of lists concatenated in gallery-index order: the k best, ties to the lower index."""
+    v = torch.cat(parts_v, 1)
+    i = torch.cat(parts_i, 1)
+    o = torch.sort(v, dim=1, descending=True, stable=True).indices[:, :k]
+    return v.gather(1, o), i.gather(1, o)
+
+
+def _slices(cols: int, want: int) -> Tuple[int, int]:
+    """(nslices, per_slice): about `want` slices of at least _MIN_SLICE columns covering cols, none empty."""
+    n = max(1, min(want, -(-cols // _MIN_SLICE)))
+    per = -(-cols // n)
+    return -(-cols // per), per
+
+
+def _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, ex):
+    Q, H = q.shape
+    N = g.shape[0]
+    acc = _acc_dtype(q.dtype)
+    dev, stream = launch_args(q)
+    sms = sm_count(q.device)
+    cap = _pow2(k + 32)
+    es = torch.tensor([], dtype=acc).element_size()
+    ub, ends, w1p, fr = _bias_setup(mode, w1, b1, w2, b2, scale, acc, q.device)
+    if mode == _BIAS_TABLE:
+        tv = table.to(torch.float64)
+        e32 = float(torch.finfo(torch.float32).eps)
+        tmax, tabs = torch.stack([tv.max(), tv.abs().max()]).tolist()      # one host sync
+        ub = tmax + 8.0 * e32 * tabs
+        ub = ub + 4 * e32 * abs(ub) + 4 * e32 if math.isfinite(ub) else math.inf
+    hidden = w1.shape[0] if mode == _BIAS_EXACT else 0
+    K = fr.shape[0] if mode == _BIAS_EXACT else 0
+    P = table.shape[0] if mode == _BIAS_TABLE else 0
+    m = 0 if ex is None else ex.shape[1]
+    reals = (temperature, b2, scale, ub)
+
+    if Q <= _SCAN_MAX_Q and Q * H * es <= _SCAN_SMEM:
+        # one pass over the gallery: slices of rows, one warp each, >= 2 CTAs per SM where N allows
+        want = max(1, min(_SCAN_CTAS_PER_SM * sms * _SCAN_WARPS, _WS_ENTRIES // (Q * cap)))
+        ns, per = _slices(N, want)
+        ws_v = torch.empty(Q, ns, cap, dtype=acc, device=q.device)
+        ws_i = torch.empty(Q, ns, cap, dtype=torch.int64, device=q.device)
+        amat = _amat(u_q, w1p, fr, acc) if mode == _BIAS_EXACT else None
+        fr_a = fr.to(acc).contiguous() if mode == _BIAS_EXACT else None
+        ints = (dtype_code(q), Q, N, H, k, q.stride(0), g.stride(0), 0, 0, mode, hidden, K, P, m, ns, per, cap)
+        ptrs = (ptr(q), ptr(g), 0, ptr(u_q), ptr(u_g), ptr(fr_a), ptr(amat), 0, ptr(b1), ptr(w2), ptr(ends),
+                ptr(table), ptr(ex), 0, ptr(ws_v), ptr(ws_i))
+        _pass(1, dev, stream, ints, ptrs, reals)
+        v, i = _merge([ws_v[:, :, :k].reshape(Q, ns * k)], [ws_i[:, :, :k].reshape(Q, ns * k)], k)
+        return _finish(v, i)
+
+    out_v, out_i = [], []
+    for a in range(0, Q, _QBLOCK):
+        b = min(Q, a + _QBLOCK)
+        Qb = b - a
+        qa = q[a:b]
+        if not qa.is_cuda and qa.dtype != acc:
+            qa = qa.to(acc)        # emulator: CPU tensors, float32 products
+        chunk = max(_MIN_CHUNK, _BLOCK_BYTES // (Qb * es))
+        if q.is_cuda:               # leave room: at most a quarter of the free memory per score block
+            free = torch.cuda.mem_get_info(q.device)[0]
+            chunk = max(_MIN_CHUNK, min(chunk, free // 4 // (Qb * es)))
+        chunk = min(N, chunk)
+        want = max(1, -(-_SEL_CTAS_PER_SM * sms * _SEL_WARPS // Qb))  # >= 16 CTAs per SM
+        uq_b = None if u_q is None else u_q[a:b]
+        ex_b = None if ex is None else ex[a:b]
+        amat = _amat(uq_b, w1p, fr, acc) if mode == _BIAS_EXACT else None
+        best_v = torch.full((Qb, k), -math.inf, dtype=acc, device=q.device)
+        best_i = torch.full((Qb, k), torch.iinfo(torch.int64).max, dtype=torch.int64, device=q.device)
+        seed = None
+        for c0 in range(0, N, chunk):
+            c1 = min(N, c0 + chunk)
+            C = c1 - c0
+            s = _score_block(qa, g[c0:c1], acc)
+            ns, per = _slices(C, want)
+            ws_v = torch.empty(Qb, ns, cap, dtype=acc, device=q.device)
+            ws_i = torch.empty(Qb, ns, cap, dtype=torch.int64, device=q.device)
+            ug_c = None if u_g is None else u_g[c0:c1]
+            feats = _feats(ug_c, fr, acc) if mode == _BIAS_EXACT else None
+            ints = (dtype_code(s), Qb, C, H, k, 0, 0, s.stride(0), c0, mode, hidden, K, P, m, ns, per, cap)
+            ptrs = (0, 0, ptr(s), ptr(uq_b), ptr(ug_c), 0, ptr(amat), ptr(feats), ptr(b1), ptr(w2), ptr(ends),
+                    ptr(table), ptr(ex_b), ptr(seed), ptr(ws_v), ptr(ws_i))
+            _pass(0, dev, stream, ints, ptrs, reals)
+            best_v, best_i = _merge([best_v, ws_v[:, :, :k].reshape(Qb, ns * k)],
+                                    [best_i, ws_i[:, :, :k].reshape(Qb, ns * k)], k)
+            seed = best_v[:, k - 1].contiguous()   # the running k-th score: later pairs must beat it
+        out_v.append(best_v)
+        out_i.append(best_i)
+    return _finish(torch.cat(out_v), torch.cat(out_i))
+
+
+def _finish(v, i):
+    i = i.masked_fill(v == -math.inf, -1)
+    return v.contiguous(), i.contiguous()
 
 
 @_ctd_topk.register_fake
@@ -152,7 +317,17 @@ def _same(devs: dict) -> None:
         raise ValueError("all tensors must be on one device, got " + ", ".join(f"{k} on {v}" for k, v in devs.items()))
 
 
-def prepare_exclude(exclude, Q: int, device) -> Optional[torch.Tensor]:
+def check_temperature(temperature, acc: torch.dtype) -> float:
+    """A finite temperature > 0 whose reciprocal the accumulation dtype can hold (scores are s / T)."""
+    t = check_positive("temperature", temperature)
+    ta = float(torch.tensor(t, dtype=acc))     # what the kernels see
+    if ta == 0.0 or not 1.0 / ta <= torch.finfo(acc).max:
+        raise ValueError(f"temperature {t!r} is too small: 1 / temperature overflows {acc} (the dtype the "
+                         "scores are computed in)")
+    return t
+
+
+def prepare_exclude(exclude, Q: int, device, N: Optional[int] = None) -> Optional[torch.Tensor]:
     if exclude is None:
         return None
     check_tensor("exclude", exclude, ndim=2, integer=True)
@@ -164,6 +339,9 @@ def prepare_exclude(exclude, Q: int, device) -> Optional[torch.Tensor]:
         return None
     if bool((exclude < -1).any()):
         raise ValueError("exclude holds gallery row indices or -1 as padding; found a value < -1")
+    if N is not None and bool((exclude >= N).any()):
+        raise IndexError(f"exclude holds gallery row indices, which must be < N={N}; found "
+                         f"{int(exclude.max())}")
     return exclude.to(torch.int64).sort(dim=1).values.contiguous()
 
 
@@ -198,11 +376,11 @@ def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1
         raise ValueError(f"k must be >= 1, got {k}")
     if k > N:
         raise ValueError(f"k must be <= the gallery size N={N}, got {k}")
-    temperature = check_positive("temperature", temperature)
     Q = q.shape[0]
     acc = _acc_dtype(q.dtype)
+    temperature = check_temperature(temperature, acc)
     mode, u_q, u_g, w1, b1, w2, b2, scale, table = parse_bias(bias, Q, N, acc, q.device)
-    ex = prepare_exclude(exclude, Q, q.device)
+    ex = prepare_exclude(exclude, Q, q.device, N)
     check_finite("q", q)
     check_finite("g", g)
     q, g = rows_contiguous(q), rows_contiguous(g)
@@ -214,18 +392,13 @@ def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1
 def _cuda_unsupported(k: int, mode: int, w1) -> bool:
     if k > _CUDA_MAX_K:
         return True
-    if mode == _BIAS_EXACT:
-        hidden, D = w1.shape
-        K2 = 2 * max(1, D // 2)
-        # float64 exact bias would need more shared memory than sm_86/89 give a block
-        return K2 > 64 or K2 * hidden > _CUDA_MAX_BIAS_MAT or w1.dtype == torch.float64
-    return False
+    return mode == _BIAS_EXACT and 2 * max(1, w1.shape[1] // 2) > _CUDA_MAX_K2
 
 
 def _chunked_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, ex):
-    """Gallery-chunked torch path (CUDA with k > 256 or a very large bias MLP): O(Q (k + chunk)) memory
-    (the exact bias's reference holds Q x chunk x hidden, so its chunk shrinks accordingly)."""
-    from ..reference.ctd_topk import offset_bias, table_bias
+    """Gallery-chunked torch path (CUDA with k > _CUDA_MAX_K or an MLP with 2K > 64): O(Q (k + chunk))
+    memory; the bias comes from the fused offset_bias / offset_bias_lookup ops."""
+    from .offset_bias import offset_bias, offset_bias_lookup
     acc = _acc_dtype(q.dtype)
     Q, N = q.shape[0], g.shape[0]
     width = w1.shape[0] + w1.shape[1] if mode == _BIAS_EXACT else 1
@@ -240,7 +413,7 @@ def _chunked_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, t
                                 torch.tensor([b2], dtype=acc, device=q.device),
                                 torch.tensor(scale, dtype=acc, device=q.device)).to(acc)
         elif mode == _BIAS_TABLE:
-            s = s + table_bias(u_q, u_g[c0:c1], table).to(acc)
+            s = s + offset_bias_lookup(u_q, u_g[c0:c1], table).to(acc)
         idx = torch.arange(c0, c1, device=q.device).expand(Q, -1)
         if ex is not None:
             sel = (ex >= c0) & (ex < c1)
@@ -271,9 +444,12 @@ def ctd_rerank(q: torch.Tensor, g: torch.Tensor, cand: torch.Tensor, k: int, *, 
         raise ValueError(f"k must be an int >= 1, got {k!r}")
     if q.device.type != "cpu" or g.device.type != "cpu" or cand.device.type != "cpu":
         raise ValueError("ctd_rerank runs on CPU tensors")
-    temperature = check_positive("temperature", temperature)
     acc = _acc_dtype(q.dtype)
+    temperature = check_temperature(temperature, acc)
     mode, u_q, u_g, w1, b1, w2, b2, scale, table = parse_bias(bias, q.shape[0], g.shape[0], acc, q.device)
+    if cand.numel() and bool((cand >= g.shape[0]).any()):
+        raise IndexError(f"cand holds gallery row indices (negative: no candidate), which must be < "
+                         f"N={g.shape[0]}; found {int(cand.max())}")
     big = torch.iinfo(torch.int64).max
     c = cand.to(torch.int64)
     c = torch.where(c < 0, torch.full_like(c, big), c).sort(dim=1).values   # ascending: ties -> lower row

@@ -83,3 +83,23 @@ def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1
         s = s.clone()
         s[rows[keep], ex[keep]] = float("-inf")
     return sorted_topk(s, k)
+
+
+def ctd_rerank(q: torch.Tensor, g: torch.Tensor, cand: torch.Tensor, k: int, *, temperature: float = 1.0,
+               bias=None):
+    """Spec of `tempokern._ops.ctd_topk.ctd_rerank`: query i scores only the gallery rows cand[i]
+    ((Q, C) integers, negative = no candidate, duplicates count once), top-k by score descending with
+    ties to the lower row; slots beyond the valid candidates are (-inf, -1). Candidates >= N raise."""
+    N = g.shape[0]
+    if cand.numel() and int(cand.max()) >= N:
+        raise IndexError(f"cand holds gallery row indices, which must be < N={N}")
+    s = ctd_scores(q, g, temperature=temperature, bias=bias)
+    keep = torch.zeros_like(s, dtype=torch.bool)
+    c = cand.to(torch.long)
+    rows = torch.arange(s.shape[0], device=s.device)[:, None].expand_as(c)
+    ok = c >= 0
+    keep[rows[ok], c[ok]] = True
+    s = s.masked_fill(~keep, float("-inf"))
+    if k > N:  # more slots than rows: the tail is (-inf, -1)
+        s = torch.cat([s, s.new_full((s.shape[0], k - N), float("-inf"))], 1)
+    return sorted_topk(s, k)
