@@ -77,8 +77,12 @@ __device__ __forceinline__ void pair_angles(A diff, bool fast, const A (&ds)[KMA
   if (fast) {
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) {
-      s[k] = ds[k] * rc[k] - dc[k] * rs[k];
-      c[k] = dc[k] * rc[k] + ds[k] * rs[k];
+      if (k < K) {  // rs/rc hold 2 KP values: reading past K would leave the warp's slot (found by memcheck)
+        s[k] = ds[k] * rc[k] - dc[k] * rs[k];
+        c[k] = dc[k] * rc[k] + ds[k] * rs[k];
+      } else {
+        s[k] = c[k] = A(0);
+      }
     }
   } else {
     const A delta = bias_clamp(diff);
