@@ -402,7 +402,7 @@ def test_query_blocks(monkeypatch):
 @cuda
 @pytest.mark.cuda
 def test_cuda_peak_memory_is_not_q_by_n():
-    Q, N, H = 512, 400_000, 32
+    Q, N, H = 512, 4_000_000, 32  # a score matrix would be 8.2 GB; the design keeps two 256 MiB blocks alive
     q, g = torch.randn(Q, H, device="cuda"), torch.randn(N, H, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -411,7 +411,8 @@ def test_cuda_peak_memory_is_not_q_by_n():
                                        torch.randn(65, device="cuda")))
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    assert extra < Q * N * 4 // 20, extra  # a score matrix would be 819 MB
+    assert extra < 2 * (256 << 20) + (64 << 20), extra  # two score blocks + workspace
+    assert extra < Q * N * 4 // 10, extra
 
 
 @pytest.mark.parametrize("Q", [2, 7, 8, 20])  # < 8 queries: direct row-at-a-time path; else packed tiles

@@ -248,7 +248,7 @@ def test_table_mode_under_torch_compile():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="measures a CUDA device's memory")
 def test_cuda_memory_grows_with_block_not_b_squared():
     gpu = torch.device("cuda")
-    B, H = 16384, 256
+    B, H = 32768, 128  # a float32 B x B would be 4.3 GB, 4x the block budget
     q, d, sp, neg, b = make(B, H, dtype=torch.bfloat16, device=gpu, seed=1)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -257,7 +257,7 @@ def test_cuda_memory_grows_with_block_not_b_squared():
     loss.backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    assert extra < (1 << 30) + 64 * B * H * 4, extra          # the 1 GiB block budget + O(B H) gradients
+    assert extra < (1 << 30) + 8 * B * H * 4 + (64 << 20), extra  # the 1 GiB block budget + O(B H) gradients
     assert extra < B * B * 4                                   # never a float32 B x B
 
 

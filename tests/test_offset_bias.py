@@ -569,11 +569,13 @@ def test_cuda_table_mode_long_sums_and_partials(gpu, monkeypatch):
     assert_table_float32_within_twice_torch(make(3000, 8, 32, 32, torch.float32, device=gpu, seed=2), 65537)
     # float64 against the CPU kernel (an independent implementation of the same spec)
     xs = make(200, 300, 8, 4, device=gpu, seed=3)
-    G = torch.randn(200, 300, dtype=torch.float64)
+    G = torch.randn(200, 300, dtype=torch.float64).to(gpu)
     out, grads = _run_table(tempokern.offset_bias, xs, G, 1025)
     from conftest import cpu_kernels
+    xs_cpu = tuple(t.detach().cpu().requires_grad_(t.requires_grad) for t in xs)  # (a real GPU: copies on the CPU)
     with cpu_kernels():
-        cout, cgrads = _run_table(tempokern.offset_bias, xs, G, 1025)
+        cout, cgrads = _run_table(tempokern.offset_bias, xs_cpu, G.cpu(), 1025)
+    out, grads = out.cpu(), [g.cpu() for g in grads]
     torch.testing.assert_close(out, cout, rtol=1e-12, atol=1e-12)
     for a, b in zip(grads, cgrads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
