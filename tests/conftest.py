@@ -107,13 +107,49 @@ def run_python(code: str, **env):
                           cwd=tempfile.gettempdir())
 
 
-def shared_data(rel: str) -> str:
-    """The original of a bundled data file in shared/data (beside the checkout in CI, or the
-    workspace copy), or a path that does not exist when neither is there."""
+def _shared_data_roots() -> list:
+    """Where shared/data may be, resolved from this checkout (no machine paths): $TEMPOKERN_SHARED_DATA;
+    shared/data inside the checkout (the device runner carries it there) or beside it (CI); and, for a git
+    worktree, beside the main checkout the worktree belongs to."""
     import os
-    here = os.path.dirname(os.path.abspath(__file__))
-    for root in (os.path.join(here, "..", "..", "shared", "data"), os.path.join(here, "..", "shared", "data"),
-                 "/work/shared/data"):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    roots = []
+    if os.environ.get("TEMPOKERN_SHARED_DATA"):
+        roots.append(os.environ["TEMPOKERN_SHARED_DATA"])
+    roots += [os.path.join(repo, "shared", "data"), os.path.join(repo, "..", "shared", "data")]
+    dotgit = os.path.join(repo, ".git")
+    if os.path.isfile(dotgit):  # a worktree: ".git" says "gitdir: <main>/.git/worktrees/<name>"
+        with open(dotgit, encoding="utf-8") as f:
+            line = f.read().strip()
+        if line.startswith("gitdir:"):
+            gitdir = os.path.normpath(os.path.join(repo, line[len("gitdir:"):].strip()))
+            common = os.path.join(gitdir, "commondir")
+            main_git = gitdir
+            if os.path.isfile(common):
+                with open(common, encoding="utf-8") as f:
+                    main_git = os.path.normpath(os.path.join(gitdir, f.read().strip()))
+            roots.append(os.path.join(os.path.dirname(main_git), "..", "shared", "data"))
+    return [os.path.normpath(r) for r in roots]
+
+
+def data_required() -> bool:
+    """Missing shared data fails loudly (instead of skipping) in CI or with TEMPOKERN_REQUIRE_DATA=1."""
+    import os
+    flag = lambda name: os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")  # noqa: E731
+    return flag("TEMPOKERN_REQUIRE_DATA") or flag("CI")
+
+
+def shared_data(rel: str) -> str:
+    """The original of a bundled data file in shared/data (see _shared_data_roots). When none of the roots
+    has it: a path that does not exist (the tests that use it skip their comparison), or, in CI or with
+    TEMPOKERN_REQUIRE_DATA=1, a FileNotFoundError that names every place looked at."""
+    import os
+    roots = _shared_data_roots()
+    for root in roots:
         if os.path.exists(os.path.join(root, rel)):
             return os.path.join(root, rel)
-    return os.path.join("/nonexistent", rel)
+    if data_required():
+        raise FileNotFoundError(
+            f"shared data file {rel!r} not found in any of {roots} (required because CI or "
+            "TEMPOKERN_REQUIRE_DATA is set; point TEMPOKERN_SHARED_DATA at the shared/data folder)")
+    return os.path.join(os.sep, "nonexistent-shared-data", rel)

@@ -260,7 +260,7 @@ def test_faiss_missing_says_what_to_install(monkeypatch):
 
 
 def test_real_offset_bias_module_and_table():
-    nn = pytest.importorskip("tempokern.nn", reason="issue 3's tempokern.nn is not merged into this branch")
+    from tempokern import nn  # part of the package: a broken import must fail, not skip
     ids, emb, u = gallery(300, 16, seed=4)
     ix = TemporalIndex(16)
     ix.add(ids, emb, u)

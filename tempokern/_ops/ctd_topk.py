@@ -276,9 +276,18 @@ def parse_bias(bias, Q: int, N: int, acc: torch.dtype, device):
     none = (_BIAS_NONE, None, None, None, None, None, 0.0, 0.0, None)
     if bias is None:
         return none
+    forms = ("bias must be None, (u_q, u_g, w1, b1, w2, b2, scale), (u_q, u_g, table) or (u_q, u_g, module) "
+             "with module a tempokern.nn.OffsetBias")
+    if isinstance(bias, torch.nn.Module):
+        raise TypeError(f"{forms}; got the module alone: pass bias=(u_q, u_g, module)")
     if not isinstance(bias, (tuple, list)) or len(bias) not in (3, 7):
-        raise TypeError("bias must be None, (u_q, u_g, w1, b1, w2, b2, scale) or (u_q, u_g, table), "
-                        f"got {type(bias).__name__}" + (f" of length {len(bias)}" if isinstance(bias, (tuple, list)) else ""))
+        raise TypeError(f"{forms}, got {type(bias).__name__}"
+                        + (f" of length {len(bias)}" if isinstance(bias, (tuple, list)) else ""))
+    if len(bias) == 3 and isinstance(bias[2], torch.nn.Module):
+        if not (hasattr(bias[2], "mlp") and hasattr(bias[2], "scale")):
+            raise TypeError(f"{forms}; got a 3-tuple whose third item is a {type(bias[2]).__name__} module")
+        from ..nn.offset_bias import bias_params  # the exact bias of the module's current weights
+        bias = (bias[0], bias[1], *bias_params(bias[2]))
     u_q = _vector("bias u_q", bias[0], Q, "one calendar position per query")
     u_g = _vector("bias u_g", bias[1], N, "one calendar position per gallery row")
     devs = {"q": device, "bias u_q": u_q.device, "bias u_g": u_g.device}

@@ -342,9 +342,34 @@ def _span_bounds(span) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.minimum(s, e).contiguous(), torch.maximum(s, e).contiguous()
 
 
+_BIAS_FORMS = ("bias must be None, (u_q, u_d, module) with module a tempokern.nn.OffsetBias, or the 7-tuple "
+               "(u_q, u_d, w1, b1, w2, b2, scale) of offset_bias")
+
+
+def _is_bias_module(m) -> bool:
+    return isinstance(m, torch.nn.Module) and hasattr(m, "mlp") and hasattr(m, "scale")
+
+
 def validate_bias(bias, Bq: int, Bd: int):
+    """Checks a bias argument and returns it as the 7-tuple (u_q, u_d, w1, b1, w2, b2, scale).
+    ``(u_q, u_d, module)`` with an OffsetBias (or any module with ``mlp[0]``/``mlp[2]`` Linear layers and a
+    ``scale``) becomes ``(u_q, u_d, *bias_params(module))``: the module's own parameters, so gradients reach
+    them. The exact MLP is used; the module's ``table_points`` attribute is not read (pass
+    ``bias_table_points=`` for the table mode)."""
+    if _is_bias_module(bias):
+        raise TypeError(f"{_BIAS_FORMS}; got the module alone: pass bias=(u_q, u_d, module)")
+    if isinstance(bias, (tuple, list)) and len(bias) == 3:
+        m = bias[2]
+        if not _is_bias_module(m):
+            what = type(m).__name__
+            hint = (" (a BiasTable is the inference table of ctd_topk and TemporalIndex.search; "
+                    "the loss needs the module)") if what == "BiasTable" else ""
+            raise TypeError(f"{_BIAS_FORMS}; got a 3-tuple whose third item is a {what}{hint}")
+        from ..nn.offset_bias import bias_params
+        bias = (bias[0], bias[1], *bias_params(m))
     if isinstance(bias, torch.Tensor) or not isinstance(bias, (tuple, list)) or len(bias) != 7:
-        raise TypeError("bias must be None or the 7-tuple (u_q, u_d, w1, b1, w2, b2, scale) of offset_bias")
+        got = type(bias).__name__ + (f" of length {len(bias)}" if isinstance(bias, (tuple, list)) else "")
+        raise TypeError(f"{_BIAS_FORMS}, got {got}")
     for n, t in zip(_BIAS_NAMES, bias):
         check_tensor(f"bias {n}", t, floating=True)
         check_finite(f"bias {n}", t)
