@@ -53,6 +53,18 @@ _emulated: contextvars.ContextVar = contextvars.ContextVar("tempokern_cuda_emula
 EMULATED_SM_COUNT = 132
 
 
+def _constant(fn):
+    """torch.compile treats fn's result as a constant of the trace (dynamo cannot trace ContextVar.get; the
+    emulator switch never changes inside a compiled region)."""
+    mark = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
+    return mark(fn) if mark is not None else fn
+
+
+@_constant
+def _emulating() -> bool:
+    return _emulated.get() is not None
+
+
 def kernels():
     """The compiled module the wrappers launch: tempokern._C, or the emulator's inside cuda_emulator()."""
     emu = _emulated.get()
@@ -73,7 +85,7 @@ def cuda_emulator(module):
 def on_cuda_path(t) -> bool:
     """Whether an op on tensor (or device) t runs the CUDA kernels: CUDA, or CPU under the emulator."""
     dev = t if isinstance(t, torch.device) else t.device
-    return dev.type == "cuda" or (_emulated.get() is not None and dev.type == "cpu")
+    return dev.type == "cuda" or (dev.type == "cpu" and _emulating())
 
 
 def sm_count(device: torch.device) -> int:
@@ -82,13 +94,13 @@ def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
         return torch.cuda.get_device_properties(idx).multi_processor_count
-    return EMULATED_SM_COUNT if _emulated.get() is not None else 1
+    return EMULATED_SM_COUNT if _emulating() else 1
 
 
 def launch_args(t: torch.Tensor) -> tuple[int, int]:
     """(device, stream) for a kernel launch: device -1 means CPU."""
     if t.device.type == "cpu":
-        return (-1, 0) if _emulated.get() is None else (0, 0)
+        return (0, 0) if _emulating() else (-1, 0)
     if t.device.type != "cuda":
         raise ValueError(f"tempokern runs on CPU and CUDA tensors, got device {t.device}")
     if not _C.cuda_compiled:
