@@ -133,15 +133,15 @@ def _shared_data_roots() -> list:
 
 
 def data_required() -> bool:
-    """Missing shared data fails loudly (instead of skipping) in CI or with TEMPOKERN_REQUIRE_DATA=1."""
+    """Missing shared data fails loudly (instead of skipping) with TEMPOKERN_REQUIRE_DATA=1, which .ci/run sets
+    whenever it finds the shared data folder (and says so in its log when it does not)."""
     import os
-    flag = lambda name: os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")  # noqa: E731
-    return flag("TEMPOKERN_REQUIRE_DATA") or flag("CI")
+    return os.environ.get("TEMPOKERN_REQUIRE_DATA", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def shared_data(rel: str) -> str:
     """The original of a bundled data file in shared/data (see _shared_data_roots). When none of the roots
-    has it: a path that does not exist (the tests that use it skip their comparison), or, in CI or with
+    has it: a path that does not exist (the tests that use it skip their comparison), or, with
     TEMPOKERN_REQUIRE_DATA=1, a FileNotFoundError that names every place looked at."""
     import os
     roots = _shared_data_roots()
@@ -150,6 +150,6 @@ def shared_data(rel: str) -> str:
             return os.path.join(root, rel)
     if data_required():
         raise FileNotFoundError(
-            f"shared data file {rel!r} not found in any of {roots} (required because CI or "
+            f"shared data file {rel!r} not found in any of {roots} (required because "
             "TEMPOKERN_REQUIRE_DATA is set; point TEMPOKERN_SHARED_DATA at the shared/data folder)")
     return os.path.join(os.sep, "nonexistent-shared-data", rel)
