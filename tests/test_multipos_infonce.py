@@ -449,12 +449,13 @@ def test_cuda_float32_tf32_allowed(gpu):
 
 
 @pytest.mark.parametrize("Bq,Bd,off,rw,cw", [(70, 210, 70, 1.0, 0.0), (210, 70, -70, 0.0, 1.0), (133, 133, 0, 0.5, 0.5)])
-def test_cuda_float64_partial_matches_cpu(gpu, Bq, Bd, off, rw, cw):
+def test_cuda_float64_partial_matches_reference(gpu, Bq, Bd, off, rw, cw):
     from conftest import cpu_kernels
-    # CTDLoss(gather=True)'s calls on CUDA: Bq != Bd, a diagonal offset, one weight zero; float64 (the
-    # CUDA-core tile path), strided q rows, bias, extra negatives. The CPU kernel is tested against the
-    # reference, so CUDA must give the CPU's numbers.
+    # CTDLoss(gather=True)'s calls: Bq != Bd, a diagonal offset, one weight zero; float64, strided q rows,
+    # bias, extra negatives; the CUDA path and the CPU kernel, each against the plain-torch reference of the
+    # partial loss (issue 13 item 14: no more product code against product code).
     from tempokern._ops.multipos_infonce import multipos_infonce_partial
+    from tempokern.reference.multipos_infonce import multipos_infonce_partial as ref_partial
     g = torch.Generator().manual_seed(Bq + Bd)
     H, N, hidden, D = 40, 37, 6, 12
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
@@ -465,22 +466,24 @@ def test_cuda_float64_partial_matches_cpu(gpu, Bq, Bd, off, rw, cw):
             torch.rand(Bd, generator=g, dtype=torch.float64) * 2 - 0.5,
             r(hidden, D), r(hidden), r(1, hidden), r(1), torch.tensor(0.7, dtype=torch.float64))
 
-    def go(device):
+    def go(device, fn=multipos_infonce_partial):
         qv = q_big.to(device)[:, :H].detach().requires_grad_()  # row stride 2H
         assert qv.stride(0) == 2 * H
         leaves = [qv] + [x.to(device).requires_grad_() for x in (d,) + ((neg,) if rw else ()) + bias]
         dv, nv = leaves[1], (leaves[2] if rw else None)
         bv = tuple(leaves[-7:])
         spans = [x.to(device) for x in (q_lo, q_hi, d_lo, d_hi)]
-        loss = multipos_infonce_partial(qv, dv, *spans, temperature=0.2, bias=bv, extra_neg=nv, row_weight=rw,
-                                        col_weight=cw, diag_offset=off)
+        loss = fn(qv, dv, *spans, temperature=0.2, bias=bv, extra_neg=nv, row_weight=rw, col_weight=cw,
+                  diag_offset=off)
         return [loss] + list(torch.autograd.grad(loss, leaves))
 
+    want = go("cpu", ref_partial)
     with cpu_kernels():
-        want = go("cpu")
-    for a, b in zip(go(gpu), want):
-        assert torch.isfinite(b).all()
-        torch.testing.assert_close(a.cpu(), b, rtol=1e-9, atol=1e-10)
+        cpu = go("cpu")
+    for got in (go(gpu), cpu):
+        for a, b in zip(got, want):
+            assert torch.isfinite(b).all()
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-9, atol=1e-10)
 
 
 def test_cuda_bias_with_many_features_matches_reference(gpu):

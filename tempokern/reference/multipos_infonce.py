@@ -57,3 +57,35 @@ def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temper
         return loss_q
     loss_d = (torch.logsumexp(s, dim=0) - torch.logsumexp(s.masked_fill(~pos_c, neg_inf), dim=0)).mean()
     return (loss_q + loss_d) / 2
+
+
+def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
+                             row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0,
+                             row_none: Optional[torch.Tensor] = None, bias_table_points: Optional[int] = None):
+    """The partial loss CTDLoss(gather=True) computes per rank (spec of
+    ``tempokern._ops.multipos_infonce.multipos_infonce_partial``): q (Bq, H) against d (Bd, H), spans as
+    (lo, hi) bounds, row i's diagonal partner is column i + diag_offset (none when out of range), ``row_none``
+    optionally says which rows overlap no document anywhere (default: none of these d).
+    loss = row_weight * mean_i row_loss_i + col_weight * mean_j col_loss_j, a zero weight dropping its term;
+    the positives follow ChunQiuTR (see :func:`multipos_infonce`)."""
+    Bq, Bd = q.shape[0], d.shape[0]
+    s = (q @ d.t()) / temperature
+    if bias is not None:
+        b = offset_bias(*bias) if bias_table_points is None else offset_bias_tabulated(*bias, bias_table_points)
+        s = s + b.to(s.dtype)
+    ov = torch.maximum(q_lo[:, None], d_lo[None, :]) <= torch.minimum(q_hi[:, None], d_hi[None, :])
+    rn = ~ov.any(dim=1) if row_none is None else row_none.bool()
+    cn = ~ov.any(dim=0)
+    dg = (torch.arange(Bd, device=q.device)[None, :] - torch.arange(Bq, device=q.device)[:, None]) == diag_offset
+    pos_r = ov | (rn[:, None] & dg)
+    pos_c = ov | (dg & (rn[:, None] | cn[None, :]))
+    neg_inf = torch.finfo(s.dtype).min
+    loss = s.new_zeros(())
+    if row_weight != 0.0:
+        s_all = s if extra_neg is None else torch.cat([s, (q @ extra_neg.t()) / temperature], dim=1)
+        lr = torch.logsumexp(s_all, dim=1) - torch.logsumexp(s.masked_fill(~pos_r, neg_inf), dim=1)
+        loss = loss + row_weight * lr.mean()
+    if col_weight != 0.0:
+        lc = torch.logsumexp(s, dim=0) - torch.logsumexp(s.masked_fill(~pos_c, neg_inf), dim=0)
+        loss = loss + col_weight * lc.mean()
+    return loss
