@@ -8,7 +8,7 @@ PY=${PYTHON:-python}
 mode=${TEMPOKERN_CUDA:-OFF}
 bdir=build/dev-$(echo "$mode" | tr 'A-Z' 'a-z')
 cmake -S . -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DTEMPOKERN_CUDA="$mode" -DTEMPOKERN_CUDA_ARCHS="${TEMPOKERN_CUDA_ARCHS:-80;86;89;90}" \
+  -DTEMPOKERN_CUDA="$mode" -DTEMPOKERN_CUDA_ARCHS="${TEMPOKERN_CUDA_ARCHS:-auto}" \
   -Dpybind11_DIR="$($PY -m pybind11 --cmakedir)" -DPython_EXECUTABLE="$(command -v $PY)" >/dev/null
 cmake --build "$bdir" -j "${JOBS:-2}"
 cp "$bdir"/_C*.so tempokern/
