@@ -38,3 +38,23 @@ def record(file: str, *, op: str, provider: str, size: str, ms: float, extra_pea
             # the 1-minute load average says whether other work shared the machine during the run
             "note": "; ".join(x for x in (note, f"load avg {os.getloadavg()[0]:.1f}") if x),
         })
+
+
+def cuda_median_ms(fn, reps: int = 10, warmup: int = 1, peak: bool = False):
+    """Median CUDA-event time of fn() in ms after `warmup` calls; with peak=True also the peak memory it
+    allocated above what was allocated before (bytes)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    ms = sorted(times)[len(times) // 2]
+    return (ms, torch.cuda.max_memory_allocated() - base) if peak else ms

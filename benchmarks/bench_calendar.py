@@ -7,7 +7,7 @@ import torch
 
 import tempokern
 from tempokern import reference as ref
-from _record import record
+from _record import cuda_median_ms, record
 from conftest import sync
 
 LEVELS = [12, 32, 12]
@@ -48,17 +48,7 @@ FLOOR_MS = {"calendar_scalar": 680 * 2**20 / 3e9 * 1e3, "calendar_context": 2208
 
 
 def _cuda_events_ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return cuda_median_ms(fn, reps=reps, warmup=3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import tempokern  # noqa: E402
 from tempokern.reference.ctd_topk import offset_bias, table_bias  # noqa: E402
-from _record import record  # noqa: E402
+from _record import cuda_median_ms, record  # noqa: E402
 
 CPU_SIZE = dict(Q=256, N=200_000, H=768, k=10)
 CUDA_SIZE = dict(Q=1024, N=1_000_000, H=768, k=10)
@@ -102,19 +102,7 @@ def test_ctd_topk_cpu(benchmark, provider, bias_kind):
 
 def _cuda_time(fn, reps=10):
     """Median CUDA-event time (ms) after a warm-up, and the peak memory above what was allocated before."""
-    fn()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated() - base
+    return cuda_median_ms(fn, reps=reps, warmup=1, peak=True)
 
 
 CUDA_CASES = [(1024, "none"), (1024, "exact"), (1024, "exact-worst"), (1024, "table"),

@@ -22,7 +22,7 @@ import tempokern
 from tempokern import reference as ref
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _record import record  # noqa: E402
+from _record import cuda_median_ms, record  # noqa: E402
 
 FILE = "offset_bias.csv"
 D = HIDDEN = 32
@@ -258,18 +258,7 @@ def test_cuda_exact_and_table_8192():
     xs = inputs(B, "cuda")
     G = torch.randn(B, B, device="cuda")
 
-    def median_ms(fn, reps=10):
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
+    median_ms = cuda_median_ms
 
     cases = [("exact fwd", lambda: tempokern.offset_bias(*[x.detach() for x in xs])),
              ("exact fwd+bwd", lambda: torch.autograd.grad((tempokern.offset_bias(*xs) * G).sum(), xs))]
