@@ -172,7 +172,7 @@ constexpr int KC = 4;
 constexpr int RB = 4;
 
 template <typename ST, typename A, int BM, bool POS>
-__global__ void __launch_bounds__(kThreads, 2) mpb_fwd_kernel(const MultiposBlockParams p) {  // 2 CTAs/SM
+__global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockParams p) {
   __shared__ A wpart[kWarps][32][4];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t c0 = (int64_t)blockIdx.x * kThreads * KC + tid;
@@ -205,85 +205,54 @@ __global__ void __launch_bounds__(kThreads, 2) mpb_fwd_kernel(const MultiposBloc
 #pragma unroll
         for (int k = 0; k < KC; ++k)
           sv[b][k] = (rr0 + b < nr && c[k].valid) ? cuda::to_acc(Sb[b * p.lds + k * kThreads]) : A(0);
-      // The batch's RB rows side by side: x, flags and per-thread maxima first, then the warp reductions
-      // of all RB rows interleaved (RB independent shuffle chains), no branch on the row count: rows past
-      // the tile's end are -inf and never stored.
-      A xb[RB][KC], lm[RB], lpm[RB];
-      bool pcb[RB][KC], prb[RB][KC];
+      A xb[RB][KC];
+      bool pcb[RB][KC];
 #pragma unroll
       for (int b = 0; b < RB; ++b) {
-        const bool rv = rr0 + b < nr;
-        const int64_t r = rb + rr0 + b, i = p.i0 + r;
-        const RowCtx<A> rc = rv ? load_row<A, BM, POS>(p, i) : RowCtx<A>{};
-        const A* drow = BM == 2 && rv ? static_cast<const A*>(p.dense) + r * p.ldb : nullptr;
+        const int rr = rr0 + b;
+        if (rr >= nr) break;  // uniform
+        const int64_t r = rb + rr, i = p.i0 + r;
+        const RowCtx<A> rc = load_row<A, BM, POS>(p, i);
+        const A* drow = BM == 2 ? static_cast<const A*>(p.dense) + r * p.ldb : nullptr;
         const int64_t dd = dbase - (r - r0);
-        lm[b] = lpm[b] = ninf<A>();
+        A lm = ninf<A>(), lpm = ninf<A>();
+        bool pr[KC];
 #pragma unroll
         for (int k = 0; k < KC; ++k) {
-          if (rv && c[k].valid) {
+          if (c[k].valid) {
             const Elem<A> e = element<A, BM, POS>(p, sv[b][k], drow, c0 + k * kThreads, dd + k * kThreads == 0, rc,
                                                   c[k], it, half_span, T);
             xb[b][k] = e.x;
-            prb[b][k] = e.pr;
+            pr[k] = e.pr;
             pcb[b][k] = e.pc;
           } else {
             xb[b][k] = ninf<A>();
-            prb[b][k] = pcb[b][k] = false;
+            pr[k] = pcb[b][k] = false;
           }
-          lm[b] = max(lm[b], xb[b][k]);
-          if (prb[b][k]) lpm[b] = max(lpm[b], xb[b][k]);
+          lm = max(lm, xb[b][k]);
+          if (pr[k]) lpm = max(lpm, xb[b][k]);
         }
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int b = 0; b < RB; ++b) lm[b] = max(lm[b], __shfl_xor_sync(kFull, lm[b], o));
-      A ls[RB];
-#pragma unroll
-      for (int b = 0; b < RB; ++b) {
-        ls[b] = A(0);
+        const A wm = cuda::warp_max(lm);
+        A ls = 0;
 #pragma unroll
         for (int k = 0; k < KC; ++k)  // (a row of NaN keeps its NaN)
-          if (c[k].valid && rr0 + b < nr)
-            ls[b] += lm[b] != ninf<A>() ? dexp(xb[b][k] - lm[b]) : (xb[b][k] != xb[b][k] ? xb[b][k] : A(0));
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int b = 0; b < RB; ++b) ls[b] += __shfl_xor_sync(kFull, ls[b], o);
-      bool anyp = false;
-#pragma unroll
-      for (int b = 0; b < RB; ++b) anyp = anyp || lpm[b] != ninf<A>();
-      A ps[RB];
-#pragma unroll
-      for (int b = 0; b < RB; ++b) ps[b] = A(0);
-      if (POS && __ballot_sync(kFull, anyp)) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-          for (int b = 0; b < RB; ++b) lpm[b] = max(lpm[b], __shfl_xor_sync(kFull, lpm[b], o));
-#pragma unroll
-        for (int b = 0; b < RB; ++b)
+          if (c[k].valid) ls += wm != ninf<A>() ? dexp(xb[b][k] - wm) : (xb[b][k] != xb[b][k] ? xb[b][k] : A(0));
+        const A ws = cuda::warp_sum(ls);
+        A pm = ninf<A>(), ps = 0;
+        if (POS && __ballot_sync(kFull, lpm != ninf<A>())) {
+          pm = cuda::warp_max(lpm);
+          A lps = 0;
 #pragma unroll
           for (int k = 0; k < KC; ++k)
-            if (prb[b][k]) ps[b] += dexp(xb[b][k] - lpm[b]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-          for (int b = 0; b < RB; ++b) ps[b] += __shfl_xor_sync(kFull, ps[b], o);
-      } else {
-#pragma unroll
-        for (int b = 0; b < RB; ++b) lpm[b] = ninf<A>();
-      }
-      if (lane == 0) {
-#pragma unroll
-        for (int b = 0; b < RB; ++b)
-          if (rr0 + b < nr) {
-            wpart[warp][rr0 + b][0] = lm[b];
-            wpart[warp][rr0 + b][1] = ls[b];
-            wpart[warp][rr0 + b][2] = lpm[b];
-            wpart[warp][rr0 + b][3] = ps[b];
-          }
+            if (pr[k]) lps += dexp(xb[b][k] - pm);
+          ps = cuda::warp_sum(lps);
+        }
+        if (lane == 0) {
+          wpart[warp][rr][0] = wm;
+          wpart[warp][rr][1] = ws;
+          wpart[warp][rr][2] = pm;
+          wpart[warp][rr][3] = ps;
+        }
       }
       if (cols) {  // column statistics of the batch: one rescale per batch, not per element
         const int nb = min(RB, nr - rr0);
