@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <cstdint>
+#include <map>
 #include <string>
 #include "common/types.h"
 
@@ -11,6 +12,14 @@ namespace tk {
 
 template <typename T = void>
 inline T* as_ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+// Pointers passed from Python as a {name: address} dict; absent names are null.
+using PtrMap = std::map<std::string, uintptr_t>;
+inline const void* ptr_of(const PtrMap& m, const char* k) {
+  auto it = m.find(k);
+  return it == m.end() ? nullptr : as_ptr(it->second);
+}
+inline void* mut_ptr_of(const PtrMap& m, const char* k) { return const_cast<void*>(ptr_of(m, k)); }
 
 // Runs cpu() for device < 0, else cuda(); fails clearly when CUDA was not compiled in.
 template <typename CpuFn, typename CudaFn>

@@ -7,13 +7,9 @@
 
 namespace tk {
 namespace {
-using Ptrs = std::map<std::string, uintptr_t>;
-
-const void* get(const Ptrs& m, const char* k) {
-  auto it = m.find(k);
-  return it == m.end() ? nullptr : as_ptr(it->second);
-}
-void* get_mut(const Ptrs& m, const char* k) { return const_cast<void*>(get(m, k)); }
+using Ptrs = PtrMap;
+constexpr auto get = ptr_of;
+constexpr auto get_mut = mut_ptr_of;
 
 // sizes: Bq, Bd, N, H, ldq, ldd, ldn, hidden, K2, diag_offset[, unused[, ncell]]; scalars: inv_temp, row_weight, col_weight
 MultiposParams make_params(int dtype, const std::vector<int64_t>& sz, const std::vector<double>& sc, const Ptrs& m) {

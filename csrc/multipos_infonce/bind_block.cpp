@@ -8,13 +8,9 @@
 
 namespace tk {
 namespace {
-using Ptrs = std::map<std::string, uintptr_t>;
-
-const void* get(const Ptrs& m, const char* k) {
-  auto it = m.find(k);
-  return it == m.end() ? nullptr : as_ptr(it->second);
-}
-void* get_mut(const Ptrs& m, const char* k) { return const_cast<void*>(get(m, k)); }
+using Ptrs = PtrMap;
+constexpr auto get = ptr_of;
+constexpr auto get_mut = mut_ptr_of;
 
 // dtypes: sdtype, odtype, adtype. sizes: R, C, i0, lds, pos, cols, diag_offset, bias_mode, P, ldb, TR, nct,
 // nrt, nslots, slot0, Bq, ldo, nhist. scalars: inv_temp, gr, gc.

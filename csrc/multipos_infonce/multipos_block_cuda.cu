@@ -171,6 +171,16 @@ __device__ __forceinline__ void flush_rows(const MultiposBlockParams& p, A (*wpa
 constexpr int KC = 4;
 constexpr int RB = 4;
 
+// The batch's scores: rows b < nb of the batch starting at Sb, the thread's KC columns (0 elsewhere).
+template <typename ST, typename A>
+__device__ __forceinline__ void load_batch(const ST* Sb, int64_t lds, int nb, const Col<A> (&c)[KC],
+                                           A (&sv)[RB][KC]) {
+#pragma unroll
+  for (int b = 0; b < RB; ++b)
+#pragma unroll
+    for (int k = 0; k < KC; ++k) sv[b][k] = (b < nb && c[k].valid) ? cuda::to_acc(Sb[b * lds + k * kThreads]) : A(0);
+}
+
 template <typename ST, typename A, int BM, bool POS>
 __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockParams p) {
   __shared__ A wpart[kWarps][32][4];
@@ -200,11 +210,7 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
     for (int rr0 = 0; rr0 < nr; rr0 += RB) {
       const ST* Sb = static_cast<const ST*>(p.S) + (rb + rr0) * p.lds + c0;
       A sv[RB][KC];
-#pragma unroll
-      for (int b = 0; b < RB; ++b)
-#pragma unroll
-        for (int k = 0; k < KC; ++k)
-          sv[b][k] = (rr0 + b < nr && c[k].valid) ? cuda::to_acc(Sb[b * p.lds + k * kThreads]) : A(0);
+      load_batch<ST, A>(Sb, p.lds, nr - rr0, c, sv);
       A xb[RB][KC];
       bool pcb[RB][KC];
 #pragma unroll
@@ -349,11 +355,7 @@ __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockPa
       const ST* Sb = static_cast<const ST*>(p.S) + (rb + rr0) * p.lds + c0;
       OT* Ob = static_cast<OT*>(p.dS) + (rb + rr0) * p.ldo + c0;
       A sv[RB][KC];
-#pragma unroll
-      for (int b = 0; b < RB; ++b)
-#pragma unroll
-        for (int k = 0; k < KC; ++k)
-          sv[b][k] = (rr0 + b < nr && c[k].valid) ? cuda::to_acc(Sb[b * p.lds + k * kThreads]) : A(0);
+      load_batch<ST, A>(Sb, p.lds, nr - rr0, c, sv);
 #pragma unroll
       for (int b = 0; b < RB; ++b) {
         const int rr = rr0 + b;

@@ -288,6 +288,17 @@ def _table_parts(device: torch.device, Bq: int, Bd: int):
 _TABLE_TILE_ROWS, _TABLE_TILE_COLS = 64, 256  # csrc/offset_bias/offset_bias.h kTableTile{Rows,Cols}
 
 
+def _table_launch(op: str, u_q, u_d, v, acc, out):
+    """Interpolated table over (u_q, u_d) into out: "tfwd" (training: the table in the accumulation dtype) or
+    "lookup" (inference: a float32 BiasTable)."""
+    uq, ud, v = u_q.to(acc).contiguous(), u_d.to(acc).contiguous(), v.contiguous()
+    dev, stream = launch_args(u_q)
+    kernels().offset_bias_launch(op, dev, stream, dtype_code(out), out.shape[0], out.shape[1], 0, 0, ptr(uq), ptr(ud),
+                                 0, 0, 0, 0, 0, 0, 0, ptr(out), out.stride(0), 0, 0, 1, 0, 0, 0, 0, ptr(v), v.numel(),
+                                 0)
+    return out
+
+
 @torch.library.custom_op("tempokern::offset_bias_interp", mutates_args=())
 def _offset_bias_interp(u_q: torch.Tensor, u_d: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     out_dt = torch.promote_types(u_q.dtype, u_d.dtype)
@@ -296,11 +307,7 @@ def _offset_bias_interp(u_q: torch.Tensor, u_d: torch.Tensor, values: torch.Tens
     out = torch.empty(Bq, Bd, dtype=out_dt, device=u_q.device)
     if Bq == 0 or Bd == 0:
         return out
-    uq, ud, v = u_q.to(acc).contiguous(), u_d.to(acc).contiguous(), values.to(acc).contiguous()
-    dev, stream = launch_args(u_q)
-    kernels().offset_bias_launch("tfwd", dev, stream, dtype_code(out), Bq, Bd, 0, 0, ptr(uq), ptr(ud), 0, 0, 0, 0, 0,
-                                 0, 0, ptr(out), out.stride(0), 0, 0, 1, 0, 0, 0, 0, ptr(v), v.numel(), 0)
-    return out
+    return _table_launch("tfwd", u_q, u_d, values.to(acc), acc, out)
 
 
 @_offset_bias_interp.register_fake
@@ -356,12 +363,7 @@ def _offset_bias_lookup(u_q: torch.Tensor, u_d: torch.Tensor, values: torch.Tens
     out = torch.empty(Bq, Bd, dtype=out_dt, device=u_q.device)
     if Bq == 0 or Bd == 0:
         return out
-    uq, ud = u_q.to(acc).contiguous(), u_d.to(acc).contiguous()
-    v = values.to(torch.float32).contiguous()
-    dev, stream = launch_args(u_q)
-    kernels().offset_bias_launch("lookup", dev, stream, dtype_code(out), Bq, Bd, 0, 0, ptr(uq), ptr(ud), 0, 0, 0, 0, 0,
-                          0, 0, ptr(out), out.stride(0), 0, 0, 1, 0, 0, 0, 0, ptr(v), v.numel(), 0)
-    return out
+    return _table_launch("lookup", u_q, u_d, values.to(torch.float32), acc, out)
 
 
 @_offset_bias_lookup.register_fake
