@@ -3,8 +3,6 @@ full, committed measurement). Prints one line per case: median fwd+bwd time over
 peak memory, and the agreement of the loss with a float64 evaluation where that fits."""
 import argparse
 import statistics
-import sys
-import time
 
 import torch
 

@@ -142,15 +142,12 @@ def tiling(R: int, C: int, device: torch.device):
 class _Launcher:
     """Common arguments of every kernel launch of one loss evaluation."""
 
-    def __init__(self, q, C, acc, sdtype, odtype, inv_temp, diag_offset, cols, spans, flags, bias_mode, u_q, u_d,
-                 table):
+    def __init__(self, q, acc, odtype, inv_temp, diag_offset, spans, flags, u_q, u_d, table):
         self.dev, self.stream = launch_args(q)
-        self.device = q.device
-        self.C, self.acc, self.inv_temp, self.diag_offset, self.cols = C, acc, inv_temp, diag_offset, cols
-        self.sd, self.od, self.ad = DTYPE_CODES[sdtype], DTYPE_CODES[odtype], DTYPE_CODES[acc]
+        self.inv_temp, self.diag_offset, self.Bq = inv_temp, diag_offset, q.shape[0]
+        self.od, self.ad = DTYPE_CODES[odtype], DTYPE_CODES[acc]
         self.spans, self.flags = spans, flags
-        self.bias_mode, self.u_q, self.u_d, self.table = bias_mode, u_q, u_d, table
-        self.Bq = q.shape[0]
+        self.u_q, self.u_d, self.table = u_q, u_d, table
 
     def _ptrs(self, S, pos, bias_mode, extra):
         q_lo, q_hi, d_lo, d_hi = self.spans
@@ -223,7 +220,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     odtype = q.dtype if cuda_path else acc
     per_elem = _SIZE[sdtype] + _SIZE[odtype] + (2 * _SIZE[acc] if bias_mode == 2 else 0)
     R = block_rows(Bq, Bd, N, per_elem, q.device, requested_rows)
-    L = _Launcher(q, Bd, acc, sdtype, odtype, inv_temp, diag_offset, cols, spans, flags, bias_mode, u_q, u_d, table)
+    L = _Launcher(q, acc, odtype, inv_temp, diag_offset, spans, flags, u_q, u_d, table)
     w1 = b1 = w2 = b2 = scale = None
     if exact is not None:
         w1, b1, w2, b2, scale = exact

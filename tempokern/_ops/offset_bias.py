@@ -288,10 +288,16 @@ def _table_parts(device: torch.device, Bq: int, Bd: int):
 _TABLE_TILE_ROWS, _TABLE_TILE_COLS = 64, 256  # csrc/offset_bias/offset_bias.h kTableTile{Rows,Cols}
 
 
-def _table_launch(op: str, u_q, u_d, v, acc, out):
-    """Interpolated table over (u_q, u_d) into out: "tfwd" (training: the table in the accumulation dtype) or
-    "lookup" (inference: a float32 BiasTable)."""
-    uq, ud, v = u_q.to(acc).contiguous(), u_d.to(acc).contiguous(), v.contiguous()
+def _table_launch(op: str, u_q, u_d, values, table_dtype=None):
+    """(Bq, Bd) interpolated table over (u_q, u_d), in the promoted dtype of u: "tfwd" (training: the table in
+    the accumulation dtype) or "lookup" (inference: a float32 BiasTable, table_dtype=float32)."""
+    out_dt = torch.promote_types(u_q.dtype, u_d.dtype)
+    acc = _acc(out_dt)
+    out = torch.empty(u_q.shape[0], u_d.shape[0], dtype=out_dt, device=u_q.device)
+    if out.numel() == 0:
+        return out
+    uq, ud = u_q.to(acc).contiguous(), u_d.to(acc).contiguous()
+    v = values.to(acc if table_dtype is None else table_dtype).contiguous()
     dev, stream = launch_args(u_q)
     kernels().offset_bias_launch(op, dev, stream, dtype_code(out), out.shape[0], out.shape[1], 0, 0, ptr(uq), ptr(ud),
                                  0, 0, 0, 0, 0, 0, 0, ptr(out), out.stride(0), 0, 0, 1, 0, 0, 0, 0, ptr(v), v.numel(),
@@ -301,13 +307,7 @@ def _table_launch(op: str, u_q, u_d, v, acc, out):
 
 @torch.library.custom_op("tempokern::offset_bias_interp", mutates_args=())
 def _offset_bias_interp(u_q: torch.Tensor, u_d: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    out_dt = torch.promote_types(u_q.dtype, u_d.dtype)
-    acc = _acc(out_dt)
-    Bq, Bd = u_q.shape[0], u_d.shape[0]
-    out = torch.empty(Bq, Bd, dtype=out_dt, device=u_q.device)
-    if Bq == 0 or Bd == 0:
-        return out
-    return _table_launch("tfwd", u_q, u_d, values.to(acc), acc, out)
+    return _table_launch("tfwd", u_q, u_d, values)
 
 
 @_offset_bias_interp.register_fake
@@ -357,13 +357,7 @@ _offset_bias_interp.register_autograd(_interp_backward, setup_context=_interp_se
 
 @torch.library.custom_op("tempokern::offset_bias_lookup", mutates_args=())
 def _offset_bias_lookup(u_q: torch.Tensor, u_d: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    out_dt = torch.promote_types(u_q.dtype, u_d.dtype)
-    acc = _acc(out_dt)
-    Bq, Bd = u_q.shape[0], u_d.shape[0]
-    out = torch.empty(Bq, Bd, dtype=out_dt, device=u_q.device)
-    if Bq == 0 or Bd == 0:
-        return out
-    return _table_launch("lookup", u_q, u_d, values.to(torch.float32), acc, out)
+    return _table_launch("lookup", u_q, u_d, values, torch.float32)
 
 
 @_offset_bias_lookup.register_fake
