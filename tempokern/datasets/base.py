@@ -1,6 +1,7 @@
 """Records, queries, datasets and the load report shared by every loader."""
 from __future__ import annotations
 
+import datetime as _dt
 import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -59,7 +60,9 @@ class Record:
     """A gallery document.
 
     ``interval``: its time on the calendar's rank axis (None for untimed documents); ``key``: the
-    unit key for point-dated records; ``type``: ``event`` / ``no_event`` / ``neg_comment``."""
+    unit key for point-dated records; ``type``: ``event`` / ``no_event`` / ``neg_comment``;
+    ``published``: the publication date (``datetime.date``), which orders versions of a fact (Re³'s
+    ``d_pub``) and anchors relative dates in the text; None when unknown."""
     id: str
     text: str
     key: Optional[Tuple[Any, ...]] = None
@@ -67,6 +70,7 @@ class Record:
     type: str = "event"
     title: str = ""
     meta: Dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    published: Optional[_dt.date] = None
 
 
 @dataclass(frozen=True)
