@@ -3,3 +3,6 @@ from .offset_bias import BiasTable, OffsetBias
 from .ctd_loss import CTDLoss
 
 __all__ = ["OffsetBias", "BiasTable", "CTDLoss"]
+from .film import FiLM, TimeEmbedding
+
+__all__ += ["TimeEmbedding", "FiLM"]

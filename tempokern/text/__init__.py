@@ -1,1 +1,7 @@
 """Text-side helpers for temporal retrieval: temporal-expression tagging (TMRL) and time parsing (Re³)."""
+from .dates import DATE_FORMATS, FORMAT_GRANULARITY, RELATIVE_FORMATS, expressible, format_date
+from .time import TimeTuple, find_time, parse_time, parse_times
+
+__all__ = list(globals().get("__all__", [])) + [
+    "TimeTuple", "parse_time", "parse_times", "find_time", "DATE_FORMATS", "FORMAT_GRANULARITY",
+    "RELATIVE_FORMATS", "format_date", "expressible"]
