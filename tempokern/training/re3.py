@@ -1,0 +1,518 @@
+"""Re³ training (Eqs. 10-13) and evaluation of a :class:`tempokern.models.Re3Encoder`.
+
+Frozen backbone (default, B1): the backbone's pooled vectors ``e_sem`` of every training text are computed
+**once** (one encoding pass), then the time embedding, FiLM MLP and α train on the cached vectors — an
+epoch costs a few small matmuls per example instead of a transformer forward. ``variant="lora"`` (the
+paper's LoRA baseline) tunes the backbone with LoRA and plain InfoNCE, time path off, encoding every
+batch. The loss is :class:`tempokern.nn.Re3Loss`; AdamW with linear warm-up/decay, gradient clipping,
+resume from ``out_dir/last``, JSONL logs (``out_dir/log.jsonl``).
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
+
+import torch
+
+from ..text.time import TimeTuple
+from .trainer import _linear_warmup, _progress
+
+VARIANTS: Dict[str, dict] = {
+    "base": dict(train=False, lora=False, use_time=True, margins=False),
+    "film": dict(train=True, lora=False, use_time=True, margins=False),
+    "film_margins": dict(train=True, lora=False, use_time=True, margins=True),
+    "lora": dict(train=True, lora=True, use_time=False, margins=False),
+}
+
+
+@dataclass
+class Re3Config:
+    variant: str = "film_margins"
+    temperature: float = 0.05
+    margin: float = 0.1
+    lambda_hard: float = 0.1
+    lambda_tw: float = 0.1
+    freeze_backbone: bool = True
+    lr: Optional[float] = None          # default 1e-3 for the time modules, 1e-4 with LoRA (B7)
+    batch_size: int = 128
+    epochs: int = 3
+    tw_in_nce: bool = False
+    dedup: bool = True
+    warmup_ratio: float = 0.1
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    max_steps: Optional[int] = None
+    stop_after_epochs: Optional[int] = None   # end this run early; resume continues it
+    encode_batch_size: int = 64
+    fit_year_stats: bool = True               # μ_y, σ_y from the training texts' observed years (B3)
+    lora_r: int = 16
+    lora_alpha: int = 64
+    lora_dropout: float = 0.1
+    progress: bool = True
+
+    def validate(self) -> "Re3Config":
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown Re3 variant {self.variant!r}: expected one of {', '.join(VARIANTS)}")
+        for name in ("epochs", "batch_size", "encode_batch_size", "lora_r"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "epochs" else 1):
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.batch_size < 2:
+            raise ValueError("batch_size must be >= 2 (in-batch negatives)")
+        for name in ("temperature",):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        for name in ("margin", "lambda_hard", "lambda_tw", "weight_decay", "max_grad_norm"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
+                                           or self.max_steps < 1):
+            raise ValueError(f"max_steps must be None or a positive int, got {self.max_steps!r}")
+        return self
+
+    @property
+    def effective_lr(self) -> float:
+        if self.lr is not None:
+            return float(self.lr)
+        return 1e-4 if VARIANTS[self.variant]["lora"] else 1e-3
+
+    def loss_weights(self) -> tuple:
+        """(lambda_hard, lambda_tw) of the variant: the margins only in ``film_margins``."""
+        if VARIANTS[self.variant]["margins"]:
+            return float(self.lambda_hard), float(self.lambda_tw)
+        return 0.0, 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Re3Config":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown Re3 training option(s) {unknown}; known: {sorted(names)}")
+        return cls(**d).validate()
+
+
+class Re3Example(NamedTuple):
+    """One training triple: the query text, its reference date (query time; anchors relative dates), the
+    positive document id and an optional time-wrong negative document id (``d⁻_tw``)."""
+    query: str
+    positive: Any
+    tw_negative: Any = None
+    query_ref: Any = None
+    query_time: Optional[TimeTuple] = None
+
+
+class Re3Doc(NamedTuple):
+    text: str
+    published: Any = None
+    time: Optional[TimeTuple] = None
+
+
+@dataclass
+class Re3Result:
+    steps: int
+    history: List[dict] = field(default_factory=list)
+    final_loss: Optional[float] = None
+    seconds: float = 0.0
+    encode_seconds: float = 0.0
+    train_seconds: float = 0.0
+    num_examples: int = 0
+
+
+# ---- data ---------------------------------------------------------------------------------------------------
+def docs_from_dataset(dataset) -> Dict[Any, Re3Doc]:
+    """``{record id: Re3Doc(text, published)}`` for a :class:`tempokern.datasets.RetrievalDataset`."""
+    return {r.id: Re3Doc(r.text, r.published) for r in dataset.records}
+
+
+def examples_from_synth(synth, *, require_tw: bool = False) -> List[Re3Example]:
+    """Training triples from a ``SynthSet``'s ``train_rows``: the first ``time_wrong`` hard negative is
+    ``d⁻_tw``; the query's reference date is its ``meta["query_time"]``."""
+    qmeta = {q.id: q.meta for q in synth.dataset.queries}
+    out = []
+    for row in synth.train_rows:
+        tw = None
+        for nid, kind in zip(row.hard_negatives, row.negative_kinds):
+            if kind == "time_wrong":
+                tw = nid
+                break
+        if tw is None and require_tw:
+            continue
+        out.append(Re3Example(row.query, row.positive, tw, (qmeta.get(row.query_id) or {}).get("query_time")))
+    return out
+
+
+def examples_from_dataset(dataset, split: str = "train") -> List[Re3Example]:
+    """Training triples from the queries of one split: the first gold document is the positive;
+    ``meta["time_wrong_twin"]`` (when present) the time-wrong negative; ``meta["query_time"]`` the
+    reference date."""
+    out = []
+    for q in dataset.queries:
+        if q.split != split or not q.gold:
+            continue
+        pos = max(q.gold, key=lambda d: q.gold[d])
+        out.append(Re3Example(q.text, pos, q.meta.get("time_wrong_twin"), q.meta.get("query_time")))
+    if not out:
+        raise ValueError(f"dataset {dataset.name!r} has no query with gold documents in split {split!r}")
+    return out
+
+
+def _resolve_batch(model, texts, refs, given, role):
+    from ..models.re3 import resolve_times
+    if all(g is not None for g in given):
+        return list(given)
+    tt = resolve_times(texts, pub=refs, role=role, doc_time=model.doc_time)
+    return [g if g is not None else t for g, t in zip(given, tt)]
+
+
+# ---- trainer -------------------------------------------------------------------------------------------------
+def _default_loss(cfg: Re3Config):
+    from ..nn import Re3Loss
+    lh, lt = cfg.loss_weights()
+    return Re3Loss(temperature=cfg.temperature, margin=cfg.margin, lambda_hard=lh, lambda_tw=lt,
+                   tw_in_nce=cfg.tw_in_nce, dedup=cfg.dedup)
+
+
+def _save_bytes(path: Path, obj) -> None:
+    from ..models.checkpoint import atomic_write
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    atomic_write(path, buf.getvalue())
+
+
+def _trainable_state(model) -> Dict[str, torch.Tensor]:
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    sd = model.state_dict()
+    keep = {k: v.detach().cpu().clone() for k, v in sd.items()
+            if k in names or k.startswith("time_embed.") or k.startswith("film.")}
+    return keep
+
+
+class Re3Trainer:
+    """``Re3Trainer(model, docs, examples, config, out_dir=None).fit(resume=False)``.
+
+    ``docs``: ``{doc id: Re3Doc | (text, published) | text}``; ``examples``: :class:`Re3Example` list (doc ids
+    into ``docs``). ``loss_fn``: defaults to ``tempokern.nn.Re3Loss`` configured from ``config``; any module
+    with ``forward(q, d, d_tw=None, doc_ids=None) -> (loss, parts)`` works."""
+
+    def __init__(self, model, docs: Mapping[Any, Any], examples: Sequence[Re3Example], config: Optional[Re3Config] = None,
+                 out_dir=None, *, loss_fn=None, log: Callable = print):
+        self.cfg = (config or Re3Config()).validate()
+        self.model, self.log = model, log
+        self.out = Path(out_dir) if out_dir is not None else None
+        self.variant = VARIANTS[self.cfg.variant]
+        self.docs = {k: _as_doc(k, v) for k, v in docs.items()}
+        self.examples = [e if isinstance(e, Re3Example) else Re3Example(*e) for e in examples]
+        if not self.examples and self.variant["train"]:
+            raise ValueError("examples: no training example")
+        for i, e in enumerate(self.examples):
+            for what, d in (("positive", e.positive), ("tw_negative", e.tw_negative)):
+                if d is not None and d not in self.docs:
+                    raise KeyError(f"examples[{i}].{what}: document id {d!r} is not in docs")
+        if self.variant["lora"] and model.lora_config is None:
+            raise ValueError("variant 'lora' needs a Re3Encoder built with lora=... (see build_re3_model)")
+        if not self.variant["lora"] and not model.freeze_backbone:
+            self.log("note: the backbone is not frozen; it trains with the time modules (no e_sem cache)")
+        model.use_time = self.variant["use_time"]
+        self.loss_fn = loss_fn if loss_fn is not None else (_default_loss(self.cfg) if self.variant["train"] else None)
+
+    # -- preparation: times and (frozen) semantic cache --
+    def _prepare(self):
+        m, ex = self.model, self.examples
+        doc_ids = sorted({e.positive for e in ex} | {e.tw_negative for e in ex if e.tw_negative is not None}, key=str)
+        self.doc_row = {d: i for i, d in enumerate(doc_ids)}
+        dtexts = [self.docs[d].text for d in doc_ids]
+        dtimes = _resolve_batch(m, dtexts, [self.docs[d].published for d in doc_ids],
+                                [self.docs[d].time for d in doc_ids], "document")
+        qtexts = [e.query for e in ex]
+        qtimes = _resolve_batch(m, qtexts, [e.query_ref for e in ex], [e.query_time for e in ex], "query")
+        self.dtexts, self.qtexts = dtexts, qtexts
+        self.dv, self.dm = TimeTuple.batch(dtimes)
+        self.qv, self.qm = TimeTuple.batch(qtimes)
+        years = [t.year for t in dtimes + qtimes if t is not None and t.mask[0]]
+        return years
+
+    def _encode_cache(self):
+        m, cfg = self.model, self.cfg
+        t0 = time.time()
+        prog = (lambda it: _progress(it, cfg.progress, "re3 encode")) if cfg.progress else None
+        self.d_sem = m.semantic(self.dtexts, batch_size=cfg.encode_batch_size, progress=prog).detach()
+        self.q_sem = m.semantic(self.qtexts, batch_size=cfg.encode_batch_size, progress=prog).detach()
+        return time.time() - t0
+
+    def _batches(self, epoch: int) -> List[torch.Tensor]:
+        g = torch.Generator().manual_seed(self.cfg.seed * 1000003 + epoch)
+        perm = torch.randperm(len(self.examples), generator=g)
+        B = self.cfg.batch_size
+        out = [perm[i:i + B] for i in range(0, len(perm), B)]
+        if len(out) > 1 and len(out[-1]) < 2:   # a 1-row batch has no in-batch negative: fold it in
+            out[-2] = torch.cat([out[-2], out[-1]])
+            out.pop()
+        return out
+
+    def _loss(self, idx: torch.Tensor):
+        m, dev = self.model, self.model.device
+        ex = [self.examples[i] for i in idx.tolist()]
+        pos = torch.tensor([self.doc_row[e.positive] for e in ex])
+        has_tw = [e.tw_negative is not None for e in ex]
+        tw = torch.tensor([self.doc_row[e.tw_negative] if e.tw_negative is not None else self.doc_row[e.positive]
+                           for e in ex])
+        if self.cache:
+            q_sem, d_sem = self.q_sem[idx].to(dev), self.d_sem[pos].to(dev)
+            t_sem = self.d_sem[tw].to(dev)
+        else:
+            q_sem = m.semantic([self.qtexts[i] for i in idx.tolist()], grad=True)
+            d_sem = m.semantic([self.dtexts[i] for i in pos.tolist()], grad=True)
+            t_sem = m.semantic([self.dtexts[i] for i in tw.tolist()], grad=True) if any(has_tw) else None
+        q = m.fuse(q_sem, self.qv[idx].to(dev), self.qm[idx].to(dev))
+        d = m.fuse(d_sem, self.dv[pos].to(dev), self.dm[pos].to(dev))
+        lh, lt = self.cfg.loss_weights()
+        d_tw = None
+        need_tw = (lt > 0 or self.cfg.tw_in_nce) and any(has_tw)
+        if need_tw:
+            d_tw = m.fuse(t_sem, self.dv[tw].to(dev), self.dm[tw].to(dev))
+        doc_ids = pos.to(dev)
+        extra = None
+        if need_tw and not all(has_tw):
+            # Re3Loss takes a d_tw for every row; rows without a time-wrong negative get their term here:
+            # (λ_tw / B) Σ_{rows with d_tw} max(0, δ + <q, d_tw> - <q, d+>) (rows without one add 0)
+            sel = torch.tensor(has_tw, device=dev)
+            hinge = torch.relu(self.cfg.margin + (q * d_tw).sum(-1) - (q * d).sum(-1))
+            extra = lt * (hinge * sel).sum() / len(ex)
+            d_tw = None
+        loss, parts = self.loss_fn(q, d, d_tw, doc_ids)
+        if extra is not None:
+            loss = loss + extra
+            parts = dict(parts)
+            parts["tw"] = (extra / lt).detach() if lt > 0 else extra.detach()
+            parts["total"] = loss.detach()
+        return loss, parts
+
+    def fit(self, *, resume: bool = False) -> Re3Result:
+        cfg, m = self.cfg, self.model
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        t_start = time.time()
+        years = self._prepare()
+        if not self.variant["train"]:
+            if cfg.fit_year_stats and years:
+                m.time_embed.set_year_stats(years)
+            if self.out is not None:
+                m.save(self.out / "model")
+            return Re3Result(0, [], None, time.time() - t_start, 0.0, 0.0, len(self.examples))
+        if cfg.fit_year_stats and years and not resume:
+            m.time_embed.set_year_stats(years)
+        self.cache = m.freeze_backbone
+        enc_s = 0.0
+        if self.cache:
+            enc_s = self._encode_cache()
+            self.log(f"re3: encoded {len(self.dtexts)} documents and {len(self.qtexts)} queries once in {enc_s:.1f} s")
+        params = [p for p in m.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=cfg.effective_lr)
+        nb = len(self._batches(0))
+        total = nb * cfg.epochs
+        if cfg.max_steps is not None:
+            total = min(total, cfg.max_steps)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _linear_warmup(max(total, 1), int(cfg.warmup_ratio * total)))
+        start_epoch, step, history = 0, 0, []
+        if resume:
+            if self.out is None:
+                raise ValueError("resume needs the output directory of the interrupted run (out_dir)")
+            st_file = self.out / "last" / "trainer_state.pt"
+            if not st_file.exists():
+                raise FileNotFoundError(f"cannot resume: {st_file} does not exist")
+            st = torch.load(st_file, map_location="cpu", weights_only=False)
+            if st.get("variant") != cfg.variant:
+                raise ValueError(f"cannot resume: {st_file} is a {st.get('variant')!r} run, this is {cfg.variant!r}")
+            missing, unexpected = m.load_state_dict(st["model"], strict=False)
+            if unexpected or any(k in st["model"] for k in missing):
+                raise ValueError(f"{st_file} does not fit the model: unexpected {sorted(unexpected)[:8]}")
+            opt.load_state_dict(st["optimizer"])
+            sched.load_state_dict(st["scheduler"])
+            start_epoch, step, history = st["epoch"] + 1, st["step"], st["history"]
+            torch.set_rng_state(st["torch_rng"])
+            random.setstate(st["py_rng"])
+            self.log(f"re3: resumed from {st_file.parent} at epoch {start_epoch}, step {step}")
+        logf = None
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            logf = open(self.out / "log.jsonl", "a")
+        m.train()
+        t0 = time.time()
+        last_loss = None
+        try:
+            for epoch in range(start_epoch, cfg.epochs):
+                if cfg.max_steps is not None and step >= cfg.max_steps:
+                    break
+                bar = _progress(self._batches(epoch), cfg.progress, f"re3 {cfg.variant} epoch {epoch + 1}/{cfg.epochs}")
+                for idx in bar:
+                    loss, parts = self._loss(idx)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    if cfg.max_grad_norm:
+                        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                    opt.step()
+                    sched.step()
+                    step += 1
+                    last_loss = float(loss.detach())
+                    rec = {"event": "step", "variant": cfg.variant, "epoch": epoch, "step": step, "loss": last_loss,
+                           **{f"loss_{k}": float(v) for k, v in parts.items()
+                              if k in ("nce", "hard", "tw") and torch.is_tensor(v) and v.numel() == 1},
+                           "alpha": float(m.film.alpha.detach()), "lr": sched.get_last_lr()[0],
+                           "seconds": round(time.time() - t0, 3)}
+                    history.append(rec)
+                    if logf:
+                        logf.write(json.dumps(rec) + "\n")
+                        logf.flush()
+                    if hasattr(bar, "set_postfix"):
+                        bar.set_postfix(loss=f"{last_loss:.4f}")
+                    if cfg.max_steps is not None and step >= cfg.max_steps:
+                        break
+                if self.out is not None:
+                    _save_bytes(self._last_dir() / "trainer_state.pt",
+                                {"variant": cfg.variant, "model": _trainable_state(m), "optimizer": opt.state_dict(),
+                                 "scheduler": sched.state_dict(), "epoch": epoch, "step": step, "history": history,
+                                 "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
+                                 "config": asdict(cfg)})
+                if cfg.stop_after_epochs is not None and epoch + 1 - start_epoch >= cfg.stop_after_epochs:
+                    break
+        finally:
+            if logf:
+                logf.close()
+        m.eval()
+        train_s = time.time() - t0
+        if self.out is not None:
+            m.save(self.out / "model")
+        return Re3Result(step, history, last_loss, time.time() - t_start, enc_s, train_s, len(self.examples))
+
+    def _last_dir(self) -> Path:
+        d = self.out / "last"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+
+def _as_doc(k, v) -> Re3Doc:
+    if isinstance(v, Re3Doc):
+        return v
+    if isinstance(v, str):
+        return Re3Doc(v)
+    if isinstance(v, (tuple, list)):
+        return Re3Doc(*v)
+    if hasattr(v, "text"):
+        return Re3Doc(v.text, getattr(v, "published", None))
+    raise TypeError(f"docs[{k!r}]: expected Re3Doc, (text, published) or text, got {type(v).__name__}")
+
+
+def build_re3_model(backbone, config: Optional[Re3Config] = None, **kw):
+    """A :class:`Re3Encoder` set up for ``config.variant`` (LoRA for ``lora``; frozen otherwise)."""
+    from ..models.re3 import Re3Encoder
+    cfg = (config or Re3Config()).validate()
+    v = VARIANTS[cfg.variant]
+    lora = None
+    if v["lora"]:
+        lora = {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout}
+    kw.setdefault("temperature", cfg.temperature)
+    return Re3Encoder(backbone, freeze_backbone=cfg.freeze_backbone and not v["lora"], lora=lora,
+                      use_time=v["use_time"], **kw)
+
+
+def train_re3(model, docs, examples, config: Optional[Re3Config] = None, out_dir=None, *, resume: bool = False,
+              loss_fn=None, log: Callable = print) -> Re3Result:
+    """Train a Re3Encoder's time modules (frozen backbone: on cached ``e_sem``) or its LoRA backbone."""
+    return Re3Trainer(model, docs, examples, config, out_dir, loss_fn=loss_fn, log=log).fit(resume=resume)
+
+
+# ---- evaluation ---------------------------------------------------------------------------------------------
+def _error_kind(top: Mapping, gold: Mapping) -> str:
+    if not top or not gold:
+        return "other"
+    same_e = top.get("entity") == gold.get("entity")
+    same_a = top.get("attribute") == gold.get("attribute")
+    same_t = top.get("date") == gold.get("date")
+    if same_e and same_a and not same_t:
+        return "time_wrong"
+    if same_a and not same_e:
+        return "entity_wrong"
+    if same_e and not same_a:
+        return "attribute_wrong"
+    return "other"
+
+
+@torch.no_grad()
+def re3_runs(model, dataset, splits: Sequence[str], *, depth: int = 100, batch_size: int = 64,
+             gallery_emb: Optional[torch.Tensor] = None, base: bool = False) -> Dict[str, Dict[str, Dict[str, float]]]:
+    """``{split: {qid: {doc id: score}}}`` (top ``depth`` over the whole gallery, exact ``ctd_topk``).
+    Documents are encoded as ``role="document"`` with their ``published`` dates; queries with
+    ``meta["query_time"]`` as the reference date. ``base=True``: the base retriever (no time modules)."""
+    from .. import ctd_topk
+    recs = dataset.records
+    if gallery_emb is None:
+        texts = [r.text for r in recs]
+        gallery_emb = (model.base_embeddings(texts, batch_size=batch_size) if base else
+                       model.encode(texts, pub=[r.published for r in recs], role="document", batch_size=batch_size))
+    k = min(depth, len(recs))
+    runs = {}
+    for split in splits:
+        qs = [q for q in dataset.queries if q.split == split]
+        if not qs:
+            runs[split] = {}
+            continue
+        texts = [q.text for q in qs]
+        qe = (model.base_embeddings(texts, batch_size=batch_size) if base else
+              model.encode(texts, pub=[(q.meta or {}).get("query_time") for q in qs], role="query",
+                           batch_size=batch_size))
+        vals, idx = ctd_topk(qe, gallery_emb, k)
+        runs[split] = {q.id: {recs[j].id: float(s) for s, j in zip(vr.tolist(), ir.tolist()) if j >= 0}
+                       for q, vr, ir in zip(qs, vals, idx)}
+    return runs
+
+
+def re3_eval(dataset, runs: Mapping[str, Mapping[str, Mapping[str, float]]]) -> Dict[str, dict]:
+    """Per split: R@1, R@5, MRR (``tempokern.eval.re3_metrics``) and the top-1 error split — the share of
+    queries whose top-1 document is wrong and has the gold's entity and attribute at another date
+    (``err_time_wrong``), another entity with the gold's attribute (``err_entity_wrong``), the gold's
+    entity with another attribute (``err_attribute_wrong``) or anything else (``err_other``); from
+    record ``meta`` ``entity`` / ``attribute`` / ``date``."""
+    from ..eval import re3_metrics
+    by_id = {r.id: r for r in dataset.records}
+    qby = {q.id: q for q in dataset.queries}
+    out = {}
+    for split, run in runs.items():
+        qrels = {qid: dict(qby[qid].gold) for qid in run if qby[qid].gold}
+        if not qrels:
+            continue
+        row = dict(re3_metrics({q: dict(s) for q, s in run.items()}, qrels, ks=(1, 5)))
+        errs = {"time_wrong": 0, "entity_wrong": 0, "attribute_wrong": 0, "other": 0}
+        for qid, gold in qrels.items():
+            scores = run.get(qid) or {}
+            if not scores:
+                errs["other"] += 1
+                continue
+            top = max(scores, key=lambda d: scores[d])
+            if gold.get(top, 0) > 0:
+                continue
+            g = max(gold, key=lambda d: gold[d])
+            errs[_error_kind(by_id[top].meta, by_id[g].meta)] += 1
+        n = max(len(qrels), 1)
+        row.update({f"err_{k}": v / n for k, v in errs.items()})
+        out[split] = row
+    return out
+
+
+__all__ = ["Re3Config", "Re3Example", "Re3Doc", "Re3Result", "Re3Trainer", "VARIANTS", "train_re3",
+           "build_re3_model", "examples_from_synth", "examples_from_dataset", "docs_from_dataset", "re3_runs",
+           "re3_eval"]
