@@ -52,6 +52,9 @@ class Re3Config:
     stop_after_epochs: Optional[int] = None   # end this run early; resume continues it
     encode_batch_size: int = 64
     fit_year_stats: bool = True               # μ_y, σ_y from the training texts' observed years (B3)
+    # torch threads while training on cached e_sem (small matmuls + elementwise ops: OpenMP fork/join costs
+    # more than it gains there on a shared machine); None = leave torch's setting
+    cached_threads: Optional[int] = 1
     lora_r: int = 16
     lora_alpha: int = 64
     lora_dropout: float = 0.1
@@ -354,6 +357,9 @@ class Re3Trainer:
         m.train()
         t0 = time.time()
         last_loss = None
+        threads = torch.get_num_threads()
+        if self.cache and cfg.cached_threads is not None:
+            torch.set_num_threads(cfg.cached_threads)
         try:
             for epoch in range(start_epoch, cfg.epochs):
                 if cfg.max_steps is not None and step >= cfg.max_steps:
@@ -391,6 +397,7 @@ class Re3Trainer:
                 if cfg.stop_after_epochs is not None and epoch + 1 - start_epoch >= cfg.stop_after_epochs:
                     break
         finally:
+            torch.set_num_threads(threads)
             if logf:
                 logf.close()
         m.eval()
