@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     _data_args(t)
     _model_args(t)
     _train_args(t)
+    _re3_args(t, train=True)
 
     e = sub.add_parser("eval", help="evaluate a saved encoder (ChunQiuTR metrics)",
                        description="Evaluate a saved CTDEncoder on a split: R@1/5/10, MRR@10, nDCG@10, recall@k "
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the backbone alone, pooled and L2-normalised, as ChunQiuTR's evaluate.py (enc_only) "
                         "reports the paper's numbers (docs/eval.md)")
     e.add_argument("--out", help="write the table as JSON here (and .md next to it)")
+    _re3_args(e, train=False)
 
     i = sub.add_parser("index", help="encode a gallery into a TemporalIndex file",
                        description="Encode the records of a dataset with a saved encoder into a TemporalIndex "
@@ -255,6 +257,8 @@ def _positive(args, *names, minimum=1):
 def validate_args(args) -> None:
     """Usage checks of every command, before any data is loaded or any folder is created (exit 2)."""
     cmd = args.command
+    if cmd in ("train", "eval") and getattr(args, "method", "ctd") == "re3":
+        return _validate_re3(args)
     if cmd in ("train", "demo"):
         _positive(args, "epochs", "max_steps", "grad_accum", "threads")
         _positive(args, "batch_size", minimum=2)
@@ -337,6 +341,8 @@ def build_model(args, ds):
 
 
 def cmd_train(args) -> int:
+    if getattr(args, "method", "ctd") == "re3":
+        return cmd_train_re3(args)
     from .training import TrainConfig, train
     from .training.trainer import init_distributed_from_env, dist_info
     _need(args, "out")
@@ -377,6 +383,8 @@ def _load_model(path):
 
 
 def cmd_eval(args) -> int:
+    if getattr(args, "method", "ctd") == "re3":
+        return cmd_eval_re3(args)
     from .training import METRIC_KEYS, evaluate_model, markdown_table
     from .training.data import check_split
     _need(args, "model")
@@ -514,6 +522,160 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"{type(e).__name__}: {e}"
         print(f"tempokern {args.command}: error: {msg}", file=sys.stderr)
         return 1
+
+
+# ---- Re³ (tempokern train/eval --method re3; docs/re3.md) ----------------------------------------------
+
+def _re3_args(p, *, train: bool) -> None:
+    if "--method" not in p._option_string_actions:
+        p.add_argument("--method", default="ctd", help="ctd (default) or re3 (docs/re3.md)")
+    g = p.add_argument_group("Re³ (--method re3)")
+    if train:
+        g.add_argument("--re3-variant", default="film_margins", help="base | film | film_margins (default) | lora")
+        g.add_argument("--margin", type=float, default=0.1, help="δ of both Re³ margins, cosine units (default 0.1)")
+        g.add_argument("--lambda-hard", type=float, default=0.1, help="weight of the hardest-negative margin (default 0.1)")
+        g.add_argument("--lambda-tw", type=float, default=0.1, help="weight of the time-wrong margin (default 0.1)")
+        g.add_argument("--tw-in-nce", action="store_true", help="time-wrong negatives also join the InfoNCE denominator")
+        g.add_argument("--doc-time", default="content", choices=["content", "published", "content_or_published"],
+                       help="which time a document's FiLM uses (default content: parsed from its text)")
+        g.add_argument("--lora-r", type=int, default=16, help="LoRA rank for --re3-variant lora (default 16)")
+    g.add_argument("--splits", default=None,
+                   help="comma-separated query splits to evaluate (default: every split but train)")
+    if not train:
+        g.add_argument("--base", action="store_true", help="score with the base retriever (no time modules)")
+
+
+def _validate_re3(args) -> None:
+    if args.command == "train":
+        _need(args, "out")
+        _positive(args, "epochs", "max_steps", "lora_r", "max_length")
+        _positive(args, "batch_size", minimum=2)
+        from .training.re3 import VARIANTS as RE3_VARIANTS
+        if args.re3_variant not in RE3_VARIANTS:
+            raise CLIError(f"unknown --re3-variant {args.re3_variant!r}: expected one of {', '.join(RE3_VARIANTS)}")
+        if args.lr is not None and not args.lr > 0:
+            raise CLIError(f"--lr must be > 0, got {args.lr}")
+        if not args.temperature > 0:
+            raise CLIError(f"--temperature must be > 0, got {args.temperature}")
+        for n in ("margin", "lambda_hard", "lambda_tw"):
+            if not getattr(args, n) >= 0:
+                raise CLIError(f"--{n.replace('_', '-')} must be >= 0, got {getattr(args, n)}")
+        if not 0 <= args.warmup_ratio < 1:
+            raise CLIError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
+    else:
+        _need(args, "model")
+    _check_device(getattr(args, "device", None))
+    if (args.dataset is None) == (args.data is None):
+        raise CLIError("give exactly one of --dataset NAME or --data PATH")
+
+
+def _re3_data(args):
+    """(RetrievalDataset, training examples or None): synth-* sets use their train_rows (time-wrong
+    negatives from generation); other data its train-split queries."""
+    name = getattr(args, "dataset", None)
+    if name and str(name).startswith("synth-"):
+        from .datasets.synth import load_synth
+        synth = load_synth(name.split("-", 1)[1].upper(), seed=getattr(args, "synth_seed", 0),
+                           size=getattr(args, "synth_size", "full"))
+        return synth.dataset, synth
+    return _dataset(args), None
+
+
+def _re3_backbone(args):
+    """(backbone, tokenizer or None, default pooling)."""
+    if args.backbone == "tiny":
+        return None, None, "mean"
+    if args.backbone == "minilm":
+        from .models.minilm import minilm_path
+        return minilm_path(), None, "mean"
+    return args.backbone, None, "cls"
+
+
+def _re3_splits(args, ds, *, exclude_train: bool = True):
+    if args.splits:
+        names = [s.strip() for s in args.splits.split(",") if s.strip()]
+        have = {q.split for q in ds.queries}
+        bad = [s for s in names if s not in have]
+        if bad:
+            raise CLIError(f"--splits: {bad} not in the dataset's query splits {sorted(x for x in have if x)}")
+        return names
+    return sorted({q.split for q in ds.queries if q.split and (q.split != "train" or not exclude_train)})
+
+
+def _re3_table(ds, model, splits, *, base=False):
+    from .training.re3 import re3_eval, re3_runs
+    rows = re3_eval(ds, re3_runs(model, ds, splits, base=base))
+    keys = ["R@1", "R@5", "MRR", "err_time_wrong", "err_entity_wrong", "err_attribute_wrong", "err_other",
+            "num_queries"]
+    lines = ["| split | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for sp, r in rows.items():
+        lines.append(f"| {sp} | " + " | ".join(f"{r[k]:.4f}" if k != "num_queries" else str(int(r[k])) for k in keys)
+                     + " |")
+    return rows, "\n".join(lines)
+
+
+def cmd_train_re3(args) -> int:
+    import time as _time
+
+    import torch
+
+    from .training.re3 import (Re3Config, build_re3_model, docs_from_dataset, examples_from_dataset,
+                               examples_from_synth, train_re3)
+    out = Path(args.out)
+    if args.resume and not (out / "last" / "trainer_state.pt").exists():
+        raise FileNotFoundError(f"cannot resume: {out / 'last' / 'trainer_state.pt'} does not exist")
+    ds, synth = _re3_data(args)
+    examples = examples_from_synth(synth) if synth is not None else examples_from_dataset(ds, "train")
+    cfg = Re3Config(variant=args.re3_variant, temperature=args.temperature, margin=args.margin,
+                    lambda_hard=args.lambda_hard, lambda_tw=args.lambda_tw, lr=args.lr, batch_size=args.batch_size,
+                    epochs=args.epochs, tw_in_nce=args.tw_in_nce, warmup_ratio=args.warmup_ratio,
+                    weight_decay=args.weight_decay, seed=args.seed, max_steps=args.max_steps, lora_r=args.lora_r,
+                    progress=args.progress).validate()
+    torch.manual_seed(args.seed)
+    bb, tok, pool_default = _re3_backbone(args)
+    if bb is None:
+        from .models import build_char_tokenizer, tiny_bert
+        tok = build_char_tokenizer([r.text for r in ds.records] + [q.text for q in ds.queries])
+        bb = tiny_bert(len(tok), hidden=args.tiny_hidden, layers=args.tiny_layers,
+                       max_position=max(args.max_length, 64), seed=args.seed)
+    model = build_re3_model(bb, cfg, tokenizer=tok, pooling=args.pooling or pool_default,
+                            max_length=args.max_length, doc_time=args.doc_time)
+    if args.device:
+        model.to(args.device)
+    t0 = _time.time()
+    res = train_re3(model, docs_from_dataset(ds), examples, cfg, out, resume=args.resume,
+                    log=lambda m: print(m, file=sys.stderr))
+    splits = _re3_splits(args, ds)
+    rows, md = _re3_table(ds, model, splits) if splits else ({}, "")
+    if md:
+        print(md, file=sys.stderr)
+    summary = {"method": "re3", "variant": cfg.variant, "steps": res.steps, "examples": res.num_examples,
+               "final_loss": res.final_loss, "encode_seconds": round(res.encode_seconds, 2),
+               "train_seconds": round(res.train_seconds, 2), "seconds": round(_time.time() - t0, 1),
+               "model": str(out / "model"), "eval": rows}
+    _atomic_write(out / "summary.json", json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "eval"}, ensure_ascii=False))
+    return 0
+
+
+def cmd_eval_re3(args) -> int:
+    from .models.re3 import Re3Encoder
+    p = Path(args.model)
+    if not p.exists():
+        raise FileNotFoundError(f"model directory {p} does not exist")
+    model = Re3Encoder.load(p / "model" if (p / "model" / "tempokern_re3.json").exists() else p)
+    ds, _ = _re3_data(args)
+    if not args.splits and args.split not in (None, "all") and any(q.split == args.split for q in ds.queries):
+        args.splits = args.split        # --split names one split of this dataset
+    splits = _re3_splits(args, ds)
+    rows, md = _re3_table(ds, model, splits, base=args.base)
+    print(md)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out, json.dumps({"method": "re3", "base": args.base, "rows": rows}, indent=1))
+        _atomic_write(out.with_suffix(".md"), md + "\n")
+    return 0
 
 
 def _drop_empty(out, existed: bool) -> None:
