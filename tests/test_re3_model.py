@@ -96,6 +96,28 @@ def test_explicit_times_equal_parsed(parts):
         m.encode(TEXTS, pub=[None])
 
 
+def test_semantic_cache(parts):
+    m = _perturb(_model(parts))
+    plain = m.encode(TEXTS, pub=PUB, role="document")
+    calls = []
+    h = m.backbone.register_forward_hook(lambda mod, a, kw=None: calls.append(a[0].shape[0] if a else 1))
+    cache = m.enable_semantic_cache()
+    first = m.encode(TEXTS + TEXTS[:2], pub=PUB + PUB[:2], role="document", batch_size=4)
+    n_first = len(calls)
+    assert n_first == 2 and len(cache) == len(TEXTS)        # 6 distinct texts in batches of 4
+    again = m.encode(TEXTS, pub=PUB, role="document")
+    assert len(calls) == n_first                             # nothing re-encoded
+    torch.testing.assert_close(first[:len(TEXTS)], plain, rtol=1e-5, atol=1e-6)
+    assert torch.equal(first[:len(TEXTS)], again) and torch.equal(first[len(TEXTS):], again[:2])
+    # a second encoder on the same backbone shares the cache; identity still holds through it
+    m2 = _model(parts)
+    m2.enable_semantic_cache(cache)
+    assert torch.equal(m2.encode(TEXTS, times=[None] * len(TEXTS)), F.normalize(torch.stack([cache[t] for t in TEXTS]), dim=-1))
+    assert len(calls) == n_first
+    h.remove()
+    m.disable_semantic_cache()
+
+
 def test_frozen_backbone_no_grad_and_eval(parts):
     m = _model(parts)
     assert all(not p.requires_grad for p in m.backbone.parameters())
@@ -187,6 +209,8 @@ def test_lora_option(parts, tmp_path):
     torch.testing.assert_close(m2.encode(TEXTS), e, rtol=1e-5, atol=1e-5)
     with pytest.raises(TypeError, match="lora"):
         Re3Encoder(copy.deepcopy(bb), tokenizer=tok, lora=3)
+    with pytest.raises(ValueError, match="frozen"):
+        m.enable_semantic_cache()
 
 
 def test_constructor_validation(parts):

@@ -172,6 +172,7 @@ class Re3Encoder(nn.Module):
         self.time_embed = TimeEmbedding(H, year_mean=year_mean, year_std=year_std)
         self.film = FiLM(H, hidden=film_hidden)
         self._backbone_sha = None
+        self._sem_cache = None
 
     # ---- LoRA ---------------------------------------------------------------------------------------------
     def _wrap_lora(self, backbone, lora):
@@ -248,21 +249,55 @@ class Re3Encoder(nn.Module):
                              return_tensors="pt")
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
+    def enable_semantic_cache(self, cache: Optional[dict] = None) -> dict:
+        """Keep ``e_sem`` per text (CPU float32) so a text meets the frozen backbone once: the trainer's
+        encoding pass, the gallery and the queries of an evaluation share it; pass the same ``cache`` dict
+        to several encoders on the same backbone (e.g. the base / film / film_margins rows). Only with a
+        frozen backbone (its ``e_sem`` never changes)."""
+        if not self.freeze_backbone:
+            raise ValueError("the semantic cache needs a frozen backbone (e_sem changes while LoRA trains)")
+        self._sem_cache = {} if cache is None else cache
+        return self._sem_cache
+
+    def disable_semantic_cache(self) -> None:
+        self._sem_cache = None
+
     def semantic(self, texts: Sequence[str], *, batch_size: int = 64, grad: bool = False,
                  progress=None) -> torch.Tensor:
-        """``e_sem`` (N, H) for a list of texts, in batches (no gradient unless ``grad``)."""
+        """``e_sem`` (N, H) for a list of texts (no gradient unless ``grad``). Without gradient the texts are
+        encoded in batches of similar length (less padding) and, with :meth:`enable_semantic_cache`, each
+        distinct text once."""
         dev = self.device
-        outs = []
-        it = range(0, len(texts), batch_size)
+        if isinstance(texts, str):
+            raise TypeError("texts must be a list of strings")
+        texts = list(texts)
+        if grad:
+            outs = [self.semantic_from_ids(**{k: v.to(dev) for k, v in self.tokenize(texts[i:i + batch_size]).items()})
+                    for i in range(0, len(texts), batch_size)]
+            return torch.cat(outs) if outs else torch.empty(0, self.hidden_size, device=dev)
+        cache = getattr(self, "_sem_cache", None)
+        todo = list(dict.fromkeys(t for t in texts if cache is None or t not in cache))
+        todo.sort(key=len)
+        rows = {}
+        it = range(0, len(todo), batch_size)
         if progress is not None:
             it = progress(it)
-        with torch.set_grad_enabled(grad):
+        with torch.no_grad():
             for i in it:
-                batch = {k: v.to(dev) for k, v in self.tokenize(texts[i:i + batch_size]).items()}
-                outs.append(self.semantic_from_ids(**batch))
-        if not outs:
+                chunk = todo[i:i + batch_size]
+                e = self.semantic_from_ids(**{k: v.to(dev) for k, v in self.tokenize(chunk).items()})
+                for t, row in zip(chunk, e):
+                    rows[t] = row
+        if cache is not None:
+            for t, row in rows.items():
+                cache[t] = row.detach().float().cpu()
+            src = cache
+        else:
+            src = rows
+        if not texts:
             return torch.empty(0, self.hidden_size, device=dev)
-        return torch.cat(outs)
+        dtype = self.film.alpha.dtype
+        return torch.stack([src[t] for t in texts]).to(dev, dtype)
 
     def times(self, texts: Sequence[str], *, times=None, pub=None, role: str = "query"):
         """Batched ``(values (N, 4), mask (N, 4))`` for texts (see :func:`resolve_times`)."""

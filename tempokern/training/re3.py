@@ -248,6 +248,8 @@ class Re3Trainer:
 
     def _encode_cache(self):
         m, cfg = self.model, self.cfg
+        if m._sem_cache is None:
+            m.enable_semantic_cache()   # kept: evaluation after training reuses these e_sem
         t0 = time.time()
         prog = (lambda it: _progress(it, cfg.progress, "re3 encode")) if cfg.progress else None
         self.d_sem = m.semantic(self.dtexts, batch_size=cfg.encode_batch_size, progress=prog).detach()
