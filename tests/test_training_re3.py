@@ -241,3 +241,28 @@ def test_re3_eval_error_split():
     assert row["R@1"] == 0.25 and row["err_time_wrong"] == 0.25 and row["err_entity_wrong"] == 0.25
     assert row["err_attribute_wrong"] == 0.25 and row["err_other"] == 0.0
     assert row["MRR"] == pytest.approx((1 + 0.5 + 0.5 + 1 / 3) / 4)
+
+
+def test_cli_train_and_eval(tmp_path, capsys):
+    from tempokern.cli import main
+    variant = "film" if Re3Loss is not None else "base"
+    out = tmp_path / "run"
+    rc = main(["train", "--method", "re3", "--dataset", "zztj", "--out", str(out), "--re3-variant", variant,
+               "--epochs", "1", "--batch-size", "32", "--max-length", "24", "--tiny-hidden", "16", "--tiny-layers",
+               "1", "--no-progress", "--splits", "val"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["variant"] == variant and set(summary["eval"]) == {"val"}
+    assert {"R@1", "R@5", "MRR", "err_time_wrong"} <= set(summary["eval"]["val"])
+    capsys.readouterr()
+    rc = main(["eval", "--method", "re3", "--dataset", "zztj", "--model", str(out), "--split", "val",
+               "--out", str(tmp_path / "t.json")])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "| val |" in printed
+    table = json.loads((tmp_path / "t.json").read_text())["rows"]["val"]
+    assert table["R@1"] == pytest.approx(summary["eval"]["val"]["R@1"])
+    assert main(["train", "--method", "re3", "--dataset", "zztj", "--out", str(tmp_path / "x"),
+                 "--re3-variant", "nope"]) == 2
+    assert main(["eval", "--method", "re3", "--dataset", "zztj"]) == 2
+    assert main(["train", "--method", "re3", "--dataset", "zztj", "--out", str(tmp_path / "y"), "--resume"]) != 0
