@@ -221,3 +221,55 @@ def test_constructor_validation(parts):
     bb, _ = parts
     with pytest.raises(ValueError, match="tokenizer"):
         Re3Encoder(bb).encode(["x"])
+
+
+def test_time_parser_heads_labels_and_learning():
+    import random as _random
+
+    from tempokern.calendar import Calendar
+    from tempokern.models import TimeParserHeads
+    heads = TimeParserHeads(64, Calendar.gregorian(2010, 2019, resolution="month"))
+    assert (heads.first_year, heads.last_year) == (2010, 2019)
+    lab, pres = heads.labels([TimeTuple.from_date(dt.date(2012, 3, 7)), TimeTuple.partial(2030, 5), None])
+    assert lab.tolist() == [[2, 2, 6], [-1, 4, -1], [-1, -1, -1]]       # 2030 outside the classes: IGNORE
+    assert pres.tolist() == [[1, 1, 1], [1, 1, 0], [0, 0, 0]]
+    # absent parts give their head no gradient
+    h = torch.randn(2, 64)
+    heads.loss(h, [TimeTuple.partial(2012, 3), TimeTuple.partial(2013)]).backward()
+    g2 = heads.heads[2].weight.grad
+    assert (g2 is None or g2.abs().sum() == 0) and heads.heads[1].weight.grad.abs().sum() > 0
+    # learnable: features that carry the date in a random linear code -> exact predictions on held-out rows
+    rng = _random.Random(0)
+    torch.manual_seed(0)
+    proj = torch.randn(10 + 12 + 31 + 3, 64)
+
+    def sample():
+        vy, vm, vd = rng.random() < 0.9, rng.random() < 0.8, rng.random() < 0.7
+        t = TimeTuple.partial(rng.randint(2010, 2019) if vy else None, rng.randint(1, 12) if vm else None,
+                              rng.randint(1, 28) if vd else None)
+        f = torch.zeros(56)
+        if vy: f[t.year - 2010] = 1
+        if vm: f[10 + t.month - 1] = 1
+        if vd: f[22 + t.day - 1] = 1
+        f[53:] = torch.tensor([float(b) for b in t.mask])
+        return t, f @ proj
+    train = [sample() for _ in range(400)]
+    test = [sample() for _ in range(100)]
+    heads = TimeParserHeads(64, first_year=2010, last_year=2019)
+    opt = torch.optim.Adam(heads.parameters(), lr=0.02)
+    H = torch.stack([f for _, f in train])
+    T = [t for t, _ in train]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)     # tiny ops: OpenMP fork/join dominates on a shared machine
+    try:
+        for _ in range(150):
+            opt.zero_grad()
+            heads.loss(H, T).backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    pred = heads.predict(torch.stack([f for _, f in test]))
+    em = sum(p == t for p, (t, _) in zip(pred, test)) / len(test)
+    assert em >= 0.95, em
+    with pytest.raises(ValueError, match="first_year"):
+        TimeParserHeads(8)

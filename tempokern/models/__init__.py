@@ -11,3 +11,6 @@ __all__ = ["CTDEncoder", "CTDOutput", "Encoded", "LevelSpec", "calendar_levels",
 from .re3 import Re3Encoder
 
 __all__ += ["Re3Encoder"]
+from .time_heads import TimeParserHeads
+
+__all__ += ["TimeParserHeads"]
