@@ -171,14 +171,18 @@ def generate(seed: int, size: str, caps: Dict[str, Optional[int]]) -> Tuple[Buil
     held = set(rng.sample(day_keys, int(len(day_keys) * DATE_HOLDOUT)))
     held.update(rng.sample(year_keys, max(1, len(year_keys) // 8)) if year_keys else ())
     split_of = {}
+    group_split: Dict[tuple, str] = {}   # riot victims of one place and day answer the same query: one split
     for i, f in enumerate(facts):
         if f.date.year == UNSEEN_YEAR:
             split_of[i] = "test_year"
         elif f.date_key in held:
             split_of[i] = "test_date"
         else:
-            u = rng.random()
-            split_of[i] = "val" if u < 0.05 else "test_template" if u < 0.17 else "train"
+            g = ("riot", f.date, f.values["place"]) if f.source == "riot" else ("fact", i)
+            if g not in group_split:
+                u = rng.random()
+                group_split[g] = "val" if u < 0.05 else "test_template" if u < 0.17 else "train"
+            split_of[i] = group_split[g]
     trng = rng_for("A", seed, "text")
     for i, f in enumerate(facts):
         if f.source == "iowa":
