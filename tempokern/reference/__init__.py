@@ -7,6 +7,8 @@ from .offset_bias import (bias_frequencies, offset_bias, offset_bias_lookup, off
                           offset_bias_table, offset_bias_tabulated,
                           offset_features, table_points_delta)
 from .multipos_infonce import multipos_infonce, overlap_positives
+from .multipos_infonce import hardest_negatives
+from .re3 import re3_loss
 from .ctd_topk import ctd_scores, ctd_topk
 
 __all__ = [
@@ -15,4 +17,5 @@ __all__ = [
     "offset_bias_table_values", "table_points_delta", "offset_bias_table", "offset_bias_tabulated",
     "multipos_infonce", "overlap_positives",
     "ctd_topk", "ctd_scores",
+    "hardest_negatives", "re3_loss",
 ]
