@@ -266,3 +266,38 @@ def test_cli_train_and_eval(tmp_path, capsys):
                  "--re3-variant", "nope"]) == 2
     assert main(["eval", "--method", "re3", "--dataset", "zztj"]) == 2
     assert main(["train", "--method", "re3", "--dataset", "zztj", "--out", str(tmp_path / "y"), "--resume"]) != 0
+
+
+def test_suite_rows(ds, tokbb, tmp_path):
+    from tempokern.datasets.synth._common import SynthSet, TrainRow
+    from tempokern.suite import SuiteContext, get_method
+    import tempokern.suite.methods.re3  # noqa: F401  (registers the rows)
+    tok, bb = tokbb
+    bdir = tmp_path / "bb"
+    bb.save_pretrained(str(bdir))
+    tok.save_pretrained(str(bdir))
+    # the toy set as a SynthSet: eval splits "test_date" (renamed from test) and "timeless"-free
+    qs = [q if q.split == "train" else Query(q.id, q.text, gold=q.gold, split="test_date", meta=q.meta)
+          for q in ds.queries]
+    d2 = RetrievalDataset("toy", ds.records, qs)
+    rows = [TrainRow(q.id, q.text, next(iter(q.gold)), [q.meta["time_wrong_twin"]], ["time_wrong"])
+            for q in qs if q.split == "train"]
+    synth = SynthSet("B", d2, None, rows, {"seed": 0})
+    outs = {}
+    for name in ("re3-base", "re3-film", "re3-film_margins"):
+        m = get_method(name)
+        assert m.family == "re3" and set(m.sets) == {"B", "C"}
+        ctx = SuiteContext(synth=synth, backbone_path=str(bdir), seed=0, quick=True, work_dir=tmp_path / name,
+                           log=lambda *a: None, progress_enabled=False, method_name=name)
+        out = m.run(ctx).validate(ctx.eval_splits, name)
+        assert ctx.eval_splits == ["test_date"]
+        run = out.runs["test_date"]
+        assert set(run) == {q.id for q in qs if q.split == "test_date"}
+        assert all(len(v) == len(ds.records) for v in run.values())       # depth 100 > 30 documents: all
+        assert out.embed(["a text"]).shape == (1, 32)
+        outs[name] = out
+    assert outs["re3-base"].info["steps"] == 0 and outs["re3-film"].info["steps"] > 0
+    assert outs["re3-film_margins"].info["examples_with_time_wrong"] == len(rows)
+    # the base row is the frozen backbone: its scores are plain cosines of normalised e_sem
+    q0 = next(q for q in qs if q.split == "test_date")
+    assert max(outs["re3-base"].runs["test_date"][q0.id].values()) <= 1.0 + 1e-6
