@@ -8,3 +8,6 @@ from .tiny import build_char_tokenizer, tiny_bert
 
 __all__ = ["CTDEncoder", "CTDOutput", "Encoded", "LevelSpec", "calendar_levels", "pool", "save_encoder",
            "load_encoder", "load_chunqiu_ctd", "build_char_tokenizer", "tiny_bert"]
+from .tmrl import TMRLEncoder, TMRLOutput, load_tmrl
+
+__all__ += ["TMRLEncoder", "TMRLOutput", "load_tmrl"]
