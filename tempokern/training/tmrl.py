@@ -297,10 +297,10 @@ class TMRLTrainer:
         return items, layout
 
     # ---- encoding -------------------------------------------------------------------------------------
-    def _tokenize(self, items: Sequence[_Item]) -> dict:
-        """One padded batch of items of either side (each side tokenised with its prefix)."""
+    def _tokenize(self, items: Sequence[_Item], want_t: bool) -> dict:
+        """One padded batch of items of either side (each side tokenised with its prefix); want_t: build
+        the temporal mask (rows of items that do not want one are all False)."""
         model = self.model
-        want_t = any(w for *_, w in items)
         parts, order = [], []
         for side in ("query", "passage"):
             idx = [i for i, it in enumerate(items) if it[1] == side]
@@ -333,7 +333,7 @@ class TMRLTrainer:
         return {k: v[inv].to(self.device) for k, v in out.items()}
 
     def _embed(self, items: Sequence[_Item]):
-        out = self.model(**self._tokenize(items))
+        out = self.model(**self._tokenize(items, self.alpha > 0))
         return out.emb, out.temporal, out.has_temporal
 
     def _loss_from(self, emb, x_t, has, layout):
