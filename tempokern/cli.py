@@ -56,7 +56,8 @@ def _data_args(p, required=True):
     g.add_argument("--data", help="a chronicle file instead of --dataset")
     g.add_argument("--format", default="zztj",
                    help="format of --data: zztj (Zizhi Tongjian jsonl), chunqiutr (records jsonl, with "
-                        "--data-queries) or chunqiutr-release (release meta JSON, with --data-queries)")
+                        "--data-queries) or chunqiutr-release (release meta JSON, with --data-queries); beir "
+                        "(a BEIR-style folder); for `train --method tmrl`: tmrl or tevatron")
     g.add_argument("--data-queries", help="queries jsonl for the chunqiutr formats")
     g.add_argument("--split-scheme", default="template", choices=["template", "time"],
                    help="how generated zztj queries are split: by phrasing or by held-out time blocks")
@@ -93,7 +94,9 @@ def _pairs_per_query(v: str):
 
 def _train_args(p):
     g = p.add_argument_group("training")
-    g.add_argument("--variant", default="full", help="baseline | multipos | bias | context | full")
+    g.add_argument("--variant", default=None,
+                   help="ctd: baseline | multipos | bias | context | full (default full); "
+                        "tmrl: zero_shot | lora | mrl | tmrl_noaux | tmrl (default tmrl)")
     g.add_argument("--epochs", type=int, default=3, help='training epochs (default 3)')
     g.add_argument("--batch-size", type=int, default=32, help='(query, record) pairs per batch and rank, >= 2 (default 32)')
     g.add_argument("--lr", type=float, default=None, help="default 2e-5 for a pretrained backbone, 1e-3 for tiny")
@@ -141,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     _data_args(t)
     _model_args(t)
     _train_args(t)
+    _tmrl_args(t)
 
     e = sub.add_parser("eval", help="evaluate a saved encoder (ChunQiuTR metrics)",
                        description="Evaluate a saved CTDEncoder on a split: R@1/5/10, MRR@10, nDCG@10, recall@k "
@@ -158,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the backbone alone, pooled and L2-normalised, as ChunQiuTR's evaluate.py (enc_only) "
                         "reports the paper's numbers (docs/eval.md)")
     e.add_argument("--out", help="write the table as JSON here (and .md next to it)")
+    e.add_argument("--dims", nargs="+", type=int, default=None,
+                   help="TMRL models: nested dims to evaluate, one row each (default: the model's dims)")
 
     i = sub.add_parser("index", help="encode a gallery into a TemporalIndex file",
                        description="Encode the records of a dataset with a saved encoder into a TemporalIndex "
@@ -167,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     _data_args(i)
     i.add_argument("--backend", default="exact", help='exact | faiss-flat | faiss-ivf | faiss-hnsw (faiss needs pip install .[faiss])')
     i.add_argument("--out", required=False, help="index file to write")
+    i.add_argument("--dim", type=int, default=None,
+                   help="TMRL models: index the first DIM coordinates, L2-normalised (default: all)")
 
     s = sub.add_parser("search", help="search an index with text queries",
                        description="Encode queries and return the top-k records under the full CTD score.")
@@ -270,7 +278,9 @@ def validate_args(args) -> None:
         if not 0 <= args.warmup_ratio < 1:
             raise CLIError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
         from .training.trainer import VARIANTS
-        if args.variant not in VARIANTS:
+        if getattr(args, "method", "ctd") == "tmrl":
+            _validate_tmrl(args)
+        elif args.variant is not None and args.variant not in VARIANTS:
             raise CLIError(f"unknown variant {args.variant!r}: expected one of {', '.join(VARIANTS)}")
     if cmd == "demo":
         _positive(args, "max_length")
@@ -304,6 +314,10 @@ def _dataset(args):
         raise CLIError("give --dataset zztj or --data PATH")
     if args.dataset is not None and args.data is not None:
         raise CLIError("give only one of --dataset and --data")
+    if args.format == "beir":   # BEIR-style folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)
+        from .datasets import load_beir
+        return load_beir(args.data, split=getattr(args, "split", "test") if getattr(args, "split", "all") != "all"
+                         else "test")
     ds = load_dataset(args.dataset, args.data, args.format, split=args.split_scheme, queries=args.data_queries)
     check_calendar(args.calendar, ds)
     return ds
@@ -340,6 +354,9 @@ def cmd_train(args) -> int:
     from .training import TrainConfig, train
     from .training.trainer import init_distributed_from_env, dist_info
     _need(args, "out")
+    if getattr(args, "method", "ctd") == "tmrl":
+        return cmd_train_tmrl(args)
+    args.variant = args.variant or "full"
     if args.resume and not (Path(args.out) / "last" / "trainer_state.pt").exists():
         raise FileNotFoundError(f"cannot resume: {Path(args.out) / 'last' / 'trainer_state.pt'} does not exist")
     init_distributed_from_env()
@@ -373,6 +390,9 @@ def _load_model(path):
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model directory {p} does not exist")
+    from .models.tmrl import TMRLEncoder, is_tmrl_dir
+    if is_tmrl_dir(p):
+        return TMRLEncoder.load(p, projector=False)
     return CTDEncoder.load(p)
 
 
@@ -380,6 +400,9 @@ def cmd_eval(args) -> int:
     from .training import METRIC_KEYS, evaluate_model, markdown_table
     from .training.data import check_split
     _need(args, "model")
+    from .models.tmrl import is_tmrl_dir
+    if is_tmrl_dir(args.model):
+        return cmd_eval_tmrl(args)
     check_split(args.split)
     model = _load_model(args.model)
     ds = _dataset(args)
@@ -404,7 +427,13 @@ def cmd_index(args) -> int:
     model = _load_model(args.model)
     ds = _dataset(args)
     records = ds.records
-    index = model.to_index(records, backend=args.backend, ids=range(len(records)))   # positions; names below
+    kw = {}
+    if getattr(args, "dim", None) is not None:
+        from .models.tmrl import TMRLEncoder
+        if not isinstance(model, TMRLEncoder):
+            raise CLIError("--dim applies to TMRL models (trained with --method tmrl) only")
+        kw = {"dim": args.dim}
+    index = model.to_index(records, backend=args.backend, ids=range(len(records)), **kw)   # positions; names below
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     index.save(str(out))
@@ -464,6 +493,157 @@ def cmd_demo(args) -> int:
     run_demo(out=args.out, quick=args.quick, backbone=args.backbone, variants=args.variants, epochs=args.epochs,
              batch_size=args.batch_size, lr=args.lr, max_length=args.max_length, seed=args.seed,
              threads=args.threads, device=args.device, progress=args.progress, split=args.split_scheme)
+    return 0
+
+
+# ---- TMRL (--method tmrl; docs/tmrl.md "Encoder and training") ----------------------------------------
+
+TMRL_FORMATS = ("tmrl", "tevatron")
+
+
+def _tmrl_args(p):
+    g = p.add_argument_group("TMRL (--method tmrl)")
+    g.add_argument("--method", default="ctd", choices=["ctd", "tmrl"],
+                   help="ctd: the CTD encoder (default); tmrl: TMRL on a TMRLEncoder (data: --data FILE with "
+                        "--format tmrl (the TMRL augmentation schema, JSON or jsonl) or tevatron (jsonl))")
+    g.add_argument("--dims", nargs="+", type=int, default=None,
+                   help="nested Matryoshka dims, increasing (default: powers of two from H/16 up, and H)")
+    g.add_argument("--t", type=int, default=None, help="temporal-subspace size (default: the smallest dim)")
+    g.add_argument("--alpha", type=float, default=0.1, help="weight of L_Temp (default 0.1)")
+    g.add_argument("--beta", type=float, default=0.1, help="weight of L_Dist (default 0.1)")
+    g.add_argument("--gamma", type=float, default=0.1, help="weight of L_CKA (default 0.1)")
+    g.add_argument("--distill-k", type=int, default=10, help="neighbours per embedding in L_Dist (default 10)")
+    g.add_argument("--num-hard-negatives", type=int, default=4, help="hard-negative passages per row (default 4)")
+    g.add_argument("--negative-queries", type=int, default=4, help="negative queries per row for L_Temp (default 4)")
+    g.add_argument("--lora", default=None, choices=["lora", "none", "full"],
+                   help="lora: LoRA adapters (peft; default for pretrained backbones); none: frozen backbone; "
+                        "full: full fine-tuning (default for the tiny backbone)")
+    g.add_argument("--lora-r", type=int, default=4, help="LoRA rank (default 4)")
+    g.add_argument("--lora-alpha", type=float, default=4.0,
+                   help="LoRA alpha (default 4: the paper's 'scaling factor 4' read as alpha; 16 = scaling 4)")
+    g.add_argument("--lora-dropout", type=float, default=0.1, help="LoRA dropout (default 0.1)")
+    g.add_argument("--cache-embeddings", action="store_true",
+                   help="GradCache: embed without a graph, loss on the cached embeddings, re-embed mini-batches")
+    g.add_argument("--mini-batch-size", type=int, default=32, help="texts per GradCache mini-batch (default 32)")
+    g.add_argument("--query-prefix", default="", help="text prepended to queries (Table 5)")
+    g.add_argument("--passage-prefix", default="", help="text prepended to passages (Table 5)")
+    g.add_argument("--max-rows", type=int, default=None, help="train on the first N rows only")
+
+
+def _validate_tmrl(args) -> None:
+    from .training.tmrl import TMRL_VARIANTS
+    if args.variant is not None and args.variant not in TMRL_VARIANTS:
+        raise CLIError(f"unknown TMRL variant {args.variant!r}: expected one of {', '.join(TMRL_VARIANTS)}")
+    if args.dataset is not None or args.format not in TMRL_FORMATS:
+        raise CLIError(f"--method tmrl trains on --data FILE with --format {' or '.join(TMRL_FORMATS)}")
+    _positive(args, "t", "distill_k", "lora_r", "mini_batch_size", "max_rows")
+    _positive(args, "num_hard_negatives", "negative_queries", minimum=0)
+    for n in ("alpha", "beta", "gamma"):
+        if not getattr(args, n) >= 0:
+            raise CLIError(f"--{n} must be >= 0, got {getattr(args, n)}")
+    if args.dims is not None and (any(m < 1 for m in args.dims)
+                                  or any(b <= a for a, b in zip(args.dims, args.dims[1:]))):
+        raise CLIError(f"--dims must be positive and increasing, got {args.dims}")
+
+
+def default_dims(H: int):
+    """Powers of two from H/16 (at least 8) below H, then H: 384 -> 32 64 128 256 384 (A9),
+    768 -> 64 ... 512 768 (the paper's)."""
+    m = 8
+    while m < H / 16:
+        m *= 2
+    out = []
+    while m < H:
+        out.append(m)
+        m *= 2
+    return tuple(out) + (H,)
+
+
+def _tmrl_rows(args):
+    from .datasets.tmrl import load_temporal_contrastive, load_tevatron_jsonl
+    p = Path(args.data)
+    if not p.exists():
+        raise FileNotFoundError(f"data file {p} does not exist")
+    data = (load_temporal_contrastive if args.format == "tmrl" else load_tevatron_jsonl)(str(p))
+    if args.max_rows is not None:
+        data.rows = data.rows[:args.max_rows]
+    return data
+
+
+def build_tmrl_model(args, rows):
+    from .models import TMRLEncoder, build_char_tokenizer, tiny_bert
+    lora_mode = args.lora or ("full" if args.backbone == "tiny" else "lora")
+    lora = {"none": False, "full": "full"}.get(lora_mode) if lora_mode != "lora" else {
+        "r": args.lora_r, "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout}
+    kw = dict(pooling=args.pooling or ("mean" if args.backbone == "tiny" else "cls"), lora=lora,
+              temperature=args.temperature, max_length=args.max_length, query_prefix=args.query_prefix,
+              passage_prefix=args.passage_prefix)
+    if args.backbone == "tiny":
+        texts = []
+        for r in rows.rows:
+            texts += [r.query, r.positive, *r.hard_negatives, *r.negative_queries]
+        tok = build_char_tokenizer(texts + [args.query_prefix, args.passage_prefix])
+        backbone = tiny_bert(len(tok), hidden=args.tiny_hidden, layers=args.tiny_layers,
+                             max_position=max(args.max_length, 64), seed=args.seed)
+        kw["tokenizer"] = tok
+    else:
+        from transformers import AutoConfig
+        backbone = args.backbone
+    H = (backbone.config.hidden_size if args.backbone == "tiny"
+         else AutoConfig.from_pretrained(args.backbone).hidden_size)
+    dims = tuple(args.dims) if args.dims else default_dims(H)
+    t = args.t if args.t is not None else dims[0]
+    return TMRLEncoder(backbone, dims=dims, t=t, **kw)
+
+
+def cmd_train_tmrl(args) -> int:
+    from .training.tmrl import TMRLConfig, train_tmrl
+    from .training.trainer import dist_info, init_distributed_from_env, seed_everything
+    if args.resume and not (Path(args.out) / "last" / "trainer_state.pt").exists():
+        raise FileNotFoundError(f"cannot resume: {Path(args.out) / 'last' / 'trainer_state.pt'} does not exist")
+    init_distributed_from_env()
+    rows = _tmrl_rows(args)
+    lr = args.lr if args.lr is not None else (3e-3 if args.backbone == "tiny" else 1e-4)
+    seed_everything(args.seed)
+    model = build_tmrl_model(args, rows)
+    cfg = TMRLConfig(variant=args.variant or "tmrl", dims=model.dims, t=model.t, alpha=args.alpha, beta=args.beta,
+                     gamma=args.gamma, distill_k=args.distill_k, temperature=args.temperature, lr=lr,
+                     weight_decay=args.weight_decay, batch_size=args.batch_size,
+                     hard_negatives=args.num_hard_negatives, negative_queries=args.negative_queries,
+                     epochs=args.epochs, warmup_ratio=args.warmup_ratio, grad_accum=args.grad_accum,
+                     lora=model.lora_mode, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                     lora_dropout=args.lora_dropout, cache_embeddings=args.cache_embeddings,
+                     mini_batch_size=args.mini_batch_size, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
+                     progress=args.progress).validate()
+    res = train_tmrl(model, rows, cfg, args.out, resume=args.resume, device=args.device)
+    rank, _ = dist_info()
+    if rank == 0:
+        out = Path(args.out)
+        model.merge_lora().save(out / "best")     # LoRA folded in (T10); the projector is kept, optional at load
+        summary = {"method": "tmrl", "variant": cfg.variant, "rows": len(rows), "steps": res.steps,
+                   "final_loss": res.final_loss, "seconds": round(res.seconds, 1), "dims": list(model.dims),
+                   "t": model.t, "model": str(out / "best")}
+        print(json.dumps(summary, ensure_ascii=False))
+    return 0
+
+
+TMRL_EVAL_KEYS = ("nDCG@10", "recall@10", "recall@100", "R@1", "R@10", "MRR@10", "MRR", "queries")
+
+
+def cmd_eval_tmrl(args) -> int:
+    from .training import markdown_table
+    from .training.tmrl import evaluate_dims
+    from .models.tmrl import TMRLEncoder
+    model = TMRLEncoder.load(args.model, projector=False)
+    ds = _dataset(args)
+    rows = evaluate_dims(model, ds, args.split, args.dims)
+    md = markdown_table(rows, list(TMRL_EVAL_KEYS), name_key="dim")
+    print(md)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out, json.dumps({"split": args.split, "model": str(args.model), "rows": rows}, indent=1))
+        _atomic_write(out.with_suffix(".md"), md + "\n")
     return 0
 
 

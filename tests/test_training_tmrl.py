@@ -272,3 +272,59 @@ def test_rows_from_synth_interface():
     assert (r.query, r.positive, r.hard_negatives) == (qs[0].text, recs[0].text, [recs[1].text])
     assert r.query_spans == [(24, 32)] and r.positive_spans == [(3, 11)] and r.hard_negative_spans == [[(3, 11)]]
     assert r.meta["negative_kinds"] == ["time_wrong"]
+
+
+# ---- CLI -------------------------------------------------------------------------------------------------
+
+def _write_beir(folder, rows):
+    (folder / "qrels").mkdir(parents=True)
+    docs = {r.positive: f"d{i}" for i, r in enumerate(rows)}
+    (folder / "corpus.jsonl").write_text("\n".join(json.dumps({"_id": d, "text": t}) for t, d in docs.items()) + "\n")
+    (folder / "queries.jsonl").write_text("\n".join(json.dumps({"_id": f"q{i}", "text": r.query})
+                                                    for i, r in enumerate(rows)) + "\n")
+    (folder / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
+        f"q{i}\t{docs[r.positive]}\t1\n" for i, r in enumerate(rows)))
+
+
+def test_cli_train_eval_index_tmrl(rows, tmp_path, capsys):
+    from tempokern.cli import default_dims, main
+    from tempokern.models import TMRLEncoder
+    from tempokern.search import TemporalIndex
+    assert default_dims(384) == (32, 64, 128, 256, 384) and default_dims(768) == (64, 128, 256, 512, 768)
+    assert default_dims(64) == (8, 16, 32, 64)
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"query": r.query, "positive_passages": [{"text": r.positive}],
+                                          "negative_passages": [{"text": t} for t in r.hard_negatives],
+                                          "negative_queries": r.negative_queries}) for r in rows) + "\n")
+    out = tmp_path / "run"
+    base = ["train", "--method", "tmrl", "--data", str(data), "--format", "tevatron", "--out", str(out),
+            "--epochs", "1", "--batch-size", "6", "--max-steps", "3", "--tiny-hidden", "32", "--tiny-layers", "1",
+            "--max-length", "48", "--no-progress", "--dims", "8", "16", "32", "--t", "8", "--alpha", "0.25"]
+    assert main(base) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and summary["variant"] == "tmrl" and summary["dims"] == [8, 16, 32]
+    m = TMRLEncoder.load(out / "best")
+    assert m.dims == (8, 16, 32) and m.t == 8 and m.lora_mode == "full"
+    beir = tmp_path / "beir"
+    _write_beir(beir, rows)
+    assert main(["eval", "--model", str(out / "best"), "--data", str(beir), "--format", "beir", "--dims", "8", "32",
+                 "--out", str(tmp_path / "ev.json")]) == 0
+    text = capsys.readouterr().out
+    lines = [l for l in text.splitlines() if l.startswith("| ")]
+    assert lines[0].startswith("| dim | nDCG@10 | recall@10 | recall@100 |")
+    assert [l.split("|")[1].strip() for l in lines[1:]] == ["8", "32"]
+    ev = json.loads((tmp_path / "ev.json").read_text())
+    assert [r["dim"] for r in ev["rows"]] == [8, 32] and ev["rows"][0]["queries"] == len(rows)
+    assert ev["rows"][0]["recall@100"] == 1.0   # 30 documents: every gold is in the top 100
+    assert main(["index", "--model", str(out / "best"), "--data", str(beir), "--format", "beir", "--dim", "16",
+                 "--out", str(tmp_path / "ix.bin")]) == 0
+    assert TemporalIndex.load(str(tmp_path / "ix.bin")).dim == 16
+    # usage errors: exit 2, one line naming the flag
+    capsys.readouterr()
+    assert main(base[:-2] + ["--alpha", "-1"]) == 2
+    assert "--alpha" in capsys.readouterr().err
+    assert main(base + ["--variant", "full"]) == 2
+    assert "TMRL variant" in capsys.readouterr().err
+    bad = list(base)
+    bad[bad.index("tevatron")] = "zztj"
+    assert main(bad) == 2

@@ -34,7 +34,8 @@ from ..datasets.tmrl import TMRLData, TMRLRow
 from .trainer import (Trainer, _amp_setup, _linear_warmup, _progress, dist_info, init_distributed_from_env,
                       seed_everything)
 
-__all__ = ["TMRLConfig", "TMRLTrainer", "TMRLResult", "TMRL_VARIANTS", "train_tmrl", "variant_weights"]
+__all__ = ["TMRLConfig", "TMRLTrainer", "TMRLResult", "TMRL_VARIANTS", "train_tmrl", "variant_weights", "runs_by_dim",
+           "evaluate_dims"]
 
 #: the rows of the paper's comparison: which loss terms each trains
 TMRL_VARIANTS = ("zero_shot", "lora", "mrl", "tmrl_noaux", "tmrl")
@@ -535,3 +536,66 @@ def train_tmrl(model, rows, config: Optional[TMRLConfig] = None, out_dir=None, *
     """Fine-tune a TMRLEncoder on TMRL rows (a TMRLData or a list of TMRLRow)."""
     return TMRLTrainer(model, rows, config or TMRLConfig(), out_dir, device=device, log=log,
                        loss_fn=loss_fn).fit(resume=resume)
+
+
+# ---- evaluation per dim -------------------------------------------------------------------------------
+
+def _split_queries(dataset, split: str):
+    if split == "all":
+        return list(dataset.queries)
+    qs = [q for q in dataset.queries if q.split == split]
+    if not qs and all(q.split is None for q in dataset.queries):
+        return list(dataset.queries)     # a set without splits (e.g. one BEIR qrels file)
+    if not qs:
+        have = sorted({str(q.split) for q in dataset.queries})
+        raise ValueError(f"dataset {dataset.name!r} has no queries in split {split!r} (it has {have})")
+    return qs
+
+
+@torch.no_grad()
+def runs_by_dim(model, dataset, splits: Sequence[str] = ("test",), dims: Optional[Sequence[int]] = None, *,
+                depth: int = 100, batch_size: int = 64) -> Dict[int, Dict[str, Dict[str, Dict[str, float]]]]:
+    """``{dim: {split: {qid: {doc_id: cosine}}}}``: the top-`depth` gallery records of every query of each
+    split at each nested dim (first dim coordinates, L2-normalised). The gallery (all records) and the
+    queries are encoded once at full size; a prefix of a normalised vector, normalised again, is the
+    normalised prefix of the raw one."""
+    from .._ops.ctd_topk import ctd_topk
+    dims = tuple(dims) if dims else tuple(model.dims)
+    for m in dims:
+        model.check_dim(m)
+    gallery = list(dataset.records)
+    if not gallery:
+        raise ValueError(f"dataset {dataset.name!r} has no records")
+    gids = [r.id for r in gallery]
+    G = model.encode([r.text for r in gallery], side="passage", batch_size=batch_size)
+    per_split = {s: _split_queries(dataset, s) for s in splits}
+    out: Dict[int, Dict[str, Dict[str, Dict[str, float]]]] = {m: {} for m in dims}
+    k = min(depth, len(gallery))
+    for s, qs in per_split.items():
+        Q = model.encode([q.text for q in qs], side="query", batch_size=batch_size)
+        for m in dims:
+            g = torch.nn.functional.normalize(G[:, :m], dim=-1).contiguous()
+            qv = torch.nn.functional.normalize(Q[:, :m], dim=-1).contiguous()
+            vals, idx = ctd_topk(qv, g, k, temperature=1.0)
+            out[m][s] = {q.id: {gids[j]: float(v) for j, v in zip(idx[i].tolist(), vals[i].tolist())}
+                         for i, q in enumerate(qs)}
+    return out
+
+
+def evaluate_dims(model, dataset, split: str = "test", dims: Optional[Sequence[int]] = None, *,
+                  ks: Sequence[int] = (1, 10, 100), depth: int = 100, batch_size: int = 64) -> List[dict]:
+    """One row per dim: nDCG@10, recall@k, R@k (hit), MRR@10, MRR and the query count
+    (``tempokern.eval.retrieval_metrics`` on the top-`depth` run; TMRL reports nDCG@10 and recall@100)."""
+    from ..eval import retrieval_metrics
+    runs = runs_by_dim(model, dataset, (split,), dims, depth=depth, batch_size=batch_size)
+    qs = _split_queries(dataset, split)
+    qrels = {q.id: {d: r for d, r in q.gold.items() if r > 0} for q in qs}
+    qrels = {q: g for q, g in qrels.items() if g}
+    if not qrels:
+        raise ValueError(f"no query of split {split!r} has a relevant record")
+    rows = []
+    for m, by_split in runs.items():
+        met = retrieval_metrics(by_split[split], qrels, ks=tuple(ks))
+        rows.append({"dim": m, **{k: float(v) for k, v in met.items() if k != "num_queries"},
+                     "queries": int(met["num_queries"])})
+    return rows
