@@ -35,7 +35,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from .base import DataFormatError, LoadReport, _check_on_error, handle, read_jsonl
 
 __all__ = ["TMRLRow", "TMRLData", "load_temporal_contrastive", "load_tevatron_jsonl", "rows_from_synth",
-           "QUERY_TYPES", "ALLEN_RELATIONS", "Spans"]
+           "rows_from_train_rows", "QUERY_TYPES", "ALLEN_RELATIONS", "Spans"]
 
 Spans = Optional[List[Tuple[int, int]]]
 
@@ -318,19 +318,26 @@ def _meta_spans(meta: Any) -> Spans:
 def rows_from_synth(synth: Any, *, limit: Optional[int] = None) -> TMRLData:
     """TMRL rows from a ``tempokern.datasets.synth`` SynthSet (its ``train_rows``; record and query
     ``meta["temporal_spans"]`` become the rows' spans). ``limit``: keep the first ``limit`` rows."""
-    ds = synth.dataset
+    train = synth.train_rows[:limit] if limit is not None else synth.train_rows
+    return rows_from_train_rows(synth.dataset, train, name=f"synth-{getattr(synth, 'name', '?')}")
+
+
+def rows_from_train_rows(ds: Any, train_rows: Sequence[Any], *, name: str = "synth") -> TMRLData:
+    """TMRL rows from TrainRow objects (query_id, query, positive, hard_negatives, negative_queries) whose
+    documents are records of the RetrievalDataset ``ds``."""
     queries = {q.id: q for q in ds.queries}
     rows = []
-    for tr in synth.train_rows[:limit] if limit is not None else synth.train_rows:
+    for tr in train_rows:
         pos = ds.record(tr.positive)
         negs = [ds.record(d) for d in tr.hard_negatives]
         q = queries.get(tr.query_id)
+        same_text = q is not None and q.text == tr.query
         rows.append(TMRLRow(query=tr.query, positive=pos.text, hard_negatives=[r.text for r in negs],
                             negative_queries=list(tr.negative_queries), query_id=str(tr.query_id),
-                            query_spans=_meta_spans(q.meta) if q is not None else None,
+                            query_spans=_meta_spans(q.meta) if same_text else None,
                             positive_spans=_meta_spans(pos.meta),
                             hard_negative_spans=[_meta_spans(r.meta) for r in negs],
                             negative_query_spans=None,
                             meta={"negative_kinds": list(getattr(tr, "negative_kinds", []))}))
     report = LoadReport(rows_read=len(rows), queries=len(rows))
-    return TMRLData(rows, report, name=f"synth-{getattr(synth, 'name', '?')}")
+    return TMRLData(rows, report, name=name)
