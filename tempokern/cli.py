@@ -325,16 +325,12 @@ def _dataset(args):
         raise CLIError("give --dataset zztj or --data PATH")
     if args.dataset is not None and args.data is not None:
         raise CLIError("give only one of --dataset and --data")
-<<<<<<< HEAD
     if args.format == "beir":   # BEIR-style folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)
         from .datasets import load_beir
         return load_beir(args.data, split=getattr(args, "split", "test") if getattr(args, "split", "all") != "all"
                          else "test")
-    ds = load_dataset(args.dataset, args.data, args.format, split=args.split_scheme, queries=args.data_queries)
-=======
     ds = load_dataset(args.dataset, args.data, args.format, split=args.split_scheme, queries=args.data_queries,
                       synth_size=getattr(args, "synth_size", "full"), synth_seed=getattr(args, "synth_seed", 0))
->>>>>>> main
     check_calendar(args.calendar, ds)
     return ds
 
@@ -552,8 +548,10 @@ def _validate_tmrl(args) -> None:
     from .training.tmrl import TMRL_VARIANTS
     if args.variant is not None and args.variant not in TMRL_VARIANTS:
         raise CLIError(f"unknown TMRL variant {args.variant!r}: expected one of {', '.join(TMRL_VARIANTS)}")
-    if args.dataset is not None or args.format not in TMRL_FORMATS:
-        raise CLIError(f"--method tmrl trains on --data FILE with --format {' or '.join(TMRL_FORMATS)}")
+    synth = args.dataset is not None and args.dataset.startswith("synth-")
+    if not synth and (args.dataset is not None or args.format not in TMRL_FORMATS):
+        raise CLIError(f"--method tmrl trains on --dataset synth-a|synth-b|synth-c (their training rows) or on "
+                       f"--data FILE with --format {' or '.join(TMRL_FORMATS)}")
     _positive(args, "t", "distill_k", "lora_r", "mini_batch_size", "max_rows")
     _positive(args, "num_hard_negatives", "negative_queries", minimum=0)
     for n in ("alpha", "beta", "gamma"):
@@ -578,7 +576,13 @@ def default_dims(H: int):
 
 
 def _tmrl_rows(args):
-    from .datasets.tmrl import load_temporal_contrastive, load_tevatron_jsonl
+    from .datasets.tmrl import load_temporal_contrastive, load_tevatron_jsonl, rows_from_synth
+    if args.dataset is not None:   # synth-a | synth-b | synth-c: the set's training rows
+        from .datasets.synth import load_synth
+        from .training.data import SYNTH_DATASETS
+        synth = load_synth(SYNTH_DATASETS[args.dataset], seed=getattr(args, "synth_seed", 0),
+                           size=getattr(args, "synth_size", "full"))
+        return rows_from_synth(synth, limit=args.max_rows)
     p = Path(args.data)
     if not p.exists():
         raise FileNotFoundError(f"data file {p} does not exist")
