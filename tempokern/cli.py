@@ -513,13 +513,11 @@ def cmd_demo(args) -> int:
 # ---- TMRL (--method tmrl; docs/tmrl.md "Encoder and training") ----------------------------------------
 
 TMRL_FORMATS = ("tmrl", "tevatron")
+TRAIN_METHODS += ("tmrl",)   # --method tmrl: --dataset synth-a|b|c, or --data FILE --format tmrl|tevatron
 
 
 def _tmrl_args(p):
     g = p.add_argument_group("TMRL (--method tmrl)")
-    g.add_argument("--method", default="ctd", choices=["ctd", "tmrl"],
-                   help="ctd: the CTD encoder (default); tmrl: TMRL on a TMRLEncoder (data: --data FILE with "
-                        "--format tmrl (the TMRL augmentation schema, JSON or jsonl) or tevatron (jsonl))")
     g.add_argument("--dims", nargs="+", type=int, default=None,
                    help="nested Matryoshka dims, increasing (default: powers of two from H/16 up, and H)")
     g.add_argument("--t", type=int, default=None, help="temporal-subspace size (default: the smallest dim)")
