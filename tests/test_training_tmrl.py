@@ -328,3 +328,44 @@ def test_cli_train_eval_index_tmrl(rows, tmp_path, capsys):
     bad = list(base)
     bad[bad.index("tevatron")] = "zztj"
     assert main(bad) == 2
+
+
+# ---- suite rows --------------------------------------------------------------------------------------------
+
+def test_suite_rows_return_per_dim_runs(rows, tmp_path):
+    """tempokern/suite/methods/tmrl.py on a hand-made set of the synth shape and a tiny saved backbone."""
+    pytest.importorskip("peft")
+    from types import SimpleNamespace as NS
+    from tempokern.datasets import Query, Record, RetrievalDataset
+    from tempokern.models import tiny_bert
+    from tempokern.suite import Budget, SuiteContext, get_method
+    from _tmrl_helpers import rows_texts, wordpiece_tokenizer
+    import tempokern.suite.methods.tmrl as tm   # registers the rows
+    recs = [Record(f"d{i}", r.positive) for i, r in enumerate(rows)]
+    by_text = {r.text: r.id for r in recs}
+    qs = [Query(f"q{i}", r.query, gold={f"d{i}": 1}, split="train" if i % 3 else "test_date")
+          for i, r in enumerate(rows)]
+    train = [NS(query_id=q.id, query=q.text, positive=f"d{i}",
+                hard_negatives=[by_text[t] for t in rows[i].hard_negatives if t in by_text],
+                negative_kinds=[], negative_queries=rows[i].negative_queries)
+             for i, q in enumerate(qs) if q.split == "train"]
+    synth = NS(name="A", dataset=RetrievalDataset("a", recs, qs), train_rows=train)
+    tok = wordpiece_tokenizer(rows_texts(rows))
+    bb = tiny_bert(len(tok), hidden=64, layers=1, heads=2, intermediate=64, max_position=64, seed=0)
+    bb.save_pretrained(tmp_path / "bb")
+    tok.save_pretrained(tmp_path / "bb")
+    assert [m.name for m in (get_method(v) for v in ("lora", "mrl", "tmrl_noaux", "tmrl"))] == \
+        ["lora", "mrl", "tmrl_noaux", "tmrl"]
+    ctx = SuiteContext(synth=synth, backbone_path=str(tmp_path / "bb"), seed=0, quick=True,
+                       work_dir=tmp_path / "w", budget=Budget(max_train_rows=12, epochs=1, max_length=32,
+                                                              batch_size=6), log=lambda m: None,
+                       progress_enabled=False, method_name="tmrl")
+    out = get_method("tmrl").run(ctx).validate(ctx.eval_splits, "tmrl")
+    dims = (32, 64)   # H = 64: 32, then H
+    assert tuple(out.dim_runs) == dims and out.runs is out.dim_runs[64]
+    assert out.info["steps"] == 2 and out.info["rows"] == 12
+    run = out.dim_runs[32]["test_date"]
+    assert set(run) == {q.id for q in qs if q.split == "test_date"}
+    assert all(len(v) == len(recs) for v in run.values())   # fewer than 100 records: all of them
+    assert out.embed(["x y"]).shape == (1, 64)
+    assert tm.RECIPE["t"] == 32

@@ -24,9 +24,8 @@ def _make_run(variant: str):
         from ...training.tmrl import TMRLConfig, runs_by_dim, train_tmrl
         torch.manual_seed(ctx.seed)
         b = ctx.budget
-        model = TMRLEncoder(ctx.backbone_path, pooling="mean", max_length=b.max_length,
-                            temperature=RECIPE["temperature"])
-        H = model.hidden_size
+        from transformers import AutoConfig
+        H = int(AutoConfig.from_pretrained(ctx.backbone_path).hidden_size)
         dims = DIMS_MINILM if H == 384 else tuple(m for m in (32, 64, 128, 256, 512) if m < H) + (H,)
         model = TMRLEncoder(ctx.backbone_path, pooling="mean", max_length=b.max_length, dims=dims,
                             t=RECIPE["t"], temperature=RECIPE["temperature"])
