@@ -595,7 +595,9 @@ def build_tmrl_model(args, rows):
     lora_mode = args.lora or ("full" if args.backbone == "tiny" else "lora")
     lora = {"none": False, "full": "full"}.get(lora_mode) if lora_mode != "lora" else {
         "r": args.lora_r, "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout}
-    kw = dict(pooling=args.pooling or ("mean" if args.backbone == "tiny" else "cls"), lora=lora,
+    from .models.minilm import default_pooling, resolve_backbone
+    pooling = args.pooling or ("mean" if args.backbone == "tiny" else default_pooling(args.backbone))
+    kw = dict(pooling=pooling, lora=lora,
               temperature=args.temperature, max_length=args.max_length, query_prefix=args.query_prefix,
               passage_prefix=args.passage_prefix)
     if args.backbone == "tiny":
@@ -608,9 +610,9 @@ def build_tmrl_model(args, rows):
         kw["tokenizer"] = tok
     else:
         from transformers import AutoConfig
-        backbone = args.backbone
+        backbone = resolve_backbone(args.backbone)
     H = (backbone.config.hidden_size if args.backbone == "tiny"
-         else AutoConfig.from_pretrained(args.backbone).hidden_size)
+         else AutoConfig.from_pretrained(backbone).hidden_size)
     dims = tuple(args.dims) if args.dims else default_dims(H)
     t = args.t if args.t is not None else dims[0]
     return TMRLEncoder(backbone, dims=dims, t=t, **kw)
