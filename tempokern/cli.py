@@ -540,6 +540,9 @@ def _tmrl_args(p):
     g.add_argument("--query-prefix", default="", help="text prepended to queries (Table 5)")
     g.add_argument("--passage-prefix", default="", help="text prepended to passages (Table 5)")
     g.add_argument("--max-rows", type=int, default=None, help="train on the first N rows only")
+    g.add_argument("--mine-negatives", type=int, default=None, metavar="K",
+                   help="give rows without hard-negative passages K BM25-mined ones from the pool of positive "
+                        "passages, golds excluded (needs bm25s; the TMRL schema has no negative passages)")
 
 
 def _validate_tmrl(args) -> None:
@@ -550,7 +553,7 @@ def _validate_tmrl(args) -> None:
     if not synth and (args.dataset is not None or args.format not in TMRL_FORMATS):
         raise CLIError(f"--method tmrl trains on --dataset synth-a|synth-b|synth-c (their training rows) or on "
                        f"--data FILE with --format {' or '.join(TMRL_FORMATS)}")
-    _positive(args, "t", "distill_k", "lora_r", "mini_batch_size", "max_rows")
+    _positive(args, "t", "distill_k", "lora_r", "mini_batch_size", "max_rows", "mine_negatives")
     _positive(args, "num_hard_negatives", "negative_queries", minimum=0)
     for n in ("alpha", "beta", "gamma"):
         if not getattr(args, n) >= 0:
@@ -587,6 +590,9 @@ def _tmrl_rows(args):
     data = (load_temporal_contrastive if args.format == "tmrl" else load_tevatron_jsonl)(str(p))
     if args.max_rows is not None:
         data.rows = data.rows[:args.max_rows]
+    if args.mine_negatives:
+        from .datasets.tmrl import mine_hard_negatives
+        data = mine_hard_negatives(data, args.mine_negatives)
     return data
 
 

@@ -300,7 +300,7 @@ def test_cli_train_eval_index_tmrl(rows, tmp_path, capsys):
     base = ["train", "--method", "tmrl", "--data", str(data), "--format", "tevatron", "--out", str(out),
             "--epochs", "1", "--batch-size", "6", "--max-steps", "3", "--tiny-hidden", "32", "--tiny-layers", "1",
             "--max-length", "48", "--no-progress", "--dims", "8", "16", "32", "--t", "8", "--alpha", "0.25"]
-    assert main(base) == 0
+    assert main(base + ["--mine-negatives", "2"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 3 and summary["variant"] == "tmrl" and summary["dims"] == [8, 16, 32]
     m = TMRLEncoder.load(out / "best")
@@ -369,3 +369,26 @@ def test_suite_rows_return_per_dim_runs(rows, tmp_path):
     assert all(len(v) == len(recs) for v in run.values())   # fewer than 100 records: all of them
     assert out.embed(["x y"]).shape == (1, 64)
     assert tm.RECIPE["t"] == 32
+
+
+def test_mine_hard_negatives(rows):
+    pytest.importorskip("bm25s")
+    from tempokern.baselines import BM25Scorer
+    from tempokern.datasets.tmrl import mine_hard_negatives
+    bare = [TMRLRow(r.query, r.positive, query_id=r.query_id, positive_spans=[(3, 7)]) for r in rows]
+    bare.append(TMRLRow(rows[0].query, rows[1].positive))          # a second gold for the same query text
+    mined = mine_hard_negatives(bare, k=3)
+    pool = list(dict.fromkeys(r.positive for r in bare))
+    from types import SimpleNamespace as NS
+    scores = BM25Scorer()([NS(text=r.query) for r in bare], [NS(id=str(i), text=t) for i, t in enumerate(pool)])
+    for i, (r, m) in enumerate(zip(bare, mined)):
+        gold = {x.positive for x in bare if x.query == r.query}
+        assert len(m.hard_negatives) == 3 and not gold & set(m.hard_negatives)
+        best = max(s for t, s in zip(pool, scores[i]) if t not in gold)
+        assert scores[i][pool.index(m.hard_negatives[0])] == best
+        assert m.hard_negative_spans == [[(3, 7)]] * 3   # the passages keep their spans (first row's)
+    assert rows[0].positive not in mined[0].hard_negatives and rows[1].positive not in mined[0].hard_negatives
+    kept = mine_hard_negatives([rows[0], bare[1]], k=1)
+    assert kept[0].hard_negatives == rows[0].hard_negatives          # rows with negatives keep them
+    with pytest.raises(ValueError, match="k must"):
+        mine_hard_negatives(bare, k=0)

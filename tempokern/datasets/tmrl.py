@@ -35,7 +35,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from .base import DataFormatError, LoadReport, _check_on_error, handle, read_jsonl
 
 __all__ = ["TMRLRow", "TMRLData", "load_temporal_contrastive", "load_tevatron_jsonl", "rows_from_synth",
-           "rows_from_train_rows", "QUERY_TYPES", "ALLEN_RELATIONS", "Spans"]
+           "rows_from_train_rows", "mine_hard_negatives", "QUERY_TYPES", "ALLEN_RELATIONS", "Spans"]
 
 Spans = Optional[List[Tuple[int, int]]]
 
@@ -341,3 +341,51 @@ def rows_from_train_rows(ds: Any, train_rows: Sequence[Any], *, name: str = "syn
                             meta={"negative_kinds": list(getattr(tr, "negative_kinds", []))}))
     report = LoadReport(rows_read=len(rows), queries=len(rows))
     return TMRLData(rows, report, name=name)
+
+
+# ---- mining hard negatives (A1: data sets without negative passages) -----------------------------------------
+
+def mine_hard_negatives(data, k: int = 4, *, scorer: Any = None, chunk: int = 1024, replace: bool = False):
+    """Give each row up to ``k`` hard-negative passages: the highest-scoring passages of the pool of all rows'
+    positive passages under ``scorer(queries, passages) -> (Q, P) scores`` (default: BM25,
+    ``tempokern.baselines.BM25Scorer``, which needs bm25s), never the row's own positive nor a passage that is
+    the positive of another row with the same query text (golds excluded). Rows that already have hard
+    negatives keep them unless ``replace``. The passages keep their spans. Returns the same container type
+    (a TMRLData or a list of rows), with new row objects."""
+    import dataclasses
+
+    import numpy as np
+
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    rows = list(data.rows if isinstance(data, TMRLData) else data)
+    pool: Dict[str, int] = {}
+    spans: List[Spans] = []
+    for r in rows:
+        if r.positive not in pool:
+            pool[r.positive] = len(pool)
+            spans.append(r.positive_spans)
+    texts = list(pool)
+    golds: Dict[str, set] = {}
+    for r in rows:
+        golds.setdefault(r.query, set()).add(pool[r.positive])
+    if scorer is None:
+        from ..baselines import BM25Scorer
+        scorer = BM25Scorer()
+    from types import SimpleNamespace
+    gallery = [SimpleNamespace(id=str(i), text=t) for i, t in enumerate(texts)]
+    todo = [i for i, r in enumerate(rows) if replace or not r.hard_negatives]
+    out = list(rows)
+    for s in range(0, len(todo), chunk):
+        part = todo[s:s + chunk]
+        sc = np.asarray(scorer([SimpleNamespace(text=rows[i].query) for i in part], gallery), dtype=np.float64)
+        for j, i in enumerate(part):
+            row = sc[j].copy()
+            row[list(golds[rows[i].query])] = -np.inf
+            n = min(k, int(np.isfinite(row).sum()))
+            best = np.argsort(-row, kind="stable")[:n]
+            out[i] = dataclasses.replace(rows[i], hard_negatives=[texts[b] for b in best],
+                                         hard_negative_spans=[spans[b] for b in best])
+    if isinstance(data, TMRLData):
+        return TMRLData(out, data.report, data.name)
+    return out
