@@ -227,19 +227,21 @@ class TemporalSubspaceLoss(nn.Module):
         _same_device(p_emb=p_emb, p_T=p_T, p_has=p_has, qc_emb=qc_emb, qc_T=qc_T, qc_has=qc_has)
         inv_tau = 1.0 / self.temperature
 
+        # Entries that are masked out never enter the arithmetic (torch.where to zeros: whatever they hold,
+        # NaN included, they get an exact 0 gradient); dropped rows stay finite and leave the means.
         # L^q: the passage's projected temporal tokens against the queries' first t dims
-        a = F.normalize(p_T, dim=-1)                                    # (B, t)
-        c = F.normalize(qc_emb[..., :t], dim=-1)                       # (B, 1+n, t)
+        a = F.normalize(torch.where(p_has.unsqueeze(1), p_T, torch.zeros_like(p_T)), dim=-1)      # (B, t)
+        c = F.normalize(qc_emb[..., :t], dim=-1)                                                   # (B, 1+n, t)
         z = torch.einsum("bt,bnt->bn", a, c) * inv_tau
         loss_q = _masked_row_mean(torch.logsumexp(z - z[:, :1], dim=1), p_has)
 
         # L^p: the passage's first t dims against the queries' projected temporal tokens
         keep_p = qc_has[:, 0]
-        a = F.normalize(p_emb[:, :t], dim=-1)
-        c = F.normalize(qc_T, dim=-1)
+        pt = p_emb[:, :t]
+        a = F.normalize(torch.where(keep_p.unsqueeze(1), pt, torch.zeros_like(pt)), dim=-1)
+        c = F.normalize(torch.where(qc_has.unsqueeze(2), qc_T, torch.zeros_like(qc_T)), dim=-1)
         z = torch.einsum("bt,bnt->bn", a, c) * inv_tau
-        # dropped rows are left unmasked so that they stay finite (they are excluded from the mean)
-        cand = qc_has | ~keep_p.unsqueeze(1)
+        cand = qc_has | ~keep_p.unsqueeze(1)          # a dropped row keeps its (zero) logits: finite, unused
         z = z.masked_fill(~cand, float("-inf"))
         loss_p = _masked_row_mean(torch.logsumexp(z - z[:, :1], dim=1), keep_p)
         return loss_q + loss_p, loss_q, loss_p
@@ -429,22 +431,23 @@ class TMRLLoss(nn.Module):
 
     def forward(self, q, p, neg_p=None, *, p_T=None, p_has=None, qc=None, qc_T=None, qc_has=None,
                 q_span=None, d_span=None):
-        from .. import matryoshka_infonce
-
         _float_tensor("q", q, 2)
         _float_tensor("p", p, 2)
         if neg_p is not None:
             _float_tensor("neg_p", neg_p, 2)
+        use_temp = self.alpha != 0 and p_T is not None
+        if use_temp and (qc is None or qc_T is None):
+            raise ValueError("p_T was given (alpha > 0) but qc and qc_T, the passages' positive and negative "
+                             "queries and their temporal tokens, are missing")
+        from .. import matryoshka_infonce
+
         mrl, levels = matryoshka_infonce(q, p, list(self.dims), temperature=self.temperature,
                                          weights=None if self.weights is None else list(self.weights),
                                          extra_neg=neg_p, q_span=q_span, d_span=d_span, return_levels=True)
         zero = mrl.detach().new_zeros(())
         loss = mrl
         temp = dist = cka = zero
-        if self.alpha != 0 and p_T is not None:
-            if qc is None or qc_T is None:
-                raise ValueError("p_T was given (alpha > 0) but qc and qc_T, the passages' positive and negative "
-                                 "queries and their temporal tokens, are missing")
+        if use_temp:
             temp = self.temporal(p, p_T, p_has, qc, qc_T, qc_has)
             loss = loss + self.alpha * temp
         if self.beta != 0 or self.gamma != 0:
