@@ -189,6 +189,22 @@ def test_temporal_subspace_identical_candidates_is_log_1_plus_n(dtype):
     assert all(torch.isfinite(x).all() for x in g)
 
 
+def test_temporal_subspace_half_inputs_computed_in_float32():
+    p_emb, p_T, qc_emb, qc_T = (x.detach().float() for x in _eq10_inputs(B=8, n=4, d=16, t=8, seed=3))
+    mod = TemporalSubspaceLoss(8, 0.05)
+    ref = mod(p_emb, p_T, None, qc_emb, qc_T, None)
+    bf = [x.bfloat16().requires_grad_(True) for x in (p_emb, p_T, qc_emb, qc_T)]
+    got = mod(bf[0], bf[1], None, bf[2], bf[3], None)
+    exact = mod(*(x.detach().float() for x in bf[:2]), None, *(x.detach().float() for x in bf[2:]), None)
+    assert got.dtype == torch.float32 and got.item() == exact.item()     # same rounded inputs, float32 math
+    assert abs(got.item() - ref.item()) < 0.05
+    g = grads(got, bf)
+    assert all(x.dtype == torch.bfloat16 and torch.isfinite(x).all() for x in g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ac = mod(p_emb, p_T, None, qc_emb, qc_T, None)
+    assert ac.dtype == torch.float32 and abs(ac.item() - ref.item()) < 1e-6
+
+
 # ---------------------------------------------------------------------------------------------------------
 # TemporalProjector and temporal_pool (Eq. 9, A3)
 
@@ -376,7 +392,7 @@ def _tmrl_batch(B=4, K=2, n=3, d=16, t=4, seed=12):
     q, p, neg = leaf(B, d), leaf(B, d), leaf(B * K, d)
     qc = torch.cat([q.detach().unsqueeze(1), torch.randn(B, n, d, dtype=D64)], dim=1).requires_grad_(True)
     p_T, qc_T = leaf(B, t), leaf(B, 1 + n, t)
-    p_has = torch.tensor([True, True, False, True][:B])
+    p_has = torch.arange(B) % 4 != 2                            # row 2 (of every 4) has no temporal token
     qc_has = torch.ones(B, 1 + n, dtype=torch.bool)
     qc_has[1, 2] = False
     return q, p, neg, qc, p_T, p_has, qc_T, qc_has
@@ -419,6 +435,20 @@ def test_tmrl_loss_switches():
     loss, parts = TMRLLoss(dims, 4, alpha=0.5, beta=0.0, gamma=0.0)(q, p)
     close(loss, mrl2, 1e-10)
     assert parts["temp"].item() == 0.0
+
+
+def test_tmrl_loss_mixed_precision():
+    """bfloat16 embeddings (an autocast encoder's output): finite loss and gradients, every part present."""
+    q, p, neg, qc, p_T, p_has, qc_T, qc_has = _tmrl_batch(B=6, seed=14)
+    bf = [x.detach().bfloat16().requires_grad_(True) for x in (q, p, neg, qc, p_T, qc_T)]
+    mod = TMRLLoss((4, 8, 16), 4, alpha=0.25, k=3)
+    loss, parts = mod(bf[0], bf[1], bf[2], p_T=bf[4], p_has=p_has, qc=bf[3], qc_T=bf[5], qc_has=qc_has)
+    ref, _ = mod(*(x.detach() for x in (q, p, neg)), p_T=p_T.detach(), p_has=p_has, qc=qc.detach(),
+                 qc_T=qc_T.detach(), qc_has=qc_has)
+    assert torch.isfinite(loss) and abs(loss.item() - ref.item()) < 0.05 * abs(ref.item())
+    assert all(torch.isfinite(v) for v in parts.values())
+    for g in grads(loss, bf):
+        assert g is not None and g.dtype == torch.bfloat16 and torch.isfinite(g).all()
 
 
 def test_bad_arguments_name_the_argument():

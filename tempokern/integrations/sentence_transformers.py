@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import random
+import warnings
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -142,8 +143,12 @@ class FusedMatryoshkaLoss(nn.Module):
         idx = self._levels()
         dims = [self.matryoshka_dims[i] for i in idx]
         weights = [float(self.matryoshka_weights[i]) for i in idx]
-        return matryoshka_infonce(q, d, dims, temperature=self.temperature, weights=weights, extra_neg=extra,
-                                  symmetric=self.symmetric)
+        with warnings.catch_warnings():
+            if len(idx) < len(self.matryoshka_dims):
+                # n_dims_per_step left the largest dim out of this step: expected, not worth a warning per step
+                warnings.filterwarnings("ignore", message="matryoshka_infonce: the largest dim")
+            return matryoshka_infonce(q, d, dims, temperature=self.temperature, weights=weights, extra_neg=extra,
+                                      symmetric=self.symmetric)
 
     def forward(self, sentence_features: Iterable[dict], labels: Any = None) -> torch.Tensor:
         return self.compute_loss_from_embeddings(_embed(self.model, list(sentence_features)), labels)

@@ -188,7 +188,7 @@ class TemporalSubspaceLoss(nn.Module):
       rows whose positive query has no temporal token (``qc_has[i, 0] = False``) are dropped.
 
     Each term is the mean over its kept rows (0 with the graph kept when none is). ``p_has`` / ``qc_has`` may be
-    None (all True). A row's loss is computed as ``logsumexp_j (z_j - z_0)``, so a group of identical
+    None (all True). Computed in float32 with autocast off for half inputs (float64 for float64). A row's loss is computed as ``logsumexp_j (z_j - z_0)``, so a group of identical
     candidates gives exactly ``log(1 + n)``."""
 
     def __init__(self, t: int, temperature: float):
@@ -225,7 +225,12 @@ class TemporalSubspaceLoss(nn.Module):
         qc_has = torch.ones(B, n1, dtype=torch.bool, device=p_emb.device) if qc_has is None else \
             _bool_tensor("qc_has", qc_has, (B, n1))
         _same_device(p_emb=p_emb, p_T=p_T, p_has=p_has, qc_emb=qc_emb, qc_T=qc_T, qc_has=qc_has)
-        inv_tau = 1.0 / self.temperature
+        wd = _work_dtype(p_emb)
+        with torch.autocast(p_emb.device.type, enabled=False):
+            return self._terms(p_emb.to(wd), p_T.to(wd), p_has, qc_emb.to(wd), qc_T.to(wd), qc_has)
+
+    def _terms(self, p_emb, p_T, p_has, qc_emb, qc_T, qc_has):
+        t, inv_tau = self.t, 1.0 / self.temperature
 
         # Entries that are masked out never enter the arithmetic (torch.where to zeros: whatever they hold,
         # NaN included, they get an exact 0 gradient); dropped rows stay finite and leave the means.
