@@ -4,9 +4,7 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-import tempokern
 from tempokern.nn import (MatryoshkaCKALoss, MatryoshkaDistillLoss, TemporalProjector, TemporalSubspaceLoss,
                           TMRLLoss, temporal_pool)
 

@@ -36,7 +36,6 @@ __all__ = ["MatryoshkaLoss", "FusedMatryoshkaLoss"]
 
 def _st():
     try:
-        import sentence_transformers  # noqa: F401
         from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
         from sentence_transformers import util
     except ImportError as e:                                   # pragma: no cover - exercised without ST only

@@ -8,7 +8,6 @@ plain torch (the costs are O(B*n*t) for L_Temp, O(N*k*m) per level for L_Dist af
 top-k, O(N*d*m) or O(N^2*m) per level for L_CKA); the Matryoshka InfoNCE term is the fused op."""
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -188,7 +187,8 @@ class TemporalSubspaceLoss(nn.Module):
       rows whose positive query has no temporal token (``qc_has[i, 0] = False``) are dropped.
 
     Each term is the mean over its kept rows (0 with the graph kept when none is). ``p_has`` / ``qc_has`` may be
-    None (all True). Computed in float32 with autocast off for half inputs (float64 for float64). A row's loss is computed as ``logsumexp_j (z_j - z_0)``, so a group of identical
+    None (all True). Computed in float32 with autocast off for half inputs (float64 for float64). A row's loss
+    is computed as ``logsumexp_j (z_j - z_0)``, so a group of identical
     candidates gives exactly ``log(1 + n)``."""
 
     def __init__(self, t: int, temperature: float):

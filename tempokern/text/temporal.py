@@ -35,7 +35,7 @@ elections`` stays a year). ``YYYY-MM`` with a month 01-12 is read as ISO year-mo
 from __future__ import annotations
 
 import re
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, List, Sequence, Tuple, Union
 
 __all__ = ["temporal_spans", "temporal_token_mask", "KINDS"]
 
@@ -245,7 +245,9 @@ def _merge_ranges(text: str, spans):
     while i + 1 < len(out):
         (s1, e1, k1), (s2, e2, k2) = out[i], out[i + 1]
         gap = text[e1:s2]
-        if k1 == "relative" or (k2 == "relative" and not re.fullmatch(r"(?:the\s+)?present|now|today", text[s2:e2], _I)) or ("weekday" in (k1, k2) and not _FROM_RE.search(text[:s1])):
+        open_end = k2 == "relative" and re.fullmatch(r"(?:the\s+)?present|now|today", text[s2:e2], _I)
+        if k1 == "relative" or (k2 == "relative" and not open_end) or \
+                ("weekday" in (k1, k2) and not _FROM_RE.search(text[:s1])):
             i += 1
             continue
         start = None
