@@ -34,6 +34,7 @@ elections`` stays a year). ``YYYY-MM`` with a month 01-12 is read as ISO year-mo
 2005); with an en dash, or a second part that is no month, it is a range (``2005–07``, ``1990-95``)."""
 from __future__ import annotations
 
+import bisect
 import re
 from typing import Iterable, List, Sequence, Tuple, Union
 
@@ -156,6 +157,8 @@ _AMOUNT_BEFORE = re.compile(r"(?:(?<![\w'’])(?:no\.|number|page|pages|pp\.|p\.
                             r"v\.|id|code|rank|ranked|pin|port)\s+|[x×*/+=]\s*)$", _I)
 _TEMPORAL_PREP_BEFORE = re.compile(r"(?<![\w'’])(?:in|since|by|until|till|after|before|during|from|through|"
                                    r"circa|around|of|year)\s+$", _I)
+_CURRENCY_BEFORE = re.compile(r"[$€£¥#]\s*$")
+_WIN = 64                                 # how far the context rules look around a match (keeps tagging linear)
 _WORD_AFTER = re.compile(r"^(?:-|\s+)([A-Za-z]+)")
 
 
@@ -195,10 +198,11 @@ def _accept(kind: str, m: re.Match, text: str) -> bool:
     if kind == "weekday":
         return word[0].isupper()
     if g.get("bare") is not None:                                   # a bare four-digit number
-        before, after = text[:s], text[e:]
+        lo = max(0, s - _WIN)
+        after = text[e:e + _WIN]
         if after[:1] == "%" or re.match(r"^\s*(?:%|percent|per\s+cent)", after, _I):
             return False
-        if _AMOUNT_BEFORE.search(before) or re.search(r"[$€£¥#]\s*$", before):
+        if _AMOUNT_BEFORE.search(text, lo, s) or _CURRENCY_BEFORE.search(text, lo, s):
             return False
         if re.match(r"^\s*[x×*]\s*\d", after):
             return False
@@ -208,7 +212,7 @@ def _accept(kind: str, m: re.Match, text: str) -> bool:
             if nxt.lower() in _UNIT_WORDS and (nxt.islower() or after[:1] == "-"):
                 return False
             if (nxt.islower() and len(nxt) >= 3 and nxt.endswith("s") and not nxt.endswith("ss")
-                    and nxt not in _VERBISH_S and not _TEMPORAL_PREP_BEFORE.search(before)):
+                    and nxt not in _VERBISH_S and not _TEMPORAL_PREP_BEFORE.search(text, lo, s)):
                 return False
         return True
     return True
@@ -231,11 +235,14 @@ def _candidates(text: str):
 
 def _select(cands):
     """Longest non-overlapping matches (ties: kind priority, then position)."""
-    chosen = []
+    starts, chosen = [], []                  # chosen spans, sorted by start (they never overlap)
     for s, e, kind in sorted(cands, key=lambda c: (-(c[1] - c[0]), _PRIORITY[c[2]], c[0])):
-        if all(e <= cs or s >= ce for cs, ce, _ in chosen):
-            chosen.append((s, e, kind))
-    return sorted(chosen)
+        i = bisect.bisect_left(starts, s)
+        if (i < len(chosen) and chosen[i][0] < e) or (i > 0 and chosen[i - 1][1] > s):
+            continue
+        starts.insert(i, s)
+        chosen.insert(i, (s, e, kind))
+    return chosen
 
 
 def _merge_ranges(text: str, spans):
@@ -247,15 +254,15 @@ def _merge_ranges(text: str, spans):
         gap = text[e1:s2]
         open_end = k2 == "relative" and re.fullmatch(r"(?:the\s+)?present|now|today", text[s2:e2], _I)
         if k1 == "relative" or (k2 == "relative" and not open_end) or \
-                ("weekday" in (k1, k2) and not _FROM_RE.search(text[:s1])):
+                ("weekday" in (k1, k2) and not _FROM_RE.search(text, max(0, s1 - _WIN), s1)):
             i += 1
             continue
         start = None
         if _TO_RE.match(gap):
-            f = _FROM_RE.search(text[:s1])
+            f = _FROM_RE.search(text, max(0, s1 - _WIN), s1)
             start = f.start() if f else s1
         elif _AND_RE.match(gap):
-            b = _BETWEEN_RE.search(text[:s1])
+            b = _BETWEEN_RE.search(text, max(0, s1 - _WIN), s1)
             start = b.start() if b else None
         if start is None:
             i += 1
@@ -272,16 +279,16 @@ def _extend_left(text: str, spans):
     for s, e, kind in spans:
         ns = s
         if kind != "relative" or re.match(r"(?:this|last|next|past|previous|coming|following)\b", text[s:e], _I):
-            mod = _MOD_RE.search(text[prev_end:ns])
+            mod = _MOD_RE.search(text, max(prev_end, ns - _WIN), ns)
             if mod is not None and kind not in ("weekday",):
-                ns = prev_end + mod.start()
+                ns = mod.start()
             elif kind in _THE_KINDS or (kind == "range" and re.match(r"\d{3}0'?s", text[s:e])):
-                the = _THE_RE.search(text[prev_end:ns])
+                the = _THE_RE.search(text, max(prev_end, ns - _WIN), ns)
                 if the is not None:
-                    ns = prev_end + the.start()
-        prep = _PREP_RE.search(text[prev_end:ns])
+                    ns = the.start()
+        prep = _PREP_RE.search(text, max(prev_end, ns - _WIN), ns)
         if prep is not None and not (kind == "range" and re.match(r"(?:from|between)\b", text[ns:e], _I)):
-            ns = prev_end + prep.start()
+            ns = prep.start()
         out.append((ns, e, kind))
         prev_end = e
     return out
