@@ -223,6 +223,11 @@ def test_projector_is_the_a3_formula():
     var = ((u - mu) ** 2).mean(-1, keepdim=True)
     u = (u - mu) / torch.sqrt(var + 1e-7) * g + b
     close(P(h), u @ W2.t() + b2)
+    # any transformers activation name (a backbone config's hidden_act) works
+    from transformers.activations import ACT2FN
+    P3 = TemporalProjector(16, 4, act="quick_gelu").double()
+    close(P3(h), P3.out(P3.norm(ACT2FN["quick_gelu"](P3.dense(h)))))
+    assert not torch.allclose(P3(h), P3.out(P3.norm(torch.nn.functional.gelu(P3.dense(h)))))
     P2 = TemporalProjector(16, 4, act="relu", proj_hidden=8)
     assert P2.dense.out_features == 8 and P2.out.in_features == 8 and P2(torch.randn(2, 3, 16)).shape == (2, 3, 4)
 

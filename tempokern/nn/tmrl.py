@@ -31,6 +31,21 @@ _ACTS = {
 }
 
 
+def _activation(name: str) -> nn.Module:
+    """A named activation: torch's for the common names, else transformers' ``ACT2FN`` (every ``hidden_act`` a
+    transformers config can name) when transformers is installed."""
+    if name in _ACTS:
+        return _ACTS[name]()
+    try:
+        from transformers.activations import ACT2FN
+    except ImportError:
+        ACT2FN = {}
+    if name in ACT2FN:
+        return ACT2FN[name]
+    raise ValueError(f"act must be one of {sorted(_ACTS)}, a transformers activation name, or a callable, "
+                     f"got {name!r}")
+
+
 def _positive_int(name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name} must be an int, got {type(v).__name__}")
@@ -103,8 +118,9 @@ class TemporalProjector(nn.Module):
     and layer-normalisation configuration" (A3): ``P(h) = W2 LN(act(W1 h + b1)) + b2`` with W1: d -> h
     (h = ``proj_hidden``, default d), LN with ``layer_norm_eps``, W2: h -> t (BERT's prediction-head transform
     plus decoder). ``act``: "gelu" (exact erf), "gelu_new" / "gelu_pytorch_tanh" / "gelu_fast" (tanh),
-    "relu", "silu" / "swish", "tanh", or an ``nn.Module`` / callable (pass a transformers config's
-    ``hidden_act`` name and ``layer_norm_eps`` to follow the backbone). Trained with LoRA, discarded after
+    "relu", "silu" / "swish", "tanh", any other name of transformers' ``ACT2FN`` (when transformers is
+    installed), or an ``nn.Module`` / callable (pass a transformers config's ``hidden_act`` and
+    ``layer_norm_eps`` to follow the backbone). Trained with LoRA, discarded after
     training (TMRL §A.2)."""
 
     def __init__(self, hidden_size: int, t: int, *, act: Union[str, Callable] = "gelu",
@@ -115,10 +131,8 @@ class TemporalProjector(nn.Module):
         self.proj_hidden = self.hidden_size if proj_hidden is None else _positive_int("proj_hidden", proj_hidden)
         self.layer_norm_eps = check_positive("layer_norm_eps", layer_norm_eps)
         if isinstance(act, str):
-            if act not in _ACTS:
-                raise ValueError(f"act must be one of {sorted(_ACTS)} or a callable, got {act!r}")
             self.act_name = act
-            self.act = _ACTS[act]()
+            self.act = _activation(act)
         elif callable(act):
             self.act_name = getattr(act, "__name__", type(act).__name__)
             self.act = act
