@@ -147,6 +147,43 @@ def test_long_text_is_the_sum_of_its_sentences():
         assert e1 <= s2
 
 
+# the generators of tempokern.datasets.synth place their date expressions by template and record where
+# (meta["temporal_spans"]): every one must lie inside a tagged span, and nothing else may be tagged
+# (the tagger's spans may be wider: prepositional anchors are kept)
+SYNTH_EXTRA = [
+    ("Germany observes Easter Monday on Monday, April 13, 2020.", [("on Monday, April 13, 2020", "date")]),
+    ("On Monday 2016-12-26, people had a day off.", [("On Monday 2016-12-26", "date")]),
+    ("Pentecost Monday France 2016 date", [("2016", "year")]),
+    ("after Good Friday in 2018", [("in 2018", "year")]),
+    ("On Monday we met. Monday was fine.", [("On Monday", "weekday"), ("Monday", "weekday")]),
+    ("employment, 02/2014: 15,230 thousand", [("02/2014", "month")]),
+    ("employment in 13/2014 rose", []),
+    ("The second month of 2012: 133,505 jobs", [("The second month of 2012", "month")]),
+]
+
+
+@pytest.mark.parametrize("text,items", SYNTH_EXTRA, ids=[t[:40] for t, _ in SYNTH_EXTRA])
+def test_forms_of_the_synthetic_sets(text, items):
+    assert temporal_spans(text) == _expected(text, items)
+
+
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_agrees_with_the_synthetic_generators(name, tmp_path):
+    from tempokern.datasets.synth import load_synth
+
+    ds = load_synth(name, size="quick", cache_dir=tmp_path).dataset
+    n_gold = 0
+    for item in ds.records + ds.queries:
+        gold = [tuple(x[:2]) for x in item.meta.get("temporal_spans") or []]
+        mine = temporal_spans(item.text)
+        n_gold += len(gold)
+        for gs, ge in gold:
+            assert any(a <= gs and ge <= b for a, b, _ in mine), (item.text, item.text[gs:ge], mine)
+        for a, b, k in mine:
+            assert any(a < ge and gs < b for gs, ge in gold), (item.text, item.text[a:b], gold)
+    assert n_gold > 1000
+
+
 def test_tagger_bad_input():
     with pytest.raises(TypeError, match="text"):
         temporal_spans(None)

@@ -62,6 +62,7 @@ _M = r"(?:%s)" % "|".join(sorted(_MONTHS_FULL, key=len, reverse=True)
 _MFULL = r"(?:%s)" % "|".join(_MONTHS_FULL)
 _WD = r"(?:%s)" % "|".join(_WEEKDAYS)
 _SEA = r"(?:%s)" % "|".join(_SEASONS)
+_WDN = r"(?:(?i:%s),?\s+)?" % "|".join(_WEEKDAYS)          # an optional weekday before a numeric date
 _DAY = r"(?:3[01]|[12]\d|0?[1-9])(?:st|nd|rd|th)?"
 _Y = r"(?:[12]\d{3})"                     # a year where the context already says it is one
 _ORD = r"(?:\d{1,2}(?:st|nd|rd|th)|%s)" % "|".join(w.replace(" ", r"\s") for w in _ORD_WORDS)
@@ -86,16 +87,19 @@ _PATTERNS: List[Tuple[str, str, int]] = [
     # full dates
     ("date", _BEG + r"(?:" + _WD + r",?\s+)?" + _M + r"\s+" + _DAY + r"(?:,\s*|\s+)" + _Y + _END, _I),
     ("date", _BEG + r"(?:" + _WD + r",?\s+)?(?:the\s+)?" + _DAY + r"(?:\s+of)?\s+" + _M + r",?\s+" + _Y + _END, _I),
-    ("date", _BEG + r"(?P<iy>[12]\d{3})-(?P<im>\d{2})-(?P<id>\d{2})(?:T\d{2}:\d{2}(?::\d{2})?)?" + _END, 0),
-    ("date", _BEG + r"(?P<iy>[12]\d{3})/(?P<im>\d{1,2})/(?P<id>\d{1,2})" + _END, 0),
-    ("date", _BEG + r"(?P<u1>\d{1,2})/(?P<u2>\d{1,2})/(?P<uy>\d{4}|\d{2})" + _END, 0),
-    ("date", _BEG + r"(?P<u1>\d{1,2})\.(?P<u2>\d{1,2})\.(?P<uy>\d{4})" + _END, 0),
+    ("date", _BEG + _WDN + r"(?P<iy>[12]\d{3})-(?P<im>\d{2})-(?P<id>\d{2})(?:T\d{2}:\d{2}(?::\d{2})?)?" + _END, 0),
+    ("date", _BEG + _WDN + r"(?P<iy>[12]\d{3})/(?P<im>\d{1,2})/(?P<id>\d{1,2})" + _END, 0),
+    ("date", _BEG + _WDN + r"(?P<u1>\d{1,2})/(?P<u2>\d{1,2})/(?P<uy>\d{4}|\d{2})" + _END, 0),
+    ("date", _BEG + _WDN + r"(?P<u1>\d{1,2})\.(?P<u2>\d{1,2})\.(?P<uy>\d{4})" + _END, 0),
     # dates without a year (the month must be capitalised)
     ("date", _BEG + r"(?:" + _WD + r",?\s+)?" + _M + r"\s+" + _DAY + r"(?!\s*[-–—:.,]?\d)" + _END, _I),
     ("date", _BEG + r"(?:the\s+)?" + _DAY + r"(?:\s+of)?\s+" + _M + _END, _I),
     # months
     ("month", _BEG + _M + r",?\s+(?:of\s+)?" + _Y + _END, _I),
     ("month", _BEG + r"(?P<my>[12]\d{3})-(?P<mm>\d{2})" + _END, 0),
+    ("month", _BEG + r"(?P<nm>\d{1,2})/(?P<ny>[12]\d{3})" + _END, 0),                              # 02/2014
+    ("month", _BEG + r"(?:the\s+)?(?:%s|\d{1,2}(?:st|nd|rd|th))\s+month\s+of\s+" % "|".join(_ORD_WORDS[:12])
+     + _Y + _END, _I),                                                                         # the second month of 2012
     ("month", _BEG + _MFULL + _END, _I),
     # seasons, quarters
     ("season", _BEG + r"(?:the\s+)?" + _SEA + r",?\s+(?:of\s+)?" + _Y + _END, _I),
@@ -157,6 +161,9 @@ _AMOUNT_BEFORE = re.compile(r"(?:(?<![\w'’])(?:no\.|number|page|pages|pp\.|p\.
                             r"v\.|id|code|rank|ranked|pin|port)\s+|[x×*/+=]\s*)$", _I)
 _TEMPORAL_PREP_BEFORE = re.compile(r"(?<![\w'’])(?:in|since|by|until|till|after|before|during|from|through|"
                                    r"circa|around|of|year)\s+$", _I)
+_NAME_BEFORE = re.compile(r"(?<![\w'’])([A-Z][a-z]+)\s+$")
+_FUNCTION_WORDS = frozenset("""on by until till since every each next last this that the from through before after
+and or of in at for to during every until, a an whole all last past""".split())
 _CURRENCY_BEFORE = re.compile(r"[$€£¥#]\s*$")
 _WIN = 64                                 # how far the context rules look around a match (keeps tagging linear)
 _WORD_AFTER = re.compile(r"^(?:-|\s+)([A-Za-z]+)")
@@ -176,6 +183,8 @@ def _accept(kind: str, m: re.Match, text: str) -> bool:
         return _valid_md(a, b) or _valid_md(b, a)
     if g.get("my") is not None:                                     # YYYY-MM
         return 1 <= int(g["mm"]) <= 12
+    if g.get("nm") is not None:                                     # MM/YYYY
+        return 1 <= int(g["nm"]) <= 12
     if g.get("a") is not None:                                      # YYYY-YYYY / YYYY-YY with a hyphen
         a, b = g["a"], g["b"]
         if len(b) == 2:
@@ -196,7 +205,10 @@ def _accept(kind: str, m: re.Match, text: str) -> bool:
         if kind == "month" and re.fullmatch(_MFULL, word, _I):      # a month name standing alone
             return word[0].isupper() and word.lower() != "may"
     if kind == "weekday":
-        return word[0].isupper()
+        # "Easter Monday", "Good Friday", "Cyber Monday": a weekday after a capitalised word that is not a
+        # function word is part of a name
+        prev = _NAME_BEFORE.search(text, max(0, s - _WIN), s)
+        return word[0].isupper() and not (prev is not None and prev.group(1).lower() not in _FUNCTION_WORDS)
     if g.get("bare") is not None:                                   # a bare four-digit number
         lo = max(0, s - _WIN)
         after = text[e:e + _WIN]
