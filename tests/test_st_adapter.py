@@ -107,7 +107,7 @@ def test_symmetric_per_direction(model_dir):
 
 def test_n_dims_per_step_draws_like_sentence_transformers(model_dir):
     cols = text_columns(5, 2, seed=9)
-    for seed in (0, 1, 2):
+    for seed in (0, 3):
         compare(model_dir, lambda m: losses.MatryoshkaLoss(m, losses.MultipleNegativesRankingLoss(m), DIMS,
                                                            n_dims_per_step=2),
                 lambda m: MatryoshkaLoss(m, losses.MultipleNegativesRankingLoss(m), DIMS, n_dims_per_step=2),
