@@ -440,6 +440,27 @@ def test_tmrl_loss_switches():
     assert parts["temp"].item() == 0.0
 
 
+def test_tmrl_loss_passes_spans_to_the_mrl_term():
+    """Passage ids as spans (rows 0 and 1 share a passage): each is a positive of the other (Eq. 3 with the
+    multi-positive numerator), at every level."""
+    q, p, neg, *_ = _tmrl_batch(B=4, seed=15)
+    ids = torch.tensor([0, 0, 1, 2])
+    dims, tau = (4, 8, 16), 0.05
+    loss, parts = TMRLLoss(dims, 4, alpha=0.0, beta=0.0, gamma=0.0)(q, p, neg, q_span=(ids, ids), d_span=(ids, ids))
+    cand = torch.cat([p, neg])
+    levels = []
+    for m in dims:
+        rows = []
+        for i in range(4):
+            z = torch.stack([cos_literal(q[i, :m], cand[j, :m]) for j in range(cand.shape[0])]) / tau
+            pos = [j for j in range(4) if ids[j] == ids[i]]
+            rows.append(-torch.log(torch.exp(z[pos]).sum() / torch.exp(z).sum()))
+        levels.append(sum(rows) / 4)
+    close(loss, sum(levels), 1e-10)
+    plain, _ = TMRLLoss(dims, 4, alpha=0.0, beta=0.0, gamma=0.0)(q, p, neg)
+    assert abs(plain.item() - loss.item()) > 1e-3
+
+
 def test_tmrl_loss_mixed_precision():
     """bfloat16 embeddings (an autocast encoder's output): finite loss and gradients, every part present."""
     q, p, neg, qc, p_T, p_has, qc_T, qc_has = _tmrl_batch(B=6, seed=14)
