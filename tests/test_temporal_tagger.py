@@ -108,6 +108,12 @@ TABLE = [
     ("over the past two decades", [("over the past two decades", "relative")]),
     ("in recent years", [("in recent years", "relative")]),
     ("last year and now", [("last year", "relative"), ("now", "relative")]),
+    # possessives
+    ("today's market fell", [("today", "relative")]),
+    ("last year's results", [("last year", "relative")]),
+    ("Monday's meeting", [("Monday", "weekday")]),
+    ("the 1990s' legacy", [("the 1990s", "decade")]),
+    ("2019's best films", [("2019", "year")]),
     ("present the results", []),
     ("", []),
 ]

@@ -70,7 +70,7 @@ _NUMW = r"(?:\d+|%s)" % "|".join(w.replace(" ", r"\s+") for w in sorted(_NUM_WOR
 _UNIT = r"(?:%s)" % "|".join(_UNITS)
 _RELUNIT = r"(?:year|month|week|decade|century|quarter|semester|weekend|night|morning|afternoon|evening|%s|%s|%s)" % (
     _SEA, _WD, _MFULL)
-_END = r"(?![\w'’])"
+_END = r"(?!\w)(?!['’](?!s\b)\w)"              # a word ends here (a possessive 's may follow)
 _BEG = r"(?<![\w'’])"
 _DASH = r"\s*[-–—]\s*"
 
