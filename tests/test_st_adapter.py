@@ -19,6 +19,15 @@ WORDS = ("the a in of on to and was is it rain sun snow city river bridge market
 HIDDEN = 48
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The model is tiny: one intra-op thread is faster than two fighting over a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from transformers import BertConfig, BertModel, BertTokenizerFast

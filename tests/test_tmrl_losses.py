@@ -11,6 +11,15 @@ from tempokern.nn import (MatryoshkaCKALoss, MatryoshkaDistillLoss, TemporalProj
 D64 = torch.float64
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small tensors: one intra-op thread is faster than two fighting over a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # literal transcriptions (element by element, float64)
 
