@@ -7,16 +7,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _tmrl_helpers import install_standins, tiny_encoder, tiny_rows
+from _tmrl_helpers import tiny_encoder, tiny_rows
 
 from tempokern.models.encoder import pool
 
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _standins(monkeypatch):
-    install_standins(monkeypatch)
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is faster than two fighting over a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
