@@ -308,7 +308,7 @@ class TMRLTrainer:
             if not idx:
                 continue
             enc = model.tokenize([items[i][0] for i in idx], side=side, temporal=want_t,
-                                 spans=[items[i][2] for i in idx] if want_t else None)
+                                 spans=[items[i][2] if items[i][3] else [] for i in idx] if want_t else None)
             if want_t:
                 keep = torch.tensor([items[i][3] for i in idx], dtype=torch.bool).unsqueeze(1)
                 enc["temporal_mask"] = enc["temporal_mask"] & keep
