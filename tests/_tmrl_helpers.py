@@ -86,3 +86,28 @@ def no_dropout(model):
             mod.p = 0.0
     return model
 
+
+
+def tmrl_ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """One rank of the CPU gloo test of the TMRL trainer: a few data-parallel steps, then its weights."""
+    import json
+    import os
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from tempokern.training.tmrl import TMRLConfig, train_tmrl
+        rows = tiny_rows()
+        m = tiny_encoder(rows, seed=rank)          # other initial weights per rank: rank 0's are broadcast
+        cfg = TMRLConfig(batch_size=6, epochs=1, lr=3e-3, t=8, alpha=0.25, hard_negatives=2, negative_queries=2,
+                         progress=False, max_steps=3)
+        res = train_tmrl(m, rows, cfg, out_dir if rank == 0 else None, log=lambda *a: None)
+        torch.save({k: v.detach().clone() for k, v in m.state_dict().items()}, os.path.join(out_dir, f"rank{rank}.pt"))
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"steps": res.steps, "losses": [h["loss"] for h in res.history]}, f)
+    finally:
+        dist.destroy_process_group()

@@ -394,3 +394,18 @@ def test_mine_hard_negatives(rows):
     assert kept[0].hard_negatives == rows[0].hard_negatives          # rows with negatives keep them
     with pytest.raises(ValueError, match="k must"):
         mine_hard_negatives(bare, k=0)
+
+
+def test_two_process_gloo_keeps_ranks_in_sync(tmp_path):
+    """torchrun's data parallelism on two CPU processes: parameters broadcast from rank 0, gradients
+    averaged, every rank ends with the same weights while scoring its own rows."""
+    import math
+    import torch.multiprocessing as mp
+    from _tmrl_helpers import tmrl_ddp_worker
+    mp.spawn(tmrl_ddp_worker, args=(2, str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=True)
+    s0, s1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["steps"] == r1["steps"] == 3
+    assert all(math.isfinite(x) for x in r0["losses"] + r1["losses"]) and r0["losses"] != r1["losses"]
+    assert (tmp_path / "last" / "trainer_state.pt").exists()
