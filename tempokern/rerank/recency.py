@@ -447,7 +447,8 @@ DEFAULT_CATEGORIES: Dict[str, str] = {
 
 _UNIT = (r"(?:\s*(?:°\s*[cf]\b|°|º\s*[cf]?|degrees?(?:\s+(?:celsius|fahrenheit|c|f)\b)?|"
          r"mm\b|cm\b|inch(?:es)?\b|in\b|mph\b|km/h|kph\b|m/s|knots\b|%|percent\b|points?\b|"
-         r"dollars?\b|usd\b|thousand\b|million\b|billion\b|k\b|jobs\b|people\b|cases\b))?")
+         r"dollars?\b|usd\b|thousand\b|million\b|billion\b|k\b|"
+         r"(?!(?:and|or|of|on|in|at|to|for|with|the|a|an|by|from|than|per|is|was|were|are)\b)[^\W\d_]{2,}\b))?")
 _NUM_IN_TEXT = re.compile(r"(?<![\w.])([$€£¥]\s*)?([+\-\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)" + _UNIT, re.I)
 _SENT = re.compile(r"[^.!?]*(?:[.!?](?!\d)|$)")
 
