@@ -457,3 +457,96 @@ def test_version_truth_from_records():
     m = recency_metrics({"q": ["v1", "v2"], "q2": ["o"]}, outdated=t["outdated"], latest=t["latest"],
                         gold_value=t["gold_value"], doc_value=t["doc_value"])
     assert m["stale_rate"] == pytest.approx(1 / 3) and m["version_accuracy"] == 0.5 and m["answer_proxy"] == 0.5
+
+
+# ---- CLI: eval --recency, index/search --recency (a tiny CTD model on a Re²-style file) --------------------
+
+def _versioned_re2(path):
+    """20 days of Seattle highs: the observation (published that day, the gold) and 3 earlier forecasts
+    (published 3, 2, 1 days before, each with another value)."""
+    rows = []
+    for day in range(1, 21):
+        d = D(2014, 3, day)
+        obs = 8.0 + day / 4
+        negs = []
+        for lag in (3, 2, 1):
+            pub = d - dt.timedelta(days=lag)
+            v = obs + lag * 0.7
+            negs.append({"id": f"fc-{day}-{lag}", "kind": "outdated", "time": d.isoformat(), "published": pub.isoformat(),
+                         "text": f"Forecast issued {pub:%B} {pub.day}, 2014 for Seattle on {d:%B} {d.day}, 2014: "
+                                 f"high of {v:.1f} °C.",
+                         "facts": [{"head": "Seattle", "relation": f"temp_max {d}", "value": f"{v:.1f} °C"}]})
+        rows.append({"id": f"q{day}", "query": f"What was the high temperature in Seattle on {d:%B} {d.day}, 2014?",
+                     "answer": f"{obs:.1f} °C", "split": "train" if day <= 12 else "val" if day <= 15 else "test",
+                     "positive": {"id": f"obs-{day}", "time": d.isoformat(), "published": d.isoformat(),
+                                  "text": f"On {d:%B} {d.day}, 2014 Seattle recorded a high of {obs:.1f} °C.",
+                                  "facts": [{"head": "Seattle", "relation": f"temp_max {d}", "value": f"{obs:.1f} °C"}]},
+                     "negatives": negs})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def re2_model(tmp_path_factory):
+    from tempokern.cli import main
+    tmp = tmp_path_factory.mktemp("recency_cli")
+    data = _versioned_re2(tmp / "c.jsonl")
+    rc = main(["train", "--data", data, "--format", "re2", "--epochs", "1", "--max-steps", "2", "--batch-size", "4",
+               "--out", str(tmp / "run"), "--tiny-hidden", "32", "--tiny-layers", "1", "--max-length", "32",
+               "--no-progress"])
+    assert rc == 0
+    return tmp, data
+
+
+def test_cli_eval_recency_postprocess(re2_model, monkeypatch, capsys):
+    import tempokern.cli as cli
+    tmp, data = re2_model
+    # a fixed run (the tiny model is untrained): q16's top 5 = two outdated forecasts, the gold, another day
+    fixed = {"q16": {"fc-16-3": 5.0, "fc-16-1": 4.0, "obs-16": 3.0, "obs-17": 2.0, "fc-17-2": 1.0, "obs-1": 0.5},
+             "q17": {"obs-17": 5.0, "obs-1": 4.0}}
+    monkeypatch.setattr(cli, "_eval_run", lambda model, ds, args: fixed)
+    out = tmp / "e.json"
+    base = ["eval", "--model", str(tmp / "run" / "best"), "--data", data, "--format", "re2", "--split", "test"]
+    assert cli.main(base + ["--recency", "metadata", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())["recency"]
+    assert "stale_rate" in capsys.readouterr().out
+    # the oracle states every fact of a candidate: q16's two forecasts and fc-17-2 (older than obs-17) go
+    assert rep["removed"] == 3 and rep["queries_with_removals"] == 1 and rep["failures"] == 0
+    b, a = rep["before"], rep["after"]
+    assert b["stale_rate"] == pytest.approx(3 / 7) and a["stale_rate"] == 0.0
+    assert b["version_accuracy"] == 0.5 and a["version_accuracy"] == 1.0
+    assert b["answer_proxy"] == 0.5 and a["answer_proxy"] == 1.0
+    assert b["evidence_docs"] == 3.5 and a["evidence_docs"] == 2.0
+    assert rep["retrieval"]["before"]["R@1"] == 0.5 and rep["retrieval"]["after"]["R@1"] == 1.0
+    assert rep["retrieval"]["before"]["MRR"] == pytest.approx((1 / 3 + 1) / 2)
+    assert rep["retrieval"]["after"]["MRR"] == 1.0
+    assert cli.main(base + ["--recency", "metadata", "--recency-policy", "latest_only", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["recency"]["removed"] == 3
+    # rule extractor: the time check keeps the other day's documents out of q16's question (NULL, kept)
+    assert cli.main(base + ["--recency", "rule", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())["recency"]
+    assert rep["removed"] == 2 and rep["after"]["stale_rate"] == pytest.approx(1 / 5)
+    assert cli.main(base + ["--recency", "rule", "--recency-k", "0"]) == 2
+    assert "--recency-k must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_search_recency_rule(re2_model, capsys):
+    from tempokern.cli import main
+    tmp, data = re2_model
+    idx = tmp / "c.idx"
+    assert main(["index", "--model", str(tmp / "run" / "best"), "--data", data, "--format", "re2",
+                 "--out", str(idx)]) == 0
+    side = json.loads((tmp / "c.idx.records.json").read_text())
+    assert side["published"][side["ids"].index("fc-16-3")] == "2014-03-13" and side["facts"][0]
+    capsys.readouterr()
+    q = "What was the high temperature in Seattle on March 16, 2014?"
+    assert main(["search", "--model", str(tmp / "run" / "best"), "--index", str(idx), "--query", q, "-k", "80",
+                 "--json", "--recency", "rule"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # all 80 documents are candidates: exactly March 16's three forecasts disagree with its observation
+    assert sorted(h["id"] for h in line["removed"]) == ["fc-16-1", "fc-16-2", "fc-16-3"]
+    assert len(line["hits"]) == 77 and {h["recency"] for h in line["removed"]} == {-1}
+    assert next(h for h in line["hits"] if h["id"] == "obs-16")["recency"] == 1
+    assert main(["search", "--model", str(tmp / "run" / "best"), "--index", str(idx), "--query", q, "-k", "80",
+                 "--recency", "rule", "--recency-policy", "latest_only"]) == 0
+    assert capsys.readouterr().out.count("removed (outdated)") == 3

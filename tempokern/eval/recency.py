@@ -24,7 +24,23 @@ from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Seq
 from .metrics import rank_documents, validate_run
 
 __all__ = ["apply_recency", "filtered_run", "evidence_lists", "recency_metrics", "compare_evidence",
-           "version_truth", "count_tokens"]
+           "version_truth", "count_tokens", "recency_report", "make_filter", "EXTRACTORS"]
+
+#: extractor names accepted by :func:`make_filter` (and the CLI's ``--recency``)
+EXTRACTORS = ("none", "rule", "metadata")
+
+
+def make_filter(extractor: str, *, policy: str = "conflict", mode: str = "filter", recency_weight: float = 1.0,
+                aliases=None):
+    """A :class:`RecencyFilter` by name: ``"rule"`` (:class:`RuleExtractor`, ``aliases`` added to its table)
+    or ``"metadata"`` (:class:`MetadataExtractor`); ``"none"`` gives None."""
+    from ..rerank.recency import MetadataExtractor, RecencyFilter, RuleExtractor
+    if extractor not in EXTRACTORS:
+        raise ValueError(f"unknown recency extractor {extractor!r}: expected one of {', '.join(EXTRACTORS)}")
+    if extractor == "none":
+        return None
+    ex = RuleExtractor(aliases) if extractor == "rule" else MetadataExtractor()
+    return RecencyFilter(ex, policy=policy, mode=mode, recency_weight=recency_weight)
 
 
 def _records_by_id(records) -> Mapping[str, Any]:
@@ -195,3 +211,33 @@ def version_truth(dataset) -> Dict[str, Any]:
         return None if key is None else facts_of.get(doc_id, {}).get(key)
 
     return {"outdated": outdated, "latest": latest, "gold_value": gold_value, "doc_value": doc_value}
+
+
+def recency_report(run: Mapping[str, Mapping[str, float]], dataset, rfilter, *, k: int = 5, tokenizer=None,
+                   max_reasons: int = 20) -> Dict[str, Any]:
+    """The filter applied to the top ``k`` of ``run`` over ``dataset`` (queries of the run; records with
+    ``published`` and, for the version metrics, ``meta["facts"]``): ``{"retrieval": {"before", "after"}}``
+    (:func:`re3_metrics` R@1/R@5/MRR of the run and of :func:`filtered_run`), the evidence metrics of
+    :func:`compare_evidence` under :func:`version_truth`, ``"failures"`` (queries where the extractor
+    failed and nothing was filtered) and the first ``max_reasons`` recorded reasons."""
+    import warnings
+    from .metrics import re3_metrics
+    qtext = {q.id: q.text for q in dataset.queries if q.id in run}
+    missing = [qid for qid in run if qid not in qtext]
+    if missing:
+        raise KeyError(f"run names queries not in dataset {dataset.name!r}: {missing[:5]}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = apply_recency(run, dataset, rfilter, qtext, k=k)
+    after_run = filtered_run(run, results)
+    qrels = {q.id: {d: r for d, r in q.gold.items() if r > 0} for q in dataset.queries if q.id in run}
+    truth = version_truth(dataset)
+    before, after = evidence_lists(results)
+    cmp = compare_evidence(before, after, outdated=truth["outdated"], latest=truth["latest"],
+                           gold_value=truth["gold_value"], doc_value=truth["doc_value"],
+                           texts={r.id: r.text for r in dataset.records}, tokenizer=tokenizer)
+    reasons = [f"{qid}: {x}" for qid, res in results.items() for x in res.reasons]
+    return {"filter": repr(rfilter), "k": k,
+            "retrieval": {"before": re3_metrics(run, qrels, ks=(1, 5)), "after": re3_metrics(after_run, qrels, ks=(1, 5))},
+            **cmp, "failures": sum(1 for r in results.values() if not r.ok),
+            "warnings": len(caught), "reasons": reasons[:max_reasons], "num_reasons": len(reasons)}
