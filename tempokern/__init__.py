@@ -49,6 +49,7 @@ from . import nn
 from . import search
 from .calendar import Calendar, Interval
 from . import baselines, datasets, eval
+from . import rerank
 
 __all__ = [
     "__version__", "build_info", "set_debug_checks", "debug_checks_enabled",
@@ -56,6 +57,7 @@ __all__ = [
     "offset_bias", "offset_bias_lookup", "multipos_infonce", "ctd_topk",
     "reference", "nn", "search", "Calendar", "Interval", "baselines", "datasets", "eval",
 ]
+__all__ += ["rerank"]
 
 
 def __getattr__(name):  # tempokern.models / tempokern.training on first use (they need transformers at run time)
