@@ -1,0 +1,259 @@
+"""The method registry of the English comparison suite (`tempokern benchmark --suite english`).
+
+A method is a row of the comparison table. It registers itself from a module of
+:mod:`tempokern.suite.methods` (the runner imports every module there, none is skipped silently)::
+
+    from tempokern.suite import Method, MethodOutput, register
+
+    def run(ctx):                       # ctx: a SuiteContext
+        ...train on ctx.train_rows(), score every query of ctx.eval_splits over ctx.gallery()...
+        return MethodOutput(runs={split: {qid: {doc_id: score}}}, info={"train_seconds": 12.3})
+
+    register(Method("mymethod", family="mine", sets=("B",), run=run, needs=("peft",)))
+
+``needs``: importable module names; when one is missing the method is reported as *skipped* (with
+the reason) in results.json / results.md instead of failing the suite.
+
+``MethodOutput``:
+
+* ``runs`` ``{split: {qid: {doc_id: score}}}``: at least the top 100 documents per query, over the
+  whole gallery, for every split of ``ctx.eval_splits`` (:func:`topk_runs` builds it from a score
+  matrix). The suite computes every metric itself from the runs and the dataset.
+* ``dim_runs`` ``{dim: runs}`` for Matryoshka methods (the per-dim curves); ``runs`` is then the
+  full-dim run.
+* ``info``: anything to log (train seconds, steps, losses). ``info["metrics"] = {split: {name:
+  value}}`` is copied into the results as extra per-method metrics (e.g. the recency filter's stale
+  rate); values must be JSON numbers.
+* ``embed`` (optional) ``embed(texts: list[str]) -> Tensor (n, d)``: the method's text embedding
+  (L2-normalised or not: the suite normalises). With it the suite computes the similarity-preservation
+  proxy of the design notes §4.3 (Spearman between the zero-shot and this method's cosine similarities
+  on random pairs of time-stripped documents). Alternatively ``pair_sims``: the method's cosine
+  similarities on ``ctx.retention_pairs()`` (a list of (text_a, text_b)), computed by the method itself.
+  Neither given: the proxy is reported as n/a for that method.
+"""
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+__all__ = ["Method", "MethodOutput", "SuiteContext", "register", "registered", "unregister", "get_method",
+           "missing_needs", "topk_runs", "SETS", "EVAL_SPLITS", "TRAIN_SPLIT", "Budget"]
+
+#: the synthetic English sets (tempokern.datasets.synth)
+SETS = ("A", "B", "C")
+#: query splits a method is evaluated on (those a set has; "train" and "val" are never evaluated)
+EVAL_SPLITS = ("test_template", "test_date", "test_year", "test_masked", "timeless")
+TRAIN_SPLIT = "train"
+
+Runs = Dict[str, Dict[str, Dict[str, float]]]
+
+
+@dataclass
+class MethodOutput:
+    """What a method's ``run(ctx)`` returns (see the module doc)."""
+    runs: Runs
+    dim_runs: Optional[Dict[int, Runs]] = None
+    info: Dict[str, Any] = field(default_factory=dict)
+    embed: Optional[Callable[[Sequence[str]], Any]] = None
+    pair_sims: Optional[Sequence[float]] = None
+
+    def validate(self, eval_splits: Sequence[str], method: str = "method") -> "MethodOutput":
+        if not isinstance(self.runs, Mapping):
+            raise TypeError(f"{method}: MethodOutput.runs must be a dict {{split: {{qid: {{doc_id: score}}}}}}, "
+                            f"got {type(self.runs).__name__}")
+        missing = [s for s in eval_splits if s not in self.runs]
+        if missing:
+            raise ValueError(f"{method}: MethodOutput.runs lacks split(s) {missing} of ctx.eval_splits")
+        if self.dim_runs is not None:
+            if not isinstance(self.dim_runs, Mapping):
+                raise TypeError(f"{method}: MethodOutput.dim_runs must be a dict {{dim: runs}}")
+            for dim, runs in self.dim_runs.items():
+                if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+                    raise ValueError(f"{method}: dim_runs keys must be positive ints, got {dim!r}")
+                miss = [s for s in eval_splits if s not in runs]
+                if miss:
+                    raise ValueError(f"{method}: dim_runs[{dim}] lacks split(s) {miss}")
+        if not isinstance(self.info, Mapping):
+            raise TypeError(f"{method}: MethodOutput.info must be a dict")
+        extra = self.info.get("metrics")
+        if extra is not None:
+            if not isinstance(extra, Mapping) or not all(isinstance(v, Mapping) for v in extra.values()):
+                raise TypeError(f"{method}: info['metrics'] must be {{split: {{name: value}}}}")
+        return self
+
+
+@dataclass(frozen=True)
+class Method:
+    """A row of the comparison: ``run(ctx) -> MethodOutput`` on each set of ``sets``.
+
+    ``family``: the group in the table ("lexical", "dense", "ctd", "tmrl", "re3", ...);
+    ``needs``: module names that must be importable; ``description``: one line for results.md."""
+    name: str
+    family: str
+    sets: Tuple[str, ...]
+    run: Callable[["SuiteContext"], MethodOutput]
+    needs: Tuple[str, ...] = ()
+    description: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name or any(c in self.name for c in "/\\ \t\n"):
+            raise ValueError(f"Method name must be a non-empty string without '/', '\\' or spaces, got {self.name!r}")
+        if isinstance(self.sets, str):
+            object.__setattr__(self, "sets", (self.sets,))
+        object.__setattr__(self, "sets", tuple(self.sets))
+        bad = [s for s in self.sets if s not in SETS]
+        if bad or not self.sets:
+            raise ValueError(f"Method {self.name!r}: sets must be some of {SETS}, got {self.sets!r}")
+        if isinstance(self.needs, str):
+            object.__setattr__(self, "needs", (self.needs,))
+        object.__setattr__(self, "needs", tuple(self.needs))
+        if not callable(self.run):
+            raise TypeError(f"Method {self.name!r}: run must be callable (ctx) -> MethodOutput")
+
+
+_REGISTRY: Dict[str, Method] = {}
+
+
+def register(method: Method, *, replace: bool = False) -> Method:
+    """Add a method to the suite (its name must be new unless ``replace``). Returns it."""
+    if not isinstance(method, Method):
+        raise TypeError(f"register() takes a tempokern.suite.Method, got {type(method).__name__}")
+    if method.name in _REGISTRY and not replace and _REGISTRY[method.name] is not method:
+        raise ValueError(f"a method named {method.name!r} is already registered")
+    _REGISTRY[method.name] = method
+    return method
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def registered() -> List[Method]:
+    """The registered methods, in registration order."""
+    return list(_REGISTRY.values())
+
+
+def get_method(name: str) -> Method:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown method {name!r}; registered: {', '.join(_REGISTRY) or 'none'}")
+    return _REGISTRY[name]
+
+
+def missing_needs(method: Method) -> List[str]:
+    """The modules of ``method.needs`` that cannot be imported here."""
+    out = []
+    for mod in method.needs:
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out.append(mod)
+    return out
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The training budget every method of one suite run shares (so rows are comparable).
+
+    ``max_train_rows``: training rows used (None: all); ``epochs``; ``max_length`` tokens per text;
+    ``batch_size``; ``lr`` for fine-tuning the pretrained backbone."""
+    max_train_rows: Optional[int] = None
+    epochs: int = 1
+    max_length: int = 64
+    batch_size: int = 32
+    lr: float = 5e-5
+    eval_batch_size: int = 128
+
+    @classmethod
+    def quick(cls) -> "Budget":
+        return cls(max_train_rows=300, epochs=1, max_length=48, batch_size=32, lr=5e-5)
+
+    @classmethod
+    def full(cls) -> "Budget":
+        return cls(max_train_rows=1200, epochs=1, max_length=64, batch_size=32, lr=5e-5)
+
+
+class SuiteContext:
+    """What a method's ``run`` receives. Attributes:
+
+    ``synth`` (SynthSet), ``dataset`` (= ``synth.dataset``), ``set_name``, ``backbone_path`` (a
+    directory ``transformers.AutoModel/AutoTokenizer.from_pretrained`` load offline), ``seed``,
+    ``quick`` (bool), ``budget`` (:class:`Budget`), ``work_dir`` (a Path per (method, set, seed) for
+    checkpoints and resume; created), ``device`` (torch.device), ``eval_splits`` (the splits to return
+    runs for), ``depth`` (documents per query in a run, >= 100), ``log(msg)``, ``progress(iterable,
+    desc)``."""
+
+    def __init__(self, *, synth, backbone_path: str, seed: int, quick: bool, work_dir, device=None,
+                 eval_splits: Optional[Sequence[str]] = None, budget: Optional[Budget] = None, depth: int = 100,
+                 log: Optional[Callable[[str], None]] = None, progress_enabled: bool = True,
+                 method_name: str = "", retention_pairs: int = 2000):
+        import torch
+        self.synth = synth
+        self.dataset = synth.dataset
+        self.set_name = getattr(synth, "name", "?")
+        self.backbone_path = backbone_path
+        self.seed = int(seed)
+        self.quick = bool(quick)
+        self.budget = budget or (Budget.quick() if quick else Budget.full())
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        have = {q.split for q in self.dataset.queries}
+        self.eval_splits = [s for s in (eval_splits or EVAL_SPLITS) if s in have]
+        self.depth = max(100, int(depth))
+        self.method_name = method_name
+        self._log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self._progress_enabled = progress_enabled
+        self._n_pairs = retention_pairs
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def log(self, msg: str) -> None:
+        self._log(f"[{self.method_name}/{self.set_name}/seed {self.seed}] {msg}")
+
+    def progress(self, iterable: Iterable, desc: str = ""):
+        from ..training.trainer import _progress
+        return _progress(iterable, self._progress_enabled, f"{self.method_name}/{self.set_name} {desc}".strip())
+
+    def gallery(self):
+        """The gallery: every record of the set (runs rank over all of them)."""
+        return self.dataset.records
+
+    def queries(self, split: str):
+        return [q for q in self.dataset.queries if q.split == split]
+
+    def train_rows(self):
+        """The set's TrainRows, cut to ``budget.max_train_rows`` by a seeded shuffle (the same rows
+        for every method of a run with this seed)."""
+        rows = list(self.synth.train_rows)
+        n = self.budget.max_train_rows
+        if n is not None and len(rows) > n:
+            rng = random.Random(1000003 * self.seed + 17)
+            rows = rng.sample(rows, n)
+        return rows
+
+    def retention_pairs(self) -> List[Tuple[str, str]]:
+        """The (time-stripped document, time-stripped document) pairs of the similarity-preservation
+        proxy (design notes §4.3), fixed for the set (not the seed)."""
+        from .metrics import retention_pairs
+        return retention_pairs(self.dataset, self._n_pairs)
+
+
+def topk_runs(scores, query_ids: Sequence[str], doc_ids: Sequence[str], k: int = 100) -> Dict[str, Dict[str, float]]:
+    """``{qid: {doc_id: score}}`` of the top ``k`` documents per row of a (Q, G) score matrix
+    (torch tensor or numpy array)."""
+    import torch
+    s = torch.as_tensor(scores).float()
+    if s.dim() != 2 or s.shape[0] != len(query_ids) or s.shape[1] != len(doc_ids):
+        raise ValueError(f"scores must be (len(query_ids), len(doc_ids)) = ({len(query_ids)}, {len(doc_ids)}), "
+                         f"got {tuple(s.shape)}")
+    k = min(int(k), len(doc_ids))
+    vals, idx = s.topk(k, dim=1) if k > 0 else (s[:, :0], s[:, :0].long())
+    out = {}
+    for qi, qid in enumerate(query_ids):
+        out[qid] = {doc_ids[j]: float(v) for j, v in zip(idx[qi].tolist(), vals[qi].tolist())}
+    return out
