@@ -550,3 +550,22 @@ def test_cli_search_recency_rule(re2_model, capsys):
     assert main(["search", "--model", str(tmp / "run" / "best"), "--index", str(idx), "--query", q, "-k", "80",
                  "--recency", "rule", "--recency-policy", "latest_only"]) == 0
     assert capsys.readouterr().out.count("removed (outdated)") == 3
+
+
+def test_metadata_qualifiers_keep_days_apart():
+    """Set C's facts name the metric only ("high temperature"); the record's meta["date"] qualifies it, so
+    different days are different facts, and versions of one day compete."""
+    def rec(i, day, v, pub):
+        return Candidate(i, "t", pub, 0.0, {"date": day, "facts": [{"head": "Seattle", "relation": "high", "value": v}]})
+    cs = [rec("d5-old", "2014-03-05", "12", D(2014, 3, 3)), rec("d5", "2014-03-05", "13", D(2014, 3, 5)),
+          rec("d6", "2014-03-06", "9", D(2014, 3, 6))]
+    r = RecencyFilter(MetadataExtractor())("q", cs)
+    assert r.votes == {"d5-old": -1, "d5": 1, "d6": 1} and len(r.groups) == 2
+    assert ("seattle", "high @ date=2014-03-05") in r.groups
+    r = RecencyFilter(MetadataExtractor(qualifiers=()))("q", cs)          # unqualified: one group, d6 wins
+    assert r.votes == {"d5-old": -1, "d5": -1, "d6": 1}
+    from tempokern.datasets import Query, Record, RetrievalDataset
+    ds = RetrievalDataset("c", [Record(c.id, c.text, meta=c.meta, published=c.published) for c in cs],
+                          [Query("q", "?", gold={"d5": 1})])
+    assert version_truth(ds)["outdated"] == {"d5-old"}
+    assert version_truth(ds, qualifiers=())["outdated"] == {"d5-old", "d5"}

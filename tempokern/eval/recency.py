@@ -166,15 +166,16 @@ def compare_evidence(before: Mapping[str, Sequence[str]], after: Mapping[str, Se
     return res
 
 
-def version_truth(dataset) -> Dict[str, Any]:
+def version_truth(dataset, qualifiers: Sequence[str] = ("date",)) -> Dict[str, Any]:
     """Ground truth for the filter metrics from a dataset whose records carry ``published`` and
-    ``meta["facts"]`` (e.g. the versioned set C): records sharing a fact key (head, relation), normalised,
+    ``meta["facts"]`` (e.g. the versioned set C): records sharing a fact key (head, relation, qualified by
+    the ``qualifiers`` meta keys as :class:`MetadataExtractor` does, :func:`tempokern.rerank.fact_key`)
     are versions of one fact; those with the latest ``published`` in their group are current, the others
     **outdated**. Returns ``{"outdated": set of ids, "latest": {qid: ids}, "gold_value": {qid: value},
     "doc_value": fn(qid, doc_id)}``: a query's latest versions are its gold records (rel > 0) with the
     latest date among them; its gold value is ``meta["answer"]`` when given, else the value its latest gold
     record states; a document's value for a query is its value for the key of the query's gold fact."""
-    from ..rerank.recency import _group_key
+    from ..rerank.recency import fact_key
     groups: Dict[Tuple[str, str], List[Any]] = {}
     facts_of: Dict[str, Dict[Tuple[str, str], Optional[str]]] = {}
     for r in dataset.records:
@@ -182,7 +183,7 @@ def version_truth(dataset) -> Dict[str, Any]:
         kv = {}
         for f in fs:
             if isinstance(f, Mapping) and "head" in f and "relation" in f:
-                key = _group_key(f.get("head"), f.get("relation"))
+                key = fact_key(f, r.meta, qualifiers)
                 kv.setdefault(key, None if f.get("value") is None else str(f.get("value")))
         facts_of[r.id] = kv
         for key in kv:

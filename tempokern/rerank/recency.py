@@ -29,7 +29,8 @@ from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional, Prot
 
 __all__ = ["Candidate", "Fact", "Extraction", "ExtractionError", "Extractor", "FilterResult", "RecencyFilter",
            "MetadataExtractor", "RuleExtractor", "LLMExtractor", "build_prompt", "parse_facts_json",
-           "default_equal", "normalize_text", "parse_number", "find_dates", "POLICIES", "MODES",
+           "default_equal", "normalize_text", "parse_number", "find_dates", "fact_key", "qualified_relation",
+           "POLICIES", "MODES",
            "DEFAULT_ALIASES", "DEFAULT_METRICS", "DEFAULT_CATEGORIES"]
 
 POLICIES = ("conflict", "latest_only")
@@ -306,11 +307,17 @@ class MetadataExtractor:
     """Facts from ``candidate.meta["facts"]`` = ``[{"head", "relation", "value"}, ...]`` (records generated
     from structured data: exact, the oracle). A candidate without the key states nothing (NULL); a value
     of None / ``"NULL"`` is NULL; a malformed entry raises :class:`ExtractionError` (the filter then
-    removes nothing). ``relevant(query, fact_dict) -> bool`` optionally keeps only the facts that answer
-    the query (default: all)."""
+    removes nothing). ``qualifiers``: meta keys whose values, when present, are appended to the relation
+    (default ``("date",)``: a fact is a (head, relation) *at a date*, so versions of one day's value are
+    compared with each other and not with other days' values — what the paper's LLM does by marking a
+    document about another day NULL); see :func:`fact_key`. ``relevant(query, fact_dict) -> bool``
+    optionally keeps only the facts that answer the query (default: all)."""
 
-    def __init__(self, key: str = "facts", relevant: Optional[Callable[[str, Mapping[str, Any]], bool]] = None):
-        self.key, self.relevant = key, relevant
+    def __init__(self, key: str = "facts", relevant: Optional[Callable[[str, Mapping[str, Any]], bool]] = None,
+                 qualifiers: Sequence[str] = ("date",)):
+        if isinstance(qualifiers, str):
+            qualifiers = (qualifiers,)
+        self.key, self.relevant, self.qualifiers = key, relevant, tuple(qualifiers)
 
     def __call__(self, query: str, docs: Sequence[Candidate]) -> List[Fact]:
         out = []
@@ -327,8 +334,26 @@ class MetadataExtractor:
                                           f"head, relation and value, got {f!r}")
                 if self.relevant is not None and not self.relevant(query, f):
                     continue
-                out.append(Fact(i, _str_or_none(f["head"]), _str_or_none(f["relation"]), _value_or_null(f["value"])))
+                out.append(Fact(i, _str_or_none(f["head"]), qualified_relation(f["relation"], d.meta, self.qualifiers),
+                                _value_or_null(f["value"])))
         return out
+
+
+def qualified_relation(relation: Any, meta: Optional[Mapping[str, Any]], qualifiers: Sequence[str] = ("date",)
+                       ) -> Optional[str]:
+    """``relation`` with the values of ``meta``'s qualifier keys appended (``"high @ date=2014-03-05"``);
+    unchanged when none is present."""
+    if relation is None:
+        return None
+    quals = [f"{k}={meta[k]}" for k in qualifiers if meta and meta.get(k) is not None]
+    return str(relation) if not quals else f"{relation} @ " + ", ".join(quals)
+
+
+def fact_key(fact: Mapping[str, Any], meta: Optional[Mapping[str, Any]] = None,
+             qualifiers: Sequence[str] = ("date",)) -> Tuple[str, str]:
+    """The normalised group key (head, relation) of a ``meta["facts"]`` entry, qualified as
+    :class:`MetadataExtractor` does."""
+    return _group_key(_str_or_none(fact.get("head")), qualified_relation(fact.get("relation"), meta, qualifiers))
 
 
 def _str_or_none(v) -> Optional[str]:
