@@ -215,12 +215,13 @@ def version_truth(dataset, qualifiers: Sequence[str] = ("date",)) -> Dict[str, A
 
 
 def recency_report(run: Mapping[str, Mapping[str, float]], dataset, rfilter, *, k: int = 5, tokenizer=None,
-                   max_reasons: int = 20) -> Dict[str, Any]:
+                   max_reasons: int = 20, results: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
     """The filter applied to the top ``k`` of ``run`` over ``dataset`` (queries of the run; records with
     ``published`` and, for the version metrics, ``meta["facts"]``): ``{"retrieval": {"before", "after"}}``
     (:func:`re3_metrics` R@1/R@5/MRR of the run and of :func:`filtered_run`), the evidence metrics of
     :func:`compare_evidence` under :func:`version_truth`, ``"failures"`` (queries where the extractor
-    failed and nothing was filtered) and the first ``max_reasons`` recorded reasons."""
+    failed and nothing was filtered) and the first ``max_reasons`` recorded reasons. ``results``: the
+    :func:`apply_recency` results of this run when already computed (then ``rfilter`` is only named)."""
     import warnings
     from .metrics import re3_metrics
     qtext = {q.id: q.text for q in dataset.queries if q.id in run}
@@ -229,7 +230,10 @@ def recency_report(run: Mapping[str, Mapping[str, float]], dataset, rfilter, *, 
         raise KeyError(f"run names queries not in dataset {dataset.name!r}: {missing[:5]}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        results = apply_recency(run, dataset, rfilter, qtext, k=k)
+        if results is None:
+            results = apply_recency(run, dataset, rfilter, qtext, k=k)
+        elif set(results) != set(run):
+            raise ValueError("results must hold one FilterResult per query of run")
     after_run = filtered_run(run, results)
     qrels = {q.id: {d: r for d, r in q.gold.items() if r > 0} for q in dataset.queries if q.id in run}
     truth = version_truth(dataset)
