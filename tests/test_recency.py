@@ -9,7 +9,7 @@ import pytest
 from tempokern.eval.recency import (apply_recency, compare_evidence, count_tokens, evidence_lists, filtered_run,
                                     recency_metrics, version_truth)
 from tempokern.rerank import (Candidate, Extraction, Fact, LLMExtractor, MetadataExtractor, RecencyFilter,
-                              RuleExtractor, build_prompt, default_equal, find_dates, normalize_text,
+                              RuleExtractor, build_prompt, date_parts, default_equal, find_dates, normalize_text,
                               parse_facts_json, parse_number)
 
 D = dt.date
@@ -338,13 +338,33 @@ FC = [Candidate("f1", "Forecast issued March 3, 2014 for Seattle on March 5, 201
 def test_rule_extractor_numbers_with_units_and_time_check():
     q = "What was the high temperature in Seattle on March 5, 2014?"
     facts = RuleExtractor()(q, FC)
-    assert [(f.head, f.relation) for f in facts] == [("Seattle", "temp_max")] * 5
+    assert [(f.head, f.relation) for f in facts] == [("Seattle", "temp_max @ 2014-03-05")] * 3 + \
+        [("Seattle", "temp_max")] * 2                                            # NULL: not about March 5
     assert [f.value for f in facts] == ["12.3 °c", "12.8 °c", "12.8°c", None, None]
     r = RecencyFilter(RuleExtractor())(q, FC)
     assert r.votes == {"f1": -1, "f2": 1, "obs": 1, "next": 0, "pdx": 0}
     q = "What was the low in Seattle on 03/05/2014?"
     assert [f.value for f in RuleExtractor()(q, FC)] == ["5 °c", "5 °c", "4 °c", None, None]
     assert RecencyFilter(RuleExtractor())(q, FC).votes == {"f1": -1, "f2": -1, "obs": 1, "next": 0, "pdx": 0}
+
+
+def test_rule_extractor_keeps_different_days_apart():
+    days = [Candidate(f"d{i}", f"On March {i}, 2014, Seattle recorded a high of {10 + i} °C.", D(2014, 3, i))
+            for i in (3, 4, 5)] + [Candidate("v", "Forecast for Seattle on March 4, 2014: high of 9 °C.", D(2014, 3, 2))]
+    # no date in the query: each day is its own fact; only day 4's old forecast conflicts with its observation
+    r = RecencyFilter(RuleExtractor())("What was the high in Seattle?", days)
+    assert r.votes == {"d3": 1, "d4": 1, "d5": 1, "v": -1}
+    assert ("seattle", "temp_max @ 2014-03-04") in r.groups and len(r.groups) == 3
+    # a month-level query: every March document addresses it, still one fact per day
+    r = RecencyFilter(RuleExtractor())("What was the high in Seattle in March 2014?", days)
+    assert r.votes == {"d3": 1, "d4": 1, "d5": 1, "v": -1}
+    assert all(f.value is None for f in RuleExtractor()("What was the high in Seattle in April 2014?", days))
+    # a monthly document does not answer a daily question
+    monthly = [Candidate("m", "In March 2014, Seattle's average high was 11 °C.", D(2014, 4, 1))]
+    assert RuleExtractor()("High in Seattle on March 4, 2014?", monthly)[0].value is None
+    # without the qualification (qualify_by_date=False) all days compete: the latest one wins
+    r = RecencyFilter(RuleExtractor(qualify_by_date=False))("What was the high in Seattle?", days)
+    assert r.votes == {"d3": -1, "d4": -1, "d5": 1, "v": -1}
 
 
 def test_rule_extractor_categories_aliases_and_relative_dates():
@@ -384,6 +404,14 @@ def test_rule_extractor_bad_arguments():
         RuleExtractor({"NYC": "New York"})
     with pytest.raises(ValueError, match="metrics"):
         RuleExtractor(metrics={"x": (["x"], "words")})
+
+
+def test_date_parts():
+    t = "on 2014-02-30, March 5, in May 2014, 2014-07 and 1999; may be tomorrow"
+    got = date_parts(t, ref=D(2014, 12, 31))
+    assert [p for _, _, p in got] == [(2014, 2, None), (None, 3, 5), (2014, 5, None), (2014, 7, None), (1999, None, None),
+                                      (2015, 1, 1)]
+    assert date_parts("tomorrow")[0][2] == (None, None, None)
 
 
 def test_find_dates():

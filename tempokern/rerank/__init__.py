@@ -9,11 +9,12 @@
 """
 from .recency import (DEFAULT_ALIASES, DEFAULT_CATEGORIES, DEFAULT_METRICS, POLICIES, MODES, Candidate,
                       Extraction, ExtractionError, Extractor, Fact, FilterResult, LLMExtractor,
-                      MetadataExtractor, RecencyFilter, RuleExtractor, build_prompt, default_equal, fact_key,
-                      find_dates, normalize_text, parse_facts_json, parse_number, qualified_relation)
+                      MetadataExtractor, RecencyFilter, RuleExtractor, build_prompt, date_parts, default_equal,
+                      fact_key, find_dates, normalize_text, parse_facts_json, parse_number, qualified_relation)
 
 __all__ = ["Candidate", "Fact", "Extraction", "ExtractionError", "Extractor", "FilterResult", "RecencyFilter",
            "MetadataExtractor", "RuleExtractor", "LLMExtractor", "build_prompt", "parse_facts_json",
-           "default_equal", "normalize_text", "parse_number", "find_dates", "fact_key", "qualified_relation",
+           "default_equal", "normalize_text", "parse_number", "find_dates", "date_parts", "fact_key",
+           "qualified_relation",
            "POLICIES", "MODES",
            "DEFAULT_ALIASES", "DEFAULT_METRICS", "DEFAULT_CATEGORIES"]

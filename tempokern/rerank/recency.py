@@ -29,8 +29,8 @@ from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional, Prot
 
 __all__ = ["Candidate", "Fact", "Extraction", "ExtractionError", "Extractor", "FilterResult", "RecencyFilter",
            "MetadataExtractor", "RuleExtractor", "LLMExtractor", "build_prompt", "parse_facts_json",
-           "default_equal", "normalize_text", "parse_number", "find_dates", "fact_key", "qualified_relation",
-           "POLICIES", "MODES",
+           "default_equal", "normalize_text", "parse_number", "find_dates", "date_parts", "fact_key",
+           "qualified_relation", "POLICIES", "MODES",
            "DEFAULT_ALIASES", "DEFAULT_METRICS", "DEFAULT_CATEGORIES"]
 
 POLICIES = ("conflict", "latest_only")
@@ -396,40 +396,75 @@ _DATE_PATTERNS = [
 ]
 
 
-def find_dates(text: str, *, ref: Optional[_dt.date] = None) -> List[Tuple[int, int, Optional[_dt.date]]]:
-    """Every date-like span of ``text`` as ``(start, end, date or None)``: full dates (ISO, ``MM/DD/YYYY``,
-    ``Month D, YYYY``, ``D Month YYYY``) carry their ``date``; partial ones (``Month YYYY``, ``Month D``,
-    ``YYYY-MM``, a year) and impossible days carry None; ``today``/``tomorrow``/``yesterday`` are resolved
-    against ``ref`` (None without it). Spans do not overlap (earlier patterns win)."""
-    out: List[Tuple[int, int, Optional[_dt.date]]] = []
+DateParts = Tuple[Optional[int], Optional[int], Optional[int]]
+
+
+def date_parts(text: str, *, ref: Optional[_dt.date] = None) -> List[Tuple[int, int, DateParts]]:
+    """Every date-like span of ``text`` as ``(start, end, (year, month, day))`` with None for the parts it
+    does not name: ISO, ``MM/DD/YYYY``, ``Month D, YYYY`` and ``D Month YYYY`` name all three (an impossible
+    day, 30 February, keeps year and month only), ``Month YYYY`` / ``YYYY-MM`` year and month, ``Month D``
+    month and day, a year alone the year; ``today``/``tomorrow``/``yesterday`` are resolved against ``ref``
+    (all None without it). Spans do not overlap (earlier patterns win) and come in text order."""
+    out: List[Tuple[int, int, DateParts]] = []
     taken: List[Tuple[int, int]] = []
     for kind, pat in _DATE_PATTERNS:
         for m in pat.finditer(text):
             s, e = m.span()
             if any(s < b and a < e for a, b in taken):
                 continue
-            d = None
-            try:
-                if kind == "ymd":
-                    d = _dt.date(int(m.group(1)), int(m.group(2)), int(m.group(3)))
-                elif kind == "mdy_num":
-                    d = _dt.date(int(m.group(3)), int(m.group(1)), int(m.group(2)))
-                elif kind == "mdy":
-                    d = _dt.date(int(m.group(3)), _MONTHS[m.group(1).lower()], int(m.group(2)))
-                elif kind == "dmy":
-                    d = _dt.date(int(m.group(3)), _MONTHS[m.group(2).lower()], int(m.group(1)))
-                elif kind == "rel" and ref is not None:
-                    d = ref + _dt.timedelta(days={"today": 0, "tomorrow": 1, "yesterday": -1}[m.group(1).lower()])
-                elif kind == "ym" and not 1 <= int(m.group(2)) <= 12:
+            g = m.group
+            if kind == "ymd":
+                y, mo, d = int(g(1)), int(g(2)), int(g(3))
+            elif kind == "mdy_num":
+                y, mo, d = int(g(3)), int(g(1)), int(g(2))
+            elif kind == "mdy":
+                y, mo, d = int(g(3)), _MONTHS[g(1).lower()], int(g(2))
+            elif kind == "dmy":
+                y, mo, d = int(g(3)), _MONTHS[g(2).lower()], int(g(1))
+            elif kind == "my":
+                y, mo, d = int(g(2)), _MONTHS[g(1).lower()], None
+            elif kind == "md":
+                if g(1).lower() == "may" and not g(2):
                     continue
-            except ValueError:
-                d = None
-            if kind == "md" and m.group(1).lower() == "may" and not m.group(2):
-                continue
+                y, mo, d = None, _MONTHS[g(1).lower()], int(g(2))
+            elif kind == "ym":
+                y, mo, d = int(g(1)), int(g(2)), None
+            elif kind == "rel":
+                if ref is None:
+                    y = mo = d = None
+                else:
+                    r = ref + _dt.timedelta(days={"today": 0, "tomorrow": 1, "yesterday": -1}[g(1).lower()])
+                    y, mo, d = r.year, r.month, r.day
+            else:
+                y, mo, d = int(g(1)), None, None
+            if mo is not None and not 1 <= mo <= 12:
+                if kind in ("ym", "mdy_num", "ymd"):
+                    continue
+            if d is not None:
+                try:
+                    _dt.date(y if y is not None else 2000, mo, d)
+                except ValueError:
+                    d = None
             taken.append((s, e))
-            out.append((s, e, d))
+            out.append((s, e, (y, mo, d)))
     out.sort()
     return out
+
+
+def find_dates(text: str, *, ref: Optional[_dt.date] = None) -> List[Tuple[int, int, Optional[_dt.date]]]:
+    """:func:`date_parts` as ``(start, end, date or None)``: the ``datetime.date`` of spans that name a
+    whole, possible date, None for partial ones (``Month YYYY``, ``Month D``, ``YYYY-MM``, a year), impossible
+    days and unresolved relative words."""
+    return [(s, e, _dt.date(*p) if None not in p else None) for s, e, p in date_parts(text, ref=ref)]
+
+
+def _parts_key(p: DateParts) -> str:
+    return "-".join("?" if x is None else f"{x:02d}" for x in p)
+
+
+def _covers(span: DateParts, want: DateParts) -> bool:
+    """``span`` names every part ``want`` names, with the same values."""
+    return all(w is None or s == w for s, w in zip(span, want))
 
 
 # ---- RuleExtractor ---------------------------------------------------------------------------------------
@@ -492,10 +527,16 @@ class RuleExtractor:
       case-insensitive, merged over :data:`DEFAULT_ALIASES` unless ``default_aliases=False``); a candidate
       that mentions none of its aliases states NULL. A query naming no known entity gives every candidate
       the head ``""`` when ``require_entity=False`` (default True: all NULL, nothing removed).
-    * **time**: when the query names a full date, a candidate addresses it only if the candidate's text
-      names that date (dates equal to the candidate's own ``published`` date are discounted when it names
-      others, so "issued March 3" does not make a forecast for March 6 answer a question about March 3;
-      today/tomorrow/yesterday resolve against ``published``); otherwise NULL.
+    * **time**: a candidate's *content dates* are the dates its text names (:func:`date_parts`;
+      today/tomorrow/yesterday resolved against its ``published``), less those equal to its ``published``
+      date when it names others ("issued March 3" does not make a forecast for March 6 a March 3
+      document). When the query names a date (its first date span: a day, a month or a year), a candidate
+      addresses it only if one of its content dates names the same parts (a March 5 document answers a
+      "March 2014" question, a "March 2014" document does not answer a "March 5, 2014" one); otherwise NULL.
+      With ``qualify_by_date`` (default) the relation is qualified by the candidate's (matching, else
+      first) content date — ``"temp_max @ 2014-03-05"`` — so documents about different days are different
+      facts and only versions of one day's value compete (a candidate naming no date keeps the bare
+      relation).
     * **value**: for a metric, the first number (with its unit) after one of its keywords in the
       candidate, or the first categorical word (``categories``, canonicalised) for categorical metrics;
       otherwise the span that differs between the candidates sharing the head: their numbers with units
@@ -505,7 +546,8 @@ class RuleExtractor:
     def __init__(self, aliases: Optional[Mapping[str, Sequence[str]]] = None, *,
                  metrics: Optional[Mapping[str, Tuple[Sequence[str], str]]] = None,
                  categories: Optional[Mapping[str, str]] = None, default_aliases: bool = True,
-                 require_entity: bool = True, match_time: bool = True, window: int = 40):
+                 require_entity: bool = True, match_time: bool = True, qualify_by_date: bool = True,
+                 window: int = 40):
         al = {k: list(v) for k, v in DEFAULT_ALIASES.items()} if default_aliases else {}
         for k, v in (aliases or {}).items():
             if isinstance(v, str) or not all(isinstance(a, str) for a in v):
@@ -523,6 +565,7 @@ class RuleExtractor:
         self._cat_re = re.compile(r"(?<!\w)(" + "|".join(sorted(map(re.escape, self.categories), key=len,
                                                                  reverse=True)) + r")(?!\w)")
         self.require_entity, self.match_time, self.window = require_entity, match_time, int(window)
+        self.qualify_by_date = qualify_by_date
 
     # -- query analysis
     def _entities(self, text: str) -> List[str]:
@@ -541,13 +584,13 @@ class RuleExtractor:
                     best = (ln, name)
         return best[1] if best else None
 
-    def _masked(self, text: str, ref) -> Tuple[str, List[_dt.date]]:
-        """Normalised text with date spans blanked, and the full dates found."""
-        spans = find_dates(text, ref=ref)
+    def _masked(self, text: str, ref) -> Tuple[str, List[DateParts]]:
+        """Normalised text with date spans blanked, and the date parts of the spans (text order)."""
+        spans = date_parts(text, ref=ref)
         chars = list(text)
         for s, e, _ in spans:
             chars[s:e] = " " * (e - s)
-        return "".join(chars), [d for _, _, d in spans if d is not None]
+        return "".join(chars), [p for _, _, p in spans if p != (None, None, None)]
 
     def _items(self, masked: str) -> List[str]:
         items = []
@@ -590,7 +633,7 @@ class RuleExtractor:
         head = ents[0] if ents else ""
         pats = self.aliases.get(head, [])
         facts: List[Fact] = []
-        pending: List[Tuple[int, List[str], str]] = []
+        pending: List[Tuple[int, List[str], str, str]] = []
         for i, d in enumerate(docs):
             text = normalize_text(d.text)
             hm = None
@@ -599,37 +642,42 @@ class RuleExtractor:
                 if hm is None:
                     facts.append(Fact(i, head, relation, None))
                     continue
-            masked, ddates = self._masked(text, d.published)
+            masked, dparts = self._masked(text, d.published)
+            pub = (d.published.year, d.published.month, d.published.day) if d.published is not None else None
+            content = [p for p in dparts if p != pub] or dparts       # the publication date names no content
             if qdate is not None:
-                own = [x for x in ddates if x != d.published]
-                if qdate not in (own or ddates):
+                content = [p for p in content if _covers(p, qdate)]
+                if not content:
                     facts.append(Fact(i, head, relation, None))
                     continue
+            rel = relation
+            if self.qualify_by_date and content:
+                rel = f"{relation} @ {_parts_key(content[0])}"
             if metric is not None:
                 v = self._metric_value(masked, metric)
                 if v is not None:
-                    facts.append(Fact(i, head, relation, v))
+                    facts.append(Fact(i, head, rel, v))
                     continue
             pos = hm.start() if hm is not None else 0
             sent = next((m.group(0) for m in _SENT.finditer(text) if m.start() <= pos < max(m.end(), m.start() + 1)),
                         text)
-            pending.append((i, self._items(masked), normalize_text(sent)))
+            pending.append((i, self._items(masked), normalize_text(sent), rel))
         # the span that differs between the candidates sharing the head
         if pending:
-            lens = {len(it) for _, it, _ in pending}
+            lens = {len(it) for _, it, _, _ in pending}
             same_len = len(lens) == 1
             diff = set()
             if same_len:
                 n = lens.pop()
-                diff = {k for k in range(n) if len({it[k] for _, it, _ in pending}) > 1}
-            for i, it, sent in pending:
+                diff = {k for k in range(n) if len({it[k] for _, it, _, _ in pending}) > 1}
+            for i, it, sent, rel in pending:
                 if not it:
                     v = sent
                 elif same_len and diff:
                     v = "; ".join(it[k] for k in sorted(diff))
                 else:
                     v = "; ".join(it)
-                facts.append(Fact(i, head, relation, v or None))
+                facts.append(Fact(i, head, rel, v or None))
         facts.sort(key=lambda f: f.doc_index)
         return facts
 
