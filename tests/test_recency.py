@@ -367,6 +367,23 @@ def test_rule_extractor_keeps_different_days_apart():
     assert r.votes == {"d3": -1, "d4": -1, "d5": 1, "v": -1}
 
 
+def test_rule_extractor_attribute_siblings_are_not_versions():
+    docs = [Candidate("a", "06/2014: the United States counted 21,895 thousand jobs in government.", D(2014, 7, 19)),
+            Candidate("b", "Monthly employment, nondurable goods manufacturing, United States, 08/2014: 4,508 thousand.",
+                      D(2014, 9, 19)),
+            Candidate("c", "The government sector of the United States employed 21,863 thousand people in 2014-08.",
+                      D(2014, 9, 6)),
+            Candidate("c2", "08/2014: the United States counted 21,800 thousand jobs in government (first estimate).",
+                      D(2014, 9, 1))]
+    q = "What was employment in government in the United States in 08/2014?"
+    facts = RuleExtractor()(q, docs)
+    assert [f.value for f in facts] == [None, None, "21,863 thousand", "21,800 thousand"]   # a: June; b: no "government"
+    assert facts[2].relation == facts[3].relation == "employment @ 2014-08-?"
+    assert RecencyFilter(RuleExtractor())(q, docs).votes == {"a": 0, "b": 0, "c": 1, "c2": -1}
+    # without the term check the nondurable-goods series would be taken for a newer version
+    assert RecencyFilter(RuleExtractor(match_terms=False))(q, docs).votes == {"a": 0, "b": 1, "c": -1, "c2": -1}
+
+
 def test_rule_extractor_categories_aliases_and_relative_dates():
     q = "What was the weather like in Seattle on 5 March 2014?"
     assert [f.value for f in RuleExtractor()(q, FC)] == ["rain", "rain", "drizzle", None, None]

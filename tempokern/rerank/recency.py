@@ -30,7 +30,7 @@ from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional, Prot
 __all__ = ["Candidate", "Fact", "Extraction", "ExtractionError", "Extractor", "FilterResult", "RecencyFilter",
            "MetadataExtractor", "RuleExtractor", "LLMExtractor", "build_prompt", "parse_facts_json",
            "default_equal", "normalize_text", "parse_number", "find_dates", "date_parts", "fact_key",
-           "qualified_relation", "POLICIES", "MODES",
+           "qualified_relation", "GENERIC_WORDS", "POLICIES", "MODES",
            "DEFAULT_ALIASES", "DEFAULT_METRICS", "DEFAULT_CATEGORIES"]
 
 POLICIES = ("conflict", "latest_only")
@@ -391,6 +391,7 @@ _DATE_PATTERNS = [
     ("my", re.compile(r"\b" + _MON + r"\s+(\d{4})\b", re.I)),
     ("md", re.compile(r"\b" + _MON + r"\s+(\d{1,2})(?:st|nd|rd|th)?\b(?!\s*,?\s*\d)", re.I)),
     ("ym", re.compile(r"\b(\d{4})-(\d{1,2})\b(?!-)")),
+    ("my_num", re.compile(r"\b(\d{1,2})/(\d{4})\b")),
     ("rel", re.compile(r"\b(today|tomorrow|yesterday)\b", re.I)),
     ("year", re.compile(r"\b(1[89]\d\d|20\d\d)\b")),
 ]
@@ -402,7 +403,7 @@ DateParts = Tuple[Optional[int], Optional[int], Optional[int]]
 def date_parts(text: str, *, ref: Optional[_dt.date] = None) -> List[Tuple[int, int, DateParts]]:
     """Every date-like span of ``text`` as ``(start, end, (year, month, day))`` with None for the parts it
     does not name: ISO, ``MM/DD/YYYY``, ``Month D, YYYY`` and ``D Month YYYY`` name all three (an impossible
-    day, 30 February, keeps year and month only), ``Month YYYY`` / ``YYYY-MM`` year and month, ``Month D``
+    day, 30 February, keeps year and month only), ``Month YYYY`` / ``YYYY-MM`` / ``MM/YYYY`` year and month, ``Month D``
     month and day, a year alone the year; ``today``/``tomorrow``/``yesterday`` are resolved against ``ref``
     (all None without it). Spans do not overlap (earlier patterns win) and come in text order."""
     out: List[Tuple[int, int, DateParts]] = []
@@ -429,6 +430,8 @@ def date_parts(text: str, *, ref: Optional[_dt.date] = None) -> List[Tuple[int, 
                 y, mo, d = None, _MONTHS[g(1).lower()], int(g(2))
             elif kind == "ym":
                 y, mo, d = int(g(1)), int(g(2)), None
+            elif kind == "my_num":
+                y, mo, d = int(g(2)), int(g(1)), None
             elif kind == "rel":
                 if ref is None:
                     y = mo = d = None
@@ -438,7 +441,7 @@ def date_parts(text: str, *, ref: Optional[_dt.date] = None) -> List[Tuple[int, 
             else:
                 y, mo, d = int(g(1)), None, None
             if mo is not None and not 1 <= mo <= 12:
-                if kind in ("ym", "mdy_num", "ymd"):
+                if kind in ("ym", "my_num", "mdy_num", "ymd"):
                     continue
             if d is not None:
                 try:
@@ -510,6 +513,15 @@ _UNIT = (r"(?:\s*(?:°\s*[cf]\b|°|º\s*[cf]?|degrees?(?:\s+(?:celsius|fahrenhei
          r"dollars?\b|usd\b|thousand\b|million\b|billion\b|k\b|"
          r"(?!(?:and|or|of|on|in|at|to|for|with|the|a|an|by|from|than|per|is|was|were|are)\b)[^\W\d_]{2,}\b))?")
 _NUM_IN_TEXT = re.compile(r"(?<![\w.])([$€£¥]\s*)?([+\-\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)" + _UNIT, re.I)
+#: query words that never distinguish a fact (question words, function words, "latest")
+GENERIC_WORDS = frozenset("""
+what which who whom whose when where why how was were is are be been being the a an of in on at for to from by with
+and or did does do has have had there their its it this that these those as about than value values number
+latest current recent most newest last currently recorded reported report according give tell me please much many
+during day date month year week time level levels amount total like will would going expected predicted observed
+actual measured get got see show shows find know look looks be can could should say says said new old
+""".split())
+_WORD = re.compile(r"[^\W\d_][^\W_]*(?:['’][a-z]+)?")
 _SENT = re.compile(r"[^.!?]*(?:[.!?](?!\d)|$)")
 
 
@@ -537,6 +549,11 @@ class RuleExtractor:
       first) content date — ``"temp_max @ 2014-03-05"`` — so documents about different days are different
       facts and only versions of one day's value compete (a candidate naming no date keeps the bare
       relation).
+    * **terms**: with ``match_terms`` (default) and a metric found, a candidate must also contain every
+      distinguishing word of the query — its words of three letters or more that are not entity aliases, metric keywords, month or
+      weekday names, categorical values or :data:`GENERIC_WORDS` (e.g. "government" in "employment in
+      government in the United States in 08/2014") — else it is NULL: attribute siblings (another
+      series of the same entity and metric) are not versions of the asked fact.
     * **value**: for a metric, the first number (with its unit) after one of its keywords in the
       candidate, or the first categorical word (``categories``, canonicalised) for categorical metrics;
       otherwise the span that differs between the candidates sharing the head: their numbers with units
@@ -547,7 +564,7 @@ class RuleExtractor:
                  metrics: Optional[Mapping[str, Tuple[Sequence[str], str]]] = None,
                  categories: Optional[Mapping[str, str]] = None, default_aliases: bool = True,
                  require_entity: bool = True, match_time: bool = True, qualify_by_date: bool = True,
-                 window: int = 40):
+                 match_terms: bool = True, window: int = 40):
         al = {k: list(v) for k, v in DEFAULT_ALIASES.items()} if default_aliases else {}
         for k, v in (aliases or {}).items():
             if isinstance(v, str) or not all(isinstance(a, str) for a in v):
@@ -565,7 +582,15 @@ class RuleExtractor:
         self._cat_re = re.compile(r"(?<!\w)(" + "|".join(sorted(map(re.escape, self.categories), key=len,
                                                                  reverse=True)) + r")(?!\w)")
         self.require_entity, self.match_time, self.window = require_entity, match_time, int(window)
-        self.qualify_by_date = qualify_by_date
+        self.qualify_by_date, self.match_terms = qualify_by_date, match_terms
+        self._known_words = set(GENERIC_WORDS) | set(_MONTHS) | {"monday", "tuesday", "wednesday", "thursday",
+                                                                  "friday", "saturday", "sunday"}
+        for kws, _ in self.metrics.values():
+            for p, _ in kws:
+                self._known_words.update(_WORD.findall(p.pattern.replace("\\", "")))
+        for pats in self.aliases.values():
+            for p in pats:
+                self._known_words.update(_WORD.findall(p.pattern.replace("\\", "")))
 
     # -- query analysis
     def _entities(self, text: str) -> List[str]:
@@ -626,8 +651,12 @@ class RuleExtractor:
         ents = self._entities(qn)
         metric = self._metric(qn)
         relation = metric if metric is not None else qn
-        _, qdates = self._masked(qn, None)
+        qmasked, qdates = self._masked(qn, None)
         qdate = qdates[0] if (self.match_time and qdates) else None
+        words = [re.split(r"['’]", w)[0] for w in _WORD.findall(qmasked)]   # possessives: seattle's -> seattle
+        terms = [w for w in dict.fromkeys(words) if len(w) > 2 and w not in self._known_words
+                 and w not in self.categories] if (self.match_terms and metric is not None) else []
+        term_res = [re.compile(r"(?<!\w)" + re.escape(w.rstrip("s") if len(w) > 4 else w)) for w in terms]
         if not ents and self.require_entity:
             return [Fact(i, None, relation, None) for i in range(len(docs))]
         head = ents[0] if ents else ""
@@ -642,6 +671,9 @@ class RuleExtractor:
                 if hm is None:
                     facts.append(Fact(i, head, relation, None))
                     continue
+            if any(not t.search(text) for t in term_res):    # it does not mention what the query asks about
+                facts.append(Fact(i, head, relation, None))
+                continue
             masked, dparts = self._masked(text, d.published)
             pub = (d.published.year, d.published.month, d.published.day) if d.published is not None else None
             content = [p for p in dparts if p != pub] or dparts       # the publication date names no content
