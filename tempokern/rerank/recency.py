@@ -520,6 +520,7 @@ and or did does do has have had there their its it this that these those as abou
 latest current recent most newest last currently recorded reported report according give tell me please much many
 during day date month year week time level levels amount total like will would going expected predicted observed
 actual measured get got see show shows find know look looks be can could should say says said new old
+next previous prior coming upcoming this forecast forecasts outlook outlooks prediction predictions estimate estimates
 """.split())
 _WORD = re.compile(r"[^\W\d_][^\W_]*(?:['’][a-z]+)?")
 _SENT = re.compile(r"[^.!?]*(?:[.!?](?!\d)|$)")
