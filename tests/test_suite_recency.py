@@ -99,14 +99,16 @@ def test_bm25_rows_end_to_end_and_neutral_without_versions(tmp_path):
 
 
 def test_minilm_rows(tmp_path):
-    mini = pytest.importorskip("all_minilm_l6_v2")
+    pytest.importorskip("all_minilm_l6_v2")
+    from tempokern.models import minilm_path
+    path = minilm_path()
     rec_rows._BASE_CACHE.clear()
     synth = versioned(days=4)
-    ctx = SuiteContext(synth=synth, backbone_path=str(mini.get_model_path()), seed=0, quick=True,
+    ctx = SuiteContext(synth=synth, backbone_path=path, seed=0, quick=True,
                        work_dir=tmp_path / "d", method_name="d", log=lambda m: None, progress_enabled=False)
     runs = rec_rows.base_runs(ctx, "minilm-zs")
     from sentence_transformers import SentenceTransformer
-    st = SentenceTransformer(str(mini.get_model_path()), device="cpu")
+    st = SentenceTransformer(path, device="cpu")
     g = st.encode([r.text for r in synth.dataset.records], normalize_embeddings=True)
     q = st.encode([x.text for x in synth.dataset.queries], normalize_embeddings=True)
     for i, qq in enumerate(synth.dataset.queries):          # same scores as sentence-transformers' encoder
@@ -115,3 +117,30 @@ def test_minilm_rows(tmp_path):
     out = get_method("minilm-zs+recency-metadata").run(ctx)
     m = out.info["metrics"]["test_date"]
     assert m["stale_rate@5"] <= m["stale_rate_base@5"] and m["evidence_tokens_base@5"] > m["evidence_docs_base@5"]
+
+
+def test_on_synth_sets_b_and_c_no_false_removals(tmp_path):
+    """On the real generated sets (quick size): every document the filter removes over a BM25 top 5 is an
+    outdated version, the gold is never removed, and set B (no versions) loses nothing."""
+    pytest.importorskip("bm25s")
+    pytest.importorskip("vega_datasets")
+    pytest.importorskip("holidays")
+    from tempokern.datasets.synth import generate_synth
+    from tempokern.eval.recency import apply_recency, make_filter, version_truth
+    for name in ("C", "B"):
+        s = generate_synth(name, seed=0, size="quick")
+        rec_rows._BASE_CACHE.clear()
+        ctx = ctx_for(s, tmp_path, "syn" + name)
+        runs = rec_rows.base_runs(ctx, "bm25")
+        truth = version_truth(s.dataset)
+        gold = {q.id: set(q.gold) for q in s.dataset.queries}
+        removed = 0
+        for ext in ("metadata", "rule"):
+            for split, run in runs.items():
+                qt = {q.id: q.text for q in ctx.queries(split)}
+                for qid, res in apply_recency(run, s.dataset, make_filter(ext), qt, k=5).items():
+                    assert res.ok
+                    for c in res.removed:
+                        assert c.id in truth["outdated"] and c.id not in gold[qid], (ext, qt[qid], c.text)
+                    removed += len(res.removed)
+        assert (removed > 50) if name == "C" else (removed == 0 and not truth["outdated"])
