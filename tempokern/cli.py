@@ -495,7 +495,8 @@ def cmd_index(args) -> int:
                   json.dumps({"ids": [r.id for r in records], "texts": [r.text for r in records],
                               "published": [r.published.isoformat() if getattr(r, "published", None) else None
                                             for r in records],
-                              "facts": [(r.meta or {}).get("facts") for r in records]}, ensure_ascii=False))
+                              "facts": [(r.meta or {}).get("facts") for r in records],
+                              "fact_dates": [(r.meta or {}).get("date") for r in records]}, ensure_ascii=False))
     print(json.dumps({"index": str(out), "records": len(records), "backend": args.backend}))
     return 0
 
@@ -562,11 +563,14 @@ def _recency_hits(rf, query, hits, names):
     from .rerank import Candidate
     pubs = (names or {}).get("published") or []
     facts = (names or {}).get("facts") or []
+    fdates = (names or {}).get("fact_dates") or []
     cands = []
     for h in hits:
         rid = h["_rid"]
         pub = pubs[rid] if 0 <= rid < len(pubs) else None
         meta = {"facts": facts[rid]} if 0 <= rid < len(facts) and facts[rid] is not None else {}
+        if meta and 0 <= rid < len(fdates) and fdates[rid] is not None:
+            meta["date"] = fdates[rid]     # MetadataExtractor qualifies the relation by the record's date
         cands.append(Candidate(str(h["id"]), h["_full"], _dt.date.fromisoformat(pub) if pub else None,
                                h["score"], meta))
     with warnings.catch_warnings():

@@ -595,6 +595,12 @@ def test_cli_search_recency_rule(re2_model, capsys):
     assert main(["search", "--model", str(tmp / "run" / "best"), "--index", str(idx), "--query", q, "-k", "80",
                  "--recency", "rule", "--recency-policy", "latest_only"]) == 0
     assert capsys.readouterr().out.count("removed (outdated)") == 3
+    assert side["fact_dates"] == [None] * 80                 # the Re2 rows carry no meta["date"]
+    # the metadata oracle compares every fact of the 80 hits: each day's 3 forecasts are outdated
+    assert main(["search", "--model", str(tmp / "run" / "best"), "--index", str(idx), "--query", q, "-k", "80",
+                 "--json", "--recency", "metadata"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(line["removed"]) == 60 and all(h["id"].startswith("fc-") for h in line["removed"])
 
 
 def test_metadata_qualifiers_keep_days_apart():
