@@ -63,7 +63,8 @@ def _data_args(p, required=True):
     g.add_argument("--data", help="a chronicle file instead of --dataset")
     g.add_argument("--format", default="zztj",
                    help="format of --data: zztj (Zizhi Tongjian jsonl), chunqiutr (records jsonl, with "
-                        "--data-queries) or chunqiutr-release (release meta JSON, with --data-queries); beir "
+                        "--data-queries), chunqiutr-release (release meta JSON, with --data-queries), re2 "
+                        "(Re²-style jsonl with publication dates and facts, docs/re3.md); beir "
                         "(a BEIR-style folder); for `train --method tmrl`: tmrl or tevatron")
     g.add_argument("--data-queries", help="queries jsonl for the chunqiutr formats")
     g.add_argument("--split-scheme", default="template", choices=["template", "time"],
@@ -86,6 +87,18 @@ def _model_args(p):
     g.add_argument("--max-length", type=int, default=64, help='tokens per text, longer texts are truncated (default 64)')
     g.add_argument("--tiny-hidden", type=int, default=64, help='hidden size of the tiny backbone (default 64)')
     g.add_argument("--tiny-layers", type=int, default=2, help='layers of the tiny backbone (default 2)')
+
+
+def _recency_args(p, eval_cmd: bool):
+    g = p.add_argument_group("recency filter (Re³, docs/re3.md)")
+    g.add_argument("--recency", default="none", choices=["none", "rule", "metadata"],
+                   help="post-process the top-k with the conflict-aware recency filter: rule (RuleExtractor) or "
+                        "metadata (facts from the records' meta, the oracle); default none")
+    g.add_argument("--recency-policy", default="conflict", choices=["conflict", "latest_only"],
+                   help="conflict (the paper: remove documents stating a value other than the latest one's) or "
+                        "latest_only (keep only the latest document per fact)")
+    if eval_cmd:
+        g.add_argument("--recency-k", type=int, default=5, help="candidates per query given to the filter (default 5)")
 
 
 def _pairs_per_query(v: str):
@@ -173,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="write the table as JSON here (and .md next to it)")
     e.add_argument("--dims", nargs="+", type=int, default=None,
                    help="TMRL models: nested dims to evaluate, one row each (default: the model's dims)")
+    _recency_args(e, eval_cmd=True)
 
     i = sub.add_parser("index", help="encode a gallery into a TemporalIndex file",
                        description="Encode the records of a dataset with a saved encoder into a TemporalIndex "
@@ -194,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--queries", help="file with one query per line")
     s.add_argument("-k", type=int, default=10, help='results per query (default 10)')
     s.add_argument("--json", action="store_true", help="print JSON lines")
+    _recency_args(s, eval_cmd=False)
 
     b = sub.add_parser("bench", help="fused vs reference timing of every op in this install",
                        description="Time each fused op against its tempokern.reference version (forward + "
@@ -306,6 +321,8 @@ def validate_args(args) -> None:
     if cmd == "search":
         _need(args, "model", "index")
         _positive(args, "k")
+    if cmd == "eval":
+        _positive(args, "recency_k")
     if cmd == "bench":
         if any(n < 1 for n in args.sizes):
             raise CLIError(f"--sizes must be positive, got {args.sizes}")
@@ -329,8 +346,14 @@ def _dataset(args):
         from .datasets import load_beir
         return load_beir(args.data, split=getattr(args, "split", "test") if getattr(args, "split", "all") != "all"
                          else "test")
-    ds = load_dataset(args.dataset, args.data, args.format, split=args.split_scheme, queries=args.data_queries,
-                      synth_size=getattr(args, "synth_size", "full"), synth_seed=getattr(args, "synth_seed", 0))
+    if args.format == "re2" and args.data is not None:   # Re²-style jsonl (tempokern.datasets.load_re2)
+        from .datasets import load_re2
+        if not Path(args.data).exists():
+            raise FileNotFoundError(f"data file {args.data} does not exist")
+        ds = load_re2(args.data).dataset
+    else:
+        ds = load_dataset(args.dataset, args.data, args.format, split=args.split_scheme, queries=args.data_queries,
+                          synth_size=getattr(args, "synth_size", "full"), synth_seed=getattr(args, "synth_seed", 0))
     check_calendar(args.calendar, ds)
     return ds
 
@@ -425,15 +448,61 @@ def cmd_eval(args) -> int:
                            scorer=args.scorer)
     rows = [{"name": fam, **m} for fam, m in table.items()]
     md = markdown_table(rows, list(METRIC_KEYS) + ["queries"], name_key="name")
+    recency = None
+    if getattr(args, "recency", "none") != "none":
+        recency = recency_postprocess(args, _eval_run(model, ds, args), ds)
+        md += "\n\n" + recency_markdown(recency)
     print(md)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         mode = f"neg{int(args.neg)}_ne{int(args.ne)}_dq{int(args.drop_no_event)}"
-        _atomic_write(out, json.dumps({"split": args.split, "scorer": args.scorer, "mode": mode, "rows": rows},
-                                      indent=1))
+        payload = {"split": args.split, "scorer": args.scorer, "mode": mode, "rows": rows}
+        if recency is not None:
+            payload["recency"] = recency
+        _atomic_write(out, json.dumps(payload, indent=1, default=str))
         _atomic_write(out.with_suffix(".md"), md + "\n")
     return 0
+
+
+def _eval_run(model, ds, args, depth: int = 100):
+    """``{qid: {doc_id: score}}`` of the evaluated queries (the same gallery and queries as evaluate_model)."""
+    from .training.data import queries_of
+    from .training.evaluate import gallery_of, score_topk
+    gallery = gallery_of(ds, neg=args.neg, ne=args.ne)
+    gids = [r.id for r in gallery]
+    queries = [q for q in queries_of(ds, args.split)
+               if not (args.drop_no_event and getattr(q, "pure_no_event", False))]
+    g_enc = model.encode([r.text for r in gallery], scorer=args.scorer)
+    vals, idx = score_topk(model, [q.text for q in queries], g_enc, depth, scorer=args.scorer)
+    return {q.id: {gids[j]: float(v) for j, v in zip(idx[i].tolist(), vals[i].tolist())}
+            for i, q in enumerate(queries)}
+
+
+def recency_postprocess(args, run, ds) -> dict:
+    """The recency filter of ``--recency``/``--recency-policy`` on the top ``--recency-k`` of ``run``
+    (``{qid: {doc_id: score}}``) over ``ds``: retrieval metrics before/after and the filter metrics
+    (tempokern.eval.recency.recency_report). Any method's eval can call this on its run."""
+    from .eval.recency import make_filter, recency_report
+    rf = make_filter(args.recency, policy=args.recency_policy)
+    if not any(r.published is not None for r in ds.records):
+        print(f"tempokern eval: warning: no record of {ds.name!r} has a publication date; every candidate "
+              "is treated as the oldest version and the filter removes nothing", file=sys.stderr)
+    return recency_report(run, ds, rf, k=getattr(args, "recency_k", 5))
+
+
+def recency_markdown(rep: dict) -> str:
+    """Before/after table of :func:`recency_postprocess`'s result."""
+    from .training import markdown_table
+    keys = ["R@1", "R@5", "MRR", "stale_rate", "version_accuracy", "answer_proxy", "evidence_docs",
+            "evidence_tokens"]
+    rows = []
+    for side in ("before", "after"):
+        rows.append({"name": f"{side} filter", **rep["retrieval"][side], **rep[side]})
+    md = markdown_table(rows, keys, name_key="name")
+    md += (f"\n\nrecency filter {rep['filter']} on the top {rep['k']}: removed {rep['removed']} documents "
+           f"({rep['queries_with_removals']} queries), extractor failures {rep['failures']}")
+    return md
 
 
 def cmd_index(args) -> int:
@@ -452,7 +521,11 @@ def cmd_index(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     index.save(str(out))
     _atomic_write(Path(str(out) + ".records.json"),
-                  json.dumps({"ids": [r.id for r in records], "texts": [r.text for r in records]}, ensure_ascii=False))
+                  json.dumps({"ids": [r.id for r in records], "texts": [r.text for r in records],
+                              "published": [r.published.isoformat() if getattr(r, "published", None) else None
+                                            for r in records],
+                              "facts": [(r.meta or {}).get("facts") for r in records],
+                              "fact_dates": [(r.meta or {}).get("date") for r in records]}, ensure_ascii=False))
     print(json.dumps({"index": str(out), "records": len(records), "backend": args.backend}))
     return 0
 
@@ -478,19 +551,64 @@ def cmd_search(args) -> int:
     if side.exists():
         names = json.loads(side.read_text())
     ids, scores = model.search(index, queries, k=min(args.k, len(index)))
+    rf = None
+    if getattr(args, "recency", "none") != "none":
+        from .eval.recency import make_filter
+        rf = make_filter(args.recency, policy=args.recency_policy)
     for qi, q in enumerate(queries):
         hits = []
         for rid, sc in zip(ids[qi].tolist(), scores[qi].tolist()):
             name = names["ids"][rid] if names and 0 <= rid < len(names["ids"]) else rid
             text = names["texts"][rid] if names and 0 <= rid < len(names["texts"]) else ""
-            hits.append({"id": name, "score": round(float(sc), 4), "text": text[:60]})
+            hits.append({"id": name, "score": round(float(sc), 4), "text": text[:60], "_rid": rid,
+                         "_full": text})
+        removed, reasons = [], []
+        if rf is not None:
+            hits, removed, reasons = _recency_hits(rf, q, hits, names)
+        for h in hits + removed:
+            h.pop("_rid", None)
+            h.pop("_full", None)
         if args.json:
-            print(json.dumps({"query": q, "hits": hits}, ensure_ascii=False))
+            line = {"query": q, "hits": hits}
+            if rf is not None:
+                line.update(removed=removed, recency_reasons=reasons)
+            print(json.dumps(line, ensure_ascii=False))
         else:
             print(f"# {q}")
             for r, h in enumerate(hits, 1):
                 print(f"{r:3d}. {h['score']:9.4f}  {h['id']}  {h['text']}")
+            for h in removed:
+                print(f"  removed (outdated): {h['id']}  {h['text']}")
+            for x in reasons:
+                print(f"  recency: {x}")
     return 0
+
+
+def _recency_hits(rf, query, hits, names):
+    """Search hits through the recency filter: publication dates and facts come from the index's
+    .records.json (written by `tempokern index`); hits without them count as undated / fact-less."""
+    import datetime as _dt
+    import warnings
+    from .rerank import Candidate
+    pubs = (names or {}).get("published") or []
+    facts = (names or {}).get("facts") or []
+    fdates = (names or {}).get("fact_dates") or []
+    cands = []
+    for h in hits:
+        rid = h["_rid"]
+        pub = pubs[rid] if 0 <= rid < len(pubs) else None
+        meta = {"facts": facts[rid]} if 0 <= rid < len(facts) and facts[rid] is not None else {}
+        if meta and 0 <= rid < len(fdates) and fdates[rid] is not None:
+            meta["date"] = fdates[rid]     # MetadataExtractor qualifies the relation by the record's date
+        cands.append(Candidate(str(h["id"]), h["_full"], _dt.date.fromisoformat(pub) if pub else None,
+                               h["score"], meta))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # recorded in res.reasons
+        res = rf(query, cands)
+    by_id = {str(h["id"]): h for h in hits}
+    kept = [dict(by_id[c.id], recency=res.votes[c.id]) for c in res.kept]
+    removed = [dict(by_id[c.id], recency=res.votes[c.id]) for c in res.removed]
+    return kept, removed, list(res.reasons)
 
 
 def cmd_bench(args) -> int:
