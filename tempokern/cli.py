@@ -365,7 +365,7 @@ def check_calendar(name: str, ds) -> None:
         return
     cal = ds.calendar
     kind = ("reign" if "era_years" in getattr(cal, "meta", {}) else getattr(cal, "name", ""))
-    if kind != name:
+    if kind.split("-")[0] != name:   # "gregorian" covers gregorian-month too
         raise CLIError(f"calendar {name!r} does not fit dataset {ds.name!r}, which is keyed by a "
                        f"{kind or 'custom'} calendar ({', '.join(cal.names)})")
 
