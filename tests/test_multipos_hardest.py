@@ -285,3 +285,21 @@ def test_bad_return_hardest():
     q, d, sp, neg, b = make(5, 3)
     with pytest.raises(TypeError, match="return_hardest"):
         tempokern.multipos_infonce(q, d, *sp, temperature=0.1, return_hardest=1)
+
+
+def test_cuda_hardest_does_not_depend_on_thread_order(cuda_emu):
+    # the warps' (value, column) partials go through shared memory: a missing barrier shows as results that
+    # change with the order in which the emulator runs a block's threads
+    from tempokern._ops.common import cuda_emulator
+    q, d, qs, ds = tie_batch(40, 1500, seed=4, dtype=torch.float32)
+    (qlo, qhi), (dlo, dhi) = _span_bounds(qs), _span_bounds(ds)
+    outs = []
+    try:
+        for s in (0, 1, 2):
+            cuda_emu.emu_set_seed(s)
+            with cuda_emulator(cuda_emu):
+                outs.append(multipos_infonce_partial(q, d, qlo, qhi, dlo, dhi, temperature=0.5, return_hardest=True)[1])
+    finally:
+        cuda_emu.emu_set_seed(0)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    check_ties(outs[0], q, d, (qs, ds), 0.5)

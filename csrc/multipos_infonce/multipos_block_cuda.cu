@@ -205,13 +205,15 @@ __device__ __forceinline__ void load_batch(const ST* Sb, int64_t lds, int nb, co
     for (int k = 0; k < KC; ++k) sv[b][k] = (b < nb && c[k].valid) ? cuda::to_acc(Sb[b * lds + k * kThreads]) : A(0);
 }
 
-template <typename ST, typename A, int BM, bool POS>
+// HARD (compile-time, positive blocks only): also the per (row, column tile) hardest negative partials, so
+// that the default statistics pass compiles exactly as before (no extra registers or shared memory).
+template <typename ST, typename A, int BM, bool POS, bool HARD>
 __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockParams p) {
   __shared__ A wpart[kWarps][32][4];
-  __shared__ A hpv[kWarps][32];    // hardest negative per (warp, row): value
-  __shared__ int hpj[kWarps][32];  // and column (INT_MAX: none)
+  __shared__ A hpv[HARD ? kWarps : 1][32];    // hardest negative per (warp, row): value
+  __shared__ int hpj[HARD ? kWarps : 1][32];  // and column (INT_MAX: none)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const bool hard = POS && p.hard_idx != nullptr;  // uniform
+  constexpr bool hard = POS && HARD;
   const int64_t c0 = (int64_t)blockIdx.x * kThreads * KC + tid;
   const int64_t r0 = (int64_t)blockIdx.y * p.TR;
   const int64_t r1 = min(r0 + p.TR, p.R);
@@ -280,7 +282,7 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
             if (pr[k]) lps += dexp(xb[b][k] - pm);
           ps = cuda::warp_sum(lps);
         }
-        if (hard) {  // columns increase with k: strict > keeps the lowest one among a thread's ties
+        if constexpr (hard) {  // columns increase with k: strict > keeps the lowest one among a thread's ties
           A bv = ninf<A>();
           int bj = INT_MAX;
 #pragma unroll
@@ -343,7 +345,7 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
     }
     __syncthreads();
     flush_rows<A>(p, wpart, rb, nr);
-    if (hard) flush_hard<A>(p, hpv, hpj, rb, nr);
+    if constexpr (hard) flush_hard<A>(p, hpv, hpj, rb, nr);
     __syncthreads();
   }
   if (cols) {
@@ -517,7 +519,10 @@ void multipos_block_fwd_cuda(const MultiposBlockParams& p, int device, uintptr_t
     dispatch_mode(p, [&](auto bm, auto pos) {
       constexpr int BM = decltype(bm)::value;
       constexpr bool POS = decltype(pos)::value;
-      mpb_fwd_kernel<ST, A, BM, POS><<<grid, kThreads, 0, st>>>(p);
+      if (POS && p.hard_idx != nullptr)
+        mpb_fwd_kernel<ST, A, BM, POS, true><<<grid, kThreads, 0, st>>>(p);
+      else
+        mpb_fwd_kernel<ST, A, BM, POS, false><<<grid, kThreads, 0, st>>>(p);
     });
   });
   cuda::check_launch();

@@ -8,6 +8,9 @@ from .trainer import VARIANTS, TrainConfig, Trainer, TrainResult, apply_variant,
 __all__ = ["TrainConfig", "Trainer", "TrainResult", "VARIANTS", "train", "apply_variant", "evaluate_model",
            "markdown_table", "METRIC_KEYS", "calendar_ce", "load_dataset", "zztj_demo_dataset",
            "with_block_splits", "add_window_queries", "block_split_of_rank", "training_pairs"]
+from .tmrl import TMRL_VARIANTS, TMRLConfig, TMRLResult, TMRLTrainer, evaluate_dims, runs_by_dim, train_tmrl
+
+__all__ += ["TMRLConfig", "TMRLTrainer", "TMRLResult", "TMRL_VARIANTS", "train_tmrl", "evaluate_dims", "runs_by_dim"]
 from .re3 import Re3Config, Re3Example, Re3Trainer, examples_from_dataset, examples_from_synth, re3_eval, train_re3
 
 __all__ += ["Re3Config", "Re3Example", "Re3Trainer", "train_re3", "examples_from_synth", "examples_from_dataset",
