@@ -54,6 +54,11 @@ def _run(variant: str):
     return run
 
 
+def run_re3(ctx, variant: str = "film_margins") -> MethodOutput:
+    """One Re³ row's output on ``ctx`` (for rows built on it, e.g. Re³ + the recency filter on its runs)."""
+    return _run(variant)(ctx)
+
+
 _DESC = {
     "base": "frozen MiniLM, zero-initialised FiLM (= the base retriever; times parsed but unused)",
     "film": "frozen MiniLM + time embedding + FiLM trained on cached e_sem, symmetric InfoNCE (λ = 0)",
