@@ -81,21 +81,23 @@ template <typename A> inline void row_update(const A* z, int64_t n, A& m, A& s, 
   lse_merge(m, s, mx, sum);
 }
 
-// Positive part of a row: exps only for the positives (usually one or a few per row).
-template <typename A>
-inline void pos_update(const A* z, int64_t n, int64_t qlo, int64_t qhi, const int64_t* dlo, const int64_t* dhi,
-                       A& m, A& s, int64_t& cnt) {
-  A mx = -std::numeric_limits<A>::infinity();
-  int64_t c = 0;
-  for (int64_t j = 0; j < n; ++j)
-    if (overlap(qlo, qhi, dlo[j], dhi[j])) { ++c; mx = std::max(mx, z[j]); }
-  if (!c) return;
-  A sum = 0;
-  for (int64_t j = 0; j < n; ++j)
-    if (overlap(qlo, qhi, dlo[j], dhi[j])) sum += mexp(z[j] - mx);
-  lse_merge(m, s, mx, sum);
-  cnt += c;
-}
+// Positives of a tile (level-independent): for row r, columns pidx[pst[r] .. pst[r + 1]) (tile-local).
+struct TilePos {
+  std::vector<int32_t> pst, pidx;
+  TilePos() : pst(IT + 1), pidx(IT * JT) {}
+  void build(int64_t mi, int64_t nj, const int64_t* qlo, const int64_t* qhi, const int64_t* dlo, const int64_t* dhi) {
+    int32_t n = 0;
+    for (int64_t r = 0; r < mi; ++r) {
+      pst[r] = n;
+      const int64_t lo = qlo[r], hi = qhi[r];
+      for (int64_t j = 0; j < nj; ++j) {
+        pidx[n] = (int32_t)j;
+        n += overlap(lo, hi, dlo[j], dhi[j]);
+      }
+    }
+    pst[mi] = n;
+  }
+};
 
 // Pack panel b of X (rows [b*JT, b*JT + w)) transposed to (H x w) at out + b*JT*H.
 template <typename A>
@@ -168,6 +170,7 @@ void Pass<A>::fwd() {
     std::vector<int64_t> rcnt(K * IT);
     std::vector<A> tm(K * JT), ts(K * JT), tpm(K * JT), tps(K * JT), tdg(K * JT);
     std::vector<int64_t> tc(K * JT);
+    TilePos tp;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ib = 0; ib < nIB; ++ib) {
       const int64_t i0 = ib * IT, mi = std::min(IT, Bq - i0);
@@ -181,6 +184,7 @@ void Pass<A>::fwd() {
       for (int64_t t = 0; t < nJB; ++t) {
         const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
         for (int64_t r = 0; r < mi; ++r) std::fill(G.data() + r * JT, G.data() + r * JT + nj, A(0));
+        tp.build(mi, nj, p.q_lo + i0, p.q_hi + i0, p.d_lo + j0, p.d_hi + j0);
         if (cols) {
           std::fill(tm.begin(), tm.end(), ninf);
           std::fill(tpm.begin(), tpm.end(), ninf);
@@ -196,7 +200,16 @@ void Pass<A>::fwd() {
             const int64_t i = i0 + r, x = l * IT + r;
             const A* z = Z.data() + r * JT;
             row_update(z, nj, rm[x], rsum[x], e.data());
-            pos_update(z, nj, p.q_lo[i], p.q_hi[i], p.d_lo + j0, p.d_hi + j0, rpm[x], rps[x], rcnt[x]);
+            const int32_t* pi = tp.pidx.data() + tp.pst[r];
+            const int64_t np = tp.pst[r + 1] - tp.pst[r];
+            if (np) {
+              A mx = z[pi[0]];
+              for (int64_t k = 1; k < np; ++k) mx = std::max(mx, z[pi[k]]);
+              A sum = 0;
+              for (int64_t k = 0; k < np; ++k) sum += mexp(z[pi[k]] - mx);
+              lse_merge(rpm[x], rps[x], mx, sum);
+              rcnt[x] += np;
+            }
             const int64_t jd = col_of(i);
             if (jd >= j0 && jd < j0 + nj) rdiag[x] = z[jd - j0];
           }
@@ -210,9 +223,11 @@ void Pass<A>::fwd() {
             const A* z = Z.data() + r * JT;
 #pragma omp simd
             for (int64_t j = 0; j < nj; ++j) m1[j] = std::max(m1[j], z[j]);
-            const int64_t lo = p.q_lo[i0 + r], hi = p.q_hi[i0 + r];
-            for (int64_t j = 0; j < nj; ++j)
-              if (overlap(lo, hi, p.d_lo[j0 + j], p.d_hi[j0 + j])) { m2[j] = std::max(m2[j], z[j]); ++c2[j]; }
+            for (int32_t k = tp.pst[r]; k < tp.pst[r + 1]; ++k) {
+              const int32_t j = tp.pidx[k];
+              m2[j] = std::max(m2[j], z[j]);
+              ++c2[j];
+            }
           }
           for (int64_t r = 0; r < mi; ++r) {
             const A* z = Z.data() + r * JT;
@@ -220,9 +235,10 @@ void Pass<A>::fwd() {
             vexp_inplace(e.data(), nj);
 #pragma omp simd
             for (int64_t j = 0; j < nj; ++j) s1[j] += e[j];
-            const int64_t lo = p.q_lo[i0 + r], hi = p.q_hi[i0 + r];
-            for (int64_t j = 0; j < nj; ++j)
-              if (overlap(lo, hi, p.d_lo[j0 + j], p.d_hi[j0 + j])) s2[j] += mexp(z[j] - m2[j]);
+            for (int32_t k = tp.pst[r]; k < tp.pst[r + 1]; ++k) {
+              const int32_t j = tp.pidx[k];
+              s2[j] += mexp(z[j] - m2[j]);
+            }
           }
           for (int64_t j = 0; j < nj; ++j) {
             const int64_t id = row_of(j0 + j);
@@ -327,6 +343,7 @@ void Pass<A>::bwd() {
   {
     std::vector<A> G(IT * JT), Hs(K * IT * JT), ea(JT), ca(JT), ddl(JT * H), usum(K * IT), tcol(K * JT);
     std::vector<char> act(K);
+    TilePos tp;
     // h tiles of the active levels -> suffix sums over levels (in place); act[l]: H_l is nonzero
     auto suffix = [&](int64_t mi, int64_t nj) {
       bool have = false;
@@ -356,6 +373,7 @@ void Pass<A>::bwd() {
         const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
         for (int64_t r = 0; r < mi; ++r) std::fill(G.data() + r * JT, G.data() + r * JT + nj, A(0));
         std::fill(tcol.begin(), tcol.end(), A(0));
+        tp.build(mi, nj, p.q_lo + i0, p.q_hi + i0, p.d_lo + j0, p.d_hi + j0);
         for (int64_t l = 0; l < K; ++l) {
           seg_acc(i0, mi, dpan.data() + j0 * H, nj, seg[l], seg[l + 1], G.data());
           if (!nz[l]) continue;
@@ -383,17 +401,23 @@ void Pass<A>::bwd() {
               for (int64_t j = 0; j < nj; ++j) ca[j] = z[j] - ct[j0 + j];
               vexp_inplace(ca.data(), nj);
             }
-            for (int64_t j = 0; j < nj; ++j) {
-              const int64_t jj = j0 + j;
-              const bool pos = overlap(qlo, qhi, p.d_lo[jj], p.d_hi[jj]);
-              const bool dg = jj == jd;
-              A g = rwl * ea[j];
-              if (rows_on && (pos || (fb && dg))) g -= rwl * mexp(z[j] - lsep);
-              if (ct) {
-                g += cwl * ca[j];
-                if (pos || (dg && ct[2 * Bd + jj] != A(0))) g -= cwl * mexp(z[j] - ct[Bd + jj]);
-              }
-              ea[j] = g;
+            if (ct) {
+#pragma omp simd
+              for (int64_t j = 0; j < nj; ++j) ea[j] = rwl * ea[j] + cwl * ca[j];
+            } else {
+#pragma omp simd
+              for (int64_t j = 0; j < nj; ++j) ea[j] = rwl * ea[j];
+            }
+            // positives (level-independent lists), then the diagonal fallbacks
+            for (int32_t k = tp.pst[r]; k < tp.pst[r + 1]; ++k) {
+              const int32_t j = tp.pidx[k];
+              if (rows_on) ea[j] -= rwl * mexp(z[j] - lsep);
+              if (ct) ea[j] -= cwl * mexp(z[j] - ct[Bd + j0 + j]);
+            }
+            if (jd >= j0 && jd < j0 + nj && !overlap(qlo, qhi, p.d_lo[jd], p.d_hi[jd])) {
+              const int64_t j = jd - j0;
+              if (rows_on && fb) ea[j] -= rwl * mexp(z[j] - lsep);
+              if (ct && ct[2 * Bd + jd] != A(0)) ea[j] -= cwl * mexp(z[j] - ct[Bd + jd]);
             }
             const A f = it * rho[l * Bq + i];
             A su = 0;

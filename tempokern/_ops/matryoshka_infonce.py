@@ -130,9 +130,10 @@ _mat.register_autograd(_backward, setup_context=_setup)
 
 # ---- validation ------------------------------------------------------------------------------------
 
-def check_dims(dims, H: int, weights=None) -> Tuple[List[int], List[float]]:
+def check_dims(dims, H: Optional[int], weights=None) -> Tuple[List[int], List[float]]:
     """dims (any order) and weights -> (dims ascending, their weights). Raises ValueError/TypeError naming
-    ``dims``/``weights``; warns when H is not among the dims (the trailing dimensions then get no gradient)."""
+    ``dims``/``weights``; warns when H is not among the dims (the trailing dimensions then get no gradient).
+    H=None (a module before it has seen an input) checks everything but the upper bound."""
     if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence) and not isinstance(dims, torch.Tensor):
         raise TypeError(f"dims must be a sequence of ints, got {type(dims).__name__}")
     dims = list(dims.tolist() if isinstance(dims, torch.Tensor) else dims)
@@ -143,8 +144,8 @@ def check_dims(dims, H: int, weights=None) -> Tuple[List[int], List[float]]:
             raise TypeError(f"dims must hold ints, got {m!r} ({type(m).__name__})")
     dims = [int(m) for m in dims]
     for m in dims:
-        if m < 1 or m > H:
-            raise ValueError(f"dims must lie in [1, {H}] (the embedding size), got {m}")
+        if m < 1 or (H is not None and m > H):
+            raise ValueError(f"dims must lie in [1, {'H' if H is None else H}] (the embedding size), got {m}")
     if len(set(dims)) != len(dims):
         raise ValueError(f"dims must be unique, got {dims}")
     if weights is None:
@@ -166,7 +167,7 @@ def check_dims(dims, H: int, weights=None) -> Tuple[List[int], List[float]]:
             w.append(x)
     order = sorted(range(len(dims)), key=lambda k: dims[k])
     dims_s, w_s = [dims[k] for k in order], [w[k] for k in order]
-    if dims_s[-1] != H:
+    if H is not None and dims_s[-1] != H:
         warnings.warn(f"matryoshka_infonce: the largest dim {dims_s[-1]} is smaller than the embedding size {H}; "
                       f"dimensions {dims_s[-1]}..{H - 1} get no gradient", stacklevel=3)
     return dims_s, w_s
