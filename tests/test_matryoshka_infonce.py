@@ -139,7 +139,7 @@ def test_zero_weight_skips_the_level():
     # all weights zero: loss 0, gradients exactly 0
     qq = q.clone().requires_grad_()
     loss = tempokern.matryoshka_infonce(qq, d, (6, 24), weights=(0, 0), temperature=0.1)
-    assert float(loss) == 0.0
+    assert float(loss.detach()) == 0.0
     assert torch.all(torch.autograd.grad(loss, qq)[0] == 0)
 
 
@@ -244,13 +244,13 @@ def test_module_matches_functional_and_truncate():
 
 
 def test_memory_stays_linear_in_batch():
-    """B = C = 6,000, H = 16: one float32 (B, C) matrix is 144 MB; the fused forward + backward must add far
+    """B = C = 4,000, H = 16: one float32 (B, C) matrix is 64 MB; the fused forward + backward must add far
     less than that to the process's peak resident memory (VmHWM, reset through /proc/self/clear_refs)."""
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux /proc to measure peak memory")
     code = textwrap.dedent("""
         import torch, tempokern
-        B, H = 6000, 16
+        B, H = 4000, 16
         q = torch.randn(B, H, requires_grad=True); d = torch.randn(B, H, requires_grad=True)
         tempokern.matryoshka_infonce(q[:70], d[:70], (4, 8, 16), temperature=0.05).backward()  # warm-up
         def hwm():
@@ -266,7 +266,7 @@ def test_memory_stays_linear_in_batch():
                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr
     extra = int(out.stdout.strip().splitlines()[-1])
-    assert extra < 6000 * 6000 * 4 // 4, f"peak grew by {extra / 2**20:.1f} MiB"
+    assert extra < 4000 * 4000 * 4 // 4, f"peak grew by {extra / 2**20:.1f} MiB"
 
 
 def test_bad_inputs():
@@ -342,62 +342,64 @@ def test_reference_matches_sentence_transformers_formula():
 
 WORKER = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
-    rank, world, init, out, sym, spans = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] == "1", sys.argv[6] == "1"
+    sys.path.insert(0, sys.argv[5])
+    from test_matryoshka_infonce import gather_batch, GATHER_CONFIGS
     from tempokern.nn import MatryoshkaInfoNCE
+    rank, world, init, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(7)
-    sizes = [9, 6]
-    T = sum(sizes)
-    q, d = torch.randn(T, 12, generator=g, dtype=torch.float64), torch.randn(T, 12, generator=g, dtype=torch.float64)
-    negs = [torch.randn(3 + r, 12, generator=g, dtype=torch.float64) for r in range(world)]
-    qs = torch.randint(0, 12, (T,), generator=g); ds = torch.randint(0, 12, (T,), generator=g)
+    q, d, negs, kw, sizes = gather_batch(world)
     sl = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
-    loc = [q[sl].clone().requires_grad_(), d[sl].clone().requires_grad_(), negs[rank].clone().requires_grad_()]
-    kw = dict(q_span=(qs[sl], qs[sl] + 1), d_span=(ds[sl], ds[sl])) if spans else {}
-    loss = MatryoshkaInfoNCE((4, 12), weights=(0.5, 1.0), temperature=0.2, symmetric=sym, gather=True)(
-        loc[0], loc[1], loc[2], **kw)
-    grads = torch.autograd.grad(loss, loc)
-    torch.save({"loss": loss.detach(), "grads": [x.detach() for x in grads]}, out)
+    res = []
+    for sym, spans in GATHER_CONFIGS:
+        loc = [q[sl].clone().requires_grad_(), d[sl].clone().requires_grad_(), negs[rank].clone().requires_grad_()]
+        lkw = {k: tuple(t[sl] for t in v) for k, v in kw.items()} if spans else {}
+        loss = MatryoshkaInfoNCE((4, 12), weights=(0.5, 1.0), temperature=0.2, symmetric=sym, gather=True)(
+            loc[0], loc[1], loc[2], **lkw)
+        grads = torch.autograd.grad(loss, loc)
+        res.append({"loss": loss.detach(), "grads": [x.detach() for x in grads]})
+    torch.save(res, out)
     dist.destroy_process_group()
 """)
 
+GATHER_CONFIGS = [(False, False), (True, True), (True, False)]
 
-@pytest.mark.parametrize("symmetric,spans", [(False, False), (True, True)])
-def test_gather_two_gloo_processes(tmp_path, symmetric, spans):
-    """The mean over ranks of the gathered losses equals the single-process reference loss on the whole batch,
-    and the sum over ranks of each rank's gradient of its local tensors equals... each local tensor's part of
-    the single-process gradient (other ranks' slices arrive detached, so rank r's gradient covers the terms
-    whose anchor is local: the gradients add up over ranks to the full gradient after DDP's averaging x W)."""
+
+def gather_batch(world):
+    g = torch.Generator().manual_seed(7)
+    sizes = [9, 6][:world]
+    T = sum(sizes)
+    q = torch.randn(T, 12, generator=g, dtype=torch.float64)
+    d = torch.randn(T, 12, generator=g, dtype=torch.float64)
+    negs = [torch.randn(3 + r, 12, generator=g, dtype=torch.float64) for r in range(world)]
+    qs, ds = torch.randint(0, 12, (T,), generator=g), torch.randint(0, 12, (T,), generator=g)
+    return q, d, negs, dict(q_span=(qs, qs + 1), d_span=(ds, ds)), sizes
+
+
+def test_gather_two_gloo_processes(tmp_path):
+    """Rank r's loss is (W B_r / T) x its rows' (and columns') terms of the single-process loss on the whole
+    batch, so the mean over ranks equals the reference loss; a local query's gradient (non-symmetric: it is
+    only an anchor) is W x its gradient in the single-process loss (DDP averages over ranks)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     init = f"file://{tmp_path / 'rendezvous'}"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", init, str(tmp_path / f"out{r}.pt"),
-                               "1" if symmetric else "0", "1" if spans else "0"], env=env,
+                               os.path.dirname(os.path.abspath(__file__))], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     for p in procs:
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 0, out
     res = [torch.load(tmp_path / f"out{r}.pt") for r in range(2)]
-    g = torch.Generator().manual_seed(7)
-    sizes = [9, 6]
-    T = 15
-    q, d = torch.randn(T, 12, generator=g, dtype=torch.float64), torch.randn(T, 12, generator=g, dtype=torch.float64)
-    negs = [torch.randn(3 + r, 12, generator=g, dtype=torch.float64) for r in range(2)]
-    qs = torch.randint(0, 12, (T,), generator=g)
-    ds = torch.randint(0, 12, (T,), generator=g)
-    kw = dict(q_span=(qs, qs + 1), d_span=(ds, ds)) if spans else {}
-    ins = [q.clone().requires_grad_(), d.clone().requires_grad_(), torch.cat(negs).requires_grad_()]
-    want = ref(ins[0], ins[1], (4, 12), weights=(0.5, 1.0), temperature=0.2, symmetric=symmetric, extra_neg=ins[2],
-               **kw)
-    torch.testing.assert_close((res[0]["loss"] + res[1]["loss"]) / 2, want.detach(), rtol=1e-12, atol=1e-12)
-    # DDP averages gradients over ranks; with rank r's anchors only, the average of the local gradients
-    # (each rank's own slices) is the full single-process gradient divided by the world size... for the
-    # anchor terms. Checked exactly in the non-symmetric case without extra coupling: q's gradient only
-    # comes from its own rows' terms.
-    gq, gd, gn = torch.autograd.grad(want, ins)
-    if not symmetric:
-        got_q = torch.cat([res[0]["grads"][0], res[1]["grads"][0]]) / 2
-        torch.testing.assert_close(got_q, gq, rtol=1e-10, atol=1e-12)
-    assert all(torch.isfinite(x).all() for r in res for x in r["grads"])
+    q, d, negs, kw, sizes = gather_batch(2)
+    for c, (symmetric, spans) in enumerate(GATHER_CONFIGS):
+        ins = [q.clone().requires_grad_(), d.clone().requires_grad_(), torch.cat(negs).requires_grad_()]
+        want = ref(ins[0], ins[1], (4, 12), weights=(0.5, 1.0), temperature=0.2, symmetric=symmetric,
+                   extra_neg=ins[2], **(kw if spans else {}))
+        got = (res[0][c]["loss"] + res[1][c]["loss"]) / 2
+        torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
+        gq = torch.autograd.grad(want, ins)[0]
+        if not symmetric:
+            got_q = torch.cat([res[0][c]["grads"][0], res[1][c]["grads"][0]]) / 2
+            torch.testing.assert_close(got_q, gq, rtol=1e-10, atol=1e-12)
+        assert all(torch.isfinite(x).all() for r in res for x in r[c]["grads"])

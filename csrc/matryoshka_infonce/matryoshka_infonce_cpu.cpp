@@ -103,7 +103,7 @@ struct TilePos {
 template <typename A>
 void pack_panels(const A* X, int64_t ld, int64_t n, int64_t H, A* out) {
   const int64_t nb = ceil_div(n, JT);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (nb > 1 && n * H > 65536)
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t j0 = b * JT, w = std::min(JT, n - j0);
     gemm::transpose_pack(w, H, X + j0 * ld, ld, out + j0 * H, w);
@@ -163,7 +163,7 @@ void Pass<A>::fwd() {
   A* rs = static_cast<A*>(p.row_stats);
   const std::vector<int64_t>& seg = p.seg;
 
-#pragma omp parallel
+#pragma omp parallel if (nIB > 1)
   {
     std::vector<A> G(IT * JT), Z(IT * JT), e(JT);
     std::vector<A> rm(K * IT), rsum(K * IT), rpm(K * IT), rps(K * IT), rdiag(K * IT);
@@ -339,7 +339,7 @@ void Pass<A>::bwd() {
   // column sums of g * z (-> dkap, dkneg), merged under the panel locks
   std::vector<A> csum((size_t)(K * Bd), A(0)), nsum((size_t)(K * N), A(0));
 
-#pragma omp parallel
+#pragma omp parallel if (nIB > 1)
   {
     std::vector<A> G(IT * JT), Hs(K * IT * JT), ea(JT), ca(JT), ddl(JT * H), usum(K * IT), tcol(K * JT);
     std::vector<char> act(K);
