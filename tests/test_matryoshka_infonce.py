@@ -200,15 +200,17 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(f2, ins2)
 
 
-def test_opcheck():
+@pytest.mark.parametrize("row_w,col_w,want_grad", [(0.5, 0.5, True), (1.0, 0.0, True), (1.0, 0.0, False)])
+def test_opcheck(row_w, col_w, want_grad):
+    """(1.0, 0.0, True): the forward also computes the gradient (row-only loss)."""
     from tempokern._ops.matryoshka_infonce import inverse_prefix_norms
     q, d, neg, _ = make(9, 12, N=4)
     ids = torch.arange(9)
     dims = [4, 12]
     rho, kap, kn = (inverse_prefix_norms(x, dims) for x in (q, d, neg))
     args = (q.requires_grad_(), d.requires_grad_(), neg.requires_grad_(), rho.requires_grad_(),
-            kap.requires_grad_(), kn.requires_grad_(), ids, ids, ids, ids, None, [0, 4, 12], [1.0, 0.5], 10.0, 0.5,
-            0.5, 0)
+            kap.requires_grad_(), kn.requires_grad_(), ids, ids, ids, ids, None, [0, 4, 12], [1.0, 0.5], 10.0, row_w,
+            col_w, 0, want_grad)
     torch.library.opcheck(torch.ops.tempokern.matryoshka_infonce.default, args)
 
 

@@ -145,7 +145,10 @@ def _backward(ctx, grads_out):
     grads = None
     if ctx.gif:  # the forward computed the gradient for a unit upstream gradient of the loss
         grads = [g_loss * t for t in rest[_NT:]]
-        if g_levels is not None and (_compiling() or bool(g_levels.any())):
+        # eager tensors are plain torch.Tensor: skip the (zero-coefficient) call when nothing flows into levels;
+        # traced ones (fake/functional subclasses) cannot be inspected, so the call stays in the graph
+        traced = _compiling() or type(g_levels) is not torch.Tensor
+        if g_levels is not None and (traced or bool(g_levels.any())):
             extra = torch.ops.tempokern.matryoshka_infonce_backward(g_levels.to(row_stats.dtype), row_stats, col_stats,
                                                                     *ins, ctx.seg, *ctx.scalars)
             grads = [a + b for a, b in zip(grads, extra)]
