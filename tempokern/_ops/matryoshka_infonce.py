@@ -215,8 +215,13 @@ def check_dims(dims, H: Optional[int], weights=None) -> Tuple[List[int], List[fl
 
 
 def inverse_prefix_norms(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
-    """(K, n): 1 / max(||x[:, :m]||, 1e-12) per dim m (differentiable; F.normalize's clamp)."""
-    return torch.stack([torch.linalg.vector_norm(x[:, :m], dim=1).clamp_min(EPS).reciprocal() for m in dims]).contiguous()
+    """(K, n): 1 / max(||x[:, :m]||, 1e-12) per dim m (differentiable; F.normalize's clamp, applied to the
+    squared norm). The K prefix sums of squares are one product with a (H, K) 0/1 prefix matrix: a handful
+    of full-size ops forward and backward instead of K norms (they cost ~15% of the step at B = 2,048)."""
+    H = x.shape[1]
+    prefix = (torch.arange(H, device=x.device)[:, None] < torch.tensor(list(dims), device=x.device)[None, :])
+    ss = (x * x) @ prefix.to(x.dtype)
+    return ss.clamp_min(EPS * EPS).rsqrt().t().contiguous()
 
 
 def _id_spans(n: int, start: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
