@@ -77,9 +77,10 @@ def run(benchmark, provider, B, rounds):
     if provider == "eager":
         _eager_bytes_per_pair[B] = mem.extra_mb * 2**20 / (B * B)
     if B >= 16384 and _eager_bytes_per_pair:
-        bpp = max(_eager_bytes_per_pair.values())
+        b0 = max(_eager_bytes_per_pair)
+        bpp = _eager_bytes_per_pair[b0]
         note += (f"; eager loop not run: it would need about {bpp * B * B / 2**30:.1f} GiB "
-                 f"({bpp:.1f} bytes per pair measured at B = {max(_eager_bytes_per_pair)})")
+                 f"({bpp:.1f} bytes per pair measured at B = {b0})")
     benchmark.extra_info.update(extra_peak_mb=mem.extra_mb)
     record(CSV, op="matryoshka_infonce fwd+bwd", provider=provider, size=f"B=C={B} H={H} K=5", ms=ms,
            extra_peak_mb=mem.extra_mb, note=note + (f"; {ENV_NOTE}" if ENV_NOTE else ""))

@@ -69,6 +69,35 @@ def test_parity_float64_dims_not_dividing_H(B, Bd, N, spans, symmetric):
     assert_parity(*res, 1e-10)
 
 
+@pytest.mark.parametrize("B,Bd,N,spans,symmetric", CASES[1:4])
+def test_blocked_path_parity_float64(B, Bd, N, spans, symmetric):
+    """The blocked torch path (the CUDA path's algorithm) on CPU, in blocks of 32 rows: same parity."""
+    from tempokern._ops.matryoshka_infonce import force_blocked
+    q, d, neg, sp = make(B, 50, Bd=Bd, N=N, spans=spans)
+    with force_blocked(32):
+        res = run_both(q, d, neg, sp, (33, 8, 50, 20), weights=(2.0, 1.0, 0.0, 0.5), temperature=0.07,
+                       symmetric=symmetric, level_w=torch.tensor([0.3, -0.2, 0.0, 1.5]))
+    assert_parity(*res, 1e-10)
+
+
+def test_cuda_parity(gpu):
+    """The CUDA path (on the emulator: the same blocked torch code on CPU tensors) vs the reference in
+    float64, and float32 against float64 by the 2x rule."""
+    q, d, neg, sp = make(150, 64, N=20, spans="random", seed=2)
+    sp = {k: tuple(t.to(gpu) for t in v) for k, v in sp.items()}
+    q, d, neg = q.to(gpu), d.to(gpu), neg.to(gpu)
+    dims = (16, 40, 64)
+    res = run_both(q, d, neg, sp, dims, temperature=0.05, symmetric=True)
+    assert_parity(*res, 1e-9)
+    exact = res[1]
+    fused, torch32 = run_both(q.float(), d.float(), neg.float(), sp, dims, temperature=0.05, symmetric=True)
+    for a, b, e in zip([fused[0], fused[1], *fused[2]], [torch32[0], torch32[1], *torch32[2]],
+                       [exact[0], exact[1], *exact[2]]):
+        err_f = (a.double() - e).abs().max().item()
+        err_t = (b.double() - e).abs().max().item()
+        assert err_f <= 2 * err_t + 64 * torch.finfo(torch.float32).eps * e.abs().max().item(), (err_f, err_t)
+
+
 def test_appendix_a1_check():
     """The spec's Appendix A.1 configuration: B = 7, C = 19, H = 50, dims (8, 20, 33, 50), weights (1, .5, 2, 1)."""
     q, d, _, _ = make(7, 50, Bd=19, seed=3)

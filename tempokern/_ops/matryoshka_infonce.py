@@ -8,6 +8,8 @@ level, and in backward returns dL/dq, dL/dd, dL/dextra_neg through the raw produ
 dL/dkneg, which autograd carries back through the norms. No (B, B') or (B, N) buffer, forward or backward."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 import warnings
@@ -17,6 +19,7 @@ import torch
 
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, kernels, launch_args,
                      on_cuda_path, ptr)
+from .matryoshka_blocked import blocked_backward, blocked_forward
 from .multipos_infonce import _check_span, _span_bounds
 
 EPS = 1e-12  # F.normalize's clamp of the norm
@@ -47,10 +50,36 @@ def _ptrs(**kw):
 GIF_BUDGET_BYTES = 256 * 2**20
 
 
-def _gif(want_grad: bool, col_weight: float, K: int, Bd: int, N: int, itemsize: int) -> bool:
+_force_blocked = contextvars.ContextVar("tempokern_matryoshka_blocked", default=None)
+
+
+@contextlib.contextmanager
+def force_blocked(block_rows: int = 0):
+    """Runs CPU tensors through the blocked torch path (the CUDA path's algorithm) with blocks of
+    ``block_rows`` rows (0: chosen from the memory budget), for tests."""
+    token = _force_blocked.set(int(block_rows))
+    try:
+        yield
+    finally:
+        _force_blocked.reset(token)
+
+
+def _blocked(t) -> bool:
+    """The blocked path: CUDA tensors (and CPU tensors under the CUDA emulator or force_blocked())."""
+    return on_cuda_path(t) or _force_blocked.get() is not None
+
+
+def _block_rows() -> int:
+    v = _force_blocked.get()
+    return 0 if v is None else v
+
+
+def _gif(want_grad: bool, col_weight: float, K: int, Bd: int, N: int, itemsize: int, device=None) -> bool:
     """Whether the forward also computes the gradient (unit upstream gradient, scaled in backward): only
     without a column term (the row statistics of a row block are then final after its own pass), saving
     the backward's recomputed products (6 instead of 8 B B' H flops)."""
+    if device is not None and _blocked(device):
+        return False
     return bool(want_grad) and col_weight == 0.0 and K * 64 * (Bd + N) * itemsize <= GIF_BUDGET_BYTES
 
 
@@ -62,12 +91,16 @@ def _mat(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor], rh
     K = len(seg) - 1
     acc = q.dtype
     N = 0 if extra_neg is None else extra_neg.shape[0]
+    if _blocked(q):
+        out = blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
+                              row_weight, col_weight, diag_offset, _block_rows())
+        return out + [q.new_empty(0) for _ in range(6)]
     loss = torch.zeros((), dtype=acc, device=q.device)
     levels = torch.zeros(K, dtype=acc, device=q.device)
     row_stats = torch.zeros(K, 3, q.shape[0], dtype=acc, device=q.device)
     col_stats = torch.zeros(K, 3, d.shape[0], dtype=acc, device=q.device)
     grads = dict(dq=None, dd=None, dneg=None, drho=None, dkap=None, dkneg=None)
-    if _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size()):
+    if _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), q.device):
         z = lambda t: None if t is None else torch.zeros(t.shape, dtype=acc, device=q.device)  # noqa: E731
         grads = dict(dq=z(q), dd=z(d), dneg=z(extra_neg), drho=z(rho), dkap=z(kap), dkneg=z(kneg))
     dev, stream = launch_args(q)
@@ -84,7 +117,7 @@ def _(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, co
     K = len(seg) - 1
     N = 0 if extra_neg is None else extra_neg.shape[0]
     out = [q.new_empty(()), q.new_empty((K,)), q.new_empty((K, 3, q.shape[0])), q.new_empty((K, 3, d.shape[0]))]
-    gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size())
+    gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), q.device)
     for t in (q, d, extra_neg, rho, kap, kneg):
         out.append(q.new_empty(t.shape) if gif and t is not None else q.new_empty(0))
     return out
@@ -96,6 +129,9 @@ def _mat_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: torch
                   kneg: Optional[torch.Tensor], q_lo: torch.Tensor, q_hi: torch.Tensor, d_lo: torch.Tensor,
                   d_hi: torch.Tensor, row_none: Optional[torch.Tensor], seg: List[int], inv_temp: float,
                   row_weight: float, col_weight: float, diag_offset: int) -> List[torch.Tensor]:
+    if _blocked(q):
+        return blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
+                                row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows())
     coef = [float(c) for c in lcoef.detach().to("cpu", torch.float64).tolist()]
     z = lambda t: None if t is None else torch.zeros(t.shape, dtype=q.dtype, device=q.device)  # noqa: E731
     dq, dd, dneg, drho, dkap, dkneg = z(q), z(d), z(extra_neg), z(rho), z(kap), z(kneg)
@@ -125,7 +161,7 @@ _GRAD_OF = {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5}  # input index -> index among th
 def _setup(ctx, inputs, output):
     row_stats, col_stats = output[2], output[3]
     ctx.gif = _gif(inputs[-1], inputs[_NT + 4], len(inputs[_NT]) - 1, inputs[1].shape[0],
-                   0 if inputs[2] is None else inputs[2].shape[0], inputs[0].element_size())
+                   0 if inputs[2] is None else inputs[2].shape[0], inputs[0].element_size(), inputs[0].device)
     ctx.save_for_backward(row_stats, col_stats, *inputs[:_NT], *(output[4:] if ctx.gif else ()))
     ctx.present = [t is not None for t in inputs[:_NT]]
     ctx.seg, ctx.coef = inputs[_NT], inputs[_NT + 1]
@@ -235,8 +271,6 @@ def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weight
     """The kernel entry on validated inputs (dims ascending): q (Bq, H) vs d (Bd, H), int64 span bounds,
     per-level loss = row_weight * mean row loss + col_weight * mean column loss (diagonal fallback at
     column i + diag_offset). Returns (loss = sum_l weights_l level_l, levels (K,))."""
-    if on_cuda_path(q):
-        raise NotImplementedError("matryoshka_infonce: the CUDA path is not implemented yet (CPU tensors only)")
     acc = _acc(q.dtype)
     qk, dk = _operand(q.to(acc)), _operand(d.to(acc))
     nk = None if extra_neg is None else _operand(extra_neg.to(acc))
