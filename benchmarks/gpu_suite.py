@@ -53,7 +53,7 @@ import torch  # noqa: E402
 
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
-IMPLS = ("tempokern", "eager", "eager_chunked", "compile", "matmul")
+IMPLS = ("tempokern", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's one-level yardstick
 H, HIDDEN, D_FEAT, TEMPERATURE, TABLE_POINTS, MONTHS = 768, 32, 32, 0.05, 4097, 2030
 COMPILE_RESERVE_S = 60   # no torch.compile case starts with less of the time budget left
 
