@@ -1,6 +1,5 @@
 """Fused single-pass Matryoshka InfoNCE (tempokern.matryoshka_infonce) vs the plain PyTorch reference (the
 sentence-transformers MatryoshkaLoss loop): loss, levels and every gradient; spec tmrl-re3.md §2.6."""
-import math
 import os
 import subprocess
 import sys

@@ -13,7 +13,7 @@ Not yet fused into custom CUDA kernels (the statistics and coefficient steps are
 ops per level and block); bias is not supported on this path."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
 
