@@ -53,7 +53,7 @@ import torch  # noqa: E402
 
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
-IMPLS = ("tempokern", "eager", "eager_chunked", "compile", "matmul")
+IMPLS = ("tempokern", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's one-level yardstick
 H, HIDDEN, D_FEAT, TEMPERATURE, TABLE_POINTS, MONTHS = 768, 32, 32, 0.05, 4097, 2030
 COMPILE_RESERVE_S = 60   # no torch.compile case starts with less of the time budget left
 
@@ -373,6 +373,80 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
                 floor=lambda ms: (4 * ms["matmul"], "4 x the bare q @ d.T (fwd, recompute, dq, dd products)")
                 if "matmul" in ms else (math.nan, "")))
             prev = B
+    return cases
+
+
+# matryoshka_infonce (issue 16 item 1) ------------------------------------------------------------------------
+
+MAT_DIMS = (64, 128, 256, 512, 768)
+
+
+def mat_inputs(B, dev, dtype, seed):
+    g = _gen(dev, seed)
+    q = _leaf(torch.randn(B, H, generator=g, device=dev).to(dtype))
+    d = _leaf(torch.randn(B, H, generator=g, device=dev).to(dtype))
+    return {"q": q, "d": d, "leaves": [q, d], "names": ["q", "d"]}
+
+
+def mat_step(impl, compile_fn=None):
+    """Forward + backward of one Matryoshka step: tempokern (the fused op), single (one level at the full dim
+    through the fused multipos_infonce: the yardstick), eager (the ST-style loop, tempokern.reference),
+    compile (torch.compile of that loop)."""
+    def build(inp):
+        q, d = inp["q"], inp["d"]
+        if impl == "tempokern":
+            f = lambda: tk().matryoshka_infonce(q, d, MAT_DIMS, temperature=TEMPERATURE)  # noqa: E731
+        elif impl == "single":
+            ids = torch.arange(q.shape[0], device=q.device)
+            f = lambda: tk().multipos_infonce(torch.nn.functional.normalize(q, dim=-1),  # noqa: E731
+                                              torch.nn.functional.normalize(d, dim=-1), (ids, ids), (ids, ids),
+                                              temperature=TEMPERATURE, symmetric=False)
+        else:
+            fn = ref().matryoshka_infonce if impl == "eager" else compile_fn(ref().matryoshka_infonce)
+            f = lambda: fn(q, d, MAT_DIMS, temperature=TEMPERATURE)  # noqa: E731
+        return lambda: torch.autograd.grad(f(), [q, d])
+    return build
+
+
+def mat_agree(max_rows: int, seed: int):
+    def agree(inp, impls):
+        B = inp["q"].shape[0]
+        note = ""
+        q, d = inp["q"].detach(), inp["d"].detach()
+        if B > max_rows:
+            g = torch.Generator().manual_seed(seed + 1)
+            idx = torch.randperm(B, generator=g)[:max_rows].sort().values.to(q.device)
+            q, d = q[idx], d[idx]
+            note = f"on a random sub-batch of {max_rows} of the {B} rows (tempokern and reference alike)"
+        q64, d64 = _leaf(q.double()), _leaf(d.double())
+        want = with_grads(ref().matryoshka_infonce(q64, d64, MAT_DIMS, temperature=TEMPERATURE), [q64, d64],
+                          ["q", "d"])
+        res = {}
+        for impl in impls:
+            if impl not in ("tempokern", "eager"):
+                continue
+            a, b = _leaf(q.clone()), _leaf(d.clone())
+            fn = tk().matryoshka_infonce if impl == "tempokern" else ref().matryoshka_infonce
+            res[impl] = compare(with_grads(fn(a, b, MAT_DIMS, temperature=TEMPERATURE), [a, b], ["q", "d"]), want)
+        return res, note
+    return agree
+
+
+def matryoshka_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
+    cases, prev = [], None
+    for B in sizes.get("matryoshka", []):
+        steps = {impl: mat_step(impl, compile_fn) for impl in ("tempokern", "single", "eager", "compile")}
+        steps["matmul"] = lambda inp: row_blocks_mm(inp["q"].detach(), inp["d"].detach())
+        cases.append(Case(
+            "matryoshka_infonce", "dims 64..768", f"B={B}", make=(lambda s, B=B: mat_inputs(B, dev, dtype, s)),
+            steps=steps, agree=mat_agree(sizes["agree_rows"], seed),
+            # eager: K levels of (bf16 logits + float32 log-softmax and its gradient), ~5 x 19.4 bytes per pair
+            # (multipos's measured eager bytes per pair, one level); compile: 5 x 6.7 (estimates)
+            mem_bytes={"eager": 5 * 19.4 * B * B, "compile": 5 * 6.7 * B * B},
+            scale=(B / prev) ** 2 if prev else 1.0,
+            floor=lambda ms: (4 * ms["matmul"], "4 x the bare q @ d.T (one level's fwd, recompute, dq, dd products)")
+            if "matmul" in ms else (math.nan, "")))
+        prev = B
     return cases
 
 
@@ -723,13 +797,15 @@ def re3_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
 
 def suite_sizes(device: str, quick: bool) -> dict:
     if device == "cpu":   # tests only: tiny, seconds
-        return dict(loss=[48, 96], loss_table=[48], loss_exact=[48], agree_rows=64, agree_rows_exact=64,
+        return dict(loss=[48, 96], loss_table=[48], loss_exact=[48], agree_rows=64, agree_rows_exact=64, matryoshka=[48],
                     topk=(8, 3000), topk_small_q=[1], agree_q=4, agree_n=1000, calendar=300, bias=80, agree_bias=50)
     if quick:
         return dict(loss=[1024, 4096], loss_table=[1024], loss_exact=[1024], agree_rows=4096, agree_rows_exact=1024,
+                    matryoshka=[1024],
                     topk=(64, 100_000), topk_small_q=[1], agree_q=64, agree_n=50_000, calendar=65_536, bias=1024,
                     agree_bias=1024)
     return dict(loss=[8192, 65536, 262144], loss_table=[8192, 65536], loss_exact=[8192], agree_rows=8192,
+                matryoshka=[8192, 65536],
                 agree_rows_exact=2048, topk=(1024, 1_000_000), topk_small_q=[1, 16], agree_q=256, agree_n=131_072,
                 calendar=1 << 20, bias=8192, agree_bias=2048)
 
@@ -987,6 +1063,7 @@ def build_cases(args, dev, bandwidth, compile_fn) -> List[Tuple[Case, int]]:
             cur = []
         cur.append(c)
     series.append(cur)
+    series.append(matryoshka_cases(sizes, dev, dtype, args.seed, compile_fn))
     series += [[c] for c in topk_cases(sizes, dev, dtype, args.seed, bandwidth)]
     series += [[c] for c in calendar_cases(sizes, dev, bandwidth, compile_fn)]
     series += [[c] for c in bias_cases(sizes, dev, args.seed, bandwidth)]

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 #include "common/cpu_gemm.h"
 #include "common/cpu_math.h"
@@ -68,40 +69,115 @@ template <typename A> inline void lse_merge(A& m, A& s, A m2, A s2) {
 
 inline bool overlap(int64_t alo, int64_t ahi, int64_t blo, int64_t bhi) { return std::max(alo, blo) <= std::min(ahi, bhi); }
 
-template <typename A> inline void row_update(const A* z, int64_t n, A& m, A& s, A* e) {
-  if (n <= 0) return;
-  A mx = z[0];
-#pragma omp simd reduction(max : mx)
-  for (int64_t j = 1; j < n; ++j) mx = std::max(mx, z[j]);
-  for (int64_t j = 0; j < n; ++j) e[j] = z[j] - mx;
-  vexp_inplace(e, n);
-  A sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) sum += e[j];
-  lse_merge(m, s, mx, sum);
+// Positives of a tile (level-independent): for row r, columns pidx[pst[r] .. pst[r + 1]) (tile-local).
+struct TilePos {
+  std::vector<int32_t> pst, pidx;
+  TilePos() : pst(IT + 1), pidx(IT * JT) {}
+  void build(int64_t mi, int64_t nj, const int64_t* qlo, const int64_t* qhi, const int64_t* dlo, const int64_t* dhi) {
+    int32_t n = 0;
+    for (int64_t r = 0; r < mi; ++r) {
+      pst[r] = n;
+      const int64_t lo = qlo[r], hi = qhi[r];
+      for (int64_t j = 0; j < nj; ++j) {
+        pidx[n] = (int32_t)j;
+        n += overlap(lo, hi, dlo[j], dhi[j]);
+      }
+    }
+    pst[mi] = n;
+  }
+};
+
+// ---- fused row passes (explicit 8-float vectors; double: plain loops) ----------------------------------
+inline vf8 vload(const float* p) { vf8 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void vstore(float* p, vf8 v) { std::memcpy(p, &v, sizeof v); }
+inline float hmax(vf8 v) { float m = v[0]; for (int k = 1; k < 8; ++k) m = std::max(m, v[k]); return m; }
+inline float hsum(vf8 v) { float s = 0; for (int k = 0; k < 8; ++k) s += v[k]; return s; }
+
+// z[j] = g[j] * f * kc[j]; returns max_j z[j]
+inline float scale_max(const float* g, float f, const float* kc, float* z, int64_t n) {
+  vf8 vm = vf8{} - std::numeric_limits<float>::infinity();
+  const vf8 vf = vf8{} + f;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const vf8 v = vload(g + j) * vf * vload(kc + j);
+    vstore(z + j, v);
+    vm = v > vm ? v : vm;
+  }
+  float m = hmax(vm);
+  for (; j < n; ++j) { z[j] = g[j] * f * kc[j]; m = std::max(m, z[j]); }
+  return m;
+}
+inline double scale_max(const double* g, double f, const double* kc, double* z, int64_t n) {
+  double m = -std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < n; ++j) { z[j] = g[j] * f * kc[j]; m = std::max(m, z[j]); }
+  return m;
+}
+// sum_j exp(z[j] - m)
+inline float exp_sum(const float* z, float m, int64_t n) {
+  vf8 vs = vf8{};
+  const vf8 vm = vf8{} + m;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) vs += fast_exp(vload(z + j) - vm);
+  float s = hsum(vs);
+  for (; j < n; ++j) s += fast_exp(z[j] - m);
+  return s;
+}
+inline double exp_sum(const double* z, double m, int64_t n) {
+  double s = 0;
+  for (int64_t j = 0; j < n; ++j) s += std::exp(z[j] - m);
+  return s;
 }
 
-// Positive part of a row: exps only for the positives (usually one or a few per row).
-template <typename A>
-inline void pos_update(const A* z, int64_t n, int64_t qlo, int64_t qhi, const int64_t* dlo, const int64_t* dhi,
-                       A& m, A& s, int64_t& cnt) {
-  A mx = -std::numeric_limits<A>::infinity();
-  int64_t c = 0;
-  for (int64_t j = 0; j < n; ++j)
-    if (overlap(qlo, qhi, dlo[j], dhi[j])) { ++c; mx = std::max(mx, z[j]); }
-  if (!c) return;
-  A sum = 0;
-  for (int64_t j = 0; j < n; ++j)
-    if (overlap(qlo, qhi, dlo[j], dhi[j])) sum += mexp(z[j] - mx);
-  lse_merge(m, s, mx, sum);
-  cnt += c;
+// One row of the gradient, dense part: z_j = RAW ? src[j] * fz * kc[j] : src[j];
+// g_j = rw exp(z_j - lse) (+ cw exp(z_j - cl[j]) when cl); h[j] = g_j * fh * kc[j]; tcl[j] += g_j z_j;
+// returns sum_j g_j z_j.
+template <bool RAW, bool COLS>
+inline float grad_dense(const float* src, float fz, const float* kc, int64_t n, float rw, float lse, float cw,
+                        const float* cl, float fh, float* h, float* tcl) {
+  const vf8 vfz = vf8{} + fz, vrw = vf8{} + rw, vlse = vf8{} + lse, vcw = vf8{} + cw, vfh = vf8{} + fh;
+  vf8 vsu = vf8{};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const vf8 k = vload(kc + j);
+    const vf8 z = RAW ? vload(src + j) * vfz * k : vload(src + j);
+    vf8 g = vrw * fast_exp(z - vlse);
+    if constexpr (COLS) g += vcw * fast_exp(z - vload(cl + j));
+    const vf8 u = g * z;
+    vsu += u;
+    vstore(tcl + j, vload(tcl + j) + u);
+    vstore(h + j, g * vfh * k);
+  }
+  float su = hsum(vsu);
+  for (; j < n; ++j) {
+    const float z = RAW ? src[j] * fz * kc[j] : src[j];
+    float g = rw * fast_exp(z - lse);
+    if constexpr (COLS) g += cw * fast_exp(z - cl[j]);
+    su += g * z;
+    tcl[j] += g * z;
+    h[j] = g * fh * kc[j];
+  }
+  return su;
+}
+template <bool RAW, bool COLS>
+inline double grad_dense(const double* src, double fz, const double* kc, int64_t n, double rw, double lse, double cw,
+                         const double* cl, double fh, double* h, double* tcl) {
+  double su = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const double z = RAW ? src[j] * fz * kc[j] : src[j];
+    double g = rw * std::exp(z - lse);
+    if constexpr (COLS) g += cw * std::exp(z - cl[j]);
+    su += g * z;
+    tcl[j] += g * z;
+    h[j] = g * fh * kc[j];
+  }
+  return su;
 }
 
 // Pack panel b of X (rows [b*JT, b*JT + w)) transposed to (H x w) at out + b*JT*H.
 template <typename A>
 void pack_panels(const A* X, int64_t ld, int64_t n, int64_t H, A* out) {
   const int64_t nb = ceil_div(n, JT);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (nb > 1 && n * H > 65536)
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t j0 = b * JT, w = std::min(JT, n - j0);
     gemm::transpose_pack(w, H, X + j0 * ld, ld, out + j0 * H, w);
@@ -124,6 +200,33 @@ class Pass {
   void bwd();
 
  private:
+  // What the gradient computation shares across threads: per-level coefficients, locks, column sums.
+  struct GradState {
+    std::vector<A> rw, cw, csum, nsum;
+    std::vector<char> nz;
+    bool any = false, rows_on = false;
+    Locks jlocks, nlocks;
+    GradState(const Pass& s, const std::vector<double>& coef)
+        : rw(s.K), cw(s.K), csum((size_t)(s.K * s.Bd), A(0)), nsum((size_t)(s.K * s.N), A(0)), nz(s.K),
+          jlocks(s.nJB), nlocks(s.nNB) {
+      rows_on = s.p.row_weight != 0.0;
+      for (int64_t l = 0; l < s.K; ++l) {
+        rw[l] = s.Bq ? (A)(coef[l] * s.p.row_weight / (double)s.Bq) : A(0);
+        cw[l] = (s.cols && s.Bd) ? (A)(coef[l] * s.p.col_weight / (double)s.Bd) : A(0);
+        nz[l] = rw[l] != A(0) || cw[l] != A(0);
+        any = any || nz[l];
+      }
+    }
+  };
+  // Per-thread scratch of the gradient computation.
+  struct Scratch {
+    std::vector<A> G, Hs, ea, ca, ddl, usum, tcol;
+    std::vector<char> act;
+    TilePos tp;
+    Scratch(int64_t K, int64_t H)
+        : G(IT * JT), Hs(K * IT * JT), ea(JT), ca(JT), ddl(JT * H), usum(K * IT), tcol(K * JT), act(K) {}
+  };
+
   // G (mi x nj, ld JT) += q[i0 + r, a:b] . panel rows a..b (panel: H x nj, packed)
   void seg_acc(int64_t i0, int64_t mi, const A* panel, int64_t nj, int64_t a, int64_t b, A* G) const {
     gemm::acc_nn(mi, nj, b - a, q + i0 * p.ldq + a, p.ldq, 1, panel + a * nj, nj, G, JT, A(1));
@@ -140,6 +243,140 @@ class Pass {
   }
   int64_t col_of(int64_t i) const { return i + p.diag_offset; }
   int64_t row_of(int64_t j) const { return j - p.diag_offset; }
+
+  // Level l's coefficient tile: h (mi x nj, ld JT) = g_l * rho * kc * inv_temp with g_l = dL/dz_l, from
+  // src = the raw products G (raw: z = inv_temp G rho kc) or the logits z themselves (row stride sld);
+  // adds the sums of g_l z_l to the rows (sc.usum) and columns (sc.tcol). negs: the tile is extra negatives
+  // (row denominators only); else the positives of sc.tp (and the diagonal fallbacks) apply.
+  void coef_tile(const GradState& gs, Scratch& sc, int64_t l, int64_t i0, int64_t mi, int64_t j0, int64_t nj,
+                 bool negs, const A* src, int64_t sld, bool raw, A* h) const {
+    const A* st = static_cast<const A*>(p.row_stats) + l * 3 * Bq;
+    const A* ct = (cols && !negs) ? static_cast<const A*>(p.col_stats) + l * 3 * Bd : nullptr;
+    const A* kc = negs ? kneg + l * N + j0 : kap + l * Bd + j0;
+    A* tcl = sc.tcol.data() + l * JT;
+    const A rwl = gs.rows_on ? gs.rw[l] : A(0), cwl = gs.cw[l];
+    for (int64_t r = 0; r < mi; ++r) {
+      const int64_t i = i0 + r;
+      const A* zr = src + r * sld;
+      A* hr = h + r * JT;
+      const A f = it * rho[l * Bq + i];
+      const A fz = raw ? f : A(1);
+      const A lse = st[i], lsep = st[Bq + i];
+      A su;
+      if (raw)
+        su = ct ? grad_dense<true, true>(zr, fz, kc, nj, rwl, lse, cwl, ct + j0, f, hr, tcl)
+                : grad_dense<true, false>(zr, fz, kc, nj, rwl, lse, cwl, nullptr, f, hr, tcl);
+      else
+        su = ct ? grad_dense<false, true>(zr, fz, kc, nj, rwl, lse, cwl, ct + j0, f, hr, tcl)
+                : grad_dense<false, false>(zr, fz, kc, nj, rwl, lse, cwl, nullptr, f, hr, tcl);
+      if (!negs) {  // sparse part: - rw exp(z - lse_pos) on the positives (and the fallback diagonals)
+        auto fix = [&](int64_t j, bool row_pos, bool col_pos) {
+          const A z = raw ? zr[j] * fz * kc[j] : zr[j];
+          A dg = 0;
+          if (row_pos && gs.rows_on) dg -= rwl * mexp(z - lsep);
+          if (col_pos && ct) dg -= cwl * mexp(z - ct[Bd + j0 + j]);
+          hr[j] += dg * f * kc[j];
+          tcl[j] += dg * z;
+          su += dg * z;
+        };
+        for (int32_t k = sc.tp.pst[r]; k < sc.tp.pst[r + 1]; ++k) fix(sc.tp.pidx[k], true, true);
+        const int64_t jd = col_of(i);
+        if (jd >= j0 && jd < j0 + nj && !overlap(p.q_lo[i], p.q_hi[i], p.d_lo[jd], p.d_hi[jd]))
+          fix(jd - j0, st[2 * Bq + i] != A(0), ct && ct[2 * Bd + jd] != A(0));
+      }
+      sc.usum[l * IT + r] += su;
+    }
+  }
+
+  // After the coefficient tiles of a panel: suffix sums over levels, dq[:, S_l] += H_l X[:, S_l] and
+  // dX[:, S_l] += H_l^T q[:, S_l] (X = d or the extra negatives), column sums merged under the panel lock.
+  void finish_panel(GradState& gs, Scratch& sc, int64_t i0, int64_t mi, int64_t j0, int64_t nj, int64_t jb,
+                    bool negs) const {
+    const std::vector<int64_t>& seg = p.seg;
+    bool have = false;
+    for (int64_t l = K - 1; l >= 0; --l) {
+      A* h = sc.Hs.data() + l * IT * JT;
+      if (have) {
+        const A* h1 = h + IT * JT;
+        for (int64_t r = 0; r < mi; ++r) {
+          if (gs.nz[l]) {
+#pragma omp simd
+            for (int64_t j = 0; j < nj; ++j) h[r * JT + j] += h1[r * JT + j];
+          } else {
+            std::copy(h1 + r * JT, h1 + r * JT + nj, h + r * JT);
+          }
+        }
+      }
+      have = have || gs.nz[l];
+      sc.act[l] = have;
+    }
+    const A* X = negs ? neg : d;
+    const int64_t ldx = negs ? p.ldn : p.ldd;
+    A* dq = static_cast<A*>(p.dq);
+    A* dX = static_cast<A*>(negs ? p.dneg : p.dd) + j0 * H;
+    for (int64_t l = 0; l < K; ++l)
+      if (sc.act[l])
+        gemm::acc_nn(mi, seg[l + 1] - seg[l], nj, sc.Hs.data() + l * IT * JT, JT, 1, X + j0 * ldx + seg[l], ldx,
+                     dq + i0 * H + seg[l], H, A(1));
+    Locks& locks = negs ? gs.nlocks : gs.jlocks;
+    const bool direct = !negs && locks.try_lock(jb);
+    A* dst = direct ? dX : sc.ddl.data();
+    if (!direct) std::fill(sc.ddl.begin(), sc.ddl.begin() + nj * H, A(0));
+    for (int64_t l = 0; l < K; ++l)
+      if (sc.act[l])
+        gemm::acc_nn(nj, seg[l + 1] - seg[l], mi, sc.Hs.data() + l * IT * JT, 1, JT, q + i0 * p.ldq + seg[l], p.ldq,
+                     dst + seg[l], H, A(1));
+    if (!direct) {
+      locks.lock(jb);
+      for (int64_t x = 0; x < nj * H; ++x) dX[x] += sc.ddl[x];
+    }
+    A* cs = negs ? gs.nsum.data() : gs.csum.data();
+    const int64_t n = negs ? N : Bd;
+    for (int64_t l = 0; l < K; ++l)
+      if (gs.nz[l])
+        for (int64_t j = 0; j < nj; ++j) cs[l * n + j0 + j] += sc.tcol[l * JT + j];
+    locks.unlock(jb);
+  }
+
+  void finish_rows(Scratch& sc, int64_t i0, int64_t mi) const {
+    A* drho = static_cast<A*>(p.drho);
+    for (int64_t l = 0; l < K; ++l)
+      for (int64_t r = 0; r < mi; ++r) drho[l * Bq + i0 + r] = sc.usum[l * IT + r] / rho[l * Bq + i0 + r];
+  }
+
+  void finish_norms(const GradState& gs) const {
+    A* dkap = static_cast<A*>(p.dkap);
+    A* dkneg = static_cast<A*>(p.dkneg);
+    for (int64_t x = 0; x < K * Bd; ++x) dkap[x] = gs.csum[x] / kap[x];
+    for (int64_t x = 0; x < K * N; ++x) dkneg[x] = gs.nsum[x] / kneg[x];
+  }
+
+  // Gradient of row block (i0, mi) from logits already computed: zb (K x IT x (Bd + N), ld zld) holds
+  // every level's logits of these rows against all candidates (the gradient-in-forward path).
+  void grad_rows_from_logits(GradState& gs, Scratch& sc, int64_t i0, int64_t mi, const A* zb, int64_t zld) const {
+    std::fill(sc.usum.begin(), sc.usum.end(), A(0));
+    const int64_t jstart = stagger(i0 / IT, nJB);
+    for (int64_t t = 0; t < nJB; ++t) {
+      const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
+      std::fill(sc.tcol.begin(), sc.tcol.end(), A(0));
+      sc.tp.build(mi, nj, p.q_lo + i0, p.q_hi + i0, p.d_lo + j0, p.d_hi + j0);
+      for (int64_t l = 0; l < K; ++l) {
+        if (!gs.nz[l]) continue;
+        coef_tile(gs, sc, l, i0, mi, j0, nj, false, zb + l * IT * zld + j0, zld, false, sc.Hs.data() + l * IT * JT);
+      }
+      finish_panel(gs, sc, i0, mi, j0, nj, jb, false);
+    }
+    for (int64_t nb = 0; gs.rows_on && nb < nNB; ++nb) {
+      const int64_t k0 = nb * JT, nk = std::min(JT, N - k0);
+      std::fill(sc.tcol.begin(), sc.tcol.end(), A(0));
+      for (int64_t l = 0; l < K; ++l) {
+        if (!gs.nz[l]) continue;
+        coef_tile(gs, sc, l, i0, mi, k0, nk, true, zb + l * IT * zld + Bd + k0, zld, false, sc.Hs.data() + l * IT * JT);
+      }
+      finish_panel(gs, sc, i0, mi, k0, nk, nb, true);
+    }
+    finish_rows(sc, i0, mi);
+  }
 
   const MatryoshkaParams& p;
   const A *q, *d, *neg, *rho, *kap, *kneg;
@@ -160,14 +397,22 @@ void Pass<A>::fwd() {
   Locks locks(nJB);
   A* rs = static_cast<A*>(p.row_stats);
   const std::vector<int64_t>& seg = p.seg;
+  // gradient in forward (the wrapper asks for it when the loss has no column term): each row block keeps
+  // its logits against all candidates (K x IT x (Bd + N)), so the gradient needs no recomputed products
+  const bool gif = p.dq != nullptr && !cols;
+  GradState gs(*this, p.coef);
+  const int64_t zld = Bd + N;
 
-#pragma omp parallel
+#pragma omp parallel if (nIB > 1)
   {
     std::vector<A> G(IT * JT), Z(IT * JT), e(JT);
     std::vector<A> rm(K * IT), rsum(K * IT), rpm(K * IT), rps(K * IT), rdiag(K * IT);
     std::vector<int64_t> rcnt(K * IT);
     std::vector<A> tm(K * JT), ts(K * JT), tpm(K * JT), tps(K * JT), tdg(K * JT);
     std::vector<int64_t> tc(K * JT);
+    TilePos tp;
+    std::vector<A> zb(gif ? (size_t)(K * IT * zld) : 0);
+    std::unique_ptr<Scratch> sc(gif && gs.any ? new Scratch(K, H) : nullptr);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ib = 0; ib < nIB; ++ib) {
       const int64_t i0 = ib * IT, mi = std::min(IT, Bq - i0);
@@ -181,6 +426,7 @@ void Pass<A>::fwd() {
       for (int64_t t = 0; t < nJB; ++t) {
         const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
         for (int64_t r = 0; r < mi; ++r) std::fill(G.data() + r * JT, G.data() + r * JT + nj, A(0));
+        tp.build(mi, nj, p.q_lo + i0, p.q_hi + i0, p.d_lo + j0, p.d_hi + j0);
         if (cols) {
           std::fill(tm.begin(), tm.end(), ninf);
           std::fill(tpm.begin(), tpm.end(), ninf);
@@ -191,12 +437,21 @@ void Pass<A>::fwd() {
         }
         for (int64_t l = 0; l < K; ++l) {
           seg_acc(i0, mi, dpan.data() + j0 * H, nj, seg[l], seg[l + 1], G.data());
-          scale(G.data(), mi, nj, rho + l * Bq + i0, kap + l * Bd + j0, Z.data());
           for (int64_t r = 0; r < mi; ++r) {
             const int64_t i = i0 + r, x = l * IT + r;
-            const A* z = Z.data() + r * JT;
-            row_update(z, nj, rm[x], rsum[x], e.data());
-            pos_update(z, nj, p.q_lo[i], p.q_hi[i], p.d_lo + j0, p.d_hi + j0, rpm[x], rps[x], rcnt[x]);
+            A* z = gif ? zb.data() + (l * IT + r) * zld + j0 : Z.data() + r * JT;
+            const A mx = scale_max(G.data() + r * JT, it * rho[l * Bq + i], kap + l * Bd + j0, z, nj);
+            lse_merge(rm[x], rsum[x], mx, exp_sum(z, mx, nj));
+            const int32_t* pi = tp.pidx.data() + tp.pst[r];
+            const int64_t np = tp.pst[r + 1] - tp.pst[r];
+            if (np) {
+              A mx = z[pi[0]];
+              for (int64_t k = 1; k < np; ++k) mx = std::max(mx, z[pi[k]]);
+              A sum = 0;
+              for (int64_t k = 0; k < np; ++k) sum += mexp(z[pi[k]] - mx);
+              lse_merge(rpm[x], rps[x], mx, sum);
+              rcnt[x] += np;
+            }
             const int64_t jd = col_of(i);
             if (jd >= j0 && jd < j0 + nj) rdiag[x] = z[jd - j0];
           }
@@ -210,9 +465,11 @@ void Pass<A>::fwd() {
             const A* z = Z.data() + r * JT;
 #pragma omp simd
             for (int64_t j = 0; j < nj; ++j) m1[j] = std::max(m1[j], z[j]);
-            const int64_t lo = p.q_lo[i0 + r], hi = p.q_hi[i0 + r];
-            for (int64_t j = 0; j < nj; ++j)
-              if (overlap(lo, hi, p.d_lo[j0 + j], p.d_hi[j0 + j])) { m2[j] = std::max(m2[j], z[j]); ++c2[j]; }
+            for (int32_t k = tp.pst[r]; k < tp.pst[r + 1]; ++k) {
+              const int32_t j = tp.pidx[k];
+              m2[j] = std::max(m2[j], z[j]);
+              ++c2[j];
+            }
           }
           for (int64_t r = 0; r < mi; ++r) {
             const A* z = Z.data() + r * JT;
@@ -220,9 +477,10 @@ void Pass<A>::fwd() {
             vexp_inplace(e.data(), nj);
 #pragma omp simd
             for (int64_t j = 0; j < nj; ++j) s1[j] += e[j];
-            const int64_t lo = p.q_lo[i0 + r], hi = p.q_hi[i0 + r];
-            for (int64_t j = 0; j < nj; ++j)
-              if (overlap(lo, hi, p.d_lo[j0 + j], p.d_hi[j0 + j])) s2[j] += mexp(z[j] - m2[j]);
+            for (int32_t k = tp.pst[r]; k < tp.pst[r + 1]; ++k) {
+              const int32_t j = tp.pidx[k];
+              s2[j] += mexp(z[j] - m2[j]);
+            }
           }
           for (int64_t j = 0; j < nj; ++j) {
             const int64_t id = row_of(j0 + j);
@@ -247,8 +505,12 @@ void Pass<A>::fwd() {
         for (int64_t r = 0; r < mi; ++r) std::fill(G.data() + r * JT, G.data() + r * JT + nk, A(0));
         for (int64_t l = 0; l < K; ++l) {
           seg_acc(i0, mi, npan.data() + k0 * H, nk, seg[l], seg[l + 1], G.data());
-          scale(G.data(), mi, nk, rho + l * Bq + i0, kneg + l * N + k0, Z.data());
-          for (int64_t r = 0; r < mi; ++r) row_update(Z.data() + r * JT, nk, rm[l * IT + r], rsum[l * IT + r], e.data());
+          for (int64_t r = 0; r < mi; ++r) {
+            const int64_t x = l * IT + r;
+            A* z = gif ? zb.data() + (l * IT + r) * zld + Bd + k0 : Z.data() + r * JT;
+            const A mx = scale_max(G.data() + r * JT, it * rho[l * Bq + i0 + r], kneg + l * N + k0, z, nk);
+            lse_merge(rm[x], rsum[x], mx, exp_sum(z, mx, nk));
+          }
         }
       }
       for (int64_t l = 0; l < K; ++l)
@@ -260,8 +522,10 @@ void Pass<A>::fwd() {
           st[Bq + i] = fb ? rdiag[x] : rpm[x] + std::log(rps[x]);
           st[2 * Bq + i] = fb ? A(1) : A(0);
         }
+      if (sc) grad_rows_from_logits(gs, *sc, i0, mi, zb.data(), zld);
     }
   }
+  if (gif && gs.any) finish_norms(gs);
 
   A* cst = static_cast<A*>(p.col_stats);
   A* lv = static_cast<A*>(p.levels);
@@ -299,189 +563,44 @@ void Pass<A>::fwd() {
 
 template <typename A>
 void Pass<A>::bwd() {
-  const A* rs = static_cast<const A*>(p.row_stats);
-  const A* cst = static_cast<const A*>(p.col_stats);
-  A* dq = static_cast<A*>(p.dq);
-  A* dd = static_cast<A*>(p.dd);
-  A* dneg = static_cast<A*>(p.dneg);
-  A* drho = static_cast<A*>(p.drho);
-  A* dkap = static_cast<A*>(p.dkap);
-  A* dkneg = static_cast<A*>(p.dkneg);
+  GradState gs(*this, p.coef);
+  if (!gs.any) return;
   const std::vector<int64_t>& seg = p.seg;
-  std::vector<A> rw(K), cw(K);
-  std::vector<char> nz(K);
-  for (int64_t l = 0; l < K; ++l) {
-    rw[l] = Bq ? (A)(p.coef[l] * p.row_weight / (double)Bq) : A(0);
-    cw[l] = (cols && Bd) ? (A)(p.coef[l] * p.col_weight / (double)Bd) : A(0);
-    nz[l] = rw[l] != A(0) || cw[l] != A(0);
-  }
-  bool any = false;
-  for (int64_t l = 0; l < K; ++l) any = any || nz[l];
-  if (!any) return;
-  const bool rows_on = p.row_weight != 0.0;
-  Locks jlocks(nJB), nlocks(nNB);
-  // column sums of g * z (-> dkap, dkneg), merged under the panel locks
-  std::vector<A> csum((size_t)(K * Bd), A(0)), nsum((size_t)(K * N), A(0));
-
-#pragma omp parallel
+#pragma omp parallel if (nIB > 1)
   {
-    std::vector<A> G(IT * JT), Hs(K * IT * JT), ea(JT), ca(JT), ddl(JT * H), usum(K * IT), tcol(K * JT);
-    std::vector<char> act(K);
-    // h tiles of the active levels -> suffix sums over levels (in place); act[l]: H_l is nonzero
-    auto suffix = [&](int64_t mi, int64_t nj) {
-      bool have = false;
-      for (int64_t l = K - 1; l >= 0; --l) {
-        A* h = Hs.data() + l * IT * JT;
-        if (have) {
-          const A* h1 = h + IT * JT;
-          for (int64_t r = 0; r < mi; ++r) {
-            if (nz[l]) {
-#pragma omp simd
-              for (int64_t j = 0; j < nj; ++j) h[r * JT + j] += h1[r * JT + j];
-            } else {
-              std::copy(h1 + r * JT, h1 + r * JT + nj, h + r * JT);
-            }
-          }
-        }
-        have = have || nz[l];
-        act[l] = have;
-      }
-    };
+    Scratch sc(K, H);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ib = 0; ib < nIB; ++ib) {
       const int64_t i0 = ib * IT, mi = std::min(IT, Bq - i0);
-      std::fill(usum.begin(), usum.end(), A(0));
+      std::fill(sc.usum.begin(), sc.usum.end(), A(0));
       const int64_t jstart = stagger(ib, nJB);
       for (int64_t t = 0; t < nJB; ++t) {
         const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
-        for (int64_t r = 0; r < mi; ++r) std::fill(G.data() + r * JT, G.data() + r * JT + nj, A(0));
-        std::fill(tcol.begin(), tcol.end(), A(0));
+        for (int64_t r = 0; r < mi; ++r) std::fill(sc.G.data() + r * JT, sc.G.data() + r * JT + nj, A(0));
+        std::fill(sc.tcol.begin(), sc.tcol.end(), A(0));
+        sc.tp.build(mi, nj, p.q_lo + i0, p.q_hi + i0, p.d_lo + j0, p.d_hi + j0);
         for (int64_t l = 0; l < K; ++l) {
-          seg_acc(i0, mi, dpan.data() + j0 * H, nj, seg[l], seg[l + 1], G.data());
-          if (!nz[l]) continue;
-          A* h = Hs.data() + l * IT * JT;
-          const A* kc = kap + l * Bd + j0;
-          scale(G.data(), mi, nj, rho + l * Bq + i0, kc, h);
-          const A* st = rs + l * 3 * Bq;
-          const A* ct = cols ? cst + l * 3 * Bd : nullptr;
-          A* tcl = tcol.data() + l * JT;
-          const A rwl = rw[l], cwl = cw[l];
-          for (int64_t r = 0; r < mi; ++r) {
-            const int64_t i = i0 + r;
-            A* z = h + r * JT;
-            const A lse = st[i], lsep = st[Bq + i];
-            const bool fb = st[2 * Bq + i] != A(0);
-            const int64_t jd = col_of(i);
-            const int64_t qlo = p.q_lo[i], qhi = p.q_hi[i];
-            if (rows_on) {
-              for (int64_t j = 0; j < nj; ++j) ea[j] = z[j] - lse;
-              vexp_inplace(ea.data(), nj);
-            } else {
-              std::fill(ea.begin(), ea.begin() + nj, A(0));
-            }
-            if (ct) {
-              for (int64_t j = 0; j < nj; ++j) ca[j] = z[j] - ct[j0 + j];
-              vexp_inplace(ca.data(), nj);
-            }
-            for (int64_t j = 0; j < nj; ++j) {
-              const int64_t jj = j0 + j;
-              const bool pos = overlap(qlo, qhi, p.d_lo[jj], p.d_hi[jj]);
-              const bool dg = jj == jd;
-              A g = rwl * ea[j];
-              if (rows_on && (pos || (fb && dg))) g -= rwl * mexp(z[j] - lsep);
-              if (ct) {
-                g += cwl * ca[j];
-                if (pos || (dg && ct[2 * Bd + jj] != A(0))) g -= cwl * mexp(z[j] - ct[Bd + jj]);
-              }
-              ea[j] = g;
-            }
-            const A f = it * rho[l * Bq + i];
-            A su = 0;
-#pragma omp simd reduction(+ : su)
-            for (int64_t j = 0; j < nj; ++j) {
-              const A u = ea[j] * z[j];
-              su += u;
-              tcl[j] += u;
-              z[j] = ea[j] * f * kc[j];
-            }
-            usum[l * IT + r] += su;
-          }
+          seg_acc(i0, mi, dpan.data() + j0 * H, nj, seg[l], seg[l + 1], sc.G.data());
+          if (!gs.nz[l]) continue;
+          coef_tile(gs, sc, l, i0, mi, j0, nj, false, sc.G.data(), JT, true, sc.Hs.data() + l * IT * JT);
         }
-        suffix(mi, nj);
-        for (int64_t l = 0; l < K; ++l)
-          if (act[l])
-            gemm::acc_nn(mi, seg[l + 1] - seg[l], nj, Hs.data() + l * IT * JT, JT, 1, d + j0 * p.ldd + seg[l], p.ldd,
-                         dq + i0 * H + seg[l], H, A(1));
-        A* ddj = dd + j0 * H;
-        const bool direct = jlocks.try_lock(jb);
-        A* dst = direct ? ddj : ddl.data();
-        if (!direct) std::fill(ddl.begin(), ddl.begin() + nj * H, A(0));
-        for (int64_t l = 0; l < K; ++l)
-          if (act[l])
-            gemm::acc_nn(nj, seg[l + 1] - seg[l], mi, Hs.data() + l * IT * JT, 1, JT, q + i0 * p.ldq + seg[l], p.ldq,
-                         dst + seg[l], H, A(1));
-        if (!direct) {
-          jlocks.lock(jb);
-          for (int64_t x = 0; x < nj * H; ++x) ddj[x] += ddl[x];
-        }
-        for (int64_t l = 0; l < K; ++l)
-          if (nz[l])
-            for (int64_t j = 0; j < nj; ++j) csum[l * Bd + j0 + j] += tcol[l * JT + j];
-        jlocks.unlock(jb);
+        finish_panel(gs, sc, i0, mi, j0, nj, jb, false);
       }
-      for (int64_t nb = 0; rows_on && nb < nNB; ++nb) {
+      for (int64_t nb = 0; gs.rows_on && nb < nNB; ++nb) {
         const int64_t k0 = nb * JT, nk = std::min(JT, N - k0);
-        for (int64_t r = 0; r < mi; ++r) std::fill(G.data() + r * JT, G.data() + r * JT + nk, A(0));
-        std::fill(tcol.begin(), tcol.end(), A(0));
+        for (int64_t r = 0; r < mi; ++r) std::fill(sc.G.data() + r * JT, sc.G.data() + r * JT + nk, A(0));
+        std::fill(sc.tcol.begin(), sc.tcol.end(), A(0));
         for (int64_t l = 0; l < K; ++l) {
-          seg_acc(i0, mi, npan.data() + k0 * H, nk, seg[l], seg[l + 1], G.data());
-          if (!nz[l]) continue;
-          A* h = Hs.data() + l * IT * JT;
-          const A* kc = kneg + l * N + k0;
-          scale(G.data(), mi, nk, rho + l * Bq + i0, kc, h);
-          const A* st = rs + l * 3 * Bq;
-          A* tcl = tcol.data() + l * JT;
-          for (int64_t r = 0; r < mi; ++r) {
-            const int64_t i = i0 + r;
-            A* z = h + r * JT;
-            for (int64_t j = 0; j < nk; ++j) ea[j] = z[j] - st[i];
-            vexp_inplace(ea.data(), nk);
-            const A f = it * rho[l * Bq + i], rwl = rw[l];
-            A su = 0;
-#pragma omp simd reduction(+ : su)
-            for (int64_t j = 0; j < nk; ++j) {
-              const A g = rwl * ea[j];
-              const A u = g * z[j];
-              su += u;
-              tcl[j] += u;
-              z[j] = g * f * kc[j];
-            }
-            usum[l * IT + r] += su;
-          }
+          seg_acc(i0, mi, npan.data() + k0 * H, nk, seg[l], seg[l + 1], sc.G.data());
+          if (!gs.nz[l]) continue;
+          coef_tile(gs, sc, l, i0, mi, k0, nk, true, sc.G.data(), JT, true, sc.Hs.data() + l * IT * JT);
         }
-        suffix(mi, nk);
-        std::fill(ddl.begin(), ddl.begin() + nk * H, A(0));
-        for (int64_t l = 0; l < K; ++l)
-          if (act[l]) {
-            const A* hl = Hs.data() + l * IT * JT;
-            const int64_t a = seg[l], w = seg[l + 1] - seg[l];
-            gemm::acc_nn(mi, w, nk, hl, JT, 1, neg + k0 * p.ldn + a, p.ldn, dq + i0 * H + a, H, A(1));
-            gemm::acc_nn(nk, w, mi, hl, 1, JT, q + i0 * p.ldq + a, p.ldq, ddl.data() + a, H, A(1));
-          }
-        nlocks.lock(nb);
-        A* dn = dneg + k0 * H;
-        for (int64_t x = 0; x < nk * H; ++x) dn[x] += ddl[x];
-        for (int64_t l = 0; l < K; ++l)
-          if (nz[l])
-            for (int64_t j = 0; j < nk; ++j) nsum[l * N + k0 + j] += tcol[l * JT + j];
-        nlocks.unlock(nb);
+        finish_panel(gs, sc, i0, mi, k0, nk, nb, true);
       }
-      for (int64_t l = 0; l < K; ++l)
-        for (int64_t r = 0; r < mi; ++r) drho[l * Bq + i0 + r] = usum[l * IT + r] / rho[l * Bq + i0 + r];
+      finish_rows(sc, i0, mi);
     }
   }
-  for (int64_t x = 0; x < K * Bd; ++x) dkap[x] = csum[x] / kap[x];
-  for (int64_t x = 0; x < K * N; ++x) dkneg[x] = nsum[x] / kneg[x];
+  finish_norms(gs);
 }
 
 }  // namespace

@@ -8,6 +8,8 @@ level, and in backward returns dL/dq, dL/dd, dL/dextra_neg through the raw produ
 dL/dkneg, which autograd carries back through the norms. No (B, B') or (B, N) buffer, forward or backward."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 import warnings
@@ -17,6 +19,7 @@ import torch
 
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, kernels, launch_args,
                      on_cuda_path, ptr)
+from .matryoshka_blocked import blocked_backward, blocked_forward
 from .multipos_infonce import _check_span, _span_bounds
 
 EPS = 1e-12  # F.normalize's clamp of the norm
@@ -43,30 +46,81 @@ def _ptrs(**kw):
     return {k: ptr(v) for k, v in kw.items() if v is not None}
 
 
+#: per-thread logit buffer the CPU kernel may keep for the gradient-in-forward (K x 64 rows x (B' + N))
+GIF_BUDGET_BYTES = 256 * 2**20
+
+
+_force_blocked = contextvars.ContextVar("tempokern_matryoshka_blocked", default=None)
+
+
+@contextlib.contextmanager
+def force_blocked(block_rows: int = 0):
+    """Runs CPU tensors through the blocked torch path (the CUDA path's algorithm) with blocks of
+    ``block_rows`` rows (0: chosen from the memory budget), for tests."""
+    token = _force_blocked.set(int(block_rows))
+    try:
+        yield
+    finally:
+        _force_blocked.reset(token)
+
+
+def _blocked(t) -> bool:
+    """The blocked path: CUDA tensors (and CPU tensors under the CUDA emulator or force_blocked())."""
+    return on_cuda_path(t) or _force_blocked.get() is not None
+
+
+def _block_rows() -> int:
+    v = _force_blocked.get()
+    return 0 if v is None else v
+
+
+def _gif(want_grad: bool, col_weight: float, K: int, Bd: int, N: int, itemsize: int, device=None) -> bool:
+    """Whether the forward also computes the gradient (unit upstream gradient, scaled in backward): only
+    without a column term (the row statistics of a row block are then final after its own pass), saving
+    the backward's recomputed products (6 instead of 8 B B' H flops)."""
+    if device is not None and _blocked(device):
+        return False
+    return bool(want_grad) and col_weight == 0.0 and K * 64 * (Bd + N) * itemsize <= GIF_BUDGET_BYTES
+
+
 @torch.library.custom_op("tempokern::matryoshka_infonce", mutates_args=())
 def _mat(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor], rho: torch.Tensor, kap: torch.Tensor,
          kneg: Optional[torch.Tensor], q_lo: torch.Tensor, q_hi: torch.Tensor, d_lo: torch.Tensor, d_hi: torch.Tensor,
          row_none: Optional[torch.Tensor], seg: List[int], coef: List[float], inv_temp: float, row_weight: float,
-         col_weight: float, diag_offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+         col_weight: float, diag_offset: int, want_grad: bool) -> List[torch.Tensor]:
     K = len(seg) - 1
     acc = q.dtype
+    N = 0 if extra_neg is None else extra_neg.shape[0]
+    if _blocked(q):
+        out = blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
+                              row_weight, col_weight, diag_offset, _block_rows())
+        return out + [q.new_empty(0) for _ in range(6)]
     loss = torch.zeros((), dtype=acc, device=q.device)
     levels = torch.zeros(K, dtype=acc, device=q.device)
     row_stats = torch.zeros(K, 3, q.shape[0], dtype=acc, device=q.device)
     col_stats = torch.zeros(K, 3, d.shape[0], dtype=acc, device=q.device)
+    grads = dict(dq=None, dd=None, dneg=None, drho=None, dkap=None, dkneg=None)
+    if _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), q.device):
+        z = lambda t: None if t is None else torch.zeros(t.shape, dtype=acc, device=q.device)  # noqa: E731
+        grads = dict(dq=z(q), dd=z(d), dneg=z(extra_neg), drho=z(rho), dkap=z(kap), dkneg=z(kneg))
     dev, stream = launch_args(q)
     ptrs = _ptrs(q=q, d=d, neg=extra_neg, rho=rho, kap=kap, kneg=kneg, q_lo=q_lo, q_hi=q_hi, d_lo=d_lo, d_hi=d_hi,
-                 row_none=row_none, loss=loss, levels=levels, row_stats=row_stats, col_stats=col_stats)
+                 row_none=row_none, loss=loss, levels=levels, row_stats=row_stats, col_stats=col_stats, **grads)
     kernels().matryoshka_infonce_launch("fwd", dev, stream, dtype_code(q), _sizes(q, d, extra_neg, seg, diag_offset),
                                         [inv_temp, row_weight, col_weight, *coef], ptrs)
-    return loss, levels, row_stats, col_stats
+    return [loss, levels, row_stats, col_stats, *[q.new_empty(0) if g is None else g for g in grads.values()]]
 
 
 @_mat.register_fake
 def _(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp, row_weight, col_weight,
-      diag_offset):
+      diag_offset, want_grad):
     K = len(seg) - 1
-    return (q.new_empty(()), q.new_empty((K,)), q.new_empty((K, 3, q.shape[0])), q.new_empty((K, 3, d.shape[0])))
+    N = 0 if extra_neg is None else extra_neg.shape[0]
+    out = [q.new_empty(()), q.new_empty((K,)), q.new_empty((K, 3, q.shape[0])), q.new_empty((K, 3, d.shape[0]))]
+    gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), q.device)
+    for t in (q, d, extra_neg, rho, kap, kneg):
+        out.append(q.new_empty(t.shape) if gif and t is not None else q.new_empty(0))
+    return out
 
 
 @torch.library.custom_op("tempokern::matryoshka_infonce_backward", mutates_args=())
@@ -75,6 +129,9 @@ def _mat_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: torch
                   kneg: Optional[torch.Tensor], q_lo: torch.Tensor, q_hi: torch.Tensor, d_lo: torch.Tensor,
                   d_hi: torch.Tensor, row_none: Optional[torch.Tensor], seg: List[int], inv_temp: float,
                   row_weight: float, col_weight: float, diag_offset: int) -> List[torch.Tensor]:
+    if _blocked(q):
+        return blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
+                                row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows())
     coef = [float(c) for c in lcoef.detach().to("cpu", torch.float64).tolist()]
     z = lambda t: None if t is None else torch.zeros(t.shape, dtype=q.dtype, device=q.device)  # noqa: E731
     dq, dd, dneg, drho, dkap, dkneg = z(q), z(d), z(extra_neg), z(rho), z(kap), z(kneg)
@@ -98,27 +155,47 @@ def _(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, 
 
 
 _NT = 11  # tensor inputs of the forward op
-_GRAD_OF = {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5}  # input index -> index among the backward's outputs
+_GRAD_OF = {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5}  # input index -> index among the gradients
 
 
 def _setup(ctx, inputs, output):
-    _, _, row_stats, col_stats = output
-    ctx.save_for_backward(row_stats, col_stats, *inputs[:_NT])
+    row_stats, col_stats = output[2], output[3]
+    ctx.gif = _gif(inputs[-1], inputs[_NT + 4], len(inputs[_NT]) - 1, inputs[1].shape[0],
+                   0 if inputs[2] is None else inputs[2].shape[0], inputs[0].element_size(), inputs[0].device)
+    ctx.save_for_backward(row_stats, col_stats, *inputs[:_NT], *(output[4:] if ctx.gif else ()))
     ctx.present = [t is not None for t in inputs[:_NT]]
     ctx.seg, ctx.coef = inputs[_NT], inputs[_NT + 1]
-    ctx.scalars = inputs[_NT + 2:]
+    ctx.scalars = inputs[_NT + 2:-1]
 
 
-def _backward(ctx, g_loss, g_levels, _g_rows, _g_cols):
-    row_stats, col_stats, *ins = ctx.saved_tensors
-    ins = [t if present else None for t, present in zip(ins, ctx.present)]
-    w = torch.tensor(ctx.coef, dtype=row_stats.dtype, device=row_stats.device)
-    lcoef = g_loss.reshape(()).to(w.dtype) * w
-    if g_levels is not None:
-        lcoef = lcoef + g_levels.to(w.dtype)
-    grads = torch.ops.tempokern.matryoshka_infonce_backward(lcoef, row_stats, col_stats, *ins[:6], *ins[6:], ctx.seg,
-                                                             *ctx.scalars)
-    out = [None] * (_NT + 2 + len(ctx.scalars))
+def _compiling() -> bool:
+    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(f()) if f is not None else True
+
+
+def _backward(ctx, grads_out):
+    g_loss, g_levels = grads_out[0], grads_out[1]
+    row_stats, col_stats, *rest = ctx.saved_tensors
+    ins = [t if present else None for t, present in zip(rest[:_NT], ctx.present)]
+    g_loss = g_loss.reshape(()).to(row_stats.dtype)
+    grads = None
+    if ctx.gif:  # the forward computed the gradient for a unit upstream gradient of the loss
+        grads = [g_loss * t for t in rest[_NT:]]
+        # eager tensors are plain torch.Tensor: skip the (zero-coefficient) call when nothing flows into levels;
+        # traced ones (fake/functional subclasses) cannot be inspected, so the call stays in the graph
+        traced = _compiling() or type(g_levels) is not torch.Tensor
+        if g_levels is not None and (traced or bool(g_levels.any())):
+            extra = torch.ops.tempokern.matryoshka_infonce_backward(g_levels.to(row_stats.dtype), row_stats, col_stats,
+                                                                    *ins, ctx.seg, *ctx.scalars)
+            grads = [a + b for a, b in zip(grads, extra)]
+    else:
+        w = torch.tensor(ctx.coef, dtype=row_stats.dtype, device=row_stats.device)
+        lcoef = g_loss * w
+        if g_levels is not None:
+            lcoef = lcoef + g_levels.to(w.dtype)
+        grads = torch.ops.tempokern.matryoshka_infonce_backward(lcoef, row_stats, col_stats, *ins, ctx.seg,
+                                                                 *ctx.scalars)
+    out = [None] * (_NT + 3 + len(ctx.scalars))
     for i, g in _GRAD_OF.items():
         if ins[i] is not None and ctx.needs_input_grad[i]:
             out[i] = grads[g]
@@ -130,9 +207,10 @@ _mat.register_autograd(_backward, setup_context=_setup)
 
 # ---- validation ------------------------------------------------------------------------------------
 
-def check_dims(dims, H: int, weights=None) -> Tuple[List[int], List[float]]:
+def check_dims(dims, H: Optional[int], weights=None) -> Tuple[List[int], List[float]]:
     """dims (any order) and weights -> (dims ascending, their weights). Raises ValueError/TypeError naming
-    ``dims``/``weights``; warns when H is not among the dims (the trailing dimensions then get no gradient)."""
+    ``dims``/``weights``; warns when H is not among the dims (the trailing dimensions then get no gradient).
+    H=None (a module before it has seen an input) checks everything but the upper bound."""
     if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence) and not isinstance(dims, torch.Tensor):
         raise TypeError(f"dims must be a sequence of ints, got {type(dims).__name__}")
     dims = list(dims.tolist() if isinstance(dims, torch.Tensor) else dims)
@@ -143,8 +221,8 @@ def check_dims(dims, H: int, weights=None) -> Tuple[List[int], List[float]]:
             raise TypeError(f"dims must hold ints, got {m!r} ({type(m).__name__})")
     dims = [int(m) for m in dims]
     for m in dims:
-        if m < 1 or m > H:
-            raise ValueError(f"dims must lie in [1, {H}] (the embedding size), got {m}")
+        if m < 1 or (H is not None and m > H):
+            raise ValueError(f"dims must lie in [1, {'H' if H is None else H}] (the embedding size), got {m}")
     if len(set(dims)) != len(dims):
         raise ValueError(f"dims must be unique, got {dims}")
     if weights is None:
@@ -166,15 +244,20 @@ def check_dims(dims, H: int, weights=None) -> Tuple[List[int], List[float]]:
             w.append(x)
     order = sorted(range(len(dims)), key=lambda k: dims[k])
     dims_s, w_s = [dims[k] for k in order], [w[k] for k in order]
-    if dims_s[-1] != H:
+    if H is not None and dims_s[-1] != H:
         warnings.warn(f"matryoshka_infonce: the largest dim {dims_s[-1]} is smaller than the embedding size {H}; "
                       f"dimensions {dims_s[-1]}..{H - 1} get no gradient", stacklevel=3)
     return dims_s, w_s
 
 
 def inverse_prefix_norms(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
-    """(K, n): 1 / max(||x[:, :m]||, 1e-12) per dim m (differentiable; F.normalize's clamp)."""
-    return torch.stack([torch.linalg.vector_norm(x[:, :m], dim=1).clamp_min(EPS).reciprocal() for m in dims]).contiguous()
+    """(K, n): 1 / max(||x[:, :m]||, 1e-12) per dim m (differentiable; F.normalize's clamp, applied to the
+    squared norm). The K prefix sums of squares are one product with a (H, K) 0/1 prefix matrix: a handful
+    of full-size ops forward and backward instead of K norms (they cost ~15% of the step at B = 2,048)."""
+    H = x.shape[1]
+    prefix = (torch.arange(H, device=x.device)[:, None] < torch.tensor(list(dims), device=x.device)[None, :])
+    ss = (x * x) @ prefix.to(x.dtype)
+    return ss.clamp_min(EPS * EPS).rsqrt().t().contiguous()
 
 
 def _id_spans(n: int, start: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -188,8 +271,6 @@ def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weight
     """The kernel entry on validated inputs (dims ascending): q (Bq, H) vs d (Bd, H), int64 span bounds,
     per-level loss = row_weight * mean row loss + col_weight * mean column loss (diagonal fallback at
     column i + diag_offset). Returns (loss = sum_l weights_l level_l, levels (K,))."""
-    if on_cuda_path(q):
-        raise NotImplementedError("matryoshka_infonce: the CUDA path is not implemented yet (CPU tensors only)")
     acc = _acc(q.dtype)
     qk, dk = _operand(q.to(acc)), _operand(d.to(acc))
     nk = None if extra_neg is None else _operand(extra_neg.to(acc))
@@ -203,10 +284,11 @@ def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weight
     if row_none is not None:
         row_none = row_none.to(torch.uint8).contiguous()
     seg = [0, *[int(m) for m in dims]]
-    loss, levels, _, _ = torch.ops.tempokern.matryoshka_infonce(
+    want = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qk, dk, nk, rho, kap, kneg))
+    out = torch.ops.tempokern.matryoshka_infonce(
         qk, dk, nk, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, [float(w) for w in weights],
-        1.0 / temperature, float(row_weight), float(col_weight), int(diag_offset))
-    return loss, levels
+        1.0 / temperature, float(row_weight), float(col_weight), int(diag_offset), bool(want))
+    return out[0], out[1]
 
 
 def validate(q, d, dims, temperature, weights, extra_neg, symmetric, q_span, d_span, normalize, return_levels):
