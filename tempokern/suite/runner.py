@@ -185,12 +185,14 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
     status: Dict[str, dict] = {}
     for m in chosen:
         miss = missing_needs(m)
+        reason = f"missing module(s): {', '.join(miss)}" if miss else None
+        if reason is None and quick and not m.in_quick and not methods:
+            reason = "not in --quick runs (name it with --methods to run it)"
         status[m.name] = {"family": m.family, "description": m.description, "sets": list(m.sets),
-                          "seeded": m.seeded, "status": "pending" if not miss else "skipped",
-                          "reason": f"missing module(s): {', '.join(miss)}" if miss else None,
-                          "wall_seconds": {}, "errors": {}}
-        if miss:
-            log(f"[suite] {m.name}: skipped (missing {', '.join(miss)})")
+                          "seeded": m.seeded, "status": "pending" if reason is None else "skipped",
+                          "reason": reason, "wall_seconds": {}, "errors": {}}
+        if reason:
+            log(f"[suite] {m.name}: skipped ({reason})")
     units: Dict[Tuple[str, str, int], dict] = {}
     set_info: Dict[str, dict] = {}
     for s in sets:

@@ -67,4 +67,6 @@ _TEXT = {"baseline": "CTD trainer, semantic baseline variant (single-positive In
          "full": "full CTD: multi-positive, context, bias, calendar CE"}
 
 for _v in CTD_VARIANTS:
-    register(Method(f"ctd_{_v}", "ctd", ("B",), run_ctd(_v), needs=("transformers",), description=_TEXT[_v]))
+    # --quick keeps the two ends of the ablation (as the Zizhi Tongjian demo's --quick does)
+    register(Method(f"ctd_{_v}", "ctd", ("B",), run_ctd(_v), needs=("transformers",), description=_TEXT[_v],
+                    in_quick=_v in ("baseline", "full")))
