@@ -44,6 +44,7 @@ from ._ops.calendar import calendar_context, calendar_scalar, fourier_table
 from ._ops.offset_bias import offset_bias, offset_bias_lookup
 from ._ops.multipos_infonce import multipos_infonce
 from ._ops.ctd_topk import ctd_topk
+from ._ops.matryoshka_infonce import matryoshka_infonce, truncate
 from . import reference
 from . import nn
 from . import search
@@ -54,6 +55,7 @@ __all__ = [
     "__version__", "build_info", "set_debug_checks", "debug_checks_enabled",
     "calendar_scalar", "calendar_context", "fourier_table",
     "offset_bias", "offset_bias_lookup", "multipos_infonce", "ctd_topk",
+    "matryoshka_infonce", "truncate",
     "reference", "nn", "search", "Calendar", "Interval", "baselines", "datasets", "eval",
 ]
 

@@ -8,6 +8,7 @@ from .offset_bias import (bias_frequencies, offset_bias, offset_bias_lookup, off
                           offset_features, table_points_delta)
 from .multipos_infonce import multipos_infonce, overlap_positives
 from .ctd_topk import ctd_scores, ctd_topk
+from .matryoshka_infonce import matryoshka_infonce, truncate
 
 __all__ = [
     "calendar_scalar", "calendar_context", "fourier_table", "level_weights",
@@ -15,4 +16,5 @@ __all__ = [
     "offset_bias_table_values", "table_points_delta", "offset_bias_table", "offset_bias_tabulated",
     "multipos_infonce", "overlap_positives",
     "ctd_topk", "ctd_scores",
+    "matryoshka_infonce", "truncate",
 ]
