@@ -542,7 +542,7 @@ def _run_benchmark(args, *, quick: bool) -> int:
     res = run_suite(args.out, suite=getattr(args, "suite", "english"), quick=quick, sets=args.sets,
                     methods=args.methods, seeds=getattr(args, "seeds", None), device=args.device,
                     progress=args.progress, backbone_path=args.backbone, n_resamples=args.bootstrap,
-                    command="tempokern " + " ".join(sys.argv[1:]) if sys.argv[1:] else None)
+                    command="tempokern " + " ".join(getattr(args, "argv", None) or []))
     print(markdown(res))
     print(json.dumps(res["files"]))
     failed = [n for n, m in res["methods"].items() if m["status"] in ("failed", "partial")]
@@ -570,6 +570,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (CLIError, FileNotFoundError, ValueError) as e:
         print(f"tempokern: error: {e}", file=sys.stderr)
         return 2
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         validate_args(args)
     except CLIError as e:

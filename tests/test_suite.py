@@ -315,3 +315,13 @@ def test_quick_suite_end_to_end(tmp_path, tiny_backbone):
     assert (tmp_path / "plot_setB.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["setup"]["command"] == "test" and saved["results"]["B"] == res["results"]["B"]
+    # the README table generator reads the same results (per-query arrays dropped on import)
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("make_english_table",
+                                                  Path(__file__).parent.parent / "benchmarks" / "make_english_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = mod.table(saved, "results.json")
+    assert "**Set B, test_date**" in text and "| `minilm_ft` |" in text and "(baseline)" in text
+    assert "| `ctd_full` |" in text and ("better" in text or "worse" in text or "no clear difference" in text)
