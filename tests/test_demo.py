@@ -6,7 +6,7 @@ import time
 from _ctd_helpers import small_dataset  # noqa: F401
 
 from tempokern.cli import main
-from test_suite import tiny_backbone  # noqa: F401  (fixture)
+from test_suite import one_thread, tiny_backbone  # noqa: F401  (fixtures)
 
 
 def test_zztj_demo_quick_mode(tmp_path, capsys):
@@ -55,7 +55,7 @@ def _fake_synth_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "tempokern.datasets.synth", mod)
 
 
-def test_demo_is_the_quick_english_suite(tmp_path, capsys, monkeypatch, tiny_backbone):
+def test_demo_is_the_quick_english_suite(tmp_path, capsys, monkeypatch, tiny_backbone, one_thread):
     """`tempokern demo --out DIR` = `tempokern benchmark --suite english --quick --out DIR`."""
     _fake_synth_module(monkeypatch)
     methods = "bm25_ties_gold,bm25_ties_last,minilm_zeroshot,minilm_ft"

@@ -81,6 +81,17 @@ def tiny_synth(name="B", seed=0, size="quick"):
     return TinySynth(name, ds, cal, rows, {"seed": seed, "size": size})
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """A 32-wide BERT gains nothing from a second thread, and on shared cores OpenMP's spinning makes
+    each step of it 100x slower."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def tiny_backbone(tmp_path_factory):
     from tempokern.models import build_char_tokenizer, tiny_bert
@@ -280,7 +291,7 @@ MINE = ["bm25_ties_gold", "bm25_ties_last", "minilm_zeroshot", "minilm_ft", "ctd
 
 def test_quick_suite_end_to_end(tmp_path, tiny_backbone):
     pytest.importorskip("bm25s")
-    budget = Budget(max_train_rows=300, epochs=4, max_length=48, batch_size=16, lr=1e-3)
+    budget = Budget(max_train_rows=300, epochs=3, max_length=48, batch_size=16, lr=1e-3)
     res = run_suite(tmp_path, quick=True, sets=["B"], methods=MINE, synth_loader=tiny_synth,
                     backbone_path=tiny_backbone, budget=budget, progress=False, log=lambda m: None,
                     n_resamples=200, command="test")
