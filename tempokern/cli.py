@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--quick", action="store_true",
                     help="quick sets, 1 seed, <= 300 training rows, 1 epoch, max_length 48 (CI, < 5 min on 2 cores)")
     bm.add_argument("--out", required=False, help="output folder (required)")
-    bm.add_argument("--backbone", default=None, help="a transformers model directory (default: all-MiniLM-L6-v2)")
+    bm.add_argument("--backbone", default=None, help="a transformers model directory, or minilm (default: all-MiniLM-L6-v2)")
     _suite_args(bm)
     bm.add_argument("--seeds", type=_int_list, default=None, help="training seeds, e.g. 0,1,2 (default 0,1,2; --quick 0)")
     bm.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -541,7 +541,8 @@ def _run_benchmark(args, *, quick: bool) -> int:
         torch.set_num_threads(args.threads)
     res = run_suite(args.out, suite=getattr(args, "suite", "english"), quick=quick, sets=args.sets,
                     methods=args.methods, seeds=getattr(args, "seeds", None), device=args.device,
-                    progress=args.progress, backbone_path=args.backbone, n_resamples=args.bootstrap,
+                    progress=args.progress, backbone_path=None if args.backbone in (None, "minilm") else args.backbone,
+                    n_resamples=args.bootstrap,
                     command="tempokern " + " ".join(getattr(args, "argv", None) or []))
     print(markdown(res))
     print(json.dumps(res["files"]))
