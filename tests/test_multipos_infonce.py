@@ -139,7 +139,7 @@ def test_opcheck(bias, bounds):
         x.detach().requires_grad_(x.dtype.is_floating_point and i < 7) for i, x in
         enumerate(bias_kernel_inputs(b, torch.float32)))
     row_none = (torch.arange(20) % 3 == 0).to(torch.uint8)  # the optional global row-fallback flags
-    args = (q, d, *spans, neg, *kb, *extras, row_none if bounds else None, 10.0, 0.5, 0.5, 0)
+    args = (q, d, *spans, neg, *kb, *extras, row_none if bounds else None, None, 10.0, 0.5, 0.5, 0, False)
     torch.library.opcheck(torch.ops.tempokern.multipos_infonce, args)
 
 
@@ -154,7 +154,7 @@ def test_opcheck_blocked(table):
     if table:
         tab = offset_bias_table(*b[2:], 33).float().detach().requires_grad_()
         bias = (b[0].detach().requires_grad_(), b[1].detach().requires_grad_(), tab)
-    args = (q, d, *spans, neg, *bias, None, None, None, None, None, 10.0, 0.5, 0.5, 0, True, 0, None)
+    args = (q, d, *spans, neg, *bias, None, None, None, None, None, 10.0, 0.5, 0.5, 0, True, 0, None, False)
     torch.library.opcheck(torch.ops.tempokern.multipos_blocked, args)
 
 

@@ -32,6 +32,8 @@ MultiposParams make_params(int dtype, const std::vector<int64_t>& sz, const std:
   p.diag_row = static_cast<const int64_t*>(get(m, "diag_row"));
   p.row_none = static_cast<const uint8_t*>(get(m, "row_none"));
   p.loss = get_mut(m, "loss"); p.row_stats = get_mut(m, "row_stats"); p.col_stats = get_mut(m, "col_stats");
+  p.hardest = static_cast<int64_t*>(get_mut(m, "hardest"));
+  p.col_map = static_cast<const int64_t*>(get(m, "col_map"));
   p.grad_loss = get(m, "grad_loss");
   p.dq = get_mut(m, "dq"); p.dd = get_mut(m, "dd"); p.dneg = get_mut(m, "dneg"); p.dA = get_mut(m, "dA");
   p.dCt = get_mut(m, "dCt"); p.db1 = get_mut(m, "db1"); p.dw2 = get_mut(m, "dw2"); p.db2 = get_mut(m, "db2");

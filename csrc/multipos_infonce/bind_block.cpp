@@ -32,6 +32,7 @@ MultiposBlockParams make(const std::vector<int>& dt, const std::vector<int64_t>&
   p.col_none = static_cast<const uint8_t*>(get(m, "col_none"));
   p.u_q = get(m, "u_q"); p.u_d = get(m, "u_d"); p.table = get(m, "table"); p.dense = get(m, "dense");
   p.row_part = get_mut(m, "row_part"); p.col_part = get_mut(m, "col_part");
+  p.hard_val = get_mut(m, "hard_val"); p.hard_idx = static_cast<int64_t*>(get_mut(m, "hard_idx"));
   p.row_lse = get(m, "row_lse"); p.col_lse = get(m, "col_lse");
   p.dS = get_mut(m, "dS"); p.G = get_mut(m, "G"); p.duq_part = get_mut(m, "duq_part");
   p.dud_part = get_mut(m, "dud_part"); p.hist = static_cast<double*>(get_mut(m, "hist"));
@@ -42,6 +43,8 @@ MultiposBlockParams make(const std::vector<int>& dt, const std::vector<int64_t>&
   if (p.bias_mode == 1 && (!p.u_q || !p.u_d || !p.table || p.P < 2)) fail("multipos_block_launch: incomplete table bias");
   if (p.bias_mode == 2 && !p.dense) fail("multipos_block_launch: dense bias without its block");
   if (p.bias_mode < 0 || p.bias_mode > 2) fail("multipos_block_launch: bad bias mode");
+  if (!p.hard_val != !p.hard_idx) fail("multipos_block_launch: hard_val and hard_idx go together");
+  if (p.hard_idx && !p.pos) fail("multipos_block_launch: the hardest negative needs a block with positives");
   return p;
 }
 }  // namespace

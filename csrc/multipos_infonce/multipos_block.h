@@ -59,6 +59,11 @@ struct MultiposBlockParams {
   void* row_part = nullptr;  // (R, nslots, 2): (lse_all, lse_pos) of slot (slot0 + column tile)
   int64_t nslots = 1, slot0 = 0;
   void* col_part = nullptr;  // (nrt, C, 2)
+  // optional (positive blocks only): per (row, column tile) the largest x over the row's negatives (columns
+  // with pos_r false) and its column, the lowest among exact ties; (-inf, -1) when the tile has none. The
+  // driver merges the nct partials per row (max, then the lowest column among equal maxima).
+  void* hard_val = nullptr;      // (R, nct) accumulation dtype
+  int64_t* hard_idx = nullptr;   // (R, nct)
 
   // backward
   const void* row_lse = nullptr;  // (2, Bq) global: lse_all, lse_pos

@@ -78,14 +78,21 @@ template <typename A> void fwd(const MultiposBlockParams& p) {
         cps(p.cols ? C : 0, A(0)), x(C);
     std::vector<uint8_t> pr(C);
     const int64_t r1 = std::min(p.R, (ch + 1) * p.TR);
+    const bool hard = p.hard_idx != nullptr;
     for (int64_t r = ch * p.TR; r < r1; ++r) {
       A m = ninf, mp = ninf;
+      A hv = ninf;     // hardest negative: strict > over increasing j keeps the lowest column among ties
+      int64_t hj = -1;
       for (int64_t j = 0; j < C; ++j) {
         const Pair<A> e = pair_at<A>(p, r, j);
         x[j] = e.x;
         pr[j] = e.pr;
         m = std::max(m, e.x);
         if (e.pr) mp = std::max(mp, e.x);
+        if (hard && !e.pr && (hj < 0 || e.x > hv)) {
+          hv = e.x;
+          hj = j;
+        }
         if (p.cols) {
           online_add(cm[j], cs[j], e.x);
           if (e.pc) online_add(cpm[j], cps[j], e.x);
@@ -99,6 +106,10 @@ template <typename A> void fwd(const MultiposBlockParams& p) {
       A* out = static_cast<A*>(p.row_part) + (r * p.nslots + p.slot0) * 2;
       out[0] = lse_of(m, s);
       out[1] = lse_of(mp, sp);
+      if (hard) {
+        static_cast<A*>(p.hard_val)[r] = hv;
+        p.hard_idx[r] = hj;
+      }
     }
     if (p.cols) {
       A* out = static_cast<A*>(p.col_part) + ch * C * 2;

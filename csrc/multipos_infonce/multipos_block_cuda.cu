@@ -7,6 +7,7 @@
 // in shared memory every 32 rows. The grid (nct x nrt) is sized by the driver to at least 4x the SM count.
 // Bytes per element: forward reads S once (4 B for float32 scores); backward reads S and writes dS once.
 #include <cuda_runtime.h>
+#include <climits>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -166,6 +167,29 @@ __device__ __forceinline__ void flush_rows(const MultiposBlockParams& p, A (*wpa
   }
 }
 
+// Hardest negative: (v, j) beats (bv, bj) if larger, or equal with a lower column (j = INT_MAX: none).
+template <typename A> __device__ __forceinline__ void hard_merge(A& bv, int& bj, A v, int j) {
+  if (v > bv || (v == bv && j < bj)) {
+    bv = v;
+    bj = j;
+  }
+}
+
+// Combine the 8 warps' (max, column) of the row's negatives and write this column tile's partial.
+template <typename A>
+__device__ __forceinline__ void flush_hard(const MultiposBlockParams& p, A (*hv)[32], int (*hj)[32], int64_t rb,
+                                           int nr) {
+  const int tid = threadIdx.x;
+  if (tid < nr) {
+    A v = hv[0][tid];
+    int j = hj[0][tid];
+    for (int w = 1; w < kWarps; ++w) hard_merge(v, j, hv[w][tid], hj[w][tid]);
+    const int64_t o = (rb + tid) * p.nct + blockIdx.x;
+    static_cast<A*>(p.hard_val)[o] = v;
+    p.hard_idx[o] = j == INT_MAX ? -1 : (int64_t)j;
+  }
+}
+
 // Each thread owns KC columns (j = c0 + tid + 256 k) and walks the block's rows RB at a time, all KC x RB
 // loads of a batch issued before any is used (bytes in flight hide the memory latency).
 constexpr int KC = 4;
@@ -181,10 +205,15 @@ __device__ __forceinline__ void load_batch(const ST* Sb, int64_t lds, int nb, co
     for (int k = 0; k < KC; ++k) sv[b][k] = (b < nb && c[k].valid) ? cuda::to_acc(Sb[b * lds + k * kThreads]) : A(0);
 }
 
-template <typename ST, typename A, int BM, bool POS>
+// HARD (compile-time, positive blocks only): also the per (row, column tile) hardest negative partials, so
+// that the default statistics pass compiles exactly as before (no extra registers or shared memory).
+template <typename ST, typename A, int BM, bool POS, bool HARD>
 __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockParams p) {
   __shared__ A wpart[kWarps][32][4];
+  __shared__ A hpv[HARD ? kWarps : 1][32];    // hardest negative per (warp, row): value
+  __shared__ int hpj[HARD ? kWarps : 1][32];  // and column (INT_MAX: none)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr bool hard = POS && HARD;
   const int64_t c0 = (int64_t)blockIdx.x * kThreads * KC + tid;
   const int64_t r0 = (int64_t)blockIdx.y * p.TR;
   const int64_t r1 = min(r0 + p.TR, p.R);
@@ -253,6 +282,25 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
             if (pr[k]) lps += dexp(xb[b][k] - pm);
           ps = cuda::warp_sum(lps);
         }
+        if constexpr (hard) {  // columns increase with k: strict > keeps the lowest one among a thread's ties
+          A bv = ninf<A>();
+          int bj = INT_MAX;
+#pragma unroll
+          for (int k = 0; k < KC; ++k)
+            if (c[k].valid && !pr[k] && (bj == INT_MAX || xb[b][k] > bv)) {
+              bv = xb[b][k];
+              bj = (int)(c0 + k * kThreads);
+            }
+          for (int o = 16; o > 0; o >>= 1) {
+            const A ov = __shfl_xor_sync(kFull, bv, o);
+            const int oj = __shfl_xor_sync(kFull, bj, o);
+            hard_merge(bv, bj, ov, oj);
+          }
+          if (lane == 0) {
+            hpv[warp][rr] = bv;
+            hpj[warp][rr] = bj;
+          }
+        }
         if (lane == 0) {
           wpart[warp][rr][0] = wm;
           wpart[warp][rr][1] = ws;
@@ -297,6 +345,7 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
     }
     __syncthreads();
     flush_rows<A>(p, wpart, rb, nr);
+    if constexpr (hard) flush_hard<A>(p, hpv, hpj, rb, nr);
     __syncthreads();
   }
   if (cols) {
@@ -470,7 +519,10 @@ void multipos_block_fwd_cuda(const MultiposBlockParams& p, int device, uintptr_t
     dispatch_mode(p, [&](auto bm, auto pos) {
       constexpr int BM = decltype(bm)::value;
       constexpr bool POS = decltype(pos)::value;
-      mpb_fwd_kernel<ST, A, BM, POS><<<grid, kThreads, 0, st>>>(p);
+      if (POS && p.hard_idx != nullptr)
+        mpb_fwd_kernel<ST, A, BM, POS, true><<<grid, kThreads, 0, st>>>(p);
+      else
+        mpb_fwd_kernel<ST, A, BM, POS, false><<<grid, kThreads, 0, st>>>(p);
     });
   });
   cuda::check_launch();

@@ -64,6 +64,13 @@ struct MultiposParams {
   void* loss = nullptr;       // scalar
   void* row_stats = nullptr;  // (3, Bq): lse_all, lse_pos, used-diagonal flag (0/1)
   void* col_stats = nullptr;  // (3, Bd): same for columns (only when col_weight != 0)
+  // optional: per row the hardest in-batch negative (Re3's s-_i), a by-product of the forward's tiles: the
+  // column j < Bd (never an extra negative) that is not a positive of the row (overlap, or the diagonal
+  // fallback when the row overlaps nothing) with the largest s_ij (bias included), the lowest caller index
+  // among exact ties; -1 when the row has no negative. Written as col_map[j] (the caller's index of column
+  // j: the wrapper permutes columns when a bias is given), or j when col_map is null.
+  int64_t* hardest = nullptr;        // (Bq,)
+  const int64_t* col_map = nullptr;  // (Bd,)
 
   // ---- backward (accumulation dtype; all outputs zero-filled by the wrapper) ----
   const void* grad_loss = nullptr;  // scalar

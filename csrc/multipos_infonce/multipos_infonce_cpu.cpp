@@ -199,6 +199,27 @@ std::vector<double> panel_u_ranges(const Bias<A>& b, int64_t Bd) {
   return out;
 }
 
+// Hardest negative of one row within one tile: over columns j0 + j that do not overlap the row and are not
+// its diagonal partner jd (added at the end of the row when the row turns out to have overlaps), the largest
+// x and, among exact ties, the lowest caller index map(j). (bv, bm) is the running best, bm = INT64_MAX none.
+template <typename A>
+inline void hard_update(const A* srow, int64_t nj, int64_t j0, int64_t jd, int64_t qlo, int64_t qhi,
+                        const int64_t* dlo, const int64_t* dhi, const int64_t* col_map, A& bv, int64_t& bm) {
+  A mx = -std::numeric_limits<A>::infinity();
+  bool any = false;
+  for (int64_t j = 0; j < nj; ++j) {
+    const bool neg = !(std::max(qlo, dlo[j]) <= std::min(qhi, dhi[j])) && j0 + j != jd;
+    if (neg && (!any || srow[j] > mx)) { mx = srow[j]; any = true; }
+  }
+  if (!any || mx < bv || mx != mx) return;
+  int64_t m = std::numeric_limits<int64_t>::max();
+  for (int64_t j = 0; j < nj; ++j) {
+    const bool neg = !(std::max(qlo, dlo[j]) <= std::min(qhi, dhi[j])) && j0 + j != jd;
+    if (neg && srow[j] == mx) m = std::min(m, col_map ? col_map[j0 + j] : j0 + j);
+  }
+  if (mx > bv || m < bm) { bv = mx; bm = m; }
+}
+
 // Row i's fallback column and column j's fallback row: explicit arrays (rows/columns permuted by the
 // wrapper) or the diagonal offset.
 struct Diag {
@@ -259,6 +280,9 @@ void Pass<A>::fwd() {
     std::vector<uint8_t> cl(JT);
     std::vector<A> rm(IT), rsum(IT), rpm(IT), rps(IT), rdiag(IT);
     std::vector<int64_t> rcnt(IT);
+    const bool hard = p.hardest != nullptr;
+    std::vector<A> hv(hard ? IT : 0);
+    std::vector<int64_t> hm(hard ? IT : 0);
     std::vector<A> tm(JT), ts(JT), tpm(JT), tps(JT);
     std::vector<int64_t> tc(JT);
     TileUnits<A> tu(bias);
@@ -271,6 +295,8 @@ void Pass<A>::fwd() {
       std::fill(rps.begin(), rps.end(), A(0));
       std::fill(rdiag.begin(), rdiag.end(), std::numeric_limits<A>::quiet_NaN());
       std::fill(rcnt.begin(), rcnt.end(), 0);
+      std::fill(hv.begin(), hv.end(), ninf);
+      std::fill(hm.begin(), hm.end(), std::numeric_limits<int64_t>::max());
       const int64_t jstart = stagger(ib, nJB);
       for (int64_t t = 0; t < nJB; ++t) {
         const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
@@ -288,6 +314,7 @@ void Pass<A>::fwd() {
           mp::pos_row_update(srow, nj, p.q_lo[i], p.q_hi[i], p.d_lo + j0, p.d_hi + j0, rpm[r], rps[r], rcnt[r]);
           const int64_t jd = dg.col_of(i);
           if (jd >= j0 && jd < j0 + nj) rdiag[r] = srow[jd - j0];
+          if (hard) hard_update(srow, nj, j0, jd, p.q_lo[i], p.q_hi[i], p.d_lo + j0, p.d_hi + j0, p.col_map, hv[r], hm[r]);
         }
         if (cols) {
           mp::col_tile_stats(S.data(), JT, mi, nj, p.q_lo + i0, p.q_hi + i0, p.d_lo + j0, p.d_hi + j0, tm.data(),
@@ -316,6 +343,15 @@ void Pass<A>::fwd() {
         const bool fb = rcnt[r] == 0;
         rs[Bq + i] = fb ? rdiag[r] : rpm[r] + std::log(rps[r]);
         rs[2 * Bq + i] = fb ? A(1) : A(0);
+        if (hard) {
+          // the diagonal partner is a negative when the row has overlaps and the partner is not one of them
+          const int64_t jd = dg.col_of(i);
+          if (!fb && jd >= 0 && jd < Bd && !(std::max(p.q_lo[i], p.d_lo[jd]) <= std::min(p.q_hi[i], p.d_hi[jd]))) {
+            const int64_t m = p.col_map ? p.col_map[jd] : jd;
+            if (rdiag[r] > hv[r] || (rdiag[r] == hv[r] && m < hm[r])) { hv[r] = rdiag[r]; hm[r] = m; }
+          }
+          p.hardest[i] = hm[r] == std::numeric_limits<int64_t>::max() ? -1 : hm[r];
+        }
       }
     }
   }

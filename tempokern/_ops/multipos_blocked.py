@@ -177,8 +177,12 @@ class _Launcher:
 
 def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact, inv_temp: float,
                  row_weight: float, col_weight: float, diag_offset: int, want_grad: bool,
-                 requested_rows: int = 0, row_none: Optional[torch.Tensor] = None) -> List[Optional[torch.Tensor]]:
-    """Loss and (for d loss = 1, when want_grad) the gradients [dq, dd, dneg, du_q, du_d, dtable, dexact...].
+                 requested_rows: int = 0, row_none: Optional[torch.Tensor] = None,
+                 want_hardest: bool = False) -> List[Optional[torch.Tensor]]:
+    """Loss and (for d loss = 1, when want_grad) the gradients [dq, dd, dneg, du_q, du_d, dtable, dexact...],
+    then (when want_hardest, else None) the hardest in-batch negative per row (Bq,) int64: the column with
+    the largest x = inv_temp * s + bias among those that are not positives of the row, the lowest among exact
+    ties, -1 when none (by-product of the forward pass: per (row, column tile) partials, merged here).
 
     q (Bq, H), d (Bd, H), spans as int64 (lo, hi) bounds; bias: the table mode (u_q, u_d, table in the
     accumulation dtype) or the exact MLP (``exact`` = (w1, b1, w2, b2, scale), evaluated per block by
@@ -229,6 +233,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         return torch.ops.tempokern.offset_bias(u_q[i0:i0 + r], u_d, w1, b1, w2, b2, scale).to(acc).contiguous()
 
     keep = None
+    hardest = torch.empty(Bq, dtype=torch.int64, device=q.device) if want_hardest else None
     blocks = [(i0, min(R, Bq - i0)) for i0 in range(0, Bq, R)] if Bq else []
     single = len(blocks) == 1
     row_lse = torch.empty(2, Bq, dtype=acc, device=q.device) if not single else None
@@ -243,8 +248,14 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         row_part = torch.empty(r, nslots, 2, dtype=acc, device=q.device)
         col_part = torch.empty(tS[2], Bd, 2, dtype=acc, device=q.device) if cols else None
         dense = dense_block(i0, r) if bias_mode == 2 else None
+        hv = hi = None
+        if want_hardest:
+            hv = torch.empty(r, tS[1], dtype=acc, device=q.device)
+            hi = torch.empty(r, tS[1], dtype=torch.int64, device=q.device)
         L.launch("fwd", S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS, nslots=nslots,
-                 slot0=0, row_part=row_part, col_part=col_part)
+                 slot0=0, row_part=row_part, col_part=col_part, hard_val=hv, hard_idx=hi)
+        if want_hardest:
+            hardest[i0:i0 + r] = merge_hardest(hv, hi)
         E = None
         if N:
             E = scores(qb, extra_neg)
@@ -272,7 +283,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         tot = tc if tot is None else tot + tc
     loss = torch.zeros((), dtype=acc, device=q.device) if tot is None else tot.to(acc)
     if not want_grad:
-        return [loss] + [None] * 11
+        return [loss] + [None] * 11 + [hardest]
 
     gr = row_weight / Bq if Bq else 0.0
     gc = col_weight / Bd if Bd else 0.0
@@ -349,4 +360,16 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     if not blocks:
         dq, dd = q.new_zeros(Bq, H, dtype=acc), q.new_zeros(Bd, H, dtype=acc)
         dneg = q.new_zeros(N, H, dtype=acc) if N else None
-    return [loss, dq.to(acc), dd.to(acc), None if dneg is None else dneg.to(acc), du_q, du_d, dtable, *dexact]
+    return [loss, dq.to(acc), dd.to(acc), None if dneg is None else dneg.to(acc), du_q, du_d, dtable, *dexact,
+            hardest]
+
+
+def merge_hardest(val: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """(R,) int64 from per (row, column tile) partials (R, nct): the largest value's column, the lowest column
+    among tiles with an equal maximum, -1 where no tile has a negative. O(R * nct)."""
+    if val.shape[1] == 1:
+        return idx[:, 0]
+    best = val.max(dim=1, keepdim=True).values
+    big = torch.iinfo(torch.int64).max
+    out = torch.where((val == best) & (idx >= 0), idx, big).min(dim=1).values
+    return torch.where(out == big, -1, out)

@@ -38,10 +38,11 @@ def _kernel_operand(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 
 
 def _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi,
-                 diag_col, diag_row, row_none=None):
+                 diag_col, diag_row, row_none=None, col_map=None):
     return {k: ptr(v) for k, v in dict(q=q, d=d, neg=extra_neg, q_lo=q_lo, q_hi=q_hi, d_lo=d_lo, d_hi=d_hi, A=A,
                                         Ct=Ct, b1=b1, w2=w2, b2=b2, scale=scale, zc=zc, u_q=u_q, u_d=u_d, z_lo=z_lo,
-                                        z_hi=z_hi, diag_col=diag_col, diag_row=diag_row, row_none=row_none).items()
+                                        z_hi=z_hi, diag_col=diag_col, diag_row=diag_row, row_none=row_none,
+                                        col_map=col_map).items()
             if v is not None}
 
 
@@ -61,8 +62,11 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
               b2: Optional[torch.Tensor], scale: Optional[torch.Tensor], zc: Optional[torch.Tensor],
               u_q: Optional[torch.Tensor], u_d: Optional[torch.Tensor], z_lo: Optional[torch.Tensor],
               z_hi: Optional[torch.Tensor], diag_col: Optional[torch.Tensor], diag_row: Optional[torch.Tensor],
-              row_none: Optional[torch.Tensor], inv_temp: float, row_weight: float, col_weight: float,
-              diag_offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              row_none: Optional[torch.Tensor], col_map: Optional[torch.Tensor], inv_temp: float,
+              row_weight: float, col_weight: float, diag_offset: int,
+              want_hardest: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, row_stats, col_stats, hardest): hardest (Bq,) int64 when want_hardest (the row's hardest
+    in-batch negative, written as col_map[j] when col_map is given; see multipos_infonce.h), else empty."""
     acc = _acc(q.dtype)
     q, d = _kernel_operand(q, acc), _kernel_operand(d, acc)
     if extra_neg is not None:
@@ -70,22 +74,26 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
     loss = torch.zeros((), dtype=acc, device=q.device)
     row_stats = torch.zeros(3, q.shape[0], dtype=acc, device=q.device)
     col_stats = torch.zeros(3, d.shape[0], dtype=acc, device=q.device)
+    hardest = torch.empty(q.shape[0] if want_hardest else 0, dtype=torch.int64, device=q.device)
     dev, stream = launch_args(q)
     ptrs = _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi,
-                        diag_col, diag_row, row_none)
+                        diag_col, diag_row, row_none, col_map if want_hardest else None)
     ptrs.update(loss=ptr(loss), row_stats=ptr(row_stats), col_stats=ptr(col_stats))
+    if want_hardest:
+        ptrs.update(hardest=ptr(hardest))
     sizes = _sizes(q, d, extra_neg, A, diag_offset, z_lo)
     scalars = [inv_temp, row_weight, col_weight]
     kernels().multipos_infonce_launch("fwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, 0, 0)
-    return loss, row_stats, col_stats
+    return loss, row_stats, col_stats, hardest
 
 
 @_multipos.register_fake
 def _(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi, diag_col,
-      diag_row, row_none, inv_temp, row_weight, col_weight, diag_offset):
+      diag_row, row_none, col_map, inv_temp, row_weight, col_weight, diag_offset, want_hardest):
     acc = _acc(q.dtype)
     return (q.new_empty((), dtype=acc), q.new_empty((3, q.shape[0]), dtype=acc),
-            q.new_empty((3, d.shape[0]), dtype=acc))
+            q.new_empty((3, d.shape[0]), dtype=acc),
+            q.new_empty((q.shape[0] if want_hardest else 0,), dtype=torch.int64))
 
 
 @torch.library.custom_op("tempokern::multipos_infonce_backward", mutates_args=())
@@ -145,22 +153,23 @@ def _(grad, row_stats, col_stats, q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct
     return out
 
 
-_NTENSORS = 21  # tensor inputs of the op (the rest are scalars)
+_NTENSORS = 21  # tensor inputs of the backward op (the forward adds col_map, then scalars and want_hardest)
+_NINPUTS = 27    # inputs of the forward op
 _DIFF_INPUTS = {0: 0, 1: 1, 6: 2, 7: 3, 8: 4, 9: 5, 10: 6, 11: 7, 12: 8, 13: 9}  # input index -> grad index
 
 
 def _setup(ctx, inputs, output):
-    _, row_stats, col_stats = output
+    _, row_stats, col_stats, _hardest = output
     ctx.save_for_backward(row_stats, col_stats, *inputs[:_NTENSORS])
-    ctx.scalars = inputs[_NTENSORS:]
+    ctx.scalars = inputs[_NTENSORS + 1:_NINPUTS - 1]  # inv_temp, row_weight, col_weight, diag_offset
     ctx.present = [t is not None for t in inputs[:_NTENSORS]]
 
 
-def _backward(ctx, grad, _g_rows, _g_cols):
+def _backward(ctx, grad, _g_rows, _g_cols, _g_hardest):
     row_stats, col_stats, *ins = ctx.saved_tensors
     ins = [t if present else None for t, present in zip(ins, ctx.present)]
     grads = torch.ops.tempokern.multipos_infonce_backward(grad, row_stats, col_stats, *ins, *ctx.scalars)
-    out = [None] * (_NTENSORS + len(ctx.scalars))
+    out = [None] * _NINPUTS
     for i, g in _DIFF_INPUTS.items():
         if ins[i] is not None and ctx.needs_input_grad[i]:
             out[i] = grads[g].to(ins[i].dtype)
@@ -179,12 +188,14 @@ _BLOCKED_GRAD_OF = {0: 1, 1: 2, 6: 3, 7: 4, 8: 5, 9: 6, 10: 7, 11: 8, 12: 9, 13:
 
 
 def _blocked_impl(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, w1, b1, w2, b2, scale, inv_temp,
-                  row_weight, col_weight, diag_offset, want_grad, block_rows, row_none) -> List[torch.Tensor]:
+                  row_weight, col_weight, diag_offset, want_grad, block_rows, row_none,
+                  want_hardest) -> List[torch.Tensor]:
     exact = None if w1 is None else (w1, b1, w2, b2, scale)
     out = blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact, inv_temp, row_weight,
-                       col_weight, diag_offset, want_grad, block_rows, row_none)
+                       col_weight, diag_offset, want_grad, block_rows, row_none, want_hardest)
     acc = _acc(q.dtype)
-    return [t if t is not None else q.new_empty(0, dtype=acc) for t in out]
+    res = [t if t is not None else q.new_empty(0, dtype=acc) for t in out[:-1]]
+    return res + [out[-1] if out[-1] is not None else q.new_empty(0, dtype=torch.int64)]
 
 
 @torch.library.custom_op("tempokern::multipos_blocked", mutates_args=())
@@ -194,14 +205,14 @@ def _multipos_blocked(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi
                       b1: Optional[torch.Tensor], w2: Optional[torch.Tensor], b2: Optional[torch.Tensor],
                       scale: Optional[torch.Tensor], inv_temp: float, row_weight: float, col_weight: float,
                       diag_offset: int, want_grad: bool, block_rows: int,
-                      row_none: Optional[torch.Tensor]) -> List[torch.Tensor]:
+                      row_none: Optional[torch.Tensor], want_hardest: bool) -> List[torch.Tensor]:
     return _blocked_impl(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, w1, b1, w2, b2, scale, inv_temp,
-                         row_weight, col_weight, diag_offset, want_grad, block_rows, row_none)
+                         row_weight, col_weight, diag_offset, want_grad, block_rows, row_none, want_hardest)
 
 
 @_multipos_blocked.register_fake
 def _(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, w1, b1, w2, b2, scale, inv_temp, row_weight,
-      col_weight, diag_offset, want_grad, block_rows, row_none):
+      col_weight, diag_offset, want_grad, block_rows, row_none, want_hardest):
     acc = _acc(q.dtype)
     ins = dict(dq=q, dd=d, dneg=extra_neg, du_q=u_q, du_d=u_d, dtable=table, dw1=w1, db1=b1, dw2=w2, db2=b2,
                dscale=scale)
@@ -213,6 +224,7 @@ def _(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, w1, b1, w2, b2, 
         else:
             out.append(q.new_empty(t.shape, dtype=torch.float64 if w1 is not None and name in (
                 "du_q", "du_d", "dw1", "db1", "dw2", "db2", "dscale") else acc))
+    out.append(q.new_empty((q.shape[0] if want_hardest else 0,), dtype=torch.int64))
     return out
 
 
@@ -228,7 +240,7 @@ def _blocked_backward(ctx, grads):
         raise RuntimeError("multipos_infonce: backward was called, but the forward ran without gradients (no input "
                            "required grad, or grad mode was off); call it again with grad enabled")
     saved = ctx.saved_tensors
-    out = [None] * 22
+    out = [None] * 23
     for i, k in _BLOCKED_GRAD_OF.items():
         meta = ctx.in_meta[i]
         if meta is None or not ctx.needs_input_grad[i]:
@@ -270,7 +282,7 @@ def _needs_grad(*ts) -> bool:
 def blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
                      row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0,
                      bias_table_points: Optional[int] = None, block_rows: int = 0,
-                     row_none: Optional[torch.Tensor] = None):
+                     row_none: Optional[torch.Tensor] = None, return_hardest: bool = False):
     """The blocked path on validated inputs (see multipos_blocked.py): every CUDA call, and the table
     mode of the bias on CPU. With ``bias_table_points=N`` the bias MLP is evaluated exactly in float64 at N
     points of [-1, 1] (differentiable torch) and interpolated in the kernels; gradients are exact for the
@@ -291,10 +303,12 @@ def blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=N
         extra_neg = _kernel_operand(extra_neg, extra_neg.dtype)
     want = _needs_grad(q, d, extra_neg, u_q, u_d, table, *exact)
     args = (q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, *exact, 1.0 / temperature, float(row_weight),
-            float(col_weight), int(diag_offset), want, int(block_rows), row_none)
+            float(col_weight), int(diag_offset), want, int(block_rows), row_none, bool(return_hardest))
     if _compiling() or not want:
-        return torch.ops.tempokern.multipos_blocked(*args)[0]
-    return _BlockedEager.apply(*args)[0]
+        out = torch.ops.tempokern.multipos_blocked(*args)
+    else:
+        out = _BlockedEager.apply(*args)
+    return (out[0], out[-1]) if return_hardest else out[0]
 
 # ---- preparation and validation ------------------------------------------------------------------
 
@@ -427,31 +441,43 @@ def check_table_points(points, bias) -> Optional[int]:
 
 def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
                              row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0,
-                             bias_table_points: Optional[int] = None, row_none: Optional[torch.Tensor] = None):
+                             bias_table_points: Optional[int] = None, row_none: Optional[torch.Tensor] = None,
+                             return_hardest: bool = False):
     """The kernel entry on validated inputs: q (Bq, H) vs d (Bd, H), spans as int64 (lo, hi) bounds,
     row/column weights (each loss is the mean over its own rows/columns) and the diagonal offset
     (row i's fallback positive is column i + diag_offset). Used by multipos_infonce and CTDLoss.
     ``row_none`` (Bq,) bool: rows with no overlapping document anywhere (default: none among these d), which
     decides the column fallback (CTDLoss's gathered column pass sees only the local documents).
-    CUDA (and the table mode anywhere) runs the blocked path; CPU without a table the fused tiled kernel."""
+    CUDA (and the table mode anywhere) runs the blocked path; CPU without a table the fused tiled kernel.
+    ``return_hardest``: returns ``(loss, hardest)``, hardest (Bq,) int64 the hardest in-batch negative of each
+    row (see :func:`multipos_infonce`), in the caller's row and column order (the CPU path's u-sort undone)."""
     if row_none is not None:
         row_none = row_none.to(torch.uint8).contiguous()
     if on_cuda_path(q) or bias_table_points is not None:
         return blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias,
                                 extra_neg=extra_neg, row_weight=row_weight, col_weight=col_weight,
-                                diag_offset=diag_offset, bias_table_points=bias_table_points, row_none=row_none)
+                                diag_offset=diag_offset, bias_table_points=bias_table_points, row_none=row_none,
+                                return_hardest=return_hardest)
     acc = _acc(q.dtype)
     extras = (None,) * 4
+    pq = col_map = None
     if bias is not None and q.shape[0] and d.shape[0]:
+        pq = torch.argsort(bias[0].detach(), stable=True)
         if row_none is not None:  # the same stable permutation _sorted_by_u applies to the rows
-            row_none = row_none[torch.argsort(bias[0].detach(), stable=True)].contiguous()
+            row_none = row_none[pq].contiguous()
+        if return_hardest:  # sorted column -> the caller's column (tie-break and output)
+            col_map = torch.argsort(bias[1].detach(), stable=True).contiguous()
         q, d, q_lo, q_hi, d_lo, d_hi, bias, diag = _sorted_by_u(q, d, q_lo, q_hi, d_lo, d_hi, bias, diag_offset)
         extras = (*interval_bounds(bias[2], bias[3]), *diag)
     kb = (None,) * 9 if bias is None else bias_kernel_inputs(bias, acc)
-    loss, _, _ = torch.ops.tempokern.multipos_infonce(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, *kb, *extras,
-                                                      row_none, 1.0 / temperature, float(row_weight),
-                                                      float(col_weight), int(diag_offset))
-    return loss
+    loss, _, _, hardest = torch.ops.tempokern.multipos_infonce(
+        q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, *kb, *extras, row_none, col_map, 1.0 / temperature,
+        float(row_weight), float(col_weight), int(diag_offset), bool(return_hardest))
+    if not return_hardest:
+        return loss
+    if pq is not None:  # rows back to the caller's order
+        hardest = torch.empty_like(hardest).index_copy_(0, pq, hardest)
+    return loss, hardest
 
 
 def validate(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric, *, square: bool = True):
@@ -491,7 +517,8 @@ def validate(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric, *, s
 
 def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temperature: float,
                      bias: Optional[Sequence[torch.Tensor]] = None, extra_neg: Optional[torch.Tensor] = None,
-                     symmetric: bool = True, bias_table_points: Optional[int] = None) -> torch.Tensor:
+                     symmetric: bool = True, bias_table_points: Optional[int] = None,
+                     return_hardest: bool = False):
     """Fused multi-positive interval-overlap InfoNCE; same semantics as
     :func:`tempokern.reference.multipos_infonce`.
 
@@ -504,7 +531,16 @@ def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temper
     q, d (B, H) used as given; q_span = (q_start, q_end), d_span = (d_start, d_end) integer (B,) tensors
     (closed intervals, either order); bias None or offset_bias's (u_q, u_d, w1, b1, w2, b2, scale);
     extra_neg (N, H) joins the q->d denominators only. Returns a 0-d float32 tensor (float64 for
-    float64 input); gradients flow to q, d, extra_neg and all seven bias inputs."""
+    float64 input); gradients flow to q, d, extra_neg and all seven bias inputs.
+
+    ``return_hardest=True`` returns ``(loss, hardest_col)``: hardest_col (B,) int64, for each row i the column
+    j among the B in-batch documents (never extra_neg) that is not a positive of row i (no span overlap, and
+    not the diagonal when the row falls back to it) with the largest logit s_ij = q_i . d_j / temperature +
+    bias_ij (the logit the softmax sees), the lowest j among exact ties, -1 when the row has no negative;
+    spec: :func:`tempokern.reference.hardest_negatives`. A by-product of the forward pass (O(B) extra
+    state, no extra product); not differentiable."""
+    if not isinstance(return_hardest, bool):
+        raise TypeError(f"return_hardest must be a bool, got {type(return_hardest).__name__}")
     temperature, bias = validate(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric)
     bias_table_points = check_table_points(bias_table_points, bias)
     q_lo, q_hi = _span_bounds(q_span)
@@ -512,4 +548,5 @@ def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temper
     w = 0.5 if symmetric else 1.0
     return multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias,
                                     extra_neg=extra_neg, row_weight=w, col_weight=w if symmetric else 0.0,
-                                    diag_offset=0, bias_table_points=bias_table_points)
+                                    diag_offset=0, bias_table_points=bias_table_points,
+                                    return_hardest=return_hardest)

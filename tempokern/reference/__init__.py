@@ -7,6 +7,8 @@ from .offset_bias import (bias_frequencies, offset_bias, offset_bias_lookup, off
                           offset_bias_table, offset_bias_tabulated,
                           offset_features, table_points_delta)
 from .multipos_infonce import multipos_infonce, overlap_positives
+from .multipos_infonce import hardest_negatives
+from .re3 import re3_loss
 from .ctd_topk import ctd_scores, ctd_topk
 from .matryoshka_infonce import matryoshka_infonce, truncate
 
@@ -17,4 +19,5 @@ __all__ = [
     "multipos_infonce", "overlap_positives",
     "ctd_topk", "ctd_scores",
     "matryoshka_infonce", "truncate",
+    "hardest_negatives", "re3_loss",
 ]

@@ -22,9 +22,24 @@ def overlap_positives(q_span, d_span) -> torch.Tensor:
     return torch.maximum(qlo[:, None], dlo[None, :]) <= torch.minimum(qhi[:, None], dhi[None, :])
 
 
+def hardest_negatives(s: torch.Tensor, pos_r: torch.Tensor) -> torch.Tensor:
+    """(Bq,) int64: per row of the logits s (Bq, Bd) the column j with ``pos_r[i, j]`` False and the largest
+    s_ij, the lowest j among exact ties (written out, not left to torch.max's tie rule), -1 when the row
+    has no such column. The spec of ``multipos_infonce(..., return_hardest=True)``."""
+    neg = ~pos_r
+    Bd = s.shape[1]
+    best = s.masked_fill(pos_r, float("-inf")).max(dim=1, keepdim=True).values if Bd else None
+    if best is None:
+        return torch.full((s.shape[0],), -1, dtype=torch.int64, device=s.device)
+    cols = torch.arange(Bd, device=s.device).expand_as(s)
+    idx = torch.where(neg & (s == best), cols, Bd).min(dim=1).values
+    return torch.where(neg.any(dim=1), idx, -1)
+
+
 def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temperature: float,
                      bias: Optional[Sequence[torch.Tensor]] = None, extra_neg: Optional[torch.Tensor] = None,
-                     symmetric: bool = True, bias_table_points: Optional[int] = None) -> torch.Tensor:
+                     symmetric: bool = True, bias_table_points: Optional[int] = None,
+                     return_hardest: bool = False):
     """Multi-positive InfoNCE over in-batch scores s_ij = q_i . d_j / temperature + bias_ij.
 
     q, d: (B, H). q_span = (q_start, q_end), d_span = (d_start, d_end): integer (B,) tensors.
@@ -40,7 +55,11 @@ def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temper
 
     loss_q = mean_i [logsumexp_all(s_i.) - logsumexp_{j in P_i}(s_ij)]; symmetric=True returns
     (loss_q + loss_d) / 2 with loss_d the same over columns (no extra negatives there).
-    Computed in the inputs' dtype (plain PyTorch, no upcast)."""
+    Computed in the inputs' dtype (plain PyTorch, no upcast).
+
+    return_hardest=True: returns (loss, hardest_col), hardest_col (B,) int64 = :func:`hardest_negatives` of
+    s (bias included: the logits the softmax sees) and the row positives (overlaps, or the diagonal when
+    the row overlaps nothing); extra_neg never counts. Re3's s-_i (Eq. 11) with spans = (doc_id, doc_id)."""
     B = q.shape[0]
     s = (q @ d.t()) / temperature
     if bias is not None:
@@ -53,15 +72,18 @@ def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temper
     neg_inf = torch.finfo(s.dtype).min  # finite fill keeps logsumexp's backward NaN-free
     s_all = s if extra_neg is None else torch.cat([s, (q @ extra_neg.t()) / temperature], dim=1)
     loss_q = (torch.logsumexp(s_all, dim=1) - torch.logsumexp(s.masked_fill(~pos_r, neg_inf), dim=1)).mean()
+    hard = hardest_negatives(s.detach(), pos_r) if return_hardest else None
     if not symmetric:
-        return loss_q
+        return (loss_q, hard) if return_hardest else loss_q
     loss_d = (torch.logsumexp(s, dim=0) - torch.logsumexp(s.masked_fill(~pos_c, neg_inf), dim=0)).mean()
-    return (loss_q + loss_d) / 2
+    loss = (loss_q + loss_d) / 2
+    return (loss, hard) if return_hardest else loss
 
 
 def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
                              row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0,
-                             row_none: Optional[torch.Tensor] = None, bias_table_points: Optional[int] = None):
+                             row_none: Optional[torch.Tensor] = None, bias_table_points: Optional[int] = None,
+                             return_hardest: bool = False):
     """The partial loss CTDLoss(gather=True) computes per rank (spec of
     ``tempokern._ops.multipos_infonce.multipos_infonce_partial``): q (Bq, H) against d (Bd, H), spans as
     (lo, hi) bounds, row i's diagonal partner is column i + diag_offset (none when out of range), ``row_none``
@@ -88,4 +110,6 @@ def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float
     if col_weight != 0.0:
         lc = torch.logsumexp(s, dim=0) - torch.logsumexp(s.masked_fill(~pos_c, neg_inf), dim=0)
         loss = loss + col_weight * lc.mean()
+    if return_hardest:
+        return loss, hardest_negatives(s.detach(), pos_r)
     return loss

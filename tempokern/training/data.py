@@ -8,11 +8,15 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 SPLITS = ("train", "val", "test")
+#: the held-out rows of the offline English sets (tempokern.datasets.synth)
+SYNTH_SPLITS = ("test_template", "test_date", "test_year", "test_masked", "timeless")
+#: `load_dataset(dataset=...)` names of the offline English sets -> load_synth names
+SYNTH_DATASETS = {"synth-a": "A", "synth-b": "B", "synth-c": "C"}
 FORMATS = ("zztj", "chunqiutr", "chunqiutr-release")
 
 
 def check_split(split: str, dataset=None, *, allow_all: bool = True) -> str:
-    ok = SPLITS + (("all",) if allow_all else ())
+    ok = SPLITS + SYNTH_SPLITS + (("all",) if allow_all else ())
     if split not in ok:
         raise ValueError(f"unknown split {split!r}: expected one of {', '.join(ok)}")
     if dataset is not None and split != "all" and not any(q.split == split for q in dataset.queries):
@@ -116,16 +120,24 @@ def zztj_demo_dataset(path=None, *, templates_per_month: int = 4, no_event_queri
 
 
 def load_dataset(dataset: Optional[str] = None, data: Optional[str] = None, fmt: str = "zztj",
-                 split: str = "template", queries: Optional[str] = None):
+                 split: str = "template", queries: Optional[str] = None, *, synth_size: str = "full",
+                 synth_seed: int = 0):
     """`dataset="zztj"`: the packaged sample as the demo uses it; `data=PATH`: a file in format
     `fmt`: "zztj" (Zizhi Tongjian jsonl; queries generated, split by `split`), "chunqiutr"
     (records jsonl + `queries` jsonl, ChunQiuTR format) or "chunqiutr-release" (the release's meta
-    JSON + `queries` jsonl); the ChunQiuTR formats take their splits from Calendar.chunqiu()."""
+    JSON + `queries` jsonl); the ChunQiuTR formats take their splits from Calendar.chunqiu().
+    `dataset="synth-a" | "synth-b" | "synth-c"`: the offline English sets
+    (`tempokern.datasets.synth.load_synth`, generated at first use and cached; `synth_size`,
+    `synth_seed`), with their own splits and calendars."""
     if (dataset is None) == (data is None):
         raise ValueError("give exactly one of --dataset (zztj) or --data PATH")
     if dataset is not None:
+        if dataset in SYNTH_DATASETS:
+            from tempokern.datasets.synth import load_synth
+            return load_synth(SYNTH_DATASETS[dataset], seed=synth_seed, size=synth_size).dataset
         if dataset != "zztj":
-            raise ValueError(f"unknown dataset {dataset!r}: the packaged dataset is 'zztj' (or pass --data PATH)")
+            raise ValueError(f"unknown dataset {dataset!r}: the packaged datasets are 'zztj', "
+                             f"{', '.join(repr(k) for k in SYNTH_DATASETS)} (or pass --data PATH)")
         return zztj_demo_dataset(split=split)
     if fmt not in FORMATS:
         raise ValueError(f"unknown data format {fmt!r}: expected one of {', '.join(FORMATS)}")

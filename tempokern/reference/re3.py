@@ -1,0 +1,63 @@
+"""Plain PyTorch Re³ training loss (Cao et al., ACL 2026, Eqs. 10-13): the eager formulation that
+``tempokern.nn.Re3Loss`` is tested and benchmarked against. It materialises the (B, B) cosine and logit
+matrices, the masked copy for the hardest negative and the softmax of each direction.
+
+    L_nce  = (L_{q->d} + L_{d->q}) / 2        symmetric InfoNCE over s = <q_i, d_j> / temperature
+    L_hard = (1/B) sum_i relu(margin + <q_i, d_{j*_i}> - <q_i, d_i>)   j*_i = argmax over in-batch negatives
+    L_tw   = (1/B) sum_i relu(margin + <q_i, d_tw_i> - <q_i, d_i>)
+    L      = L_nce + lambda_hard L_hard + lambda_tw L_tw
+
+Choices (design notes §3.2): margins in cosine units (B7); negatives are the in-batch columns that are not
+positives of the row, never the time-wrong documents (B8); with ``dedup`` rows of the same document
+(equal ``doc_ids``) are positives of each other, not negatives (B8), else the pure diagonal; ties in the
+max go to the lowest column (B9); a row with no negative contributes 0 to L_hard, whose mean is over all B
+rows (Eq. 11's 1/B)."""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .multipos_infonce import hardest_negatives
+
+
+def re3_positives(B: int, doc_ids: Optional[torch.Tensor], dedup: bool, device) -> torch.Tensor:
+    """(B, B) bool: pos[i, j] = doc_ids[i] == doc_ids[j] with dedup (and doc_ids given), else the diagonal."""
+    if dedup and doc_ids is not None:
+        return doc_ids[:, None] == doc_ids[None, :]
+    return torch.eye(B, dtype=torch.bool, device=device)
+
+
+def re3_loss(q: torch.Tensor, d: torch.Tensor, d_tw: Optional[torch.Tensor] = None,
+             doc_ids: Optional[torch.Tensor] = None, *, temperature: float = 0.05, margin: float = 0.1,
+             lambda_hard: float = 0.1, lambda_tw: float = 0.1, tw_in_nce: bool = False,
+             dedup: bool = True) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Eager Re³ loss. q, d (B, D) final (L2-normalised) query / positive-document embeddings, d_tw (B, D)
+    time-wrong negatives or None (then L_tw = 0 and ``tw_in_nce`` adds nothing), doc_ids (B,) integer.
+    ``tw_in_nce``: d_tw joins the q->d InfoNCE denominators as extra negatives.
+    Returns (loss, parts) with parts "nce", "hard", "tw", "total" (0-d, not detached: this is the spec)
+    and "hardest_col" (B,) int64 (-1 for a row without negative)."""
+    B = q.shape[0]
+    cos = q @ d.t()                                                     # (B, B)
+    s = cos / temperature
+    pos = re3_positives(B, doc_ids, dedup, q.device)
+    neg_inf = torch.finfo(s.dtype).min
+    s_all = s
+    if tw_in_nce and d_tw is not None:
+        s_all = torch.cat([s, (q @ d_tw.t()) / temperature], dim=1)
+    loss_q = (torch.logsumexp(s_all, dim=1) - torch.logsumexp(s.masked_fill(~pos, neg_inf), dim=1)).mean()
+    loss_d = (torch.logsumexp(s, dim=0) - torch.logsumexp(s.masked_fill(~pos, neg_inf), dim=0)).mean()
+    l_nce = (loss_q + loss_d) / 2
+    # hardest in-batch negative: masked max over the (B, B) matrix, lowest column among exact ties
+    hard_col = hardest_negatives(s.detach(), pos)
+    has = hard_col >= 0
+    s_pos = cos.diagonal()
+    s_neg = cos.gather(1, hard_col.clamp(min=0)[:, None])[:, 0]
+    hinge = torch.where(has, torch.relu(margin + s_neg - s_pos), torch.zeros_like(s_pos))
+    l_hard = hinge.sum() / B if B else cos.new_zeros(())
+    if d_tw is not None:
+        l_tw = torch.relu(margin + (q * d_tw).sum(dim=1) - s_pos).mean() if B else cos.new_zeros(())
+    else:
+        l_tw = cos.new_zeros(())
+    total = l_nce + lambda_hard * l_hard + lambda_tw * l_tw
+    return total, {"nce": l_nce, "hard": l_hard, "tw": l_tw, "total": total, "hardest_col": hard_col}
