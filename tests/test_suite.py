@@ -336,3 +336,24 @@ def test_quick_suite_end_to_end(tmp_path, tiny_backbone):
     text = mod.table(saved, "results.json")
     assert "**Set B, test_date**" in text and "| `minilm_ft` |" in text and "(baseline)" in text
     assert "| `ctd_full` |" in text and ("better" in text or "worse" in text or "no clear difference" in text)
+
+
+def test_real_quick_set_b_with_bm25(tmp_path, tiny_backbone):
+    """The suite on the real generator's quick set B (shared interface 4): every evaluated split of the
+    set is scored, the error split and the time-swap are defined from the generator's meta."""
+    pytest.importorskip("bm25s")
+    synth = pytest.importorskip("tempokern.datasets.synth")
+    res = run_suite(tmp_path, quick=True, sets=["B"], methods=["bm25_ties_gold", "bm25_ties_last"],
+                    synth_loader=synth.load_synth, backbone_path=tiny_backbone, progress=False,
+                    log=lambda m: None, n_resamples=100, plots=False)
+    ds = synth.load_synth("B", seed=0, size="quick").dataset
+    have = {q.split for q in ds.queries} - {"train", "val"}
+    assert set(res["results"]["B"]) == have and "test_masked" in have
+    for sp, rows in res["results"]["B"].items():
+        g, l = rows["bm25_ties_gold"], rows["bm25_ties_last"]
+        assert g["R@1"]["n"] == sum(q.split == sp for q in ds.queries)
+        assert g["R@1"]["mean"] >= l["R@1"]["mean"]
+        errs = sum(l[f"err_{k}"]["mean"] for k in ("time", "entity", "attribute", "other"))
+        assert errs == pytest.approx(1 - l["R@1"]["mean"])
+    assert res["results"]["B"]["test_date"]["bm25_ties_gold"]["time_swap"]["n"] > 0
+    assert res["results"]["B"]["test_date"]["bm25_ties_gold"]["TP@10"]["n"] > 0

@@ -191,7 +191,7 @@ class SuiteContext:
     ``quick`` (bool), ``budget`` (:class:`Budget`), ``work_dir`` (a Path per (method, set, seed) for
     checkpoints and resume; created), ``device`` (torch.device), ``eval_splits`` (the splits to return
     runs for), ``depth`` (documents per query in a run, >= 100), ``log(msg)``, ``progress(iterable,
-    desc)``."""
+    desc)``, ``progress_enabled`` (bool, for trainers with their own bars)."""
 
     def __init__(self, *, synth, backbone_path: str, seed: int, quick: bool, work_dir, device=None,
                  eval_splits: Optional[Sequence[str]] = None, budget: Optional[Budget] = None, depth: int = 100,
@@ -214,6 +214,8 @@ class SuiteContext:
         self.method_name = method_name
         self._log = log or (lambda m: print(m, file=sys.stderr, flush=True))
         self._progress_enabled = progress_enabled
+        #: whether progress bars are wanted (for trainers with their own bars)
+        self.progress_enabled = bool(progress_enabled)
         self._retention: Tuple[List[str], List[Tuple[int, int]]] = ([], [])
 
     # -- helpers -------------------------------------------------------------------------------------

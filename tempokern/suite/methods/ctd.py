@@ -34,7 +34,7 @@ def run_ctd(variant: str):
         seed_everything(ctx.seed)
         model = CTDEncoder(ctx.backbone_path, ctx.dataset.calendar, pooling="mean", max_length=b.max_length)
         cfg = TrainConfig(variant=variant, epochs=b.epochs, batch_size=b.batch_size, lr=b.lr, temporal_lr=TEMPORAL_LR,
-                          seed=ctx.seed, progress=ctx._progress_enabled, hard_negatives=False)
+                          seed=ctx.seed, progress=ctx.progress_enabled, hard_negatives=False)
         ds = _train_subset(ctx)
         res = train(model, ds, cfg, None, device=ctx.device, log=ctx.log)
         steps = [h for h in res.history if h.get("event") == "step"]
