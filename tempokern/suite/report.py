@@ -138,7 +138,8 @@ def markdown(res: dict) -> str:
     st = res["setup"]
     b = st["budget"]
     lines = [f"# tempokern benchmark --suite english{' --quick' if st['quick'] else ''}", "",
-             f"Date {st['date']}; machine: {st['machine']}; device {st['device']}; total {st.get('seconds', '?')} s.",
+             f"Date {st['date']}; machine: {st['machine']}; device {st['device']}; total {st.get('seconds', '?')} s; "
+             f"1-minute load average {st.get('load_average_1min')}.",
              f"Command: `{st.get('command') or 'n/a'}`.", "",
              f"Backbone `{st['backbone']}` for every dense row. Seeds {st['seeds']} (methods that ignore the seed "
              f"run once). Training budget shared by every trained row: at most "

@@ -135,8 +135,22 @@ def _log_default(msg: str) -> None:
 
 def machine() -> str:
     import torch
-    return (f"{platform.machine()} x{os.cpu_count()} ({platform.processor() or platform.system()}), torch "
-            f"{torch.__version__}, {torch.get_num_threads()} threads")
+    cpu = platform.processor() or platform.system()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{platform.machine()} x{os.cpu_count()} ({cpu}){gpu}, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+
+
+def _load() -> Optional[float]:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optional[Sequence[str]] = None,
@@ -154,6 +168,7 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
         raise ValueError(f"unknown suite {suite!r}: expected 'english'")
     import torch
     t_start = time.time()
+    load_start = _load()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     all_methods, import_errors = load_methods()
@@ -259,6 +274,7 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
     setup = {"suite": suite, "quick": quick, "sets": sets, "seeds": seeds, "budget": budget.__dict__,
              "backbone": str(backbone_path), "device": str(dev), "machine": machine(),
              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": command,
+             "load_average_1min": {"start": load_start, "end": _load()},
              "retention": {"documents": n_docs, "pairs": n_pairs}, "bootstrap_resamples": n_resamples,
              "import_errors": import_errors, "set_info": set_info}
     results = build_results(units, status, setup, n_resamples=n_resamples)
