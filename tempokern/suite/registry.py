@@ -180,7 +180,7 @@ class Budget:
 
     @classmethod
     def full(cls) -> "Budget":
-        return cls(max_train_rows=1000, epochs=1, max_length=64, batch_size=32, lr=5e-5)
+        return cls(max_train_rows=640, epochs=1, max_length=64, batch_size=32, lr=5e-5)
 
 
 class SuiteContext:
