@@ -357,3 +357,14 @@ def test_real_quick_set_b_with_bm25(tmp_path, tiny_backbone):
         assert errs == pytest.approx(1 - l["R@1"]["mean"])
     assert res["results"]["B"]["test_date"]["bm25_ties_gold"]["time_swap"]["n"] > 0
     assert res["results"]["B"]["test_date"]["bm25_ties_gold"]["TP@10"]["n"] > 0
+
+
+def test_a_unit_made_under_another_budget_is_recomputed(tmp_path, tiny_backbone, fake_methods):
+    kw = dict(quick=True, sets=["B"], methods=["fake_oracle"], seeds=[0], synth_loader=tiny_synth,
+              backbone_path=tiny_backbone, plots=False, progress=False, log=lambda m: None, n_resamples=50)
+    CALLS["n"] = 0
+    run_suite(tmp_path, **kw)
+    run_suite(tmp_path, **kw)
+    assert CALLS["n"] == 1
+    run_suite(tmp_path, budget=Budget(max_train_rows=10, epochs=1, max_length=48), **kw)
+    assert CALLS["n"] == 2

@@ -77,15 +77,18 @@ def write_unit(path: Path, payload: dict) -> None:
     atomic_write(path, json.dumps(doc))
 
 
-def read_unit(path: Path) -> Optional[dict]:
-    """The unit's payload, or None when the file is missing, unreadable, of another version or its
-    checksum does not match (then it is recomputed)."""
+def read_unit(path: Path, config: Optional[dict] = None) -> Optional[dict]:
+    """The unit's payload, or None when the file is missing, unreadable, of another version, its
+    checksum does not match, or (with ``config``) it was made under other settings (budget, backbone,
+    data size or data checksum): then it is recomputed."""
     try:
         doc = json.loads(Path(path).read_text())
         payload = doc["payload"]
         if doc.get("version") != UNIT_VERSION or doc.get("sha256") != _checksum(payload):
             return None
         if payload.get("status") != "done" or "splits" not in payload:
+            return None
+        if config is not None and payload.get("config") != _jsonable(config):
             return None
         return payload
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -222,18 +225,21 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
                        "train_rows": len(synth.train_rows), "info": _jsonable(dict(getattr(synth, "info", {}) or {})),
                        "load_seconds": round(time.time() - t, 2)}
         r_texts, r_pairs = retention_sample(ds, n_docs, n_pairs)
+        # a unit is reused only when made under the same settings
+        config = {"budget": dict(budget.__dict__), "backbone": str(backbone_path), "size": size,
+                  "data": (getattr(synth, "info", None) or {}).get("checksum")}
         ref_sims = None
         for m in todo:
             for seed in (seeds if m.seeded else [0]):
                 path = unit_path(out, m.name, s, seed)
-                prev = read_unit(path)
+                prev = read_unit(path, config)
                 if prev is not None:
                     log(f"[suite] {m.name} / set {s} / seed {seed}: done earlier ({path}), skipped")
                     units[(m.name, s, seed)] = prev
                     continue
                 if path.exists():
-                    log(f"[suite] {m.name} / set {s} / seed {seed}: unit file {path} is corrupt or incomplete: "
-                        "recomputing")
+                    log(f"[suite] {m.name} / set {s} / seed {seed}: unit file {path} is corrupt, incomplete or "
+                        "made under other settings (budget, backbone, data): recomputing")
                 if ref_sims is None and r_pairs:
                     ref_sims = _reference_sims(out, s, backbone_path, budget, dev, r_texts, r_pairs, log)
                 log(f"[suite] {m.name} / set {s} / seed {seed}: running")
@@ -257,8 +263,9 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
                     status[m.name]["errors"][f"{s}/seed{seed}"] = msg
                     continue
                 payload["wall_seconds"] = round(time.time() - t0, 2)
+                payload["config"] = config
                 write_unit(path, payload)
-                units[(m.name, s, seed)] = read_unit(path) or _jsonable(payload)
+                units[(m.name, s, seed)] = read_unit(path, config) or _jsonable(payload)
                 log(f"[suite] {m.name} / set {s} / seed {seed}: done in {payload['wall_seconds']:.0f} s "
                     + ", ".join(f"{sp} R@1 {np.nanmean(_arrays(payload['splits'][sp])['R@1']):.3f}"
                                 for sp in payload["splits"]))
