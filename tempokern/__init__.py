@@ -50,6 +50,7 @@ from . import nn
 from . import search
 from .calendar import Calendar, Interval
 from . import baselines, datasets, eval
+from . import rerank
 
 __all__ = [
     "__version__", "build_info", "set_debug_checks", "debug_checks_enabled",
@@ -58,6 +59,7 @@ __all__ = [
     "matryoshka_infonce", "truncate",
     "reference", "nn", "search", "Calendar", "Interval", "baselines", "datasets", "eval",
 ]
+__all__ += ["rerank"]
 
 
 def __getattr__(name):  # tempokern.models / tempokern.training on first use (they need transformers at run time)

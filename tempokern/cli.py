@@ -63,7 +63,9 @@ def _data_args(p, required=True):
     g.add_argument("--data", help="a chronicle file instead of --dataset")
     g.add_argument("--format", default="zztj",
                    help="format of --data: zztj (Zizhi Tongjian jsonl), chunqiutr (records jsonl, with "
-                        "--data-queries) or chunqiutr-release (release meta JSON, with --data-queries)")
+                        "--data-queries), chunqiutr-release (release meta JSON, with --data-queries), re2 "
+                        "(Re²-style jsonl with publication dates and facts, docs/re3.md); beir "
+                        "(a BEIR-style folder); for `train --method tmrl`: tmrl or tevatron")
     g.add_argument("--data-queries", help="queries jsonl for the chunqiutr formats")
     g.add_argument("--split-scheme", default="template", choices=["template", "time"],
                    help="how generated zztj queries are split: by phrasing or by held-out time blocks")
@@ -87,6 +89,18 @@ def _model_args(p):
     g.add_argument("--tiny-layers", type=int, default=2, help='layers of the tiny backbone (default 2)')
 
 
+def _recency_args(p, eval_cmd: bool):
+    g = p.add_argument_group("recency filter (Re³, docs/re3.md)")
+    g.add_argument("--recency", default="none", choices=["none", "rule", "metadata"],
+                   help="post-process the top-k with the conflict-aware recency filter: rule (RuleExtractor) or "
+                        "metadata (facts from the records' meta, the oracle); default none")
+    g.add_argument("--recency-policy", default="conflict", choices=["conflict", "latest_only"],
+                   help="conflict (the paper: remove documents stating a value other than the latest one's) or "
+                        "latest_only (keep only the latest document per fact)")
+    if eval_cmd:
+        g.add_argument("--recency-k", type=int, default=5, help="candidates per query given to the filter (default 5)")
+
+
 def _pairs_per_query(v: str):
     if v == "all":
         return None
@@ -101,7 +115,9 @@ def _pairs_per_query(v: str):
 
 def _train_args(p):
     g = p.add_argument_group("training")
-    g.add_argument("--variant", default="full", help="baseline | multipos | bias | context | full")
+    g.add_argument("--variant", default=None,
+                   help="ctd: baseline | multipos | bias | context | full (default full); "
+                        "tmrl: zero_shot | lora | mrl | tmrl_noaux | tmrl (default tmrl)")
     g.add_argument("--epochs", type=int, default=3, help='training epochs (default 3)')
     g.add_argument("--batch-size", type=int, default=32, help='(query, record) pairs per batch and rank, >= 2 (default 32)')
     g.add_argument("--lr", type=float, default=None, help="default 2e-5 for a pretrained backbone, 1e-3 for tiny")
@@ -172,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     _data_args(t)
     _model_args(t)
     _train_args(t)
+    _tmrl_args(t)
 
     e = sub.add_parser("eval", help="evaluate a saved encoder (ChunQiuTR metrics)",
                        description="Evaluate a saved CTDEncoder on a split: R@1/5/10, MRR@10, nDCG@10, recall@k "
@@ -189,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the backbone alone, pooled and L2-normalised, as ChunQiuTR's evaluate.py (enc_only) "
                         "reports the paper's numbers (docs/eval.md)")
     e.add_argument("--out", help="write the table as JSON here (and .md next to it)")
+    e.add_argument("--dims", nargs="+", type=int, default=None,
+                   help="TMRL models: nested dims to evaluate, one row each (default: the model's dims)")
+    _recency_args(e, eval_cmd=True)
 
     i = sub.add_parser("index", help="encode a gallery into a TemporalIndex file",
                        description="Encode the records of a dataset with a saved encoder into a TemporalIndex "
@@ -198,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     _data_args(i)
     i.add_argument("--backend", default="exact", help='exact | faiss-flat | faiss-ivf | faiss-hnsw (faiss needs pip install .[faiss])')
     i.add_argument("--out", required=False, help="index file to write")
+    i.add_argument("--dim", type=int, default=None,
+                   help="TMRL models: index the first DIM coordinates, L2-normalised (default: all)")
 
     s = sub.add_parser("search", help="search an index with text queries",
                        description="Encode queries and return the top-k records under the full CTD score.")
@@ -208,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--queries", help="file with one query per line")
     s.add_argument("-k", type=int, default=10, help='results per query (default 10)')
     s.add_argument("--json", action="store_true", help="print JSON lines")
+    _recency_args(s, eval_cmd=False)
 
     b = sub.add_parser("bench", help="fused vs reference timing of every op in this install",
                        description="Time each fused op against its tempokern.reference version (forward + "
@@ -334,7 +357,9 @@ def validate_args(args) -> None:
         if not 0 <= args.warmup_ratio < 1:
             raise CLIError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
         from .training.trainer import VARIANTS
-        if args.variant not in VARIANTS:
+        if getattr(args, "method", "ctd") == "tmrl":
+            _validate_tmrl(args)
+        elif args.variant is not None and args.variant not in VARIANTS:
             raise CLIError(f"unknown variant {args.variant!r}: expected one of {', '.join(VARIANTS)}")
     if cmd == "demo":
         _positive(args, "max_length")
@@ -355,6 +380,8 @@ def validate_args(args) -> None:
     if cmd == "search":
         _need(args, "model", "index")
         _positive(args, "k")
+    if cmd == "eval":
+        _positive(args, "recency_k")
     if cmd == "bench":
         if any(n < 1 for n in args.sizes):
             raise CLIError(f"--sizes must be positive, got {args.sizes}")
@@ -374,8 +401,18 @@ def _dataset(args):
         raise CLIError("give --dataset zztj or --data PATH")
     if args.dataset is not None and args.data is not None:
         raise CLIError("give only one of --dataset and --data")
-    ds = load_dataset(args.dataset, args.data, args.format, split=args.split_scheme, queries=args.data_queries,
-                      synth_size=getattr(args, "synth_size", "full"), synth_seed=getattr(args, "synth_seed", 0))
+    if args.format == "beir":   # BEIR-style folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)
+        from .datasets import load_beir
+        return load_beir(args.data, split=getattr(args, "split", "test") if getattr(args, "split", "all") != "all"
+                         else "test")
+    if args.format == "re2" and args.data is not None:   # Re²-style jsonl (tempokern.datasets.load_re2)
+        from .datasets import load_re2
+        if not Path(args.data).exists():
+            raise FileNotFoundError(f"data file {args.data} does not exist")
+        ds = load_re2(args.data).dataset
+    else:
+        ds = load_dataset(args.dataset, args.data, args.format, split=args.split_scheme, queries=args.data_queries,
+                          synth_size=getattr(args, "synth_size", "full"), synth_seed=getattr(args, "synth_seed", 0))
     check_calendar(args.calendar, ds)
     return ds
 
@@ -387,7 +424,7 @@ def check_calendar(name: str, ds) -> None:
         return
     cal = ds.calendar
     kind = ("reign" if "era_years" in getattr(cal, "meta", {}) else getattr(cal, "name", ""))
-    if kind != name:
+    if kind.split("-")[0] != name:   # "gregorian" covers gregorian-month too
         raise CLIError(f"calendar {name!r} does not fit dataset {ds.name!r}, which is keyed by a "
                        f"{kind or 'custom'} calendar ({', '.join(cal.names)})")
 
@@ -413,6 +450,9 @@ def cmd_train(args) -> int:
     from .training import TrainConfig, train
     from .training.trainer import init_distributed_from_env, dist_info
     _need(args, "out")
+    if getattr(args, "method", "ctd") == "tmrl":
+        return cmd_train_tmrl(args)
+    args.variant = args.variant or "full"
     if args.resume and not (Path(args.out) / "last" / "trainer_state.pt").exists():
         raise FileNotFoundError(f"cannot resume: {Path(args.out) / 'last' / 'trainer_state.pt'} does not exist")
     init_distributed_from_env()
@@ -446,6 +486,9 @@ def _load_model(path):
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model directory {p} does not exist")
+    from .models.tmrl import TMRLEncoder, is_tmrl_dir
+    if is_tmrl_dir(p):
+        return TMRLEncoder.load(p, projector=False)
     return CTDEncoder.load(p)
 
 
@@ -453,6 +496,9 @@ def cmd_eval(args) -> int:
     from .training import METRIC_KEYS, evaluate_model, markdown_table
     from .training.data import check_split
     _need(args, "model")
+    from .models.tmrl import is_tmrl_dir
+    if is_tmrl_dir(args.model):
+        return cmd_eval_tmrl(args)
     check_split(args.split)
     model = _load_model(args.model)
     ds = _dataset(args)
@@ -461,15 +507,61 @@ def cmd_eval(args) -> int:
                            scorer=args.scorer)
     rows = [{"name": fam, **m} for fam, m in table.items()]
     md = markdown_table(rows, list(METRIC_KEYS) + ["queries"], name_key="name")
+    recency = None
+    if getattr(args, "recency", "none") != "none":
+        recency = recency_postprocess(args, _eval_run(model, ds, args), ds)
+        md += "\n\n" + recency_markdown(recency)
     print(md)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         mode = f"neg{int(args.neg)}_ne{int(args.ne)}_dq{int(args.drop_no_event)}"
-        _atomic_write(out, json.dumps({"split": args.split, "scorer": args.scorer, "mode": mode, "rows": rows},
-                                      indent=1))
+        payload = {"split": args.split, "scorer": args.scorer, "mode": mode, "rows": rows}
+        if recency is not None:
+            payload["recency"] = recency
+        _atomic_write(out, json.dumps(payload, indent=1, default=str))
         _atomic_write(out.with_suffix(".md"), md + "\n")
     return 0
+
+
+def _eval_run(model, ds, args, depth: int = 100):
+    """``{qid: {doc_id: score}}`` of the evaluated queries (the same gallery and queries as evaluate_model)."""
+    from .training.data import queries_of
+    from .training.evaluate import gallery_of, score_topk
+    gallery = gallery_of(ds, neg=args.neg, ne=args.ne)
+    gids = [r.id for r in gallery]
+    queries = [q for q in queries_of(ds, args.split)
+               if not (args.drop_no_event and getattr(q, "pure_no_event", False))]
+    g_enc = model.encode([r.text for r in gallery], scorer=args.scorer)
+    vals, idx = score_topk(model, [q.text for q in queries], g_enc, depth, scorer=args.scorer)
+    return {q.id: {gids[j]: float(v) for j, v in zip(idx[i].tolist(), vals[i].tolist())}
+            for i, q in enumerate(queries)}
+
+
+def recency_postprocess(args, run, ds) -> dict:
+    """The recency filter of ``--recency``/``--recency-policy`` on the top ``--recency-k`` of ``run``
+    (``{qid: {doc_id: score}}``) over ``ds``: retrieval metrics before/after and the filter metrics
+    (tempokern.eval.recency.recency_report). Any method's eval can call this on its run."""
+    from .eval.recency import make_filter, recency_report
+    rf = make_filter(args.recency, policy=args.recency_policy)
+    if not any(r.published is not None for r in ds.records):
+        print(f"tempokern eval: warning: no record of {ds.name!r} has a publication date; every candidate "
+              "is treated as the oldest version and the filter removes nothing", file=sys.stderr)
+    return recency_report(run, ds, rf, k=getattr(args, "recency_k", 5))
+
+
+def recency_markdown(rep: dict) -> str:
+    """Before/after table of :func:`recency_postprocess`'s result."""
+    from .training import markdown_table
+    keys = ["R@1", "R@5", "MRR", "stale_rate", "version_accuracy", "answer_proxy", "evidence_docs",
+            "evidence_tokens"]
+    rows = []
+    for side in ("before", "after"):
+        rows.append({"name": f"{side} filter", **rep["retrieval"][side], **rep[side]})
+    md = markdown_table(rows, keys, name_key="name")
+    md += (f"\n\nrecency filter {rep['filter']} on the top {rep['k']}: removed {rep['removed']} documents "
+           f"({rep['queries_with_removals']} queries), extractor failures {rep['failures']}")
+    return md
 
 
 def cmd_index(args) -> int:
@@ -477,12 +569,22 @@ def cmd_index(args) -> int:
     model = _load_model(args.model)
     ds = _dataset(args)
     records = ds.records
-    index = model.to_index(records, backend=args.backend, ids=range(len(records)))   # positions; names below
+    kw = {}
+    if getattr(args, "dim", None) is not None:
+        from .models.tmrl import TMRLEncoder
+        if not isinstance(model, TMRLEncoder):
+            raise CLIError("--dim applies to TMRL models (trained with --method tmrl) only")
+        kw = {"dim": args.dim}
+    index = model.to_index(records, backend=args.backend, ids=range(len(records)), **kw)   # positions; names below
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     index.save(str(out))
     _atomic_write(Path(str(out) + ".records.json"),
-                  json.dumps({"ids": [r.id for r in records], "texts": [r.text for r in records]}, ensure_ascii=False))
+                  json.dumps({"ids": [r.id for r in records], "texts": [r.text for r in records],
+                              "published": [r.published.isoformat() if getattr(r, "published", None) else None
+                                            for r in records],
+                              "facts": [(r.meta or {}).get("facts") for r in records],
+                              "fact_dates": [(r.meta or {}).get("date") for r in records]}, ensure_ascii=False))
     print(json.dumps({"index": str(out), "records": len(records), "backend": args.backend}))
     return 0
 
@@ -508,19 +610,64 @@ def cmd_search(args) -> int:
     if side.exists():
         names = json.loads(side.read_text())
     ids, scores = model.search(index, queries, k=min(args.k, len(index)))
+    rf = None
+    if getattr(args, "recency", "none") != "none":
+        from .eval.recency import make_filter
+        rf = make_filter(args.recency, policy=args.recency_policy)
     for qi, q in enumerate(queries):
         hits = []
         for rid, sc in zip(ids[qi].tolist(), scores[qi].tolist()):
             name = names["ids"][rid] if names and 0 <= rid < len(names["ids"]) else rid
             text = names["texts"][rid] if names and 0 <= rid < len(names["texts"]) else ""
-            hits.append({"id": name, "score": round(float(sc), 4), "text": text[:60]})
+            hits.append({"id": name, "score": round(float(sc), 4), "text": text[:60], "_rid": rid,
+                         "_full": text})
+        removed, reasons = [], []
+        if rf is not None:
+            hits, removed, reasons = _recency_hits(rf, q, hits, names)
+        for h in hits + removed:
+            h.pop("_rid", None)
+            h.pop("_full", None)
         if args.json:
-            print(json.dumps({"query": q, "hits": hits}, ensure_ascii=False))
+            line = {"query": q, "hits": hits}
+            if rf is not None:
+                line.update(removed=removed, recency_reasons=reasons)
+            print(json.dumps(line, ensure_ascii=False))
         else:
             print(f"# {q}")
             for r, h in enumerate(hits, 1):
                 print(f"{r:3d}. {h['score']:9.4f}  {h['id']}  {h['text']}")
+            for h in removed:
+                print(f"  removed (outdated): {h['id']}  {h['text']}")
+            for x in reasons:
+                print(f"  recency: {x}")
     return 0
+
+
+def _recency_hits(rf, query, hits, names):
+    """Search hits through the recency filter: publication dates and facts come from the index's
+    .records.json (written by `tempokern index`); hits without them count as undated / fact-less."""
+    import datetime as _dt
+    import warnings
+    from .rerank import Candidate
+    pubs = (names or {}).get("published") or []
+    facts = (names or {}).get("facts") or []
+    fdates = (names or {}).get("fact_dates") or []
+    cands = []
+    for h in hits:
+        rid = h["_rid"]
+        pub = pubs[rid] if 0 <= rid < len(pubs) else None
+        meta = {"facts": facts[rid]} if 0 <= rid < len(facts) and facts[rid] is not None else {}
+        if meta and 0 <= rid < len(fdates) and fdates[rid] is not None:
+            meta["date"] = fdates[rid]     # MetadataExtractor qualifies the relation by the record's date
+        cands.append(Candidate(str(h["id"]), h["_full"], _dt.date.fromisoformat(pub) if pub else None,
+                               h["score"], meta))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # recorded in res.reasons
+        res = rf(query, cands)
+    by_id = {str(h["id"]): h for h in hits}
+    kept = [dict(by_id[c.id], recency=res.votes[c.id]) for c in res.kept]
+    removed = [dict(by_id[c.id], recency=res.votes[c.id]) for c in res.removed]
+    return kept, removed, list(res.reasons)
 
 
 def cmd_bench(args) -> int:
@@ -569,6 +716,171 @@ def _run_benchmark(args, *, quick: bool) -> int:
         print(f"tempokern {args.command}: {len(failed)} method(s) failed: {', '.join(failed)} (see results.md)",
               file=sys.stderr)
         return 1
+    return 0
+
+
+# ---- TMRL (--method tmrl; docs/tmrl.md "Encoder and training") ----------------------------------------
+
+TMRL_FORMATS = ("tmrl", "tevatron")
+TRAIN_METHODS += ("tmrl",)   # --method tmrl: --dataset synth-a|b|c, or --data FILE --format tmrl|tevatron
+
+
+def _tmrl_args(p):
+    g = p.add_argument_group("TMRL (--method tmrl)")
+    g.add_argument("--dims", nargs="+", type=int, default=None,
+                   help="nested Matryoshka dims, increasing (default: powers of two from H/16 up, and H)")
+    g.add_argument("--t", type=int, default=None, help="temporal-subspace size (default: the smallest dim)")
+    g.add_argument("--alpha", type=float, default=0.1, help="weight of L_Temp (default 0.1)")
+    g.add_argument("--beta", type=float, default=0.1, help="weight of L_Dist (default 0.1)")
+    g.add_argument("--gamma", type=float, default=0.1, help="weight of L_CKA (default 0.1)")
+    g.add_argument("--distill-k", type=int, default=10, help="neighbours per embedding in L_Dist (default 10)")
+    g.add_argument("--num-hard-negatives", type=int, default=4, help="hard-negative passages per row (default 4)")
+    g.add_argument("--negative-queries", type=int, default=4, help="negative queries per row for L_Temp (default 4)")
+    g.add_argument("--lora", default=None, choices=["lora", "none", "full"],
+                   help="lora: LoRA adapters (peft; default for pretrained backbones); none: frozen backbone; "
+                        "full: full fine-tuning (default for the tiny backbone)")
+    g.add_argument("--lora-r", type=int, default=4, help="LoRA rank (default 4)")
+    g.add_argument("--lora-alpha", type=float, default=4.0,
+                   help="LoRA alpha (default 4: the paper's 'scaling factor 4' read as alpha; 16 = scaling 4)")
+    g.add_argument("--lora-dropout", type=float, default=0.1, help="LoRA dropout (default 0.1)")
+    g.add_argument("--cache-embeddings", action="store_true",
+                   help="GradCache: embed without a graph, loss on the cached embeddings, re-embed mini-batches")
+    g.add_argument("--mini-batch-size", type=int, default=32, help="texts per GradCache mini-batch (default 32)")
+    g.add_argument("--query-prefix", default="", help="text prepended to queries (Table 5)")
+    g.add_argument("--passage-prefix", default="", help="text prepended to passages (Table 5)")
+    g.add_argument("--max-rows", type=int, default=None, help="train on the first N rows only")
+    g.add_argument("--mine-negatives", type=int, default=None, metavar="K",
+                   help="give rows without hard-negative passages K BM25-mined ones from the pool of positive "
+                        "passages, golds excluded (needs bm25s; the TMRL schema has no negative passages)")
+
+
+def _validate_tmrl(args) -> None:
+    from .training.tmrl import TMRL_VARIANTS
+    if args.variant is not None and args.variant not in TMRL_VARIANTS:
+        raise CLIError(f"unknown TMRL variant {args.variant!r}: expected one of {', '.join(TMRL_VARIANTS)}")
+    synth = args.dataset is not None and args.dataset.startswith("synth-")
+    if not synth and (args.dataset is not None or args.format not in TMRL_FORMATS):
+        raise CLIError(f"--method tmrl trains on --dataset synth-a|synth-b|synth-c (their training rows) or on "
+                       f"--data FILE with --format {' or '.join(TMRL_FORMATS)}")
+    _positive(args, "t", "distill_k", "lora_r", "mini_batch_size", "max_rows", "mine_negatives")
+    _positive(args, "num_hard_negatives", "negative_queries", minimum=0)
+    for n in ("alpha", "beta", "gamma"):
+        if not getattr(args, n) >= 0:
+            raise CLIError(f"--{n} must be >= 0, got {getattr(args, n)}")
+    if args.dims is not None and (any(m < 1 for m in args.dims)
+                                  or any(b <= a for a, b in zip(args.dims, args.dims[1:]))):
+        raise CLIError(f"--dims must be positive and increasing, got {args.dims}")
+
+
+def default_dims(H: int):
+    """Powers of two from H/16 (at least 8) below H, then H: 384 -> 32 64 128 256 384 (A9),
+    768 -> 64 ... 512 768 (the paper's)."""
+    m = 8
+    while m < H / 16:
+        m *= 2
+    out = []
+    while m < H:
+        out.append(m)
+        m *= 2
+    return tuple(out) + (H,)
+
+
+def _tmrl_rows(args):
+    from .datasets.tmrl import load_temporal_contrastive, load_tevatron_jsonl, rows_from_synth
+    if args.dataset is not None:   # synth-a | synth-b | synth-c: the set's training rows
+        from .datasets.synth import load_synth
+        from .training.data import SYNTH_DATASETS
+        synth = load_synth(SYNTH_DATASETS[args.dataset], seed=getattr(args, "synth_seed", 0),
+                           size=getattr(args, "synth_size", "full"))
+        return rows_from_synth(synth, limit=args.max_rows)
+    p = Path(args.data)
+    if not p.exists():
+        raise FileNotFoundError(f"data file {p} does not exist")
+    data = (load_temporal_contrastive if args.format == "tmrl" else load_tevatron_jsonl)(str(p))
+    if args.max_rows is not None:
+        data.rows = data.rows[:args.max_rows]
+    if args.mine_negatives:
+        from .datasets.tmrl import mine_hard_negatives
+        data = mine_hard_negatives(data, args.mine_negatives)
+    return data
+
+
+def build_tmrl_model(args, rows):
+    from .models import TMRLEncoder, build_char_tokenizer, tiny_bert
+    lora_mode = args.lora or ("full" if args.backbone == "tiny" else "lora")
+    lora = {"none": False, "full": "full"}.get(lora_mode) if lora_mode != "lora" else {
+        "r": args.lora_r, "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout}
+    from .models.minilm import default_pooling, resolve_backbone
+    pooling = args.pooling or ("mean" if args.backbone == "tiny" else default_pooling(args.backbone))
+    kw = dict(pooling=pooling, lora=lora,
+              temperature=args.temperature, max_length=args.max_length, query_prefix=args.query_prefix,
+              passage_prefix=args.passage_prefix)
+    if args.backbone == "tiny":
+        texts = []
+        for r in rows.rows:
+            texts += [r.query, r.positive, *r.hard_negatives, *r.negative_queries]
+        tok = build_char_tokenizer(texts + [args.query_prefix, args.passage_prefix])
+        backbone = tiny_bert(len(tok), hidden=args.tiny_hidden, layers=args.tiny_layers,
+                             max_position=max(args.max_length, 64), seed=args.seed)
+        kw["tokenizer"] = tok
+    else:
+        from transformers import AutoConfig
+        backbone = resolve_backbone(args.backbone)
+    H = (backbone.config.hidden_size if args.backbone == "tiny"
+         else AutoConfig.from_pretrained(backbone).hidden_size)
+    dims = tuple(args.dims) if args.dims else default_dims(H)
+    t = args.t if args.t is not None else dims[0]
+    return TMRLEncoder(backbone, dims=dims, t=t, **kw)
+
+
+def cmd_train_tmrl(args) -> int:
+    from .training.tmrl import TMRLConfig, train_tmrl
+    from .training.trainer import dist_info, init_distributed_from_env, seed_everything
+    if args.resume and not (Path(args.out) / "last" / "trainer_state.pt").exists():
+        raise FileNotFoundError(f"cannot resume: {Path(args.out) / 'last' / 'trainer_state.pt'} does not exist")
+    init_distributed_from_env()
+    rows = _tmrl_rows(args)
+    lr = args.lr if args.lr is not None else (3e-3 if args.backbone == "tiny" else 1e-4)
+    seed_everything(args.seed)
+    model = build_tmrl_model(args, rows)
+    cfg = TMRLConfig(variant=args.variant or "tmrl", dims=model.dims, t=model.t, alpha=args.alpha, beta=args.beta,
+                     gamma=args.gamma, distill_k=args.distill_k, temperature=args.temperature, lr=lr,
+                     weight_decay=args.weight_decay, batch_size=args.batch_size,
+                     hard_negatives=args.num_hard_negatives, negative_queries=args.negative_queries,
+                     epochs=args.epochs, warmup_ratio=args.warmup_ratio, grad_accum=args.grad_accum,
+                     lora=model.lora_mode, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                     lora_dropout=args.lora_dropout, cache_embeddings=args.cache_embeddings,
+                     mini_batch_size=args.mini_batch_size, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
+                     progress=args.progress).validate()
+    res = train_tmrl(model, rows, cfg, args.out, resume=args.resume, device=args.device)
+    rank, _ = dist_info()
+    if rank == 0:
+        out = Path(args.out)
+        model.merge_lora().save(out / "best")     # LoRA folded in (T10); the projector is kept, optional at load
+        summary = {"method": "tmrl", "variant": cfg.variant, "rows": len(rows), "steps": res.steps,
+                   "final_loss": res.final_loss, "seconds": round(res.seconds, 1), "dims": list(model.dims),
+                   "t": model.t, "model": str(out / "best")}
+        print(json.dumps(summary, ensure_ascii=False))
+    return 0
+
+
+TMRL_EVAL_KEYS = ("nDCG@10", "recall@10", "recall@100", "R@1", "R@10", "MRR@10", "MRR", "queries")
+
+
+def cmd_eval_tmrl(args) -> int:
+    from .training import markdown_table
+    from .training.tmrl import evaluate_dims
+    from .models.tmrl import TMRLEncoder
+    model = TMRLEncoder.load(args.model, projector=False)
+    ds = _dataset(args)
+    rows = evaluate_dims(model, ds, args.split, args.dims)
+    md = markdown_table(rows, list(TMRL_EVAL_KEYS), name_key="dim")
+    print(md)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out, json.dumps({"split": args.split, "model": str(args.model), "rows": rows}, indent=1))
+        _atomic_write(out.with_suffix(".md"), md + "\n")
     return 0
 
 

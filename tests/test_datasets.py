@@ -371,3 +371,27 @@ def test_year_dated_records_have_no_month_target():
     rec = {r.id: r for r in d.records}
     assert record_labels(d, rec["r20"]) == [0.0, 0.0, -1] and record_labels(d, rec["r21"]) == [0.0, 1.0, -1]
     assert record_labels(d, rec["r1"]) == [0.0, 1.0, 1.0]
+
+
+# ---- publication dates (Record.published, Re³'s d_pub) ---------------------------------------------------
+
+def test_beir_published_dates(tmp_path):
+    import datetime as dt
+    folder = _beir(tmp_path, extra_docs=[
+        {"_id": "p1", "text": "forecast", "published": "2014-03-03"},
+        {"_id": "p2", "text": "observed", "pub_date": "2014-03-05T18:30:00Z", "date": "2014-03-05"},
+        {"_id": "p3", "text": "edited", "published": "2014-03-06 09:00:00+02:00"}])
+    d = load_beir(folder)
+    assert d.record("p1").published == dt.date(2014, 3, 3) and type(d.record("p1").published) is dt.date
+    assert d.record("p2").published == dt.date(2014, 3, 5) and d.record("p2").interval is not None
+    assert d.record("p3").published == dt.date(2014, 3, 6)
+    assert d.record("d1").published is None                       # no field: unknown
+
+
+@pytest.mark.parametrize("bad", ["2014-13-01", "March 3, 2014", "2014", 20140303, "2014-02-30T00:00:00"])
+def test_beir_bad_published_names_file_and_line(tmp_path, bad):
+    folder = _beir(tmp_path, extra_docs=[{"_id": "p1", "text": "x", "published": bad}])
+    with pytest.raises(DataFormatError, match=r"corpus\.jsonl:5: document 'p1': publication date"):
+        load_beir(folder)
+    d = load_beir(folder, on_error="skip")
+    assert "p1" not in d and d.report.num_skipped == 1

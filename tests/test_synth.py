@@ -339,3 +339,11 @@ def test_ctd_trains_on_synth_b_through_the_cli(tmp_path, monkeypatch):
     assert (out / "best").is_dir()
     assert any(p.name.startswith("synth-B-quick") for p in (tmp_path / "cache" / "synth").iterdir())
     assert main(["train", "--method", "nope", "--dataset", "synth-b", "--out", str(tmp_path / "x")]) == 2
+    # the registry entry is the set itself, and `eval --split` accepts its splits
+    from tempokern.training.data import check_split, load_dataset
+    ds = load_dataset("synth-b", synth_size="quick")
+    assert [r.id for r in ds.records] == [r.id for r in load_synth("B", size="quick").dataset.records]
+    for split in ("test_template", "test_date", "test_year", "test_masked", "timeless", "val"):
+        assert check_split(split, ds) == split
+    with pytest.raises(ValueError, match="unknown dataset"):
+        load_dataset("synth-d")

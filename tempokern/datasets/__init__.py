@@ -8,9 +8,13 @@ from .base import (QUERY_FAMILIES, RECORD_TYPES, DataFormatError, LoadReport, Qu
                    RetrievalDataset)
 from .beir import load_beir
 from .chunqiutr import POS_SOURCES, gold_from_interval, load_chunqiutr, load_chunqiutr_release
+from .re2 import NEGATIVE_KINDS, Re2Data, Re2Triple, load_re2
 from .zztj import PAPER_TEMPLATE, ZZTJ_TEMPLATES, load_zztj, load_zztj_sample, zztj_time_text
+from .synth import SynthSet, TrainRow, load_synth
 
 __all__ = ["Record", "Query", "RetrievalDataset", "LoadReport", "DataFormatError", "RECORD_TYPES",
            "QUERY_FAMILIES", "load_zztj", "load_zztj_sample", "zztj_time_text", "ZZTJ_TEMPLATES",
            "PAPER_TEMPLATE", "load_beir", "load_chunqiutr", "load_chunqiutr_release",
            "gold_from_interval", "POS_SOURCES"]
+__all__ += ["load_re2", "Re2Data", "Re2Triple", "NEGATIVE_KINDS"]
+__all__ += ["load_synth", "SynthSet", "TrainRow"]

@@ -3,6 +3,8 @@
 * ``corpus.jsonl``: ``{"_id", "text", "title"?}`` plus optional time: ``"time"`` / ``"date"``
   (one date or prefix: ``"2019"``, ``"2019-05"``, ``"2019-05-03"``, or a year int) or
   ``"start"`` and ``"end"``;
+  and an optional publication date ``"published"`` or ``"pub_date"`` (ISO date ``"2019-05-03"`` or
+  datetime ``"2019-05-03T10:00:00Z"``) -> :attr:`Record.published` (a ``datetime.date``);
 * ``queries.jsonl``: ``{"_id", "text"}`` with the same optional time fields (the query's target
   span) and optional ``"family"``;
 * ``qrels/<split>.tsv``: ``query-id  corpus-id  score`` (tab separated, header line optional).
@@ -17,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..calendar import Calendar
 from .base import DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle, read_jsonl
 
-__all__ = ["load_beir"]
+__all__ = ["load_beir", "parse_published"]
 
 _DATE = re.compile(r"^\s*(-?\d{1,4})(?:-(\d{1,2}))?(?:-(\d{1,2}))?(?:[T ].*)?\s*$")
 
@@ -38,6 +40,32 @@ def _parse_date(v: Any) -> Tuple[int, ...]:
     elif len(parts) == 2 and not 1 <= parts[1] <= 12:
         raise ValueError(f"month out of range in {v!r}")
     return parts
+
+
+def parse_published(v: Any) -> _dt.date:
+    """A publication date from an ISO date or datetime string (the date part of a datetime)."""
+    if isinstance(v, _dt.datetime):
+        return v.date()
+    if isinstance(v, _dt.date):
+        return v
+    if not isinstance(v, str):
+        raise ValueError(f"publication date must be an ISO date/datetime string, got {type(v).__name__} {v!r}")
+    s = v.strip()
+    try:
+        if len(s) == 10:
+            return _dt.date.fromisoformat(s)
+        if len(s) > 10 and s[10] in "T ":
+            return _dt.datetime.fromisoformat(s.replace("z", "Z")).date()
+    except ValueError:
+        pass
+    raise ValueError(f"publication date must be an ISO date (YYYY-MM-DD) or datetime, got {v!r}")
+
+
+def _published_field(obj: Dict[str, Any]) -> Optional[_dt.date]:
+    for f in ("published", "pub_date"):
+        if obj.get(f) is not None:
+            return parse_published(obj[f])
+    return None
 
 
 def _time_fields(obj: Dict[str, Any]) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
@@ -97,6 +125,7 @@ def load_beir(folder: Optional[str] = None, *, corpus: Optional[str] = None, que
     report = LoadReport()
     raw_docs: List[Tuple[str, int, Dict[str, Any], Any]] = []
     raw_qs: List[Tuple[str, int, Dict[str, Any], Any]] = []
+    published: Dict[str, _dt.date] = {}
     years: List[int] = []
     for path, sink, what in ((corpus, raw_docs, "document"), (queries, raw_qs, "query")):
         seen = set()
@@ -113,12 +142,15 @@ def load_beir(folder: Optional[str] = None, *, corpus: Optional[str] = None, que
                     raise DataFormatError(str(path), ln, f"{what} {_id!r}: missing string field 'text'")
                 try:
                     t = _time_fields(obj)
+                    pub = _published_field(obj) if what == "document" else None
                 except ValueError as e:
                     raise DataFormatError(str(path), ln, f"{what} {_id!r}: {e}") from None
             except DataFormatError as e:
                 handle(e, report, on_error)
                 continue
             seen.add(_id)
+            if pub is not None:
+                published[_id] = pub
             if t is not None:
                 years += [t[0][0], t[1][0]]
             sink.append((str(path), ln, obj, t))
@@ -146,7 +178,8 @@ def load_beir(folder: Optional[str] = None, *, corpus: Optional[str] = None, que
     records: List[Record] = []
     for obj, _id, iv in with_intervals(raw_docs, "document"):
         records.append(Record(_id, obj["text"], interval=iv, title=str(obj.get("title") or ""),
-                              meta={k: v for k, v in obj.items() if k not in ("_id", "id", "text", "title")}))
+                              meta={k: v for k, v in obj.items() if k not in ("_id", "id", "text", "title")},
+                              published=published.get(_id)))
     doc_ids = {r.id for r in records}
     qrels_map = _read_qrels(str(qrels), report, on_error)
     out_q: List[Query] = []

@@ -8,6 +8,8 @@
 from .metrics import re3_metrics, rank_documents, retrieval_metrics
 from .runner import CHUNQIU_MODES, EvalTable, Mode, evaluate, parse_protocol
 from .temporal import interval_periods, interval_verdicts, temporal_metrics
+from .recency import compare_evidence, recency_metrics, recency_report, version_truth
 
 __all__ = ["retrieval_metrics", "re3_metrics", "rank_documents", "temporal_metrics", "interval_verdicts",
            "interval_periods", "evaluate", "EvalTable", "Mode", "parse_protocol", "CHUNQIU_MODES"]
+__all__ += ["recency_metrics", "compare_evidence", "recency_report", "version_truth"]

@@ -10,3 +10,6 @@ from .minilm import minilm_path, resolve_backbone
 __all__ = ["CTDEncoder", "CTDOutput", "Encoded", "LevelSpec", "calendar_levels", "pool", "save_encoder",
            "load_encoder", "load_chunqiu_ctd", "build_char_tokenizer", "tiny_bert"]
 __all__ += ["minilm_path", "resolve_backbone"]
+from .tmrl import TMRLEncoder, TMRLOutput, load_tmrl
+
+__all__ += ["TMRLEncoder", "TMRLOutput", "load_tmrl"]

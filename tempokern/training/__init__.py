@@ -8,3 +8,6 @@ from .trainer import VARIANTS, TrainConfig, Trainer, TrainResult, apply_variant,
 __all__ = ["TrainConfig", "Trainer", "TrainResult", "VARIANTS", "train", "apply_variant", "evaluate_model",
            "markdown_table", "METRIC_KEYS", "calendar_ce", "load_dataset", "zztj_demo_dataset",
            "with_block_splits", "add_window_queries", "block_split_of_rank", "training_pairs"]
+from .tmrl import TMRL_VARIANTS, TMRLConfig, TMRLResult, TMRLTrainer, evaluate_dims, runs_by_dim, train_tmrl
+
+__all__ += ["TMRLConfig", "TMRLTrainer", "TMRLResult", "TMRL_VARIANTS", "train_tmrl", "evaluate_dims", "runs_by_dim"]

@@ -66,7 +66,9 @@ def _payload(name: str, seed: int, size: str) -> dict:
     splits = {}
     for q in b.queries:
         splits[q.split] = splits.get(q.split, 0) + 1
+    from ._common import source_digest
     info = {"name": name, "seed": seed, "size": size, "generator_version": GENERATOR_VERSION,
+            "source_digest": source_digest(),
             "records": len(b.records), "queries": len(b.queries), "train_rows": len(b.rows),
             "queries_per_split": dict(sorted(splits.items())),
             "masked_records": sum(1 for r in b.records if r.meta.get("masked")), **extra}

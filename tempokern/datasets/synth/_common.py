@@ -240,8 +240,31 @@ def cache_root(cache_dir=None) -> Path:
     return base / "synth"
 
 
+_SOURCE_DIGEST: Optional[str] = None
+
+
+def source_digest() -> str:
+    """sha256 (12 hex) of what the generated content depends on: the generator's source files, the date
+    formatter and the versions of the source packages (so an edited generator or an upgraded `holidays`
+    never reuses a stale cache file)."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        h = hashlib.sha256()
+        here = Path(__file__).resolve().parent
+        for p in sorted(here.glob("*.py")) + [here.parent.parent / "text" / "dates.py"]:
+            h.update(p.name.encode() + b"\0" + p.read_bytes())
+        for pkg in ("holidays", "vega-datasets"):
+            try:
+                from importlib.metadata import version
+                h.update(f"{pkg}={version(pkg)}".encode())
+            except Exception:   # pragma: no cover - reported when the set is generated
+                h.update(pkg.encode())
+        _SOURCE_DIGEST = h.hexdigest()[:12]
+    return _SOURCE_DIGEST
+
+
 def cache_file(root: Path, name: str, seed: int, size: str) -> Path:
-    return root / f"synth-{name}-{size}-seed{seed}-v{GENERATOR_VERSION}.json"
+    return root / f"synth-{name}-{size}-seed{seed}-v{GENERATOR_VERSION}-{source_digest()}.json"
 
 
 def write_cache(path: Path, payload: Dict[str, Any], digest: str) -> None:

@@ -32,7 +32,7 @@ FIRST_YEAR, LAST_YEAR = 2012, 2015
 UNSEEN_YEAR = 2015
 CALENDAR = {"first_year": FIRST_YEAR, "last_year": LAST_YEAR, "resolution": "day"}
 METRICS = {"temp_max": ("high temperature", "°C"), "precipitation": ("precipitation", "mm")}
-DAYS = {"full": 520, "quick": 110}
+DAYS = {"full": 520, "quick": 95}
 DATE_HOLDOUT = 0.1
 HELD_OUT_TEMPLATES = (3, 13)
 

@@ -1,0 +1,391 @@
+"""TMRL training rows (design notes §2.1 T11, §2.2 A1) and their loaders.
+
+A row is ``(q⁺, p, {p⁻_k}, {q⁻_k})``: a query, its positive passage, hard-negative passages and
+negative queries (same passage topic, other time), each text with optional temporal-expression
+character spans. Spans given by the data override the rule tagger (``None`` = tag at training time;
+``[]`` = the text has no temporal expression).
+
+Formats:
+
+* :func:`load_temporal_contrastive` — the TMRL augmentation schema (the paper's Table 13), a JSON array
+  or jsonl of objects ``{"query_id", "query", "temporal"?, "positive_passages": [{"docid", "text",
+  "temporal"?, "temporal_query_type"?, "allen_relation"?}], "negative_passages": [...]}``. In that
+  schema ``query`` is the split *passage* and the "passages" are generated *questions*; each positive
+  question becomes one row (its query), with the object's ``query`` as the positive passage and the
+  negative questions as the row's negative queries. There are no negative passages (mine them, A1).
+* :func:`load_tevatron_jsonl` — Tevatron-style jsonl ``{"query_id"?, "query", "positive_passages":
+  [{"docid"?, "title"?, "text"}], "negative_passages": [...], "negative_queries"?: [str]}``; one row per
+  query with its first positive (Tevatron draws one positive per epoch; tempokern keeps the first).
+* :func:`rows_from_synth` — the ``train_rows`` of a ``tempokern.datasets.synth`` set.
+
+``temporal`` fields: a list whose items are ``[start, end]`` character offsets, ``{"start", "end"}``
+objects, or strings (the expression's text, located left to right in the text; a string that is not
+found is a data error).
+
+Errors raise :class:`~tempokern.datasets.base.DataFormatError` naming the file and the 1-based line
+(or are skipped into the report with ``on_error="skip"``).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from .base import DataFormatError, LoadReport, _check_on_error, handle, read_jsonl
+
+__all__ = ["TMRLRow", "TMRLData", "load_temporal_contrastive", "load_tevatron_jsonl", "rows_from_synth",
+           "rows_from_train_rows", "mine_hard_negatives", "QUERY_TYPES", "ALLEN_RELATIONS", "Spans"]
+
+Spans = Optional[List[Tuple[int, int]]]
+
+#: temporal_query_type values of the Table 13 schema
+QUERY_TYPES = ("Explicit", "Implicit", "TemporalAnswer")
+#: Allen's 13 interval relations plus "Empty" (no time in the question), compared case- and
+#: punctuation-insensitively ("met-by", "MetBy" and "met_by" are one relation)
+ALLEN_RELATIONS = ("Before", "After", "Meets", "MetBy", "Overlaps", "OverlappedBy", "Starts", "StartedBy",
+                   "During", "Contains", "Finishes", "FinishedBy", "Equals", "Empty")
+_ALLEN = {re.sub(r"[^a-z]", "", a.lower()): a for a in ALLEN_RELATIONS}
+
+
+@dataclass
+class TMRLRow:
+    """One training row of A1. ``*_spans``: character spans per text (None = run the tagger)."""
+    query: str
+    positive: str
+    hard_negatives: List[str] = field(default_factory=list)
+    negative_queries: List[str] = field(default_factory=list)
+    query_id: str = ""
+    query_spans: Spans = None
+    positive_spans: Spans = None
+    hard_negative_spans: Optional[List[Spans]] = None
+    negative_query_spans: Optional[List[Spans]] = None
+    meta: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.query, str) or not self.query.strip():
+            raise ValueError(f"row {self.query_id!r}: query must be a non-empty string")
+        if not isinstance(self.positive, str) or not self.positive.strip():
+            raise ValueError(f"row {self.query_id!r}: positive must be a non-empty string")
+        for name in ("hard_negatives", "negative_queries"):
+            v = getattr(self, name)
+            if isinstance(v, str) or not all(isinstance(t, str) and t.strip() for t in v):
+                raise ValueError(f"row {self.query_id!r}: {name} must be a list of non-empty strings")
+            setattr(self, name, list(v))
+        for name, texts in (("hard_negative_spans", self.hard_negatives),
+                            ("negative_query_spans", self.negative_queries)):
+            v = getattr(self, name)
+            if v is not None and len(v) != len(texts):
+                raise ValueError(f"row {self.query_id!r}: {name} has {len(v)} entries for {len(texts)} texts")
+
+
+@dataclass
+class TMRLData:
+    """Rows plus the load report (what was read, kept and skipped)."""
+    rows: List[TMRLRow]
+    report: LoadReport
+    name: str = "tmrl"
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+# ---- spans --------------------------------------------------------------------------------------------
+
+def resolve_spans(value: Any, text: str) -> List[Tuple[int, int]]:
+    """A ``temporal`` field -> sorted character spans inside ``text`` (ValueError says what is wrong)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ValueError(f"temporal must be a list, got {type(value).__name__}")
+    out, pos = [], 0
+    for item in value:
+        if isinstance(item, str):
+            if not item.strip():
+                raise ValueError("temporal holds an empty string")
+            i = text.find(item, pos)
+            if i < 0:
+                i = text.find(item)
+            if i < 0:
+                low = text.lower()
+                i = low.find(item.lower(), pos)
+                if i < 0:
+                    i = low.find(item.lower())
+            if i < 0:
+                raise ValueError(f"temporal expression {item!r} does not occur in the text {text[:60]!r}")
+            s, e = i, i + len(item)
+            pos = e
+        else:
+            if isinstance(item, dict):
+                if "start" not in item or "end" not in item:
+                    raise ValueError(f"temporal item {item!r} needs 'start' and 'end'")
+                s, e = item["start"], item["end"]
+            elif isinstance(item, (list, tuple)) and len(item) in (2, 3):
+                s, e = item[0], item[1]
+            else:
+                raise ValueError(f"temporal item {item!r} is not a string, [start, end] or {{start, end}}")
+            if any(isinstance(x, bool) or not isinstance(x, int) for x in (s, e)):
+                raise ValueError(f"temporal span {item!r} needs integer offsets")
+            if not 0 <= s < e <= len(text):
+                raise ValueError(f"temporal span ({s}, {e}) lies outside the text of {len(text)} characters")
+        out.append((int(s), int(e)))
+    return sorted(out)
+
+
+def _str(obj: dict, key: str, what: str) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str) or not v.strip():
+        raise ValueError(f"{what} needs a non-empty string {key!r}, got {v!r}")
+    return v
+
+
+def _list(obj: dict, key: str, what: str, required: bool = True) -> list:
+    if key not in obj:
+        if required:
+            raise ValueError(f"{what} has no {key!r} list")
+        return []
+    v = obj[key]
+    if not isinstance(v, list):
+        raise ValueError(f"{what}: {key!r} must be a list, got {type(v).__name__}")
+    return v
+
+
+# ---- Table 13 schema ----------------------------------------------------------------------------------
+
+def _iter_json_objects(path: str, report: LoadReport, on_error: str) -> Iterator[Tuple[int, Dict[str, Any]]]:
+    """(line, object) of a JSON array file or a jsonl file (detected from the first character)."""
+    with open(path, "r", encoding="utf-8") as f:
+        text = f.read()
+    head = text.lstrip()
+    if not head.startswith("["):
+        yield from read_jsonl(path, report, on_error)
+        return
+    report.files.append(str(path))
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    n = len(text)
+    ws = " \t\r\n"
+    first = True
+    while True:
+        while i < n and text[i] in ws:
+            i += 1
+        if i < n and text[i] == "]":
+            return
+        if not first:
+            if i >= n or text[i] != ",":
+                raise DataFormatError(str(path), text.count("\n", 0, i) + 1,
+                                      "invalid JSON array (expected ',' or ']')")
+            i += 1
+            while i < n and text[i] in ws:
+                i += 1
+        line = text.count("\n", 0, i) + 1
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise DataFormatError(str(path), e.lineno, f"invalid JSON ({e.msg} at column {e.colno})") from None
+        first = False
+        report.rows_read += 1
+        if not isinstance(obj, dict):
+            handle(DataFormatError(str(path), line, f"expected a JSON object, got {type(obj).__name__}"),
+                   report, on_error)
+            continue
+        yield line, obj
+
+
+def _question(item: Any, what: str) -> Tuple[str, Spans, dict]:
+    if not isinstance(item, dict):
+        raise ValueError(f"{what} must be an object, got {type(item).__name__}")
+    text = _str(item, "text", what)
+    spans = resolve_spans(item.get("temporal"), text) if "temporal" in item else None
+    meta = {}
+    qt = item.get("temporal_query_type")
+    if qt is not None:
+        if qt not in QUERY_TYPES:
+            raise ValueError(f"{what}: temporal_query_type must be one of {QUERY_TYPES}, got {qt!r}")
+        meta["temporal_query_type"] = qt
+    ar = item.get("allen_relation")
+    if ar is not None:
+        key = re.sub(r"[^a-z]", "", str(ar).lower())
+        if key not in _ALLEN:
+            raise ValueError(f"{what}: allen_relation must be one of {ALLEN_RELATIONS}, got {ar!r}")
+        meta["allen_relation"] = _ALLEN[key]
+    if item.get("docid") is not None:
+        meta["docid"] = str(item["docid"])
+    return text, spans, meta
+
+
+def load_temporal_contrastive(path, *, on_error: str = "raise") -> TMRLData:
+    """Rows of A1 from the TMRL augmentation schema (Table 13): one row per positive question."""
+    _check_on_error(on_error)
+    path = str(path)
+    report = LoadReport()
+    rows: List[TMRLRow] = []
+    for ln, obj in _iter_json_objects(path, report, on_error):
+        try:
+            qid = str(obj.get("query_id", f"line{ln}"))
+            passage = _str(obj, "query", "object")
+            p_spans = resolve_spans(obj.get("temporal"), passage) if "temporal" in obj else None
+            pos = _list(obj, "positive_passages", "object")
+            if not pos:
+                raise ValueError("positive_passages is empty")
+            negs = [_question(x, f"negative_passages[{j}]")
+                    for j, x in enumerate(_list(obj, "negative_passages", "object", required=False))]
+            new = []
+            for j, item in enumerate(pos):
+                text, spans, meta = _question(item, f"positive_passages[{j}]")
+                new.append(TMRLRow(query=text, positive=passage, query_id=f"{qid}/{meta.get('docid', j)}",
+                                   negative_queries=[t for t, _, _ in negs], query_spans=spans,
+                                   positive_spans=p_spans, negative_query_spans=[s for _, s, _ in negs],
+                                   meta={**meta, "passage_id": qid,
+                                         "negative_meta": [m for _, _, m in negs]}))
+        except ValueError as e:
+            handle(DataFormatError(path, ln, str(e)), report, on_error)
+            continue
+        rows.extend(new)
+        report.queries += len(new)
+    if not rows:
+        raise ValueError(f"{path}: no training rows ({report.summary()})")
+    return TMRLData(rows, report, name=path)
+
+
+# ---- Tevatron jsonl -----------------------------------------------------------------------------------
+
+def _passage(item: Any, what: str) -> Tuple[str, Spans]:
+    if not isinstance(item, dict):
+        raise ValueError(f"{what} must be an object, got {type(item).__name__}")
+    text = _str(item, "text", what)
+    title = item.get("title")
+    if title is not None and not isinstance(title, str):
+        raise ValueError(f"{what}: title must be a string, got {type(title).__name__}")
+    spans = resolve_spans(item.get("temporal"), text) if "temporal" in item else None
+    if title and title.strip():   # Tevatron joins title and text with a space
+        off = len(title) + 1
+        text = f"{title} {text}"
+        spans = None if spans is None else [(s + off, e + off) for s, e in spans]
+    return text, spans
+
+
+def load_tevatron_jsonl(path, *, on_error: str = "raise") -> TMRLData:
+    """Rows of A1 from Tevatron-style jsonl (one row per query, its first positive passage)."""
+    _check_on_error(on_error)
+    path = str(path)
+    report = LoadReport()
+    rows: List[TMRLRow] = []
+    for ln, obj in read_jsonl(path, report, on_error):
+        try:
+            query = _str(obj, "query", "object")
+            q_spans = resolve_spans(obj.get("query_temporal"), query) if "query_temporal" in obj else None
+            pos = _list(obj, "positive_passages", "object")
+            if not pos:
+                raise ValueError("positive_passages is empty")
+            p_text, p_spans = _passage(pos[0], "positive_passages[0]")
+            negs = [_passage(x, f"negative_passages[{j}]")
+                    for j, x in enumerate(_list(obj, "negative_passages", "object", required=False))]
+            nq = _list(obj, "negative_queries", "object", required=False)
+            nq_texts, nq_spans = [], []
+            for j, x in enumerate(nq):
+                if isinstance(x, str):
+                    if not x.strip():
+                        raise ValueError(f"negative_queries[{j}] is empty")
+                    nq_texts.append(x)
+                    nq_spans.append(None)
+                else:
+                    t, s, _ = _question(x, f"negative_queries[{j}]")
+                    nq_texts.append(t)
+                    nq_spans.append(s)
+            row = TMRLRow(query=query, positive=p_text, hard_negatives=[t for t, _ in negs],
+                          negative_queries=nq_texts, query_id=str(obj.get("query_id", f"line{ln}")),
+                          query_spans=q_spans, positive_spans=p_spans, hard_negative_spans=[s for _, s in negs],
+                          negative_query_spans=nq_spans)
+        except ValueError as e:
+            handle(DataFormatError(path, ln, str(e)), report, on_error)
+            continue
+        rows.append(row)
+        report.queries += 1
+    if not rows:
+        raise ValueError(f"{path}: no training rows ({report.summary()})")
+    return TMRLData(rows, report, name=path)
+
+
+# ---- offline synthetic sets ---------------------------------------------------------------------------
+
+def _meta_spans(meta: Any) -> Spans:
+    if not isinstance(meta, dict) or meta.get("temporal_spans") is None:
+        return None
+    return [(int(s), int(e)) for s, e, *_ in meta["temporal_spans"]]
+
+
+def rows_from_synth(synth: Any, *, limit: Optional[int] = None) -> TMRLData:
+    """TMRL rows from a ``tempokern.datasets.synth`` SynthSet (its ``train_rows``; record and query
+    ``meta["temporal_spans"]`` become the rows' spans). ``limit``: keep the first ``limit`` rows."""
+    train = synth.train_rows[:limit] if limit is not None else synth.train_rows
+    return rows_from_train_rows(synth.dataset, train, name=f"synth-{getattr(synth, 'name', '?')}")
+
+
+def rows_from_train_rows(ds: Any, train_rows: Sequence[Any], *, name: str = "synth") -> TMRLData:
+    """TMRL rows from TrainRow objects (query_id, query, positive, hard_negatives, negative_queries) whose
+    documents are records of the RetrievalDataset ``ds``."""
+    queries = {q.id: q for q in ds.queries}
+    rows = []
+    for tr in train_rows:
+        pos = ds.record(tr.positive)
+        negs = [ds.record(d) for d in tr.hard_negatives]
+        q = queries.get(tr.query_id)
+        same_text = q is not None and q.text == tr.query
+        rows.append(TMRLRow(query=tr.query, positive=pos.text, hard_negatives=[r.text for r in negs],
+                            negative_queries=list(tr.negative_queries), query_id=str(tr.query_id),
+                            query_spans=_meta_spans(q.meta) if same_text else None,
+                            positive_spans=_meta_spans(pos.meta),
+                            hard_negative_spans=[_meta_spans(r.meta) for r in negs],
+                            negative_query_spans=None,
+                            meta={"negative_kinds": list(getattr(tr, "negative_kinds", []))}))
+    report = LoadReport(rows_read=len(rows), queries=len(rows))
+    return TMRLData(rows, report, name=name)
+
+
+# ---- mining hard negatives (A1: data sets without negative passages) -----------------------------------------
+
+def mine_hard_negatives(data, k: int = 4, *, scorer: Any = None, chunk: int = 1024, replace: bool = False):
+    """Give each row up to ``k`` hard-negative passages: the highest-scoring passages of the pool of all rows'
+    positive passages under ``scorer(queries, passages) -> (Q, P) scores`` (default: BM25,
+    ``tempokern.baselines.BM25Scorer``, which needs bm25s), never the row's own positive nor a passage that is
+    the positive of another row with the same query text (golds excluded). Rows that already have hard
+    negatives keep them unless ``replace``. The passages keep their spans. Returns the same container type
+    (a TMRLData or a list of rows), with new row objects."""
+    import dataclasses
+
+    import numpy as np
+
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    rows = list(data.rows if isinstance(data, TMRLData) else data)
+    pool: Dict[str, int] = {}
+    spans: List[Spans] = []
+    for r in rows:
+        if r.positive not in pool:
+            pool[r.positive] = len(pool)
+            spans.append(r.positive_spans)
+    texts = list(pool)
+    golds: Dict[str, set] = {}
+    for r in rows:
+        golds.setdefault(r.query, set()).add(pool[r.positive])
+    if scorer is None:
+        from ..baselines import BM25Scorer
+        scorer = BM25Scorer()
+    from types import SimpleNamespace
+    gallery = [SimpleNamespace(id=str(i), text=t) for i, t in enumerate(texts)]
+    todo = [i for i, r in enumerate(rows) if replace or not r.hard_negatives]
+    out = list(rows)
+    for s in range(0, len(todo), chunk):
+        part = todo[s:s + chunk]
+        sc = np.asarray(scorer([SimpleNamespace(text=rows[i].query) for i in part], gallery), dtype=np.float64)
+        for j, i in enumerate(part):
+            row = sc[j].copy()
+            row[list(golds[rows[i].query])] = -np.inf
+            n = min(k, int(np.isfinite(row).sum()))
+            best = np.argsort(-row, kind="stable")[:n]
+            out[i] = dataclasses.replace(rows[i], hard_negatives=[texts[b] for b in best],
+                                         hard_negative_spans=[spans[b] for b in best])
+    if isinstance(data, TMRLData):
+        return TMRLData(out, data.report, data.name)
+    return out

@@ -1,0 +1,56 @@
+"""TMRL rows of the English suite (design notes §2.5): ``lora`` (full-dim InfoNCE), ``mrl`` (LoRA-MRL),
+``tmrl_noaux`` (MRL + α L_Temp) and ``tmrl`` (all terms), each with per-dim runs, on sets A and B.
+
+Recipe (A9, all-MiniLM-L6-v2, d = 384): mean pooling, dims (32, 64, 128, 256, 384), t = 32, α = 0.25,
+β = γ = 0.1, τ = 0.05, LoRA r 4 / lora_alpha 4 / dropout 0.1 on every linear layer, 2 hard negatives and
+2 negative queries per row, the suite budget's rows / epochs / max_length / batch size, and a LoRA
+learning rate of 10× the budget's full-fine-tuning rate (5e-4 at the default 5e-5: the rate of the
+LoRA-MRL run measured in the design notes §2.5). LoRA is merged before encoding."""
+from __future__ import annotations
+
+from ..registry import Method, MethodOutput, register
+
+DIMS_MINILM = (32, 64, 128, 256, 384)
+RECIPE = dict(t=32, alpha=0.25, beta=0.1, gamma=0.1, temperature=0.05, hard_negatives=2, negative_queries=2,
+              lora_lr_factor=10.0)
+
+
+def _make_run(variant: str):
+    def run(ctx) -> MethodOutput:
+        import torch
+
+        from ...datasets.tmrl import rows_from_train_rows
+        from ...models.tmrl import TMRLEncoder
+        from ...training.tmrl import TMRLConfig, runs_by_dim, train_tmrl
+        torch.manual_seed(ctx.seed)
+        b = ctx.budget
+        from transformers import AutoConfig
+        H = int(AutoConfig.from_pretrained(ctx.backbone_path).hidden_size)
+        dims = DIMS_MINILM if H == 384 else tuple(m for m in (32, 64, 128, 256, 512) if m < H) + (H,)
+        model = TMRLEncoder(ctx.backbone_path, pooling="mean", max_length=b.max_length, dims=dims,
+                            t=RECIPE["t"], temperature=RECIPE["temperature"])
+        data = rows_from_train_rows(ctx.dataset, ctx.train_rows(), name=f"synth-{ctx.set_name}")
+        cfg = TMRLConfig(variant=variant, t=RECIPE["t"], alpha=RECIPE["alpha"], beta=RECIPE["beta"],
+                         gamma=RECIPE["gamma"], temperature=RECIPE["temperature"],
+                         lr=b.lr * RECIPE["lora_lr_factor"], batch_size=b.batch_size, epochs=b.epochs,
+                         hard_negatives=RECIPE["hard_negatives"], negative_queries=RECIPE["negative_queries"],
+                         seed=ctx.seed, progress=ctx._progress_enabled)
+        resume = (ctx.work_dir / "last" / "trainer_state.pt").exists()
+        res = train_tmrl(model, data, cfg, ctx.work_dir, resume=resume, device=ctx.device, log=ctx.log)
+        model.merge_lora().to(ctx.device)
+        dim_runs = runs_by_dim(model, ctx.dataset, ctx.eval_splits, dims, depth=ctx.depth,
+                               batch_size=b.eval_batch_size)
+        steps = [h for h in res.history if h.get("event") == "step"]
+        info = {"train_seconds": round(res.seconds, 1), "steps": res.steps, "rows": len(data),
+                "final_loss": res.final_loss, "resumed": resume, "dims": list(dims), **RECIPE,
+                "lr": cfg.lr, "last_step": steps[-1] if steps else None}
+        return MethodOutput(runs=dim_runs[dims[-1]], dim_runs=dim_runs, info=info,
+                            embed=lambda texts: model.encode(list(texts), side="passage"))
+    return run
+
+
+for _v, _d in (("lora", "LoRA fine-tuning, full-dim InfoNCE only"),
+               ("mrl", "LoRA-MRL: Matryoshka InfoNCE over dims 32..384"),
+               ("tmrl_noaux", "TMRL without the self-distillation terms (beta = gamma = 0)"),
+               ("tmrl", "TMRL: MRL + temporal subspace + distillation + CKA")):
+    register(Method(_v, family="tmrl", sets=("A", "B"), run=_make_run(_v), needs=("peft",), description=_d))
