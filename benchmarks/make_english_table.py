@@ -52,6 +52,8 @@ def table(res: dict, source: str) -> str:
              "(\"better\"/\"worse\" only where the interval excludes 0); time-wrong = share of queries whose top "
              "document is the right fact at the wrong time; ρ = similarity-preservation Spearman (1 = geometry "
              "unchanged).", ""]
+    if st.get("note"):
+        lines[-1:-1] = ["", f"**Note:** {st['note']}"]
     for s, splits in res["results"].items():
         for sp in HEADLINE.get(s, list(splits)[:1]):
             rows = splits.get(sp)
@@ -77,11 +79,13 @@ def table(res: dict, source: str) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def do_import(path: Path) -> Path:
+def do_import(path: Path, note: str = None, tag: str = None) -> Path:
     res = json.loads(path.read_text())
     res.pop("per_query", None)
+    if note:
+        res["setup"]["note"] = note
     date = res["setup"]["date"].split()[0]
-    out = RESULTS / f"english-{date}.json"
+    out = RESULTS / f"english-{date}{'-' + tag if tag else ''}.json"
     out.write_text(json.dumps(res, indent=1) + "\n")
     return out
 
@@ -96,11 +100,16 @@ def newest() -> Path:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--import", dest="imp", help="a suite run's results.json to commit (trimmed)")
+    ap.add_argument("--note", help="with --import: a sentence on what the run is (e.g. partial)")
+    ap.add_argument("--tag", help="with --import: a name suffix (english-<date>-<tag>.json)")
     ap.add_argument("--source", help="the english-*.json to read (default: the newest)")
     ap.add_argument("--write", action="store_true", help="replace the table in README.md")
     a = ap.parse_args(argv)
     if a.imp:
-        print(f"wrote {do_import(Path(a.imp))}")
+        src_written = do_import(Path(a.imp), a.note, a.tag)
+        print(f"wrote {src_written}")
+        if not a.source:
+            a.source = str(src_written)
     src = Path(a.source) if a.source else newest()
     text = table(json.loads(src.read_text()), src.relative_to(ROOT) if src.is_relative_to(ROOT) else src)
     if not a.write:
