@@ -1,4 +1,4 @@
-"""`tempokern` command line: train | eval | index | search | bench | demo.
+"""`tempokern` command line: train | eval | index | search | bench | demo | benchmark.
 
 Every command takes its flags and, optionally, `--config FILE` (JSON or TOML) whose keys are the
 flag names (dashes or underscores); flags given on the command line win over the file. Errors
@@ -150,9 +150,31 @@ def _train_args(p):
     g.add_argument("--no-progress", dest="progress", action="store_false", help='no progress bars (they become plain log lines when stderr is not a terminal)')
 
 
+def _str_list(v: str) -> List[str]:
+    items = [x.strip() for x in v.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {v!r}")
+    return items
+
+
+def _int_list(v: str) -> List[int]:
+    try:
+        return [int(x) for x in _str_list(v)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {v!r}") from None
+
+
+def _suite_args(p):
+    g = p.add_argument_group("comparison suite")
+    g.add_argument("--sets", type=_str_list, default=None, help="synthetic sets, e.g. A,B,C (default all)")
+    g.add_argument("--methods", type=_str_list, default=None,
+                   help="registered methods to run, comma-separated (default all; see docs/benchmark-english.md)")
+    g.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of the intervals (default 1000)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tempokern", description="Temporal retrieval with fused CTD kernels.")
-    sub = p.add_subparsers(dest="command", metavar="{train,eval,index,search,bench,demo}")
+    sub = p.add_subparsers(dest="command", metavar="{train,eval,index,search,bench,demo,benchmark}")
     sub.required = True
 
     t = sub.add_parser("train", help="fine-tune a CTD encoder (or the semantic baseline)",
@@ -223,26 +245,51 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=3, help='timed repetitions per case, the median is reported (default 3)')
     b.add_argument("--device", default="cpu", help='cpu or cuda (default cpu)')
 
-    d = sub.add_parser("demo", help="the end-to-end demo on the packaged Zizhi Tongjian sample",
-                       description="Train the semantic baseline, the CTD ablation rows and full CTD on the "
-                                   "packaged Zizhi Tongjian sample with a small character-level BERT, evaluate, "
-                                   "time the fused loss against the reference and write results.json, "
-                                   "results.md and results.png to --out.")
+    d = sub.add_parser("demo", help="the quick English comparison suite (or the Zizhi Tongjian CTD demo)",
+                       description="Default (--suite english): `tempokern benchmark --suite english --quick`: every "
+                                   "registered method trained and evaluated on the quick synthetic English sets with the "
+                                   "MiniLM backbone; writes results.json, results.md and plots to --out. "
+                                   "--suite zztj: the CTD ablation on the packaged Zizhi Tongjian sample with a small "
+                                   "character-level BERT (results.json, results.md, results.png).")
     d.add_argument("--config", help='JSON or TOML file of options (flags win)')
+    d.add_argument("--suite", default="english", choices=["english", "zztj"],
+                   help="english (default): the quick comparison suite; zztj: the Zizhi Tongjian CTD demo")
     d.add_argument("--out", default="tempokern-demo", help='output folder (default ./tempokern-demo)')
-    d.add_argument("--quick", action="store_true", help="CI mode: fewer epochs and variants, well under 5 minutes")
-    d.add_argument("--backbone", default="tiny", help="'tiny', 'minilm' or a transformers model name/path")
-    d.add_argument("--variants", nargs="*", default=None, help='ablation rows to train: baseline multipos bias context full (default all; --quick: baseline full)')
-    d.add_argument("--epochs", type=int, default=None, help='epochs per row (default 10; --quick 3)')
-    d.add_argument("--batch-size", type=int, default=None, help='pairs per batch (default 32)')
-    d.add_argument("--lr", type=float, default=None, help='learning rate (default 3e-3 tiny, 2e-5 pretrained)')
-    d.add_argument("--max-length", type=int, default=None, help='tokens per text (default 64; --quick 48)')
-    d.add_argument("--seed", type=int, default=0, help='random seed (default 0)')
-    d.add_argument("--split-scheme", default="template", choices=["template", "time"],
+    d.add_argument("--quick", action="store_true",
+                   help="zztj: CI mode (fewer epochs and variants); english: always quick (accepted)")
+    d.add_argument("--backbone", default=None,
+                   help="english: a transformers model directory (default: the all-MiniLM-L6-v2 wheel's); "
+                        "zztj: 'tiny' (default), 'minilm' or a transformers model name/path")
+    _suite_args(d)
+    g = d.add_argument_group("zztj demo only")
+    g.add_argument("--variants", nargs="*", default=None, help='ablation rows to train: baseline multipos bias context full (default all; --quick: baseline full)')
+    g.add_argument("--epochs", type=int, default=None, help='epochs per row (default 10; --quick 3)')
+    g.add_argument("--batch-size", type=int, default=None, help='pairs per batch (default 32)')
+    g.add_argument("--lr", type=float, default=None, help='learning rate (default 3e-3 tiny, 2e-5 pretrained)')
+    g.add_argument("--max-length", type=int, default=None, help='tokens per text (default 64; --quick 48)')
+    g.add_argument("--seed", type=int, default=0, help='random seed (default 0)')
+    g.add_argument("--split-scheme", default="template", choices=["template", "time"],
                    help="template: held-out query phrasings over all months; time: held-out months")
     d.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     d.add_argument("--device", default=None, help='cpu, cuda or cuda:N (default: cuda when available)')
     d.add_argument("--no-progress", dest="progress", action="store_false", help='no progress bars')
+
+    bm = sub.add_parser("benchmark", help="the comparison suite: every registered method on the same data",
+                        description="Train and evaluate every registered method (tempokern.suite) on the same "
+                                    "splits with the same backbone; writes results.json (with per-query metric "
+                                    "arrays), results.md and plots to --out. Resumable: finished (method, set, "
+                                    "seed) units in --out are kept (docs/benchmark-english.md).")
+    bm.add_argument("--config", help='JSON or TOML file of options (flags win)')
+    bm.add_argument("--suite", default="english", choices=["english"], help="the suite (english)")
+    bm.add_argument("--quick", action="store_true",
+                    help="quick sets, 1 seed, <= 300 training rows, 1 epoch, max_length 48 (CI, < 5 min on 2 cores)")
+    bm.add_argument("--out", required=False, help="output folder (required)")
+    bm.add_argument("--backbone", default=None, help="a transformers model directory, or minilm (default: all-MiniLM-L6-v2)")
+    _suite_args(bm)
+    bm.add_argument("--seeds", type=_int_list, default=None, help="training seeds, e.g. 0,1,2 (default 0,1,2; --quick 0)")
+    bm.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    bm.add_argument("--device", default=None, help='cpu, cuda or cuda:N (default: cuda when available)')
+    bm.add_argument("--no-progress", dest="progress", action="store_false", help='no progress bars')
     return p
 
 
@@ -291,6 +338,12 @@ def validate_args(args) -> None:
     cmd = args.command
     if cmd in ("train", "eval") and getattr(args, "method", "ctd") == "re3":
         return _validate_re3(args)
+    if cmd in ("demo", "benchmark"):
+        _positive(args, "bootstrap", "threads")
+        if cmd == "benchmark" and args.seeds is not None and (not args.seeds or any(x < 0 for x in args.seeds)):
+            raise CLIError(f"--seeds must be ints >= 0, got {args.seeds}")
+    if cmd == "benchmark":
+        _need(args, "out")
     if cmd in ("train", "demo"):
         _positive(args, "epochs", "max_steps", "grad_accum", "threads")
         _positive(args, "batch_size", minimum=2)
@@ -318,6 +371,12 @@ def validate_args(args) -> None:
         for v in args.variants or ():
             if v not in VARIANTS:
                 raise CLIError(f"unknown variant {v!r}: expected some of {', '.join(VARIANTS)}")
+    if cmd == "demo" and args.suite == "english":
+        zz = [f"--{n.replace('_', '-')}" for n in ("variants", "epochs", "batch_size", "lr", "max_length")
+              if getattr(args, n) is not None]
+        if zz:
+            raise CLIError(f"{', '.join(zz)}: only with --suite zztj (the English demo is the quick suite; "
+                           "use `tempokern benchmark` for other budgets)")
     if cmd == "eval":
         _need(args, "model")
     if cmd == "index":
@@ -331,7 +390,7 @@ def validate_args(args) -> None:
         if any(n < 1 for n in args.sizes):
             raise CLIError(f"--sizes must be positive, got {args.sizes}")
         _positive(args, "hidden", "repeat")
-    if cmd in ("train", "eval", "index", "demo", "bench"):
+    if cmd in ("train", "eval", "index", "demo", "bench", "benchmark"):
         _check_device(getattr(args, "device", None))
     if cmd in ("train", "eval", "index") and getattr(args, "split_scheme", None) is not None:
         if (args.dataset is None) == (args.data is None):
@@ -629,10 +688,42 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    if args.suite == "english":
+        return _run_benchmark(args, quick=True)
     from .demo import run_demo
-    run_demo(out=args.out, quick=args.quick, backbone=args.backbone, variants=args.variants, epochs=args.epochs,
-             batch_size=args.batch_size, lr=args.lr, max_length=args.max_length, seed=args.seed,
+    backbone = args.backbone or "tiny"
+    if backbone == "minilm":
+        from .models.minilm import resolve_backbone
+        backbone = resolve_backbone(backbone)
+    run_demo(out=args.out, quick=args.quick, backbone=backbone, variants=args.variants,
+             epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, max_length=args.max_length, seed=args.seed,
              threads=args.threads, device=args.device, progress=args.progress, split=args.split_scheme)
+    return 0
+
+
+def cmd_benchmark(args) -> int:
+    _need(args, "out")
+    return _run_benchmark(args, quick=args.quick)
+
+
+def _run_benchmark(args, *, quick: bool) -> int:
+    from .suite.runner import run_suite
+    from .suite.report import markdown
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    res = run_suite(args.out, suite=getattr(args, "suite", "english"), quick=quick, sets=args.sets,
+                    methods=args.methods, seeds=getattr(args, "seeds", None), device=args.device,
+                    progress=args.progress, backbone_path=None if args.backbone in (None, "minilm") else args.backbone,
+                    n_resamples=args.bootstrap,
+                    command="tempokern " + " ".join(getattr(args, "argv", None) or []))
+    print(markdown(res))
+    print(json.dumps(res["files"]))
+    failed = [n for n, m in res["methods"].items() if m["status"] in ("failed", "partial")]
+    if failed:
+        print(f"tempokern {args.command}: {len(failed)} method(s) failed: {', '.join(failed)} (see results.md)",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -807,7 +898,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "index": cmd_index, "search": cmd_search, "bench": cmd_bench,
-            "demo": cmd_demo}
+            "demo": cmd_demo, "benchmark": cmd_benchmark}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -818,6 +909,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (CLIError, FileNotFoundError, ValueError) as e:
         print(f"tempokern: error: {e}", file=sys.stderr)
         return 2
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         validate_args(args)
     except CLIError as e:

@@ -1,15 +1,17 @@
-"""`tempokern demo --quick`: the README's main job in CI mode."""
+"""`tempokern demo`: the quick English comparison suite (the README's main job), and the Zizhi Tongjian
+CTD demo behind `--suite zztj`."""
 import json
 import time
 
 from _ctd_helpers import small_dataset  # noqa: F401
 
 from tempokern.cli import main
+from test_suite import one_thread, tiny_backbone  # noqa: F401  (fixtures)
 
 
-def test_demo_quick_mode(tmp_path, capsys):
+def test_zztj_demo_quick_mode(tmp_path, capsys):
     t = time.time()
-    assert main(["demo", "--quick", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert main(["demo", "--suite", "zztj", "--quick", "--out", str(tmp_path), "--no-progress"]) == 0
     seconds = time.time() - t
     res = json.loads((tmp_path / "results.json").read_text())
     names = [r["name"] for r in res["rows"]]
@@ -35,9 +37,53 @@ def test_demo_with_a_backbone_given_by_path(tmp_path, capsys):
     src.backbone.save_pretrained(tmp_path / "bb")
     src.tokenizer.save_pretrained(tmp_path / "bb")
     out = tmp_path / "out"
-    assert main(["demo", "--quick", "--backbone", str(tmp_path / "bb"), "--variants", "baseline", "--epochs", "1",
+    assert main(["demo", "--suite", "zztj", "--quick", "--backbone", str(tmp_path / "bb"), "--variants", "baseline", "--epochs", "1",
                  "--out", str(out), "--no-progress"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["setup"]["backbone"] == str(tmp_path / "bb") and res["setup"]["pooling"] == "cls"
     assert [r["name"] for r in res["rows"]] == ["baseline"]
     assert res["setup"]["vocab"] == len(src.tokenizer)
+
+
+def _fake_synth_module(monkeypatch):
+    """tempokern.datasets.synth replaced by the tiny hand-made set of test_suite (fast, offline)."""
+    import sys
+    import types
+    from test_suite import tiny_synth
+    mod = types.ModuleType("tempokern.datasets.synth")
+    mod.load_synth = lambda name, seed=0, size="full", cache_dir=None: tiny_synth(name, seed, size)
+    monkeypatch.setitem(sys.modules, "tempokern.datasets.synth", mod)
+
+
+def test_demo_is_the_quick_english_suite(tmp_path, capsys, monkeypatch, tiny_backbone, one_thread):
+    """`tempokern demo --out DIR` = `tempokern benchmark --suite english --quick --out DIR`."""
+    _fake_synth_module(monkeypatch)
+    methods = "bm25_ties_gold,bm25_ties_last,minilm_zeroshot,minilm_ft"
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--backbone", tiny_backbone, "--sets", "B", "--methods", methods,
+                 "--no-progress", "--bootstrap", "100"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["setup"]["quick"] is True and res["setup"]["seeds"] == [0]
+    assert res["setup"]["budget"]["max_train_rows"] == 300 and res["setup"]["budget"]["max_length"] == 48
+    assert res["setup"]["budget"]["epochs"] == 1
+    assert sorted(res["results"]["B"]["test_date"]) == sorted(methods.split(","))
+    assert all(res["methods"][m]["status"] == "done" for m in methods.split(","))
+    printed = capsys.readouterr().out
+    assert "# tempokern benchmark --suite english --quick" in printed and "`minilm_ft`" in printed
+    assert (out / "results.md").exists() and (out / "plot_setB.png").exists()
+    # the same through `benchmark`, resumed from the demo's units: nothing is recomputed
+    assert main(["benchmark", "--quick", "--out", str(out), "--backbone", tiny_backbone, "--sets", "B",
+                 "--methods", methods, "--no-progress", "--bootstrap", "100"]) == 0
+    res2 = json.loads((out / "results.json").read_text())
+    assert res2["results"] == res["results"]
+    assert "done earlier" in capsys.readouterr().err
+
+
+def test_demo_usage_errors(tmp_path, capsys):
+    assert main(["demo", "--epochs", "2", "--out", str(tmp_path / "x")]) == 2
+    assert "only with --suite zztj" in capsys.readouterr().err
+    assert main(["benchmark", "--quick"]) == 2
+    assert "--out is required" in capsys.readouterr().err
+    assert main(["benchmark", "--out", str(tmp_path / "y"), "--seeds", "a,b"]) == 2
+    assert main(["benchmark", "--out", str(tmp_path / "y"), "--bootstrap", "0"]) == 2
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

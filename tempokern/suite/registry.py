@@ -91,13 +91,18 @@ class Method:
     """A row of the comparison: ``run(ctx) -> MethodOutput`` on each set of ``sets``.
 
     ``family``: the group in the table ("lexical", "dense", "ctd", "tmrl", "re3", ...);
-    ``needs``: module names that must be importable; ``description``: one line for results.md."""
+    ``needs``: module names that must be importable; ``description``: one line for results.md;
+    ``seeded``: False for a deterministic method that ignores the seed (BM25, a frozen model): it runs
+    once (seed 0) and that result stands for every seed; ``in_quick``: False for a row left out of
+    ``--quick`` runs (reported as such) to keep the CI run under its time budget."""
     name: str
     family: str
     sets: Tuple[str, ...]
     run: Callable[["SuiteContext"], MethodOutput]
     needs: Tuple[str, ...] = ()
     description: str = ""
+    seeded: bool = True
+    in_quick: bool = True
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or any(c in self.name for c in "/\\ \t\n"):
@@ -175,7 +180,7 @@ class Budget:
 
     @classmethod
     def full(cls) -> "Budget":
-        return cls(max_train_rows=1200, epochs=1, max_length=64, batch_size=32, lr=5e-5)
+        return cls(max_train_rows=640, epochs=1, max_length=64, batch_size=32, lr=5e-5)
 
 
 class SuiteContext:
@@ -186,12 +191,12 @@ class SuiteContext:
     ``quick`` (bool), ``budget`` (:class:`Budget`), ``work_dir`` (a Path per (method, set, seed) for
     checkpoints and resume; created), ``device`` (torch.device), ``eval_splits`` (the splits to return
     runs for), ``depth`` (documents per query in a run, >= 100), ``log(msg)``, ``progress(iterable,
-    desc)``."""
+    desc)``, ``progress_enabled`` (bool, for trainers with their own bars)."""
 
     def __init__(self, *, synth, backbone_path: str, seed: int, quick: bool, work_dir, device=None,
                  eval_splits: Optional[Sequence[str]] = None, budget: Optional[Budget] = None, depth: int = 100,
                  log: Optional[Callable[[str], None]] = None, progress_enabled: bool = True,
-                 method_name: str = "", retention_pairs: int = 2000):
+                 method_name: str = ""):
         import torch
         self.synth = synth
         self.dataset = synth.dataset
@@ -209,7 +214,9 @@ class SuiteContext:
         self.method_name = method_name
         self._log = log or (lambda m: print(m, file=sys.stderr, flush=True))
         self._progress_enabled = progress_enabled
-        self._n_pairs = retention_pairs
+        #: whether progress bars are wanted (for trainers with their own bars)
+        self.progress_enabled = bool(progress_enabled)
+        self._retention: Tuple[List[str], List[Tuple[int, int]]] = ([], [])
 
     # -- helpers -------------------------------------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -238,9 +245,10 @@ class SuiteContext:
 
     def retention_pairs(self) -> List[Tuple[str, str]]:
         """The (time-stripped document, time-stripped document) pairs of the similarity-preservation
-        proxy (design notes §4.3), fixed for the set (not the seed)."""
-        from .metrics import retention_pairs
-        return retention_pairs(self.dataset, self._n_pairs)
+        proxy (design notes §4.3), fixed for the set (not the seed): a method that gives no ``embed``
+        may return its cosine similarities on these as ``MethodOutput.pair_sims``."""
+        texts, pairs = self._retention
+        return [(texts[i], texts[j]) for i, j in pairs]
 
 
 def topk_runs(scores, query_ids: Sequence[str], doc_ids: Sequence[str], k: int = 100) -> Dict[str, Dict[str, float]]:

@@ -1,11 +1,35 @@
-"""The suite runner (filled in below the registry API)."""
+"""The suite runner: every (method, set, seed) unit trained and evaluated on the same splits with the
+same backbone, each unit's per-query metrics saved atomically as soon as it is done (with a
+checksum; a rerun skips finished units and recomputes a corrupt or incomplete one), then
+results.json / results.md / plots (tempokern.suite.report)."""
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
+import math
+import os
+import platform
 import pkgutil
-from typing import Dict, List, Tuple
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .registry import Method, registered
+import numpy as np
+
+from .metrics import METRICS, spearman, split_metrics, strip_spans
+from .registry import SETS, Budget, Method, MethodOutput, SuiteContext, missing_needs, registered
+
+__all__ = ["load_methods", "run_suite", "unit_path", "read_unit", "UNIT_VERSION", "QUICK_SETS", "DEFAULT_SEEDS",
+           "retention_sample"]
+
+UNIT_VERSION = 1
+QUICK_SETS = ("A", "B", "C")
+DEFAULT_SEEDS = (0, 1, 2)
+#: similarity-preservation proxy: pairs drawn among a fixed pool of documents
+RETENTION = {"quick": (150, 1000), "full": (500, 5000)}   # (documents, pairs)
 
 
 def load_methods() -> Tuple[List[Method], Dict[str, str]]:
@@ -19,3 +43,291 @@ def load_methods() -> Tuple[List[Method], Dict[str, str]]:
         except Exception as e:  # reported in results.md, not skipped silently
             errors[name] = f"{type(e).__name__}: {e}"
     return registered(), errors
+
+
+# ---- unit files --------------------------------------------------------------------------------------
+
+def unit_path(out: Path, method: str, set_name: str, seed: int) -> Path:
+    return Path(out) / "units" / set_name / method / f"seed{seed}.json"
+
+
+def _checksum(payload: dict) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, allow_nan=True).encode()).hexdigest()
+
+
+def _jsonable(x):
+    if isinstance(x, np.ndarray):
+        return [None if (isinstance(v, float) and math.isnan(v)) else v for v in x.tolist()]
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    return x
+
+
+def write_unit(path: Path, payload: dict) -> None:
+    from ..models.checkpoint import atomic_write
+    payload = _jsonable(payload)
+    doc = {"version": UNIT_VERSION, "payload": payload, "sha256": _checksum(payload)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(doc))
+
+
+def read_unit(path: Path, config: Optional[dict] = None) -> Optional[dict]:
+    """The unit's payload, or None when the file is missing, unreadable, of another version, its
+    checksum does not match, or (with ``config``) it was made under other settings (budget, backbone,
+    data size or data checksum): then it is recomputed."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        payload = doc["payload"]
+        if doc.get("version") != UNIT_VERSION or doc.get("sha256") != _checksum(payload):
+            return None
+        if payload.get("status") != "done" or "splits" not in payload:
+            return None
+        if config is not None and payload.get("config") != _jsonable(config):
+            return None
+        return payload
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _arrays(split_payload: dict) -> dict:
+    out = {"qids": split_payload["qids"]}
+    for m in METRICS:
+        if m in split_payload:
+            out[m] = np.asarray([math.nan if v is None else v for v in split_payload[m]], dtype=np.float64)
+    return out
+
+
+# ---- the similarity-preservation proxy ----------------------------------------------------------------
+
+def retention_sample(dataset, n_docs: int, n_pairs: int, seed: int = 12345):
+    """(texts, pairs): ``n_docs`` random time-stripped gallery documents and ``n_pairs`` random
+    index pairs (i != j) among them, fixed by ``seed``."""
+    import random
+    recs = dataset.records
+    rng = random.Random(seed)
+    pick = rng.sample(range(len(recs)), min(n_docs, len(recs)))
+    texts = [strip_spans(recs[i].text, (recs[i].meta or {}).get("temporal_spans")) for i in pick]
+    pairs = []
+    if len(texts) >= 2:
+        for _ in range(n_pairs):
+            i, j = rng.sample(range(len(texts)), 2)
+            pairs.append((i, j))
+    return texts, pairs
+
+
+def pair_similarities(embed, texts, pairs) -> List[float]:
+    import torch
+    import torch.nn.functional as F
+    e = F.normalize(torch.as_tensor(embed(texts)).float(), dim=-1)
+    a = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+    b = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+    return (e[a] * e[b]).sum(-1).tolist()
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+
+def _log_default(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def machine() -> str:
+    import torch
+    cpu = platform.processor() or platform.system()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{platform.machine()} x{os.cpu_count()} ({cpu}){gpu}, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+
+
+def _load() -> Optional[float]:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optional[Sequence[str]] = None,
+              methods: Optional[Sequence[str]] = None, seeds: Optional[Sequence[int]] = None, device=None,
+              progress: bool = True, backbone_path: Optional[str] = None,
+              synth_loader: Optional[Callable] = None, budget: Optional[Budget] = None, n_resamples: int = 1000,
+              log: Callable[[str], None] = _log_default, command: Optional[str] = None,
+              plots: bool = True) -> dict:
+    """Run the suite into ``out`` and return the results dict (also written as results.json).
+
+    ``sets``: names of tempokern.datasets.synth sets (default A, B, C); ``methods``: registered names
+    (default all); ``seeds`` (default 0, 1, 2; ``quick``: 0); ``synth_loader(name, seed=, size=)``
+    (default ``load_synth``) and ``backbone_path`` (default ``minilm_path()``) are for tests."""
+    if suite != "english":
+        raise ValueError(f"unknown suite {suite!r}: expected 'english'")
+    import torch
+    t_start = time.time()
+    load_start = _load()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    all_methods, import_errors = load_methods()
+    by_name = {m.name: m for m in all_methods}
+    if methods:
+        unknown = [m for m in methods if m not in by_name]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; registered: {', '.join(by_name)}")
+        chosen = [by_name[m] for m in methods]
+    else:
+        chosen = list(all_methods)
+    sets = list(sets) if sets else list(QUICK_SETS if quick else SETS)
+    bad = [s for s in sets if s not in SETS]
+    if bad:
+        raise ValueError(f"unknown set(s) {bad}: expected some of {', '.join(SETS)}")
+    seeds = list(seeds) if seeds is not None else ([0] if quick else list(DEFAULT_SEEDS))
+    if not seeds:
+        raise ValueError("seeds must not be empty")
+    budget = budget or (Budget.quick() if quick else Budget.full())
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    size = "quick" if quick else "full"
+    if synth_loader is None:
+        from ..datasets.synth import load_synth as synth_loader
+    if backbone_path is None:
+        from .backbone import backbone_path as _bp
+        backbone_path = _bp()
+    n_docs, n_pairs = RETENTION[size]
+
+    status: Dict[str, dict] = {}
+    for m in chosen:
+        miss = missing_needs(m)
+        reason = f"missing module(s): {', '.join(miss)}" if miss else None
+        if reason is None and quick and not m.in_quick and not methods:
+            reason = "not in --quick runs (name it with --methods to run it)"
+        status[m.name] = {"family": m.family, "description": m.description, "sets": list(m.sets),
+                          "seeded": m.seeded, "status": "pending" if reason is None else "skipped",
+                          "reason": reason, "wall_seconds": {}, "errors": {}}
+        if reason:
+            log(f"[suite] {m.name}: skipped ({reason})")
+    units: Dict[Tuple[str, str, int], dict] = {}
+    set_info: Dict[str, dict] = {}
+    for s in sets:
+        todo = [m for m in chosen if s in m.sets and status[m.name]["status"] != "skipped"]
+        if not todo:
+            continue
+        t = time.time()
+        synth = synth_loader(s, seed=0, size=size)
+        ds = synth.dataset
+        splits = sorted({q.split for q in ds.queries if q.split is not None})
+        set_info[s] = {"records": len(ds.records), "queries": {sp: sum(q.split == sp for q in ds.queries) for sp in splits},
+                       "train_rows": len(synth.train_rows), "info": _jsonable(dict(getattr(synth, "info", {}) or {})),
+                       "load_seconds": round(time.time() - t, 2)}
+        r_texts, r_pairs = retention_sample(ds, n_docs, n_pairs)
+        # a unit is reused only when made under the same settings
+        config = {"budget": dict(budget.__dict__), "backbone": str(backbone_path), "size": size,
+                  "data": (getattr(synth, "info", None) or {}).get("checksum")}
+        ref_sims = None
+        for m in todo:
+            for seed in (seeds if m.seeded else [0]):
+                path = unit_path(out, m.name, s, seed)
+                prev = read_unit(path, config)
+                if prev is not None:
+                    log(f"[suite] {m.name} / set {s} / seed {seed}: done earlier ({path}), skipped")
+                    units[(m.name, s, seed)] = prev
+                    continue
+                if path.exists():
+                    log(f"[suite] {m.name} / set {s} / seed {seed}: unit file {path} is corrupt, incomplete or "
+                        "made under other settings (budget, backbone, data): recomputing")
+                if ref_sims is None and r_pairs:
+                    ref_sims = _reference_sims(out, s, backbone_path, budget, dev, r_texts, r_pairs, log)
+                log(f"[suite] {m.name} / set {s} / seed {seed}: running")
+                ctx = SuiteContext(synth=synth, backbone_path=backbone_path, seed=seed, quick=quick,
+                                   work_dir=out / "work" / s / m.name / f"seed{seed}", device=dev, budget=budget,
+                                   log=log, progress_enabled=progress, method_name=m.name)
+                ctx._retention = (r_texts, r_pairs)
+                t0 = time.time()
+                try:
+                    torch.manual_seed(seed)
+                    res = m.run(ctx)
+                    if not isinstance(res, MethodOutput):
+                        raise TypeError(f"{m.name}.run returned {type(res).__name__}, expected MethodOutput")
+                    res.validate(ctx.eval_splits, m.name)
+                    payload = _evaluate(m, s, seed, ctx, res, r_texts, r_pairs, ref_sims)
+                except Exception as e:
+                    msg = f"{type(e).__name__}: {e}"
+                    log(f"[suite] {m.name} / set {s} / seed {seed}: FAILED: {msg}")
+                    if os.environ.get("TEMPOKERN_DEBUG"):
+                        traceback.print_exc()
+                    status[m.name]["errors"][f"{s}/seed{seed}"] = msg
+                    continue
+                payload["wall_seconds"] = round(time.time() - t0, 2)
+                payload["config"] = config
+                write_unit(path, payload)
+                units[(m.name, s, seed)] = read_unit(path, config) or _jsonable(payload)
+                log(f"[suite] {m.name} / set {s} / seed {seed}: done in {payload['wall_seconds']:.0f} s "
+                    + ", ".join(f"{sp} R@1 {np.nanmean(_arrays(payload['splits'][sp])['R@1']):.3f}"
+                                for sp in payload["splits"]))
+    for m in chosen:
+        st = status[m.name]
+        if st["status"] == "skipped":
+            continue
+        done = [k for k in units if k[0] == m.name]
+        st["status"] = "done" if done and not st["errors"] else ("partial" if done else "failed")
+        for (name, s, seed) in done:
+            st["wall_seconds"][f"{s}/seed{seed}"] = units[(name, s, seed)].get("wall_seconds")
+    from .report import build_results, write_report
+    setup = {"suite": suite, "quick": quick, "sets": sets, "seeds": seeds, "budget": budget.__dict__,
+             "backbone": str(backbone_path), "device": str(dev), "machine": machine(),
+             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": command,
+             "load_average_1min": {"start": load_start, "end": _load()},
+             "retention": {"documents": n_docs, "pairs": n_pairs}, "bootstrap_resamples": n_resamples,
+             "import_errors": import_errors, "set_info": set_info}
+    results = build_results(units, status, setup, n_resamples=n_resamples)
+    results["setup"]["seconds"] = round(time.time() - t_start, 1)
+    write_report(results, out, plots=plots)
+    return results
+
+
+def _reference_sims(out: Path, s: str, backbone_path: str, budget: Budget, dev, texts, pairs, log):
+    """The zero-shot backbone's cosine similarities on the retention pairs (cached per set)."""
+    path = out / "units" / s / "_retention_reference.json"
+    key = _checksum({"texts": texts, "pairs": pairs, "backbone": str(backbone_path), "max_length": budget.max_length})
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("key") == key and len(doc.get("sims", ())) == len(pairs):
+            return doc["sims"]
+    except (OSError, ValueError):
+        pass
+    from .backbone import encode_texts, load_backbone
+    model, tok = load_backbone(backbone_path, dev)
+    sims = pair_similarities(lambda t: encode_texts(model, tok, list(t), max_length=budget.max_length,
+                                                    batch_size=budget.eval_batch_size, device=dev), texts, pairs)
+    from ..models.checkpoint import atomic_write
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps({"key": key, "sims": sims}))
+    log(f"[suite] set {s}: zero-shot similarities of {len(pairs)} retention pairs computed")
+    return sims
+
+
+def _evaluate(m: Method, s: str, seed: int, ctx: SuiteContext, res: MethodOutput, r_texts, r_pairs, ref_sims) -> dict:
+    ds = ctx.dataset
+    splits = {sp: split_metrics(res.runs[sp], ds, sp) for sp in ctx.eval_splits}
+    dims = {}
+    for dim, runs in (res.dim_runs or {}).items():
+        dims[int(dim)] = {sp: split_metrics(runs[sp], ds, sp) for sp in ctx.eval_splits}
+    sims = None
+    if res.pair_sims is not None:
+        sims = [float(x) for x in res.pair_sims]
+        if len(sims) != len(r_pairs):
+            raise ValueError(f"{m.name}: pair_sims has {len(sims)} values for {len(r_pairs)} retention pairs")
+    elif res.embed is not None and r_pairs:
+        sims = pair_similarities(res.embed, r_texts, r_pairs)
+    retention = None
+    if sims is not None and ref_sims is not None:
+        retention = spearman(ref_sims, sims)
+    info = {k: v for k, v in (res.info or {}).items() if k != "metrics"}
+    extra = (res.info or {}).get("metrics") or {}
+    return {"status": "done", "method": m.name, "set": s, "seed": seed, "splits": splits, "dims": dims,
+            "retention_spearman": retention, "info": info, "extra_metrics": extra}

@@ -1,0 +1,159 @@
+"""Baseline rows: BM25 (both tie orders), MiniLM zero-shot, MiniLM fine-tuned (plain in-batch InfoNCE)."""
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import numpy as np
+import torch
+
+from ..backbone import dense_runs, embed_batch, encode_texts, load_backbone
+from ..registry import Method, MethodOutput, register
+
+ALL_SETS = ("A", "B", "C")
+
+
+# ---- BM25 --------------------------------------------------------------------------------------------
+
+def bm25_ranked_runs(ctx, gold_first: bool):
+    """BM25 (bm25s, Lucene variant, k1 1.5, b 0.75, lower-cased word tokens) over the gallery. Ties
+    are frequent on templated text, so the order inside a group of equal scores is set explicitly:
+    gold documents first (``gold_first``, the optimistic bound) or last (the pessimistic bound).
+    The run's scores are then ``depth - position`` (the ranking is all the metrics use)."""
+    from ...baselines.bm25 import BM25Scorer
+    scorer = BM25Scorer()
+    gallery = ctx.gallery()
+    doc_ids = [r.id for r in gallery]
+    runs = {}
+    for split in ctx.eval_splits:
+        qs = ctx.queries(split)
+        scores = scorer(qs, gallery).astype(np.float64)
+        out = {}
+        where = _pos(ctx, doc_ids)
+        for i, q in enumerate(qs):
+            gold = np.zeros(len(doc_ids))
+            for d, rel in q.gold.items():
+                if rel > 0 and d in where:
+                    gold[where[d]] = 1.0
+            tie = gold if gold_first else -gold
+            # primary key score (descending), secondary the gold flag
+            order = np.lexsort((-tie, -scores[i]))[:ctx.depth]
+            out[q.id] = {doc_ids[j]: float(ctx.depth - p) for p, j in enumerate(order)}
+        runs[split] = out
+    return runs
+
+
+def _pos(ctx, doc_ids):
+    cache = getattr(ctx, "_doc_pos", None)
+    if cache is None:
+        cache = {d: i for i, d in enumerate(doc_ids)}
+        ctx._doc_pos = cache
+    return cache
+
+
+def _bm25(gold_first):
+    def run(ctx):
+        t = time.time()
+        runs = bm25_ranked_runs(ctx, gold_first)
+        return MethodOutput(runs, info={"train_seconds": 0.0, "eval_seconds": round(time.time() - t, 2)})
+    return run
+
+
+register(Method("bm25_ties_gold", "lexical", ALL_SETS, _bm25(True), needs=("bm25s",), seeded=False,
+                description="BM25 (bm25s, word tokens); tied documents ordered gold first (optimistic bound)"))
+register(Method("bm25_ties_last", "lexical", ALL_SETS, _bm25(False), needs=("bm25s",), seeded=False,
+                description="BM25, tied documents ordered gold last (pessimistic bound)"))
+
+
+# ---- MiniLM zero-shot ----------------------------------------------------------------------------------
+
+def _embedder(model, tok, ctx):
+    return lambda texts: encode_texts(model, tok, list(texts), max_length=ctx.budget.max_length,
+                                      batch_size=ctx.budget.eval_batch_size, device=ctx.device)
+
+
+def _dense_output(ctx, model, tok, info):
+    t = time.time()
+    emb = _embedder(model, tok, ctx)
+    docs = encode_texts(model, tok, [r.text for r in ctx.gallery()], max_length=ctx.budget.max_length,
+                        batch_size=ctx.budget.eval_batch_size, device=ctx.device, progress=ctx.progress)
+    runs = dense_runs(ctx, emb, docs)
+    info["eval_seconds"] = round(time.time() - t, 2)
+    return MethodOutput(runs, info=info, embed=emb)
+
+
+def run_zeroshot(ctx):
+    model, tok = load_backbone(ctx.backbone_path, ctx.device)
+    return _dense_output(ctx, model, tok, {"train_seconds": 0.0})
+
+
+register(Method("minilm_zeroshot", "dense", ALL_SETS, run_zeroshot, needs=("transformers",), seeded=False,
+                description="the backbone as shipped (mean pooling, L2-normalised), no training"))
+
+
+# ---- MiniLM fine-tuned -----------------------------------------------------------------------------------
+
+def finetune_infonce(ctx, model, tok, *, temperature: float = 0.05, warmup_ratio: float = 0.1,
+                     weight_decay: float = 0.01, max_grad_norm: float = 1.0):
+    """Plain in-batch InfoNCE on ``ctx.train_rows()`` (query, positive document): symmetric
+    (query->document and document->query), the batch's other positives as negatives, rows sharing a
+    positive document counted as positives of each other (``tempokern.multipos_infonce`` with the
+    document index as the span: no false negatives from duplicates). AdamW, linear warm-up/decay,
+    ``ctx.budget`` epochs / batch size / lr / max_length. Returns an info dict."""
+    from ... import multipos_infonce
+    b = ctx.budget
+    rows = ctx.train_rows()
+    pos = {r.id: i for i, r in enumerate(ctx.dataset.records)}
+    qtext = {q.id: q.text for q in ctx.dataset.queries}
+    pairs = [(getattr(r, "query", None) or qtext[r.query_id], pos[r.positive]) for r in rows if r.positive in pos]
+    torch.manual_seed(ctx.seed)
+    rng = random.Random(ctx.seed)
+    n_batches = max(1, len(pairs) // b.batch_size) if len(pairs) >= 2 else 0
+    total = n_batches * b.epochs
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=b.lr)
+    warm = max(1, int(warmup_ratio * total))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
+    model.train()
+    losses, t0, step = [], time.time(), 0
+    for epoch in range(b.epochs):
+        order = list(range(len(pairs)))
+        rng.shuffle(order)
+        batches = [order[i * b.batch_size:(i + 1) * b.batch_size] for i in range(n_batches)]
+        for batch in ctx.progress(batches, f"fine-tune epoch {epoch + 1}/{b.epochs}"):
+            texts_q = [pairs[i][0] for i in batch]
+            docs = [pairs[i][1] for i in batch]
+            texts_d = [ctx.dataset.records[j].text for j in docs]
+            e = embed_batch(model, tok, texts_q + texts_d, b.max_length, ctx.device)
+            ids = torch.tensor(docs, dtype=torch.int64, device=e.device)
+            loss = multipos_infonce(e[:len(batch)], e[len(batch):], (ids, ids), (ids, ids),
+                                    temperature=temperature, symmetric=True)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            opt.step()
+            sched.step()
+            step += 1
+            losses.append(float(loss.detach()))
+    model.eval()
+    return {"train_seconds": round(time.time() - t0, 2), "steps": step, "train_rows": len(pairs),
+            "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+            "loss_first_5": float(np.mean(losses[:5])) if losses else None,
+            "loss_last_5": float(np.mean(losses[-5:])) if losses else None}
+
+
+def run_finetuned(ctx):
+    model, tok = load_backbone(ctx.backbone_path, ctx.device)
+    info = finetune_infonce(ctx, model, tok)
+    ctx.log(f"fine-tuned {info['steps']} steps in {info['train_seconds']} s, loss "
+            f"{info['loss_first_5']} -> {info['loss_last_5']}")
+    return _dense_output(ctx, model, tok, info)
+
+
+register(Method("minilm_ft", "dense", ALL_SETS, run_finetuned, needs=("transformers",),
+                description="the backbone fine-tuned with plain in-batch InfoNCE (symmetric, T 0.05) on the "
+                            "training rows"))

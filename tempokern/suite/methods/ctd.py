@@ -1,0 +1,72 @@
+"""CTD rows on set B (monthly facts, `Calendar.gregorian(..., resolution="month")`): the ablation
+variants baseline / context / bias / full of `tempokern.training.train` (the path `tempokern train`
+runs) with the suite's backbone, mean pooling and the shared budget."""
+from __future__ import annotations
+
+import time
+
+from ..registry import Method, MethodOutput, register
+
+CTD_VARIANTS = ("baseline", "context", "bias", "full")
+#: learning rate of the randomly initialised calendar heads, context and offset bias (the backbone
+#: uses the suite budget's lr): with a few dozen steps at the backbone's lr they would barely move
+TEMPORAL_LR = 1e-3
+
+
+def _train_subset(ctx):
+    """The set with only the budget's training queries (so no validation pass: the suite evaluates)."""
+    from ...datasets import RetrievalDataset
+    keep = {r.query_id for r in ctx.train_rows()}
+    qs = [q for q in ctx.dataset.queries if q.split == "train" and q.id in keep]
+    return RetrievalDataset(f"{ctx.dataset.name}[suite-train]", ctx.dataset.records, qs, ctx.dataset.calendar)
+
+
+def run_ctd(variant: str):
+    def run(ctx):
+        import torch
+        from ...models import CTDEncoder
+        from ...training import TrainConfig, train
+        from ...training.evaluate import score_topk
+        from ...training.trainer import seed_everything
+        if ctx.dataset.calendar is None:
+            raise ValueError(f"set {ctx.set_name} has no calendar: CTD needs one")
+        b = ctx.budget
+        seed_everything(ctx.seed)
+        model = CTDEncoder(ctx.backbone_path, ctx.dataset.calendar, pooling="mean", max_length=b.max_length)
+        cfg = TrainConfig(variant=variant, epochs=b.epochs, batch_size=b.batch_size, lr=b.lr, temporal_lr=TEMPORAL_LR,
+                          seed=ctx.seed, progress=ctx.progress_enabled, hard_negatives=False)
+        ds = _train_subset(ctx)
+        res = train(model, ds, cfg, None, device=ctx.device, log=ctx.log)
+        steps = [h for h in res.history if h.get("event") == "step"]
+        info = {"train_seconds": round(res.seconds, 2), "steps": res.steps, "train_queries": len(ds.queries),
+                "first_loss": steps[0]["loss"] if steps else None, "final_loss": res.final_loss,
+                "temporal_lr": TEMPORAL_LR}
+        t = time.time()
+        model.eval()
+        gallery = ctx.gallery()
+        doc_ids = [r.id for r in gallery]
+        g_enc = model.encode([r.text for r in gallery], batch_size=b.eval_batch_size)
+        runs = {}
+        for split in ctx.eval_splits:
+            qs = ctx.queries(split)
+            vals, idx = score_topk(model, [q.text for q in qs], g_enc, ctx.depth, batch_size=b.eval_batch_size)
+            runs[split] = {q.id: {doc_ids[j]: float(v) for j, v in zip(idx[i].tolist(), vals[i].tolist())}
+                           for i, q in enumerate(qs)}
+        info["eval_seconds"] = round(time.time() - t, 2)
+
+        def embed(texts):
+            with torch.no_grad():
+                return model.encode(list(texts), batch_size=b.eval_batch_size).embeddings
+        return MethodOutput(runs, info=info, embed=embed)
+    return run
+
+
+_TEXT = {"baseline": "CTD trainer, semantic baseline variant (single-positive InfoNCE, no temporal module)",
+         "context": "CTD: multi-positive loss + absolute calendar context + calendar CE (no bias)",
+         "bias": "CTD: multi-positive loss + relative-offset bias + calendar CE (no context)",
+         "full": "full CTD: multi-positive, context, bias, calendar CE"}
+
+for _v in CTD_VARIANTS:
+    # --quick keeps the two ends of the ablation (as the Zizhi Tongjian demo's --quick does)
+    register(Method(f"ctd_{_v}", "ctd", ("B",), run_ctd(_v), needs=("transformers",), description=_TEXT[_v],
+                    in_quick=_v in ("baseline", "full")))

@@ -1,0 +1,311 @@
+"""results.json, results.md and plots of the English suite, from the saved units."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .metrics import METRICS, paired_bootstrap_ci, summarize
+
+__all__ = ["build_results", "write_report", "markdown", "PAIRED_BASELINE", "PAIRED_METRICS", "TABLE_METRICS"]
+
+#: the row every method is compared with (paired bootstrap over queries)
+PAIRED_BASELINE = "minilm_ft"
+PAIRED_METRICS = ("R@1", "MRR@10", "nDCG@10", "time_swap")
+TABLE_METRICS = ("R@1", "R@5", "MRR@10", "nDCG@10", "recall@100", "TP@10", "TR@10", "time_swap")
+ERR_METRICS = ("err_time", "err_entity", "err_attribute", "err_other")
+SPLIT_TEXT = {
+    "test_template": "held-out query/document phrasings (templates never seen in training)",
+    "test_date": "unseen dates within the training years",
+    "test_year": "an unseen year",
+    "test_masked": "documents with masked / relative dates resolved through the publication date",
+    "timeless": "queries without a time (semantic retention: every document of the entity/attribute is relevant)",
+}
+
+
+def _arr(vals) -> np.ndarray:
+    return np.asarray([math.nan if v is None else v for v in vals], dtype=np.float64)
+
+
+def _nanmean(x) -> Optional[float]:
+    x = np.asarray(x, dtype=np.float64)
+    x = x[~np.isnan(x)]
+    return float(x.mean()) if x.size else None
+
+
+def build_results(units: Dict[Tuple[str, str, int], dict], status: Dict[str, dict], setup: dict, *,
+                  n_resamples: int = 1000) -> dict:
+    """Aggregate the units: per (set, split, method) each metric's mean over seeds, each seed's mean
+    and the 95% bootstrap interval over queries (per-query values averaged over seeds first); the
+    paired interval of (method - minilm_ft) on the same queries; per-dim metrics; the retention
+    Spearman; extra per-method metrics; and the per-query arrays (so any interval can be recomputed)."""
+    res: dict = {"setup": setup, "methods": status, "results": {}, "paired": {}, "dims": {}, "per_query": {}}
+    sets = sorted({k[1] for k in units})
+    for s in sets:
+        names = [m for m in status if any(k[0] == m and k[1] == s for k in units)]
+        splits = sorted({sp for k, u in units.items() if k[1] == s for sp in u["splits"]})
+        res["results"][s], res["paired"][s], res["dims"][s], res["per_query"][s] = {}, {}, {}, {}
+        for sp in splits:
+            table, pq, avg = {}, {"qids": None}, {}
+            for name in names:
+                seeds = sorted(k[2] for k in units if k[0] == name and k[1] == s and sp in units[k]["splits"])
+                if not seeds:
+                    continue
+                arrs = []
+                for seed in seeds:
+                    u = units[(name, s, seed)]["splits"][sp]
+                    if pq["qids"] is None:
+                        pq["qids"] = u["qids"]
+                    elif u["qids"] != pq["qids"]:
+                        raise ValueError(f"{name} set {s} split {sp}: the queries differ from the other methods'")
+                    arrs.append({m: _arr(u[m]) for m in METRICS if m in u})
+                row = summarize(arrs, n_resamples=n_resamples)
+                row["seeds_run"] = seeds
+                ret = [units[(name, s, seed)].get("retention_spearman") for seed in seeds]
+                ret = [r for r in ret if r is not None]
+                row["retention_spearman"] = {"mean": float(np.mean(ret)), "seeds": ret} if ret else None
+                extra = [units[(name, s, seed)].get("extra_metrics", {}).get(sp) for seed in seeds]
+                extra = [e for e in extra if e]
+                if extra:
+                    row["extra"] = {k: float(np.mean([e[k] for e in extra if k in e])) for k in extra[0]}
+                table[name] = row
+                pq[name] = {str(seed): {m: a[m].tolist() for m in a} for seed, a in zip(seeds, arrs)}
+                with warnings.catch_warnings():   # a query undefined in every seed stays NaN
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    avg[name] = {m: np.nanmean(np.vstack([a[m] for a in arrs]), axis=0) if len(arrs) > 1
+                                 else arrs[0][m] for m in arrs[0]}
+                # per-dim curves
+                dims = sorted({int(d) for seed in seeds for d in (units[(name, s, seed)].get("dims") or {})})
+                if dims:
+                    dd = {}
+                    for d in dims:
+                        darrs = [{m: _arr(units[(name, s, seed)]["dims"][str(d)][sp][m]) for m in METRICS
+                                  if m in units[(name, s, seed)]["dims"][str(d)][sp]}
+                                 for seed in seeds if str(d) in (units[(name, s, seed)].get("dims") or {})]
+                        dd[str(d)] = summarize(darrs, n_resamples=n_resamples)
+                    res["dims"][s].setdefault(sp, {})[name] = dd
+            res["results"][s][sp] = table
+            res["per_query"][s][sp] = pq
+            if PAIRED_BASELINE in avg:
+                base = avg[PAIRED_BASELINE]
+                pr = {}
+                for name, a in avg.items():
+                    if name == PAIRED_BASELINE:
+                        continue
+                    pr[name] = {}
+                    for m in PAIRED_METRICS:
+                        if m in a and m in base:
+                            d, lo, hi = paired_bootstrap_ci(a[m], base[m], n_resamples)
+                            pr[name][m] = {"delta": d, "ci": [lo, hi]}
+                res["paired"][s][sp] = pr
+    return _clean(res)
+
+
+def _clean(x):
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, (np.floating, np.integer)):
+        x = x.item()
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    return x
+
+
+def _f(v, nd=3) -> str:
+    return "n/a" if v is None else f"{v:.{nd}f}"
+
+
+def _ci(cell) -> str:
+    if not cell or cell.get("mean") is None:
+        return "n/a"
+    lo, hi = cell["ci"]
+    return f"{cell['mean']:.3f} [{_f(lo)}, {_f(hi)}]"
+
+
+def _wall(status: dict, name: str, s: str) -> Optional[float]:
+    w = [v for k, v in (status.get(name, {}).get("wall_seconds") or {}).items() if k.startswith(f"{s}/") and v]
+    return float(np.mean(w)) if w else None
+
+
+def markdown(res: dict) -> str:
+    st = res["setup"]
+    b = st["budget"]
+    lines = [f"# tempokern benchmark --suite english{' --quick' if st['quick'] else ''}", "",
+             f"Date {st['date']}; machine: {st['machine']}; device {st['device']}; total {st.get('seconds', '?')} s; "
+             f"1-minute load average {st.get('load_average_1min')}.",
+             f"Command: `{st.get('command') or 'n/a'}`.", "",
+             f"Backbone `{st['backbone']}` for every dense row. Seeds {st['seeds']} (methods that ignore the seed "
+             f"run once). Training budget shared by every trained row: at most "
+             f"{b['max_train_rows'] or 'all'} training rows, {b['epochs']} epoch(s), batch {b['batch_size']}, "
+             f"lr {b['lr']}, max_length {b['max_length']} tokens.",
+             "Intervals: 95% percentile bootstrap over queries (per-query values averaged over seeds first), "
+             f"{st['bootstrap_resamples']} resamples; Δ columns: paired bootstrap of (row - `{PAIRED_BASELINE}`) "
+             "on the same queries.", ""]
+    for s, info in st.get("set_info", {}).items():
+        lines.append(f"Set {s}: {info['records']} documents, queries per split {info['queries']}, "
+                     f"{info['train_rows']} training rows available.")
+    lines.append("")
+    for s, splits in res["results"].items():
+        lines.append(f"## Set {s}")
+        lines.append("")
+        for sp, table in splits.items():
+            if not table:
+                continue
+            n = next(iter(table.values()))["R@1"]["n"]
+            lines += [f"### {sp} ({n} queries): {SPLIT_TEXT.get(sp, '')}", ""]
+            hdr = ["method"] + list(TABLE_METRICS) + ["top-1 wrong: time / entity / attribute / other",
+                                                        "retention ρ", "s / unit"]
+            lines.append("| " + " | ".join(hdr) + " |")
+            lines.append("|" + "---|" * len(hdr))
+            for name, row in table.items():
+                cells = [f"`{name}`"]
+                for m in TABLE_METRICS:
+                    c = row.get(m)
+                    cells.append(_ci(c) if m in ("R@1", "MRR@10", "nDCG@10") else _f(c["mean"] if c else None))
+                cells.append(" / ".join(_f(row[m]["mean"], 2) if row.get(m) else "n/a" for m in ERR_METRICS))
+                r = row.get("retention_spearman")
+                cells.append(_f(r["mean"]) if r else "n/a")
+                w = _wall(res["methods"], name, s)
+                cells.append(f"{w:.0f}" if w is not None else "n/a")
+                lines.append("| " + " | ".join(cells) + " |")
+            pr = res["paired"].get(s, {}).get(sp)
+            if pr:
+                lines += ["", f"Paired against `{PAIRED_BASELINE}` (Δ mean [95% interval]; an interval excluding 0 "
+                          "is a difference the queries support):", ""]
+                lines.append("| method | " + " | ".join(f"Δ {m}" for m in PAIRED_METRICS) + " |")
+                lines.append("|---|" + "---|" * len(PAIRED_METRICS))
+                for name, row in pr.items():
+                    cells = []
+                    for m in PAIRED_METRICS:
+                        c = row.get(m)
+                        if not c or c["delta"] is None:
+                            cells.append("n/a")
+                            continue
+                        lo, hi = c["ci"]
+                        mark = " *" if lo is not None and hi is not None and (lo > 0 or hi < 0) else ""
+                        cells.append(f"{c['delta']:+.3f} [{_f(lo)}, {_f(hi)}]{mark}")
+                    lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+            extras = {name: row["extra"] for name, row in table.items() if row.get("extra")}
+            if extras:
+                lines += ["", "Extra metrics reported by the methods:", ""]
+                for name, e in extras.items():
+                    lines.append(f"- `{name}`: " + ", ".join(f"{k} {_f(v)}" for k, v in e.items()))
+            lines.append("")
+        dims = res["dims"].get(s, {})
+        for sp, per in dims.items():
+            lines += [f"Per-dim nDCG@10 on {sp}:", ""]
+            for name, dd in per.items():
+                lines.append(f"- `{name}`: " + ", ".join(f"{d}: {_ci(v.get('nDCG@10'))}" for d, v in dd.items()))
+            lines.append("")
+    lines += ["## Rows", ""]
+    for name, m in res["methods"].items():
+        w = [v for v in (m.get("wall_seconds") or {}).values() if v]
+        line = f"- `{name}` ({m['family']}; sets {', '.join(m['sets'])}): {m.get('description') or ''} — **{m['status']}**"
+        if m.get("reason"):
+            line += f": {m['reason']}"
+        if w:
+            line += f"; wall time {sum(w):.0f} s over {len(w)} unit(s)"
+        lines.append(line)
+        for k, e in (m.get("errors") or {}).items():
+            lines.append(f"  - failed on {k}: {e}")
+    if st.get("import_errors"):
+        lines += ["", "Method modules that failed to import (their rows are missing):", ""]
+        lines += [f"- `{k}`: {v}" for k, v in st["import_errors"].items()]
+    lines += ["", "Metrics (docs/benchmark-english.md): R@k hit rate, MRR@10, nDCG@10 (binary), recall@100; TP@10 / "
+              "TR@10 TEMPO temporal precision / relevance with exact interval verdicts; time_swap = share of queries "
+              "whose gold outranks its time-wrong twin; top-1 wrong = share of queries whose top document is wrong "
+              "by time only / entity / attribute / other; retention ρ = Spearman between the zero-shot and the "
+              "row's cosine similarities on random pairs of time-stripped documents (1 = unchanged geometry)."]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(res: dict, out: Path) -> List[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    from ..models.checkpoint import fsync_path
+    files = []
+
+    def save(fig, path):
+        tmp = path.with_name(path.name + ".tmp.png")
+        fig.savefig(tmp, dpi=100)
+        fsync_path(tmp)
+        os.replace(tmp, path)
+        plt.close(fig)
+        files.append(str(path))
+
+    for s, splits in res["results"].items():
+        sps = [sp for sp in splits if splits[sp]]
+        if not sps:
+            continue
+        fig, axes = plt.subplots(2, len(sps), figsize=(3.6 * len(sps) + 1, 7), squeeze=False)
+        for j, sp in enumerate(sps):
+            table = splits[sp]
+            names = list(table)
+            for i, (metric, src) in enumerate((("nDCG@10", "abs"), ("nDCG@10", "paired"))):
+                ax = axes[i][j]
+                if src == "abs":
+                    vals = [table[n].get(metric, {}).get("mean") or 0.0 for n in names]
+                    cis = [table[n].get(metric, {}).get("ci") or [None, None] for n in names]
+                    title = f"{sp}: {metric}"
+                    plot_names = names
+                else:
+                    pr = res["paired"].get(s, {}).get(sp, {})
+                    plot_names = [n for n in names if n in pr and pr[n].get(metric)]
+                    vals = [pr[n][metric]["delta"] or 0.0 for n in plot_names]
+                    cis = [pr[n][metric]["ci"] for n in plot_names]
+                    title = f"{sp}: Δ {metric} vs {PAIRED_BASELINE}"
+                    ax.axhline(0, color="k", lw=0.6)
+                lo = [max(0.0, v - (c[0] if c[0] is not None else v)) for v, c in zip(vals, cis)]
+                hi = [max(0.0, (c[1] if c[1] is not None else v) - v) for v, c in zip(vals, cis)]
+                ax.bar(range(len(plot_names)), vals, yerr=[lo, hi], capsize=2, color="tab:blue" if src == "abs"
+                       else "tab:orange")
+                ax.set_xticks(range(len(plot_names)))
+                ax.set_xticklabels(plot_names, rotation=60, ha="right", fontsize=7)
+                ax.set_title(title, fontsize=8)
+        fig.suptitle(f"Set {s}: bars = mean over seeds, whiskers = 95% bootstrap interval over queries", fontsize=9)
+        fig.tight_layout()
+        save(fig, out / f"plot_set{s}.png")
+    for s, per_split in res["dims"].items():
+        if not per_split:
+            continue
+        fig, axes = plt.subplots(1, len(per_split), figsize=(4 * len(per_split), 3.4), squeeze=False)
+        for j, (sp, per) in enumerate(per_split.items()):
+            ax = axes[0][j]
+            for name, dd in per.items():
+                ds = sorted(dd, key=int)
+                m = [dd[d].get("nDCG@10", {}).get("mean") for d in ds]
+                lo = [dd[d].get("nDCG@10", {}).get("ci", [None, None])[0] for d in ds]
+                hi = [dd[d].get("nDCG@10", {}).get("ci", [None, None])[1] for d in ds]
+                x = [int(d) for d in ds]
+                ax.plot(x, m, marker="o", label=name)
+                if all(v is not None for v in lo + hi):
+                    ax.fill_between(x, lo, hi, alpha=0.2)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("dim")
+            ax.set_title(f"set {s} {sp}: nDCG@10 per dim", fontsize=8)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        save(fig, out / f"plot_dims_set{s}.png")
+    return files
+
+
+def write_report(res: dict, out, *, plots: bool = True) -> dict:
+    from ..models.checkpoint import atomic_write
+    out = Path(out)
+    files = {"json": str(out / "results.json"), "markdown": str(out / "results.md")}
+    files["plots"] = _plot(res, out) if plots else []
+    res["files"] = files
+    atomic_write(out / "results.json", json.dumps(res, indent=1, allow_nan=False))
+    atomic_write(out / "results.md", markdown(res))
+    return files

@@ -1,0 +1,370 @@
+"""The English comparison suite (tempokern.suite): metrics against hand-computed values, bootstrap
+intervals, resume / corrupt-unit detection, skipped methods, and the quick suite end to end on a tiny
+hand-made set with a tiny backbone."""
+import calendar as _pycal
+import json
+import math
+from collections import namedtuple
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from tempokern.calendar import Calendar
+from tempokern.datasets import Query, Record, RetrievalDataset
+from tempokern.suite import Budget, Method, MethodOutput, register, registered, unregister
+from tempokern.suite.metrics import (bootstrap_ci, error_kind, paired_bootstrap_ci, spearman, split_metrics,
+                                     strip_spans)
+from tempokern.suite.runner import read_unit, run_suite, unit_path
+
+TrainRow = namedtuple("TrainRow", "query_id query positive hard_negatives negative_kinds negative_queries")
+
+
+@dataclass
+class TinySynth:
+    name: str
+    dataset: RetrievalDataset
+    calendar: Calendar
+    train_rows: list
+    info: dict = field(default_factory=dict)
+
+
+ENTITIES = ("acme", "globex")
+ATTRS = ("price", "volume")
+MONTHS = [(2010, m) for m in range(1, 13)] + [(2011, m) for m in range(1, 4)]
+QT = ["what was the {a} of {e} in {mon} {y}?", "{e} {a} {mon} {y}", "tell me {e}'s {a} for {mon} of {y}"]
+
+
+def tiny_synth(name="B", seed=0, size="quick"):
+    """A SynthSet-shaped monthly-facts set: 2 entities x 2 attributes x 15 months; splits: templates
+    0-1 of 2010-01..10 train, template 2 test_template, 2010-11/12 test_date, 2011 test_year, timeless."""
+    cal = Calendar.gregorian(2010, 2011, resolution="month")
+    recs, qs, rows = [], [], []
+    for e in ENTITIES:
+        for a in ATTRS:
+            for (y, m) in MONTHS:
+                mon = _pycal.month_name[m]
+                when = f"{mon} {y}"
+                text = f"The {a} of {e} in {when} was {(y * 7 + m * 13 + len(e) * 3 + len(a)) % 97}."
+                start = text.index(when)
+                recs.append(Record(id=f"{e}-{a}-{y}-{m:02d}", text=text, interval=cal.interval((y, m)),
+                                   meta={"entity": e, "attribute": a, "date": f"{y}-{m:02d}-01", "template": 0,
+                                         "masked": False, "temporal_spans": [[start, start + len(when)]]}))
+    ids = {r.id for r in recs}
+    for r in recs:
+        e, a, y, m = r.meta["entity"], r.meta["attribute"], *map(int, r.id.split("-")[2:])
+        twin_m = m + 1 if (y, m + 1) in MONTHS else m - 1
+        twin = f"{e}-{a}-{y}-{twin_m:02d}"
+        assert twin in ids
+        for t, tpl in enumerate(QT):
+            if y == 2011:
+                split = "test_year" if t == 0 else None
+            elif m >= 11:
+                split = "test_date" if t == 0 else None
+            else:
+                split = "train" if t < 2 else "test_template"
+            if split is None:
+                continue
+            qid = f"q-{r.id}-{t}"
+            text = tpl.format(a=a, e=e, mon=_pycal.month_name[m], y=y)
+            qs.append(Query(id=qid, text=text, interval=r.interval, gold={r.id: 1}, split=split,
+                            meta={"entity": e, "attribute": a, "date": r.meta["date"], "template": t,
+                                  "kind": "explicit", "time_wrong_twin": twin}))
+            if split == "train":
+                rows.append(TrainRow(qid, text, r.id, [twin], ["time_wrong"], []))
+    for e in ENTITIES:
+        for a in ATTRS:
+            gold = {r.id: 1 for r in recs if r.meta["entity"] == e and r.meta["attribute"] == a}
+            qs.append(Query(id=f"q-{e}-{a}-timeless", text=f"what is the {a} of {e}?", gold=gold, split="timeless",
+                            meta={"entity": e, "attribute": a, "kind": "timeless", "time_wrong_twin": None}))
+    ds = RetrievalDataset(f"tiny-{name}", recs, qs, cal)
+    return TinySynth(name, ds, cal, rows, {"seed": seed, "size": size})
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """A 32-wide BERT gains nothing from a second thread, and on shared cores OpenMP's spinning makes
+    each step of it 100x slower."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_backbone(tmp_path_factory):
+    from tempokern.models import build_char_tokenizer, tiny_bert
+    ds = tiny_synth().dataset
+    tok = build_char_tokenizer([r.text for r in ds.records] + [q.text for q in ds.queries])
+    model = tiny_bert(len(tok), hidden=32, layers=1, heads=2, intermediate=64, max_position=128, seed=0)
+    path = tmp_path_factory.mktemp("bb")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+# ---- metrics, by hand -----------------------------------------------------------------------------------
+
+def _hand_dataset():
+    cal = Calendar.gregorian(2010, 2010, resolution="month")
+    R = lambda i, e, a, m: Record(id=i, text=i, interval=cal.interval((2010, m)), meta={"entity": e, "attribute": a})
+    recs = [R("d1", "acme", "price", 3), R("d2", "acme", "price", 4), R("d3", "globex", "price", 3),
+            R("d4", "globex", "price", 5), R("d5", "acme", "volume", 3)]
+    Q = lambda i, e, a, gold, m=None, twin=None: Query(
+        id=i, text=i, interval=cal.interval((2010, m)) if m else None, gold={g: 1 for g in gold}, split="t",
+        meta={"entity": e, "attribute": a, "time_wrong_twin": twin})
+    qs = [Q("q1", "acme", "price", ["d1"], 3, "d2"),          # top-1 = time-wrong twin
+          Q("q2", "globex", "price", ["d3", "d4"]),             # timeless, top-1 entity-wrong
+          Q("q3", "acme", "price", ["d1"], 3, "d2"),            # top-1 attribute-wrong, twin absent
+          Q("q4", "acme", "volume", ["d5"], 3)]                 # correct, no twin
+    run = {"q1": {"d2": 3.0, "d1": 2.0, "d3": 1.0},
+           "q2": {"d1": 5.0, "d3": 4.0},
+           "q3": {"d5": 9.0, "d4": 8.0, "d1": 7.0},
+           "q4": {"d5": 1.0, "d1": 0.5}}
+    return RetrievalDataset("hand", recs, qs, cal), run
+
+
+def test_split_metrics_against_hand_computed_values():
+    ds, run = _hand_dataset()
+    m = split_metrics(run, ds, "t")
+    assert m["qids"] == ["q1", "q2", "q3", "q4"]
+    L3 = 1 / math.log2(3)
+    np.testing.assert_allclose(m["R@1"], [0, 0, 0, 1])
+    np.testing.assert_allclose(m["R@5"], [1, 1, 1, 1])
+    np.testing.assert_allclose(m["MRR@10"], [1 / 2, 1 / 2, 1 / 3, 1])
+    np.testing.assert_allclose(m["nDCG@10"], [L3, L3 / (1 + L3), 1 / math.log2(4), 1])
+    np.testing.assert_allclose(m["recall@100"], [1, 0.5, 1, 1])
+    # TEMPO with interval verdicts: q1's ranking d2 (Apr: 0), d1 (Mar: 1), d3 (Mar: 1)
+    # q3's: d5 (Mar: 1), d4 (May: 0), d1 (Mar: 1); q4's: d5 (Mar: 1), d1 (Mar: 1)
+    np.testing.assert_allclose(m["TP@10"][[0, 2, 3]], [(1 / 2 + 2 / 3) / 2, (1 + 2 / 3) / 2, 1.0])
+    np.testing.assert_allclose(m["TR@10"][[0, 2, 3]], [2 / 3, 2 / 3, 1.0])
+    assert math.isnan(m["TP@10"][1]) and math.isnan(m["TR@10"][1])    # timeless: no interval
+    np.testing.assert_allclose(m["err_time"], [1, 0, 0, 0])
+    np.testing.assert_allclose(m["err_entity"], [0, 1, 0, 0])
+    np.testing.assert_allclose(m["err_attribute"], [0, 0, 1, 0])
+    np.testing.assert_allclose(m["err_other"], [0, 0, 0, 0])
+    assert m["time_swap"][0] == 0 and m["time_swap"][2] == 1          # twin ranked above gold / absent
+    assert math.isnan(m["time_swap"][1]) and math.isnan(m["time_swap"][3])
+
+
+def test_error_kinds_and_missing_meta():
+    q = Query(id="q", text="", meta={"entity": "a", "attribute": "x"})
+    mk = lambda **meta: Record(id="d", text="", meta=meta)
+    assert error_kind(q, mk(entity="a", attribute="x")) == "time"
+    assert error_kind(q, mk(entity="b", attribute="x")) == "entity"
+    assert error_kind(q, mk(entity="a", attribute="y")) == "attribute"
+    assert error_kind(q, mk(entity="b", attribute="y")) == "other"
+    assert error_kind(q, mk()) == "other"
+
+
+def test_bootstrap_interval_contains_the_mean_and_shrinks():
+    rng = np.random.default_rng(0)
+    small = (rng.random(40) < 0.4).astype(float)
+    big = (rng.random(4000) < 0.4).astype(float)
+    for x in (small, big):
+        mean, lo, hi = bootstrap_ci(x, 1000, seed=1)
+        assert mean == pytest.approx(x.mean())
+        assert lo <= mean <= hi and lo < hi
+    w_small = np.subtract(*bootstrap_ci(small)[2:0:-1])
+    w_big = np.subtract(*bootstrap_ci(big)[2:0:-1])
+    assert w_big < w_small / 4          # ~ 1/sqrt(n): 10x more queries -> ~3.2x narrower... at 100x, ~10x
+    assert all(math.isnan(v) for v in bootstrap_ci([math.nan, math.nan]))
+    # NaNs are left out
+    assert bootstrap_ci([1.0, math.nan, 0.0])[0] == 0.5
+
+
+def test_paired_bootstrap():
+    rng = np.random.default_rng(2)
+    b = rng.random(300)
+    d, lo, hi = paired_bootstrap_ci(b + 0.1, b)
+    assert d == pytest.approx(0.1) and lo == pytest.approx(0.1) and hi == pytest.approx(0.1)
+    a = b + rng.normal(0, 0.05, 300)
+    d, lo, hi = paired_bootstrap_ci(a, b)
+    assert lo <= d <= hi and lo < 0 < hi or abs(d) > 0.005
+    with pytest.raises(ValueError, match="same queries"):
+        paired_bootstrap_ci([1.0, 2.0], [1.0])
+
+
+def test_spearman_and_strip_spans():
+    assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(1.5 / math.sqrt(3))
+    assert spearman([3, 2, 1], [1, 2, 3]) == pytest.approx(-1)
+    assert strip_spans("Sales in March 2014 were 5.", [[9, 19]]) == "Sales in were 5."
+
+
+# ---- runner: resume, corruption, skipped methods ------------------------------------------------------
+
+CALLS = {"n": 0}
+
+
+def _fake_run(ctx):
+    """Deterministic: the gold document first for queries with an even index, last otherwise."""
+    CALLS["n"] += 1
+    runs = {}
+    docs = [r.id for r in ctx.gallery()]
+    for sp in ctx.eval_splits:
+        runs[sp] = {}
+        for i, q in enumerate(ctx.queries(sp)):
+            s = {d: float(k) / len(docs) for k, d in enumerate(docs)}
+            for g in q.gold:
+                s[g] = 2.0 if (i + ctx.seed) % 2 == 0 else -1.0
+            runs[sp][q.id] = s
+    return MethodOutput(runs, info={"metrics": {sp: {"calls": float(CALLS["n"])} for sp in ctx.eval_splits}},
+                        pair_sims=[0.0] * len(ctx.retention_pairs()))
+
+
+@pytest.fixture
+def fake_methods():
+    added = [register(Method("fake_oracle", "test", ("B",), _fake_run)),
+             register(Method("needy", "test", ("B",), _fake_run, needs=("no_such_module_xyz",)))]
+    yield added
+    for m in added:
+        unregister(m.name)
+
+
+def test_resume_skips_finished_units_and_recomputes_a_corrupt_one(tmp_path, tiny_backbone, fake_methods):
+    kw = dict(quick=True, sets=["B"], methods=["fake_oracle", "needy"], seeds=[0, 1], synth_loader=tiny_synth,
+              backbone_path=tiny_backbone, plots=False, progress=False, log=lambda m: None, n_resamples=200)
+    CALLS["n"] = 0
+    res = run_suite(tmp_path, **kw)
+    assert CALLS["n"] == 2
+    st = res["methods"]
+    assert st["fake_oracle"]["status"] == "done"
+    assert st["needy"]["status"] == "skipped" and "no_such_module_xyz" in st["needy"]["reason"]
+    md = (tmp_path / "results.md").read_text()
+    assert "`needy`" in md and "skipped" in md and "no_such_module_xyz" in md
+    r1 = res["results"]["B"]["test_template"]["fake_oracle"]["R@1"]
+    # seed 0: even-indexed queries right, seed 1: odd ones: each seed's R@1 ~ 1/2, mean of per-query averages 1/2
+    assert r1["mean"] == pytest.approx(0.5) and len(r1["seeds"]) == 2
+    n = r1["n"]
+    assert sorted(r1["seeds"]) == pytest.approx(sorted([math.ceil(n / 2) / n, math.floor(n / 2) / n]))
+    assert res["results"]["B"]["test_template"]["fake_oracle"]["extra"]["calls"] in (1.0, 1.5, 2.0)
+    pq = res["per_query"]["B"]["test_template"]
+    assert len(pq["qids"]) == n and len(pq["fake_oracle"]["0"]["R@1"]) == n
+    # a rerun does nothing new
+    res2 = run_suite(tmp_path, **kw)
+    assert CALLS["n"] == 2
+    assert res2["results"]["B"] == res["results"]["B"]
+    # a corrupt unit (truncated file) and a tampered one (checksum mismatch) are recomputed
+    p0, p1 = unit_path(tmp_path, "fake_oracle", "B", 0), unit_path(tmp_path, "fake_oracle", "B", 1)
+    p0.write_text(p0.read_text()[:100])
+    doc = json.loads(p1.read_text())
+    doc["payload"]["splits"]["test_template"]["R@1"][0] = 0.25
+    p1.write_text(json.dumps(doc))
+    assert read_unit(p0) is None and read_unit(p1) is None
+    res3 = run_suite(tmp_path, **kw)
+    assert CALLS["n"] == 4
+    assert read_unit(p0) is not None and read_unit(p1) is not None
+    assert res3["results"]["B"]["test_template"]["fake_oracle"]["R@1"] == r1
+
+
+def test_unknown_method_or_set_is_rejected(tmp_path, tiny_backbone):
+    with pytest.raises(ValueError, match="unknown method"):
+        run_suite(tmp_path, quick=True, methods=["nope"], synth_loader=tiny_synth, backbone_path=tiny_backbone)
+    with pytest.raises(ValueError, match="unknown set"):
+        run_suite(tmp_path, quick=True, sets=["Z"], synth_loader=tiny_synth, backbone_path=tiny_backbone)
+
+
+def test_registry_validation():
+    with pytest.raises(ValueError, match="sets"):
+        Method("x", "f", ("Q",), _fake_run)
+    with pytest.raises(ValueError, match="name"):
+        Method("a b", "f", ("A",), _fake_run)
+    with pytest.raises(TypeError, match="callable"):
+        Method("x", "f", ("A",), 3)
+    m = register(Method("dup_test", "f", ("A",), _fake_run))
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register(Method("dup_test", "f", ("A",), _fake_run))
+    finally:
+        unregister("dup_test")
+    with pytest.raises(ValueError, match="lacks split"):
+        MethodOutput({"test_date": {}}).validate(["test_date", "test_year"], "m")
+
+
+# ---- the quick suite end to end (real rows, tiny backbone) ----------------------------------------------
+
+MINE = ["bm25_ties_gold", "bm25_ties_last", "minilm_zeroshot", "minilm_ft", "ctd_baseline", "ctd_context",
+        "ctd_bias", "ctd_full"]
+
+
+def test_quick_suite_end_to_end(tmp_path, tiny_backbone):
+    pytest.importorskip("bm25s")
+    budget = Budget(max_train_rows=300, epochs=3, max_length=48, batch_size=16, lr=1e-3)
+    res = run_suite(tmp_path, quick=True, sets=["B"], methods=MINE, synth_loader=tiny_synth,
+                    backbone_path=tiny_backbone, budget=budget, progress=False, log=lambda m: None,
+                    n_resamples=200, command="test")
+    for name in MINE:
+        assert res["methods"][name]["status"] == "done", (name, res["methods"][name])
+    tab = res["results"]["B"]
+    assert set(tab) == {"test_template", "test_date", "test_year", "timeless"}
+    for sp, rows in tab.items():
+        assert set(rows) == set(MINE)
+        for name, row in rows.items():
+            for k in ("R@1", "R@5", "MRR@10", "nDCG@10", "recall@100", "err_time"):
+                assert 0.0 <= row[k]["mean"] <= 1.0
+                lo, hi = row[k]["ci"]
+                assert lo <= row[k]["mean"] + 1e-12 and row[k]["mean"] <= hi + 1e-12
+            errs = sum(row[f"err_{k}"]["mean"] for k in ("time", "entity", "attribute", "other"))
+            assert errs == pytest.approx(1 - row["R@1"]["mean"])
+        # ties ordered gold-first can only help
+        assert rows["bm25_ties_gold"]["R@1"]["mean"] >= rows["bm25_ties_last"]["R@1"]["mean"]
+    # the zero-shot row keeps the geometry exactly; a trained row has a retention value
+    assert tab["test_date"]["minilm_zeroshot"]["retention_spearman"]["mean"] == pytest.approx(1.0)
+    assert -1 <= tab["test_date"]["minilm_ft"]["retention_spearman"]["mean"] < 1.0
+    assert tab["test_date"]["bm25_ties_gold"]["retention_spearman"] is None
+    # fine-tuning trained (loss fell) and the paired comparison is against it
+    info = json.loads(unit_path(tmp_path, "minilm_ft", "B", 0).read_text())["payload"]["info"]
+    assert info["steps"] >= 4 and info["loss_last_5"] < info["loss_first_5"]
+    assert "minilm_ft" not in res["paired"]["B"]["test_date"]
+    assert set(res["paired"]["B"]["test_date"]["ctd_full"]) == {"R@1", "MRR@10", "nDCG@10", "time_swap"}
+    md = (tmp_path / "results.md").read_text()
+    for name in MINE:
+        assert f"`{name}`" in md
+    assert "### test_year" in md and "Paired against `minilm_ft`" in md
+    assert (tmp_path / "plot_setB.png").read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["setup"]["command"] == "test" and saved["results"]["B"] == res["results"]["B"]
+    # the README table generator reads the same results (per-query arrays dropped on import)
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("make_english_table",
+                                                  Path(__file__).parent.parent / "benchmarks" / "make_english_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = mod.table(saved, "results.json")
+    assert "**Set B, test_date**" in text and "| `minilm_ft` |" in text and "(baseline)" in text
+    assert "| `ctd_full` |" in text and ("better" in text or "worse" in text or "no clear difference" in text)
+
+
+def test_real_quick_set_b_with_bm25(tmp_path, tiny_backbone):
+    """The suite on the real generator's quick set B (shared interface 4): every evaluated split of the
+    set is scored, the error split and the time-swap are defined from the generator's meta."""
+    pytest.importorskip("bm25s")
+    synth = pytest.importorskip("tempokern.datasets.synth")
+    res = run_suite(tmp_path, quick=True, sets=["B"], methods=["bm25_ties_gold", "bm25_ties_last"],
+                    synth_loader=synth.load_synth, backbone_path=tiny_backbone, progress=False,
+                    log=lambda m: None, n_resamples=100, plots=False)
+    ds = synth.load_synth("B", seed=0, size="quick").dataset
+    have = {q.split for q in ds.queries} - {"train", "val"}
+    assert set(res["results"]["B"]) == have and "test_masked" in have
+    for sp, rows in res["results"]["B"].items():
+        g, l = rows["bm25_ties_gold"], rows["bm25_ties_last"]
+        assert g["R@1"]["n"] == sum(q.split == sp for q in ds.queries)
+        assert g["R@1"]["mean"] >= l["R@1"]["mean"]
+        errs = sum(l[f"err_{k}"]["mean"] for k in ("time", "entity", "attribute", "other"))
+        assert errs == pytest.approx(1 - l["R@1"]["mean"])
+    assert res["results"]["B"]["test_date"]["bm25_ties_gold"]["time_swap"]["n"] > 0
+    assert res["results"]["B"]["test_date"]["bm25_ties_gold"]["TP@10"]["n"] > 0
+
+
+def test_a_unit_made_under_another_budget_is_recomputed(tmp_path, tiny_backbone, fake_methods):
+    kw = dict(quick=True, sets=["B"], methods=["fake_oracle"], seeds=[0], synth_loader=tiny_synth,
+              backbone_path=tiny_backbone, plots=False, progress=False, log=lambda m: None, n_resamples=50)
+    CALLS["n"] = 0
+    run_suite(tmp_path, **kw)
+    run_suite(tmp_path, **kw)
+    assert CALLS["n"] == 1
+    run_suite(tmp_path, budget=Budget(max_train_rows=10, epochs=1, max_length=48), **kw)
+    assert CALLS["n"] == 2
