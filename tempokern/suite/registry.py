@@ -94,7 +94,8 @@ class Method:
     ``needs``: module names that must be importable; ``description``: one line for results.md;
     ``seeded``: False for a deterministic method that ignores the seed (BM25, a frozen model): it runs
     once (seed 0) and that result stands for every seed; ``in_quick``: False for a row left out of
-    ``--quick`` runs (reported as such) to keep the CI run under its time budget."""
+    ``--quick`` runs (reported as such) to keep the CI run under its time budget; ``quick_sets``: the
+    sets a row runs on in ``--quick`` runs (None: all of ``sets``), for the same reason."""
     name: str
     family: str
     sets: Tuple[str, ...]
@@ -103,6 +104,7 @@ class Method:
     description: str = ""
     seeded: bool = True
     in_quick: bool = True
+    quick_sets: Optional[Tuple[str, ...]] = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or any(c in self.name for c in "/\\ \t\n"):
@@ -113,6 +115,12 @@ class Method:
         bad = [s for s in self.sets if s not in SETS]
         if bad or not self.sets:
             raise ValueError(f"Method {self.name!r}: sets must be some of {SETS}, got {self.sets!r}")
+        if self.quick_sets is not None:
+            qs = (self.quick_sets,) if isinstance(self.quick_sets, str) else tuple(self.quick_sets)
+            if not qs or any(x not in self.sets for x in qs):
+                raise ValueError(f"Method {self.name!r}: quick_sets must be some of its sets {self.sets}, "
+                                 f"got {self.quick_sets!r}")
+            object.__setattr__(self, "quick_sets", qs)
         if isinstance(self.needs, str):
             object.__setattr__(self, "needs", (self.needs,))
         object.__setattr__(self, "needs", tuple(self.needs))

@@ -214,7 +214,8 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
     units: Dict[Tuple[str, str, int], dict] = {}
     set_info: Dict[str, dict] = {}
     for s in sets:
-        todo = [m for m in chosen if s in m.sets and status[m.name]["status"] != "skipped"]
+        todo = [m for m in chosen if status[m.name]["status"] != "skipped"
+                and s in (m.quick_sets if quick and m.quick_sets and not methods else m.sets)]
         if not todo:
             continue
         t = time.time()

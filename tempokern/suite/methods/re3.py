@@ -65,4 +65,5 @@ _DESC = {
     "film_margins": "as re3-film plus the hardest-negative and time-wrong margins (λ_hard = λ_tw = 0.1, δ = 0.1)",
 }
 for _v in ("base", "film", "film_margins"):
-    register(Method(f"re3-{_v}", "re3", ("B", "C"), _run(_v), needs=("transformers",), description=_DESC[_v]))
+    register(Method(f"re3-{_v}", "re3", ("B", "C"), _run(_v), needs=("transformers",), description=_DESC[_v],
+                    in_quick=_v != "film", quick_sets=("B",)))

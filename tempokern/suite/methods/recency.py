@@ -1,9 +1,11 @@
-"""Recency-filter rows (Re³ §3.4, design notes §3.6 "Filter"): a zero-shot base retriever's top-k with and
+"""Recency-filter rows (Re³ §3.4, design notes §3.6 "Filter"): a base retriever's top-k with and
 without the conflict-aware recency filter, on set C (versioned forecasts) and set B (no outdated versions:
 the filter must remove nothing there).
 
 Rows ``<base>+recency-<variant>``: base ``minilm-zs`` (the suite's backbone, mean pooled, L2-normalised,
-no training) or ``bm25`` (bm25s, word tokens); variant ``none`` (the base alone), ``metadata`` /
+no training), ``bm25`` (bm25s, word tokens) or ``re3`` (the trained ``re3-film_margins`` row of the same
+seed: Re³'s retriever followed by its filter, as in the paper; its runs reach depth ``ctx.depth``, so after
+removals a few queries hold slightly fewer than ``ctx.depth`` documents); variant ``none`` (the base alone), ``metadata`` /
 ``rule`` (:class:`MetadataExtractor` — the oracle from the records' facts — or :class:`RuleExtractor`,
 policy ``conflict``), ``metadata-latest`` / ``rule-latest`` (policy ``latest_only``). The filter reads the
 top :data:`K` of each query; ``runs`` are the base runs with the removed documents dropped (so the suite's
@@ -21,7 +23,7 @@ from typing import Any, Dict, Optional, Tuple
 from .. import Method, MethodOutput, register, topk_runs
 
 K = 5
-BASES = {"minilm-zs": ("transformers",), "bm25": ("bm25s",)}
+BASES = {"minilm-zs": ("transformers",), "bm25": ("bm25s",), "re3": ("transformers",)}
 VARIANTS = {"none": (None, "conflict"), "metadata": ("metadata", "conflict"), "rule": ("rule", "conflict"),
             "metadata-latest": ("metadata", "latest_only"), "rule-latest": ("rule", "latest_only")}
 SETS = ("B", "C")
@@ -32,7 +34,8 @@ _TOKENIZERS: Dict[str, Any] = {}
 
 def _cache_key(ctx, base: str) -> Tuple:
     recs = ctx.dataset.records
-    return (base, str(ctx.backbone_path) if base == "minilm-zs" else None, ctx.set_name, len(recs),
+    return (base, str(ctx.backbone_path) if base != "bm25" else None, ctx.seed if base == "re3" else None,
+            ctx.set_name, len(recs),
             recs[0].id if recs else None, recs[-1].id if recs else None, len(ctx.dataset.queries),
             ctx.budget.max_length, tuple(ctx.eval_splits), ctx.depth)
 
@@ -81,6 +84,9 @@ def base_runs(ctx, base: str) -> Dict[str, Dict[str, Dict[str, float]]]:
         for split in ctx.eval_splits:
             qs = ctx.queries(split)
             runs[split] = topk_runs(scorer(qs, gallery), [x.id for x in qs], gids, depth)
+    elif base == "re3":   # the trained Re³ row (film_margins) of this seed: the paper's retriever + filter
+        from .re3 import run_re3
+        runs = run_re3(ctx, "film_margins").runs
     else:
         raise ValueError(f"unknown base retriever {base!r}: expected one of {', '.join(BASES)}")
     _BASE_CACHE[key] = runs
@@ -155,8 +161,13 @@ def _make_run(base: str, variant: str):
 for _base, _needs in BASES.items():
     for _variant in VARIANTS:
         _ex, _pol = VARIANTS[_variant]
+        if _base == "re3" and _variant == "none":
+            continue   # = the re3-film_margins row itself
+        # zero-shot and BM25 bases are deterministic (one run stands for every seed); --quick runs only the
+        # zero-shot base with and without the oracle filter, on set C
         register(Method(f"{_base}+recency-{_variant}", family="recency", sets=SETS, run=_make_run(_base, _variant),
-                        needs=_needs,
-                        description=(f"zero-shot {_base} top-{K}" + ("" if _ex is None else
+                        needs=_needs, seeded=_base == "re3",
+                        in_quick=_base == "minilm-zs" and _variant in ("none", "metadata"), quick_sets=("C",),
+                        description=(("" if _base == "re3" else "zero-shot ") + f"{_base} top-{K}" + ("" if _ex is None else
                                      f" through the recency filter ({_ex} extractor, {_pol})"))),
                  replace=True)

@@ -34,7 +34,7 @@ def _make_run(variant: str):
                          gamma=RECIPE["gamma"], temperature=RECIPE["temperature"],
                          lr=b.lr * RECIPE["lora_lr_factor"], batch_size=b.batch_size, epochs=b.epochs,
                          hard_negatives=RECIPE["hard_negatives"], negative_queries=RECIPE["negative_queries"],
-                         seed=ctx.seed, progress=ctx._progress_enabled)
+                         seed=ctx.seed, progress=ctx.progress_enabled)
         resume = (ctx.work_dir / "last" / "trainer_state.pt").exists()
         res = train_tmrl(model, data, cfg, ctx.work_dir, resume=resume, device=ctx.device, log=ctx.log)
         model.merge_lora().to(ctx.device)
@@ -53,4 +53,6 @@ for _v, _d in (("lora", "LoRA fine-tuning, full-dim InfoNCE only"),
                ("mrl", "LoRA-MRL: Matryoshka InfoNCE over dims 32..384"),
                ("tmrl_noaux", "TMRL without the self-distillation terms (beta = gamma = 0)"),
                ("tmrl", "TMRL: MRL + temporal subspace + distillation + CKA")):
-    register(Method(_v, family="tmrl", sets=("A", "B"), run=_make_run(_v), needs=("peft",), description=_d))
+    # --quick (the CI demo): only the full TMRL row, on set A; the comparison rows run in full runs
+    register(Method(_v, family="tmrl", sets=("A", "B"), run=_make_run(_v), needs=("peft",), description=_d,
+                    in_quick=_v == "tmrl", quick_sets=("A",)))
