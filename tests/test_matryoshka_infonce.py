@@ -590,3 +590,31 @@ def test_bias_bad_inputs():
         mi(q, d, [4, 8], temperature=0.1, bias=b, bias_table_points=3.0)
     with pytest.raises(ValueError, match="without a bias"):
         mi(q, d, [4, 8], temperature=0.1, bias_table_points=9)
+
+
+@pytest.mark.parametrize("table", [False, True])
+def test_bias_opcheck_and_gradcheck(table):
+    """torch.library.opcheck of tempokern::matryoshka_infonce_bias (exact MLP and table mode), and gradcheck
+    of the public function (exact MLP) in every input, the bias's seven included."""
+    from tempokern._ops.matryoshka_infonce import inverse_prefix_norms
+    from tempokern.reference.offset_bias import offset_bias_table
+    q, d, neg, _ = make(9, 12, N=4)
+    u_q, u_d, w1, b1, w2, b2, scale = make_bias(9, 9, hidden=3, D=4, seed=11)
+    ids = torch.arange(9)
+    dims = [4, 12]
+    rho, kap, kn = (inverse_prefix_norms(x, dims) for x in (q, d, neg))
+    bk = ((u_q, u_d, offset_bias_table(w1, b1, w2, b2, scale, 9), None, None, None, None, None) if table else
+          (u_q, u_d, None, w1, b1, w2, b2, scale))
+    bk = tuple(None if t is None else t.clone().requires_grad_() for t in bk)
+    args = (q.requires_grad_(), d.requires_grad_(), neg.requires_grad_(), rho.requires_grad_(),
+            kap.requires_grad_(), kn.requires_grad_(), ids, ids, ids, ids, None, *bk, [0, 4, 12], [1.0, 0.5], 10.0,
+            0.5, 0.5, 0)
+    torch.library.opcheck(torch.ops.tempokern.matryoshka_infonce_bias.default, args)
+    if table:  # the table mode's gradients: parity with the reference's interpolant above
+        return
+    q, d, neg, sp = make(4, 6, Bd=5, N=2, spans="random", seed=12)
+    bias = make_bias(4, 5, hidden=3, D=4, seed=13)
+    ins = tuple(x.clone().requires_grad_() for x in (q, d, neg) + bias)
+    f = lambda a, b, c, *bs: tempokern.matryoshka_infonce(  # noqa: E731
+        a, b, (2, 5, 6), weights=(1.0, 0.5, 2.0), temperature=0.3, extra_neg=c, bias=bs, **sp)
+    assert torch.autograd.gradcheck(f, ins, fast_mode=True)  # each offset_bias launch costs ~20 ms here
