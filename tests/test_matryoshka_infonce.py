@@ -351,8 +351,6 @@ def test_bad_inputs():
         mi(q, d, [4, 8], temperature=0.1, q_span=torch.arange(6), d_span=torch.arange(6))
     with pytest.raises(ValueError, match="device"):
         mi(q, d.to("meta"), [4, 8], temperature=0.1)
-    with pytest.raises(NotImplementedError, match="bias"):
-        mi(q, d, [4, 8], temperature=0.1, bias=(torch.zeros(6),) * 7)
 
 
 def test_reference_matches_sentence_transformers_formula():
@@ -437,3 +435,186 @@ def test_gather_two_gloo_processes(tmp_path):
             got_q = torch.cat([res[0][c]["grads"][0], res[1][c]["grads"][0]]) / 2
             torch.testing.assert_close(got_q, gq, rtol=1e-10, atol=1e-12)
         assert all(torch.isfinite(x).all() for r in res for x in r[c]["grads"])
+
+
+# ---- bias: offset_bias's per-pair bias, the same on every level (blocked path on every device) ------------
+
+def make_bias(B, Bd, *, hidden=5, D=7, seed=1, dtype=torch.float64, u_lo=-0.5, u_hi=1.5):
+    """(u_q, u_d, w1, b1, w2, b2, scale): offsets reaching both clamp sides and the inside of [-1, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.empty(B, dtype=torch.float64).uniform_(u_lo, u_hi, generator=g).to(dtype),
+            torch.empty(Bd, dtype=torch.float64).uniform_(u_lo, u_hi, generator=g).to(dtype),
+            torch.randn(hidden, D, generator=g, dtype=torch.float64).to(dtype),
+            torch.randn(hidden, generator=g, dtype=torch.float64).to(dtype),
+            torch.randn(1, hidden, generator=g, dtype=torch.float64).to(dtype),
+            torch.randn(1, generator=g, dtype=torch.float64).to(dtype),
+            torch.tensor(1.7, dtype=torch.float64).to(dtype))
+
+
+def run_both_bias(q, d, neg, sp, dims, bias, *, level_w=None, table_points=None, **kw):
+    """Loss, levels and the gradients of q, d, [extra_neg], u_q, u_d, w1, b1, w2, b2, scale for the fused op
+    and the reference (the reference's table mode when table_points is given)."""
+    out = []
+    for fused in (True, False):
+        ins = [x.clone().requires_grad_() for x in (q, d) + ((neg,) if neg is not None else ())]
+        bs = [t.clone().requires_grad_() for t in bias]
+        extra = dict(bias_table_points=table_points) if table_points is not None else {}
+        fn = tempokern.matryoshka_infonce if fused else ref
+        loss, levels = fn(ins[0], ins[1], dims, extra_neg=ins[2] if neg is not None else None, return_levels=True,
+                          bias=tuple(bs), **sp, **kw, **extra)
+        total = loss if level_w is None else loss + (levels * level_w.to(levels.dtype)).sum()
+        grads = torch.autograd.grad(total, ins + bs)
+        out.append((loss.detach(), levels.detach(), [g.detach() for g in grads]))
+    return out
+
+
+BIAS_CASES = [  # (B, Bd, N, spans, symmetric)
+    (70, 70, 0, None, False), (70, 70, 0, None, True), (70, 101, 13, None, False), (70, 70, 13, "random", True),
+    (70, 70, 0, "random", False), (5, 9, 3, "random", False),
+]
+
+
+@pytest.mark.parametrize("block", [0, 16])
+@pytest.mark.parametrize("B,Bd,N,spans,symmetric", BIAS_CASES)
+def test_bias_parity_float64(B, Bd, N, spans, symmetric, block):
+    """Loss, levels and all gradients (q, d, extra_neg and the seven bias inputs) against the reference in
+    float64; block=16: several row blocks (the bias block and its gradient per block)."""
+    from tempokern._ops.matryoshka_infonce import force_blocked
+    q, d, neg, sp = make(B, 50, Bd=Bd, N=N, spans=spans)
+    bias = make_bias(B, Bd)
+    with force_blocked(block) if block else torch.enable_grad():
+        res = run_both_bias(q, d, neg, sp, (33, 8, 50, 20), bias, weights=(2.0, 1.0, 0.0, 0.5), temperature=0.07,
+                            symmetric=symmetric, level_w=torch.tensor([0.3, -0.2, 0.0, 1.5]))
+    assert_parity(*res, 1e-10)
+    assert len(res[0][2]) == 2 + (N > 0) + 7
+    # the bias matters: without it the loss differs
+    plain = tempokern.matryoshka_infonce(q, d, (33, 8, 50, 20), temperature=0.07, symmetric=symmetric, **sp,
+                                         extra_neg=neg)
+    assert abs(plain.item() - res[0][0].item()) > 1e-3
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_bias_table_mode_matches_reference_table(symmetric):
+    """bias_table_points=N against the reference's tabulated bias (the same interpolant), several blocks."""
+    from tempokern._ops.matryoshka_infonce import force_blocked
+    q, d, neg, sp = make(40, 24, N=7, spans="random", seed=3)
+    bias = make_bias(40, 40, seed=4)
+    with force_blocked(12):
+        res = run_both_bias(q, d, neg, sp, (6, 24, 13), bias, temperature=0.1, symmetric=symmetric,
+                            table_points=33, level_w=torch.tensor([0.5, 0.0, -1.0]))
+    assert_parity(*res, 1e-10)
+    exact = tempokern.matryoshka_infonce(q, d, (6, 24, 13), temperature=0.1, symmetric=symmetric, extra_neg=neg,
+                                         bias=bias, **sp)
+    assert abs(exact.item() - res[0][0].item()) > 1e-6  # 33 points: the interpolant is not the MLP
+
+
+def test_bias_module_form_reaches_module_parameters():
+    """bias=(u_q, u_d, OffsetBias) equals the 7-tuple of the module's parameters; gradients reach them."""
+    from tempokern.nn.offset_bias import bias_params
+    torch.manual_seed(0)
+    m = tempokern.nn.OffsetBias(features=6, hidden=4).double()
+    q, d, neg, sp = make(20, 16, seed=5)
+    u_q, u_d = make_bias(20, 20, seed=6)[:2]
+    loss = tempokern.matryoshka_infonce(q, d, (8, 16), temperature=0.1, bias=(u_q, u_d, m))
+    loss.backward()
+    grads = [p.grad.clone() for p in bias_params(m)]
+    ps = [p.detach().clone().requires_grad_() for p in bias_params(m)]
+    expect = ref(q, d, (8, 16), temperature=0.1, bias=(u_q, u_d, *ps))
+    torch.testing.assert_close(loss.detach(), expect.detach(), rtol=1e-10, atol=1e-10)
+    for g, e in zip(grads, torch.autograd.grad(expect, ps)):
+        torch.testing.assert_close(g, e.reshape(g.shape), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_bias_single_level_equals_multipos_infonce(symmetric):
+    """One level (dims = (H,)) with a bias is multipos_infonce with the same bias on the normalised inputs."""
+    q, d, neg, sp = make(30, 12, N=5, spans="random", seed=7)
+    bias = make_bias(30, 30, seed=8)
+    a = tempokern.matryoshka_infonce(q, d, (12,), temperature=0.05, symmetric=symmetric, extra_neg=neg, bias=bias,
+                                     **sp)
+    b = tempokern.multipos_infonce(F.normalize(q, dim=-1), F.normalize(d, dim=-1), sp["q_span"], sp["d_span"],
+                                   temperature=0.05, symmetric=symmetric, extra_neg=F.normalize(neg, dim=-1),
+                                   bias=bias)
+    torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+def test_bias_cuda_parity(gpu):
+    """The CUDA path with a bias (on the emulator: the offset_bias kernels launch) vs the reference in
+    float64, several row blocks, and float32 against float64 by the 2x rule."""
+    from tempokern._ops.matryoshka_infonce import force_blocked
+    q, d, neg, sp = make(96, 48, N=11, spans="random", seed=9)
+    bias = make_bias(96, 96, seed=10)
+    sp = {k: tuple(t.to(gpu) for t in v) for k, v in sp.items()}
+    q, d, neg = q.to(gpu), d.to(gpu), neg.to(gpu)
+    bias = tuple(t.to(gpu) for t in bias)
+    dims = (8, 48, 20)
+    with force_blocked(40):
+        res = run_both_bias(q, d, neg, sp, dims, bias, temperature=0.05, symmetric=True)
+        assert_parity(*res, 1e-9)
+        exact = res[1]
+        b32 = tuple(t.float() for t in bias)
+        fused, torch32 = run_both_bias(q.float(), d.float(), neg.float(), sp, dims, b32, temperature=0.05,
+                                       symmetric=True)
+    for a, b, e in zip([fused[0], fused[1], *fused[2]], [torch32[0], torch32[1], *torch32[2]],
+                       [exact[0], exact[1], *exact[2]]):
+        err_f = (a.double() - e).abs().max().item()
+        err_t = (b.double() - e).abs().max().item()
+        assert err_f <= 2 * err_t + 64 * torch.finfo(torch.float32).eps * e.abs().max().item(), (err_f, err_t)
+
+
+def test_bias_bad_inputs():
+    q, d, neg, sp = make(6, 8)
+    b = make_bias(6, 6)
+    mi = tempokern.matryoshka_infonce
+    with pytest.raises(TypeError, match="bias must be None"):
+        mi(q, d, [4, 8], temperature=0.1, bias=b[:5])
+    with pytest.raises(TypeError, match="bias must be None"):
+        mi(q, d, [4, 8], temperature=0.1, bias=torch.zeros(6))
+    with pytest.raises(TypeError, match="module alone"):
+        mi(q, d, [4, 8], temperature=0.1, bias=tempokern.nn.OffsetBias(features=4, hidden=3))
+    with pytest.raises(ValueError, match="bias u_q must have shape"):
+        mi(q, d, [4, 8], temperature=0.1, bias=(b[0][:5], *b[1:]))
+    with pytest.raises(ValueError, match="bias u_d must have shape"):
+        mi(q, d, [4, 8], temperature=0.1, bias=(b[0], b[1][:4], *b[2:]))
+    with pytest.raises(ValueError, match="bias b1 must have shape"):
+        mi(q, d, [4, 8], temperature=0.1, bias=(*b[:3], b[3][:2], *b[4:]))
+    with pytest.raises(ValueError, match="bias w2 must have shape"):
+        mi(q, d, [4, 8], temperature=0.1, bias=(*b[:4], b[4].t(), *b[5:]))
+    with pytest.raises(TypeError, match="bias w1"):
+        mi(q, d, [4, 8], temperature=0.1, bias=(*b[:2], b[2].long(), *b[3:]))
+    with pytest.raises(ValueError, match="device"):
+        mi(q, d, [4, 8], temperature=0.1, bias=(*b[:6], b[6].to("meta")))
+    with pytest.raises(ValueError, match="bias_table_points must be >= 2"):
+        mi(q, d, [4, 8], temperature=0.1, bias=b, bias_table_points=1)
+    with pytest.raises(TypeError, match="bias_table_points must be None or an int"):
+        mi(q, d, [4, 8], temperature=0.1, bias=b, bias_table_points=3.0)
+    with pytest.raises(ValueError, match="without a bias"):
+        mi(q, d, [4, 8], temperature=0.1, bias_table_points=9)
+
+
+@pytest.mark.parametrize("table", [False, True])
+def test_bias_opcheck_and_gradcheck(table):
+    """torch.library.opcheck of tempokern::matryoshka_infonce_bias (exact MLP and table mode), and gradcheck
+    of the public function (exact MLP) in every input, the bias's seven included."""
+    from tempokern._ops.matryoshka_infonce import inverse_prefix_norms
+    from tempokern.reference.offset_bias import offset_bias_table
+    q, d, neg, _ = make(9, 12, N=4)
+    u_q, u_d, w1, b1, w2, b2, scale = make_bias(9, 9, hidden=3, D=4, seed=11)
+    ids = torch.arange(9)
+    dims = [4, 12]
+    rho, kap, kn = (inverse_prefix_norms(x, dims) for x in (q, d, neg))
+    bk = ((u_q, u_d, offset_bias_table(w1, b1, w2, b2, scale, 9), None, None, None, None, None) if table else
+          (u_q, u_d, None, w1, b1, w2, b2, scale))
+    bk = tuple(None if t is None else t.clone().requires_grad_() for t in bk)
+    args = (q.requires_grad_(), d.requires_grad_(), neg.requires_grad_(), rho.requires_grad_(),
+            kap.requires_grad_(), kn.requires_grad_(), ids, ids, ids, ids, None, *bk, [0, 4, 12], [1.0, 0.5], 10.0,
+            0.5, 0.5, 0)
+    torch.library.opcheck(torch.ops.tempokern.matryoshka_infonce_bias.default, args)
+    if table:  # the table mode's gradients: parity with the reference's interpolant above
+        return
+    q, d, neg, sp = make(4, 6, Bd=5, N=2, spans="random", seed=12)
+    bias = make_bias(4, 5, hidden=3, D=4, seed=13)
+    ins = tuple(x.clone().requires_grad_() for x in (q, d, neg) + bias)
+    f = lambda a, b, c, *bs: tempokern.matryoshka_infonce(  # noqa: E731
+        a, b, (2, 5, 6), weights=(1.0, 0.5, 2.0), temperature=0.3, extra_neg=c, bias=bs, **sp)
+    assert torch.autograd.gradcheck(f, ins, fast_mode=True)  # each offset_bias launch costs ~20 ms here

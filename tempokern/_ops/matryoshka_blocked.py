@@ -10,7 +10,14 @@ Products: 2 B C H flops forward + 6 B C H backward, the same as one level. Memor
 (K + 4) x R x (C + N) float32 values (R chosen so that this fits min(1 GiB, free / 4) on CUDA,
 TEMPOKERN_BLOCK_BYTES overrides), plus O((B + C + N) (H + K)); never B x C unless one block holds it.
 Not yet fused into custom CUDA kernels (the statistics and coefficient steps are ~10 torch element-wise
-ops per level and block); bias is not supported on this path."""
+ops per level and block).
+
+Bias (offset_bias's per-pair bias, the same for every level): per row block the (R, C) bias block is
+computed once (the exact MLP by tempokern's offset_bias kernel on the block's u_q against all u_d, or the
+table interpolation) and added to each level's logit block; backward sums the per-pair coefficient blocks
+over the levels (sum_l g_l, one (R, C) buffer) and feeds it to offset_bias_backward (or the table's
+backward) once per block. Two more (R, C) blocks of memory; the MLP cost is that of one offset_bias
+forward and backward over the B x C pairs, not K of them."""
 from __future__ import annotations
 
 from typing import List, Sequence
@@ -32,7 +39,7 @@ def _none_flags(q_lo, q_hi, d_lo, d_hi):
 
 class _Ctx:
     def __init__(self, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
-                 col_weight, diag_offset, block):
+                 col_weight, diag_offset, block, bias=None):
         self.acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         self.q, self.d, self.neg = q.to(self.acc), d.to(self.acc), None if extra_neg is None else extra_neg.to(self.acc)
         self.rho, self.kap = rho.to(self.acc), kap.to(self.acc)
@@ -45,7 +52,9 @@ class _Ctx:
         rn, self.col_none = _none_flags(q_lo, q_hi, d_lo, d_hi)
         self.row_none_local = rn
         self.row_fb_col = rn if row_none is None else row_none.bool()  # decides the column fallback
-        per_elem = 4 * (self.K + 4)
+        # bias: None, or (u_q, u_d, table, w1, b1, w2, b2, scale) with table None (exact MLP) or w1..scale None
+        self.bias = bias
+        per_elem = 4 * (self.K + 4 + (2 if bias is not None else 0))
         self.R = block_rows(self.Bq, self.Bd, self.N, per_elem, q.device, block)
         self.cols_j = torch.arange(self.Bd, device=q.device)
 
@@ -63,6 +72,33 @@ class _Ctx:
             out.append(G * (self.it * self.rho[l, i0:i1])[:, None] * scale_cols[l][None, :])
         return out
 
+    def bias_block(self, i0, i1):
+        """The (R, Bd) bias block of rows i0..i1 in the accumulation dtype, or None without a bias."""
+        if self.bias is None:
+            return None
+        u_q, u_d, table, *exact = self.bias
+        if table is not None:
+            b = torch.ops.tempokern.offset_bias_interp(u_q[i0:i1], u_d, table)
+        else:
+            b = torch.ops.tempokern.offset_bias(u_q[i0:i1], u_d, *exact)
+        return b.to(self.acc)
+
+    def bias_backward(self, i0, i1, Gb, acc_grads):
+        """Adds the bias inputs' gradients for the block's per-pair gradient Gb (R, Bd) into acc_grads
+        (float64: u_q (Bq,), u_d (Bd,), table, w1, b1, w2, b2, scale; None where absent)."""
+        u_q, u_d, table, *exact = self.bias
+        if table is not None:
+            g_uq, g_ud, g_t = torch.ops.tempokern.offset_bias_interp_backward(Gb, u_q[i0:i1], u_d, table)
+            rest = [g_t] + [None] * 5
+        else:
+            g_uq, g_ud, *g_ex = torch.ops.tempokern.offset_bias_backward(Gb, u_q[i0:i1], u_d, *exact)
+            rest = [None] + list(g_ex)
+        acc_grads[0][i0:i1] += g_uq.double()
+        acc_grads[1] += g_ud.double()
+        for k, g in enumerate(rest):
+            if g is not None:
+                acc_grads[2 + k] += g.double().reshape(acc_grads[2 + k].shape)
+
     def masks(self, i0, i1):
         """(overlap, row positives, column positives) of the block, bool (R x Bd)."""
         ov = torch.maximum(self.q_lo[i0:i1, None], self.d_lo[None, :]) <= torch.minimum(self.q_hi[i0:i1, None],
@@ -79,9 +115,9 @@ def _masked_lse(z, mask, dim):
 
 def blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg: Sequence[int],
                     coef: Sequence[float], inv_temp: float, row_weight: float, col_weight: float, diag_offset: int,
-                    block: int = 0) -> List[torch.Tensor]:
+                    block: int = 0, bias=None) -> List[torch.Tensor]:
     c = _Ctx(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
-             col_weight, diag_offset, block)
+             col_weight, diag_offset, block, bias)
     K, dev, acc = c.K, q.device, c.acc
     row_stats = torch.zeros(K, 3, c.Bq, dtype=acc, device=dev)
     col_stats = torch.zeros(K, 3, c.Bd, dtype=acc, device=dev)
@@ -92,8 +128,9 @@ def blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row
         zs = c.snapshots(i0, i1, c.d, c.kap)
         zn = c.snapshots(i0, i1, c.neg, c.kneg) if c.N else None
         pos_r, pos_c = c.masks(i0, i1)
+        bb = c.bias_block(i0, i1)
         for l in range(K):
-            z = zs[l]
+            z = zs[l] if bb is None else zs[l] + bb
             za = z if zn is None else torch.cat([z, zn[l]], dim=1)
             row_stats[l, 0, i0:i1] = torch.logsumexp(za, dim=1)
             row_stats[l, 1, i0:i1] = _masked_lse(z, pos_r, 1)
@@ -115,10 +152,15 @@ def blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row
 
 def blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none,
                      seg: Sequence[int], inv_temp: float, row_weight: float, col_weight: float, diag_offset: int,
-                     block: int = 0) -> List[torch.Tensor]:
+                     block: int = 0, bias=None) -> List[torch.Tensor]:
+    """[dq, dd, dneg, drho, dkap, dkneg] (empty where absent), then with a bias the float64 gradients of its
+    eight inputs [du_q, du_d, dtable, dw1, db1, dw2, db2, dscale] (empty where absent)."""
     c = _Ctx(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
-             col_weight, diag_offset, block)
+             col_weight, diag_offset, block, bias)
     K, acc = c.K, c.acc
+    bgrads = None
+    if bias is not None:
+        bgrads = [None if t is None else torch.zeros(t.shape, dtype=torch.float64, device=q.device) for t in bias]
     coef = [float(x) for x in lcoef.detach().to("cpu", torch.float64).tolist()]
     cols = col_weight != 0.0
     rw = [x * row_weight / c.Bq if c.Bq else 0.0 for x in coef]
@@ -133,11 +175,13 @@ def blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kne
             zs = c.snapshots(i0, i1, c.d, c.kap)
             zn = c.snapshots(i0, i1, c.neg, c.kneg) if (c.N and row_weight != 0.0) else None
             pos_r, pos_c = c.masks(i0, i1)
+            bb = c.bias_block(i0, i1)
+            Gb = None  # sum over the levels of dL/dz_l: the per-pair bias gradient
             Hacc = Hn = None
             for l in range(K - 1, -1, -1):
                 a, b = c.seg[l], c.seg[l + 1]
                 if active[l]:
-                    z = zs[l]
+                    z = zs[l] if bb is None else zs[l] + bb
                     g = torch.zeros_like(z)
                     if row_weight != 0.0:
                         lse, lsep = row_stats[l, 0, i0:i1, None], row_stats[l, 1, i0:i1, None]
@@ -145,7 +189,9 @@ def blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kne
                     if cols:
                         g = g + cw[l] * (torch.exp(z - col_stats[l, 0][None, :])
                                          - torch.where(pos_c, torch.exp(z - col_stats[l, 1][None, :]), 0.0))
-                    u = g * z
+                    if bb is not None:
+                        Gb = g if Gb is None else Gb + g
+                    u = g * zs[l]  # the product part of the logit: d z / d rho = zs / rho
                     drho[l, i0:i1] += u.sum(dim=1) / c.rho[l, i0:i1]
                     dkap[l] += u.sum(dim=0) / c.kap[l]
                     h = g * (c.it * c.rho[l, i0:i1])[:, None] * c.kap[l][None, :]
@@ -163,5 +209,10 @@ def blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kne
                 if Hn is not None:
                     dq[i0:i1, a:b] += Hn @ c.neg[:, a:b]
                     dneg[:, a:b].addmm_(Hn.t(), c.q[i0:i1, a:b])
+            if Gb is not None:
+                c.bias_backward(i0, i1, Gb, bgrads)
     e = lambda: q.new_empty(0, dtype=acc)  # noqa: E731
-    return [dq, dd, e() if dneg is None else dneg, drho, dkap, e() if dkneg is None else dkneg]
+    out = [dq, dd, e() if dneg is None else dneg, drho, dkap, e() if dkneg is None else dkneg]
+    if bgrads is not None:
+        out += [q.new_empty(0, dtype=torch.float64) if g is None else g for g in bgrads]
+    return out

@@ -20,7 +20,8 @@ import torch
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, kernels, launch_args,
                      on_cuda_path, ptr)
 from .matryoshka_blocked import blocked_backward, blocked_forward
-from .multipos_infonce import _check_span, _span_bounds
+from ..reference.offset_bias import offset_bias_table
+from .multipos_infonce import _BIAS_NAMES, _check_span, _span_bounds, check_table_points, validate_bias
 
 EPS = 1e-12  # F.normalize's clamp of the norm
 
@@ -205,6 +206,95 @@ def _backward(ctx, grads_out):
 _mat.register_autograd(_backward, setup_context=_setup)
 
 
+# ---- the bias: always the blocked path (CPU and CUDA) -----------------------------------------------
+
+_BIAS_IN = ("u_q", "u_d", "table", "w1", "b1", "w2", "b2", "scale")
+
+
+@torch.library.custom_op("tempokern::matryoshka_infonce_bias", mutates_args=())
+def _mat_bias(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor], rho: torch.Tensor,
+              kap: torch.Tensor, kneg: Optional[torch.Tensor], q_lo: torch.Tensor, q_hi: torch.Tensor,
+              d_lo: torch.Tensor, d_hi: torch.Tensor, row_none: Optional[torch.Tensor], u_q: torch.Tensor,
+              u_d: torch.Tensor, table: Optional[torch.Tensor], w1: Optional[torch.Tensor],
+              b1: Optional[torch.Tensor], w2: Optional[torch.Tensor], b2: Optional[torch.Tensor],
+              scale: Optional[torch.Tensor], seg: List[int], coef: List[float], inv_temp: float, row_weight: float,
+              col_weight: float, diag_offset: int) -> List[torch.Tensor]:
+    """matryoshka_infonce with offset_bias's per-pair bias added to every level's logits: [loss, levels,
+    row_stats, col_stats] by the blocked path. table (points,) given: the table mode (w1..scale None);
+    else the exact MLP (w1..scale)."""
+    return blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
+                           row_weight, col_weight, diag_offset, _block_rows(),
+                           bias=(u_q, u_d, table, w1, b1, w2, b2, scale))
+
+
+@_mat_bias.register_fake
+def _(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, u_q, u_d, table, w1, b1, w2, b2, scale, seg,
+      coef, inv_temp, row_weight, col_weight, diag_offset):
+    K = len(seg) - 1
+    return [q.new_empty(()), q.new_empty((K,)), q.new_empty((K, 3, q.shape[0])), q.new_empty((K, 3, d.shape[0]))]
+
+
+@torch.library.custom_op("tempokern::matryoshka_infonce_bias_backward", mutates_args=())
+def _mat_bias_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.Tensor, q: torch.Tensor,
+                       d: torch.Tensor, extra_neg: Optional[torch.Tensor], rho: torch.Tensor, kap: torch.Tensor,
+                       kneg: Optional[torch.Tensor], q_lo: torch.Tensor, q_hi: torch.Tensor, d_lo: torch.Tensor,
+                       d_hi: torch.Tensor, row_none: Optional[torch.Tensor], u_q: torch.Tensor, u_d: torch.Tensor,
+                       table: Optional[torch.Tensor], w1: Optional[torch.Tensor], b1: Optional[torch.Tensor],
+                       w2: Optional[torch.Tensor], b2: Optional[torch.Tensor], scale: Optional[torch.Tensor],
+                       seg: List[int], inv_temp: float, row_weight: float, col_weight: float,
+                       diag_offset: int) -> List[torch.Tensor]:
+    """[dq, dd, dneg, drho, dkap, dkneg] in the accumulation dtype, then [du_q, du_d, dtable, dw1, db1, dw2,
+    db2, dscale] in float64 (empty where absent)."""
+    return blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
+                            row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(),
+                            bias=(u_q, u_d, table, w1, b1, w2, b2, scale))
+
+
+@_mat_bias_backward.register_fake
+def _(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, u_q, u_d, table,
+      w1, b1, w2, b2, scale, seg, inv_temp, row_weight, col_weight, diag_offset):
+    out = [q.new_empty(q.shape), q.new_empty(d.shape), q.new_empty(0) if extra_neg is None else q.new_empty(
+        extra_neg.shape), q.new_empty(rho.shape), q.new_empty(kap.shape),
+        q.new_empty(0) if kneg is None else q.new_empty(kneg.shape)]
+    for t in (u_q, u_d, table, w1, b1, w2, b2, scale):
+        out.append(q.new_empty(0, dtype=torch.float64) if t is None else q.new_empty(t.shape, dtype=torch.float64))
+    return out
+
+
+_NTB = 19  # tensor inputs of the bias op (the 11 of matryoshka_infonce, then the 8 bias inputs)
+
+
+def _bias_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[2], output[3], *inputs[:_NTB])
+    ctx.present = [t is not None for t in inputs[:_NTB]]
+    ctx.dtypes = [None if t is None else t.dtype for t in inputs[:_NTB]]
+    ctx.seg, ctx.coef = inputs[_NTB], inputs[_NTB + 1]
+    ctx.scalars = inputs[_NTB + 2:]
+
+
+def _bias_backward(ctx, grads_out):
+    g_loss, g_levels = grads_out[0], grads_out[1]
+    row_stats, col_stats, *rest = ctx.saved_tensors
+    ins = [t if present else None for t, present in zip(rest, ctx.present)]
+    w = torch.tensor(ctx.coef, dtype=row_stats.dtype, device=row_stats.device)
+    lcoef = w * (0.0 if g_loss is None else g_loss.reshape(()).to(w.dtype))
+    if g_levels is not None:
+        lcoef = lcoef + g_levels.to(w.dtype)
+    grads = torch.ops.tempokern.matryoshka_infonce_bias_backward(lcoef, row_stats, col_stats, *ins, ctx.seg,
+                                                                  *ctx.scalars)
+    out = [None] * (_NTB + 2 + len(ctx.scalars))
+    for i, k in _BIAS_GRAD_OF.items():
+        if ins[i] is not None and ctx.needs_input_grad[i]:
+            out[i] = grads[k].to(ctx.dtypes[i])
+    return tuple(out)
+
+
+# input index -> index among the backward op's outputs
+_BIAS_GRAD_OF = {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5, **{11 + k: 6 + k for k in range(8)}}
+
+_mat_bias.register_autograd(_bias_backward, setup_context=_bias_setup)
+
+
 # ---- validation ------------------------------------------------------------------------------------
 
 def check_dims(dims, H: Optional[int], weights=None) -> Tuple[List[int], List[float]]:
@@ -267,10 +357,13 @@ def _id_spans(n: int, start: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weights: Sequence[float], *,
                        temperature: float, extra_neg=None, row_weight: float = 1.0, col_weight: float = 0.0,
-                       diag_offset: int = 0, row_none: Optional[torch.Tensor] = None, normalize: bool = True):
+                       diag_offset: int = 0, row_none: Optional[torch.Tensor] = None, normalize: bool = True,
+                       bias=None, bias_table_points: Optional[int] = None):
     """The kernel entry on validated inputs (dims ascending): q (Bq, H) vs d (Bd, H), int64 span bounds,
     per-level loss = row_weight * mean row loss + col_weight * mean column loss (diagonal fallback at
-    column i + diag_offset). Returns (loss = sum_l weights_l level_l, levels (K,))."""
+    column i + diag_offset). bias: None or the validated 7-tuple (u_q, u_d, w1, b1, w2, b2, scale), with
+    ``bias_table_points`` for the table mode; it runs the blocked path on every device.
+    Returns (loss = sum_l weights_l level_l, levels (K,))."""
     acc = _acc(q.dtype)
     qk, dk = _operand(q.to(acc)), _operand(d.to(acc))
     nk = None if extra_neg is None else _operand(extra_neg.to(acc))
@@ -284,6 +377,17 @@ def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weight
     if row_none is not None:
         row_none = row_none.to(torch.uint8).contiguous()
     seg = [0, *[int(m) for m in dims]]
+    if bias is not None:
+        u_q, u_d, w1, b1, w2, b2, scale = bias
+        if bias_table_points is not None:
+            table = offset_bias_table(w1, b1, w2, b2, scale, int(bias_table_points)).to(acc)
+            bk = (u_q.to(acc).contiguous(), u_d.to(acc).contiguous(), table, None, None, None, None, None)
+        else:
+            bk = (u_q.contiguous(), u_d.contiguous(), None, w1, b1, w2, b2, scale)
+        out = torch.ops.tempokern.matryoshka_infonce_bias(
+            qk, dk, nk, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, *bk, seg, [float(w) for w in weights],
+            1.0 / temperature, float(row_weight), float(col_weight), int(diag_offset))
+        return out[0], out[1]
     want = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qk, dk, nk, rho, kap, kneg))
     out = torch.ops.tempokern.matryoshka_infonce(
         qk, dk, nk, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, [float(w) for w in weights],
@@ -336,7 +440,7 @@ def validate(q, d, dims, temperature, weights, extra_neg, symmetric, q_span, d_s
 def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *, temperature: float,
                        weights: Optional[Sequence[float]] = None, extra_neg: Optional[torch.Tensor] = None,
                        symmetric: bool = False, q_span=None, d_span=None, bias=None, normalize: bool = True,
-                       return_levels: bool = False):
+                       return_levels: bool = False, bias_table_points: Optional[int] = None):
     """Fused Matryoshka InfoNCE, one pass over the feature dimension for all levels; same semantics as
     :func:`tempokern.reference.matryoshka_infonce` (the sentence-transformers MatryoshkaLoss loop).
 
@@ -347,14 +451,21 @@ def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *,
     Positives: d[i] for q[i], or with q_span/d_span (integer (start, end) pairs) the multi-positive
     interval overlap of :func:`tempokern.multipos_infonce` (diagonal fallback). extra_neg (N, H) joins the
     q->d denominators only. symmetric=True: each level is (q->d + d->q) / 2.
+    bias: None, offset_bias's 7-tuple (u_q (B,), u_d (B',), w1, b1, w2, b2, scale) or (u_q, u_d, module) with
+    a :class:`tempokern.nn.OffsetBias`, as :func:`tempokern.multipos_infonce` accepts: the same per-pair bias
+    added to every level's q->d logits (not to extra_neg's), computed once per row block and shared by the
+    K levels; gradients reach all seven inputs (a module's own parameters). ``bias_table_points=N`` (an int
+    >= 2, with a bias): the table mode (the MLP exact at N points of [-1, 1], linearly interpolated). With a
+    bias every device runs the blocked path (blocks of R rows, memory O(R * B')).
     Returns the 0-d weighted sum of the level losses (float32; float64 for float64 input), or with
     ``return_levels=True`` ``(loss, levels)`` with the K level losses in ascending-dim order (differentiable).
     Memory O((B + B' + N) * (H + K)); no B x B' or B x N buffer, forward or backward."""
     temperature, dims, weights = validate(q, d, dims, temperature, weights, extra_neg, symmetric, q_span, d_span,
                                           normalize, return_levels)
     if bias is not None:
-        raise NotImplementedError("matryoshka_infonce: bias is not implemented in the fused op yet "
-                                  "(tempokern.reference.matryoshka_infonce has it)")
+        bias = validate_bias(bias, q.shape[0], d.shape[0])
+        check_same_device(q=q, **{f"bias {n}": t for n, t in zip(_BIAS_NAMES, bias)})
+    bias_table_points = check_table_points(bias_table_points, bias)
     if q_span is None:
         q_lo, q_hi = _id_spans(q.shape[0], 0, q.device)
         d_lo, d_hi = _id_spans(d.shape[0], 0, q.device)
@@ -364,7 +475,7 @@ def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *,
     w = 0.5 if symmetric else 1.0
     loss, levels = matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims, weights, temperature=temperature,
                                       extra_neg=extra_neg, row_weight=w, col_weight=w if symmetric else 0.0,
-                                      normalize=normalize)
+                                      normalize=normalize, bias=bias, bias_table_points=bias_table_points)
     return (loss, levels) if return_levels else loss
 
 
