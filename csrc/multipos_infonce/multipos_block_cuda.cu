@@ -390,8 +390,10 @@ template <typename A> struct __align__(16) Quad {
   A v[4];
 };
 
+// Two CTAs per SM for float32 accumulation (<= 128 registers: 32 hold the next stage's loads), so that one
+// CTA's loads are in flight while the other computes; float64 (rare on a GPU): one.
 template <typename ST, typename A, int BM, bool POS, bool HARD>
-__global__ void __launch_bounds__(kThreads) mpb_fwd2_kernel(const MultiposBlockParams p, int vec) {
+__global__ void __launch_bounds__(kThreads, sizeof(A) == 4 ? 2 : 1) mpb_fwd2_kernel(const MultiposBlockParams p, int vec) {
   extern __shared__ __align__(16) unsigned char mpb2_smem[];
   constexpr int E = 16 / sizeof(ST);        // score elements per 16-byte unit
   constexpr int UPR = kTC / E;              // units per stage row
@@ -414,17 +416,15 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd2_kernel(const MultiposBlockP
   const A* T = static_cast<const A*>(p.table);
   const ST* S = static_cast<const ST*>(p.S);
 
-  // column context: registers for the column phase, shared memory for the row phase
-  Col<A> c[KC];
-#pragma unroll
-  for (int k = 0; k < KC; ++k) c[k] = load_col<A, BM, POS>(p, c0 + k * kThreads);
+  // column context in shared memory (read by both phases; registers stay free for the staged loads)
 #pragma unroll
   for (int k = 0; k < KC; ++k) {
+    const Col<A> c = load_col<A, BM, POS>(p, c0 + k * kThreads);
     const int cc = tid + k * kThreads;
-    clo[cc] = c[k].lo;
-    chi[cc] = c[k].hi;
-    cnone[cc] = c[k].none ? 1 : 0;
-    if (BM == 1) cud[cc] = c[k].ud;
+    clo[cc] = c.lo;
+    chi[cc] = c.hi;
+    cnone[cc] = c.none ? 1 : 0;
+    if (BM == 1) cud[cc] = c.ud;
   }
   A cm[KC], cs[KC], cpm[KC], cps[KC];
 #pragma unroll
@@ -493,7 +493,6 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd2_kernel(const MultiposBlockP
         srow[1][warp] = rc.hi;
         srow[2][warp] = rc.none ? 1 : 0;
       }
-      A xv[8][4];
       unsigned pmask = 0u;
       A lm = ninf<A>(), lpm = ninf<A>();
       A bv = ninf<A>();
@@ -503,6 +502,11 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd2_kernel(const MultiposBlockP
       for (int k = 0; k < 8; ++k) {
         const int cc0 = 4 * lane + 128 * k;
         const Quad<A> sq = *reinterpret_cast<const Quad<A>*>(xrow + cc0);
+        Quad<int32_t> jlo, jhi;  // the 4 columns' spans: two 16-byte shared loads
+        if (POS) {
+          jlo = *reinterpret_cast<const Quad<int32_t>*>(clo + cc0);
+          jhi = *reinterpret_cast<const Quad<int32_t>*>(chi + cc0);
+        }
         Quad<A> xq;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -518,7 +522,7 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd2_kernel(const MultiposBlockP
             }
             if (BM == 2) x += drow[cc];
             if (POS) {
-              const bool ov = max(rc.lo, clo[cc]) <= min(rc.hi, chi[cc]);
+              const bool ov = max(rc.lo, jlo.v[e]) <= min(rc.hi, jhi.v[e]);
               pr = ov || (rc.none && cc == dgc);
             }
             lm = max(lm, x);
@@ -531,19 +535,22 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd2_kernel(const MultiposBlockP
               bj = (int)(ct0 + cc);
             }
           }
-          xv[k][e] = x;
           xq.v[e] = x;
         }
         *reinterpret_cast<Quad<A>*>(xrow + cc0) = xq;  // x for the column phase
       }
+      // second look at the lane's 32 x values: re-read from the tile (the lane's own writes; keeping them in
+      // registers would cost 32 of the 128 and spill)
       const A wm = cuda::warp_max(lm);
       A ls = 0;
 #pragma unroll
-      for (int k = 0; k < 8; ++k)
+      for (int k = 0; k < 8; ++k) {
+        const Quad<A> xq = *reinterpret_cast<const Quad<A>*>(xrow + 4 * lane + 128 * k);
 #pragma unroll
         for (int e = 0; e < 4; ++e)  // (a row of NaN keeps its NaN)
           if (4 * lane + 128 * k + e < ncol)
-            ls += wm != ninf<A>() ? dexp(xv[k][e] - wm) : (xv[k][e] != xv[k][e] ? xv[k][e] : A(0));
+            ls += wm != ninf<A>() ? dexp(xq.v[e] - wm) : (xq.v[e] != xq.v[e] ? xq.v[e] : A(0));
+      }
       const A ws = cuda::warp_sum(ls);
       A pm = ninf<A>(), ps = 0;
       if (POS && __ballot_sync(kFull, lpm != ninf<A>())) {
@@ -554,7 +561,7 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd2_kernel(const MultiposBlockP
           for (int k = 0; k < 8; ++k)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-              if (pmask & (1u << (4 * k + e))) lps += dexp(xv[k][e] - pm);
+              if (pmask & (1u << (4 * k + e))) lps += dexp(xrow[4 * lane + 128 * k + e] - pm);
         }
         ps = cuda::warp_sum(lps);
       }
@@ -590,8 +597,10 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd2_kernel(const MultiposBlockP
       }
 #pragma unroll
       for (int k = 0; k < KC; ++k) {
-        if (!c[k].valid) continue;
         const int cc = tid + k * kThreads;
+        if (cc >= ncol) continue;
+        const int32_t jlo = clo[cc], jhi = chi[cc];
+        const bool jnone = cnone[cc] != 0;
         const int64_t dgr = ct0 + cc - p.diag_offset - p.i0 - rs;  // the stage row whose diagonal this is
         A xb[kRS];
         bool pc[kRS];
@@ -600,8 +609,8 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd2_kernel(const MultiposBlockP
         for (int b = 0; b < kRS; ++b) {
           if (b >= ns) break;
           xb[b] = xs[b * kTC + cc];
-          const bool ov = max(rlo[b], c[k].lo) <= min(rhi[b], c[k].hi);
-          pc[b] = ov || (dgr == b && (rnone[b] || c[k].none));
+          const bool ov = max(rlo[b], jlo) <= min(rhi[b], jhi);
+          pc[b] = ov || (dgr == b && (rnone[b] || jnone));
           bm = max(bm, xb[b]);
           if (pc[b]) bpm = max(bpm, xb[b]);
         }
@@ -632,7 +641,7 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd2_kernel(const MultiposBlockP
   if (cols) {
 #pragma unroll
     for (int k = 0; k < KC; ++k) {
-      if (!c[k].valid) continue;
+      if (tid + k * kThreads >= ncol) continue;
       A* out = static_cast<A*>(p.col_part) + ((int64_t)blockIdx.y * p.C + c0 + k * kThreads) * 2;
       out[0] = cs[k] > A(0) ? cm[k] + dlog(cs[k]) : (cs[k] == cs[k] ? ninf<A>() : cs[k]);
       out[1] = cps[k] > A(0) ? cpm[k] + dlog(cps[k]) : (cps[k] == cps[k] ? ninf<A>() : cps[k]);
