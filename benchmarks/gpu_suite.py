@@ -53,7 +53,9 @@ import torch  # noqa: E402
 
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
-IMPLS = ("tempokern", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's one-level yardstick
+IMPLS = ("tempokern", "tempokern_stats_v2", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's one-level yardstick
+# tempokern_stats_v2: the multipos loss with TEMPOKERN_MPB_STATS=v2 (the second-design statistics kernel, opt-in
+# until measured; "tempokern" is the default v1); --mpb-stats v1 leaves it out
 H, HIDDEN, D_FEAT, TEMPERATURE, TABLE_POINTS, MONTHS = 768, 32, 32, 0.05, 4097, 2030
 COMPILE_RESERVE_S = 60   # no torch.compile case starts with less of the time budget left
 
@@ -288,6 +290,25 @@ def loss_step(fn_get, check_keyword=True):
     return build
 
 
+def with_env(build, name: str, value: str):
+    """The step of `build` with os.environ[name] = value during each call (and restored after it)."""
+    def b(inp):
+        fn = build(inp)
+
+        def run():
+            old = os.environ.get(name)
+            os.environ[name] = value
+            try:
+                return fn()
+            finally:
+                if old is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = old
+        return run
+    return b
+
+
 def row_blocks_mm(a, b, max_out_bytes=4 << 30):
     """The bare matmul yardstick a @ b.T, in the inputs' dtype; where the whole product would exceed
     max_out_bytes, in row blocks of at most that output (each block freed before the next: the caching
@@ -340,15 +361,18 @@ def loss_agree(max_rows: int, seed: int):
         want = with_grads(loss_call(ref().multipos_infonce, i64, check_keyword=False), i64["leaves"], i64["names"])
         res = {}
         for impl in impls:
-            fn = tk().multipos_infonce if impl == "tempokern" else ref().multipos_infonce
+            fused = impl.startswith("tempokern")
+            fn = tk().multipos_infonce if fused else ref().multipos_infonce
             i = subset(inp, slice(None), inp["q"].device)
-            got = with_grads(loss_call(fn, i, check_keyword=impl == "tempokern"), i["leaves"], i["names"])
+            call = lambda: with_grads(loss_call(fn, i, check_keyword=fused), i["leaves"], i["names"])  # noqa: E731
+            got = with_env(lambda _: call, "TEMPOKERN_MPB_STATS", "v2")(None)() if impl == "tempokern_stats_v2" \
+                else call()
             res[impl] = compare(got, want)
         return res, note
     return agree
 
 
-def loss_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
+def loss_cases(sizes, dev, dtype, seed, compile_fn, stats_v2: bool = True) -> List[Case]:
     cases = []
     bpp = {None: {"eager": 19.4, "compile": 6.7}, "table": {"eager": 80.0, "compile": 11.0},
            "exact": {"eager": 550.0, "compile": 292.0}}   # bytes per (q, d) pair: H100 report, bf16 (table: estimate)
@@ -364,6 +388,9 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
                 "eager": loss_step(lambda: ref().multipos_infonce, check_keyword=False),
                 "compile": loss_step(lambda: compile_fn(ref().multipos_infonce), check_keyword=False),
             }
+            if stats_v2 and mode != "exact":  # the variant column: the same op with the v2 statistics kernel
+                steps["tempokern_stats_v2"] = with_env(loss_step(lambda: tk().multipos_infonce),
+                                                       "TEMPOKERN_MPB_STATS", "v2")
             cases.append(Case(
                 "multipos_infonce", label, f"B={B}",
                 make=(lambda s, B=B, mode=mode: loss_inputs(B, dev, dtype, s, mode)), steps=steps,
@@ -984,7 +1011,8 @@ class Suite:
             if not math.isnan(fl):
                 self.emit(case, "tempokern", "floor_ms", fl, how)
         if agreement and case.agree:
-            self.agreement(case, sets[0], [i for i in ("tempokern", "eager") if i in impls and i in case.steps])
+            self.agreement(case, sets[0], [i for i in ("tempokern", "tempokern_stats_v2", "eager")
+                                           if i in impls and i in case.steps])
         del sets
         free_memory(self.dev)
 
@@ -1018,18 +1046,20 @@ class Suite:
                     worst, worst_q = v[1], qn
             self.emit(case, impl, "agreement", worst, f"largest agreement_rel ({worst_q}) vs float64"
                       + (f"; {note}" if note else ""))
-        if "tempokern" in res and "eager" in res:
+        for fused in ("tempokern", "tempokern_stats_v2"):
+            if fused not in res or "eager" not in res:
+                continue
             worst, worst_q = 0.0, ""
-            for qn, v in res["tempokern"].items():
+            for qn, v in res[fused].items():
                 if qn == "topk_index_match":
                     continue
                 a, e = v[0], res["eager"][qn][0]
                 ratio = (a / e) if e > 0 else (1.0 if a == 0 else math.inf)
-                self.emit(case, "tempokern", f"err_vs_torch:{qn}", ratio,
+                self.emit(case, fused, f"err_vs_torch:{qn}", ratio,
                           "tempokern's abs error / eager torch's, same inputs and dtype (2x rule: <= 2)")
                 if ratio > worst:
                     worst, worst_q = ratio, qn
-            self.emit(case, "tempokern", "err_vs_torch", worst, f"largest ratio ({worst_q})")
+            self.emit(case, fused, "err_vs_torch", worst, f"largest ratio ({worst_q})")
         free_memory(self.dev)
         self.log(f"{case.key}: agreement " + ", ".join(
             f"{i} {max((v[1] for k, v in r.items() if k != 'topk_index_match'), default=math.nan):.2e}"
@@ -1057,7 +1087,7 @@ def build_cases(args, dev, bandwidth, compile_fn) -> List[Tuple[Case, int]]:
     dtype = torch.bfloat16
     series: List[List[Case]] = []
     cur: List[Case] = []
-    for c in loss_cases(sizes, dev, dtype, args.seed, compile_fn):
+    for c in loss_cases(sizes, dev, dtype, args.seed, compile_fn, stats_v2=args.mpb_stats != "v1"):
         if cur and cur[-1].case != c.case:
             series.append(cur)
             cur = []
@@ -1173,6 +1203,9 @@ def parse_args(argv):
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend (default inductor; the CPU tests use aot_eager)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mpb-stats", default="both", choices=["both", "v1"],
+                   help="both (default): the multipos loss cases also run with TEMPOKERN_MPB_STATS=v2 (impl "
+                        "tempokern_stats_v2, the unmeasured second statistics kernel); v1: the default kernel only")
     args = p.parse_args(argv)
     cpu = args.device == "cpu"
     args.repeats = (2 if cpu else 10) if args.repeats is None else args.repeats

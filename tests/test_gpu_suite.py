@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -280,3 +281,27 @@ def test_cuda_bookkeeping_with_a_fake_device(suite, tmp_path, monkeypatch):
     fake.l2 = 10 << 20
     assert len(s.n_sets(case)) == 1
     s._csv.close()
+
+
+def test_stats_v2_variant_column(suite, tmp_path, monkeypatch):
+    """The loss cases also run with TEMPOKERN_MPB_STATS=v2 (impl tempokern_stats_v2: time, agreement and the
+    2x ratio), the variable set during those calls only; --mpb-stats v1 leaves the variant out."""
+    seen = []
+    real = tempokern.multipos_infonce
+
+    def spy(*a, **k):
+        seen.append(os.environ.get("TEMPOKERN_MPB_STATS"))
+        return real(*a, **k)
+
+    monkeypatch.delenv("TEMPOKERN_MPB_STATS", raising=False)
+    monkeypatch.setattr(tempokern, "multipos_infonce", spy)
+    rows, md = run(suite, tmp_path / "both", "--no-compile", "--only", r"multipos_infonce/no bias/B=48")
+    loss = dict(op="multipos_infonce", case="no bias", size="B=48")
+    assert one(rows, **loss, impl="tempokern_stats_v2", metric="status")["value"] == "ok"
+    assert float(one(rows, **loss, impl="tempokern_stats_v2", metric="time_ms")["value"]) > 0
+    assert math.isfinite(float(one(rows, **loss, impl="tempokern_stats_v2", metric="err_vs_torch")["value"]))
+    assert "tempokern_stats_v2" in md
+    assert "v2" in seen and None in seen          # the variant's calls, and the default's
+    assert "TEMPOKERN_MPB_STATS" not in os.environ  # restored after each call
+    rows, _ = run(suite, tmp_path / "v1", "--no-compile", "--mpb-stats", "v1", "--only", r"multipos_infonce/no bias/B=48")
+    assert not pick(rows, impl="tempokern_stats_v2")

@@ -54,10 +54,12 @@ TK_BIND(multipos_block) {
         [](const std::string& op, int device, uintptr_t stream, const std::vector<int>& dtypes,
            const std::vector<int64_t>& sizes, const std::vector<double>& scalars, const Ptrs& ptrs) {
           const MultiposBlockParams p = make(dtypes, sizes, scalars, ptrs);
-          if (op == "fwd") {
+          if (op == "fwd" || op == "fwd2") {  // fwd2: the v2 statistics kernel on CUDA (one CPU kernel)
             if (!p.row_part || (p.cols && !p.col_part)) fail("multipos_block_launch: forward needs its partial outputs");
-            run_on(device, [&] { multipos_block_fwd_cpu(p); },
-                   [&] { TK_CUDA_ONLY(multipos_block_fwd_cuda(p, device, stream)); });
+            const bool v2 = op == "fwd2";
+            run_on(device, [&] { multipos_block_fwd_cpu(p); }, [&] {
+              TK_CUDA_ONLY(v2 ? multipos_block_fwd2_cuda(p, device, stream) : multipos_block_fwd_cuda(p, device, stream));
+            });
           } else if (op == "bwd") {
             if (!p.dS || (p.gr != 0.0 && !p.row_lse) || (p.cols && p.gc != 0.0 && !p.col_lse))
               fail("multipos_block_launch: backward needs dS and the statistics");

@@ -359,6 +359,296 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Statistics pass v2 (TEMPOKERN_MPB_STATS=v2, opt-in until a GPU has measured it): the same outputs as
+// mpb_fwd_kernel (row_part per (row, 1024-column tile), col_part per (row tile, column), hardest-negative
+// partials), the same grid, but no per-row cross-thread reduction per element.
+//
+// A CTA owns TR rows x 1024 columns and walks them in stages of kRS = 8 rows:
+//   staging:  the stage's 8 x 1024 scores are copied global -> registers -> shared memory in 16-byte units
+//             (coalesced: 64 consecutive units per row for float32), the next stage's loads issued before
+//             the current stage is computed (32 KB in flight per CTA for float32 scores);
+//   rows:     warp w owns row w of the stage; lane l owns the 32 columns 4 l + 128 k + e (k < 8, e < 4), read
+//             as 16-byte shared loads (conflict-free). The lane computes x = inv_temp s + bias and the positive
+//             flag of its 32 elements, writes x back into the tile, and the warp reduces ONCE per row per
+//             1024 columns (max, then sum of exp(x - max): the same formula as v1, so the same numbers);
+//   columns:  thread t owns columns t + 256 k (k < 4) as in v1 and reads the 8 x values of each from the tile
+//             (conflict-free), one online rescale per 8 rows.
+// Per score (float32 scores, no bias): 0.25 global 16-byte loads + 0.25 shared stores (staging), 0.25 + 1
+// shared loads, 0.25 shared stores (x written back), two exps (~8 instructions each with the rounding
+// compensation), ~10 compares / max / adds: ~35 thread-instructions and 4 bytes of DRAM traffic, against
+// v1's ~5 shuffles + 2 exps + ~20 others per score. Shared memory: 32 KB tile (float32 accumulation) + 9 KB
+// column context (+ 4 KB u_d in table mode) per CTA.
+constexpr int kRS = 8;                   // rows per stage: one warp each
+constexpr int kTC = kThreads * KC;       // 1024 columns per CTA
+static_assert(kRS == kWarps, "one warp per stage row");
+
+struct __align__(16) Vec16 {
+  unsigned int w[4];
+};
+template <typename A> struct __align__(16) Quad {
+  A v[4];
+};
+
+// Two CTAs per SM for float32 accumulation (<= 128 registers: 32 hold the next stage's loads), so that one
+// CTA's loads are in flight while the other computes; float64 (rare on a GPU): one.
+template <typename ST, typename A, int BM, bool POS, bool HARD>
+__global__ void __launch_bounds__(kThreads, sizeof(A) == 4 ? 2 : 1) mpb_fwd2_kernel(const MultiposBlockParams p, int vec) {
+  extern __shared__ __align__(16) unsigned char mpb2_smem[];
+  constexpr int E = 16 / sizeof(ST);        // score elements per 16-byte unit
+  constexpr int UPR = kTC / E;              // units per stage row
+  constexpr int UPT = kRS * UPR / kThreads; // units per thread per stage
+  A* xs = reinterpret_cast<A*>(mpb2_smem);                       // [kRS][kTC]
+  int32_t* clo = reinterpret_cast<int32_t*>(xs + kRS * kTC);     // [kTC]
+  int32_t* chi = clo + kTC;                                      // [kTC]
+  A* cud = reinterpret_cast<A*>(chi + kTC);                      // [kTC] (table mode)
+  uint8_t* cnone = reinterpret_cast<uint8_t*>(cud + (BM == 1 ? kTC : 0));  // [kTC]
+  __shared__ int32_t srow[3][kRS];  // the stage rows' lo, hi, row_none
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr bool hard = POS && HARD;
+  const int64_t ct0 = (int64_t)blockIdx.x * kTC;  // first column of the tile
+  const int ncol = (int)min((int64_t)kTC, p.C - ct0);
+  const int64_t c0 = ct0 + tid;
+  const int64_t r0 = (int64_t)blockIdx.y * p.TR;
+  const int64_t r1 = min(r0 + p.TR, p.R);
+  const A it = (A)p.inv_temp;
+  const A half_span = (A)(0.5 * (double)(p.P - 1));
+  const A* T = static_cast<const A*>(p.table);
+  const ST* S = static_cast<const ST*>(p.S);
+
+  // column context in shared memory (read by both phases; registers stay free for the staged loads)
+#pragma unroll
+  for (int k = 0; k < KC; ++k) {
+    const Col<A> c = load_col<A, BM, POS>(p, c0 + k * kThreads);
+    const int cc = tid + k * kThreads;
+    clo[cc] = c.lo;
+    chi[cc] = c.hi;
+    cnone[cc] = c.none ? 1 : 0;
+    if (BM == 1) cud[cc] = c.ud;
+  }
+  A cm[KC], cs[KC], cpm[KC], cps[KC];
+#pragma unroll
+  for (int k = 0; k < KC; ++k) {
+    cm[k] = cpm[k] = ninf<A>();
+    cs[k] = cps[k] = A(0);
+  }
+  const bool cols = POS && p.cols;
+
+  // one stage's units into registers (zeros outside the block)
+  auto load_stage = [&](int64_t rs, Vec16 (&u)[UPT]) {
+    const int ns = (int)min((int64_t)kRS, r1 - rs);
+#pragma unroll
+    for (int m = 0; m < UPT; ++m) {
+      const int unit = tid + m * kThreads;
+      const int row = unit / UPR, col = (unit % UPR) * E;
+      Vec16 v;
+      v.w[0] = v.w[1] = v.w[2] = v.w[3] = 0u;
+      if (row < ns && col < ncol) {
+        const ST* src = S + (rs + row) * p.lds + ct0 + col;
+        if (vec && col + E <= ncol) {
+          v = *reinterpret_cast<const Vec16*>(src);
+        } else {
+          ST* dst = reinterpret_cast<ST*>(&v);
+          for (int e = 0; e < E && col + e < ncol; ++e) dst[e] = src[e];
+        }
+      }
+      u[m] = v;
+    }
+  };
+  Vec16 u[UPT];
+  if (r0 < r1) load_stage(r0, u);
+  __syncthreads();  // column context in shared memory
+
+  for (int64_t rs = r0; rs < r1; rs += kRS) {
+    const int ns = (int)min((int64_t)kRS, r1 - rs);
+    // registers -> tile (as the accumulation type)
+#pragma unroll
+    for (int m = 0; m < UPT; ++m) {
+      const int unit = tid + m * kThreads;
+      const int row = unit / UPR, col = (unit % UPR) * E;
+      const ST* sv = reinterpret_cast<const ST*>(&u[m]);
+#pragma unroll
+      for (int e = 0; e < E; e += 4) {
+        Quad<A> q;
+#pragma unroll
+        for (int f = 0; f < 4; ++f) q.v[f] = (e + f < E) ? cuda::to_acc(sv[e + f]) : A(0);
+        if (E >= 4) {
+          *reinterpret_cast<Quad<A>*>(xs + row * kTC + col + e) = q;
+        } else {
+          for (int f = 0; f < E; ++f) xs[row * kTC + col + f] = q.v[f];
+        }
+      }
+    }
+    __syncthreads();
+    if (rs + kRS < r1) load_stage(rs + kRS, u);  // next stage in flight while this one is computed
+
+    // rows: warp `warp` owns stage row `warp`
+    if (warp < ns) {
+      const int64_t r = rs + warp, i = p.i0 + r;
+      const RowCtx<A> rc = load_row<A, BM, POS>(p, i);
+      const A* drow = BM == 2 ? static_cast<const A*>(p.dense) + r * p.ldb + ct0 : nullptr;
+      const int64_t dgc = i + p.diag_offset - ct0;  // the diagonal partner's column inside the tile
+      if (lane == 0) {
+        srow[0][warp] = rc.lo;
+        srow[1][warp] = rc.hi;
+        srow[2][warp] = rc.none ? 1 : 0;
+      }
+      unsigned pmask = 0u;
+      A lm = ninf<A>(), lpm = ninf<A>();
+      A bv = ninf<A>();
+      int bj = INT_MAX;
+      A* xrow = xs + warp * kTC;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const int cc0 = 4 * lane + 128 * k;
+        const Quad<A> sq = *reinterpret_cast<const Quad<A>*>(xrow + cc0);
+        Quad<int32_t> jlo, jhi;  // the 4 columns' spans: two 16-byte shared loads
+        if (POS) {
+          jlo = *reinterpret_cast<const Quad<int32_t>*>(clo + cc0);
+          jhi = *reinterpret_cast<const Quad<int32_t>*>(chi + cc0);
+        }
+        Quad<A> xq;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int cc = cc0 + e;
+          A x = ninf<A>();
+          bool pr = false;
+          if (cc < ncol) {
+            x = sq.v[e] * it;
+            if (BM == 1) {
+              A sl, tt;
+              int64_t ix;
+              x += table_bias<A>(T, p.P, half_span, cud[cc] - rc.uq, sl, ix, tt);
+            }
+            if (BM == 2) x += drow[cc];
+            if (POS) {
+              const bool ov = max(rc.lo, jlo.v[e]) <= min(rc.hi, jhi.v[e]);
+              pr = ov || (rc.none && cc == dgc);
+            }
+            lm = max(lm, x);
+            if (pr) {
+              lpm = max(lpm, x);
+              pmask |= 1u << (4 * k + e);
+            }
+            if (hard && !pr && (bj == INT_MAX || x > bv)) {  // columns increase with (k, e): lowest of ties
+              bv = x;
+              bj = (int)(ct0 + cc);
+            }
+          }
+          xq.v[e] = x;
+        }
+        *reinterpret_cast<Quad<A>*>(xrow + cc0) = xq;  // x for the column phase
+      }
+      // second look at the lane's 32 x values: re-read from the tile (the lane's own writes; keeping them in
+      // registers would cost 32 of the 128 and spill)
+      const A wm = cuda::warp_max(lm);
+      A ls = 0;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const Quad<A> xq = *reinterpret_cast<const Quad<A>*>(xrow + 4 * lane + 128 * k);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)  // (a row of NaN keeps its NaN)
+          if (4 * lane + 128 * k + e < ncol)
+            ls += wm != ninf<A>() ? dexp(xq.v[e] - wm) : (xq.v[e] != xq.v[e] ? xq.v[e] : A(0));
+      }
+      const A ws = cuda::warp_sum(ls);
+      A pm = ninf<A>(), ps = 0;
+      if (POS && __ballot_sync(kFull, lpm != ninf<A>())) {
+        pm = cuda::warp_max(lpm);
+        A lps = 0;
+        if (pmask) {
+#pragma unroll
+          for (int k = 0; k < 8; ++k)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (pmask & (1u << (4 * k + e))) lps += dexp(xrow[4 * lane + 128 * k + e] - pm);
+        }
+        ps = cuda::warp_sum(lps);
+      }
+      if constexpr (hard) {
+        for (int o = 16; o > 0; o >>= 1) {
+          const A ov = __shfl_xor_sync(kFull, bv, o);
+          const int oj = __shfl_xor_sync(kFull, bj, o);
+          hard_merge(bv, bj, ov, oj);
+        }
+      }
+      if (lane == 0) {
+        A* out = static_cast<A*>(p.row_part) + (r * p.nslots + p.slot0 + blockIdx.x) * 2;
+        out[0] = ws > A(0) ? wm + dlog(ws) : (ws == ws ? ninf<A>() : ws);
+        out[1] = ps > A(0) ? pm + dlog(ps) : (ps == ps ? ninf<A>() : ps);
+        if constexpr (hard) {
+          const int64_t o = r * p.nct + blockIdx.x;
+          static_cast<A*>(p.hard_val)[o] = bv;
+          p.hard_idx[o] = bj == INT_MAX ? -1 : (int64_t)bj;
+        }
+      }
+    }
+    __syncthreads();  // x of every stage row in the tile
+
+    // columns: thread tid owns columns tid + 256 k, one online rescale per stage
+    if (cols) {
+      int32_t rlo[kRS], rhi[kRS];
+      bool rnone[kRS];
+#pragma unroll
+      for (int b = 0; b < kRS; ++b) {
+        rlo[b] = srow[0][b];
+        rhi[b] = srow[1][b];
+        rnone[b] = srow[2][b] != 0;
+      }
+#pragma unroll
+      for (int k = 0; k < KC; ++k) {
+        const int cc = tid + k * kThreads;
+        if (cc >= ncol) continue;
+        const int32_t jlo = clo[cc], jhi = chi[cc];
+        const bool jnone = cnone[cc] != 0;
+        const int64_t dgr = ct0 + cc - p.diag_offset - p.i0 - rs;  // the stage row whose diagonal this is
+        A xb[kRS];
+        bool pc[kRS];
+        A bm = cm[k], bpm = cpm[k];
+#pragma unroll
+        for (int b = 0; b < kRS; ++b) {
+          if (b >= ns) break;
+          xb[b] = xs[b * kTC + cc];
+          const bool ov = max(rlo[b], jlo) <= min(rhi[b], jhi);
+          pc[b] = ov || (dgr == b && (rnone[b] || jnone));
+          bm = max(bm, xb[b]);
+          if (pc[b]) bpm = max(bpm, xb[b]);
+        }
+        if (bm != ninf<A>()) {
+          A acc = cs[k] * dexp(cm[k] - bm);
+#pragma unroll
+          for (int b = 0; b < kRS; ++b)
+            if (b < ns) acc += dexp(xb[b] - bm);
+          cs[k] = acc;
+          cm[k] = bm;
+        } else {
+#pragma unroll
+          for (int b = 0; b < kRS; ++b)
+            if (b < ns && xb[b] != xb[b]) cs[k] = xb[b];  // NaN stays NaN
+        }
+        if (bpm != ninf<A>()) {
+          A acc = cps[k] * dexp(cpm[k] - bpm);
+#pragma unroll
+          for (int b = 0; b < kRS; ++b)
+            if (b < ns && pc[b]) acc += dexp(xb[b] - bpm);
+          cps[k] = acc;
+          cpm[k] = bpm;
+        }
+      }
+    }
+    __syncthreads();  // the tile is free for the next stage
+  }
+  if (cols) {
+#pragma unroll
+    for (int k = 0; k < KC; ++k) {
+      if (tid + k * kThreads >= ncol) continue;
+      A* out = static_cast<A*>(p.col_part) + ((int64_t)blockIdx.y * p.C + c0 + k * kThreads) * 2;
+      out[0] = cs[k] > A(0) ? cm[k] + dlog(cs[k]) : (cs[k] == cs[k] ? ninf<A>() : cs[k]);
+      out[1] = cps[k] > A(0) ? cpm[k] + dlog(cps[k]) : (cps[k] == cps[k] ? ninf<A>() : cps[k]);
+    }
+  }
+}
+
 template <typename ST, typename OT, typename A, int BM, bool POS>
 __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockParams p, int hist_smem) {
   extern __shared__ unsigned char mpb_smem[];
@@ -523,6 +813,35 @@ void multipos_block_fwd_cuda(const MultiposBlockParams& p, int device, uintptr_t
         mpb_fwd_kernel<ST, A, BM, POS, true><<<grid, kThreads, 0, st>>>(p);
       else
         mpb_fwd_kernel<ST, A, BM, POS, false><<<grid, kThreads, 0, st>>>(p);
+    });
+  });
+  cuda::check_launch();
+}
+
+void multipos_block_fwd2_cuda(const MultiposBlockParams& p, int device, uintptr_t stream) {
+  check(p);
+  if (p.R == 0 || p.C == 0) return;
+  cuda::set_device(device);
+  const dim3 grid((unsigned)p.nct, (unsigned)p.nrt);
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  dispatch_fwd(p.sdtype, p.adtype, [&](auto s, auto a) {
+    using ST = decltype(s);
+    using A = decltype(a);
+    // 16-byte loads when every stage row starts on a 16-byte boundary
+    const int vec = (reinterpret_cast<uintptr_t>(p.S) % 16 == 0) && ((p.lds * (int64_t)sizeof(ST)) % 16 == 0);
+    dispatch_mode(p, [&](auto bm, auto pos) {
+      constexpr int BM = decltype(bm)::value;
+      constexpr bool POS = decltype(pos)::value;
+      const size_t smem = (size_t)kRS * kTC * sizeof(A) + 2 * kTC * sizeof(int32_t) + (BM == 1 ? kTC * sizeof(A) : 0) +
+                          kTC;
+      auto run = [&](auto kern) {
+        TK_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        kern<<<grid, kThreads, smem, st>>>(p, vec);
+      };
+      if (POS && p.hard_idx != nullptr)
+        run(mpb_fwd2_kernel<ST, A, BM, POS, true>);
+      else
+        run(mpb_fwd2_kernel<ST, A, BM, POS, false>);
     });
   });
   cuda::check_launch();

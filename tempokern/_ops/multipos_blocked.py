@@ -101,6 +101,19 @@ def spans32(q_lo, q_hi, d_lo, d_hi):
     return tuple(t.contiguous() for t in torch.split(out, [q_lo.numel(), q_hi.numel(), d_lo.numel(), d_hi.numel()]))
 
 
+STATS_VARIANTS = ("v1", "v2")
+
+
+def stats_variant() -> str:
+    """The CUDA statistics kernel of the forward pass: TEMPOKERN_MPB_STATS=v1 (default, the kernel measured on
+    the H100: threads own columns, a warp reduction per row per 4 columns) or v2 (a shared-memory tile, a
+    warp per row, one reduction per row per 1024 columns; not yet measured on a GPU). Same outputs."""
+    v = os.environ.get("TEMPOKERN_MPB_STATS", "v1").strip().lower() or "v1"
+    if v not in STATS_VARIANTS:
+        raise ValueError(f"TEMPOKERN_MPB_STATS must be one of {STATS_VARIANTS}, got {v!r}")
+    return v
+
+
 def _budget(device: torch.device) -> int:
     env = os.environ.get("TEMPOKERN_BLOCK_BYTES")
     if env:
@@ -239,6 +252,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     row_lse = torch.empty(2, Bq, dtype=acc, device=q.device) if not single else None
     col_lse = torch.full((Bd, 2), -math.inf, dtype=acc, device=q.device) if not single or Bd == 0 or not cols \
         else None
+    fwd_op = "fwd2" if stats_variant() == "v2" else "fwd"
     for i0, r in blocks:
         qb = q[i0:i0 + r]
         S = scores(qb, d)
@@ -252,14 +266,14 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         if want_hardest:
             hv = torch.empty(r, tS[1], dtype=acc, device=q.device)
             hi = torch.empty(r, tS[1], dtype=torch.int64, device=q.device)
-        L.launch("fwd", S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS, nslots=nslots,
+        L.launch(fwd_op, S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS, nslots=nslots,
                  slot0=0, row_part=row_part, col_part=col_part, hard_val=hv, hard_idx=hi)
         if want_hardest:
             hardest[i0:i0 + r] = merge_hardest(hv, hi)
         E = None
         if N:
             E = scores(qb, extra_neg)
-            L.launch("fwd", E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, nslots=nslots, slot0=tS[1],
+            L.launch(fwd_op, E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, nslots=nslots, slot0=tS[1],
                      row_part=row_part)
         if single:
             row_lse = torch.logsumexp(row_part, dim=1).t().contiguous()
