@@ -296,8 +296,8 @@ def test_memory_stays_linear_in_batch():
         tempokern.matryoshka_infonce(q, d, (4, 8, 16), temperature=0.05, symmetric=True).backward()
         print(hwm() - base)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+    from conftest import run_python   # the same tempokern as this process (installed or in-tree)
+    out = run_python(code)
     assert out.returncode == 0, out.stderr
     extra = int(out.stdout.strip().splitlines()[-1])
     assert extra < 4000 * 4000 * 4 // 4, f"peak grew by {extra / 2**20:.1f} MiB"

@@ -1,6 +1,4 @@
 """TMRLEncoder: pooling, per-side prefixes, temporal masks, truncated encodings, LoRA merge, save/load, index."""
-import os
-import subprocess
 import sys
 
 import pytest
@@ -221,9 +219,8 @@ def test_import_without_peft():
     code = ("import sys; sys.modules['peft'] = None\n"
             "import tempokern, tempokern.models, tempokern.training\n"
             "from tempokern.models import TMRLEncoder\nfrom tempokern.training.tmrl import TMRLConfig\nprint('ok')")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
-                                                        os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    from conftest import run_python   # the same tempokern as this process (installed or in-tree)
+    r = run_python(code)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 

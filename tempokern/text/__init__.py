@@ -1,10 +1,8 @@
 """Text-side helpers for temporal retrieval: temporal-expression tagging (TMRL) and time parsing (Re³)."""
-from .temporal import KINDS as TEMPORAL_KINDS, temporal_spans, temporal_token_mask
-
-__all__ = ["temporal_spans", "temporal_token_mask", "TEMPORAL_KINDS"]
 from .dates import DATE_FORMATS, FORMAT_GRANULARITY, RELATIVE_FORMATS, expressible, format_date
+from .temporal import KINDS as TEMPORAL_KINDS, temporal_spans, temporal_token_mask
 from .time import TimeTuple, find_time, parse_time, parse_times
 
-__all__ = list(globals().get("__all__", [])) + [
-    "TimeTuple", "parse_time", "parse_times", "find_time", "DATE_FORMATS", "FORMAT_GRANULARITY",
-    "RELATIVE_FORMATS", "format_date", "expressible"]
+__all__ = ["temporal_spans", "temporal_token_mask", "TEMPORAL_KINDS",
+           "TimeTuple", "parse_time", "parse_times", "find_time", "DATE_FORMATS", "FORMAT_GRANULARITY",
+           "RELATIVE_FORMATS", "format_date", "expressible"]
