@@ -1020,7 +1020,7 @@ def _re3_splits(args, ds, *, exclude_train: bool = True):
 
 
 def _re3_table(ds, model, splits, *, base=False, runs=None):
-    from .training.re3 import re3_runs
+    from .training.re3 import re3_eval, re3_runs
     rows = re3_eval(ds, runs if runs is not None else re3_runs(model, ds, splits, base=base))
     keys = ["R@1", "R@5", "MRR", "err_time_wrong", "err_entity_wrong", "err_attribute_wrong", "err_other",
             "num_queries"]
