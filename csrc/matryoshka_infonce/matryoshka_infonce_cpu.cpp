@@ -18,6 +18,7 @@
 #include "common/cpu_gemm.h"
 #include "common/cpu_math.h"
 #include "matryoshka_infonce/matryoshka_infonce.h"
+#include "multipos_infonce/multipos_math.h"
 
 namespace tk {
 namespace {
@@ -43,29 +44,9 @@ inline int64_t stagger(int64_t ib, int64_t nJB) {
   return (tid * nJB / std::max<int64_t>(nth, 1) + ib) % std::max<int64_t>(nJB, 1);
 }
 
-inline float mexp(float x) { return fast_exp(x); }
-inline double mexp(double x) { return std::exp(x); }
-
-inline void vexp_inplace(float* x, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    vf8 v;
-    std::memcpy(&v, x + j, sizeof v);
-    v = fast_exp(v);
-    std::memcpy(x + j, &v, sizeof v);
-  }
-  for (; j < n; ++j) x[j] = mexp(x[j]);
-}
-inline void vexp_inplace(double* x, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) x[j] = std::exp(x[j]);
-}
-
-// (m, s) represents log(s) + m; merges (m2, s2), s2 == 0 meaning empty.
-template <typename A> inline void lse_merge(A& m, A& s, A m2, A s2) {
-  if (s2 == A(0)) return;
-  if (m2 > m) { s = s * mexp(m - m2) + s2; m = m2; }
-  else s += s2 * mexp(m2 - m);
-}
+// batched exp and log-sum-exp merging: the multipos kernel's (csrc/multipos_infonce/multipos_math.h)
+using mp::lse_merge;
+using mp::vexp_inplace;
 
 inline bool overlap(int64_t alo, int64_t ahi, int64_t blo, int64_t bhi) { return std::max(alo, blo) <= std::min(ahi, bhi); }
 
@@ -273,8 +254,8 @@ class Pass {
         auto fix = [&](int64_t j, bool row_pos, bool col_pos) {
           const A z = raw ? zr[j] * fz * kc[j] : zr[j];
           A dg = 0;
-          if (row_pos && gs.rows_on) dg -= rwl * mexp(z - lsep);
-          if (col_pos && ct) dg -= cwl * mexp(z - ct[Bd + j0 + j]);
+          if (row_pos && gs.rows_on) dg -= rwl * mp::vexp(z - lsep);
+          if (col_pos && ct) dg -= cwl * mp::vexp(z - ct[Bd + j0 + j]);
           hr[j] += dg * f * kc[j];
           tcl[j] += dg * z;
           su += dg * z;
@@ -448,7 +429,7 @@ void Pass<A>::fwd() {
               A mx = z[pi[0]];
               for (int64_t k = 1; k < np; ++k) mx = std::max(mx, z[pi[k]]);
               A sum = 0;
-              for (int64_t k = 0; k < np; ++k) sum += mexp(z[pi[k]] - mx);
+              for (int64_t k = 0; k < np; ++k) sum += mp::vexp(z[pi[k]] - mx);
               lse_merge(rpm[x], rps[x], mx, sum);
               rcnt[x] += np;
             }
@@ -479,7 +460,7 @@ void Pass<A>::fwd() {
             for (int64_t j = 0; j < nj; ++j) s1[j] += e[j];
             for (int32_t k = tp.pst[r]; k < tp.pst[r + 1]; ++k) {
               const int32_t j = tp.pidx[k];
-              s2[j] += mexp(z[j] - m2[j]);
+              s2[j] += mp::vexp(z[j] - m2[j]);
             }
           }
           for (int64_t j = 0; j < nj; ++j) {
