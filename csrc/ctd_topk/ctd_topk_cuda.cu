@@ -457,6 +457,29 @@ __device__ __forceinline__ A reduce_scatter(A (&v)[QM], int lane) {
   return t;
 }
 
+// The exact bias of query r and a gallery row at ugv (one copy of the MLP per kernel, not one per unrolled
+// query): the row's features f (2K, computed here in double on the first call for the row: have_f) are
+// shared by the queries.
+template <typename A>
+__device__ __noinline__ A serve_exact_bias(const CtdCudaParams& p, int r, A uqv, A ugv, A* f, bool& have_f,
+                                           A end_hi, A end_lo, double b2, double scale) {
+  const A d = ugv - uqv;
+  if (d > A(1)) return end_hi;
+  if (d < A(-1)) return end_lo;
+  if (!have_f) {
+    const A* fr = static_cast<const A*>(p.freqs);
+    const int K = (int)p.K;
+    for (int kk = 0; kk < K; ++kk) {
+      const double a = (double)fr[kk] * (double)ugv;
+      f[kk] = (A)sin(a);
+      f[K + kk] = (A)cos(a);
+    }
+    have_f = true;
+  }
+  const A out = p.K == 16 ? exact_mlp<A, 32>(p, r, ugv, f) : exact_mlp<A, 0>(p, r, ugv, f);  // D = 32, 33
+  return (A)(scale * ((double)out + b2));
+}
+
 template <typename S> __host__ __device__ constexpr int vec_width() { return 16 / (int)sizeof(S); }
 
 template <typename S, typename A, int QM, int MODE>
@@ -492,7 +515,6 @@ __global__ void __launch_bounds__(SRV_WARPS * 32) serve_scan(CtdCudaParams p) {
   const A ub = (A)ubd;
   const A* uq = static_cast<const A*>(p.u_q);
   const A* ug = static_cast<const A*>(p.u_g);
-  const A* fr = static_cast<const A*>(p.freqs);
   const int k = (int)p.k, cap = (int)p.cap;
   int cnt[QM];
   A thr[QM], uqv[QM];
@@ -582,27 +604,7 @@ __global__ void __launch_bounds__(SRV_WARPS * 32) serve_scan(CtdCudaParams p) {
           if constexpr (MODE == (int)CtdBias::Table) {
             s += bias::bias_table_lookup<A>(p.table, p.P, ugv - uqv[r]);
           } else {
-            const A d = ugv - uqv[r];
-            if (d > A(1)) {
-              s += end_hi;
-            } else if (d < A(-1)) {
-              s += end_lo;
-            } else {
-              if (!have_f) {  // the row's features, once for all queries
-                const int K = (int)p.K;
-#pragma unroll
-                for (int kk = 0; kk < MAX_K2 / 2; ++kk) {
-                  if (kk < K) {
-                    const double a = (double)fr[kk] * (double)ugv;
-                    f[kk] = (A)sin(a);
-                    f[K + kk] = (A)cos(a);
-                  }
-                }
-                have_f = true;
-              }
-              const A out = p.K == 16 ? exact_mlp<A, 32>(p, r, ugv, f) : exact_mlp<A, 0>(p, r, ugv, f);
-              s += (A)(scale * ((double)out + b2));
-            }
+            s += serve_exact_bias<A>(p, r, uqv[r], ugv, f, have_f, end_hi, end_lo, b2, scale);
           }
         }
       }
