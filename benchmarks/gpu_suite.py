@@ -53,7 +53,9 @@ import torch  # noqa: E402
 
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
-IMPLS = ("tempokern", "tempokern_stats_v2", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's one-level yardstick
+IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_prev", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's one-level yardstick
+# tempokern_prev: ctd_topk at Q <= 16 with TEMPOKERN_TOPK_SERVE=0 (the path measured on the H100 on 2026-11-22;
+# "tempokern" is the serve kernels, default, not yet measured)
 # tempokern_stats_v2: the multipos loss with TEMPOKERN_MPB_STATS=v2 (the second-design statistics kernel, opt-in
 # until measured; "tempokern" is the default v1); --mpb-stats v1 leaves it out
 H, HIDDEN, D_FEAT, TEMPERATURE, TABLE_POINTS, MONTHS = 768, 32, 32, 0.05, 4097, 2030
@@ -569,6 +571,9 @@ def topk_agree(max_q: int, max_n: int, seed: int):
         for impl in impls:
             if impl == "tempokern":
                 v, i = tk().ctd_topk(sub["q"], sub["g"], inp["k"], temperature=TEMPERATURE, bias=sub["bias"])
+            elif impl == "tempokern_prev":
+                v, i = with_env(lambda _: lambda: tk().ctd_topk(sub["q"], sub["g"], inp["k"], temperature=TEMPERATURE,
+                                                                bias=sub["bias"]), "TEMPOKERN_TOPK_SERVE", "0")(None)()
             else:
                 v, i = topk_eager(sub)
             r = compare([("values", v)], [("values", wv)])
@@ -593,6 +598,8 @@ def topk_cases(sizes, dev, dtype, seed, bandwidth) -> List[Case]:
             "eager": lambda inp: lambda: topk_eager(inp),
             "eager_chunked": lambda inp, chunk=chunk: lambda: topk_chunked(inp, chunk),
         }
+        if Qc <= 16:   # the serve kernels (default) and the path they replaced, side by side
+            steps["tempokern_prev"] = with_env(steps["tempokern"], "TEMPOKERN_TOPK_SERVE", "0")
 
         def floor(ms, Qc=Qc, Nc=Nc):
             gal = Nc * H * 2 / bandwidth * 1e3 if bandwidth else math.nan
@@ -1011,7 +1018,7 @@ class Suite:
             if not math.isnan(fl):
                 self.emit(case, "tempokern", "floor_ms", fl, how)
         if agreement and case.agree:
-            self.agreement(case, sets[0], [i for i in ("tempokern", "tempokern_stats_v2", "eager")
+            self.agreement(case, sets[0], [i for i in ("tempokern", "tempokern_stats_v2", "tempokern_prev", "eager")
                                            if i in impls and i in case.steps])
         del sets
         free_memory(self.dev)

@@ -74,6 +74,32 @@ TK_BIND(ctd_topk) {
       TK_CUDA_ONLY(if (kind == 0) ctd_topk_cuda_select(p, device, stream); else ctd_topk_cuda_scan(p, device, stream));
     });
   });
+
+  // The serve path (Q <= 16, ctd_topk_cuda_serve): ints (dtype, Q, N, H, k, q_stride, g_stride, bias_mode,
+  // hidden, D, K, P, m, nslices, per_slice, cap, lists_per_cta, groups); ptrs (q, g, u_q, u_g, w1, b1, w2,
+  // freqs, table, exclude, b2_dev, scale_dev, aux, amat, ws_values, ws_indices, mid_values, mid_indices,
+  // out_values, out_indices); reals (temperature, b2, scale).
+  m.def("ctd_topk_cuda_serve", [](int device, uintptr_t stream, std::vector<int64_t> n, std::vector<uintptr_t> ptrs,
+                                  std::vector<double> reals) {
+    if (n.size() != 18 || ptrs.size() != 20 || reals.size() != 3) fail("ctd_topk_cuda_serve: wrong argument counts");
+    if (device < 0) fail("ctd_topk_cuda_serve: needs a CUDA device (or the emulator)");
+    if (n[7] < 0 || n[7] > 2) fail("ctd_topk: unknown bias mode");
+    CtdCudaParams p;
+    p.dtype = to_dtype((int)n[0]);
+    p.Q = n[1]; p.N = n[2]; p.H = n[3]; p.k = n[4]; p.q_stride = n[5]; p.g_stride = n[6];
+    p.bias = static_cast<CtdBias>(n[7]); p.hidden = n[8]; p.D = n[9]; p.K = n[10]; p.P = n[11]; p.m = n[12];
+    p.nslices = n[13]; p.per_slice = n[14]; p.cap = n[15]; p.lists_per_cta = n[16]; p.groups = n[17];
+    p.q = as_ptr(ptrs[0]); p.g = as_ptr(ptrs[1]); p.u_q = as_ptr(ptrs[2]); p.u_g = as_ptr(ptrs[3]);
+    p.w1 = as_ptr(ptrs[4]); p.b1 = as_ptr(ptrs[5]); p.w2 = as_ptr(ptrs[6]); p.freqs = as_ptr(ptrs[7]);
+    p.table = as_ptr<const float>(ptrs[8]); p.exclude = as_ptr<const int64_t>(ptrs[9]);
+    p.b2_dev = as_ptr<const double>(ptrs[10]); p.scale_dev = as_ptr<const double>(ptrs[11]);
+    p.aux = as_ptr<double>(ptrs[12]); p.amat_out = as_ptr(ptrs[13]);
+    p.ws_values = as_ptr(ptrs[14]); p.ws_indices = as_ptr<int64_t>(ptrs[15]);
+    p.mid_values = as_ptr(ptrs[16]); p.mid_indices = as_ptr<int64_t>(ptrs[17]);
+    p.out_values = as_ptr(ptrs[18]); p.out_indices = as_ptr<int64_t>(ptrs[19]);
+    p.temperature = reals[0]; p.b2 = reals[1]; p.scale = reals[2];
+    run_on(device, [] {}, [&] { TK_CUDA_ONLY(ctd_topk_cuda_serve(p, device, stream)); });
+  });
 }
 
 }  // namespace tk

@@ -85,11 +85,26 @@ struct CtdCudaParams {
   void* ws_values = nullptr;
   int64_t* ws_indices = nullptr;
   int64_t nslices = 1, per_slice = 0, cap = 0;
+  // serve pass only (ctd_topk_cuda_serve, Q <= 16; see ctd_topk_cuda.cu):
+  const void* w1 = nullptr;          // exact bias: (hidden, D) in A; freqs (K,) in A; b1, w2 as above
+  int64_t D = 0;
+  const double* b2_dev = nullptr;    // device b2 / scale (one double each), or null: b2 / scale above
+  const double* scale_dev = nullptr;
+  double* aux = nullptr;             // exact: (1025 + 2 hidden) doubles written by the prep kernel
+  void* amat_out = nullptr;          // exact: (Q, hidden, 2K) in A written by the prep kernel (amat = amat_out)
+  int64_t lists_per_cta = 0, groups = 1;  // merge: lists per CTA of the first merge stage, its CTAs per query
+  void* mid_values = nullptr;        // (Q, groups, k) when groups > 1
+  int64_t* mid_indices = nullptr;
+  void* out_values = nullptr;        // (Q, k) in A; out_indices (Q, k) int64, -1 for a missing slot
+  int64_t* out_indices = nullptr;
 };
 
 #ifdef TK_WITH_CUDA
 void ctd_topk_cuda_select(const CtdCudaParams& p, int device, uintptr_t stream);
 void ctd_topk_cuda_scan(const CtdCudaParams& p, int device, uintptr_t stream);
+// Q <= 16 (serving): [prep (exact bias: bound samples + per-query first layer)], one scan of the gallery
+// (per-warp top-k lists), two merge launches (per-query top-k in out_values / out_indices). No host sync.
+void ctd_topk_cuda_serve(const CtdCudaParams& p, int device, uintptr_t stream);
 #endif
 
 }  // namespace tk

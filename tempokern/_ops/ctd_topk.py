@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -30,6 +31,14 @@ _WS_ENTRIES = 1 << 22       # scan workspace entries (Q * slices * cap), at most
 _SEL_WARPS, _SCAN_WARPS = 4, 8  # warps per CTA of the two kernels (ctd_topk_cuda.cu)
 _SEL_CTAS_PER_SM = 16       # select grid: 16 CTAs x 4 warps per SM (full occupancy: loads in flight)
 _SCAN_CTAS_PER_SM = 4       # scan grid: 4 CTAs x 8 warps per SM
+# Serve path (Q <= _SERVE_MAX_Q; ctd_topk_cuda_serve): no host sync, no torch op on the data; the previous
+# path (scan_rows for Q <= 4, cuBLAS + select_block above) stays selectable with TEMPOKERN_TOPK_SERVE=0.
+_SERVE_MAX_Q = 16
+_SERVE_WARPS = 8            # warps per CTA of serve_scan
+_SERVE_CTAS_PER_SM = 2      # serve grid: 2 CTAs x 8 warps per SM (>= 2 x SMs CTAs where N allows)
+_SERVE_SMEM = 96 * 1024     # serve_scan's shared memory: queries (QM, H) in the input dtype + score tiles
+_MERGE_ENTRIES = 2048       # list entries per CTA of the first merge stage
+_BOUND_SAMPLES = 1025       # csrc/ctd_topk/ctd_topk_cuda.cu BOUND_S
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -45,14 +54,22 @@ def _ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, temperature: float, mode
               u_q: Optional[torch.Tensor], u_g: Optional[torch.Tensor], w1: Optional[torch.Tensor],
               b1: Optional[torch.Tensor], w2: Optional[torch.Tensor], b2: float, scale: float,
               table: Optional[torch.Tensor], exclude: Optional[torch.Tensor],
-              cand: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+              cand: Optional[torch.Tensor] = None, b2_t: Optional[torch.Tensor] = None,
+              scale_t: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    # b2_t / scale_t: the exact bias's b2 / scale as one-element float64 tensors on q's device (they then
+    # replace b2 / scale): the serve path reads them in its kernels, every other path reads them here
     Q, H = q.shape
     N = g.shape[0]
     acc = _acc_dtype(q.dtype)
     if cand is None and on_cuda_path(q):
         if Q == 0:
             return (torch.empty(0, k, dtype=acc, device=q.device), torch.empty(0, k, dtype=torch.int64, device=q.device))
+        if serve_path(q, k):
+            return _serve_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, b2_t, scale_t, table,
+                               exclude)
+        b2, scale = _host_scalar(b2, b2_t), _host_scalar(scale, scale_t)
         return _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, exclude)
+    b2, scale = _host_scalar(b2, b2_t), _host_scalar(scale, scale_t)
     values = torch.empty(Q, k, dtype=acc, device=q.device)
     indices = torch.empty(Q, k, dtype=torch.int64, device=q.device)
     if Q == 0:
@@ -248,13 +265,98 @@ def _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, tabl
     return _finish(torch.cat(out_v), torch.cat(out_i))
 
 
+def _host_scalar(value: float, t: Optional[torch.Tensor]) -> float:
+    return value if t is None else float(t.reshape(()).item())   # a host sync where t is on a GPU
+
+
+def serve_mode() -> bool:
+    """TEMPOKERN_TOPK_SERVE: "1" (default) runs Q <= 16 through the serve kernels, "0" through the path
+    measured on the H100 on 2026-11-22 (scan_rows for Q <= 4, cuBLAS + select_block above)."""
+    v = os.environ.get("TEMPOKERN_TOPK_SERVE", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"TEMPOKERN_TOPK_SERVE must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def _serve_qm(Q: int) -> int:
+    return 1 if Q == 1 else 4 if Q <= 4 else 16
+
+
+def _serve_smem(Q: int, H: int, dtype: torch.dtype) -> int:
+    es = torch.tensor([], dtype=dtype).element_size()
+    vw = 16 // es
+    qm = _serve_qm(Q)
+    acc_es = 8 if dtype == torch.float64 else 4
+    return qm * (-(-H // vw) * vw) * es + _SERVE_WARPS * 32 * (qm + 1) * acc_es
+
+
+def serve_path(q: torch.Tensor, k: int) -> bool:
+    """Whether ctd_topk on the CUDA path takes the serve kernels for these queries."""
+    Q, H = q.shape
+    return 1 <= Q <= _SERVE_MAX_Q and serve_mode() and _serve_smem(Q, H, q.dtype) <= _SERVE_SMEM
+
+
+_freq_cache: dict = {}
+
+
+def _freqs_cached(D: int, acc: torch.dtype, device) -> torch.Tensor:
+    key = (D, acc, str(device))
+    t = _freq_cache.get(key)
+    if t is None:
+        t = _freq_cache[key] = _freqs(D, acc, device)
+    return t
+
+
+def _dev_scalar(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.detach().reshape(1).to(torch.float64)
+
+
+def _serve_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, b2_t, scale_t, table, ex):
+    """Q <= 16: [prep], one scan of the gallery, two merges; allocations only, no host sync."""
+    Q, H = q.shape
+    N = g.shape[0]
+    acc = _acc_dtype(q.dtype)
+    dev, stream = launch_args(q)
+    sms = sm_count(q.device)
+    cap = _pow2(k + 32)
+    want = max(1, min(_SERVE_CTAS_PER_SM * sms * _SERVE_WARPS, _WS_ENTRIES // (Q * cap)))
+    ns, per = _slices(N, want)
+    lpc = max(1, _MERGE_ENTRIES // k)
+    groups = -(-ns // lpc)
+    dv = q.device
+    ws_v = torch.empty(Q, ns, cap, dtype=acc, device=dv)
+    ws_i = torch.empty(Q, ns, cap, dtype=torch.int64, device=dv)
+    mid_v = torch.empty(Q, groups, k, dtype=acc, device=dv) if groups > 1 else None
+    mid_i = torch.empty(Q, groups, k, dtype=torch.int64, device=dv) if groups > 1 else None
+    out_v = torch.empty(Q, k, dtype=acc, device=dv)
+    out_i = torch.empty(Q, k, dtype=torch.int64, device=dv)
+    hidden = D = K = 0
+    fr = aux = amat = None
+    if mode == _BIAS_EXACT:
+        hidden, D = w1.shape
+        K = max(1, D // 2)
+        fr = _freqs_cached(D, acc, dv)
+        aux = torch.empty(_BOUND_SAMPLES + 2 * hidden, dtype=torch.float64, device=dv)
+        amat = torch.empty(Q, hidden, 2 * K, dtype=acc, device=dv)
+    b2d, scd = _dev_scalar(b2_t), _dev_scalar(scale_t)
+    P = table.shape[0] if mode == _BIAS_TABLE else 0
+    m = 0 if ex is None else ex.shape[1]
+    ints = (dtype_code(q), Q, N, H, k, q.stride(0), g.stride(0), mode, hidden, D, K, P, m, ns, per, cap, lpc, groups)
+    ptrs = (ptr(q), ptr(g), ptr(u_q), ptr(u_g), ptr(w1), ptr(b1), ptr(w2), ptr(fr), ptr(table), ptr(ex), ptr(b2d),
+            ptr(scd), ptr(aux), ptr(amat), ptr(ws_v), ptr(ws_i), ptr(mid_v), ptr(mid_i), ptr(out_v), ptr(out_i))
+    kernels().ctd_topk_cuda_serve(dev, stream, [int(x) for x in ints], [int(x) for x in ptrs],
+                                  [float(temperature), float(b2), float(scale)])
+    return out_v, out_i
+
+
 def _finish(v, i):
     i = i.masked_fill(v == -math.inf, -1)
     return v.contiguous(), i.contiguous()
 
 
 @_ctd_topk.register_fake
-def _(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, exclude, cand=None):
+def _(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, exclude, cand=None, b2_t=None,
+      scale_t=None):
     acc = _acc_dtype(q.dtype)
     return q.new_empty(q.shape[0], k, dtype=acc), q.new_empty(q.shape[0], k, dtype=torch.int64)
 
@@ -270,9 +372,10 @@ def _vector(name: str, t, n: int, expect: str) -> torch.Tensor:
     return t
 
 
-def parse_bias(bias, Q: int, N: int, acc: torch.dtype, device):
+def parse_bias(bias, Q: int, N: int, acc: torch.dtype, device, keep_device_scalars: bool = False):
     """Validates a bias argument; returns (mode, u_q, u_g, w1, b1, w2, b2, scale, table) with
-    tensors contiguous in the accumulation dtype (table: float32) on `device`."""
+    tensors contiguous in the accumulation dtype (table: float32) on `device`. b2 / scale are floats, or with
+    keep_device_scalars the given one-element tensors (not read on the host: no sync)."""
     none = (_BIAS_NONE, None, None, None, None, None, 0.0, 0.0, None)
     if bias is None:
         return none
@@ -310,14 +413,24 @@ def parse_bias(bias, Q: int, N: int, acc: torch.dtype, device):
     check_tensor("bias w2", w2, floating=True)
     if w2.numel() != hidden or w2.dim() > 2 or (w2.dim() == 2 and w2.shape[0] != 1):
         raise ValueError(f"bias w2 must have shape (1, {hidden}) matching w1, got {tuple(w2.shape)}")
-    b2v = scalar_value("bias b2", b2)
-    sv = scalar_value("bias scale", scale)
+    b2v = _scalar_arg("bias b2", b2, keep_device_scalars)
+    sv = _scalar_arg("bias scale", scale, keep_device_scalars)
     for name, t in (("bias w1", w1), ("bias b1", b1), ("bias w2", w2), ("bias b2", b2), ("bias scale", scale)):
         if isinstance(t, torch.Tensor):
             devs[name] = t.device
     _same(devs)
     cv = lambda t: t.detach().to(acc).contiguous()  # noqa: E731
     return (_BIAS_EXACT, cv(u_q), cv(u_g), cv(w1), cv(b1), cv(w2.reshape(-1)), b2v, sv, None)
+
+
+def _scalar_arg(name: str, value, keep_tensor: bool):
+    if keep_tensor and isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must hold one value, got a tensor of shape {tuple(value.shape)}")
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} must be a real number, got a {value.dtype} tensor")
+        return value
+    return scalar_value(name, value)
 
 
 def _same(devs: dict) -> None:
@@ -388,14 +501,22 @@ def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1
     Q = q.shape[0]
     acc = _acc_dtype(q.dtype)
     temperature = check_temperature(temperature, acc)
-    mode, u_q, u_g, w1, b1, w2, b2, scale, table = parse_bias(bias, Q, N, acc, q.device)
+    cuda_path = on_cuda_path(q)
+    mode, u_q, u_g, w1, b1, w2, b2, scale, table = parse_bias(bias, Q, N, acc, q.device,
+                                                              keep_device_scalars=cuda_path)
     ex = prepare_exclude(exclude, Q, q.device, N)
     check_finite("q", q)
     check_finite("g", g)
     q, g = rows_contiguous(q), rows_contiguous(g)
-    if on_cuda_path(q) and _cuda_unsupported(k, mode, w1):
+    b2_t = b2 if isinstance(b2, torch.Tensor) else None
+    scale_t = scale if isinstance(scale, torch.Tensor) else None
+    if cuda_path and _cuda_unsupported(k, mode, w1):
+        b2, scale = (scalar_value("bias b2", b2), scalar_value("bias scale", scale)) if mode == _BIAS_EXACT else (b2, scale)
         return _chunked_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, ex)
-    return torch.ops.tempokern.ctd_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, ex)
+    b2f = 0.0 if b2_t is not None else b2
+    scf = 0.0 if scale_t is not None else scale
+    return torch.ops.tempokern.ctd_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2f, scf, table, ex, None,
+                                        _dev_scalar(b2_t), _dev_scalar(scale_t))
 
 
 def _cuda_unsupported(k: int, mode: int, w1) -> bool:
