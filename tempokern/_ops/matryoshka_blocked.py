@@ -20,11 +20,13 @@ backward) once per block. Two more (R, C) blocks of memory; the MLP cost is that
 forward and backward over the B x C pairs, not K of them."""
 from __future__ import annotations
 
+import os
 from typing import List, Sequence
 
 import torch
 
-from .multipos_blocked import block_rows
+from .common import DTYPE_CODES, kernels, launch_args, on_cuda_path, ptr
+from .multipos_blocked import _SIZE, block_rows, none_flags, spans32, tiling
 
 
 def _none_flags(q_lo, q_hi, d_lo, d_hi):
@@ -116,6 +118,9 @@ def _masked_lse(z, mask, dim):
 def blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg: Sequence[int],
                     coef: Sequence[float], inv_temp: float, row_weight: float, col_weight: float, diag_offset: int,
                     block: int = 0, bias=None) -> List[torch.Tensor]:
+    if use_fused(q, d.shape[0]):
+        return fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
+                             row_weight, col_weight, diag_offset, block, bias)
     c = _Ctx(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
              col_weight, diag_offset, block, bias)
     K, dev, acc = c.K, q.device, c.acc
@@ -155,6 +160,9 @@ def blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kne
                      block: int = 0, bias=None) -> List[torch.Tensor]:
     """[dq, dd, dneg, drho, dkap, dkneg] (empty where absent), then with a bias the float64 gradients of its
     eight inputs [du_q, du_d, dtable, dw1, db1, dw2, db2, dscale] (empty where absent)."""
+    if use_fused(q, d.shape[0]):
+        return fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
+                              row_none, seg, inv_temp, row_weight, col_weight, diag_offset, block, bias)
     c = _Ctx(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
              col_weight, diag_offset, block, bias)
     K, acc = c.K, c.acc
@@ -211,6 +219,225 @@ def blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kne
                     dneg[:, a:b].addmm_(Hn.t(), c.q[i0:i1, a:b])
             if Gb is not None:
                 c.bias_backward(i0, i1, Gb, bgrads)
+    e = lambda: q.new_empty(0, dtype=acc)  # noqa: E731
+    out = [dq, dd, e() if dneg is None else dneg, drho, dkap, e() if dkneg is None else dkneg]
+    if bgrads is not None:
+        out += [q.new_empty(0, dtype=torch.float64) if g is None else g for g in bgrads]
+    return out
+
+
+# ---- the fused CUDA path (csrc/matryoshka_infonce/matryoshka_block_cuda.cu) ------------------------------
+#
+# Per block of R rows and per level l (ascending): G += q_blk[:, S_l] X[:, S_l]^T (one cuBLAS addmm into ONE
+# float32 block, X = d, then the extra negatives), then one fused launch over G for level l (scales rho_l,
+# kap_l, the bias block, positives, online row / column log-sum-exp partials). Backward, per block: the
+# level snapshots G_l through a chain of addmm's (K blocks), then from the top active level down one fused
+# launch per level: H (+)= inv_temp rho_l kap_l g_l in place (the suffix sum over levels), Gb (+)= g_l with a
+# bias, dL/drho_l and dL/dkap_l partials; and torch: dq[:, S_l] = H X[:, S_l], dX[:, S_l] += H^T q_blk[:, S_l].
+# Memory: forward R (C + N) accumulation values (+ the bias block), backward (K + 1) R (C + N) (+ 2 R C with a
+# bias), plus O(K R C / 1024 + K C R / TR) partials; never B x C unless one block holds it.
+
+MRL_VARIANTS = ("fused", "torch")
+
+
+def cuda_variant() -> str:
+    """The CUDA execution of matryoshka_infonce: TEMPOKERN_MRL_CUDA=fused (default: the fused kernels of
+    matryoshka_block_cuda.cu, tested on the CUDA emulator, not yet measured on a GPU) or torch (the blocked
+    torch element-wise path above, measured on the H100 of 2026-11-22)."""
+    v = os.environ.get("TEMPOKERN_MRL_CUDA", "fused").strip().lower() or "fused"
+    if v not in MRL_VARIANTS:
+        raise ValueError(f"TEMPOKERN_MRL_CUDA must be one of {MRL_VARIANTS}, got {v!r}")
+    return v
+
+
+def use_fused(q: torch.Tensor, Bd: int) -> bool:
+    """Whether this call runs the fused kernels: CUDA (or emulated CUDA) tensors with the fused variant chosen
+    and a non-empty batch."""
+    return on_cuda_path(q) and q.shape[0] > 0 and Bd > 0 and cuda_variant() == "fused"
+
+
+class _Fused:
+    """Shared set-up of the fused forward and backward."""
+
+    def __init__(self, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp,
+                 row_weight, col_weight, diag_offset, block, bias, backward):
+        self.c = _Ctx(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
+                      col_weight, diag_offset, 1, bias)  # for its tensors and bias helpers (its R is unused)
+        c = self.c
+        c.q, c.d = c.q.contiguous(), c.d.contiguous()
+        c.neg = None if c.neg is None else c.neg.contiguous()
+        c.rho, c.kap = c.rho.contiguous(), c.kap.contiguous()
+        c.kneg = None if c.kneg is None else c.kneg.contiguous()
+        self.spans = spans32(q_lo, q_hi, d_lo, d_hi)
+        self.row_none, self.col_none = none_flags(*self.spans)
+        self.row_fb = None if row_none is None else row_none.to(torch.uint8).contiguous()
+        self.dev, self.stream = launch_args(q)
+        self.ad = DTYPE_CODES[c.acc]
+        asz = _SIZE[c.acc]
+        per_elem = asz * ((c.K + 1) if backward else 1) + (2 * asz if bias is not None else 0)
+        self.R = block_rows(c.Bq, c.Bd, c.N, per_elem, q.device, block)
+
+    def blocks(self):
+        for i0 in range(0, self.c.Bq, self.R):
+            yield i0, min(self.c.Bq, i0 + self.R)
+
+    def launch(self, op, G, i0, l, *, pos, tiling_, scale_cols, dense=None, nslots=1, slot0=0, gr=0.0, gc=0.0,
+               H=None, accumulate=False, **outs):
+        c = self.c
+        TR, nct, nrt = tiling_
+        R, C = G.shape
+        q_lo, q_hi, d_lo, d_hi = self.spans
+        p = dict(G=ptr(G), rho=ptr(c.rho[l]), kap=ptr(scale_cols[l]))
+        if pos:
+            p.update(q_lo=ptr(q_lo), q_hi=ptr(q_hi), d_lo=ptr(d_lo), d_hi=ptr(d_hi), row_none=ptr(self.row_none),
+                     col_none=ptr(self.col_none))
+            if self.row_fb is not None:
+                p["row_fb"] = ptr(self.row_fb)
+        if dense is not None:
+            p["dense"] = ptr(dense)
+        if H is not None:
+            p["H"] = ptr(H)
+        p.update({k: ptr(v) for k, v in outs.items() if v is not None})
+        cols = pos and c.cw != 0.0
+        sizes = [R, C, i0, G.stride(0), int(pos), int(cols), c.off, 0 if dense is None else dense.stride(0), TR, nct,
+                 nrt, nslots, slot0, c.Bq, 0 if H is None else H.stride(0), int(accumulate)]
+        od = self.ad if H is None else DTYPE_CODES[H.dtype]
+        kernels().mrl_block_launch(op, self.dev, self.stream, [self.ad, od, self.ad], sizes, [c.it, gr, gc], p)
+
+
+def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
+                  row_weight, col_weight, diag_offset, block=0, bias=None) -> List[torch.Tensor]:
+    F = _Fused(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
+               col_weight, diag_offset, block, bias, backward=False)
+    c = F.c
+    K, dev, acc = c.K, q.device, c.acc
+    cols = col_weight != 0.0
+    row_stats = torch.zeros(K, 3, c.Bq, dtype=acc, device=dev)
+    col_stats = torch.zeros(K, 3, c.Bd, dtype=acc, device=dev)
+    c_all = torch.full((K, c.Bd), float("-inf"), dtype=acc, device=dev) if cols else None
+    c_pos = c_all.clone() if cols else None
+    for i0, i1 in F.blocks():
+        r = i1 - i0
+        qb = c.q[i0:i1]
+        tS = tiling(r, c.Bd, dev)
+        tE = tiling(r, c.N, dev) if c.N else (1, 0, 1)
+        nslots = tS[1] + tE[1]
+        row_part = torch.empty(K, r, nslots, 2, dtype=acc, device=dev)
+        col_part = torch.empty(K, tS[2], c.Bd, 2, dtype=acc, device=dev) if cols else None
+        dense = c.bias_block(i0, i1)
+        dense = None if dense is None else dense.contiguous()
+        G = torch.empty(r, c.Bd, dtype=acc, device=dev)
+        E = torch.empty(r, c.N, dtype=acc, device=dev) if c.N else None
+        for l in range(K):
+            a, b = c.seg[l], c.seg[l + 1]
+            if l == 0:
+                torch.mm(qb[:, a:b], c.d[:, a:b].t(), out=G)
+            else:
+                G.addmm_(qb[:, a:b], c.d[:, a:b].t())
+            F.launch("fwd", G, i0, l, pos=True, tiling_=tS, scale_cols=c.kap, dense=dense, nslots=nslots,
+                     row_part=row_part[l], col_part=None if col_part is None else col_part[l])
+            if E is not None:
+                if l == 0:
+                    torch.mm(qb[:, a:b], c.neg[:, a:b].t(), out=E)
+                else:
+                    E.addmm_(qb[:, a:b], c.neg[:, a:b].t())
+                F.launch("fwd", E, i0, l, pos=False, tiling_=tE, scale_cols=c.kneg, nslots=nslots, slot0=tS[1],
+                         row_part=row_part[l])
+        lse = torch.logsumexp(row_part, dim=2)  # (K, r, 2)
+        row_stats[:, 0, i0:i1] = lse[..., 0]
+        row_stats[:, 1, i0:i1] = lse[..., 1]
+        if cols:
+            cl = torch.logsumexp(col_part, dim=1)  # (K, C, 2)
+            c_all = torch.logaddexp(c_all, cl[..., 0])
+            c_pos = torch.logaddexp(c_pos, cl[..., 1])
+        del G, E, dense, row_part, col_part
+    row_stats[:, 2] = c.row_none_local.to(acc)[None, :]
+    if cols:
+        col_stats[:, 0], col_stats[:, 1] = c_all, c_pos
+    levels = torch.zeros(K, dtype=acc, device=dev)
+    if row_weight != 0.0:
+        levels = levels + row_weight * (row_stats[:, 0] - row_stats[:, 1]).mean(dim=1)
+    if cols:
+        levels = levels + col_weight * (col_stats[:, 0] - col_stats[:, 1]).mean(dim=1)
+    w = torch.tensor(list(coef), dtype=acc, device=dev)
+    loss = (torch.where(w != 0, levels, torch.zeros_like(levels)) * w).sum()
+    return [loss, levels, row_stats, col_stats]
+
+
+def fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none,
+                   seg, inv_temp, row_weight, col_weight, diag_offset, block=0, bias=None) -> List[torch.Tensor]:
+    F = _Fused(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
+               col_weight, diag_offset, block, bias, backward=True)
+    c = F.c
+    K, dev, acc = c.K, q.device, c.acc
+    bgrads = None
+    if bias is not None:
+        bgrads = [None if t is None else torch.zeros(t.shape, dtype=torch.float64, device=dev) for t in bias]
+    coef = [float(x) for x in lcoef.detach().to("cpu", torch.float64).tolist()]
+    cols = col_weight != 0.0
+    rw = [x * row_weight / c.Bq for x in coef]
+    cw = [x * col_weight / c.Bd if cols else 0.0 for x in coef]
+    dq, dd = torch.zeros_like(c.q), torch.zeros_like(c.d)
+    dneg = None if c.neg is None else torch.zeros_like(c.neg)
+    drho, dkap = torch.zeros_like(c.rho), torch.zeros_like(c.kap)
+    dkneg = None if c.kneg is None else torch.zeros_like(c.kneg)
+    act = [l for l in range(K) if rw[l] != 0.0 or cw[l] != 0.0]
+    actn = [l for l in range(K) if rw[l] != 0.0] if c.N else []
+    row_stats, col_stats = row_stats.contiguous(), col_stats.contiguous()
+    if act:
+        top = act[-1]
+        for i0, i1 in F.blocks():
+            r = i1 - i0
+            qb = c.q[i0:i1]
+            tS = tiling(r, c.Bd, dev)
+            dense = c.bias_block(i0, i1)
+            dense = None if dense is None else dense.contiguous()
+            Gs = torch.empty(top + 1, r, c.Bd, dtype=acc, device=dev)
+            Es = torch.empty(actn[-1] + 1, r, c.N, dtype=acc, device=dev) if actn else None
+            for l in range(top + 1):
+                a, b = c.seg[l], c.seg[l + 1]
+                if l == 0:
+                    torch.mm(qb[:, a:b], c.d[:, a:b].t(), out=Gs[0])
+                else:
+                    torch.addmm(Gs[l - 1], qb[:, a:b], c.d[:, a:b].t(), out=Gs[l])
+                if Es is not None and l < Es.shape[0]:
+                    if l == 0:
+                        torch.mm(qb[:, a:b], c.neg[:, a:b].t(), out=Es[0])
+                    else:
+                        torch.addmm(Es[l - 1], qb[:, a:b], c.neg[:, a:b].t(), out=Es[l])
+            H = torch.empty(r, c.Bd, dtype=acc, device=dev)
+            Gb = torch.empty(r, c.Bd, dtype=acc, device=dev) if dense is not None else None
+            drp = torch.empty(r, tS[1], dtype=acc, device=dev)
+            dkp = torch.empty(tS[2], c.Bd, dtype=acc, device=dev)
+            if Es is not None:
+                tE = tiling(r, c.N, dev)
+                Hn = torch.empty(r, c.N, dtype=acc, device=dev)
+                drpn = torch.empty(r, tE[1], dtype=acc, device=dev)
+                dkpn = torch.empty(tE[2], c.N, dtype=acc, device=dev)
+            started = started_n = False
+            for l in range(top, -1, -1):
+                a, b = c.seg[l], c.seg[l + 1]
+                if rw[l] != 0.0 or cw[l] != 0.0:
+                    F.launch("bwd", Gs[l], i0, l, pos=True, tiling_=tS, scale_cols=c.kap, dense=dense, gr=rw[l],
+                             gc=cw[l], H=H, accumulate=started, row_lse=row_stats[l], col_lse=col_stats[l],
+                             Gb=Gb, drho_part=drp, dkap_part=dkp)
+                    started = True
+                    drho[l, i0:i1] += drp.sum(1)
+                    dkap[l] += dkp.sum(0)
+                dq[i0:i1, a:b] += H @ c.d[:, a:b]
+                dd[:, a:b].addmm_(H.t(), qb[:, a:b])
+                if Es is not None and l < Es.shape[0]:
+                    if rw[l] != 0.0:
+                        F.launch("bwd", Es[l], i0, l, pos=False, tiling_=tE, scale_cols=c.kneg, gr=rw[l], H=Hn,
+                                 accumulate=started_n, row_lse=row_stats[l], drho_part=drpn, dkap_part=dkpn)
+                        started_n = True
+                        drho[l, i0:i1] += drpn.sum(1)
+                        dkneg[l] += dkpn.sum(0)
+                    dq[i0:i1, a:b] += Hn @ c.neg[:, a:b]
+                    dneg[:, a:b].addmm_(Hn.t(), qb[:, a:b])
+            if Gb is not None:
+                c.bias_backward(i0, i1, Gb, bgrads)
+            del Gs, Es, H, Gb, dense
     e = lambda: q.new_empty(0, dtype=acc)  # noqa: E731
     out = [dq, dd, e() if dneg is None else dneg, drho, dkap, e() if dkneg is None else dkneg]
     if bgrads is not None:

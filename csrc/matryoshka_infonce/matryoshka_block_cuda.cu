@@ -1,0 +1,409 @@
+// CUDA passes of the blocked Matryoshka InfoNCE, one level per launch (see matryoshka_block.h for the math).
+//
+// Layout (that of multipos_block_cuda.cu's v1 statistics and gradient kernels): a CUDA block of 256 threads
+// owns TR rows x 1024 columns of the level's snapshot block G; thread t owns columns c0 + t + 256 k (k < 4)
+// and walks the rows 4 at a time, so every load reads 256 consecutive elements (coalesced) and 16 loads per
+// thread are in flight. Column state (statistics, dL/dkap, the column scale and spans) stays in registers; row
+// statistics (and dL/drho) are reduced per warp with shuffles and combined across the 8 warps in shared memory
+// every 32 rows. Bytes per element and level: forward reads G once; backward reads G, reads H (levels below the
+// top one) and writes H once (and Gb with a bias).
+#include <cuda_runtime.h>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <type_traits>
+#include "common/cuda_utils.cuh"
+#include "matryoshka_infonce/matryoshka_block.h"
+
+namespace tk {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int KC = 4;  // columns per thread
+constexpr int RB = 4;  // rows per load batch
+constexpr int kTile = kThreads * KC;
+constexpr unsigned kFull = 0xffffffffu;
+
+// exp through the SFU's exp2 with the rounding of x * log2(e) compensated (the formula of
+// multipos_block_cuda.cu's dexp: about as accurate as expf; a plain ex2(x * log2 e) loses |x| 2^-24).
+__device__ __forceinline__ float ex2f(float t) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(t));
+  return y;
+#else
+  return exp2f(t);
+#endif
+}
+__device__ __forceinline__ float dexp(float x) {
+  constexpr float L = 1.4426950408889634f, L_lo = 1.925963033500518e-08f, LN2 = 0.6931471805599453f;
+  const float t = x * L;
+  const float lo = fmaf(x, L, -t) + x * L_lo;
+  const float y = ex2f(t);
+  return fabsf(x) < 1e30f ? fmaf(y, lo * LN2, y) : y;
+}
+__device__ __forceinline__ double dexp(double x) { return exp(x); }
+__device__ __forceinline__ float dlog(float x) { return logf(x); }
+__device__ __forceinline__ double dlog(double x) { return log(x); }
+template <typename A> __device__ __forceinline__ A ninf() { return -std::numeric_limits<A>::infinity(); }
+template <typename A> __device__ __forceinline__ A lse_of(A m, A s) {
+  return s > A(0) ? m + dlog(s) : (s == s ? ninf<A>() : s);  // empty: -inf; NaN stays NaN
+}
+
+// The thread's KC columns: validity, spans, fallback flag and the column scale inv_temp * kap_j.
+template <typename A, bool POS> struct Cols {
+  bool valid[KC];
+  int32_t lo[KC], hi[KC];
+  bool none[KC];
+  A ks[KC];
+  __device__ __forceinline__ void load(const MrlBlockParams& p, int64_t c0, A it) {
+    const A* kap = static_cast<const A*>(p.kap);
+#pragma unroll
+    for (int k = 0; k < KC; ++k) {
+      const int64_t j = c0 + k * kThreads;
+      valid[k] = j < p.C;
+      lo[k] = 0;
+      hi[k] = -1;
+      none[k] = false;
+      ks[k] = A(0);
+      if (valid[k]) {
+        ks[k] = it * kap[j];
+        if (POS) {
+          lo[k] = p.d_lo[j];
+          hi[k] = p.d_hi[j];
+          none[k] = p.col_none[j] != 0;
+        }
+      }
+    }
+  }
+};
+
+template <typename GT, typename A>
+__device__ __forceinline__ void load_batch(const GT* Gb, int64_t ldg, int nb, const bool (&valid)[KC],
+                                           A (&sv)[RB][KC]) {
+#pragma unroll
+  for (int b = 0; b < RB; ++b)
+#pragma unroll
+    for (int k = 0; k < KC; ++k) sv[b][k] = (b < nb && valid[k]) ? (A)cuda::to_acc(Gb[b * ldg + k * kThreads]) : A(0);
+}
+
+// Combine the 8 warps' (max, sum) partials of up to 32 rows and write (lse_all, lse_pos) per row.
+template <typename A>
+__device__ __forceinline__ void flush_rows(const MrlBlockParams& p, A (*wpart)[32][4], int64_t rb, int nr) {
+  const int tid = threadIdx.x;
+  if (tid < nr) {
+    A lse[2];
+    for (int k = 0; k < 2; ++k) {
+      A m = ninf<A>();
+      for (int w = 0; w < kWarps; ++w) m = max(m, wpart[w][tid][2 * k]);
+      A s = 0;
+      for (int w = 0; w < kWarps; ++w) {
+        const A ws = wpart[w][tid][2 * k + 1];
+        if (ws != A(0)) s += m != ninf<A>() ? ws * dexp(wpart[w][tid][2 * k] - m) : ws;  // (NaN stays NaN)
+      }
+      lse[k] = lse_of(m, s);
+    }
+    A* out = static_cast<A*>(p.row_part) + ((rb + tid) * p.nslots + p.slot0 + blockIdx.x) * 2;
+    out[0] = lse[0];
+    out[1] = lse[1];
+  }
+}
+
+template <typename A, bool BIAS, bool POS>
+__global__ void __launch_bounds__(kThreads) mrl_fwd_kernel(const MrlBlockParams p) {
+  __shared__ A wpart[kWarps][32][4];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t c0 = (int64_t)blockIdx.x * kTile + tid;
+  const int64_t r0 = (int64_t)blockIdx.y * p.TR;
+  const int64_t r1 = min(r0 + p.TR, p.R);
+  const A it = (A)p.inv_temp;
+  const A* rho = static_cast<const A*>(p.rho);
+  Cols<A, POS> c;
+  c.load(p, c0, it);
+  A cm[KC], cs[KC], cpm[KC], cps[KC];
+#pragma unroll
+  for (int k = 0; k < KC; ++k) {
+    cm[k] = cpm[k] = ninf<A>();
+    cs[k] = cps[k] = A(0);
+  }
+  const bool cols = POS && p.cols;
+  const int64_t dbase = c0 - (p.i0 + r0 + p.diag_offset);  // j - (i + off) at k = 0, row r0
+
+  for (int64_t rb = r0; rb < r1; rb += 32) {
+    const int nr = (int)min((int64_t)32, r1 - rb);
+    for (int rr0 = 0; rr0 < nr; rr0 += RB) {
+      A sv[RB][KC];
+      load_batch<A, A>(static_cast<const A*>(p.G) + (rb + rr0) * p.ldg + c0, p.ldg, nr - rr0, c.valid, sv);
+      A xb[RB][KC];
+      bool pcb[RB][KC];
+#pragma unroll
+      for (int b = 0; b < RB; ++b) {
+        const int rr = rr0 + b;
+        if (rr >= nr) break;  // uniform
+        const int64_t r = rb + rr, i = p.i0 + r;
+        const A rs = __ldg(rho + i);
+        int32_t rlo = 0, rhi = -1;
+        bool rnone = false, rfb = false;
+        if (POS) {
+          rlo = __ldg(p.q_lo + i);
+          rhi = __ldg(p.q_hi + i);
+          rnone = __ldg(p.row_none + i) != 0;
+          rfb = p.row_fb ? __ldg(p.row_fb + i) != 0 : rnone;
+        }
+        const A* drow = BIAS ? static_cast<const A*>(p.dense) + r * p.ldb + c0 : nullptr;
+        const int64_t dd = dbase - (r - r0);
+        A lm = ninf<A>(), lpm = ninf<A>();
+        bool pr[KC];
+#pragma unroll
+        for (int k = 0; k < KC; ++k) {
+          pr[k] = pcb[b][k] = false;
+          xb[b][k] = ninf<A>();
+          if (c.valid[k]) {
+            A x = sv[b][k] * rs * c.ks[k];
+            if (BIAS) x += drow[k * kThreads];
+            xb[b][k] = x;
+            if (POS) {
+              const bool ov = max(rlo, c.lo[k]) <= min(rhi, c.hi[k]);
+              const bool dg = dd + k * kThreads == 0;
+              pr[k] = ov || (rnone && dg);
+              pcb[b][k] = ov || (dg && (rfb || c.none[k]));
+            }
+          }
+          lm = max(lm, xb[b][k]);
+          if (pr[k]) lpm = max(lpm, xb[b][k]);
+        }
+        const A wm = cuda::warp_max(lm);
+        A ls = 0;
+#pragma unroll
+        for (int k = 0; k < KC; ++k)
+          if (c.valid[k]) ls += wm != ninf<A>() ? dexp(xb[b][k] - wm) : (xb[b][k] != xb[b][k] ? xb[b][k] : A(0));
+        const A ws = cuda::warp_sum(ls);
+        A pm = ninf<A>(), ps = 0;
+        if (POS && __ballot_sync(kFull, lpm != ninf<A>())) {
+          pm = cuda::warp_max(lpm);
+          A lps = 0;
+#pragma unroll
+          for (int k = 0; k < KC; ++k)
+            if (pr[k]) lps += dexp(xb[b][k] - pm);
+          ps = cuda::warp_sum(lps);
+        }
+        if (lane == 0) {
+          wpart[warp][rr][0] = wm;
+          wpart[warp][rr][1] = ws;
+          wpart[warp][rr][2] = pm;
+          wpart[warp][rr][3] = ps;
+        }
+      }
+      if (cols) {  // one rescale per batch of RB rows
+        const int nb = min(RB, nr - rr0);
+#pragma unroll
+        for (int k = 0; k < KC; ++k) {
+          if (!c.valid[k]) continue;
+          A bm = cm[k], bpm = cpm[k];
+#pragma unroll
+          for (int b = 0; b < RB; ++b) {
+            if (b >= nb) break;
+            bm = max(bm, xb[b][k]);
+            if (pcb[b][k]) bpm = max(bpm, xb[b][k]);
+          }
+          if (bm != ninf<A>()) {
+            A acc = cs[k] * dexp(cm[k] - bm);
+#pragma unroll
+            for (int b = 0; b < RB; ++b)
+              if (b < nb) acc += dexp(xb[b][k] - bm);
+            cs[k] = acc;
+            cm[k] = bm;
+          } else {
+#pragma unroll
+            for (int b = 0; b < RB; ++b)
+              if (b < nb && xb[b][k] != xb[b][k]) cs[k] = xb[b][k];  // NaN stays NaN
+          }
+          if (bpm != ninf<A>()) {
+            A acc = cps[k] * dexp(cpm[k] - bpm);
+#pragma unroll
+            for (int b = 0; b < RB; ++b)
+              if (b < nb && pcb[b][k]) acc += dexp(xb[b][k] - bpm);
+            cps[k] = acc;
+            cpm[k] = bpm;
+          }
+        }
+      }
+    }
+    __syncthreads();
+    flush_rows<A>(p, wpart, rb, nr);
+    __syncthreads();
+  }
+  if (cols) {
+#pragma unroll
+    for (int k = 0; k < KC; ++k) {
+      if (!c.valid[k]) continue;
+      A* out = static_cast<A*>(p.col_part) + ((int64_t)blockIdx.y * p.C + c0 + k * kThreads) * 2;
+      out[0] = lse_of(cm[k], cs[k]);
+      out[1] = lse_of(cpm[k], cps[k]);
+    }
+  }
+}
+
+template <typename OT, typename A, bool BIAS, bool POS>
+__global__ void __launch_bounds__(kThreads) mrl_bwd_kernel(const MrlBlockParams p) {
+  __shared__ A rowacc[32];
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int64_t c0 = (int64_t)blockIdx.x * kTile + tid;
+  const int64_t r0 = (int64_t)blockIdx.y * p.TR;
+  const int64_t r1 = min(r0 + p.TR, p.R);
+  const A it = (A)p.inv_temp, gr = (A)p.gr, gc = (A)p.gc;
+  const bool rows = p.gr != 0.0, cols = POS && p.cols && p.gc != 0.0, accum = p.accumulate;
+  const A* rho = static_cast<const A*>(p.rho);
+  const A* rl = static_cast<const A*>(p.row_lse);
+  const A* cl = static_cast<const A*>(p.col_lse);
+  A* Gb = static_cast<A*>(p.Gb);
+  if (tid < 32) rowacc[tid] = A(0);
+  __syncthreads();
+  Cols<A, POS> c;
+  c.load(p, c0, it);
+  A ca[KC], cp[KC], dk[KC];
+#pragma unroll
+  for (int k = 0; k < KC; ++k) {
+    ca[k] = cp[k] = dk[k] = A(0);
+    if (c.valid[k] && cols) {
+      ca[k] = cl[c0 + k * kThreads];
+      cp[k] = cl[p.C + c0 + k * kThreads];
+    }
+  }
+  const int64_t dbase = c0 - (p.i0 + r0 + p.diag_offset);
+
+  for (int64_t rb = r0; rb < r1; rb += 32) {
+    const int nr = (int)min((int64_t)32, r1 - rb);
+    for (int rr0 = 0; rr0 < nr; rr0 += RB) {
+      A sv[RB][KC], hv[RB][KC];
+      load_batch<A, A>(static_cast<const A*>(p.G) + (rb + rr0) * p.ldg + c0, p.ldg, nr - rr0, c.valid, sv);
+      if (accum) load_batch<OT, A>(static_cast<const OT*>(p.H) + (rb + rr0) * p.ldh + c0, p.ldh, nr - rr0, c.valid, hv);
+#pragma unroll
+      for (int b = 0; b < RB; ++b) {
+        const int rr = rr0 + b;
+        if (rr >= nr) break;  // uniform
+        const int64_t r = rb + rr, i = p.i0 + r;
+        const A rs = __ldg(rho + i);
+        int32_t rlo = 0, rhi = -1;
+        bool rnone = false, rfb = false;
+        if (POS) {
+          rlo = __ldg(p.q_lo + i);
+          rhi = __ldg(p.q_hi + i);
+          rnone = __ldg(p.row_none + i) != 0;
+          rfb = p.row_fb ? __ldg(p.row_fb + i) != 0 : rnone;
+        }
+        const A* drow = BIAS ? static_cast<const A*>(p.dense) + r * p.ldb + c0 : nullptr;
+        OT* hrow = static_cast<OT*>(p.H) + r * p.ldh + c0;
+        A* gbrow = BIAS ? Gb + r * p.ldh + c0 : nullptr;
+        const int64_t dd = dbase - (r - r0);
+        A la = 0, lp = 0;
+        if (rows) {
+          la = __ldg(rl + i);
+          if (POS) lp = __ldg(rl + p.Bq + i);
+        }
+        A rsum = 0;
+#pragma unroll
+        for (int k = 0; k < KC; ++k) {
+          if (!c.valid[k]) continue;
+          const A gs = sv[b][k];
+          A x = gs * rs * c.ks[k];
+          if (BIAS) x += drow[k * kThreads];
+          bool pr = false, pc = false;
+          if (POS) {
+            const bool ov = max(rlo, c.lo[k]) <= min(rhi, c.hi[k]);
+            const bool dg = dd + k * kThreads == 0;
+            pr = ov || (rnone && dg);
+            pc = ov || (dg && (rfb || c.none[k]));
+          }
+          A g = 0;
+          if (rows) g = gr * (dexp(x - la) - (pr ? dexp(x - lp) : A(0)));
+          if (cols) g += gc * (dexp(x - ca[k]) - (pc ? dexp(x - cp[k]) : A(0)));
+          const A t = g * gs;  // dz/drho_i = inv_temp kap_j G_ij, dz/dkap_j = inv_temp rho_i G_ij
+          rsum += t * c.ks[k];
+          dk[k] += t * rs;
+          const A h = g * rs * c.ks[k];
+          hrow[k * kThreads] = cuda::from_acc<OT>(accum ? hv[b][k] + h : h);
+          if (BIAS) gbrow[k * kThreads] = accum ? gbrow[k * kThreads] + g : g;
+        }
+        const A wsum = cuda::warp_sum(rsum);
+        if (lane == 0) atomicAdd(rowacc + rr, wsum);
+      }
+    }
+    __syncthreads();
+    if (tid < nr) {
+      static_cast<A*>(p.drho_part)[(rb + tid) * p.nct + blockIdx.x] = rowacc[tid];
+      rowacc[tid] = A(0);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int k = 0; k < KC; ++k)
+    if (c.valid[k]) static_cast<A*>(p.dkap_part)[(int64_t)blockIdx.y * p.C + c0 + k * kThreads] = dk[k] * it;
+}
+
+template <typename F> void dispatch_mode(const MrlBlockParams& p, F&& f) {
+  if (!p.pos) {
+    if (p.dense) throw std::runtime_error("mrl_block: an extra-negative block takes no bias");
+    f(std::false_type{}, std::false_type{});
+  } else if (p.dense) {
+    f(std::true_type{}, std::true_type{});
+  } else {
+    f(std::false_type{}, std::true_type{});
+  }
+}
+
+void check(const MrlBlockParams& p) {
+  if (p.R < 0 || p.C < 0 || p.TR < 1 || p.nct != (p.C + kTile - 1) / kTile || p.nrt != (p.R + p.TR - 1) / p.TR)
+    throw std::runtime_error("mrl_block: inconsistent tiling");
+  if (p.nrt > 65535) throw std::runtime_error("mrl_block: too many row tiles (raise TR)");
+  if (p.gdtype != p.adtype) throw std::runtime_error("mrl_block: the snapshots must be in the accumulation dtype");
+  if (p.adtype != DType::F32 && p.adtype != DType::F64) throw std::runtime_error("mrl_block: bad accumulation dtype");
+}
+
+}  // namespace
+
+void mrl_block_fwd_cuda(const MrlBlockParams& p, int device, uintptr_t stream) {
+  check(p);
+  if (p.R == 0 || p.C == 0) return;
+  cuda::set_device(device);
+  const dim3 grid((unsigned)p.nct, (unsigned)p.nrt);
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  auto run = [&](auto a) {
+    using A = decltype(a);
+    dispatch_mode(p, [&](auto bias, auto pos) {
+      mrl_fwd_kernel<A, decltype(bias)::value, decltype(pos)::value><<<grid, kThreads, 0, st>>>(p);
+    });
+  };
+  if (p.adtype == DType::F64) run(double{}); else run(float{});
+  cuda::check_launch();
+}
+
+void mrl_block_bwd_cuda(const MrlBlockParams& p, int device, uintptr_t stream) {
+  check(p);
+  if (p.R == 0 || p.C == 0) return;
+  cuda::set_device(device);
+  const dim3 grid((unsigned)p.nct, (unsigned)p.nrt);
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  auto launch = [&](auto o, auto a) {
+    using OT = decltype(o);
+    using A = decltype(a);
+    dispatch_mode(p, [&](auto bias, auto pos) {
+      mrl_bwd_kernel<OT, A, decltype(bias)::value, decltype(pos)::value><<<grid, kThreads, 0, st>>>(p);
+    });
+  };
+  if (p.adtype == DType::F64) {
+    if (p.odtype != DType::F64) throw std::runtime_error("mrl_block: float64 accumulation needs a float64 H");
+    launch(double{}, double{});
+  } else {
+    switch (p.odtype) {
+      case DType::F32: launch(float{}, float{}); break;
+      case DType::F16: launch(__half{}, float{}); break;
+      case DType::BF16: launch(__nv_bfloat16{}, float{}); break;
+      default: throw std::runtime_error("mrl_block: float64 H needs float64 accumulation");
+    }
+  }
+  cuda::check_launch();
+}
+
+}  // namespace tk
