@@ -1,0 +1,249 @@
+"""The fused CUDA path of tempokern.matryoshka_infonce (csrc/matryoshka_infonce/matryoshka_block_cuda.cu, one
+launch per level around torch's segment products; TEMPOKERN_MRL_CUDA=fused, the default) on the CUDA
+emulator, against tempokern.reference.matryoshka_infonce: float64 parity of the loss, the levels and every
+gradient (q, d, extra_neg, the seven bias inputs) with several row blocks and partial column tiles, the grid at
+132 / 108 / 58 SMs, three thread orders, the 2x-torch rule in float32 / bfloat16 / float16, one level equal to
+multipos_infonce on the same path, zero weights, symmetric, bias table and exact, and the switch to the torch
+path (TEMPOKERN_MRL_CUDA=torch, which launches none of these kernels)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tempokern
+import tempokern._ops.matryoshka_blocked as mb
+import tempokern._ops.multipos_blocked as mpb
+from tempokern._ops.matryoshka_infonce import force_blocked
+from tempokern.reference import matryoshka_infonce as ref
+
+from test_matryoshka_infonce import assert_parity, make, make_bias, run_both, run_both_bias
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The fused kernel launches of the test: (op, first row of the block, level, positive block)."""
+    monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
+    calls = []
+    real = mb._Fused.launch
+
+    def spy(self, op, G, i0, l, **k):
+        calls.append((op, i0, l, k["pos"]))
+        return real(self, op, G, i0, l, **k)
+
+    monkeypatch.setattr(mb._Fused, "launch", spy)
+    return calls
+
+
+def on_device(gpu, q, d, neg, sp, bias=None):
+    mv = lambda t: None if t is None else t.to(gpu)  # noqa: E731
+    sp = {k: tuple(t.to(gpu) for t in v) for k, v in sp.items()}
+    return mv(q), mv(d), mv(neg), sp, None if bias is None else tuple(t.to(gpu) for t in bias)
+
+
+def test_switch_default_and_validation(monkeypatch):
+    monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
+    assert mb.cuda_variant() == "fused"
+    monkeypatch.setenv("TEMPOKERN_MRL_CUDA", " Torch ")
+    assert mb.cuda_variant() == "torch"
+    monkeypatch.setenv("TEMPOKERN_MRL_CUDA", "cutlass")
+    with pytest.raises(ValueError, match="TEMPOKERN_MRL_CUDA"):
+        mb.cuda_variant()
+    # plain CPU tensors never take the fused kernels (CPU bias= keeps the torch blocked path)
+    monkeypatch.delenv("TEMPOKERN_MRL_CUDA")
+    assert not mb.use_fused(torch.zeros(3, 2), 3)
+
+
+LW = torch.tensor([0.3, -0.2, 0.0, 1.5])  # upstream gradient of the returned levels (return_levels)
+CASES = [  # (B, Bd, N, spans, symmetric, block rows): 0 = one block
+    (70, 70, 0, None, False, 0), (70, 70, 13, "random", True, 32), (24, 1100, 9, None, False, 16),
+    (16, 1030, 0, "random", False, 0), (5, 9, 3, "random", False, 2), (70, 70, 0, "random", True, 0),
+]
+
+
+@pytest.mark.parametrize("B,Bd,N,spans,symmetric,rows", CASES)
+def test_fused_matches_reference_float64(gpu, launches, B, Bd, N, spans, symmetric, rows):
+    # Bd = 1,100: two column tiles, the second partial (76 columns); rows = 2 / 16 / 32: several row blocks
+    # (the last partial) merged across blocks; dims (33, 8, 50, 20) do not divide H = 50 nor each other, and a
+    # zero level weight (its prefix still feeds the larger levels)
+    q, d, neg, sp, _ = on_device(gpu, *make(B, 50, Bd=Bd, N=N, spans=spans, seed=B + Bd + N))
+    with force_blocked(rows) if rows else torch.enable_grad():
+        res = run_both(q, d, neg, sp, (33, 8, 50, 20), weights=(2.0, 1.0, 0.0, 0.5), temperature=0.07,
+                       symmetric=symmetric, level_w=LW)
+    assert_parity(*res, 1e-9)
+    if gpu.type == "cpu":  # the emulator: every level forward and backward, d blocks and extra-negative blocks
+        blocks = -(-B // rows) if rows else 1
+        assert sum(1 for c in launches if c[0] == "fwd") == 4 * blocks * (2 if N else 1)
+        assert sum(1 for c in launches if c[0] == "bwd") == 4 * blocks * (2 if N else 1)
+        assert {c[2] for c in launches} == {0, 1, 2, 3}
+
+
+def test_fused_more_rows_than_one_column_tile(gpu, launches):
+    # symmetric with B = Bd = 1,030: column statistics merged over two column tiles and 33 row blocks of 32
+    q, d, neg, sp, _ = on_device(gpu, *make(1030, 12, N=0, spans="random", seed=3))
+    with force_blocked(512):
+        res = run_both(q, d, neg, sp, (5, 12), temperature=0.1, symmetric=True, level_w=torch.tensor([0.5, 0.0]))
+    assert_parity(*res, 1e-9)
+    assert launches
+
+
+@pytest.mark.parametrize("sms", [132, 108, 58])
+def test_fused_at_other_sm_counts(gpu, launches, monkeypatch, sms):
+    monkeypatch.setattr(mpb, "sm_count", lambda device: sms)
+    q, d, neg, sp, _ = on_device(gpu, *make(100, 8, N=5, spans="random", seed=sms))
+    res = run_both(q, d, neg, sp, (3, 5, 8), temperature=0.05, symmetric=True, level_w=torch.tensor([1.0, 0.0, -1.0]))
+    assert_parity(*res, 1e-9)
+    if gpu.type == "cpu":
+        TR, nct, nrt = mpb.tiling(100, 100, gpu)
+        assert nrt == -(-100 // TR) and TR % 32 == 0 and nct * nrt >= min(4 * sms, -(-100 // 32))
+
+
+def _fused_outputs(bias_mode):
+    q, d, neg, sp = make(130, 20, N=6, spans="random", seed=21)
+    bias = make_bias(130, 130, seed=22) if bias_mode else None
+    ins = [x.clone().requires_grad_() for x in (q, d, neg)] + ([t.clone().requires_grad_() for t in bias]
+                                                               if bias else [])
+    extra = dict(bias=tuple(ins[3:])) if bias else {}
+    if bias_mode == "table":
+        extra["bias_table_points"] = 65
+    with force_blocked(48):
+        loss, levels = tempokern.matryoshka_infonce(ins[0], ins[1], (7, 20), extra_neg=ins[2], return_levels=True,
+                                                    temperature=0.1, symmetric=True, **sp, **extra)
+        grads = torch.autograd.grad(loss + levels[0], ins)
+    return [loss.detach(), levels.detach(), *grads]
+
+
+@pytest.mark.parametrize("bias_mode", [None, "exact"])
+def test_fused_does_not_depend_on_thread_order(cuda_emu, monkeypatch, bias_mode):
+    # every thread reaches each barrier in a seeded random order: a missing __syncthreads around the shared
+    # row partials would change the result
+    from tempokern._ops.common import cuda_emulator
+    monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
+    outs = []
+    with cuda_emulator(cuda_emu):
+        try:
+            for s in (1, 2, 3):
+                cuda_emu.emu_set_seed(s)
+                outs.append(_fused_outputs(bias_mode))
+        finally:
+            cuda_emu.emu_set_seed(0)
+    for o in outs[1:]:
+        for a, b in zip(outs[0], o):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14)
+
+
+def _errs(res, exact):
+    (l, v, g) = res
+    (le, ve, ge) = exact
+    return [(x.double() - y).abs().max().item() for x, y in zip([l, v, *g], [le, ve, *ge])]
+
+
+TWO_X = [(dt, None) for dt in (torch.float32, torch.bfloat16, torch.float16)] + [(torch.bfloat16, "table"),
+                                                                                (torch.float32, "exact")]
+
+
+@pytest.mark.parametrize("dtype,bias_mode", TWO_X)
+def test_two_x_torch_rule(gpu, launches, dtype, bias_mode):
+    # loss, levels and every gradient (q, d, extra_neg, bias inputs): the fused path's error against the float64
+    # reference at most twice the reference's own error computed in that dtype (plus a floor of a few ulps of
+    # the dtype for outputs torch happens to get exact; the bias parameters' gradients are sums of B^2 terms
+    # that cancel: sqrt(pairs) ulps, as tests/test_multipos_blocked.py)
+    B = 64
+    q, d, neg, sp = make(B, 32, N=9, spans="random", seed=31)
+    bias = make_bias(B, B, seed=32, u_lo=0.0, u_hi=1.0) if bias_mode else None
+    pts = 257 if bias_mode == "table" else None
+    dims = (8, 20, 32)
+    kw = dict(temperature=0.1, symmetric=True, level_w=torch.tensor([0.5, 0.0, 1.0]))
+
+    def run(qq, dd, nn, bb, fused):
+        qq, dd, nn, spp, bb = on_device(gpu, qq, dd, nn, sp, bb) if fused else (qq, dd, nn, sp, bb)
+        with force_blocked(40) if fused else torch.enable_grad():
+            if bb is None:
+                r = run_both(qq, dd, nn, spp, dims, **kw)
+            else:
+                r = run_both_bias(qq, dd, nn, spp, dims, bb, table_points=pts, **kw)
+        return r[0] if fused else r[1]
+
+    exact = run(q, d, neg, bias, False)
+    low = lambda t: t.to(dtype)  # noqa: E731
+    lb = None if bias is None else tuple(low(t) for t in bias)
+    fused = run(low(q), low(d), low(neg), lb, True)
+    plain = run(low(q), low(d), low(neg), lb, False)
+    ef, et = _errs(fused, exact), _errs(plain, exact)
+    eps = torch.finfo(dtype).eps
+    for k, (a, b) in enumerate(zip(ef, et)):
+        floor = B * eps if bias_mode and k >= 7 else 4 * eps
+        assert a <= 2 * b + floor, f"output {k}: fused {a:.2e} vs torch {b:.2e} ({dtype}, {bias_mode})"
+    if gpu.type == "cpu":
+        assert any(c[0] == "bwd" for c in launches)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_single_level_equals_multipos_infonce_on_the_same_path(gpu, launches, symmetric):
+    # one level (dims = (H,)) is multipos_infonce of the normalised embeddings, both on the CUDA path
+    q, d, _, sp, _ = on_device(gpu, *make(70, 32, spans="random", seed=41))
+    qa, da = q.clone().requires_grad_(), d.clone().requires_grad_()
+    la = tempokern.matryoshka_infonce(qa, da, [32], temperature=0.1, symmetric=symmetric, **sp)
+    ga = torch.autograd.grad(la, (qa, da))
+    qb, db = q.clone().requires_grad_(), d.clone().requires_grad_()
+    lb = tempokern.multipos_infonce(F.normalize(qb, dim=-1), F.normalize(db, dim=-1), sp["q_span"], sp["d_span"],
+                                    temperature=0.1, symmetric=symmetric)
+    gb = torch.autograd.grad(lb, (qb, db))
+    torch.testing.assert_close(la, lb, rtol=1e-12, atol=1e-12)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    if gpu.type == "cpu":
+        assert [c[0] for c in launches] == ["fwd", "bwd"]
+
+
+def test_zero_weights(gpu, launches):
+    # a zero-weight level adds nothing (and launches no backward pass of its own); the top level's weight 0:
+    # the suffix sums start at the highest weighted level; all weights zero: loss 0 and zero gradients
+    q, d, neg, sp, _ = on_device(gpu, *make(30, 24, N=4, spans="random", seed=51))
+    res = run_both(q, d, neg, sp, (6, 12, 24), weights=(1.0, 0.0, 0.0), temperature=0.1, symmetric=True)
+    assert_parity(*res, 1e-10)
+    if gpu.type == "cpu":
+        assert sorted(c[2] for c in launches if c[0] == "bwd") == [0, 0]  # level 0 only: d block and negatives
+    qq = q.clone().requires_grad_()
+    loss = tempokern.matryoshka_infonce(qq, d, (6, 24), weights=(0, 0), temperature=0.1, **sp)
+    assert float(loss.detach()) == 0.0
+    assert torch.all(torch.autograd.grad(loss, qq)[0] == 0)
+
+
+@pytest.mark.parametrize("table", [False, True])
+@pytest.mark.parametrize("B,Bd,N,spans,symmetric,rows", [(70, 70, 13, "random", True, 16), (12, 1100, 0, None,
+                                                                                             False, 0)])
+def test_fused_bias_matches_reference_float64(gpu, launches, table, B, Bd, N, spans, symmetric, rows):
+    # the bias (exact MLP or its table), the same on every level: loss, levels and the gradients of q, d,
+    # extra_neg and all seven bias inputs (the per-pair bias gradient summed over the levels by the kernel)
+    q, d, neg, sp, bias = on_device(gpu, *make(B, 50, Bd=Bd, N=N, spans=spans, seed=B + 7),
+                                    make_bias(B, Bd, seed=B + 8))
+    with force_blocked(rows) if rows else torch.enable_grad():
+        res = run_both_bias(q, d, neg, sp, (33, 8, 50, 20), bias, weights=(2.0, 1.0, 0.0, 0.5), temperature=0.07,
+                            symmetric=symmetric, level_w=LW, table_points=97 if table else None)
+    assert_parity(*res, 1e-9)
+    assert len(res[0][2]) == 2 + (N > 0) + 7
+    if gpu.type == "cpu":
+        assert any(c[0] == "bwd" for c in launches)
+
+
+def test_torch_variant_runs_no_fused_kernel_and_agrees(gpu, launches, monkeypatch):
+    # TEMPOKERN_MRL_CUDA=torch: the blocked torch path (measured on the H100), same results
+    q, d, neg, sp, bias = on_device(gpu, *make(50, 20, N=5, spans="random", seed=61), make_bias(50, 50, seed=62))
+    fused = run_both_bias(q, d, neg, sp, (5, 20), bias, temperature=0.1, symmetric=True)[0]
+    n = len(launches)
+    assert n > 0 or gpu.type != "cpu"
+    monkeypatch.setenv("TEMPOKERN_MRL_CUDA", "torch")
+    plain = run_both_bias(q, d, neg, sp, (5, 20), bias, temperature=0.1, symmetric=True)[0]
+    assert len(launches) == n
+    assert_parity(fused, plain, 1e-10)
+
+
+def test_forward_only_and_no_grad(gpu, launches):
+    q, d, neg, sp, _ = on_device(gpu, *make(40, 16, N=3, spans="random", seed=71))
+    with torch.no_grad():
+        loss, levels = tempokern.matryoshka_infonce(q, d, (4, 16), extra_neg=neg, temperature=0.1, symmetric=True,
+                                                    return_levels=True, **sp)
+    want, wl = ref(q, d, (4, 16), extra_neg=neg, temperature=0.1, symmetric=True, return_levels=True, **sp)
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(levels, wl, rtol=1e-10, atol=1e-10)
+    if gpu.type == "cpu":
+        assert launches and all(c[0] == "fwd" for c in launches)
