@@ -31,7 +31,7 @@ MrlBlockParams make(const std::vector<int>& dt, const std::vector<int64_t>& sz, 
   p.rho = ptr_of(m, "rho"); p.kap = ptr_of(m, "kap"); p.dense = ptr_of(m, "dense");
   p.row_part = mut_ptr_of(m, "row_part"); p.col_part = mut_ptr_of(m, "col_part");
   p.row_lse = ptr_of(m, "row_lse"); p.col_lse = ptr_of(m, "col_lse");
-  p.H = mut_ptr_of(m, "H"); p.Gb = mut_ptr_of(m, "Gb");
+  p.H = mut_ptr_of(m, "H"); p.Ho = mut_ptr_of(m, "Ho"); p.Gb = mut_ptr_of(m, "Gb");
   p.drho_part = mut_ptr_of(m, "drho_part"); p.dkap_part = mut_ptr_of(m, "dkap_part");
   if (p.R < 0 || p.C < 0 || p.TR < 1 || p.nslots < 1 || p.slot0 < 0) fail("mrl_block_launch: bad sizes");
   if (!p.G || !p.rho || !p.kap) fail("mrl_block_launch: missing G, rho or kap");

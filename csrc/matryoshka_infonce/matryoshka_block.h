@@ -13,7 +13,8 @@
 //       g_ij = gr * (exp(z - La_i) - [pos_r] exp(z - Lp_i)) + gc * (exp(z - Ca_j) - [pos_c] exp(z - Cp_j))
 //     (gr, gc: the level's row / column coefficient = level weight * term weight / count), the kernel writes
 //       H_ij  (+)= inv_temp * rho_i * kap_j * g_ij   (dL/dG_l, suffix-summed over the levels in place:
-//                                                    H = sum_{k >= l} h_k = dL/dP_l for segment l's products)
+//                                                    H = sum_{k >= l} h_k = dL/dP_l for segment l's products;
+//                                                    with half operands also Ho = H rounded to their dtype)
 //       Gb_ij (+)= g_ij                              (bias only: the per-pair bias gradient, summed over levels)
 //       drho_part[i, tile] = sum_j g_ij inv_temp kap_j G_ij,  dkap_part[rtile, j] = sum_i g_ij inv_temp rho_i G_ij
 //     and the driver runs dq[:, S_l] = H X[:, S_l], dX[:, S_l] += H^T q[:, S_l] with torch.
@@ -30,7 +31,7 @@ namespace tk {
 
 struct MrlBlockParams {
   DType gdtype = DType::F32;  // snapshot block G (the accumulation dtype: F32 or F64)
-  DType odtype = DType::F32;  // H (the operand dtype of the gradient products)
+  DType odtype = DType::F32;  // Ho (the operand dtype of the gradient products; = adtype without Ho)
   DType adtype = DType::F32;  // accumulation: F32, or F64 for float64 inputs (scales, stats, bias, Gb, partials)
   int64_t R = 0, C = 0;       // block rows, columns
   int64_t i0 = 0;             // global index of the block's first row
@@ -63,9 +64,11 @@ struct MrlBlockParams {
   const void* col_lse = nullptr;  // (2, C) with row stride C
   int64_t Bq = 0;
   double gr = 0.0, gc = 0.0;
-  void* H = nullptr;  // (R, C) odtype, row stride ldh
+  void* H = nullptr;  // (R, C) accumulation dtype, row stride ldh: the running suffix sum
   int64_t ldh = 0;
   bool accumulate = false;  // H += h (and Gb += g) instead of =
+  void* Ho = nullptr;       // optional (R, C) odtype, row stride ldh: H rounded once to the operand dtype of the
+                            // half-precision gradient products (fp16 / bf16 operands, float32 output)
   void* Gb = nullptr;       // optional (R, C) accumulation dtype, row stride ldh
   void* drho_part = nullptr;  // (R, nct)
   void* dkap_part = nullptr;  // (nrt, C)

@@ -6,7 +6,7 @@
 // thread are in flight. Column state (statistics, dL/dkap, the column scale and spans) stays in registers; row
 // statistics (and dL/drho) are reduced per warp with shuffles and combined across the 8 warps in shared memory
 // every 32 rows. Bytes per element and level: forward reads G once; backward reads G, reads H (levels below the
-// top one) and writes H once (and Gb with a bias).
+// top one) and writes H once (and Ho with half operands, Gb with a bias).
 #include <cuda_runtime.h>
 #include <cmath>
 #include <limits>
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(kThreads) mrl_fwd_kernel(const MrlBlockParams 
   }
 }
 
-template <typename OT, typename A, bool BIAS, bool POS>
+template <typename OT, typename A, bool BIAS, bool POS, bool HO>
 __global__ void __launch_bounds__(kThreads) mrl_bwd_kernel(const MrlBlockParams p) {
   __shared__ A rowacc[32];
   const int tid = threadIdx.x, lane = tid & 31;
@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kThreads) mrl_bwd_kernel(const MrlBlockParams 
     for (int rr0 = 0; rr0 < nr; rr0 += RB) {
       A sv[RB][KC], hv[RB][KC];
       load_batch<A, A>(static_cast<const A*>(p.G) + (rb + rr0) * p.ldg + c0, p.ldg, nr - rr0, c.valid, sv);
-      if (accum) load_batch<OT, A>(static_cast<const OT*>(p.H) + (rb + rr0) * p.ldh + c0, p.ldh, nr - rr0, c.valid, hv);
+      if (accum) load_batch<A, A>(static_cast<const A*>(p.H) + (rb + rr0) * p.ldh + c0, p.ldh, nr - rr0, c.valid, hv);
 #pragma unroll
       for (int b = 0; b < RB; ++b) {
         const int rr = rr0 + b;
@@ -294,7 +294,8 @@ __global__ void __launch_bounds__(kThreads) mrl_bwd_kernel(const MrlBlockParams 
           rfb = p.row_fb ? __ldg(p.row_fb + i) != 0 : rnone;
         }
         const A* drow = BIAS ? static_cast<const A*>(p.dense) + r * p.ldb + c0 : nullptr;
-        OT* hrow = static_cast<OT*>(p.H) + r * p.ldh + c0;
+        A* hrow = static_cast<A*>(p.H) + r * p.ldh + c0;
+        OT* horow = HO ? static_cast<OT*>(p.Ho) + r * p.ldh + c0 : nullptr;
         A* gbrow = BIAS ? Gb + r * p.ldh + c0 : nullptr;
         const int64_t dd = dbase - (r - r0);
         A la = 0, lp = 0;
@@ -323,7 +324,9 @@ __global__ void __launch_bounds__(kThreads) mrl_bwd_kernel(const MrlBlockParams 
           rsum += t * c.ks[k];
           dk[k] += t * rs;
           const A h = g * rs * c.ks[k];
-          hrow[k * kThreads] = cuda::from_acc<OT>(accum ? hv[b][k] + h : h);
+          const A hn = accum ? hv[b][k] + h : h;
+          hrow[k * kThreads] = hn;
+          if (HO) horow[k * kThreads] = cuda::from_acc<OT>(hn);
           if (BIAS) gbrow[k * kThreads] = accum ? gbrow[k * kThreads] + g : g;
         }
         const A wsum = cuda::warp_sum(rsum);
@@ -385,22 +388,24 @@ void mrl_block_bwd_cuda(const MrlBlockParams& p, int device, uintptr_t stream) {
   cuda::set_device(device);
   const dim3 grid((unsigned)p.nct, (unsigned)p.nrt);
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  auto launch = [&](auto o, auto a) {
+  auto launch = [&](auto o, auto a, auto ho) {
     using OT = decltype(o);
     using A = decltype(a);
     dispatch_mode(p, [&](auto bias, auto pos) {
-      mrl_bwd_kernel<OT, A, decltype(bias)::value, decltype(pos)::value><<<grid, kThreads, 0, st>>>(p);
+      constexpr bool B_ = decltype(bias)::value, P_ = decltype(pos)::value, H_ = decltype(ho)::value;
+      mrl_bwd_kernel<OT, A, B_, P_, H_><<<grid, kThreads, 0, st>>>(p);
     });
   };
   if (p.adtype == DType::F64) {
-    if (p.odtype != DType::F64) throw std::runtime_error("mrl_block: float64 accumulation needs a float64 H");
-    launch(double{}, double{});
+    if (p.Ho) throw std::runtime_error("mrl_block: float64 accumulation takes no half-precision Ho");
+    launch(double{}, double{}, std::false_type{});
+  } else if (!p.Ho) {
+    launch(float{}, float{}, std::false_type{});
   } else {
     switch (p.odtype) {
-      case DType::F32: launch(float{}, float{}); break;
-      case DType::F16: launch(__half{}, float{}); break;
-      case DType::BF16: launch(__nv_bfloat16{}, float{}); break;
-      default: throw std::runtime_error("mrl_block: float64 H needs float64 accumulation");
+      case DType::F16: launch(__half{}, float{}, std::true_type{}); break;
+      case DType::BF16: launch(__nv_bfloat16{}, float{}, std::true_type{}); break;
+      default: throw std::runtime_error("mrl_block: Ho must be float16 or bfloat16");
     }
   }
   cuda::check_launch();

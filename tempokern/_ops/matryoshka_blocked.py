@@ -26,7 +26,7 @@ from typing import List, Sequence
 import torch
 
 from .common import DTYPE_CODES, kernels, launch_args, on_cuda_path, ptr
-from .multipos_blocked import _SIZE, block_rows, none_flags, spans32, tiling
+from .multipos_blocked import _SIZE, _addmm_into, _mm, _mm_out_f32, block_rows, none_flags, spans32, tiling
 
 
 def _none_flags(q_lo, q_hi, d_lo, d_hi):
@@ -256,6 +256,17 @@ def use_fused(q: torch.Tensor, Bd: int) -> bool:
     return on_cuda_path(q) and q.shape[0] > 0 and Bd > 0 and cuda_variant() == "fused"
 
 
+def _exact_half(ts) -> "torch.dtype | None":
+    """bfloat16 when every value of the float32 tensors ts (None entries ignored) is exactly a bfloat16 value,
+    else None. One pass over the embeddings (O((B + C + N) H)), one device synchronisation. float16 is left
+    out: the rounded coefficients H (~ weight / B per pair, times inv_temp rho kap) would fall into float16's
+    subnormals at large B; bfloat16 has float32's range."""
+    ts = [t for t in ts if t is not None]
+    if ts and all(bool(torch.equal(t.to(torch.bfloat16).to(t.dtype), t)) for t in ts):
+        return torch.bfloat16
+    return None
+
+
 class _Fused:
     """Shared set-up of the fused forward and backward."""
 
@@ -273,6 +284,14 @@ class _Fused:
         self.row_fb = None if row_none is None else row_none.to(torch.uint8).contiguous()
         self.dev, self.stream = launch_args(q)
         self.ad = DTYPE_CODES[c.acc]
+        # half operands: float32 inputs whose values are all exactly bfloat16 values (as when the caller passed
+        # bfloat16 tensors, which the wrapper upcasts) run their products on the bf16 tensor cores with float32
+        # output: the same exact products, float32 sums. The gradient coefficients H are then rounded once to
+        # bfloat16 (Ho), as multipos_blocked writes dS in the operand dtype.
+        self.half = _exact_half([c.q, c.d, c.neg]) if (c.acc == torch.float32 and (
+            q.device.type == "cpu" or _mm_out_f32(q.device))) else None
+        cast = (lambda t: None if t is None else t.to(self.half)) if self.half is not None else (lambda t: t)
+        self.qo, self.do, self.no = cast(c.q), cast(c.d), cast(c.neg)
         asz = _SIZE[c.acc]
         per_elem = asz * ((c.K + 1) if backward else 1) + (2 * asz if bias is not None else 0)
         self.R = block_rows(c.Bq, c.Bd, c.N, per_elem, q.device, block)
@@ -280,6 +299,38 @@ class _Fused:
     def blocks(self):
         for i0 in range(0, self.c.Bq, self.R):
             yield i0, min(self.c.Bq, i0 + self.R)
+
+    def prod(self, out, a, b, c=None):
+        """out (R, C) accumulation dtype = a @ b^T (+ c when given; c may be out itself) for operand rows a (R, k)
+        and b (C, k): cuBLAS with float32 output for half operands on CUDA; in the accumulation dtype on the
+        emulator (CPU tensors: exact products of the half values, as the tensor cores)."""
+        acc = self.c.acc
+        if a.device.type == "cpu" or a.dtype == acc:
+            a, b = a.to(acc), b.to(acc)
+            if c is None:
+                torch.mm(a, b.t(), out=out)
+            else:
+                torch.addmm(c, a, b.t(), out=out)
+            return
+        if c is not None and c is not out:
+            try:
+                torch.addmm(c, a, b.t(), out_dtype=torch.float32, out=out)
+                return
+            except (TypeError, RuntimeError, NotImplementedError):
+                out.copy_(c)
+        elif c is None:
+            try:
+                torch.mm(a, b.t(), out_dtype=torch.float32, out=out)
+                return
+            except (TypeError, RuntimeError, NotImplementedError):
+                out.zero_()
+        _addmm_into(out, a, b.t())
+
+    def grad_prod(self, Hx, X):
+        """Hx @ X in the accumulation dtype (float32 output of half operands on CUDA)."""
+        if Hx.device.type == "cpu" or Hx.dtype == self.c.acc:
+            return Hx.to(self.c.acc) @ X.to(self.c.acc)
+        return _mm(Hx, X)
 
     def launch(self, op, G, i0, l, *, pos, tiling_, scale_cols, dense=None, nslots=1, slot0=0, gr=0.0, gc=0.0,
                H=None, accumulate=False, **outs):
@@ -301,7 +352,7 @@ class _Fused:
         cols = pos and c.cw != 0.0
         sizes = [R, C, i0, G.stride(0), int(pos), int(cols), c.off, 0 if dense is None else dense.stride(0), TR, nct,
                  nrt, nslots, slot0, c.Bq, 0 if H is None else H.stride(0), int(accumulate)]
-        od = self.ad if H is None else DTYPE_CODES[H.dtype]
+        od = self.ad if outs.get("Ho") is None else DTYPE_CODES[outs["Ho"].dtype]
         kernels().mrl_block_launch(op, self.dev, self.stream, [self.ad, od, self.ad], sizes, [c.it, gr, gc], p)
 
 
@@ -318,7 +369,6 @@ def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_n
     c_pos = c_all.clone() if cols else None
     for i0, i1 in F.blocks():
         r = i1 - i0
-        qb = c.q[i0:i1]
         tS = tiling(r, c.Bd, dev)
         tE = tiling(r, c.N, dev) if c.N else (1, 0, 1)
         nslots = tS[1] + tE[1]
@@ -328,19 +378,14 @@ def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_n
         dense = None if dense is None else dense.contiguous()
         G = torch.empty(r, c.Bd, dtype=acc, device=dev)
         E = torch.empty(r, c.N, dtype=acc, device=dev) if c.N else None
+        qo = F.qo[i0:i1]
         for l in range(K):
             a, b = c.seg[l], c.seg[l + 1]
-            if l == 0:
-                torch.mm(qb[:, a:b], c.d[:, a:b].t(), out=G)
-            else:
-                G.addmm_(qb[:, a:b], c.d[:, a:b].t())
+            F.prod(G, qo[:, a:b], F.do[:, a:b], None if l == 0 else G)
             F.launch("fwd", G, i0, l, pos=True, tiling_=tS, scale_cols=c.kap, dense=dense, nslots=nslots,
                      row_part=row_part[l], col_part=None if col_part is None else col_part[l])
             if E is not None:
-                if l == 0:
-                    torch.mm(qb[:, a:b], c.neg[:, a:b].t(), out=E)
-                else:
-                    E.addmm_(qb[:, a:b], c.neg[:, a:b].t())
+                F.prod(E, qo[:, a:b], F.no[:, a:b], None if l == 0 else E)
                 F.launch("fwd", E, i0, l, pos=False, tiling_=tE, scale_cols=c.kneg, nslots=nslots, slot0=tS[1],
                          row_part=row_part[l])
         lse = torch.logsumexp(row_part, dim=2)  # (K, r, 2)
@@ -388,30 +433,26 @@ def fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg,
         top = act[-1]
         for i0, i1 in F.blocks():
             r = i1 - i0
-            qb = c.q[i0:i1]
             tS = tiling(r, c.Bd, dev)
             dense = c.bias_block(i0, i1)
             dense = None if dense is None else dense.contiguous()
             Gs = torch.empty(top + 1, r, c.Bd, dtype=acc, device=dev)
             Es = torch.empty(actn[-1] + 1, r, c.N, dtype=acc, device=dev) if actn else None
+            qo = F.qo[i0:i1]
             for l in range(top + 1):
                 a, b = c.seg[l], c.seg[l + 1]
-                if l == 0:
-                    torch.mm(qb[:, a:b], c.d[:, a:b].t(), out=Gs[0])
-                else:
-                    torch.addmm(Gs[l - 1], qb[:, a:b], c.d[:, a:b].t(), out=Gs[l])
+                F.prod(Gs[l], qo[:, a:b], F.do[:, a:b], None if l == 0 else Gs[l - 1])
                 if Es is not None and l < Es.shape[0]:
-                    if l == 0:
-                        torch.mm(qb[:, a:b], c.neg[:, a:b].t(), out=Es[0])
-                    else:
-                        torch.addmm(Es[l - 1], qb[:, a:b], c.neg[:, a:b].t(), out=Es[l])
+                    F.prod(Es[l], qo[:, a:b], F.no[:, a:b], None if l == 0 else Es[l - 1])
             H = torch.empty(r, c.Bd, dtype=acc, device=dev)
+            Ho = torch.empty(r, c.Bd, dtype=F.half, device=dev) if F.half is not None else None
             Gb = torch.empty(r, c.Bd, dtype=acc, device=dev) if dense is not None else None
             drp = torch.empty(r, tS[1], dtype=acc, device=dev)
             dkp = torch.empty(tS[2], c.Bd, dtype=acc, device=dev)
             if Es is not None:
                 tE = tiling(r, c.N, dev)
                 Hn = torch.empty(r, c.N, dtype=acc, device=dev)
+                Hno = torch.empty(r, c.N, dtype=F.half, device=dev) if F.half is not None else None
                 drpn = torch.empty(r, tE[1], dtype=acc, device=dev)
                 dkpn = torch.empty(tE[2], c.N, dtype=acc, device=dev)
             started = started_n = False
@@ -420,21 +461,23 @@ def fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg,
                 if rw[l] != 0.0 or cw[l] != 0.0:
                     F.launch("bwd", Gs[l], i0, l, pos=True, tiling_=tS, scale_cols=c.kap, dense=dense, gr=rw[l],
                              gc=cw[l], H=H, accumulate=started, row_lse=row_stats[l], col_lse=col_stats[l],
-                             Gb=Gb, drho_part=drp, dkap_part=dkp)
+                             Gb=Gb, drho_part=drp, dkap_part=dkp, Ho=Ho)
                     started = True
                     drho[l, i0:i1] += drp.sum(1)
                     dkap[l] += dkp.sum(0)
-                dq[i0:i1, a:b] += H @ c.d[:, a:b]
-                dd[:, a:b].addmm_(H.t(), qb[:, a:b])
+                Hx = H if Ho is None else Ho
+                dq[i0:i1, a:b] += F.grad_prod(Hx, F.do[:, a:b])
+                dd[:, a:b] += F.grad_prod(Hx.t(), qo[:, a:b])
                 if Es is not None and l < Es.shape[0]:
                     if rw[l] != 0.0:
                         F.launch("bwd", Es[l], i0, l, pos=False, tiling_=tE, scale_cols=c.kneg, gr=rw[l], H=Hn,
-                                 accumulate=started_n, row_lse=row_stats[l], drho_part=drpn, dkap_part=dkpn)
+                                 accumulate=started_n, row_lse=row_stats[l], drho_part=drpn, dkap_part=dkpn, Ho=Hno)
                         started_n = True
                         drho[l, i0:i1] += drpn.sum(1)
                         dkneg[l] += dkpn.sum(0)
-                    dq[i0:i1, a:b] += Hn @ c.neg[:, a:b]
-                    dneg[:, a:b].addmm_(Hn.t(), qb[:, a:b])
+                    Hx = Hn if Hno is None else Hno
+                    dq[i0:i1, a:b] += F.grad_prod(Hx, F.no[:, a:b])
+                    dneg[:, a:b] += F.grad_prod(Hx.t(), qo[:, a:b])
             if Gb is not None:
                 c.bias_backward(i0, i1, Gb, bgrads)
             del Gs, Es, H, Gb, dense
