@@ -55,8 +55,9 @@ FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op",
           "value", "note"]
 IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_mrl_torch", "eager", "eager_chunked", "compile", "matmul",
          "single")  # single: matryoshka_infonce's one-level yardstick
-# tempokern_mrl_torch: matryoshka_infonce with TEMPOKERN_MRL_CUDA=torch (the blocked torch path measured on the
-# H100 of 2026-11-22; "tempokern" is the default fused kernels of matryoshka_block_cuda.cu, not yet measured)
+# tempokern_mrl_torch: matryoshka_infonce with TEMPOKERN_MRL_CUDA=torch (the blocked torch path, the CUDA path
+# before the fused kernels; "tempokern" is the default fused kernels of matryoshka_block_cuda.cu; neither measured
+# on a GPU yet)
 # tempokern_stats_v2: the multipos loss with TEMPOKERN_MPB_STATS=v2 (the second-design statistics kernel, opt-in
 # until measured; "tempokern" is the default v1); --mpb-stats v1 leaves it out
 H, HIDDEN, D_FEAT, TEMPERATURE, TABLE_POINTS, MONTHS = 768, 32, 32, 0.05, 4097, 2030

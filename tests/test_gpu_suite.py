@@ -309,8 +309,8 @@ def test_stats_v2_variant_column(suite, tmp_path, monkeypatch):
 
 def test_matryoshka_torch_variant_column(suite, tmp_path, monkeypatch):
     """The matryoshka case also runs with TEMPOKERN_MRL_CUDA=torch (impl tempokern_mrl_torch: the blocked torch
-    path measured on the H100; "tempokern" is the default fused kernels): time, agreement and the 2x ratio,
-    the variable set during those calls only."""
+    path, the CUDA path before the fused kernels; "tempokern" is the default fused kernels): time, agreement and
+    the 2x ratio, the variable set during those calls only."""
     seen = []
     real = tempokern.matryoshka_infonce
 

@@ -231,7 +231,7 @@ def test_fused_bias_matches_reference_float64(gpu, launches, table, B, Bd, N, sp
 
 
 def test_torch_variant_runs_no_fused_kernel_and_agrees(gpu, launches, monkeypatch):
-    # TEMPOKERN_MRL_CUDA=torch: the blocked torch path (measured on the H100), same results
+    # TEMPOKERN_MRL_CUDA=torch: the blocked torch path (the CUDA path before the fused kernels), same results
     q, d, neg, sp, bias = on_device(gpu, *make(50, 20, N=5, spans="random", seed=61), make_bias(50, 50, seed=62))
     fused = run_both_bias(q, d, neg, sp, (5, 20), bias, temperature=0.1, symmetric=True)[0]
     n = len(launches)

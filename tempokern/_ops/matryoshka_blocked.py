@@ -243,7 +243,7 @@ MRL_VARIANTS = ("fused", "torch")
 def cuda_variant() -> str:
     """The CUDA execution of matryoshka_infonce: TEMPOKERN_MRL_CUDA=fused (default: the fused kernels of
     matryoshka_block_cuda.cu, tested on the CUDA emulator, not yet measured on a GPU) or torch (the blocked
-    torch element-wise path above, measured on the H100 of 2026-11-22)."""
+    torch element-wise path above, the CUDA path before the fused kernels; neither has run on a GPU yet)."""
     v = os.environ.get("TEMPOKERN_MRL_CUDA", "fused").strip().lower() or "fused"
     if v not in MRL_VARIANTS:
         raise ValueError(f"TEMPOKERN_MRL_CUDA must be one of {MRL_VARIANTS}, got {v!r}")
