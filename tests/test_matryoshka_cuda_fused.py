@@ -70,10 +70,15 @@ def test_fused_matches_reference_float64(gpu, launches, B, Bd, N, spans, symmetr
         res = run_both(q, d, neg, sp, (33, 8, 50, 20), weights=(2.0, 1.0, 0.0, 0.5), temperature=0.07,
                        symmetric=symmetric, level_w=LW)
     assert_parity(*res, 1e-9)
-    if gpu.type == "cpu":  # the emulator: every level forward and backward, d blocks and extra-negative blocks
+    if gpu.type == "cpu":  # the emulator: every level forward, d blocks and extra-negative blocks
         blocks = -(-B // rows) if rows else 1
         assert sum(1 for c in launches if c[0] == "fwd") == 4 * blocks * (2 if N else 1)
-        assert sum(1 for c in launches if c[0] == "bwd") == 4 * blocks * (2 if N else 1)
+        # backward: one launch per level with a coefficient; symmetric=False computes the loss's gradient in the
+        # forward (weights) and the backward adds the levels' (LW)
+        W = [1.0, 0.5, 2.0, 0.0]  # the weights in ascending dims order
+        nz = lambda v: sum(1 for x in v if x != 0.0)  # noqa: E731
+        per = nz([w + x for w, x in zip(W, LW.tolist())]) if symmetric else nz(W) + nz(LW.tolist())
+        assert sum(1 for c in launches if c[0] == "bwd") == per * blocks * (2 if N else 1)
         assert {c[2] for c in launches} == {0, 1, 2, 3}
 
 
@@ -252,3 +257,30 @@ def test_forward_only_and_no_grad(gpu, launches):
     torch.testing.assert_close(levels, wl, rtol=1e-10, atol=1e-10)
     if gpu.type == "cpu":
         assert launches and all(c[0] == "fwd" for c in launches)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_gradient_in_forward_without_a_column_term(gpu, launches, symmetric):
+    # symmetric=False: the forward keeps each block's snapshots and runs its backward launches (gradient for a
+    # unit upstream gradient, scaled in backward): the backward recomputes nothing unless the levels get a
+    # gradient; symmetric=True (a column term): the forward runs no backward launch
+    q, d, neg, sp, _ = on_device(gpu, *make(50, 24, N=4, spans="random", seed=81))
+    ins = [t.clone().requires_grad_() for t in (q, d, neg)]
+    with force_blocked(16):
+        loss = tempokern.matryoshka_infonce(ins[0], ins[1], (6, 24), weights=(1.0, 2.0), extra_neg=ins[2],
+                                            temperature=0.1, symmetric=symmetric, **sp)
+        n_fwd = len(launches)
+        in_fwd = sum(1 for c in launches if c[0] == "bwd")
+        grads = torch.autograd.grad(3.0 * loss, ins)
+    refs = [t.clone().requires_grad_() for t in (q, d, neg)]
+    want = ref(refs[0], refs[1], (6, 24), weights=(1.0, 2.0), extra_neg=refs[2], temperature=0.1,
+               symmetric=symmetric, **sp)
+    wg = torch.autograd.grad(3.0 * want, refs)
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-10)
+    for x, y in zip(grads, wg):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-10)
+    if gpu.type == "cpu":
+        if symmetric:
+            assert in_fwd == 0 and len(launches) > n_fwd
+        else:
+            assert in_fwd == 2 * 2 * 4 and len(launches) == n_fwd  # 2 levels x (d, negatives) x 4 blocks

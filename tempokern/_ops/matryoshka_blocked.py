@@ -117,10 +117,12 @@ def _masked_lse(z, mask, dim):
 
 def blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg: Sequence[int],
                     coef: Sequence[float], inv_temp: float, row_weight: float, col_weight: float, diag_offset: int,
-                    block: int = 0, bias=None) -> List[torch.Tensor]:
+                    block: int = 0, bias=None, want_grad: bool = False) -> List[torch.Tensor]:
+    """[loss, levels, row_stats, col_stats]; want_grad (the fused path without a column term only, see
+    fused_forward): then also the gradients for a unit upstream gradient of the loss."""
     if use_fused(q, d.shape[0]):
         return fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
-                             row_weight, col_weight, diag_offset, block, bias)
+                             row_weight, col_weight, diag_offset, block, bias, want_grad)
     c = _Ctx(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
              col_weight, diag_offset, block, bias)
     K, dev, acc = c.K, q.device, c.acc
@@ -250,10 +252,10 @@ def cuda_variant() -> str:
     return v
 
 
-def use_fused(q: torch.Tensor, Bd: int) -> bool:
-    """Whether this call runs the fused kernels: CUDA (or emulated CUDA) tensors with the fused variant chosen
-    and a non-empty batch."""
-    return on_cuda_path(q) and q.shape[0] > 0 and Bd > 0 and cuda_variant() == "fused"
+def use_fused(t, Bd: int) -> bool:
+    """Whether a call on tensor (or device) t with Bd candidates runs the fused kernels: CUDA (or emulated CUDA)
+    with the fused variant chosen and at least one candidate."""
+    return on_cuda_path(t) and Bd > 0 and cuda_variant() == "fused"
 
 
 def _exact_half(ts) -> "torch.dtype | None":
@@ -359,10 +361,106 @@ class _Fused:
         kernels().mrl_block_launch(op, self.dev, self.stream, [self.ad, od, self.ad], sizes, [c.it, gr, gc], p)
 
 
+class _Grads:
+    """The gradient accumulators of the fused backward (accumulation dtype; the bias inputs' in float64)."""
+
+    def __init__(self, F, bias):
+        c = F.c
+        self.dq, self.dd = torch.zeros_like(c.q), torch.zeros_like(c.d)
+        self.dneg = None if c.neg is None else torch.zeros_like(c.neg)
+        self.drho, self.dkap = torch.zeros_like(c.rho), torch.zeros_like(c.kap)
+        self.dkneg = None if c.kneg is None else torch.zeros_like(c.kneg)
+        self.bias = None if bias is None else [None if t is None else torch.zeros(t.shape, dtype=torch.float64,
+                                                                                  device=c.q.device) for t in bias]
+
+    def out(self, q, acc):
+        e = lambda: q.new_empty(0, dtype=acc)  # noqa: E731
+        out = [self.dq, self.dd, e() if self.dneg is None else self.dneg, self.drho, self.dkap,
+               e() if self.dkneg is None else self.dkneg]
+        if self.bias is not None:
+            out += [q.new_empty(0, dtype=torch.float64) if g is None else g for g in self.bias]
+        return out
+
+
+def _snapshots(F, i0, i1, X, levels):
+    """(levels, R, n) accumulation dtype: the raw prefix products G_l of rows i0..i1 against X (d or the extra
+    negatives, in the operand dtype), l < levels, through a chain of (add)mm's."""
+    c = F.c
+    qo = F.qo[i0:i1]
+    Gs = torch.empty(levels, i1 - i0, X.shape[0], dtype=c.acc, device=qo.device)
+    for l in range(levels):
+        a, b = c.seg[l], c.seg[l + 1]
+        F.prod(Gs[l], qo[:, a:b], X[:, a:b], None if l == 0 else Gs[l - 1])
+    return Gs
+
+
+def _backward_block(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, gr: _Grads):
+    """The gradient of rows i0..i1 for the level coefficients rw, cw (lists of K floats) from their snapshots Gs
+    (at least up to the top level with a coefficient; Es for the extra negatives up to the top level with a row
+    coefficient, or None): one bwd launch per weighted level from the top down, the segment products after
+    each level, the bias gradient once."""
+    c = F.c
+    K, dev, acc = c.K, c.q.device, c.acc
+    r = i1 - i0
+    qo = F.qo[i0:i1]
+    act = [l for l in range(K) if rw[l] != 0.0 or cw[l] != 0.0]
+    if not act:
+        return
+    top = act[-1]
+    tS = tiling(r, c.Bd, dev)
+    H = torch.empty(r, c.Bd, dtype=acc, device=dev)
+    Ho = torch.empty(r, c.Bd, dtype=F.half, device=dev) if F.half is not None else None
+    Gb = torch.empty(r, c.Bd, dtype=acc, device=dev) if dense is not None else None
+    drp = torch.empty(r, tS[1], dtype=acc, device=dev)
+    dkp = torch.empty(tS[2], c.Bd, dtype=acc, device=dev)
+    if Es is not None:
+        tE = tiling(r, c.N, dev)
+        Hn = torch.empty(r, c.N, dtype=acc, device=dev)
+        Hno = torch.empty(r, c.N, dtype=F.half, device=dev) if F.half is not None else None
+        drpn = torch.empty(r, tE[1], dtype=acc, device=dev)
+        dkpn = torch.empty(tE[2], c.N, dtype=acc, device=dev)
+    started = started_n = False
+    for l in range(top, -1, -1):
+        a, b = c.seg[l], c.seg[l + 1]
+        if rw[l] != 0.0 or cw[l] != 0.0:
+            F.launch("bwd", Gs[l], i0, l, pos=True, tiling_=tS, scale_cols=c.kap, dense=dense, gr=rw[l], gc=cw[l],
+                     H=H, accumulate=started, row_lse=row_stats[l], col_lse=col_stats[l], Gb=Gb, drho_part=drp,
+                     dkap_part=dkp, Ho=Ho)
+            started = True
+            gr.drho[l, i0:i1] += drp.sum(1)
+            gr.dkap[l] += dkp.sum(0)
+        Hx = H if Ho is None else Ho
+        gr.dq[i0:i1, a:b] += F.grad_prod(Hx, F.do[:, a:b])
+        gr.dd[:, a:b] += F.grad_prod(Hx.t(), qo[:, a:b])
+        if Es is not None and l < Es.shape[0]:
+            if rw[l] != 0.0:
+                F.launch("bwd", Es[l], i0, l, pos=False, tiling_=tE, scale_cols=c.kneg, gr=rw[l], H=Hn,
+                         accumulate=started_n, row_lse=row_stats[l], drho_part=drpn, dkap_part=dkpn, Ho=Hno)
+                started_n = True
+                gr.drho[l, i0:i1] += drpn.sum(1)
+                gr.dkneg[l] += dkpn.sum(0)
+            Hx = Hn if Hno is None else Hno
+            gr.dq[i0:i1, a:b] += F.grad_prod(Hx, F.no[:, a:b])
+            gr.dneg[:, a:b] += F.grad_prod(Hx.t(), qo[:, a:b])
+    if Gb is not None:
+        c.bias_backward(i0, i1, Gb, gr.bias)
+
+
+def _top(coefs) -> int:
+    """Levels up to the highest one with a non-zero coefficient (0 when none)."""
+    act = [l for l, x in enumerate(coefs) if x != 0.0]
+    return act[-1] + 1 if act else 0
+
+
 def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
-                  row_weight, col_weight, diag_offset, block=0, bias=None) -> List[torch.Tensor]:
+                  row_weight, col_weight, diag_offset, block=0, bias=None, want_grad=False) -> List[torch.Tensor]:
+    """[loss, levels, row_stats, col_stats], then with want_grad (only without a column term: a block's row
+    statistics are then final after its own pass) the gradients for a unit upstream gradient of the loss,
+    [dq, dd, dneg, drho, dkap, dkneg]: the block's snapshots are kept for its backward launches, which saves
+    the backward's recomputed products (6 instead of 8 B C H flops)."""
+    gif = bool(want_grad) and col_weight == 0.0
     F = _Fused(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
-               col_weight, diag_offset, block, bias, backward=False)
+               col_weight, diag_offset, block, bias, backward=gif)
     c = F.c
     K, dev, acc = c.K, q.device, c.acc
     cols = col_weight != 0.0
@@ -370,6 +468,10 @@ def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_n
     col_stats = torch.zeros(K, 3, c.Bd, dtype=acc, device=dev)
     c_all = torch.full((K, c.Bd), float("-inf"), dtype=acc, device=dev) if cols else None
     c_pos = c_all.clone() if cols else None
+    if gif:
+        grads = _Grads(F, bias)
+        rw = [float(x) * row_weight / c.Bq if c.Bq else 0.0 for x in coef]
+        cw = [0.0] * K
     for i0, i1 in F.blocks():
         r = i1 - i0
         tS = tiling(r, c.Bd, dev)
@@ -379,18 +481,25 @@ def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_n
         col_part = torch.empty(K, tS[2], c.Bd, 2, dtype=acc, device=dev) if cols else None
         dense = c.bias_block(i0, i1)
         dense = None if dense is None else dense.contiguous()
-        G = torch.empty(r, c.Bd, dtype=acc, device=dev)
-        E = torch.empty(r, c.N, dtype=acc, device=dev) if c.N else None
         qo = F.qo[i0:i1]
+        if gif:  # the snapshots, kept for the block's backward
+            Gs = _snapshots(F, i0, i1, F.do, K)
+            Es = _snapshots(F, i0, i1, F.no, K) if c.N else None
+        else:  # one running product
+            Gs = torch.empty(1, r, c.Bd, dtype=acc, device=dev)
+            Es = torch.empty(1, r, c.N, dtype=acc, device=dev) if c.N else None
         for l in range(K):
             a, b = c.seg[l], c.seg[l + 1]
-            F.prod(G, qo[:, a:b], F.do[:, a:b], None if l == 0 else G)
+            if not gif:
+                F.prod(Gs[0], qo[:, a:b], F.do[:, a:b], None if l == 0 else Gs[0])
+            G = Gs[l if gif else 0]
             F.launch("fwd", G, i0, l, pos=True, tiling_=tS, scale_cols=c.kap, dense=dense, nslots=nslots,
                      row_part=row_part[l], col_part=None if col_part is None else col_part[l])
-            if E is not None:
-                F.prod(E, qo[:, a:b], F.no[:, a:b], None if l == 0 else E)
-                F.launch("fwd", E, i0, l, pos=False, tiling_=tE, scale_cols=c.kneg, nslots=nslots, slot0=tS[1],
-                         row_part=row_part[l])
+            if Es is not None:
+                if not gif:
+                    F.prod(Es[0], qo[:, a:b], F.no[:, a:b], None if l == 0 else Es[0])
+                F.launch("fwd", Es[l if gif else 0], i0, l, pos=False, tiling_=tE, scale_cols=c.kneg, nslots=nslots,
+                         slot0=tS[1], row_part=row_part[l])
         lse = torch.logsumexp(row_part, dim=2)  # (K, r, 2)
         row_stats[:, 0, i0:i1] = lse[..., 0]
         row_stats[:, 1, i0:i1] = lse[..., 1]
@@ -398,18 +507,23 @@ def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_n
             cl = torch.logsumexp(col_part, dim=1)  # (K, C, 2)
             c_all = torch.logaddexp(c_all, cl[..., 0])
             c_pos = torch.logaddexp(c_pos, cl[..., 1])
-        del G, E, dense, row_part, col_part
+        if gif:
+            _backward_block(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, grads)
+        del Gs, Es, dense, row_part, col_part
     row_stats[:, 2] = c.row_none_local.to(acc)[None, :]
     if cols:
         col_stats[:, 0], col_stats[:, 1] = c_all, c_pos
     levels = torch.zeros(K, dtype=acc, device=dev)
-    if row_weight != 0.0:
+    if row_weight != 0.0 and c.Bq:
         levels = levels + row_weight * (row_stats[:, 0] - row_stats[:, 1]).mean(dim=1)
-    if cols:
+    if cols and c.Bd:
         levels = levels + col_weight * (col_stats[:, 0] - col_stats[:, 1]).mean(dim=1)
     w = torch.tensor(list(coef), dtype=acc, device=dev)
     loss = (torch.where(w != 0, levels, torch.zeros_like(levels)) * w).sum()
-    return [loss, levels, row_stats, col_stats]
+    out = [loss, levels, row_stats, col_stats]
+    if gif:
+        out += grads.out(q, acc)
+    return out
 
 
 def fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none,
@@ -417,75 +531,20 @@ def fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg,
     F = _Fused(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
                col_weight, diag_offset, block, bias, backward=True)
     c = F.c
-    K, dev, acc = c.K, q.device, c.acc
-    bgrads = None
-    if bias is not None:
-        bgrads = [None if t is None else torch.zeros(t.shape, dtype=torch.float64, device=dev) for t in bias]
+    grads = _Grads(F, bias)
     coef = [float(x) for x in lcoef.detach().to("cpu", torch.float64).tolist()]
     cols = col_weight != 0.0
-    rw = [x * row_weight / c.Bq for x in coef]
+    rw = [x * row_weight / c.Bq if c.Bq else 0.0 for x in coef]
     cw = [x * col_weight / c.Bd if cols else 0.0 for x in coef]
-    dq, dd = torch.zeros_like(c.q), torch.zeros_like(c.d)
-    dneg = None if c.neg is None else torch.zeros_like(c.neg)
-    drho, dkap = torch.zeros_like(c.rho), torch.zeros_like(c.kap)
-    dkneg = None if c.kneg is None else torch.zeros_like(c.kneg)
-    act = [l for l in range(K) if rw[l] != 0.0 or cw[l] != 0.0]
-    actn = [l for l in range(K) if rw[l] != 0.0] if c.N else []
     row_stats, col_stats = row_stats.contiguous(), col_stats.contiguous()
-    if act:
-        top = act[-1]
+    top = _top([float(a != 0.0 or b != 0.0) for a, b in zip(rw, cw)])
+    topn = _top(rw) if c.N else 0
+    if top:
         for i0, i1 in F.blocks():
-            r = i1 - i0
-            tS = tiling(r, c.Bd, dev)
             dense = c.bias_block(i0, i1)
             dense = None if dense is None else dense.contiguous()
-            Gs = torch.empty(top + 1, r, c.Bd, dtype=acc, device=dev)
-            Es = torch.empty(actn[-1] + 1, r, c.N, dtype=acc, device=dev) if actn else None
-            qo = F.qo[i0:i1]
-            for l in range(top + 1):
-                a, b = c.seg[l], c.seg[l + 1]
-                F.prod(Gs[l], qo[:, a:b], F.do[:, a:b], None if l == 0 else Gs[l - 1])
-                if Es is not None and l < Es.shape[0]:
-                    F.prod(Es[l], qo[:, a:b], F.no[:, a:b], None if l == 0 else Es[l - 1])
-            H = torch.empty(r, c.Bd, dtype=acc, device=dev)
-            Ho = torch.empty(r, c.Bd, dtype=F.half, device=dev) if F.half is not None else None
-            Gb = torch.empty(r, c.Bd, dtype=acc, device=dev) if dense is not None else None
-            drp = torch.empty(r, tS[1], dtype=acc, device=dev)
-            dkp = torch.empty(tS[2], c.Bd, dtype=acc, device=dev)
-            if Es is not None:
-                tE = tiling(r, c.N, dev)
-                Hn = torch.empty(r, c.N, dtype=acc, device=dev)
-                Hno = torch.empty(r, c.N, dtype=F.half, device=dev) if F.half is not None else None
-                drpn = torch.empty(r, tE[1], dtype=acc, device=dev)
-                dkpn = torch.empty(tE[2], c.N, dtype=acc, device=dev)
-            started = started_n = False
-            for l in range(top, -1, -1):
-                a, b = c.seg[l], c.seg[l + 1]
-                if rw[l] != 0.0 or cw[l] != 0.0:
-                    F.launch("bwd", Gs[l], i0, l, pos=True, tiling_=tS, scale_cols=c.kap, dense=dense, gr=rw[l],
-                             gc=cw[l], H=H, accumulate=started, row_lse=row_stats[l], col_lse=col_stats[l],
-                             Gb=Gb, drho_part=drp, dkap_part=dkp, Ho=Ho)
-                    started = True
-                    drho[l, i0:i1] += drp.sum(1)
-                    dkap[l] += dkp.sum(0)
-                Hx = H if Ho is None else Ho
-                dq[i0:i1, a:b] += F.grad_prod(Hx, F.do[:, a:b])
-                dd[:, a:b] += F.grad_prod(Hx.t(), qo[:, a:b])
-                if Es is not None and l < Es.shape[0]:
-                    if rw[l] != 0.0:
-                        F.launch("bwd", Es[l], i0, l, pos=False, tiling_=tE, scale_cols=c.kneg, gr=rw[l], H=Hn,
-                                 accumulate=started_n, row_lse=row_stats[l], drho_part=drpn, dkap_part=dkpn, Ho=Hno)
-                        started_n = True
-                        drho[l, i0:i1] += drpn.sum(1)
-                        dkneg[l] += dkpn.sum(0)
-                    Hx = Hn if Hno is None else Hno
-                    dq[i0:i1, a:b] += F.grad_prod(Hx, F.no[:, a:b])
-                    dneg[:, a:b] += F.grad_prod(Hx.t(), qo[:, a:b])
-            if Gb is not None:
-                c.bias_backward(i0, i1, Gb, bgrads)
-            del Gs, Es, H, Gb, dense
-    e = lambda: q.new_empty(0, dtype=acc)  # noqa: E731
-    out = [dq, dd, e() if dneg is None else dneg, drho, dkap, e() if dkneg is None else dkneg]
-    if bgrads is not None:
-        out += [q.new_empty(0, dtype=torch.float64) if g is None else g for g in bgrads]
-    return out
+            Gs = _snapshots(F, i0, i1, F.do, top)
+            Es = _snapshots(F, i0, i1, F.no, topn) if topn else None
+            _backward_block(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, grads)
+            del Gs, Es, dense
+    return grads.out(q, c.acc)
