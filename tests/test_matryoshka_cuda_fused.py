@@ -284,3 +284,16 @@ def test_gradient_in_forward_without_a_column_term(gpu, launches, symmetric):
             assert in_fwd == 0 and len(launches) > n_fwd
         else:
             assert in_fwd == 2 * 2 * 4 and len(launches) == n_fwd  # 2 levels x (d, negatives) x 4 blocks
+
+
+@pytest.mark.parametrize("temperature", [0.01, 1.0])
+def test_extreme_logits_and_zero_prefix_rows(gpu, launches, temperature):
+    # embeddings x 1e4 (the norms cancel) at temperature 0.01 (logits up to +-100: the online log-sum-exps must
+    # rescale) and 1.0; a row and a column whose first 5 coordinates are 0 (inverse norm clamped at 1e12, logit 0)
+    q, d, neg, sp = make(40, 24, N=6, spans="random", scale=1e4, seed=91)
+    q[3, :5] = 0
+    d[7, :5] = 0
+    q, d, neg, sp, _ = on_device(gpu, q, d, neg, sp)
+    res = run_both(q, d, neg, sp, (5, 24), temperature=temperature, symmetric=True, level_w=torch.tensor([1.0, -0.5]))
+    assert torch.isfinite(res[0][0]) and all(torch.isfinite(g).all() for g in res[0][2])
+    assert_parity(*res, 1e-9)
