@@ -21,13 +21,13 @@ from test_matryoshka_infonce import assert_parity, make, make_bias, run_both, ru
 @pytest.fixture
 def launches(monkeypatch):
     """The fused kernel launches of the test: (op, first row of the block, level, positive block, dtype of the
-    rounded gradient coefficients Ho or None)."""
+    rounded gradient coefficients Ho or None, levels of a "bwd_all" launch or 0)."""
     monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
     calls = []
     real = mb._Fused.launch
 
     def spy(self, op, G, i0, l, **k):
-        calls.append((op, i0, l, k["pos"], None if k.get("Ho") is None else k["Ho"].dtype))
+        calls.append((op, i0, l, k["pos"], None if k.get("Ho") is None else k["Ho"].dtype, k.get("levels", 0)))
         return real(self, op, G, i0, l, **k)
 
     monkeypatch.setattr(mb._Fused, "launch", spy)
@@ -73,13 +73,14 @@ def test_fused_matches_reference_float64(gpu, launches, B, Bd, N, spans, symmetr
     if gpu.type == "cpu":  # the emulator: every level forward, d blocks and extra-negative blocks
         blocks = -(-B // rows) if rows else 1
         assert sum(1 for c in launches if c[0] == "fwd") == 4 * blocks * (2 if N else 1)
-        # backward: one launch per level with a coefficient; symmetric=False computes the loss's gradient in the
-        # forward (weights) and the backward adds the levels' (LW)
-        W = [1.0, 0.5, 2.0, 0.0]  # the weights in ascending dims order
-        nz = lambda v: sum(1 for x in v if x != 0.0)  # noqa: E731
-        per = nz([w + x for w, x in zip(W, LW.tolist())]) if symmetric else nz(W) + nz(LW.tolist())
-        assert sum(1 for c in launches if c[0] == "bwd") == per * blocks * (2 if N else 1)
-        assert {c[2] for c in launches} == {0, 1, 2, 3}
+        # backward: one bwd_all launch (every level up to the top weighted one) per block and candidate set and
+        # backward pass; symmetric=False computes the loss's gradient in the forward (weights, top level 3 of
+        # 4: level 50 has weight 0) and the backward adds the levels' (LW: top level 4)
+        bwd = [c for c in launches if c[0] == "bwd_all"]
+        assert not any(c[0] == "bwd" for c in launches)
+        passes = [4] if symmetric else [3, 4]
+        assert sorted(c[5] for c in bwd) == sorted(passes * blocks * (2 if N else 1))
+        assert {c[2] for c in launches if c[0] == "fwd"} == {0, 1, 2, 3}
 
 
 def test_fused_more_rows_than_one_column_tile(gpu, launches):
@@ -173,7 +174,7 @@ def test_two_x_torch_rule(gpu, launches, dtype, bias_mode):
     lb = None if bias is None else tuple(low(t) for t in bias)
     launches.clear()
     fused = run(low(q), low(d), low(neg), lb, True)
-    hos = {c[4] for c in launches if c[0] == "bwd"}
+    hos = {c[4] for c in launches if c[0].startswith("bwd")}
     plain = run(low(q), low(d), low(neg), lb, False)
     ef, et = _errs(fused, exact), _errs(plain, exact)
     eps = torch.finfo(dtype).eps
@@ -201,7 +202,7 @@ def test_single_level_equals_multipos_infonce_on_the_same_path(gpu, launches, sy
     for x, y in zip(ga, gb):
         torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
     if gpu.type == "cpu":
-        assert [c[0] for c in launches] == ["fwd", "bwd"]
+        assert [c[0] for c in launches] == ["fwd", "bwd_all"]
 
 
 def test_zero_weights(gpu, launches):
@@ -210,8 +211,8 @@ def test_zero_weights(gpu, launches):
     q, d, neg, sp, _ = on_device(gpu, *make(30, 24, N=4, spans="random", seed=51))
     res = run_both(q, d, neg, sp, (6, 12, 24), weights=(1.0, 0.0, 0.0), temperature=0.1, symmetric=True)
     assert_parity(*res, 1e-10)
-    if gpu.type == "cpu":
-        assert sorted(c[2] for c in launches if c[0] == "bwd") == [0, 0]  # level 0 only: d block and negatives
+    if gpu.type == "cpu":  # level 0 only: d block and negatives, one level each
+        assert [c[5] for c in launches if c[0].startswith("bwd")] == [1, 1]
     qq = q.clone().requires_grad_()
     loss = tempokern.matryoshka_infonce(qq, d, (6, 24), weights=(0, 0), temperature=0.1, **sp)
     assert float(loss.detach()) == 0.0
@@ -232,7 +233,7 @@ def test_fused_bias_matches_reference_float64(gpu, launches, table, B, Bd, N, sp
     assert_parity(*res, 1e-9)
     assert len(res[0][2]) == 2 + (N > 0) + 7
     if gpu.type == "cpu":
-        assert any(c[0] == "bwd" for c in launches)
+        assert any(c[0].startswith("bwd") for c in launches)
 
 
 def test_torch_variant_runs_no_fused_kernel_and_agrees(gpu, launches, monkeypatch):
@@ -270,7 +271,7 @@ def test_gradient_in_forward_without_a_column_term(gpu, launches, symmetric):
         loss = tempokern.matryoshka_infonce(ins[0], ins[1], (6, 24), weights=(1.0, 2.0), extra_neg=ins[2],
                                             temperature=0.1, symmetric=symmetric, **sp)
         n_fwd = len(launches)
-        in_fwd = sum(1 for c in launches if c[0] == "bwd")
+        in_fwd = sum(1 for c in launches if c[0].startswith("bwd"))
         grads = torch.autograd.grad(3.0 * loss, ins)
     refs = [t.clone().requires_grad_() for t in (q, d, neg)]
     want = ref(refs[0], refs[1], (6, 24), weights=(1.0, 2.0), extra_neg=refs[2], temperature=0.1,
@@ -283,7 +284,7 @@ def test_gradient_in_forward_without_a_column_term(gpu, launches, symmetric):
         if symmetric:
             assert in_fwd == 0 and len(launches) > n_fwd
         else:
-            assert in_fwd == 2 * 2 * 4 and len(launches) == n_fwd  # 2 levels x (d, negatives) x 4 blocks
+            assert in_fwd == 2 * 4 and len(launches) == n_fwd  # (d, negatives) x 4 blocks, both levels each
 
 
 @pytest.mark.parametrize("temperature", [0.01, 1.0])
@@ -297,3 +298,43 @@ def test_extreme_logits_and_zero_prefix_rows(gpu, launches, temperature):
     res = run_both(q, d, neg, sp, (5, 24), temperature=temperature, symmetric=True, level_w=torch.tensor([1.0, -0.5]))
     assert torch.isfinite(res[0][0]) and all(torch.isfinite(g).all() for g in res[0][2])
     assert_parity(*res, 1e-9)
+
+
+@pytest.fixture
+def per_level(monkeypatch):
+    """The one-launch-per-level backward ("bwd", used when the levels exceed bwd_all's shared memory)."""
+    monkeypatch.setattr(mb, "ALL_LEVELS_MAX", 0)
+
+
+@pytest.mark.parametrize("bias_mode", [None, "exact"])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_per_level_backward_matches_reference_float64(gpu, launches, per_level, bias_mode, symmetric):
+    q, d, neg, sp = make(70, 50, N=13, spans="random", seed=101)
+    bias = make_bias(70, 70, seed=102) if bias_mode else None
+    q, d, neg, sp, bias = on_device(gpu, q, d, neg, sp, bias)
+    kw = dict(weights=(2.0, 1.0, 0.0, 0.5), temperature=0.07, symmetric=symmetric, level_w=LW)
+    with force_blocked(32):
+        if bias is None:
+            res = run_both(q, d, neg, sp, (33, 8, 50, 20), **kw)
+        else:
+            res = run_both_bias(q, d, neg, sp, (33, 8, 50, 20), bias, **kw)
+    assert_parity(*res, 1e-9)
+    if gpu.type == "cpu":
+        assert any(c[0] == "bwd" for c in launches) and not any(c[0] == "bwd_all" for c in launches)
+
+
+def test_per_level_backward_bf16_two_x(gpu, launches, per_level):
+    q, d, neg, sp = make(64, 32, N=9, spans="random", seed=111)
+    dims, kw = (8, 20, 32), dict(temperature=0.1, symmetric=True, level_w=torch.tensor([0.5, 0.0, 1.0]))
+    exact = run_both(q, d, neg, sp, dims, **kw)[1]
+    low = [t.to(torch.bfloat16) for t in (q, d, neg)]
+    plain = run_both(*low, sp, dims, **kw)[1]
+    lq, ld, ln, lsp, _ = on_device(gpu, *low, sp)
+    launches.clear()
+    fused = run_both(lq, ld, ln, lsp, dims, **kw)[0]
+    hos = {c[4] for c in launches if c[0] == "bwd"}
+    eps = torch.finfo(torch.bfloat16).eps
+    for k, (a, b) in enumerate(zip(_errs(fused, exact), _errs(plain, exact))):
+        assert a <= 2 * b + 4 * eps, f"output {k}: fused {a:.2e} vs torch {b:.2e}"
+    if gpu.type == "cpu":
+        assert hos == {torch.bfloat16}

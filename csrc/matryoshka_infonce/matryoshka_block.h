@@ -72,11 +72,22 @@ struct MrlBlockParams {
   void* Gb = nullptr;       // optional (R, C) accumulation dtype, row stride ldh
   void* drho_part = nullptr;  // (R, nct)
   void* dkap_part = nullptr;  // (nrt, C)
+
+  // "bwd_all": every level in one launch (levels 0..K-1, K <= kMrlMaxLevels). G is then (K, R, C) with level
+  // stride lsg (the K snapshots), rho (K, Bq) and kap (K, C) with level strides ldr / ldk, row_lse / col_lse
+  // the (K, 3, Bq) / (K, 3, C) statistics, coef (K, 2) the levels' (gr, gc) in the accumulation dtype. The
+  // suffix sum stays in registers: H_l is written over G_l in place (H == G) or, with Ho, only as Ho_l (level
+  // stride lsh); Gb once (the sum over the levels); drho_part (K, R, nct), dkap_part (K, nrt, C).
+  int64_t K = 1, lsg = 0, lsh = 0, ldr = 0, ldk = 0;
+  const void* coef = nullptr;
 };
+
+constexpr int kMrlMaxLevels = 32;
 
 #ifdef TK_WITH_CUDA
 void mrl_block_fwd_cuda(const MrlBlockParams& p, int device, uintptr_t stream);
 void mrl_block_bwd_cuda(const MrlBlockParams& p, int device, uintptr_t stream);
+void mrl_block_bwd_all_cuda(const MrlBlockParams& p, int device, uintptr_t stream);
 #endif
 
 }  // namespace tk

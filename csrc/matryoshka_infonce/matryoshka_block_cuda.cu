@@ -345,6 +345,144 @@ __global__ void __launch_bounds__(kThreads) mrl_bwd_kernel(const MrlBlockParams 
     if (c.valid[k]) static_cast<A*>(p.dkap_part)[(int64_t)blockIdx.y * p.C + c0 + k * kThreads] = dk[k] * it;
 }
 
+
+// Every level in one launch ("bwd_all"): the thread walks its rows one at a time and, per row, the levels from
+// the top down, so the suffix sum H = sum_{k >= l} h_k of its 4 elements stays in registers: per element and
+// level one read of G_l and one write (H_l over G_l in place, or Ho_l in the half operand dtype), no H read /
+// write pass per level; Gb (bias) written once. Column coefficients dL/dkap_l accumulate in shared memory
+// (thread-owned columns: no atomics); the levels' column scales and statistics are read through the L1 cache
+// (__ldg, reused by every row of the tile); dL/drho_l is reduced per warp and combined in shared memory every
+// 32 rows.
+template <typename OT, typename A, bool BIAS, bool POS, bool HO>
+__global__ void __launch_bounds__(kThreads) mrl_bwd_all_kernel(const MrlBlockParams p) {
+  extern __shared__ __align__(16) unsigned char mrl_all_smem[];
+  const int K = (int)p.K;
+  const bool cols = POS && p.cols;
+  A* sdk = reinterpret_cast<A*>(mrl_all_smem);  // [K][kTile] dL/dkap partial sums
+  __shared__ A rowacc[kMrlMaxLevels][32];
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int64_t c0 = (int64_t)blockIdx.x * kTile + tid;
+  const int64_t r0 = (int64_t)blockIdx.y * p.TR;
+  const int64_t r1 = min(r0 + p.TR, p.R);
+  const A it = (A)p.inv_temp;
+  const A* rho = static_cast<const A*>(p.rho);
+  const A* kap = static_cast<const A*>(p.kap);
+  const A* rl = static_cast<const A*>(p.row_lse);
+  const A* cl = static_cast<const A*>(p.col_lse);
+  const A* coef = static_cast<const A*>(p.coef);
+  bool valid[KC], cnone[KC];
+  int32_t clo[KC], chi[KC];
+#pragma unroll
+  for (int k = 0; k < KC; ++k) {
+    const int64_t j = c0 + k * kThreads;
+    valid[k] = j < p.C;
+    clo[k] = 0;
+    chi[k] = -1;
+    cnone[k] = false;
+    if (POS && valid[k]) {
+      clo[k] = p.d_lo[j];
+      chi[k] = p.d_hi[j];
+      cnone[k] = p.col_none[j] != 0;
+    }
+  }
+  for (int l = 0; l < K; ++l) {
+#pragma unroll
+    for (int k = 0; k < KC; ++k) sdk[l * kTile + tid + k * kThreads] = A(0);
+  }
+  for (int idx = tid; idx < K * 32; idx += kThreads) rowacc[idx / 32][idx % 32] = A(0);
+  __syncthreads();
+  const int64_t dbase = c0 - (p.i0 + r0 + p.diag_offset);
+
+  for (int64_t rb = r0; rb < r1; rb += 32) {
+    const int nr = (int)min((int64_t)32, r1 - rb);
+    for (int rr = 0; rr < nr; ++rr) {
+      const int64_t r = rb + rr, i = p.i0 + r;
+      int32_t rlo = 0, rhi = -1;
+      bool rnone = false, rfb = false;
+      if (POS) {
+        rlo = __ldg(p.q_lo + i);
+        rhi = __ldg(p.q_hi + i);
+        rnone = __ldg(p.row_none + i) != 0;
+        rfb = p.row_fb ? __ldg(p.row_fb + i) != 0 : rnone;
+      }
+      const int64_t dd = dbase - (r - r0);
+      bool pr[KC], pc[KC];
+      A bv[KC], hacc[KC], gsum[KC];
+#pragma unroll
+      for (int k = 0; k < KC; ++k) {
+        pr[k] = pc[k] = false;
+        if (POS) {
+          const bool ov = max(rlo, clo[k]) <= min(rhi, chi[k]);
+          const bool dg = dd + k * kThreads == 0;
+          pr[k] = ov || (rnone && dg);
+          pc[k] = ov || (dg && (rfb || cnone[k]));
+        }
+        bv[k] = (BIAS && valid[k]) ? static_cast<const A*>(p.dense)[r * p.ldb + c0 + k * kThreads] : A(0);
+        hacc[k] = gsum[k] = A(0);
+      }
+      for (int l = K - 1; l >= 0; --l) {
+        const A gr = coef[2 * l], gc = cols ? coef[2 * l + 1] : A(0);
+        const bool rows = gr != A(0), colt = gc != A(0);
+        const A rs = __ldg(rho + l * p.ldr + i);
+        A la = 0, lp = 0;
+        if (rows) {
+          la = __ldg(rl + l * 3 * p.Bq + i);
+          if (POS) lp = __ldg(rl + l * 3 * p.Bq + p.Bq + i);
+        }
+        A* grow = static_cast<A*>(const_cast<void*>(p.G)) + l * p.lsg + r * p.ldg + c0;
+        A gv[KC];
+#pragma unroll
+        for (int k = 0; k < KC; ++k) gv[k] = valid[k] ? grow[k * kThreads] : A(0);
+        A rsum = 0;
+#pragma unroll
+        for (int k = 0; k < KC; ++k) {
+          if (!valid[k]) continue;
+          const int cc = tid + k * kThreads;
+          const A ks = it * __ldg(kap + l * p.ldk + c0 + k * kThreads);
+          const A x = gv[k] * rs * ks + bv[k];
+          A g = 0;
+          if (rows) g = gr * (dexp(x - la) - (pr[k] ? dexp(x - lp) : A(0)));
+          if (colt) {
+            const A* cll = cl + l * 3 * p.C + c0 + k * kThreads;
+            const A ca = __ldg(cll), cp = __ldg(cll + p.C);
+            g += gc * (dexp(x - ca) - (pc[k] ? dexp(x - cp) : A(0)));
+          }
+          const A t = g * gv[k];
+          rsum += t * ks;
+          sdk[l * kTile + cc] += t * rs;
+          hacc[k] += g * rs * ks;
+          gsum[k] += g;
+          if (HO)
+            static_cast<OT*>(p.Ho)[l * p.lsh + r * p.ldh + c0 + k * kThreads] = cuda::from_acc<OT>(hacc[k]);
+          else
+            grow[k * kThreads] = hacc[k];  // H_l over G_l (the same thread read it above)
+        }
+        const A wsum = cuda::warp_sum(rsum);
+        if (lane == 0) atomicAdd(&rowacc[l][rr], wsum);
+      }
+      if (BIAS) {
+#pragma unroll
+        for (int k = 0; k < KC; ++k)
+          if (valid[k]) static_cast<A*>(p.Gb)[r * p.ldh + c0 + k * kThreads] = gsum[k];
+      }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < K * nr; idx += kThreads) {
+      const int l = idx / nr, rr = idx % nr;
+      static_cast<A*>(p.drho_part)[((int64_t)l * p.R + rb + rr) * p.nct + blockIdx.x] = rowacc[l][rr];
+      rowacc[l][rr] = A(0);
+    }
+    __syncthreads();
+  }
+  for (int l = 0; l < K; ++l) {
+#pragma unroll
+    for (int k = 0; k < KC; ++k)
+      if (valid[k])
+        static_cast<A*>(p.dkap_part)[((int64_t)l * p.nrt + blockIdx.y) * p.C + c0 + k * kThreads] =
+            sdk[l * kTile + tid + k * kThreads] * it;
+  }
+}
+
 template <typename F> void dispatch_mode(const MrlBlockParams& p, F&& f) {
   if (!p.pos) {
     if (p.dense) throw std::runtime_error("mrl_block: an extra-negative block takes no bias");
@@ -394,6 +532,45 @@ void mrl_block_bwd_cuda(const MrlBlockParams& p, int device, uintptr_t stream) {
     dispatch_mode(p, [&](auto bias, auto pos) {
       constexpr bool B_ = decltype(bias)::value, P_ = decltype(pos)::value, H_ = decltype(ho)::value;
       mrl_bwd_kernel<OT, A, B_, P_, H_><<<grid, kThreads, 0, st>>>(p);
+    });
+  };
+  if (p.adtype == DType::F64) {
+    if (p.Ho) throw std::runtime_error("mrl_block: float64 accumulation takes no half-precision Ho");
+    launch(double{}, double{}, std::false_type{});
+  } else if (!p.Ho) {
+    launch(float{}, float{}, std::false_type{});
+  } else {
+    switch (p.odtype) {
+      case DType::F16: launch(__half{}, float{}, std::true_type{}); break;
+      case DType::BF16: launch(__nv_bfloat16{}, float{}, std::true_type{}); break;
+      default: throw std::runtime_error("mrl_block: Ho must be float16 or bfloat16");
+    }
+  }
+  cuda::check_launch();
+}
+
+
+void mrl_block_bwd_all_cuda(const MrlBlockParams& p, int device, uintptr_t stream) {
+  check(p);
+  if (p.K < 1 || p.K > kMrlMaxLevels) throw std::runtime_error("mrl_block: bwd_all takes 1..32 levels");
+  if (p.R == 0 || p.C == 0) return;
+  cuda::set_device(device);
+  const dim3 grid((unsigned)p.nct, (unsigned)p.nrt);
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  int optin = 0;
+  TK_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const size_t asz = p.adtype == DType::F64 ? 8 : 4;
+  const size_t smem = (size_t)p.K * kTile * asz;
+  if (smem + (size_t)kMrlMaxLevels * 32 * asz > (size_t)optin)
+    throw std::runtime_error("mrl_block: too many levels for one bwd_all launch's shared memory");
+  auto launch = [&](auto o, auto a, auto ho) {
+    using OT = decltype(o);
+    using A = decltype(a);
+    dispatch_mode(p, [&](auto bias, auto pos) {
+      constexpr bool B_ = decltype(bias)::value, P_ = decltype(pos)::value, H_ = decltype(ho)::value;
+      auto kern = mrl_bwd_all_kernel<OT, A, B_, P_, H_>;
+      TK_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      kern<<<grid, kThreads, smem, st>>>(p);
     });
   };
   if (p.adtype == DType::F64) {

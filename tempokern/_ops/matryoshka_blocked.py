@@ -338,12 +338,17 @@ class _Fused:
         return _mm(Hx, X)
 
     def launch(self, op, G, i0, l, *, pos, tiling_, scale_cols, dense=None, nslots=1, slot0=0, gr=0.0, gc=0.0,
-               H=None, accumulate=False, **outs):
+               H=None, accumulate=False, levels=0, **outs):
+        """One launch for level l (G: its (R, C) block), or with levels = K > 0 ("bwd_all") for levels 0..K-1
+        (G: the (K, R, C) snapshots; rho / kap / statistics of every level)."""
         c = self.c
         TR, nct, nrt = tiling_
-        R, C = G.shape
+        R, C = G.shape[-2:]
         q_lo, q_hi, d_lo, d_hi = self.spans
-        p = dict(G=ptr(G), rho=ptr(c.rho[l]), kap=ptr(scale_cols[l]))
+        if levels:
+            p = dict(G=ptr(G), rho=ptr(c.rho), kap=ptr(scale_cols))
+        else:
+            p = dict(G=ptr(G), rho=ptr(c.rho[l]), kap=ptr(scale_cols[l]))
         if pos:
             p.update(q_lo=ptr(q_lo), q_hi=ptr(q_hi), d_lo=ptr(d_lo), d_hi=ptr(d_hi), row_none=ptr(self.row_none),
                      col_none=ptr(self.col_none))
@@ -355,8 +360,14 @@ class _Fused:
             p["H"] = ptr(H)
         p.update({k: ptr(v) for k, v in outs.items() if v is not None})
         cols = pos and c.cw != 0.0
-        sizes = [R, C, i0, G.stride(0), int(pos), int(cols), c.off, 0 if dense is None else dense.stride(0), TR, nct,
-                 nrt, nslots, slot0, c.Bq, 0 if H is None else H.stride(0), int(accumulate)]
+        Ho = outs.get("Ho")
+        ldh = 0 if H is None else H.stride(-2)
+        if levels and Ho is not None:
+            ldh = Ho.stride(-2)
+        sizes = [R, C, i0, G.stride(-2), int(pos), int(cols), c.off, 0 if dense is None else dense.stride(0), TR, nct,
+                 nrt, nslots, slot0, c.Bq, ldh, int(accumulate), max(1, levels),
+                 G.stride(0) if levels else 0, Ho.stride(0) if (levels and Ho is not None) else 0,
+                 c.rho.stride(0), scale_cols.stride(0)]
         od = self.ad if outs.get("Ho") is None else DTYPE_CODES[outs["Ho"].dtype]
         kernels().mrl_block_launch(op, self.dev, self.stream, [self.ad, od, self.ad], sizes, [c.it, gr, gc], p)
 
@@ -446,6 +457,66 @@ def _backward_block(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, gr: 
         c.bias_backward(i0, i1, Gb, gr.bias)
 
 
+#: levels per "bwd_all" launch (every level of a row block in one pass, the suffix sum in registers); more
+#: levels, or too little shared memory for them, take one "bwd" launch per level
+ALL_LEVELS_MAX = 32
+_SMEM_ALL = 96 * 1024  # shared memory bwd_all may ask for (sm_86 / sm_89 allow 99 KB per block)
+
+
+def _all_levels(F, K: int) -> bool:
+    """Whether K levels fit one bwd_all launch: K x 1,024 dL/dkap sums + 32 x 32 row sums in shared memory."""
+    return 1 <= K <= ALL_LEVELS_MAX and (K + 1) * 1024 * _SIZE[F.c.acc] <= _SMEM_ALL
+
+
+def _backward_block_all(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, gr: _Grads):
+    """_backward_block with one "bwd_all" launch per block and candidate set: the snapshots Gs (levels >= the
+    top weighted one) are overwritten by the coefficient suffix sums H_l (or H_l goes to Ho_l in bf16)."""
+    c = F.c
+    dev, acc = c.q.device, c.acc
+    r = i1 - i0
+    qo = F.qo[i0:i1]
+    cols = c.cw != 0.0
+
+    def one(Gs, X, pos, coefs, scale_cols, dx, dscale):
+        K = len(coefs)
+        Gs = Gs[:K]
+        t = tiling(r, X.shape[0], dev)
+        co = torch.tensor(coefs, dtype=acc, device=dev)
+        Ho = torch.empty(Gs.shape, dtype=F.half, device=dev) if F.half is not None else None
+        Gb = torch.empty(r, c.Bd, dtype=acc, device=dev) if (pos and dense is not None) else None
+        drp = torch.empty(K, r, t[1], dtype=acc, device=dev)
+        dkp = torch.empty(K, t[2], X.shape[0], dtype=acc, device=dev)
+        F.launch("bwd_all", Gs, i0, 0, pos=pos, tiling_=t, scale_cols=scale_cols, dense=dense if pos else None,
+                 H=Gs if Ho is None else None, levels=K, coef=co, row_lse=row_stats,
+                 col_lse=col_stats if (pos and cols) else None, Gb=Gb, drho_part=drp, dkap_part=dkp, Ho=Ho)
+        gr.drho[:K, i0:i1] += drp.sum(2)
+        dscale[:K] += dkp.sum(1)
+        Hs = Gs if Ho is None else Ho
+        for l in range(K):
+            a, b = c.seg[l], c.seg[l + 1]
+            gr.dq[i0:i1, a:b] += F.grad_prod(Hs[l], X[:, a:b])
+            dx[:, a:b] += F.grad_prod(Hs[l].t(), qo[:, a:b])
+        return Gb
+
+    top = _top([float(a != 0.0 or b != 0.0) for a, b in zip(rw, cw)])
+    if not top:
+        return
+    Gb = one(Gs, F.do, True, [[rw[l], cw[l]] for l in range(top)], c.kap, gr.dd, gr.dkap)
+    topn = _top(rw) if Es is not None else 0
+    if topn:
+        one(Es, F.no, False, [[rw[l], 0.0] for l in range(topn)], c.kneg, gr.dneg, gr.dkneg)
+    if Gb is not None:
+        c.bias_backward(i0, i1, Gb, gr.bias)
+
+
+def _backward_any(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, gr: _Grads):
+    top = _top([float(a != 0.0 or b != 0.0) for a, b in zip(rw, cw)])
+    if _all_levels(F, top):
+        _backward_block_all(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, gr)
+    else:
+        _backward_block(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, gr)
+
+
 def _top(coefs) -> int:
     """Levels up to the highest one with a non-zero coefficient (0 when none)."""
     act = [l for l, x in enumerate(coefs) if x != 0.0]
@@ -508,7 +579,7 @@ def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_n
             c_all = torch.logaddexp(c_all, cl[..., 0])
             c_pos = torch.logaddexp(c_pos, cl[..., 1])
         if gif:
-            _backward_block(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, grads)
+            _backward_any(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, grads)
         del Gs, Es, dense, row_part, col_part
     row_stats[:, 2] = c.row_none_local.to(acc)[None, :]
     if cols:
@@ -545,6 +616,6 @@ def fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg,
             dense = None if dense is None else dense.contiguous()
             Gs = _snapshots(F, i0, i1, F.do, top)
             Es = _snapshots(F, i0, i1, F.no, topn) if topn else None
-            _backward_block(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, grads)
+            _backward_any(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, grads)
             del Gs, Es, dense
     return grads.out(q, c.acc)
