@@ -294,10 +294,10 @@ class _Fused:
             q.device.type == "cpu" or _mm_out_f32(q.device))) else None
         cast = (lambda t: None if t is None else t.to(self.half)) if self.half is not None else (lambda t: t)
         self.qo, self.do, self.no = cast(c.q), cast(c.d), cast(c.neg)
-        # block bytes per (row, column): forward the running product G; backward the K snapshots, H (and Ho);
-        # with a bias its block and its gradient
+        # block bytes per (row, column): forward the running product G; backward the K snapshots, H (bwd per
+        # level; bwd_all writes H over the snapshots) and the K bf16 Ho blocks; with a bias its block and Gb
         asz = _SIZE[c.acc]
-        per_elem = asz * ((c.K + 1) if backward else 1) + (2 if backward and self.half is not None else 0) + \
+        per_elem = asz * ((c.K + 1) if backward else 1) + (2 * c.K if backward and self.half is not None else 0) + \
             (2 * asz if bias is not None else 0)
         self.R = block_rows(c.Bq, c.Bd, c.N, per_elem, q.device, block)
 
