@@ -1,5 +1,9 @@
-"""Blocked Matryoshka InfoNCE in torch: the CUDA execution of tempokern.matryoshka_infonce (and a CPU twin
-used by the tests). Rows are processed in blocks of R anchors against all candidates; per block the K
+"""Blocked Matryoshka InfoNCE: the CUDA execution of tempokern.matryoshka_infonce and the CPU execution with a
+bias. Two executions: the torch path below (CPU bias=, force_blocked() on CPU, and CUDA with
+TEMPOKERN_MRL_CUDA=torch) and the fused path at the end of this file (CUDA and the emulator by default:
+cuBLAS segment products around the kernels of csrc/matryoshka_infonce/matryoshka_block_cuda.cu).
+
+The torch path: Rows are processed in blocks of R anchors against all candidates; per block the K
 segment products are accumulated into one float32 block with ``addmm`` (cuBLAS on CUDA), snapshot after
 each segment (the K level logit blocks), and reduced with torch: exact row log-sum-exps (a block holds
 whole rows), column log-sum-exps merged across blocks with ``logaddexp``. Backward recomputes the block,
@@ -9,8 +13,8 @@ turns each level into its coefficient block, suffix-sums them from the top level
 Products: 2 B C H flops forward + 6 B C H backward, the same as one level. Memory: the block, about
 (K + 4) x R x (C + N) float32 values (R chosen so that this fits min(1 GiB, free / 4) on CUDA,
 TEMPOKERN_BLOCK_BYTES overrides), plus O((B + C + N) (H + K)); never B x C unless one block holds it.
-Not yet fused into custom CUDA kernels (the statistics and coefficient steps are ~10 torch element-wise
-ops per level and block).
+The statistics and coefficient steps are ~10 torch element-wise ops per level and block (the fused path
+replaces them).
 
 Bias (offset_bias's per-pair bias, the same for every level): per row block the (R, C) bias block is
 computed once (the exact MLP by tempokern's offset_bias kernel on the block's u_q against all u_d, or the
