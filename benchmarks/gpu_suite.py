@@ -53,9 +53,13 @@ import torch  # noqa: E402
 
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
-IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_prev", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's one-level yardstick
+IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_prev", "tempokern_mrl_torch", "eager", "eager_chunked",
+         "compile", "matmul", "single")  # single: matryoshka_infonce's one-level yardstick
 # tempokern_prev: ctd_topk at Q <= 16 with TEMPOKERN_TOPK_SERVE=0 (the path measured on the H100 on 2026-11-22;
 # "tempokern" is the serve kernels, default, not yet measured)
+# tempokern_mrl_torch: matryoshka_infonce with TEMPOKERN_MRL_CUDA=torch (the blocked torch path, the CUDA path
+# before the fused kernels; "tempokern" is the default fused kernels of matryoshka_block_cuda.cu; neither measured
+# on a GPU yet)
 # tempokern_stats_v2: the multipos loss with TEMPOKERN_MPB_STATS=v2 (the second-design statistics kernel, opt-in
 # until measured; "tempokern" is the default v1); --mpb-stats v1 leaves it out
 H, HIDDEN, D_FEAT, TEMPERATURE, TABLE_POINTS, MONTHS = 768, 32, 32, 0.05, 4097, 2030
@@ -423,7 +427,7 @@ def mat_step(impl, compile_fn=None):
     compile (torch.compile of that loop)."""
     def build(inp):
         q, d = inp["q"], inp["d"]
-        if impl == "tempokern":
+        if impl in ("tempokern", "tempokern_mrl_torch"):  # the env variable is set by with_env (steps)
             f = lambda: tk().matryoshka_infonce(q, d, MAT_DIMS, temperature=TEMPERATURE)  # noqa: E731
         elif impl == "single":
             ids = torch.arange(q.shape[0], device=q.device)
@@ -452,11 +456,14 @@ def mat_agree(max_rows: int, seed: int):
                           ["q", "d"])
         res = {}
         for impl in impls:
-            if impl not in ("tempokern", "eager"):
+            if impl not in ("tempokern", "tempokern_mrl_torch", "eager"):
                 continue
             a, b = _leaf(q.clone()), _leaf(d.clone())
-            fn = tk().matryoshka_infonce if impl == "tempokern" else ref().matryoshka_infonce
-            res[impl] = compare(with_grads(fn(a, b, MAT_DIMS, temperature=TEMPERATURE), [a, b], ["q", "d"]), want)
+            fn = ref().matryoshka_infonce if impl == "eager" else tk().matryoshka_infonce
+            run = lambda: with_grads(fn(a, b, MAT_DIMS, temperature=TEMPERATURE), [a, b], ["q", "d"])  # noqa: E731
+            if impl == "tempokern_mrl_torch":
+                run = with_env(lambda _, r=run: r, "TEMPOKERN_MRL_CUDA", "torch")(None)
+            res[impl] = compare(run(), want)
         return res, note
     return agree
 
@@ -466,6 +473,7 @@ def matryoshka_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
     for B in sizes.get("matryoshka", []):
         steps = {impl: mat_step(impl, compile_fn) for impl in ("tempokern", "single", "eager", "compile")}
         steps["matmul"] = lambda inp: row_blocks_mm(inp["q"].detach(), inp["d"].detach())
+        steps["tempokern_mrl_torch"] = with_env(mat_step("tempokern_mrl_torch"), "TEMPOKERN_MRL_CUDA", "torch")
         cases.append(Case(
             "matryoshka_infonce", "dims 64..768", f"B={B}", make=(lambda s, B=B: mat_inputs(B, dev, dtype, s)),
             steps=steps, agree=mat_agree(sizes["agree_rows"], seed),
@@ -1018,7 +1026,8 @@ class Suite:
             if not math.isnan(fl):
                 self.emit(case, "tempokern", "floor_ms", fl, how)
         if agreement and case.agree:
-            self.agreement(case, sets[0], [i for i in ("tempokern", "tempokern_stats_v2", "tempokern_prev", "eager")
+            self.agreement(case, sets[0], [i for i in ("tempokern", "tempokern_stats_v2", "tempokern_prev",
+                                                       "tempokern_mrl_torch", "eager")
                                            if i in impls and i in case.steps])
         del sets
         free_memory(self.dev)
@@ -1053,7 +1062,7 @@ class Suite:
                     worst, worst_q = v[1], qn
             self.emit(case, impl, "agreement", worst, f"largest agreement_rel ({worst_q}) vs float64"
                       + (f"; {note}" if note else ""))
-        for fused in ("tempokern", "tempokern_stats_v2"):
+        for fused in ("tempokern", "tempokern_stats_v2", "tempokern_mrl_torch"):
             if fused not in res or "eager" not in res:
                 continue
             worst, worst_q = 0.0, ""

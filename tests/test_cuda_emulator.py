@@ -99,6 +99,15 @@ def _ops_under(emu):
         uq, ug = torch.rand(70, generator=g), torch.rand(1500, generator=g)
         outs += list(tempokern.ctd_topk(qf, gf, 12, bias=(uq, ug, *bias_params(m))))
         outs += list(tempokern.ctd_topk(qf, gf, 12, bias=(uq, ug, m.table())))
+        # matryoshka_infonce (fused per-level passes), symmetric with spans, extra negatives and the exact bias
+        q, d, neg = (r(n, 24).requires_grad_() for n in (90, 90, 7))
+        lo = torch.randint(0, 40, (90,), generator=g)
+        bias = tuple(x.requires_grad_() for x in (torch.rand(90, generator=g, dtype=torch.float64),
+                                                   torch.rand(90, generator=g, dtype=torch.float64),
+                                                   r(5, 7), r(5), r(1, 5), r(1), torch.tensor(0.5, dtype=torch.float64)))
+        loss = tempokern.matryoshka_infonce(q, d, (5, 13, 24), temperature=0.1, extra_neg=neg, symmetric=True,
+                                            q_span=(lo, lo + 2), d_span=(lo.flip(0), lo.flip(0) + 1), bias=bias)
+        outs += [loss, *torch.autograd.grad(loss, [q, d, neg, *bias])]
         # calendar context backward
         ls = [r(50, n).requires_grad_() for n in (12, 32, 5)]
         c = tempokern.calendar_context(ls, 16, 0.5)

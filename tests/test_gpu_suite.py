@@ -305,3 +305,26 @@ def test_stats_v2_variant_column(suite, tmp_path, monkeypatch):
     assert "TEMPOKERN_MPB_STATS" not in os.environ  # restored after each call
     rows, _ = run(suite, tmp_path / "v1", "--no-compile", "--mpb-stats", "v1", "--only", r"multipos_infonce/no bias/B=48")
     assert not pick(rows, impl="tempokern_stats_v2")
+
+
+def test_matryoshka_torch_variant_column(suite, tmp_path, monkeypatch):
+    """The matryoshka case also runs with TEMPOKERN_MRL_CUDA=torch (impl tempokern_mrl_torch: the blocked torch
+    path, the CUDA path before the fused kernels; "tempokern" is the default fused kernels): time, agreement and
+    the 2x ratio, the variable set during those calls only."""
+    seen = []
+    real = tempokern.matryoshka_infonce
+
+    def spy(*a, **k):
+        seen.append(os.environ.get("TEMPOKERN_MRL_CUDA"))
+        return real(*a, **k)
+
+    monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
+    monkeypatch.setattr(tempokern, "matryoshka_infonce", spy)
+    rows, md = run(suite, tmp_path, "--no-compile", "--only", r"matryoshka_infonce/dims 64..768/B=48")
+    key = dict(op="matryoshka_infonce", case="dims 64..768", size="B=48")
+    assert one(rows, **key, impl="tempokern_mrl_torch", metric="status")["value"] == "ok"
+    assert float(one(rows, **key, impl="tempokern_mrl_torch", metric="time_ms")["value"]) > 0
+    assert math.isfinite(float(one(rows, **key, impl="tempokern_mrl_torch", metric="err_vs_torch")["value"]))
+    assert "tempokern_mrl_torch" in md
+    assert "torch" in seen and None in seen        # the variant's calls, and the default's
+    assert "TEMPOKERN_MRL_CUDA" not in os.environ  # restored after each call

@@ -1,5 +1,9 @@
-"""Blocked Matryoshka InfoNCE in torch: the CUDA execution of tempokern.matryoshka_infonce (and a CPU twin
-used by the tests). Rows are processed in blocks of R anchors against all candidates; per block the K
+"""Blocked Matryoshka InfoNCE: the CUDA execution of tempokern.matryoshka_infonce and the CPU execution with a
+bias. Two executions: the torch path below (CPU bias=, force_blocked() on CPU, and CUDA with
+TEMPOKERN_MRL_CUDA=torch) and the fused path at the end of this file (CUDA and the emulator by default:
+cuBLAS segment products around the kernels of csrc/matryoshka_infonce/matryoshka_block_cuda.cu).
+
+The torch path: Rows are processed in blocks of R anchors against all candidates; per block the K
 segment products are accumulated into one float32 block with ``addmm`` (cuBLAS on CUDA), snapshot after
 each segment (the K level logit blocks), and reduced with torch: exact row log-sum-exps (a block holds
 whole rows), column log-sum-exps merged across blocks with ``logaddexp``. Backward recomputes the block,
@@ -9,8 +13,8 @@ turns each level into its coefficient block, suffix-sums them from the top level
 Products: 2 B C H flops forward + 6 B C H backward, the same as one level. Memory: the block, about
 (K + 4) x R x (C + N) float32 values (R chosen so that this fits min(1 GiB, free / 4) on CUDA,
 TEMPOKERN_BLOCK_BYTES overrides), plus O((B + C + N) (H + K)); never B x C unless one block holds it.
-Not yet fused into custom CUDA kernels (the statistics and coefficient steps are ~10 torch element-wise
-ops per level and block).
+The statistics and coefficient steps are ~10 torch element-wise ops per level and block (the fused path
+replaces them).
 
 Bias (offset_bias's per-pair bias, the same for every level): per row block the (R, C) bias block is
 computed once (the exact MLP by tempokern's offset_bias kernel on the block's u_q against all u_d, or the
@@ -20,11 +24,13 @@ backward) once per block. Two more (R, C) blocks of memory; the MLP cost is that
 forward and backward over the B x C pairs, not K of them."""
 from __future__ import annotations
 
+import os
 from typing import List, Sequence
 
 import torch
 
-from .multipos_blocked import block_rows
+from .common import DTYPE_CODES, kernels, launch_args, on_cuda_path, ptr
+from .multipos_blocked import _SIZE, _addmm_into, _mm, _mm_out_f32, block_rows, none_flags, spans32, tiling
 
 
 def _none_flags(q_lo, q_hi, d_lo, d_hi):
@@ -115,7 +121,12 @@ def _masked_lse(z, mask, dim):
 
 def blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg: Sequence[int],
                     coef: Sequence[float], inv_temp: float, row_weight: float, col_weight: float, diag_offset: int,
-                    block: int = 0, bias=None) -> List[torch.Tensor]:
+                    block: int = 0, bias=None, want_grad: bool = False) -> List[torch.Tensor]:
+    """[loss, levels, row_stats, col_stats]; want_grad (the fused path without a column term only, see
+    fused_forward): then also the gradients for a unit upstream gradient of the loss."""
+    if use_fused(q, d.shape[0]):
+        return fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
+                             row_weight, col_weight, diag_offset, block, bias, want_grad)
     c = _Ctx(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
              col_weight, diag_offset, block, bias)
     K, dev, acc = c.K, q.device, c.acc
@@ -155,6 +166,9 @@ def blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kne
                      block: int = 0, bias=None) -> List[torch.Tensor]:
     """[dq, dd, dneg, drho, dkap, dkneg] (empty where absent), then with a bias the float64 gradients of its
     eight inputs [du_q, du_d, dtable, dw1, db1, dw2, db2, dscale] (empty where absent)."""
+    if use_fused(q, d.shape[0]):
+        return fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
+                              row_none, seg, inv_temp, row_weight, col_weight, diag_offset, block, bias)
     c = _Ctx(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
              col_weight, diag_offset, block, bias)
     K, acc = c.K, c.acc
@@ -216,3 +230,396 @@ def blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kne
     if bgrads is not None:
         out += [q.new_empty(0, dtype=torch.float64) if g is None else g for g in bgrads]
     return out
+
+
+# ---- the fused CUDA path (csrc/matryoshka_infonce/matryoshka_block_cuda.cu) ------------------------------
+#
+# Per block of R rows and per level l (ascending): G += q_blk[:, S_l] X[:, S_l]^T (one cuBLAS addmm into ONE
+# float32 block, X = d, then the extra negatives), then one fused launch over G for level l (scales rho_l,
+# kap_l, the bias block, positives, online row / column log-sum-exp partials). Backward, per block: the
+# level snapshots G_l through a chain of addmm's (K blocks), then from the top active level down one fused
+# launch per level: H (+)= inv_temp rho_l kap_l g_l in place (the suffix sum over levels), Gb (+)= g_l with a
+# bias, dL/drho_l and dL/dkap_l partials; and torch: dq[:, S_l] = H X[:, S_l], dX[:, S_l] += H^T q_blk[:, S_l].
+# Memory: forward R (C + N) accumulation values (+ the bias block), backward (K + 1) R (C + N) (+ 2 R C with a
+# bias), plus O(K R C / 1024 + K C R / TR) partials; never B x C unless one block holds it.
+
+MRL_VARIANTS = ("fused", "torch")
+
+
+def cuda_variant() -> str:
+    """The CUDA execution of matryoshka_infonce: TEMPOKERN_MRL_CUDA=fused (default: the fused kernels of
+    matryoshka_block_cuda.cu, tested on the CUDA emulator, not yet measured on a GPU) or torch (the blocked
+    torch element-wise path above, the CUDA path before the fused kernels; neither has run on a GPU yet)."""
+    v = os.environ.get("TEMPOKERN_MRL_CUDA", "fused").strip().lower() or "fused"
+    if v not in MRL_VARIANTS:
+        raise ValueError(f"TEMPOKERN_MRL_CUDA must be one of {MRL_VARIANTS}, got {v!r}")
+    return v
+
+
+def use_fused(t, Bd: int) -> bool:
+    """Whether a call on tensor (or device) t with Bd candidates runs the fused kernels: CUDA (or emulated CUDA)
+    with the fused variant chosen and at least one candidate."""
+    return on_cuda_path(t) and Bd > 0 and cuda_variant() == "fused"
+
+
+def _exact_half(ts) -> "torch.dtype | None":
+    """bfloat16 when every value of the float32 tensors ts (None entries ignored) is exactly a bfloat16 value,
+    else None. One pass over the embeddings (O((B + C + N) H)), one device synchronisation. float16 is left
+    out: the rounded coefficients H (~ weight / B per pair, times inv_temp rho kap) would fall into float16's
+    subnormals at large B; bfloat16 has float32's range."""
+    ts = [t for t in ts if t is not None]
+    if ts and all(bool(torch.equal(t.to(torch.bfloat16).to(t.dtype), t)) for t in ts):
+        return torch.bfloat16
+    return None
+
+
+class _Fused:
+    """Shared set-up of the fused forward and backward."""
+
+    def __init__(self, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp,
+                 row_weight, col_weight, diag_offset, block, bias, backward):
+        self.c = _Ctx(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
+                      col_weight, diag_offset, 1, bias)  # for its tensors and bias helpers (its R is unused)
+        c = self.c
+        c.q, c.d = c.q.contiguous(), c.d.contiguous()
+        c.neg = None if c.neg is None else c.neg.contiguous()
+        c.rho, c.kap = c.rho.contiguous(), c.kap.contiguous()
+        c.kneg = None if c.kneg is None else c.kneg.contiguous()
+        self.spans = spans32(q_lo, q_hi, d_lo, d_hi)
+        self.row_none, self.col_none = none_flags(*self.spans)
+        self.row_fb = None if row_none is None else row_none.to(torch.uint8).contiguous()
+        self.dev, self.stream = launch_args(q)
+        self.ad = DTYPE_CODES[c.acc]
+        # half operands: float32 inputs whose values are all exactly bfloat16 values (as when the caller passed
+        # bfloat16 tensors, which the wrapper upcasts) run their products on the bf16 tensor cores with float32
+        # output: the same exact products, float32 sums. The gradient coefficients H are then rounded once to
+        # bfloat16 (Ho), as multipos_blocked writes dS in the operand dtype.
+        self.half = _exact_half([c.q, c.d, c.neg]) if (c.acc == torch.float32 and (
+            q.device.type == "cpu" or _mm_out_f32(q.device))) else None
+        cast = (lambda t: None if t is None else t.to(self.half)) if self.half is not None else (lambda t: t)
+        self.qo, self.do, self.no = cast(c.q), cast(c.d), cast(c.neg)
+        # block bytes per (row, column): forward the running product G; backward the K snapshots, H (bwd per
+        # level; bwd_all writes H over the snapshots) and the K bf16 Ho blocks; with a bias its block and Gb
+        asz = _SIZE[c.acc]
+        per_elem = asz * ((c.K + 1) if backward else 1) + (2 * c.K if backward and self.half is not None else 0) + \
+            (2 * asz if bias is not None else 0)
+        self.R = block_rows(c.Bq, c.Bd, c.N, per_elem, q.device, block)
+
+    def blocks(self):
+        for i0 in range(0, self.c.Bq, self.R):
+            yield i0, min(self.c.Bq, i0 + self.R)
+
+    def prod(self, out, a, b, c=None):
+        """out (R, C) accumulation dtype = a @ b^T (+ c when given; c may be out itself) for operand rows a (R, k)
+        and b (C, k): cuBLAS with float32 output for half operands on CUDA; in the accumulation dtype on the
+        emulator (CPU tensors: exact products of the half values, as the tensor cores)."""
+        acc = self.c.acc
+        if a.device.type == "cpu" or a.dtype == acc:
+            a, b = a.to(acc), b.to(acc)
+            if c is None:
+                torch.mm(a, b.t(), out=out)
+            else:
+                torch.addmm(c, a, b.t(), out=out)
+            return
+        if c is not None and c is not out:
+            try:
+                torch.addmm(c, a, b.t(), out_dtype=torch.float32, out=out)
+                return
+            except (TypeError, RuntimeError, NotImplementedError):
+                out.copy_(c)
+        elif c is None:
+            try:
+                torch.mm(a, b.t(), out_dtype=torch.float32, out=out)
+                return
+            except (TypeError, RuntimeError, NotImplementedError):
+                out.zero_()
+        _addmm_into(out, a, b.t())
+
+    def grad_prod(self, Hx, X):
+        """Hx @ X in the accumulation dtype (float32 output of half operands on CUDA)."""
+        if Hx.device.type == "cpu" or Hx.dtype == self.c.acc:
+            return Hx.to(self.c.acc) @ X.to(self.c.acc)
+        return _mm(Hx, X)
+
+    def launch(self, op, G, i0, l, *, pos, tiling_, scale_cols, dense=None, nslots=1, slot0=0, gr=0.0, gc=0.0,
+               H=None, accumulate=False, levels=0, **outs):
+        """One launch for level l (G: its (R, C) block), or with levels = K > 0 ("bwd_all") for levels 0..K-1
+        (G: the (K, R, C) snapshots; rho / kap / statistics of every level)."""
+        c = self.c
+        TR, nct, nrt = tiling_
+        R, C = G.shape[-2:]
+        q_lo, q_hi, d_lo, d_hi = self.spans
+        if levels:
+            p = dict(G=ptr(G), rho=ptr(c.rho), kap=ptr(scale_cols))
+        else:
+            p = dict(G=ptr(G), rho=ptr(c.rho[l]), kap=ptr(scale_cols[l]))
+        if pos:
+            p.update(q_lo=ptr(q_lo), q_hi=ptr(q_hi), d_lo=ptr(d_lo), d_hi=ptr(d_hi), row_none=ptr(self.row_none),
+                     col_none=ptr(self.col_none))
+            if self.row_fb is not None:
+                p["row_fb"] = ptr(self.row_fb)
+        if dense is not None:
+            p["dense"] = ptr(dense)
+        if H is not None:
+            p["H"] = ptr(H)
+        p.update({k: ptr(v) for k, v in outs.items() if v is not None})
+        cols = pos and c.cw != 0.0
+        Ho = outs.get("Ho")
+        ldh = 0 if H is None else H.stride(-2)
+        if levels and Ho is not None:
+            ldh = Ho.stride(-2)
+        sizes = [R, C, i0, G.stride(-2), int(pos), int(cols), c.off, 0 if dense is None else dense.stride(0), TR, nct,
+                 nrt, nslots, slot0, c.Bq, ldh, int(accumulate), max(1, levels),
+                 G.stride(0) if levels else 0, Ho.stride(0) if (levels and Ho is not None) else 0,
+                 c.rho.stride(0), scale_cols.stride(0)]
+        od = self.ad if outs.get("Ho") is None else DTYPE_CODES[outs["Ho"].dtype]
+        kernels().mrl_block_launch(op, self.dev, self.stream, [self.ad, od, self.ad], sizes, [c.it, gr, gc], p)
+
+
+class _Grads:
+    """The gradient accumulators of the fused backward (accumulation dtype; the bias inputs' in float64)."""
+
+    def __init__(self, F, bias):
+        c = F.c
+        self.dq, self.dd = torch.zeros_like(c.q), torch.zeros_like(c.d)
+        self.dneg = None if c.neg is None else torch.zeros_like(c.neg)
+        self.drho, self.dkap = torch.zeros_like(c.rho), torch.zeros_like(c.kap)
+        self.dkneg = None if c.kneg is None else torch.zeros_like(c.kneg)
+        self.bias = None if bias is None else [None if t is None else torch.zeros(t.shape, dtype=torch.float64,
+                                                                                  device=c.q.device) for t in bias]
+
+    def out(self, q, acc):
+        e = lambda: q.new_empty(0, dtype=acc)  # noqa: E731
+        out = [self.dq, self.dd, e() if self.dneg is None else self.dneg, self.drho, self.dkap,
+               e() if self.dkneg is None else self.dkneg]
+        if self.bias is not None:
+            out += [q.new_empty(0, dtype=torch.float64) if g is None else g for g in self.bias]
+        return out
+
+
+def _snapshots(F, i0, i1, X, levels):
+    """(levels, R, n) accumulation dtype: the raw prefix products G_l of rows i0..i1 against X (d or the extra
+    negatives, in the operand dtype), l < levels, through a chain of (add)mm's."""
+    c = F.c
+    qo = F.qo[i0:i1]
+    Gs = torch.empty(levels, i1 - i0, X.shape[0], dtype=c.acc, device=qo.device)
+    for l in range(levels):
+        a, b = c.seg[l], c.seg[l + 1]
+        F.prod(Gs[l], qo[:, a:b], X[:, a:b], None if l == 0 else Gs[l - 1])
+    return Gs
+
+
+def _backward_block(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, gr: _Grads):
+    """The gradient of rows i0..i1 for the level coefficients rw, cw (lists of K floats) from their snapshots Gs
+    (at least up to the top level with a coefficient; Es for the extra negatives up to the top level with a row
+    coefficient, or None): one bwd launch per weighted level from the top down, the segment products after
+    each level, the bias gradient once."""
+    c = F.c
+    K, dev, acc = c.K, c.q.device, c.acc
+    r = i1 - i0
+    qo = F.qo[i0:i1]
+    act = [l for l in range(K) if rw[l] != 0.0 or cw[l] != 0.0]
+    if not act:
+        return
+    top = act[-1]
+    tS = tiling(r, c.Bd, dev)
+    H = torch.empty(r, c.Bd, dtype=acc, device=dev)
+    Ho = torch.empty(r, c.Bd, dtype=F.half, device=dev) if F.half is not None else None
+    Gb = torch.empty(r, c.Bd, dtype=acc, device=dev) if dense is not None else None
+    drp = torch.empty(r, tS[1], dtype=acc, device=dev)
+    dkp = torch.empty(tS[2], c.Bd, dtype=acc, device=dev)
+    if Es is not None:
+        tE = tiling(r, c.N, dev)
+        Hn = torch.empty(r, c.N, dtype=acc, device=dev)
+        Hno = torch.empty(r, c.N, dtype=F.half, device=dev) if F.half is not None else None
+        drpn = torch.empty(r, tE[1], dtype=acc, device=dev)
+        dkpn = torch.empty(tE[2], c.N, dtype=acc, device=dev)
+    started = started_n = False
+    for l in range(top, -1, -1):
+        a, b = c.seg[l], c.seg[l + 1]
+        if rw[l] != 0.0 or cw[l] != 0.0:
+            F.launch("bwd", Gs[l], i0, l, pos=True, tiling_=tS, scale_cols=c.kap, dense=dense, gr=rw[l], gc=cw[l],
+                     H=H, accumulate=started, row_lse=row_stats[l], col_lse=col_stats[l], Gb=Gb, drho_part=drp,
+                     dkap_part=dkp, Ho=Ho)
+            started = True
+            gr.drho[l, i0:i1] += drp.sum(1)
+            gr.dkap[l] += dkp.sum(0)
+        Hx = H if Ho is None else Ho
+        gr.dq[i0:i1, a:b] += F.grad_prod(Hx, F.do[:, a:b])
+        gr.dd[:, a:b] += F.grad_prod(Hx.t(), qo[:, a:b])
+        if Es is not None and l < Es.shape[0]:
+            if rw[l] != 0.0:
+                F.launch("bwd", Es[l], i0, l, pos=False, tiling_=tE, scale_cols=c.kneg, gr=rw[l], H=Hn,
+                         accumulate=started_n, row_lse=row_stats[l], drho_part=drpn, dkap_part=dkpn, Ho=Hno)
+                started_n = True
+                gr.drho[l, i0:i1] += drpn.sum(1)
+                gr.dkneg[l] += dkpn.sum(0)
+            Hx = Hn if Hno is None else Hno
+            gr.dq[i0:i1, a:b] += F.grad_prod(Hx, F.no[:, a:b])
+            gr.dneg[:, a:b] += F.grad_prod(Hx.t(), qo[:, a:b])
+    if Gb is not None:
+        c.bias_backward(i0, i1, Gb, gr.bias)
+
+
+#: levels per "bwd_all" launch (every level of a row block in one pass, the suffix sum in registers); more
+#: levels, or too little shared memory for them, take one "bwd" launch per level
+ALL_LEVELS_MAX = 32
+_SMEM_ALL = 96 * 1024  # shared memory bwd_all may ask for (sm_86 / sm_89 allow 99 KB per block)
+
+
+def _all_levels(F, K: int) -> bool:
+    """Whether K levels fit one bwd_all launch: K x 1,024 dL/dkap sums + 32 x 32 row sums in shared memory."""
+    return 1 <= K <= ALL_LEVELS_MAX and (K + 1) * 1024 * _SIZE[F.c.acc] <= _SMEM_ALL
+
+
+def _backward_block_all(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, gr: _Grads):
+    """_backward_block with one "bwd_all" launch per block and candidate set: the snapshots Gs (levels >= the
+    top weighted one) are overwritten by the coefficient suffix sums H_l (or H_l goes to Ho_l in bf16)."""
+    c = F.c
+    dev, acc = c.q.device, c.acc
+    r = i1 - i0
+    qo = F.qo[i0:i1]
+    cols = c.cw != 0.0
+
+    def one(Gs, X, pos, coefs, scale_cols, dx, dscale):
+        K = len(coefs)
+        Gs = Gs[:K]
+        t = tiling(r, X.shape[0], dev)
+        co = torch.tensor(coefs, dtype=acc, device=dev)
+        Ho = torch.empty(Gs.shape, dtype=F.half, device=dev) if F.half is not None else None
+        Gb = torch.empty(r, c.Bd, dtype=acc, device=dev) if (pos and dense is not None) else None
+        drp = torch.empty(K, r, t[1], dtype=acc, device=dev)
+        dkp = torch.empty(K, t[2], X.shape[0], dtype=acc, device=dev)
+        F.launch("bwd_all", Gs, i0, 0, pos=pos, tiling_=t, scale_cols=scale_cols, dense=dense if pos else None,
+                 H=Gs if Ho is None else None, levels=K, coef=co, row_lse=row_stats,
+                 col_lse=col_stats if (pos and cols) else None, Gb=Gb, drho_part=drp, dkap_part=dkp, Ho=Ho)
+        gr.drho[:K, i0:i1] += drp.sum(2)
+        dscale[:K] += dkp.sum(1)
+        Hs = Gs if Ho is None else Ho
+        for l in range(K):
+            a, b = c.seg[l], c.seg[l + 1]
+            gr.dq[i0:i1, a:b] += F.grad_prod(Hs[l], X[:, a:b])
+            dx[:, a:b] += F.grad_prod(Hs[l].t(), qo[:, a:b])
+        return Gb
+
+    top = _top([float(a != 0.0 or b != 0.0) for a, b in zip(rw, cw)])
+    if not top:
+        return
+    Gb = one(Gs, F.do, True, [[rw[l], cw[l]] for l in range(top)], c.kap, gr.dd, gr.dkap)
+    topn = _top(rw) if Es is not None else 0
+    if topn:
+        one(Es, F.no, False, [[rw[l], 0.0] for l in range(topn)], c.kneg, gr.dneg, gr.dkneg)
+    if Gb is not None:
+        c.bias_backward(i0, i1, Gb, gr.bias)
+
+
+def _backward_any(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, gr: _Grads):
+    top = _top([float(a != 0.0 or b != 0.0) for a, b in zip(rw, cw)])
+    if _all_levels(F, top):
+        _backward_block_all(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, gr)
+    else:
+        _backward_block(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, gr)
+
+
+def _top(coefs) -> int:
+    """Levels up to the highest one with a non-zero coefficient (0 when none)."""
+    act = [l for l, x in enumerate(coefs) if x != 0.0]
+    return act[-1] + 1 if act else 0
+
+
+def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
+                  row_weight, col_weight, diag_offset, block=0, bias=None, want_grad=False) -> List[torch.Tensor]:
+    """[loss, levels, row_stats, col_stats], then with want_grad (only without a column term: a block's row
+    statistics are then final after its own pass) the gradients for a unit upstream gradient of the loss,
+    [dq, dd, dneg, drho, dkap, dkneg]: the block's snapshots are kept for its backward launches, which saves
+    the backward's recomputed products (6 instead of 8 B C H flops)."""
+    gif = bool(want_grad) and col_weight == 0.0
+    F = _Fused(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
+               col_weight, diag_offset, block, bias, backward=gif)
+    c = F.c
+    K, dev, acc = c.K, q.device, c.acc
+    cols = col_weight != 0.0
+    row_stats = torch.zeros(K, 3, c.Bq, dtype=acc, device=dev)
+    col_stats = torch.zeros(K, 3, c.Bd, dtype=acc, device=dev)
+    c_all = torch.full((K, c.Bd), float("-inf"), dtype=acc, device=dev) if cols else None
+    c_pos = c_all.clone() if cols else None
+    if gif:
+        grads = _Grads(F, bias)
+        rw = [float(x) * row_weight / c.Bq if c.Bq else 0.0 for x in coef]
+        cw = [0.0] * K
+    for i0, i1 in F.blocks():
+        r = i1 - i0
+        tS = tiling(r, c.Bd, dev)
+        tE = tiling(r, c.N, dev) if c.N else (1, 0, 1)
+        nslots = tS[1] + tE[1]
+        row_part = torch.empty(K, r, nslots, 2, dtype=acc, device=dev)
+        col_part = torch.empty(K, tS[2], c.Bd, 2, dtype=acc, device=dev) if cols else None
+        dense = c.bias_block(i0, i1)
+        dense = None if dense is None else dense.contiguous()
+        qo = F.qo[i0:i1]
+        if gif:  # the snapshots, kept for the block's backward
+            Gs = _snapshots(F, i0, i1, F.do, K)
+            Es = _snapshots(F, i0, i1, F.no, K) if c.N else None
+        else:  # one running product
+            Gs = torch.empty(1, r, c.Bd, dtype=acc, device=dev)
+            Es = torch.empty(1, r, c.N, dtype=acc, device=dev) if c.N else None
+        for l in range(K):
+            a, b = c.seg[l], c.seg[l + 1]
+            if not gif:
+                F.prod(Gs[0], qo[:, a:b], F.do[:, a:b], None if l == 0 else Gs[0])
+            G = Gs[l if gif else 0]
+            F.launch("fwd", G, i0, l, pos=True, tiling_=tS, scale_cols=c.kap, dense=dense, nslots=nslots,
+                     row_part=row_part[l], col_part=None if col_part is None else col_part[l])
+            if Es is not None:
+                if not gif:
+                    F.prod(Es[0], qo[:, a:b], F.no[:, a:b], None if l == 0 else Es[0])
+                F.launch("fwd", Es[l if gif else 0], i0, l, pos=False, tiling_=tE, scale_cols=c.kneg, nslots=nslots,
+                         slot0=tS[1], row_part=row_part[l])
+        lse = torch.logsumexp(row_part, dim=2)  # (K, r, 2)
+        row_stats[:, 0, i0:i1] = lse[..., 0]
+        row_stats[:, 1, i0:i1] = lse[..., 1]
+        if cols:
+            cl = torch.logsumexp(col_part, dim=1)  # (K, C, 2)
+            c_all = torch.logaddexp(c_all, cl[..., 0])
+            c_pos = torch.logaddexp(c_pos, cl[..., 1])
+        if gif:
+            _backward_any(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, grads)
+        del Gs, Es, dense, row_part, col_part
+    row_stats[:, 2] = c.row_none_local.to(acc)[None, :]
+    if cols:
+        col_stats[:, 0], col_stats[:, 1] = c_all, c_pos
+    levels = torch.zeros(K, dtype=acc, device=dev)
+    if row_weight != 0.0 and c.Bq:
+        levels = levels + row_weight * (row_stats[:, 0] - row_stats[:, 1]).mean(dim=1)
+    if cols and c.Bd:
+        levels = levels + col_weight * (col_stats[:, 0] - col_stats[:, 1]).mean(dim=1)
+    w = torch.tensor(list(coef), dtype=acc, device=dev)
+    loss = (torch.where(w != 0, levels, torch.zeros_like(levels)) * w).sum()
+    out = [loss, levels, row_stats, col_stats]
+    if gif:
+        out += grads.out(q, acc)
+    return out
+
+
+def fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none,
+                   seg, inv_temp, row_weight, col_weight, diag_offset, block=0, bias=None) -> List[torch.Tensor]:
+    F = _Fused(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
+               col_weight, diag_offset, block, bias, backward=True)
+    c = F.c
+    grads = _Grads(F, bias)
+    coef = [float(x) for x in lcoef.detach().to("cpu", torch.float64).tolist()]
+    cols = col_weight != 0.0
+    rw = [x * row_weight / c.Bq if c.Bq else 0.0 for x in coef]
+    cw = [x * col_weight / c.Bd if cols else 0.0 for x in coef]
+    row_stats, col_stats = row_stats.contiguous(), col_stats.contiguous()
+    top = _top([float(a != 0.0 or b != 0.0) for a, b in zip(rw, cw)])
+    topn = _top(rw) if c.N else 0
+    if top:
+        for i0, i1 in F.blocks():
+            dense = c.bias_block(i0, i1)
+            dense = None if dense is None else dense.contiguous()
+            Gs = _snapshots(F, i0, i1, F.do, top)
+            Es = _snapshots(F, i0, i1, F.no, topn) if topn else None
+            _backward_any(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, grads)
+            del Gs, Es, dense
+    return grads.out(q, c.acc)

@@ -19,7 +19,7 @@ import torch
 
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, kernels, launch_args,
                      on_cuda_path, ptr)
-from .matryoshka_blocked import blocked_backward, blocked_forward
+from .matryoshka_blocked import blocked_backward, blocked_forward, use_fused
 from ..reference.offset_bias import offset_bias_table
 from .multipos_infonce import _BIAS_NAMES, _check_span, _span_bounds, check_table_points, validate_bias
 
@@ -79,8 +79,8 @@ def _gif(want_grad: bool, col_weight: float, K: int, Bd: int, N: int, itemsize: 
     """Whether the forward also computes the gradient (unit upstream gradient, scaled in backward): only
     without a column term (the row statistics of a row block are then final after its own pass), saving
     the backward's recomputed products (6 instead of 8 B B' H flops)."""
-    if device is not None and _blocked(device):
-        return False
+    if device is not None and _blocked(device):  # the fused CUDA path does it without a budget (blocks of rows)
+        return bool(want_grad) and col_weight == 0.0 and use_fused(device, Bd)
     return bool(want_grad) and col_weight == 0.0 and K * 64 * (Bd + N) * itemsize <= GIF_BUDGET_BYTES
 
 
@@ -93,9 +93,10 @@ def _mat(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor], rh
     acc = q.dtype
     N = 0 if extra_neg is None else extra_neg.shape[0]
     if _blocked(q):
+        gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), q.device)
         out = blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
-                              row_weight, col_weight, diag_offset, _block_rows())
-        return out + [q.new_empty(0) for _ in range(6)]
+                              row_weight, col_weight, diag_offset, _block_rows(), want_grad=gif)
+        return out if gif else out + [q.new_empty(0) for _ in range(6)]
     loss = torch.zeros((), dtype=acc, device=q.device)
     levels = torch.zeros(K, dtype=acc, device=q.device)
     row_stats = torch.zeros(K, 3, q.shape[0], dtype=acc, device=q.device)
