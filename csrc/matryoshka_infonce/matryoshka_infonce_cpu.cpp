@@ -28,21 +28,23 @@ constexpr int64_t IT = 256;  // most anchor rows per task (scratch size); a call
 inline int64_t ceil_div(int64_t a, int64_t b);
 // Anchor rows per task: up to IT (each candidate panel, from L3 for large Bd, then feeds that many rows of
 // products; measured single core, B = C = 2,048, H = 768, gradient in forward: see docs/matryoshka_infonce.md),
-// fewer when that would leave under 4 tasks per thread, and with the gradient in forward (the task keeps
+// fewer when that would leave under 4 tasks per thread (not under 64), and with the gradient in forward (the task keeps
 // its logits, K x rows x (Bd + N)) at most ~8 MiB of logits per thread (at least 32 rows); then evened out
 // so that the task count is a multiple of the thread count.
 inline int64_t rows_per_task(int64_t Bq, int64_t logit_row_bytes) {
   const int64_t nth = std::max(omp_get_max_threads(), 1);
   const int64_t per = ceil_div(std::max<int64_t>(Bq, 1), 4 * nth);
-  int64_t r = std::min<int64_t>(IT, std::max<int64_t>(32, ceil_div(per, 16) * 16));
+  int64_t r = std::min<int64_t>(IT, std::max<int64_t>(64, ceil_div(per, 16) * 16));
 #ifndef TK_MAT_LOGIT_MIB
 #define TK_MAT_LOGIT_MIB 8
 #endif
   if (logit_row_bytes > 0)
     r = std::min(r, std::max<int64_t>(32, (int64_t(TK_MAT_LOGIT_MIB) << 20) / logit_row_bytes / 16 * 16));
-  // then as many tasks as a multiple of the thread count, equal sizes (an even OpenMP split)
+  // then as many tasks as a multiple of the thread count, equal sizes (an even OpenMP split), unless that
+  // would cut blocks below min(r, 64) rows (small batches stay one task per 64 rows, as before)
   const int64_t n = ceil_div(ceil_div(std::max<int64_t>(Bq, 1), r), nth) * nth;
-  return std::max<int64_t>(1, ceil_div(std::max<int64_t>(Bq, 1), n));
+  const int64_t re = ceil_div(std::max<int64_t>(Bq, 1), n);
+  return re >= std::min<int64_t>(r, 64) ? re : r;
 }
 constexpr int64_t JT = 96;  // candidate columns per tile
 

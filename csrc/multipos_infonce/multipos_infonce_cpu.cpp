@@ -21,15 +21,18 @@ constexpr int64_t IT = 256;  // most query rows per task (scratch size); a call 
 inline int64_t ceil_div(int64_t a, int64_t b);
 // Query rows per task: as many as IT (each document panel, read from L3 for large Bd, then feeds IT rows
 // of products; measured single core, B = 4,096, H = 384: backward 0.39 s with 64 rows, 0.30 s with 256),
-// fewer when that would leave under 4 tasks per thread (at least 32), then evened out so that the task
+// fewer when that would leave under 4 tasks per thread (at least 64), then evened out so that the task
 // count is a multiple of the thread count.
 inline int64_t rows_per_task(int64_t Bq) {
   const int64_t nth = std::max(omp_get_max_threads(), 1);
   const int64_t per = ceil_div(std::max<int64_t>(Bq, 1), 4 * nth);
-  const int64_t r = std::min<int64_t>(IT, std::max<int64_t>(32, ceil_div(per, 16) * 16));
-  // then as many tasks as a multiple of the thread count, equal sizes (an even OpenMP split)
+  const int64_t r = std::min<int64_t>(IT, std::max<int64_t>(64, ceil_div(per, 16) * 16));
+  // then as many tasks as a multiple of the thread count, equal sizes (an even OpenMP split), unless that
+  // would cut blocks below 64 rows (small batches stay one task per 64 rows, as before: a single task
+  // also keeps tiny float64 problems bit-reproducible for gradcheck)
   const int64_t n = ceil_div(ceil_div(std::max<int64_t>(Bq, 1), r), nth) * nth;
-  return std::max<int64_t>(1, ceil_div(std::max<int64_t>(Bq, 1), n));
+  const int64_t re = ceil_div(std::max<int64_t>(Bq, 1), n);
+  return re >= 64 ? re : r;
 }
 constexpr int64_t JT = 96;  // document columns per tile
 static_assert(JT <= mp::kTile, "tile rows must fit the batched-exp scratch");
