@@ -23,7 +23,29 @@
 namespace tk {
 namespace {
 
-constexpr int64_t IT = 64;  // anchor rows per task
+constexpr int64_t IT = 256;  // most anchor rows per task (scratch size); a call uses rows_per_task() <= IT
+
+inline int64_t ceil_div(int64_t a, int64_t b);
+// Anchor rows per task: up to IT (each candidate panel, from L3 for large Bd, then feeds that many rows of
+// products; measured single core, B = C = 2,048, H = 768, gradient in forward: see docs/matryoshka_infonce.md),
+// fewer when that would leave under 4 tasks per thread (not under 64), and with the gradient in forward (the task keeps
+// its logits, K x rows x (Bd + N)) at most ~8 MiB of logits per thread (at least 32 rows); then evened out
+// so that the task count is a multiple of the thread count.
+inline int64_t rows_per_task(int64_t Bq, int64_t logit_row_bytes) {
+  const int64_t nth = std::max(omp_get_max_threads(), 1);
+  const int64_t per = ceil_div(std::max<int64_t>(Bq, 1), 4 * nth);
+  int64_t r = std::min<int64_t>(IT, std::max<int64_t>(64, ceil_div(per, 16) * 16));
+#ifndef TK_MAT_LOGIT_MIB
+#define TK_MAT_LOGIT_MIB 8
+#endif
+  if (logit_row_bytes > 0)
+    r = std::min(r, std::max<int64_t>(32, (int64_t(TK_MAT_LOGIT_MIB) << 20) / logit_row_bytes / 16 * 16));
+  // then as many tasks as a multiple of the thread count, equal sizes (an even OpenMP split), unless that
+  // would cut blocks below min(r, 64) rows (small batches stay one task per 64 rows, as before)
+  const int64_t n = ceil_div(ceil_div(std::max<int64_t>(Bq, 1), r), nth) * nth;
+  const int64_t re = ceil_div(std::max<int64_t>(Bq, 1), n);
+  return re >= std::min<int64_t>(r, 64) ? re : r;
+}
 constexpr int64_t JT = 96;  // candidate columns per tile
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -59,6 +81,7 @@ struct TilePos {
     for (int64_t r = 0; r < mi; ++r) {
       pst[r] = n;
       const int64_t lo = qlo[r], hi = qhi[r];
+      if (!mp::count_pos(nj, lo, hi, dlo, dhi)) continue;  // vectorised test first: positives are sparse
       for (int64_t j = 0; j < nj; ++j) {
         pidx[n] = (int32_t)j;
         n += overlap(lo, hi, dlo[j], dhi[j]);
@@ -68,19 +91,26 @@ struct TilePos {
   }
 };
 
-// ---- fused row passes (explicit 8-float vectors; double: plain loops) ----------------------------------
-inline vf8 vload(const float* p) { vf8 v; std::memcpy(&v, p, sizeof v); return v; }
-inline void vstore(float* p, vf8 v) { std::memcpy(p, &v, sizeof v); }
-inline float hmax(vf8 v) { float m = v[0]; for (int k = 1; k < 8; ++k) m = std::max(m, v[k]); return m; }
-inline float hsum(vf8 v) { float s = 0; for (int k = 0; k < 8; ++k) s += v[k]; return s; }
+// ---- fused row passes (explicit float vectors, 16 lanes on AVX-512, else 8; double: plain loops) -------
+#if defined(__AVX512F__)
+using vfw = vf16;
+constexpr int kW = 16;
+#else
+using vfw = vf8;
+constexpr int kW = 8;
+#endif
+inline vfw vload(const float* p) { vfw v; std::memcpy(&v, p, sizeof v); return v; }
+inline void vstore(float* p, vfw v) { std::memcpy(p, &v, sizeof v); }
+inline float hmax(vfw v) { float m = v[0]; for (int k = 1; k < kW; ++k) m = std::max(m, v[k]); return m; }
+inline float hsum(vfw v) { float s = 0; for (int k = 0; k < kW; ++k) s += v[k]; return s; }
 
 // z[j] = g[j] * f * kc[j]; returns max_j z[j]
 inline float scale_max(const float* g, float f, const float* kc, float* z, int64_t n) {
-  vf8 vm = vf8{} - std::numeric_limits<float>::infinity();
-  const vf8 vf = vf8{} + f;
+  vfw vm = vfw{} - std::numeric_limits<float>::infinity();
+  const vfw vf = vfw{} + f;
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const vf8 v = vload(g + j) * vf * vload(kc + j);
+  for (; j + kW <= n; j += kW) {
+    const vfw v = vload(g + j) * vf * vload(kc + j);
     vstore(z + j, v);
     vm = v > vm ? v : vm;
   }
@@ -95,10 +125,10 @@ inline double scale_max(const double* g, double f, const double* kc, double* z, 
 }
 // sum_j exp(z[j] - m)
 inline float exp_sum(const float* z, float m, int64_t n) {
-  vf8 vs = vf8{};
-  const vf8 vm = vf8{} + m;
+  vfw vs = vfw{};
+  const vfw vm = vfw{} + m;
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) vs += fast_exp(vload(z + j) - vm);
+  for (; j + kW <= n; j += kW) vs += fast_exp(vload(z + j) - vm);
   float s = hsum(vs);
   for (; j < n; ++j) s += fast_exp(z[j] - m);
   return s;
@@ -115,15 +145,15 @@ inline double exp_sum(const double* z, double m, int64_t n) {
 template <bool RAW, bool COLS>
 inline float grad_dense(const float* src, float fz, const float* kc, int64_t n, float rw, float lse, float cw,
                         const float* cl, float fh, float* h, float* tcl) {
-  const vf8 vfz = vf8{} + fz, vrw = vf8{} + rw, vlse = vf8{} + lse, vcw = vf8{} + cw, vfh = vf8{} + fh;
-  vf8 vsu = vf8{};
+  const vfw vfz = vfw{} + fz, vrw = vfw{} + rw, vlse = vfw{} + lse, vcw = vfw{} + cw, vfh = vfw{} + fh;
+  vfw vsu = vfw{};
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const vf8 k = vload(kc + j);
-    const vf8 z = RAW ? vload(src + j) * vfz * k : vload(src + j);
-    vf8 g = vrw * fast_exp(z - vlse);
+  for (; j + kW <= n; j += kW) {
+    const vfw k = vload(kc + j);
+    const vfw z = RAW ? vload(src + j) * vfz * k : vload(src + j);
+    vfw g = vrw * fast_exp(z - vlse);
     if constexpr (COLS) g += vcw * fast_exp(z - vload(cl + j));
-    const vf8 u = g * z;
+    const vfw u = g * z;
     vsu += u;
     vstore(tcl + j, vload(tcl + j) + u);
     vstore(h + j, g * vfh * k);
@@ -172,7 +202,8 @@ class Pass {
       : p(params), q(static_cast<const A*>(p.q)), d(static_cast<const A*>(p.d)), neg(static_cast<const A*>(p.neg)),
         rho(static_cast<const A*>(p.rho)), kap(static_cast<const A*>(p.kap)), kneg(static_cast<const A*>(p.kneg)),
         Bq(p.Bq), Bd(p.Bd), N(neg ? p.N : 0), H(p.H), K(p.K), it((A)p.inv_temp), cols(p.col_weight != 0.0),
-        dpan((size_t)(Bd * H)), npan((size_t)(N * H)), nIB(ceil_div(Bq, IT)), nJB(ceil_div(Bd, JT)),
+        dpan((size_t)(Bd * H)), npan((size_t)(N * H)), itr(rows_per_task(Bq, (p.dq != nullptr && p.col_weight == 0.0) ? (int64_t)sizeof(A) * p.K * (p.Bd + (p.neg ? p.N : 0)) : 0)),
+        nIB(ceil_div(Bq, itr)), nJB(ceil_div(Bd, JT)),
         nNB(ceil_div(N, JT)) {
     pack_panels(d, p.ldd, Bd, H, dpan.data());
     if (N) pack_panels(neg, p.ldn, N, H, npan.data());
@@ -332,18 +363,19 @@ class Pass {
     for (int64_t x = 0; x < K * N; ++x) dkneg[x] = gs.nsum[x] / kneg[x];
   }
 
-  // Gradient of row block (i0, mi) from logits already computed: zb (K x IT x (Bd + N), ld zld) holds
+  // Gradient of row block (i0, mi) from logits already computed: zb (panel-major: per candidate panel p, K
+  // level tiles of itr x JT, contiguous, so the gradient pass streams them; see zlog) holds
   // every level's logits of these rows against all candidates (the gradient-in-forward path).
-  void grad_rows_from_logits(GradState& gs, Scratch& sc, int64_t i0, int64_t mi, const A* zb, int64_t zld) const {
+  void grad_rows_from_logits(GradState& gs, Scratch& sc, int64_t i0, int64_t mi, const A* zb) const {
     std::fill(sc.usum.begin(), sc.usum.end(), A(0));
-    const int64_t jstart = stagger(i0 / IT, nJB);
+    const int64_t jstart = stagger(i0 / itr, nJB);
     for (int64_t t = 0; t < nJB; ++t) {
       const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
       std::fill(sc.tcol.begin(), sc.tcol.end(), A(0));
       sc.tp.build(mi, nj, p.q_lo + i0, p.q_hi + i0, p.d_lo + j0, p.d_hi + j0);
       for (int64_t l = 0; l < K; ++l) {
         if (!gs.nz[l]) continue;
-        coef_tile(gs, sc, l, i0, mi, j0, nj, false, zb + l * IT * zld + j0, zld, false, sc.Hs.data() + l * IT * JT);
+        coef_tile(gs, sc, l, i0, mi, j0, nj, false, zb + zlog(jb, l, 0), JT, false, sc.Hs.data() + l * IT * JT);
       }
       finish_panel(gs, sc, i0, mi, j0, nj, jb, false);
     }
@@ -352,7 +384,7 @@ class Pass {
       std::fill(sc.tcol.begin(), sc.tcol.end(), A(0));
       for (int64_t l = 0; l < K; ++l) {
         if (!gs.nz[l]) continue;
-        coef_tile(gs, sc, l, i0, mi, k0, nk, true, zb + l * IT * zld + Bd + k0, zld, false, sc.Hs.data() + l * IT * JT);
+        coef_tile(gs, sc, l, i0, mi, k0, nk, true, zb + zlog(nJB + nb, l, 0), JT, false, sc.Hs.data() + l * IT * JT);
       }
       finish_panel(gs, sc, i0, mi, k0, nk, nb, true);
     }
@@ -365,7 +397,11 @@ class Pass {
   const A it;
   const bool cols;
   std::vector<A> dpan, npan;
-  const int64_t nIB, nJB, nNB;
+  const int64_t itr, nIB, nJB, nNB;  // itr: anchor rows per task
+  // Offset of row r, level l, candidate panel p (document panels 0..nJB, then extra-negative panels) in a
+  // row block's logits: panel-major, each level tile itr x JT contiguous. (A row-major K x itr x (Bd + N)
+  // layout made the gradient pass read 384-byte pieces 8 KiB apart from L3: 80% of its time in those loads.)
+  int64_t zlog(int64_t p, int64_t l, int64_t r) const { return ((p * K + l) * itr + r) * JT; }
 };
 
 template <typename A>
@@ -382,7 +418,6 @@ void Pass<A>::fwd() {
   // its logits against all candidates (K x IT x (Bd + N)), so the gradient needs no recomputed products
   const bool gif = p.dq != nullptr && !cols;
   GradState gs(*this, p.coef);
-  const int64_t zld = Bd + N;
 
 #pragma omp parallel if (nIB > 1)
   {
@@ -392,11 +427,11 @@ void Pass<A>::fwd() {
     std::vector<A> tm(K * JT), ts(K * JT), tpm(K * JT), tps(K * JT), tdg(K * JT);
     std::vector<int64_t> tc(K * JT);
     TilePos tp;
-    std::vector<A> zb(gif ? (size_t)(K * IT * zld) : 0);
+    std::vector<A> zb(gif ? (size_t)zlog(nJB + nNB, 0, 0) : 0);
     std::unique_ptr<Scratch> sc(gif && gs.any ? new Scratch(K, H) : nullptr);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ib = 0; ib < nIB; ++ib) {
-      const int64_t i0 = ib * IT, mi = std::min(IT, Bq - i0);
+      const int64_t i0 = ib * itr, mi = std::min(itr, Bq - i0);
       std::fill(rm.begin(), rm.end(), ninf);
       std::fill(rsum.begin(), rsum.end(), A(0));
       std::fill(rpm.begin(), rpm.end(), ninf);
@@ -420,7 +455,7 @@ void Pass<A>::fwd() {
           seg_acc(i0, mi, dpan.data() + j0 * H, nj, seg[l], seg[l + 1], G.data());
           for (int64_t r = 0; r < mi; ++r) {
             const int64_t i = i0 + r, x = l * IT + r;
-            A* z = gif ? zb.data() + (l * IT + r) * zld + j0 : Z.data() + r * JT;
+            A* z = gif ? zb.data() + zlog(jb, l, r) : Z.data() + r * JT;
             const A mx = scale_max(G.data() + r * JT, it * rho[l * Bq + i], kap + l * Bd + j0, z, nj);
             lse_merge(rm[x], rsum[x], mx, exp_sum(z, mx, nj));
             const int32_t* pi = tp.pidx.data() + tp.pst[r];
@@ -488,7 +523,7 @@ void Pass<A>::fwd() {
           seg_acc(i0, mi, npan.data() + k0 * H, nk, seg[l], seg[l + 1], G.data());
           for (int64_t r = 0; r < mi; ++r) {
             const int64_t x = l * IT + r;
-            A* z = gif ? zb.data() + (l * IT + r) * zld + Bd + k0 : Z.data() + r * JT;
+            A* z = gif ? zb.data() + zlog(nJB + nb, l, r) : Z.data() + r * JT;
             const A mx = scale_max(G.data() + r * JT, it * rho[l * Bq + i0 + r], kneg + l * N + k0, z, nk);
             lse_merge(rm[x], rsum[x], mx, exp_sum(z, mx, nk));
           }
@@ -503,7 +538,7 @@ void Pass<A>::fwd() {
           st[Bq + i] = fb ? rdiag[x] : rpm[x] + std::log(rps[x]);
           st[2 * Bq + i] = fb ? A(1) : A(0);
         }
-      if (sc) grad_rows_from_logits(gs, *sc, i0, mi, zb.data(), zld);
+      if (sc) grad_rows_from_logits(gs, *sc, i0, mi, zb.data());
     }
   }
   if (gif && gs.any) finish_norms(gs);
@@ -552,7 +587,7 @@ void Pass<A>::bwd() {
     Scratch sc(K, H);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ib = 0; ib < nIB; ++ib) {
-      const int64_t i0 = ib * IT, mi = std::min(IT, Bq - i0);
+      const int64_t i0 = ib * itr, mi = std::min(itr, Bq - i0);
       std::fill(sc.usum.begin(), sc.usum.end(), A(0));
       const int64_t jstart = stagger(ib, nJB);
       for (int64_t t = 0; t < nJB; ++t) {

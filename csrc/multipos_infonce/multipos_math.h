@@ -20,6 +20,14 @@ inline double vexp(double x) { return std::exp(x); }
 // x[0..n) = exp(x[0..n)) in place, eight lanes at a time through the explicit-vector fast_exp.
 inline void vexp_inplace(float* x, int64_t n) {
   int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16) {
+    vf16 v;
+    std::memcpy(&v, x + j, sizeof v);
+    v = fast_exp(v);
+    std::memcpy(x + j, &v, sizeof v);
+  }
+#endif
   for (; j + 8 <= n; j += 8) {
     vf8 v;
     std::memcpy(&v, x + j, sizeof v);
@@ -39,11 +47,16 @@ template <typename A> inline void lse_merge(A& m, A& s, A m2, A s2) {
   else s += s2 * vexp(m2 - m);
 }
 
-template <typename A> inline void row_update(const A* srow, int64_t n, A& m, A& s) {
-  if (n <= 0) return;
+template <typename A> inline A row_max(const A* srow, int64_t n) {
   A mx = srow[0];
 #pragma omp simd reduction(max : mx)
   for (int64_t j = 1; j < n; ++j) mx = std::max(mx, srow[j]);
+  return mx;
+}
+
+// Merges the log-sum-exp of srow[0..n) into (m, s); mx = row_max(srow, n), computed by the caller.
+template <typename A> inline void row_update_max(const A* srow, int64_t n, A mx, A& m, A& s) {
+  if (n <= 0) return;
   A e[kTile];
   A sum = 0;
   for (int64_t j0 = 0; j0 < n; j0 += kTile) {
@@ -54,6 +67,19 @@ template <typename A> inline void row_update(const A* srow, int64_t n, A& m, A& 
     for (int64_t j = 0; j < m; ++j) sum += e[j];
   }
   lse_merge(m, s, mx, sum);
+}
+
+template <typename A> inline void row_update(const A* srow, int64_t n, A& m, A& s) {
+  if (n <= 0) return;
+  row_update_max(srow, n, row_max(srow, n), m, s);
+}
+
+// Number of columns j < n whose span [dlo[j], dhi[j]] overlaps [qlo, qhi] (the row's positives in a tile).
+inline int64_t count_pos(int64_t n, int64_t qlo, int64_t qhi, const int64_t* dlo, const int64_t* dhi) {
+  int64_t c = 0;
+#pragma omp simd reduction(+ : c)
+  for (int64_t j = 0; j < n; ++j) c += std::max(qlo, dlo[j]) <= std::min(qhi, dhi[j]);
+  return c;
 }
 
 template <typename A>
@@ -84,13 +110,30 @@ inline void pos_row_update(const A* srow, int64_t n, int64_t qlo, int64_t qhi, c
 // Column statistics of one tile S (mi x nj, row stride ld): all-LSE (tm, ts), positive LSE (tpm, tps), count.
 template <typename A>
 inline void col_tile_stats(const A* S, int64_t ld, int64_t mi, int64_t nj, const int64_t* qlo, const int64_t* qhi,
-                           const int64_t* dlo, const int64_t* dhi, A* tm, A* ts, A* tpm, A* tps, int64_t* tc) {
+                           const int64_t* dlo, const int64_t* dhi, A* tm, A* ts, A* tpm, A* tps, int64_t* tc,
+                           bool any_pos = true) {
   const A ninf = -std::numeric_limits<A>::infinity();
   std::fill(tm, tm + nj, ninf);
   std::fill(tpm, tpm + nj, ninf);
   std::fill(ts, ts + nj, A(0));
   std::fill(tps, tps + nj, A(0));
   std::fill(tc, tc + nj, 0);
+  if (!any_pos) {  // the caller knows the tile has no positive pair: no span tests
+    for (int64_t r = 0; r < mi; ++r) {
+      const A* s = S + r * ld;
+#pragma omp simd
+      for (int64_t j = 0; j < nj; ++j) tm[j] = std::max(tm[j], s[j]);
+    }
+    for (int64_t r = 0; r < mi; ++r) {
+      const A* s = S + r * ld;
+      A e1[kTile];
+      for (int64_t j = 0; j < nj; ++j) e1[j] = s[j] - tm[j];
+      vexp_inplace(e1, nj);
+#pragma omp simd
+      for (int64_t j = 0; j < nj; ++j) ts[j] += e1[j];
+    }
+    return;
+  }
   for (int64_t r = 0; r < mi; ++r) {
     const A* s = S + r * ld;
     const int64_t lo = qlo[r], hi = qhi[r];
@@ -102,20 +145,26 @@ inline void col_tile_stats(const A* S, int64_t ld, int64_t mi, int64_t nj, const
       tc[j] += pos;
     }
   }
+  int64_t npos = 0;
+  for (int64_t j = 0; j < nj; ++j) npos += tc[j];
+  for (int64_t r = 0; r < mi; ++r) {
+    const A* s = S + r * ld;
+    A e1[kTile];
+    for (int64_t j = 0; j < nj; ++j) e1[j] = s[j] - tm[j];
+    vexp_inplace(e1, nj);
+#pragma omp simd
+    for (int64_t j = 0; j < nj; ++j) ts[j] += e1[j];
+  }
+  if (!npos) return;  // no positive pair in the tile: the positive sums stay 0 (tps) and tpm -inf
   for (int64_t r = 0; r < mi; ++r) {
     const A* s = S + r * ld;
     const int64_t lo = qlo[r], hi = qhi[r];
-    A e1[kTile], e2[kTile];
-    for (int64_t j = 0; j < nj; ++j) {
-      e1[j] = s[j] - tm[j];
-      e2[j] = s[j] - tpm[j];
-    }
-    vexp_inplace(e1, nj);
+    A e2[kTile];
+    for (int64_t j = 0; j < nj; ++j) e2[j] = s[j] - tpm[j];
     vexp_inplace(e2, nj);
 #pragma omp simd
     for (int64_t j = 0; j < nj; ++j) {
       const bool pos = std::max(lo, dlo[j]) <= std::min(hi, dhi[j]);
-      ts[j] += e1[j];
       tps[j] += pos ? e2[j] : A(0);
     }
   }
@@ -126,6 +175,30 @@ inline void grad_row_impl(A* srow, int64_t nj, int64_t jdiag, int64_t j0, int64_
                           const int64_t* dlo, const int64_t* dhi, A rw, A lse, A lsep, bool fb, A cw,
                           const A* cst, int64_t Bd) {
   A ea[kTile], ep[kTile], ca[kTile], cp[kTile];
+  // The positive probabilities (ep, cp) only enter on positive pairs and the diagonal fallback: a row
+  // segment without any (nearly all of them: positives are sparse) skips their exps.
+  int64_t npos = 0;
+#pragma omp simd reduction(+ : npos)
+  for (int64_t j = 0; j < nj; ++j) npos += std::max(qlo, dlo[j0 + j]) <= std::min(qhi, dhi[j0 + j]);
+  const bool diag_in = jdiag >= j0 && jdiag < j0 + nj;
+  if (!npos && !(diag_in && ((ROWS && fb) || (COLS && cst[2 * Bd + jdiag] != A(0))))) {
+    if constexpr (ROWS) {
+      for (int64_t j = 0; j < nj; ++j) ea[j] = srow[j] - lse;
+      vexp_inplace(ea, nj);
+    }
+    if constexpr (COLS) {
+      for (int64_t j = 0; j < nj; ++j) ca[j] = srow[j] - cst[j0 + j];
+      vexp_inplace(ca, nj);
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < nj; ++j) {
+      A g = 0;
+      if constexpr (ROWS) g = rw * ea[j];
+      if constexpr (COLS) g += cw * ca[j];
+      srow[j] = g;
+    }
+    return;
+  }
   for (int64_t j = 0; j < nj; ++j) {
     if constexpr (ROWS) {
       ea[j] = srow[j] - lse;

@@ -47,7 +47,9 @@ def _ptrs(**kw):
     return {k: ptr(v) for k, v in kw.items() if v is not None}
 
 
-#: per-thread logit buffer the CPU kernel may keep for the gradient-in-forward (K x 64 rows x (B' + N))
+#: per-thread logit buffer the CPU kernel may keep for the gradient-in-forward, checked for 64-row blocks
+#: (K x 64 rows x (B' + N)); the kernel itself uses 32-256 rows per block, at most 8 MiB of logits unless 32 rows
+#: need more (so never more than this check allows)
 GIF_BUDGET_BYTES = 256 * 2**20
 
 
