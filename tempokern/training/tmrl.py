@@ -41,6 +41,8 @@ __all__ = ["TMRLConfig", "TMRLTrainer", "TMRLResult", "TMRL_VARIANTS", "train_tm
 TMRL_VARIANTS = ("zero_shot", "lora", "mrl", "tmrl_noaux", "tmrl")
 AMP_MODES = ("auto", "off", "bf16", "fp16")
 LORA_MODES = ("lora", "none", "full")
+#: A1's two readings: which side anchors L_MRL
+MRL_ANCHORS = ("query", "passage")
 
 
 @dataclass
@@ -49,8 +51,10 @@ class TMRLConfig:
     L_CKA (Eq. 15; the variant may zero them, :func:`variant_weights`). hard_negatives / negative_queries:
     per row and step, drawn from the row's lists (fewer when a row has fewer). lora_*: used when the CLI
     builds the model (the trainer trains whatever the model has trainable). cache_embeddings: GradCache
-    with mini-batches of mini_batch_size texts. mrl_anchor: "query" (A1's default; the "passage" reading
-    is not implemented)."""
+    with mini-batches of mini_batch_size texts. mrl_anchor: "query" (A1's default: query anchors against
+    the in-batch positives + hard-negative passages) or "passage" (A1's other reading: passage anchors
+    against the in-batch positive queries + every negative query of the batch; every row needs at least
+    one negative query, negative_queries >= 1, and hard-negative passages are not encoded)."""
     variant: str = "tmrl"
     dims: Optional[Tuple[int, ...]] = None
     t: Optional[int] = None
@@ -89,9 +93,8 @@ class TMRLConfig:
             raise ValueError(f"amp must be one of {AMP_MODES}, got {self.amp!r}")
         if self.lora not in LORA_MODES:
             raise ValueError(f"lora must be one of {LORA_MODES}, got {self.lora!r}")
-        if self.mrl_anchor != "query":
-            raise ValueError(f"mrl_anchor must be 'query' (the passage-anchored reading of A1 is not "
-                             f"implemented), got {self.mrl_anchor!r}")
+        if self.mrl_anchor not in MRL_ANCHORS:
+            raise ValueError(f"mrl_anchor must be one of {MRL_ANCHORS}, got {self.mrl_anchor!r}")
         if self.dims is not None:
             if isinstance(self.dims, int) or not all(isinstance(m, int) and not isinstance(m, bool) and m >= 1
                                                      for m in self.dims) or not len(self.dims):
@@ -109,6 +112,9 @@ class TMRLConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self.mrl_anchor == "passage" and self.negative_queries < 1:
+            raise ValueError("negative_queries must be >= 1 with mrl_anchor='passage' (the negative queries are "
+                             "the passage-anchored L_MRL's hard negatives)")
         if self.batch_size < 2:
             raise ValueError("batch_size must be >= 2 (in-batch negatives)")
         for name in ("lr", "temperature", "lora_alpha"):
@@ -224,11 +230,19 @@ class TMRLTrainer:
         self.dims, self.t, self.alpha, self.beta, self.gamma = variant_weights(self.cfg, model)
         if len(self.rows) < 2 * self.world and self.cfg.variant != "zero_shot":
             raise ValueError(f"{len(self.rows)} training rows; need at least {2 * self.world}")
+        self.passage_anchor = self.cfg.mrl_anchor == "passage" and self.cfg.variant != "zero_shot"
+        if self.passage_anchor:
+            for i, r in enumerate(self.rows):
+                if not r.negative_queries:
+                    raise ValueError(f"training row {i} (query_id {r.query_id!r}) has no negative queries; "
+                                     f"mrl_anchor='passage' uses them as the hard negatives of L_MRL: give every "
+                                     f"row at least one negative query, or use mrl_anchor='query'")
         if loss_fn is None and self.cfg.variant != "zero_shot":
             from ..nn import TMRLLoss
             loss_fn = TMRLLoss(self.dims, self.t if self.t is not None else self.dims[0], alpha=self.alpha,
                                beta=self.beta, gamma=self.gamma, temperature=self.cfg.temperature,
-                               k=self.cfg.distill_k, detach_teacher=self.cfg.detach_teacher)
+                               k=self.cfg.distill_k, detach_teacher=self.cfg.detach_teacher,
+                               mrl_anchor=self.cfg.mrl_anchor)
         self.loss_fn = loss_fn
 
     # ---- batches --------------------------------------------------------------------------------------
@@ -265,22 +279,27 @@ class TMRLTrainer:
         return out
 
     def batch_items(self, batch) -> Tuple[List[_Item], dict]:
-        """The texts a step encodes, in order: B queries, B positives, the hard negatives, and (alpha > 0)
-        B x n negative queries; plus the layout to cut the embeddings back."""
+        """The texts a step encodes, in order: B queries, B positives, the hard negatives (not with
+        mrl_anchor='passage'), and (alpha > 0 or mrl_anchor='passage') B x n negative queries; plus the
+        layout to cut the embeddings back (``nq_valid``: which of the n slots of each row are real negative
+        queries, not cyclic repeats)."""
         temporal = self.alpha > 0
+        passage = self.passage_anchor
         rows = [(self.rows[ri], hn, nq) for ri, hn, nq in batch]
         B = len(rows)
         items: List[_Item] = [(r.query, "query", r.query_spans, temporal) for r, _, _ in rows]
         items += [(r.positive, "passage", r.positive_spans, temporal) for r, _, _ in rows]
         for r, hn, _ in rows:
-            for j in hn:
+            for j in (hn if not passage else ()):
                 items.append((r.hard_negatives[j], "passage",
                               r.hard_negative_spans[j] if r.hard_negative_spans is not None else None, False))
         E = len(items) - 2 * B
         n = 0
         row_ok = [True] * B
-        if temporal:
+        nq_valid = None
+        if temporal or passage:
             n = max((len(nq) for _, _, nq in rows), default=0)
+            nq_valid = [[k < len(nq) for k in range(n)] for _, _, nq in rows]
             for i, (r, _, nq) in enumerate(rows):
                 if not nq:   # no negative query: this row leaves L_Temp (masked below); placeholders
                     row_ok[i] = False
@@ -289,12 +308,13 @@ class TMRLTrainer:
                     sel = [(r.negative_queries[nq[k % len(nq)]],
                             r.negative_query_spans[nq[k % len(nq)]] if r.negative_query_spans is not None else None)
                            for k in range(n)]
-                items += [(t, "query", s, True) for t, s in sel]
+                items += [(t, "query", s, temporal) for t, s in sel]
         # rows sharing a positive passage are positives of each other (passage ids as spans)
         ids, pid = {}, []
         for r, _, _ in rows:
             pid.append(ids.setdefault(r.positive, len(ids)))
-        layout = {"B": B, "E": E, "n": n, "row_ok": row_ok, "pid": pid if len(ids) < B else None}
+        layout = {"B": B, "E": E, "n": n, "row_ok": row_ok, "nq_valid": nq_valid,
+                  "pid": pid if len(ids) < B else None}
         return items, layout
 
     # ---- encoding -------------------------------------------------------------------------------------
@@ -345,9 +365,13 @@ class TMRLTrainer:
         if layout["pid"] is not None:
             ids = torch.tensor(layout["pid"], device=emb.device)
             kw["q_span"] = kw["d_span"] = (ids, ids)
+        s = 2 * B + E
+        d = emb.shape[1]
+        if self.passage_anchor:
+            qc = torch.cat([q.unsqueeze(1), emb[s:s + B * n].reshape(B, n, d)], dim=1)
+            valid = torch.tensor([[True] + v for v in layout["nq_valid"]], dtype=torch.bool, device=emb.device)
+            kw.update(qc=qc, qc_valid=valid.reshape(B, 1 + n))
         if self.alpha > 0 and x_t is not None:
-            s = 2 * B + E
-            d = emb.shape[1]
             qc = torch.cat([q.unsqueeze(1), emb[s:s + B * n].reshape(B, n, d)], dim=1)
             qc_t = torch.cat([x_t[:B].unsqueeze(1), x_t[s:s + B * n].reshape(B, n, -1)], dim=1)
             qc_has = torch.cat([has[:B].unsqueeze(1), has[s:s + B * n].reshape(B, n)], dim=1)
