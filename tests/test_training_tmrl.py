@@ -382,6 +382,24 @@ def test_suite_rows_return_per_dim_runs(rows, tmp_path):
     assert all(len(v) == len(recs) for v in run.values())   # fewer than 100 records: all of them
     assert out.embed(["x y"]).shape == (1, 64)
     assert tm.RECIPE["t"] == 32
+    # diagnostics: the last step's parts and the gradient ratio of the auxiliary terms
+    last = out.info["last_step"]
+    assert out.info["final_parts"] == {k: last[k] for k in ("mrl", "temp", "dist", "cka", "total")}
+    assert all(v > 0 for v in out.info["final_parts"].values())
+    g = out.info["grad_diagnostics"]
+    assert g["step"] == 2 and g["space"] == "embeddings" and g["seconds"] < 1.0
+    w = g["weighted_terms"]
+    assert w["dist"] == pytest.approx(tm.RECIPE["beta"] * last["dist"], rel=1e-5)
+    assert w["cka"] == pytest.approx(tm.RECIPE["gamma"] * last["cka"], rel=1e-5)
+    assert 0 < g["aux_grad_ratio"] < 1 and -1 <= g["aux_grad_cos"] <= 1
+    assert g["grad_norm_aux"] == pytest.approx(g["aux_grad_ratio"] * g["grad_norm_total"])
+    json.dumps(out.info)                                          # results.json-safe
+    noaux = get_method("tmrl_noaux").run(SuiteContext(
+        synth=synth, backbone_path=str(tmp_path / "bb"), seed=0, quick=True, work_dir=tmp_path / "w2",
+        budget=Budget(max_train_rows=12, epochs=1, max_length=32, batch_size=6), log=lambda m: None,
+        progress_enabled=False, method_name="tmrl_noaux"))
+    gn = noaux.info["grad_diagnostics"]
+    assert gn["aux_grad_ratio"] == 0.0 and gn["weighted_terms"]["dist"] == gn["weighted_terms"]["cka"] == 0.0
 
 
 def test_mine_hard_negatives(rows):
@@ -514,3 +532,77 @@ def test_passage_anchor_trains_and_resumes(rows, tmp_path):
     m_q = tiny_encoder(rows, lora=None, seed=7)
     q = train_tmrl(m_q, rows, _cfg(**{**cfg, "mrl_anchor": "query"}, max_steps=1), log=lambda *a: None)
     assert q.history[0]["mrl"] != full.history[0]["mrl"]
+
+
+# ---- gradient diagnostics (suite info) -----------------------------------------------------------------------
+
+def test_grad_diagnostics_against_hand_gradients():
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    frozen = torch.randn(2, 2, dtype=torch.float64)                  # no grad: left out
+    terms = {"mrl": (x ** 2).sum(), "temp": 3 * y.sum(), "dist": 2 * x.sum(), "cka": torch.zeros((), dtype=torch.float64)}
+    d = TMRLTrainer.grad_diagnostics(terms, (x, y, frozen, None))
+    gx_tot, gy_tot = 2 * x.detach() + 2, torch.full_like(y, 3.0)
+    tot = torch.cat([gx_tot.reshape(-1), gy_tot.reshape(-1)])
+    aux = torch.cat([torch.full((12,), 2.0, dtype=torch.float64), torch.zeros(10, dtype=torch.float64)])
+    assert d["grad_norm"]["mrl"] == pytest.approx(float((2 * x.detach()).norm()))
+    assert d["grad_norm"]["temp"] == pytest.approx(float(gy_tot.norm()))
+    assert d["grad_norm"]["dist"] == pytest.approx(float(aux.norm())) and d["grad_norm"]["cka"] == 0.0
+    assert d["grad_norm_total"] == pytest.approx(float(tot.norm()))
+    assert d["aux_grad_ratio"] == pytest.approx(float(aux.norm() / tot.norm()))
+    assert d["aux_grad_cos"] == pytest.approx(float(aux @ tot / (aux.norm() * tot.norm())))
+    assert d["weighted_terms"]["temp"] == pytest.approx(float(3 * y.sum()))
+    assert x.grad is None and y.grad is None                         # nothing accumulated
+
+
+def test_diagnostics_do_not_change_the_run(rows, monkeypatch):
+    """The last step's diagnostics are read-only: the same run with them switched off gives the same losses
+    and weights bit for bit; with grad_accum=2 they describe the last micro-batch of the last step."""
+    cfg = _cfg(batch_size=5, beta=0.1, gamma=0.1, max_steps=3, grad_accum=2, epochs=2)
+    m1 = tiny_encoder(rows, lora=None, seed=4)
+    r1 = train_tmrl(m1, rows, cfg, log=lambda *a: None)
+    assert r1.steps == 3 and r1.diagnostics["step"] == 3 and r1.diagnostics["aux_grad_ratio"] > 0
+    monkeypatch.setattr(TMRLTrainer, "can_diagnose", lambda self: False)
+    m2 = tiny_encoder(rows, lora=None, seed=4)
+    r2 = train_tmrl(m2, rows, cfg, log=lambda *a: None)
+    assert r2.diagnostics is None
+    assert [h["loss"] for h in r1.history] == [h["loss"] for h in r2.history]
+    p1, p2 = _params(m1), _params(m2)
+    assert all(torch.equal(p1[n], p2[n]) for n in p1)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_exact_parameter_ratio(rows, cache):
+    """diagnose_params: the exact ||grad(beta L_Dist + gamma L_CKA)|| / ||grad L_total|| on the backbone's
+    trainable parameters equals the one from two separate backward passes (float64, dropout off); the
+    embedding-space proxy is reported next to it. GradCache mode reports the proxy only."""
+    from tempokern.nn import TMRLLoss
+    torch.manual_seed(0)
+    m = no_dropout(tiny_encoder(rows, lora=None, dtype=torch.float64, dropout=False))
+    cfg = _cfg(beta=0.1, gamma=0.1, cache_embeddings=cache, mini_batch_size=7)
+    tr = TMRLTrainer(m, rows, cfg)
+    tr.diagnose_params = True
+    batch = tr.epoch_batches(0)[0]
+    m.train()
+    m.zero_grad(set_to_none=True)
+    tr.backward_batch(batch, diagnose=True)
+    d = tr.last_diagnostics
+    assert 0 < d["aux_grad_ratio"] < 1
+    if cache:
+        assert "params" not in d
+        return
+    bb = [(n, p) for n, p in m.named_parameters() if p.requires_grad and not n.startswith("projector.")]
+    g_tot = torch.cat([p.grad.reshape(-1) for _, p in bb])
+    full = tr.loss_fn
+
+    def aux_only(*a, **kw):
+        loss, parts, terms = full(*a, **kw, return_terms=True)
+        return terms["dist"] + terms["cka"], parts
+    m.zero_grad(set_to_none=True)
+    tr2 = TMRLTrainer(m, rows, cfg, loss_fn=aux_only)
+    tr2.backward_batch(batch)
+    g_aux = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in bb])
+    exact = float(g_aux.norm() / g_tot.norm())
+    assert d["params"]["aux_grad_ratio"] == pytest.approx(exact, rel=1e-9)
+    assert d["params"]["tensors"] == len(bb)
+    assert isinstance(full, TMRLLoss)

@@ -441,6 +441,8 @@ class TMRLLoss(nn.Module):
     ``forward(q, p, neg_p=None, *, p_T=None, p_has=None, qc=None, qc_T=None, qc_has=None, qc_valid=None,
     q_span=None, d_span=None) -> (loss, parts)``; parts: detached tensors "mrl" (the weighted sum), "mrl@<m>"
     per dim (that level's mean InfoNCE, unweighted), "temp", "dist", "cka" (unweighted) and "total" (= loss).
+    ``return_terms=True`` adds a third value: the differentiable weighted terms {"mrl", "temp" (alpha L_Temp),
+    "dist" (beta L_Dist), "cka" (gamma L_CKA)} (a skipped term is a constant 0), whose sum is the loss.
     ``alpha`` is required (paper: 0.1-0.25); ``beta = gamma = 0.1`` (paper, all experiments)."""
 
     #: the two readings of A1 (design notes §2.2): which side anchors L_MRL
@@ -496,7 +498,7 @@ class TMRLLoss(nn.Module):
         return pos, (negs if negs.shape[0] else None)
 
     def forward(self, q, p, neg_p=None, *, p_T=None, p_has=None, qc=None, qc_T=None, qc_has=None,
-                qc_valid=None, q_span=None, d_span=None):
+                qc_valid=None, q_span=None, d_span=None, return_terms: bool = False):
         _float_tensor("q", q, 2)
         _float_tensor("p", p, 2)
         if neg_p is not None:
@@ -542,4 +544,7 @@ class TMRLLoss(nn.Module):
             out[f"mrl@{m}"] = v
         out.update(temp=temp.detach().float(), dist=dist.detach().float(), cka=cka.detach().float(),
                    total=loss.detach().float())
+        if return_terms:   # the weighted, differentiable terms (their sum is loss): for gradient diagnostics
+            return loss, out, {"mrl": mrl, "temp": self.alpha * temp, "dist": self.beta * dist,
+                               "cka": self.gamma * cka}
         return loss, out

@@ -183,6 +183,9 @@ class TMRLResult:
     history: List[dict] = field(default_factory=list)
     final_loss: Optional[float] = None
     seconds: float = 0.0
+    #: gradient diagnostics of the run's last optimizer step (its last micro-batch), see
+    #: :meth:`TMRLTrainer.grad_diagnostics`; None when no step ran or the loss is not a TMRLLoss
+    diagnostics: Optional[dict] = None
 
 
 class _RandState:
@@ -244,6 +247,10 @@ class TMRLTrainer:
                                k=self.cfg.distill_k, detach_teacher=self.cfg.detach_teacher,
                                mrl_anchor=self.cfg.mrl_anchor)
         self.loss_fn = loss_fn
+        self.last_diagnostics: Optional[dict] = None
+        #: also measure the exact ratio on the backbone's trainable parameters (LoRA adapters; not the
+        #: projector) at the diagnosed step: two extra encoder backward passes, so off by default
+        self.diagnose_params = False
 
     # ---- batches --------------------------------------------------------------------------------------
     def num_batches(self) -> int:
@@ -357,7 +364,7 @@ class TMRLTrainer:
         out = self.model(**self._tokenize(items, self.alpha > 0))
         return out.emb, out.temporal, out.has_temporal
 
-    def _loss_from(self, emb, x_t, has, layout):
+    def _loss_from(self, emb, x_t, has, layout, terms: bool = False):
         B, E, n = layout["B"], layout["E"], layout["n"]
         q, p = emb[:B], emb[B:2 * B]
         neg_p = emb[2 * B:2 * B + E] if E else None
@@ -379,17 +386,84 @@ class TMRLTrainer:
             p_has = has[B:2 * B] & ok
             qc_has = qc_has & ok.unsqueeze(1)
             kw.update(p_T=x_t[B:2 * B], p_has=p_has, qc=qc, qc_T=qc_t, qc_has=qc_has)
+        if terms:
+            kw["return_terms"] = True
         return self.loss_fn(q, p, neg_p, **kw)
 
-    def backward_batch(self, batch, *, scale: float = 1.0, scaler=None, amp_dtype=None):
+    def can_diagnose(self) -> bool:
+        from ..nn import TMRLLoss
+        return isinstance(self.loss_fn, TMRLLoss)
+
+    @staticmethod
+    def grad_diagnostics(terms: dict, inputs: Sequence[torch.Tensor]) -> dict:
+        """How much each weighted loss term pushes the step's embeddings: the gradients of alpha L_Temp,
+        beta L_Dist, gamma L_CKA and L_MRL with respect to every embedding the loss reads (pooled embeddings
+        and temporal representations), from the loss graph only (no encoder backward).
+
+        ``aux_grad_ratio = ||grad(beta L_Dist + gamma L_CKA)|| / ||grad L_total||`` and ``aux_grad_cos`` (the
+        cosine of the two) in embedding space. It is a proxy for the same ratio on the LoRA parameters:
+        those gradients are J^T g with the one Jacobian J = d(embeddings)/d(parameters) shared by every
+        term, so the two ratios agree up to how J stretches the two directions (exactly when J^T J is a
+        multiple of the identity on them); the exact parameter ratio needs one more encoder backward per
+        term, the cost of a training step. Cost here: four backward passes through the loss graph."""
+        t0 = time.time()
+        inputs = [x for x in inputs if x is not None and x.requires_grad]
+        flat = {}
+        for k, v in terms.items():
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                gs = torch.autograd.grad(v, inputs, retain_graph=True, allow_unused=True)
+                flat[k] = torch.cat([(g if g is not None else torch.zeros_like(x)).detach().double().reshape(-1)
+                                     for g, x in zip(gs, inputs)])
+        n = sum(x.numel() for x in inputs)
+        for k in terms:
+            flat.setdefault(k, torch.zeros(n, dtype=torch.float64))
+        total = sum(flat.values())
+        aux = flat["dist"] + flat["cka"] if "dist" in flat and "cka" in flat else torch.zeros(n, dtype=torch.float64)
+        tn, an = float(total.norm()), float(aux.norm())
+        out = {"space": "embeddings", "grad_norm": {k: float(v.norm()) for k, v in flat.items()},
+               "grad_norm_total": tn, "grad_norm_aux": an,
+               "aux_grad_ratio": an / tn if tn > 0 else None,
+               "aux_grad_cos": float(aux @ total) / (an * tn) if an > 0 and tn > 0 else None,
+               "weighted_terms": {k: float(v.detach()) for k, v in terms.items()}}
+        out["seconds"] = round(time.time() - t0, 4)
+        return out
+
+    def _param_ratio(self, terms: dict, loss) -> Optional[dict]:
+        """The exact ||grad(beta L_Dist + gamma L_CKA)|| / ||grad L_total|| on the backbone's trainable
+        parameters (two encoder backward passes; the graph is kept for the step's own backward)."""
+        params = [p for n, p in self.model.named_parameters() if p.requires_grad and not n.startswith("projector.")]
+        aux = terms["dist"] + terms["cka"]
+        if not params or not loss.requires_grad:
+            return None
+
+        def flat(t):
+            if not isinstance(t, torch.Tensor) or not t.requires_grad:
+                return torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+            gs = torch.autograd.grad(t, params, retain_graph=True, allow_unused=True)
+            return torch.cat([(g if g is not None else torch.zeros_like(p)).detach().double().reshape(-1)
+                              for g, p in zip(gs, params)])
+        ga, gt = flat(aux), flat(loss)
+        an, tn = float(ga.norm()), float(gt.norm())
+        return {"space": "backbone parameters", "tensors": len(params), "grad_norm_total": tn, "grad_norm_aux": an,
+                "aux_grad_ratio": an / tn if tn > 0 else None,
+                "aux_grad_cos": float(ga @ gt) / (an * tn) if an > 0 and tn > 0 else None}
+
+    def backward_batch(self, batch, *, scale: float = 1.0, scaler=None, amp_dtype=None, diagnose: bool = False):
         """Loss of one batch and its gradients accumulated into the parameters (x scale); GradCache
-        when cache_embeddings. Returns (loss detached, parts)."""
+        when cache_embeddings. Returns (loss detached, parts). diagnose=True (with a TMRLLoss): also sets
+        ``self.last_diagnostics`` to :meth:`grad_diagnostics` of this batch."""
         items, layout = self.batch_items(batch)
         ac = dict(device_type=self.device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+        diagnose = diagnose and self.can_diagnose()
         if not self.cfg.cache_embeddings:
             with torch.autocast(**ac):
                 emb, x_t, has = self._embed(items)
-                loss, parts = self._loss_from(emb, x_t, has, layout)
+                res = self._loss_from(emb, x_t, has, layout, terms=diagnose)
+            loss, parts = res[:2]
+            if diagnose:
+                self.last_diagnostics = self.grad_diagnostics(res[2], (emb, x_t))
+                if self.diagnose_params:
+                    self.last_diagnostics["params"] = self._param_ratio(res[2], loss)
             scaled = loss * scale
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
             return loss.detach(), parts
@@ -408,7 +482,10 @@ class TMRLTrainer:
         x_t = None if xts[0] is None else torch.cat(xts).detach().requires_grad_(True)
         has = None if hass[0] is None else torch.cat(hass)
         with torch.autocast(**ac):
-            loss, parts = self._loss_from(emb, x_t, has, layout)
+            res = self._loss_from(emb, x_t, has, layout, terms=diagnose)
+        loss, parts = res[:2]
+        if diagnose:
+            self.last_diagnostics = self.grad_diagnostics(res[2], (emb, x_t))
         scaled = loss * scale
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         g_emb = emb.grad
@@ -495,6 +572,9 @@ class TMRLTrainer:
             logf = open(self.out / "log.jsonl", "a")
         t0 = time.time()
         last_loss = None
+        self.last_diagnostics, diagnostics = None, None
+        last_epoch = cfg.epochs - 1 if cfg.stop_after_epochs is None else min(cfg.epochs,
+                                                                            start_epoch + cfg.stop_after_epochs) - 1
         try:
             for epoch in range(start_epoch, cfg.epochs):
                 if cfg.max_steps is not None and step >= cfg.max_steps:
@@ -506,8 +586,13 @@ class TMRLTrainer:
                 acc: Dict[str, float] = {}
                 n_acc = 0
                 for bi, batch in enumerate(bar):
+                    ends_step = not (bi + 1) % cfg.grad_accum or bi + 1 == len(batches)
+                    final = ends_step and ((cfg.max_steps is not None and step + 1 >= cfg.max_steps)
+                                           or (epoch == last_epoch and bi + 1 == len(batches)))
                     loss, parts = self.backward_batch(batch, scale=1.0 / cfg.grad_accum, scaler=scaler,
-                                                      amp_dtype=amp_dtype)
+                                                      amp_dtype=amp_dtype, diagnose=final)
+                    if final and self.last_diagnostics is not None:
+                        diagnostics = {"step": step + 1, "epoch": epoch, **self.last_diagnostics}
                     for k, v in parts.items():
                         if isinstance(v, torch.Tensor) and v.numel() == 1:
                             acc[k] = acc.get(k, 0.0) + float(v)
@@ -552,7 +637,7 @@ class TMRLTrainer:
             if logf:
                 logf.close()
         model.eval()
-        return TMRLResult(step, history, last_loss, time.time() - t0)
+        return TMRLResult(step, history, last_loss, time.time() - t0, diagnostics)
 
 
 def train_tmrl(model, rows, config: Optional[TMRLConfig] = None, out_dir=None, *, resume: bool = False,
