@@ -102,8 +102,10 @@ def test_batch_layout(rows):
     assert lay2["row_ok"] == [True, False] and lay2["pid"] == [0, 0] and len(items2) == 4 + 2
 
 
-def test_gradcache_gives_the_plain_gradients(rows):
-    """cache_embeddings=True: same loss and parameter gradients as one big graph (dropout off, float64)."""
+@pytest.mark.parametrize("anchor", ["query", "passage"])
+def test_gradcache_gives_the_plain_gradients(rows, anchor):
+    """cache_embeddings=True: same loss and parameter gradients as one big graph (dropout off, float64), with
+    either reading of A1."""
     pytest.importorskip("peft")
     torch.manual_seed(0)
     m = no_dropout(tiny_encoder(rows, lora={"lora_dropout": 0.0}, dtype=torch.float64, dropout=False))
@@ -113,7 +115,8 @@ def test_gradcache_gives_the_plain_gradients(rows):
                 p.normal_(0, 0.1)
     grads = {}
     for cache in (False, True):
-        tr = TMRLTrainer(m, rows, _cfg(cache_embeddings=cache, mini_batch_size=5, beta=0.1, gamma=0.1))
+        tr = TMRLTrainer(m, rows, _cfg(cache_embeddings=cache, mini_batch_size=5, beta=0.1, gamma=0.1,
+                                       mrl_anchor=anchor))
         m.train()
         m.zero_grad(set_to_none=True)
         loss, parts = tr.backward_batch(tr.epoch_batches(0)[0])
