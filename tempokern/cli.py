@@ -743,7 +743,12 @@ def _tmrl_args(p):
     g.add_argument("--gamma", type=float, default=0.1, help="weight of L_CKA (default 0.1)")
     g.add_argument("--distill-k", type=int, default=10, help="neighbours per embedding in L_Dist (default 10)")
     g.add_argument("--num-hard-negatives", type=int, default=4, help="hard-negative passages per row (default 4)")
-    g.add_argument("--negative-queries", type=int, default=4, help="negative queries per row for L_Temp (default 4)")
+    g.add_argument("--negative-queries", type=int, default=4,
+                   help="negative queries per row for L_Temp (and L_MRL with --mrl-anchor passage; default 4)")
+    g.add_argument("--mrl-anchor", default="query", choices=["query", "passage"],
+                   help="which side anchors L_MRL (design notes A1): query (default; candidates = in-batch "
+                        "positives + hard-negative passages) or passage (candidates = in-batch positive queries "
+                        "+ negative queries; every row needs a negative query; no hard-negative passages)")
     g.add_argument("--lora", default=None, choices=["lora", "none", "full"],
                    help="lora: LoRA adapters (peft; default for pretrained backbones); none: frozen backbone; "
                         "full: full fine-tuning (default for the tiny backbone)")
@@ -772,6 +777,9 @@ def _validate_tmrl(args) -> None:
                        f"--data FILE with --format {' or '.join(TMRL_FORMATS)}")
     _positive(args, "t", "distill_k", "lora_r", "mini_batch_size", "max_rows", "mine_negatives")
     _positive(args, "num_hard_negatives", "negative_queries", minimum=0)
+    if getattr(args, "mrl_anchor", "query") == "passage" and args.negative_queries < 1:
+        raise CLIError("--mrl-anchor passage needs --negative-queries >= 1 (the negative queries are the "
+                       "passage-anchored L_MRL's hard negatives)")
     for n in ("alpha", "beta", "gamma"):
         if not getattr(args, n) >= 0:
             raise CLIError(f"--{n} must be >= 0, got {getattr(args, n)}")
@@ -857,7 +865,8 @@ def cmd_train_tmrl(args) -> int:
                      hard_negatives=args.num_hard_negatives, negative_queries=args.negative_queries,
                      epochs=args.epochs, warmup_ratio=args.warmup_ratio, grad_accum=args.grad_accum,
                      lora=model.lora_mode, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                     lora_dropout=args.lora_dropout, cache_embeddings=args.cache_embeddings,
+                     lora_dropout=args.lora_dropout, mrl_anchor=args.mrl_anchor,
+                     cache_embeddings=args.cache_embeddings,
                      mini_batch_size=args.mini_batch_size, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
                      progress=args.progress).validate()
     res = train_tmrl(model, rows, cfg, args.out, resume=args.resume, device=args.device)

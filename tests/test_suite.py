@@ -368,3 +368,61 @@ def test_a_unit_made_under_another_budget_is_recomputed(tmp_path, tiny_backbone,
     assert CALLS["n"] == 1
     run_suite(tmp_path, budget=Budget(max_train_rows=10, epochs=1, max_length=48), **kw)
     assert CALLS["n"] == 2
+
+
+# ---- training diagnostics in results.json (does the offset bias move anything?) ---------------------------
+
+def test_ctd_bias_diagnostics_against_the_reference_bias():
+    """bias_diagnostics: ε and max |bias| over all pairs of the sampled gallery positions, against the float64
+    reference op; fewer positions than the sample: every pair; more: sample^2 pairs."""
+    import torch
+    from types import SimpleNamespace as NS
+    from tempokern.nn import OffsetBias
+    from tempokern.reference import offset_bias as ref_bias
+    from tempokern.suite.methods.ctd import bias_diagnostics
+    torch.manual_seed(3)
+    ob = OffsetBias(8, 16)
+    with torch.no_grad():
+        ob.scale.fill_(0.37)
+    model = NS(offset_bias=ob, temperature=0.05)
+    u = torch.rand(40)
+    d = bias_diagnostics(model, u, seed=1)
+    w = [p.detach().double() for p in (ob.mlp[0].weight, ob.mlp[0].bias, ob.mlp[2].weight, ob.mlp[2].bias)]
+    ud = u.double()
+    full = ref_bias(ud, ud, *w, torch.tensor(0.37, dtype=torch.float64))
+    mlp = ref_bias(ud, ud, *w, torch.tensor(1.0, dtype=torch.float64))
+    assert d["bias_scale"] == pytest.approx(0.37) and d["bias_pairs"] == 1600
+    assert d["bias_max_abs"] == pytest.approx(float(full.abs().max()), rel=1e-5)
+    assert d["bias_mlp_max_abs"] == pytest.approx(float(mlp.abs().max()), rel=1e-5)
+    assert d["bias_max_abs_cosine_units"] == pytest.approx(0.05 * d["bias_max_abs"])
+    assert d["bias_u_range"] == pytest.approx([float(u.min()), float(u.max())])
+    ub = torch.rand(1000)
+    big = bias_diagnostics(model, ub, sample=64, seed=0)
+    allp = ref_bias(ub.double(), ub.double(), *w, torch.tensor(0.37, dtype=torch.float64))
+    assert big["bias_pairs"] == 64 ** 2 and 0 < big["bias_max_abs"] <= float(allp.abs().max()) * (1 + 1e-5)
+    assert big == bias_diagnostics(model, ub, sample=64, seed=0)         # seeded sample
+    with torch.no_grad():
+        ob.scale.zero_()
+    z = bias_diagnostics(model, u)
+    assert z["bias_scale"] == 0.0 and z["bias_max_abs"] == 0.0 and z["bias_mlp_max_abs"] > 0
+
+
+def test_ctd_units_report_the_bias_in_results_json(tmp_path, tiny_backbone, monkeypatch):
+    """ctd_bias / ctd_full units carry the bias diagnostics into results.json (methods.<name>.info), ctd_context
+    does not; the diagnostics change no metric (the same units with them switched off score the same)."""
+    budget = Budget(max_train_rows=40, epochs=1, max_length=48, batch_size=16, lr=1e-3)
+    kw = dict(quick=True, sets=["B"], synth_loader=tiny_synth, backbone_path=tiny_backbone, budget=budget,
+              progress=False, log=lambda m: None, n_resamples=50, plots=False)
+    res = run_suite(tmp_path / "a", methods=["ctd_context", "ctd_bias"], **kw)
+    saved = json.loads((tmp_path / "a" / "results.json").read_text())
+    info = saved["methods"]["ctd_bias"]["info"]["B/seed0"]
+    assert info["steps"] >= 1 and info["bias_pairs"] >= 1
+    assert math.isfinite(info["bias_scale"]) and info["bias_scale"] != 0.0      # trained away from its init 0
+    assert 0 <= info["bias_max_abs"] <= abs(info["bias_scale"]) * info["bias_mlp_max_abs"] * (1 + 1e-5)
+    assert "bias_scale" not in saved["methods"]["ctd_context"]["info"]["B/seed0"]
+    import tempokern.suite.methods.ctd as ctd_mod
+    monkeypatch.setattr(ctd_mod, "bias_diagnostics", lambda *a, **k: {})
+    res2 = run_suite(tmp_path / "b", methods=["ctd_bias"], **kw)
+    assert "bias_scale" not in res2["methods"]["ctd_bias"]["info"]["B/seed0"]
+    for sp, rows in res2["results"]["B"].items():
+        assert rows["ctd_bias"] == res["results"]["B"][sp]["ctd_bias"]

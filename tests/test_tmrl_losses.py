@@ -544,3 +544,147 @@ def test_bad_arguments_name_the_argument():
     q = torch.randn(3, 8)
     with pytest.raises(ValueError, match="qc and qc_T"):
         TMRLLoss([4, 8], 4, alpha=0.1)(q, q, p_T=torch.randn(3, 4))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TMRLLoss(mrl_anchor="passage"): A1's other reading (passage anchors, negative queries as hard negatives)
+
+
+def mrl_literal_passage(p, qc, dims, tau, weights=None, valid=None, ids=None):
+    """Eqs. 3 and 5 with passage anchors: anchor p_i; candidates c = [qc[0, 0], ..., qc[B-1, 0]] (the in-batch
+    positive queries) then every negative query qc[i, j], j >= 1 (row-major; only the slots valid[i, j] when
+    given); positives of p_i: c_i, or with passage ids every c_j (j < B) with ids[j] == ids[i]."""
+    B, n1 = qc.shape[:2]
+    cand = [qc[i, 0] for i in range(B)]
+    cand += [qc[i, j] for i in range(B) for j in range(1, n1) if valid is None or bool(valid[i, j])]
+    levels = []
+    for m in dims:
+        terms = []
+        for i in range(B):
+            z = torch.stack([cos_literal(p[i, :m], c[:m]) for c in cand]) / tau
+            pos = [i] if ids is None else [j for j in range(B) if int(ids[j]) == int(ids[i])]
+            terms.append(-torch.log(sum(torch.exp(z[j]) for j in pos) / sum(torch.exp(zj) for zj in z)))
+        levels.append(sum(terms) / len(terms))
+    w = [1.0] * len(dims) if weights is None else weights
+    return sum(wi * li for wi, li in zip(w, levels)), levels
+
+
+def test_tmrl_loss_passage_anchor_mrl_is_eq3_5():
+    """alpha = beta = gamma = 0: the loss is the passage-anchored L_MRL alone; loss, per-level parts and the
+    gradients of p and qc equal the literal transcription (float64); q and the hard-negative passages get no
+    gradient (they take no part in the passage-anchored L_MRL)."""
+    q, p, neg, qc, *_ = _tmrl_batch(B=5, n=3, seed=21)
+    dims, tau = (4, 8, 16), 0.05
+    mod = TMRLLoss((16, 4, 8), 4, alpha=0.0, beta=0.0, gamma=0.0, temperature=tau, weights=[2.0, 0.5, 1.0],
+                   mrl_anchor="passage")
+    loss, parts = mod(q, p, neg, qc=qc)
+    ref, levels = mrl_literal_passage(p, qc, dims, tau, weights=[0.5, 1.0, 2.0])
+    close(loss, ref, 1e-10)
+    for m, lv in zip(dims, levels):
+        assert abs(parts[f"mrl@{m}"].item() - lv.item()) < 1e-5
+    gq, gp, gneg, gqc = grads(loss, (q, p, neg, qc))
+    assert gq is None and gneg is None
+    rp, rqc = grads(ref, (p, qc))
+    close(gp, rp, 1e-9)
+    close(gqc, rqc, 1e-9)
+    assert gqc[:, 1:].abs().sum() > 0                        # the negative queries are in the denominators
+    # not the query reading: different value
+    other, _ = TMRLLoss(dims, 4, alpha=0.0, beta=0.0, gamma=0.0, temperature=tau)(q, p, neg, qc=qc)
+    assert abs(other.item() - TMRLLoss(dims, 4, alpha=0.0, beta=0.0, gamma=0.0, temperature=tau,
+                                       mrl_anchor="passage")(q, p, neg, qc=qc)[0].item()) > 1e-3
+
+
+def test_tmrl_loss_passage_anchor_full_eq15():
+    """Every term on: total = passage-anchored L_MRL + alpha L_Temp + beta L_Dist + gamma L_CKA, with X of
+    L_Dist / L_CKA unchanged (q, p, hard negatives, negative queries); gradients of every input (float64)."""
+    q, p, neg, qc, p_T, p_has, qc_T, qc_has = _tmrl_batch(B=4, n=3, seed=22)
+    dims, t, tau = (4, 8, 16), 4, 0.07
+    alpha, beta, gamma = 0.25, 0.1, 0.1
+    mod = TMRLLoss(dims, t, alpha=alpha, beta=beta, gamma=gamma, temperature=tau, k=3, mrl_anchor="passage")
+    loss, parts = mod(q, p, neg, p_T=p_T, p_has=p_has, qc=qc, qc_T=qc_T, qc_has=qc_has)
+    mrl, _ = mrl_literal_passage(p, qc, dims, tau)
+    temp = sum(eq10_literal(p, p_T, p_has, qc, qc_T, qc_has, t, tau))
+    X = torch.cat([q, p, neg, qc[:, 1:].reshape(-1, 16)])
+    dist, cka = eq11_literal(X, dims, 3), eq14_literal(X, dims)
+    ref = mrl + alpha * temp + beta * dist + gamma * cka
+    close(loss, ref, 1e-10)
+    for key, val in (("mrl", mrl), ("temp", temp), ("dist", dist), ("cka", cka), ("total", ref)):
+        assert abs(parts[key].item() - val.item()) < 1e-5 * max(1.0, abs(val.item()))
+    ins = (q, p, neg, qc, p_T, qc_T)
+    for a, b in zip(grads(loss, ins), grads(ref, ins)):
+        close(a, b, 1e-9)
+
+
+def test_tmrl_loss_passage_anchor_padding_and_spans():
+    """qc_valid drops padded negative-query slots from the denominators (a row with fewer negatives); passage
+    ids as spans make rows sharing a passage positives of each other, as in the query reading."""
+    q, p, neg, qc, *_ = _tmrl_batch(B=4, n=3, seed=23)
+    dims, tau = (4, 8, 16), 0.05
+    valid = torch.ones(4, 4, dtype=torch.bool)
+    valid[1, 2:] = False                                        # row 1 has one real negative query
+    valid[3, 3] = False
+    mod = TMRLLoss(dims, 4, alpha=0.0, beta=0.0, gamma=0.0, temperature=tau, mrl_anchor="passage")
+    loss, _ = mod(q, p, qc=qc, qc_valid=valid)
+    ref, _ = mrl_literal_passage(p, qc, dims, tau, valid=valid)
+    close(loss, ref, 1e-10)
+    for a, b in zip(grads(loss, (p, qc)), grads(ref, (p, qc))):
+        close(a, b, 1e-9)
+    full, _ = mod(q, p, qc=qc)
+    assert abs(full.item() - loss.item()) > 1e-4
+    ids = torch.tensor([0, 0, 1, 2])
+    loss, _ = mod(q, p, qc=qc, q_span=(ids, ids), d_span=(ids, ids))
+    ref, _ = mrl_literal_passage(p, qc, dims, tau, ids=ids)
+    close(loss, ref, 1e-10)
+    for a, b in zip(grads(loss, (p, qc)), grads(ref, (p, qc))):
+        close(a, b, 1e-9)
+    # no negative query at all (n = 0): in-batch positive queries only
+    loss, _ = mod(q, p, qc=qc[:, :1])
+    ref, _ = mrl_literal_passage(p, qc[:, :1], dims, tau)
+    close(loss, ref, 1e-10)
+
+
+def test_tmrl_loss_passage_anchor_float32_within_twice_torch_error():
+    """float32 inputs: the fused passage-anchored L_MRL's error vs the float64 reference is at most twice that
+    of the eager reference op (tempokern.reference.matryoshka_infonce) run in float32, loss and gradients."""
+    from tempokern.reference import matryoshka_infonce as ref_op
+    q, p, neg, qc, *_ = _tmrl_batch(B=24, n=4, d=64, seed=24)
+    dims, tau = (8, 16, 32, 64), 0.05
+    mod = TMRLLoss(dims, 8, alpha=0.0, beta=0.0, gamma=0.0, temperature=tau, mrl_anchor="passage")
+
+    def eager(p_, qc_):
+        return ref_op(p_, qc_[:, 0], list(dims), temperature=tau, extra_neg=qc_[:, 1:].reshape(-1, 64))
+
+    exact = eager(p, qc)
+    ex_g = grads(exact, (p, qc))
+    p32, qc32 = (x.detach().float().requires_grad_(True) for x in (p, qc))
+    fused = mod(q.detach().float(), p32, qc=qc32)[0]
+    f_g = grads(fused, (p32, qc32))
+    p32b, qc32b = (x.detach().float().requires_grad_(True) for x in (p, qc))
+    torch32 = eager(p32b, qc32b)
+    t_g = grads(torch32, (p32b, qc32b))
+    close(fused.double(), exact, 1e-4)
+    for a, b, e in zip([fused, *f_g], [torch32, *t_g], [exact, *ex_g]):
+        err_f = (a.double() - e).abs().max().item()
+        err_t = (b.double() - e).abs().max().item()
+        assert err_f <= 2 * err_t + 8 * torch.finfo(torch.float32).eps * e.abs().max().item(), (err_f, err_t)
+
+
+def test_tmrl_loss_passage_anchor_bad_input():
+    q, p, neg, qc, *_ = _tmrl_batch(B=4, n=2, seed=25)
+    with pytest.raises(ValueError, match="mrl_anchor"):
+        TMRLLoss([4, 8], 4, alpha=0.1, mrl_anchor="both")
+    mod = TMRLLoss([4, 8, 16], 4, alpha=0.0, beta=0.0, gamma=0.0, mrl_anchor="passage")
+    with pytest.raises(ValueError, match="needs qc"):
+        mod(q, p, neg)
+    with pytest.raises(ValueError, match="qc must have shape"):
+        mod(q, p, qc=qc[:3])
+    with pytest.raises(ValueError, match="qc must be 3-D"):
+        mod(q, p, qc=qc[:, 0])
+    with pytest.raises(TypeError, match="qc_valid"):
+        mod(q, p, qc=qc, qc_valid=torch.ones(4, 3))
+    with pytest.raises(ValueError, match="qc_valid"):
+        mod(q, p, qc=qc, qc_valid=torch.ones(4, 2, dtype=torch.bool))
+    bad = torch.ones(4, 3, dtype=torch.bool)
+    bad[2, 0] = False
+    with pytest.raises(ValueError, match=r"qc_valid\[:, 0\]"):
+        mod(q, p, qc=qc, qc_valid=bad)

@@ -42,7 +42,7 @@ def _params(m):
 
 @pytest.mark.parametrize("field,value", [("alpha", -0.1), ("beta", float("nan")), ("gamma", "x"),
                                          ("variant", "tmrl2"), ("batch_size", 1), ("dims", (16, 8)),
-                                         ("lr", 0.0), ("t", 0), ("temperature", -1.0), ("mrl_anchor", "passage"),
+                                         ("lr", 0.0), ("t", 0), ("temperature", -1.0), ("mrl_anchor", "both"),
                                          ("mini_batch_size", 0), ("hard_negatives", -1), ("lora", "partial"),
                                          ("warmup_ratio", 1.0), ("amp", "fp8"), ("epochs", 1.5),
                                          ("max_steps", 0), ("lora_dropout", 1.0), ("distill_k", 0)])
@@ -102,8 +102,10 @@ def test_batch_layout(rows):
     assert lay2["row_ok"] == [True, False] and lay2["pid"] == [0, 0] and len(items2) == 4 + 2
 
 
-def test_gradcache_gives_the_plain_gradients(rows):
-    """cache_embeddings=True: same loss and parameter gradients as one big graph (dropout off, float64)."""
+@pytest.mark.parametrize("anchor", ["query", "passage"])
+def test_gradcache_gives_the_plain_gradients(rows, anchor):
+    """cache_embeddings=True: same loss and parameter gradients as one big graph (dropout off, float64), with
+    either reading of A1."""
     pytest.importorskip("peft")
     torch.manual_seed(0)
     m = no_dropout(tiny_encoder(rows, lora={"lora_dropout": 0.0}, dtype=torch.float64, dropout=False))
@@ -113,7 +115,8 @@ def test_gradcache_gives_the_plain_gradients(rows):
                 p.normal_(0, 0.1)
     grads = {}
     for cache in (False, True):
-        tr = TMRLTrainer(m, rows, _cfg(cache_embeddings=cache, mini_batch_size=5, beta=0.1, gamma=0.1))
+        tr = TMRLTrainer(m, rows, _cfg(cache_embeddings=cache, mini_batch_size=5, beta=0.1, gamma=0.1,
+                                       mrl_anchor=anchor))
         m.train()
         m.zero_grad(set_to_none=True)
         loss, parts = tr.backward_batch(tr.epoch_batches(0)[0])
@@ -330,6 +333,17 @@ def test_cli_train_eval_index_tmrl(rows, tmp_path, capsys):
     bad = list(base)
     bad[bad.index("tevatron")] = "zztj"
     assert main(bad) == 2
+    # --mrl-anchor passage (A1's other reading): trains, and the option reaches the saved config
+    out2 = tmp_path / "run-passage"
+    pas = base[:base.index("--out")] + ["--out", str(out2)] + base[base.index("--out") + 2:] + ["--mrl-anchor", "passage"]
+    assert main(pas + ["--max-steps", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 2
+    st = torch.load(out2 / "last" / "trainer_state.pt", map_location="cpu", weights_only=False)
+    assert st["config"]["mrl_anchor"] == "passage"
+    assert main(pas + ["--negative-queries", "0"]) == 2
+    assert "--mrl-anchor passage needs --negative-queries" in capsys.readouterr().err
+    assert main(base + ["--mrl-anchor", "doc"]) == 2
 
 
 # ---- suite rows --------------------------------------------------------------------------------------------
@@ -371,6 +385,24 @@ def test_suite_rows_return_per_dim_runs(rows, tmp_path):
     assert all(len(v) == len(recs) for v in run.values())   # fewer than 100 records: all of them
     assert out.embed(["x y"]).shape == (1, 64)
     assert tm.RECIPE["t"] == 32
+    # diagnostics: the last step's parts and the gradient ratio of the auxiliary terms
+    last = out.info["last_step"]
+    assert out.info["final_parts"] == {k: last[k] for k in ("mrl", "temp", "dist", "cka", "total")}
+    assert all(v > 0 for v in out.info["final_parts"].values())
+    g = out.info["grad_diagnostics"]
+    assert g["step"] == 2 and g["space"] == "embeddings" and g["seconds"] < 1.0
+    w = g["weighted_terms"]
+    assert w["dist"] == pytest.approx(tm.RECIPE["beta"] * last["dist"], rel=1e-5)
+    assert w["cka"] == pytest.approx(tm.RECIPE["gamma"] * last["cka"], rel=1e-5)
+    assert 0 < g["aux_grad_ratio"] < 1 and -1 <= g["aux_grad_cos"] <= 1
+    assert g["grad_norm_aux"] == pytest.approx(g["aux_grad_ratio"] * g["grad_norm_total"])
+    json.dumps(out.info)                                          # results.json-safe
+    noaux = get_method("tmrl_noaux").run(SuiteContext(
+        synth=synth, backbone_path=str(tmp_path / "bb"), seed=0, quick=True, work_dir=tmp_path / "w2",
+        budget=Budget(max_train_rows=12, epochs=1, max_length=32, batch_size=6), log=lambda m: None,
+        progress_enabled=False, method_name="tmrl_noaux"))
+    gn = noaux.info["grad_diagnostics"]
+    assert gn["aux_grad_ratio"] == 0.0 and gn["weighted_terms"]["dist"] == gn["weighted_terms"]["cka"] == 0.0
 
 
 def test_mine_hard_negatives(rows):
@@ -409,3 +441,171 @@ def test_two_process_gloo_keeps_ranks_in_sync(tmp_path):
     assert r0["steps"] == r1["steps"] == 3
     assert all(math.isfinite(x) for x in r0["losses"] + r1["losses"]) and r0["losses"] != r1["losses"]
     assert (tmp_path / "last" / "trainer_state.pt").exists()
+
+
+# ---- mrl_anchor="passage" (A1's other reading) ------------------------------------------------------------
+
+def test_passage_anchor_config_and_rows(rows):
+    with pytest.raises(ValueError, match="negative_queries"):
+        TMRLConfig(mrl_anchor="passage", negative_queries=0).validate()
+    odd = [TMRLRow("q a 1999", "p 1999", negative_queries=["q a 2003"]),
+           TMRLRow("q b 1999", "p b 1999", query_id="b-1999")]
+    m = tiny_encoder(rows, extra_texts=["q a b p"])
+    with pytest.raises(ValueError, match=r"row 1 \(query_id 'b-1999'\) has no negative queries"):
+        TMRLTrainer(m, odd, _cfg(batch_size=2, mrl_anchor="passage"))
+    TMRLTrainer(m, odd, _cfg(batch_size=2))                      # the query reading trains on such rows
+
+
+def test_passage_anchor_batch_layout(rows):
+    """Passage anchors: no hard-negative passage is encoded, the negative queries are (even with alpha = 0,
+    then without temporal representations), and cyclic repeats of a row's negatives are marked invalid."""
+    m = tiny_encoder(rows)
+    tr = TMRLTrainer(m, rows, _cfg(variant="mrl", mrl_anchor="passage"))
+    batch = tr.epoch_batches(0)[0]
+    B = len(batch)
+    items, lay = tr.batch_items(batch)
+    assert lay["E"] == 0 and lay["n"] == 2 and len(items) == 2 * B + 2 * B
+    assert [s for _, s, _, _ in items] == ["query"] * B + ["passage"] * B + ["query"] * 2 * B
+    assert not any(w for *_, w in items) and lay["nq_valid"] == [[True, True]] * B
+    odd = [TMRLRow("q a 1999", "p 1999", negative_queries=["q a 2003", "q a 2008"]),
+           TMRLRow("q b 1999", "p b 1999", negative_queries=["q b 2003"])]
+    tr2 = TMRLTrainer(tiny_encoder(rows, extra_texts=["q a b p"]), odd, _cfg(batch_size=2, mrl_anchor="passage"))
+    items2, lay2 = tr2.batch_items([(0, [], [0, 1]), (1, [], [0])])
+    assert lay2["nq_valid"] == [[True, True], [True, False]] and len(items2) == 4 + 4
+    assert [t for t, *_ in items2[4:]] == ["q a 2003", "q a 2008", "q b 2003", "q b 2003"]
+
+
+def test_passage_anchor_step_loss_is_eq3_5_on_the_rows(rows):
+    """The trainer's loss of one batch (variant mrl, passage anchors, float64, dropout off) equals the literal
+    Eq. 3/5 transcription on embeddings of the batch's texts encoded one at a time: anchors = the rows'
+    positive passages, candidates = the rows' queries then their drawn negative queries (no repeats)."""
+    from test_tmrl_losses import mrl_literal_passage
+    torch.manual_seed(0)
+    m = no_dropout(tiny_encoder(rows, lora=None, dtype=torch.float64, dropout=False))
+    odd = [TMRLRow(r.query, r.positive, negative_queries=r.negative_queries[:1 + (i % 2)]) for i, r in enumerate(rows)]
+    tr = TMRLTrainer(m, odd, _cfg(variant="mrl", mrl_anchor="passage", negative_queries=2, batch_size=7))
+    batch = tr.epoch_batches(0)[0]
+    m.train()
+    loss, parts = tr.backward_batch(batch)
+
+    def emb(text, side):
+        with torch.no_grad():
+            return m(**m.tokenize([text], side=side)).emb[0]
+
+    B = len(batch)
+    P = torch.stack([emb(odd[ri].positive, "passage") for ri, _, _ in batch])
+    n = max(len(nq) for _, _, nq in batch)
+    assert n == 2 and any(len(nq) == 1 for _, _, nq in batch)
+    qc = torch.zeros(B, 1 + n, P.shape[1], dtype=torch.float64)
+    valid = torch.zeros(B, 1 + n, dtype=torch.bool)
+    for i, (ri, _, nq) in enumerate(batch):
+        qc[i, 0], valid[i, 0] = emb(odd[ri].query, "query"), True
+        for k, j in enumerate(nq):
+            qc[i, 1 + k], valid[i, 1 + k] = emb(odd[ri].negative_queries[j], "query"), True
+    ref, levels = mrl_literal_passage(P, qc, tr.dims, tr.cfg.temperature, valid=valid)
+    torch.testing.assert_close(loss, ref, rtol=1e-9, atol=1e-9)
+    for mm, lv in zip(tr.dims, levels):
+        assert abs(float(parts[f"mrl@{mm}"]) - float(lv)) < 1e-5
+
+
+def test_passage_anchor_trains_and_resumes(rows, tmp_path):
+    """tmrl with every term and passage anchors: twenty steps lower L_MRL and the total; stopping after one
+    epoch and resuming gives the same steps and weights as the uninterrupted run."""
+    pytest.importorskip("peft")
+    m = tiny_encoder(rows, seed=1)
+    res = train_tmrl(m, rows, _cfg(epochs=4, batch_size=6, beta=0.1, gamma=0.1, max_steps=20, lr=2e-3,
+                                   mrl_anchor="passage"), log=lambda *a: None)
+    for k in ("mrl", "loss"):
+        first = sum(h[k] for h in res.history[:5]) / 5
+        last = sum(h[k] for h in res.history[-5:]) / 5
+        assert last < first, (k, first, last)
+    cfg = dict(epochs=2, batch_size=10, beta=0.1, gamma=0.1, mrl_anchor="passage", lr=3e-3)
+    m_full = tiny_encoder(rows, lora=None, seed=7)
+    full = train_tmrl(m_full, rows, _cfg(**cfg), tmp_path / "a", log=lambda *a: None)
+    assert full.steps == 6 and all(h["mrl"] > 0 and h["temp"] > 0 for h in full.history)
+    m_half = tiny_encoder(rows, lora=None, seed=7)
+    half = train_tmrl(m_half, rows, _cfg(stop_after_epochs=1, **cfg), tmp_path / "b", log=lambda *a: None)
+    assert half.steps == 3
+    m_res = tiny_encoder(rows, lora=None, seed=8)
+    res = train_tmrl(m_res, rows, _cfg(**cfg), tmp_path / "b", resume=True, log=lambda *a: None)
+    assert [h["loss"] for h in res.history] == [h["loss"] for h in full.history]
+    pf, pr = _params(m_full), _params(m_res)
+    assert all(torch.equal(pf[n], pr[n]) for n in pf)
+    # the query reading of the same run differs
+    m_q = tiny_encoder(rows, lora=None, seed=7)
+    q = train_tmrl(m_q, rows, _cfg(**{**cfg, "mrl_anchor": "query"}, max_steps=1), log=lambda *a: None)
+    assert q.history[0]["mrl"] != full.history[0]["mrl"]
+
+
+# ---- gradient diagnostics (suite info) -----------------------------------------------------------------------
+
+def test_grad_diagnostics_against_hand_gradients():
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    frozen = torch.randn(2, 2, dtype=torch.float64)                  # no grad: left out
+    terms = {"mrl": (x ** 2).sum(), "temp": 3 * y.sum(), "dist": 2 * x.sum(), "cka": torch.zeros((), dtype=torch.float64)}
+    d = TMRLTrainer.grad_diagnostics(terms, (x, y, frozen, None))
+    gx_tot, gy_tot = 2 * x.detach() + 2, torch.full_like(y, 3.0)
+    tot = torch.cat([gx_tot.reshape(-1), gy_tot.reshape(-1)])
+    aux = torch.cat([torch.full((12,), 2.0, dtype=torch.float64), torch.zeros(10, dtype=torch.float64)])
+    assert d["grad_norm"]["mrl"] == pytest.approx(float((2 * x.detach()).norm()))
+    assert d["grad_norm"]["temp"] == pytest.approx(float(gy_tot.norm()))
+    assert d["grad_norm"]["dist"] == pytest.approx(float(aux.norm())) and d["grad_norm"]["cka"] == 0.0
+    assert d["grad_norm_total"] == pytest.approx(float(tot.norm()))
+    assert d["aux_grad_ratio"] == pytest.approx(float(aux.norm() / tot.norm()))
+    assert d["aux_grad_cos"] == pytest.approx(float(aux @ tot / (aux.norm() * tot.norm())))
+    assert d["weighted_terms"]["temp"] == pytest.approx(float(3 * y.detach().sum()))
+    assert x.grad is None and y.grad is None                         # nothing accumulated
+
+
+def test_diagnostics_do_not_change_the_run(rows, monkeypatch):
+    """The last step's diagnostics are read-only: the same run with them switched off gives the same losses
+    and weights bit for bit; with grad_accum=2 they describe the last micro-batch of the last step."""
+    cfg = _cfg(batch_size=5, beta=0.1, gamma=0.1, max_steps=3, grad_accum=2, epochs=2)
+    m1 = tiny_encoder(rows, lora=None, seed=4)
+    r1 = train_tmrl(m1, rows, cfg, log=lambda *a: None)
+    assert r1.steps == 3 and r1.diagnostics["step"] == 3 and r1.diagnostics["aux_grad_ratio"] > 0
+    monkeypatch.setattr(TMRLTrainer, "can_diagnose", lambda self: False)
+    m2 = tiny_encoder(rows, lora=None, seed=4)
+    r2 = train_tmrl(m2, rows, cfg, log=lambda *a: None)
+    assert r2.diagnostics is None
+    assert [h["loss"] for h in r1.history] == [h["loss"] for h in r2.history]
+    p1, p2 = _params(m1), _params(m2)
+    assert all(torch.equal(p1[n], p2[n]) for n in p1)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_exact_parameter_ratio(rows, cache):
+    """diagnose_params: the exact ||grad(beta L_Dist + gamma L_CKA)|| / ||grad L_total|| on the backbone's
+    trainable parameters equals the one from two separate backward passes (float64, dropout off); the
+    embedding-space proxy is reported next to it. GradCache mode reports the proxy only."""
+    from tempokern.nn import TMRLLoss
+    torch.manual_seed(0)
+    m = no_dropout(tiny_encoder(rows, lora=None, dtype=torch.float64, dropout=False))
+    cfg = _cfg(beta=0.1, gamma=0.1, cache_embeddings=cache, mini_batch_size=7)
+    tr = TMRLTrainer(m, rows, cfg)
+    tr.diagnose_params = True
+    batch = tr.epoch_batches(0)[0]
+    m.train()
+    m.zero_grad(set_to_none=True)
+    tr.backward_batch(batch, diagnose=True)
+    d = tr.last_diagnostics
+    assert 0 < d["aux_grad_ratio"] < 1
+    if cache:
+        assert "params" not in d
+        return
+    bb = [(n, p) for n, p in m.named_parameters() if p.requires_grad and not n.startswith("projector.")]
+    g_tot = torch.cat([p.grad.reshape(-1) for _, p in bb])
+    full = tr.loss_fn
+
+    def aux_only(*a, **kw):
+        loss, parts, terms = full(*a, **kw, return_terms=True)
+        return terms["dist"] + terms["cka"], parts
+    m.zero_grad(set_to_none=True)
+    tr2 = TMRLTrainer(m, rows, cfg, loss_fn=aux_only)
+    tr2.backward_batch(batch)
+    g_aux = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in bb])
+    exact = float(g_aux.norm() / g_tot.norm())
+    assert d["params"]["aux_grad_ratio"] == pytest.approx(exact, rel=1e-9)
+    assert d["params"]["tensors"] == len(bb)
+    assert isinstance(full, TMRLLoss)

@@ -428,15 +428,33 @@ class TMRLLoss(nn.Module):
       on X = every embedding encoded in the step, each once: ``cat(q, p, neg_p, qc[:, 1:])`` (A5;
       ``qc[:, 0]`` is the row's query, already in q); skipped (0) when beta / gamma is 0.
 
-    ``forward(q, p, neg_p=None, *, p_T=None, p_has=None, qc=None, qc_T=None, qc_has=None, q_span=None,
-    d_span=None) -> (loss, parts)``; parts: detached tensors "mrl" (the weighted sum), "mrl@<m>" per dim
-    (that level's mean InfoNCE, unweighted), "temp", "dist", "cka" (unweighted) and "total" (= loss).
+    ``mrl_anchor="passage"`` (A1's other consistent reading): ``L_MRL`` anchors are the positive passages
+    p (B, d); candidates = the B in-batch positive queries ``qc[:, 0]`` (p_i's positive is qc[i, 0], the
+    diagonal) followed by every negative query ``qc[:, 1:]`` as hard negatives (``extra_neg``, in the
+    denominators of every anchor), through the same fused ``matryoshka_infonce`` (all levels in one pass).
+    qc is then required even when alpha == 0; neg_p takes no part in L_MRL (it still joins X of
+    L_Dist / L_CKA when given); spans swap roles (anchor spans = d_span, candidate spans = q_span).
+    ``qc_valid`` (B, 1+n) bool, optional: which negative-query slots are real (False = padding, e.g. a row
+    with fewer than n negatives); padded slots are left out of the passage-anchored denominators (a
+    duplicated negative would count twice). Column 0 must be True. Ignored by the query reading.
+
+    ``forward(q, p, neg_p=None, *, p_T=None, p_has=None, qc=None, qc_T=None, qc_has=None, qc_valid=None,
+    q_span=None, d_span=None) -> (loss, parts)``; parts: detached tensors "mrl" (the weighted sum), "mrl@<m>"
+    per dim (that level's mean InfoNCE, unweighted), "temp", "dist", "cka" (unweighted) and "total" (= loss).
+    ``return_terms=True`` adds a third value: the differentiable weighted terms {"mrl", "temp" (alpha L_Temp),
+    "dist" (beta L_Dist), "cka" (gamma L_CKA)} (a skipped term is a constant 0), whose sum is the loss.
     ``alpha`` is required (paper: 0.1-0.25); ``beta = gamma = 0.1`` (paper, all experiments)."""
+
+    #: the two readings of A1 (design notes §2.2): which side anchors L_MRL
+    MRL_ANCHORS = ("query", "passage")
 
     def __init__(self, dims: Sequence[int], t: int, *, alpha: float, beta: float = 0.1, gamma: float = 0.1,
                  temperature: float = 0.05, weights: Optional[Sequence[float]] = None, k: int = 10,
-                 detach_teacher: bool = True):
+                 detach_teacher: bool = True, mrl_anchor: str = "query"):
         super().__init__()
+        if mrl_anchor not in self.MRL_ANCHORS:
+            raise ValueError(f"mrl_anchor must be one of {self.MRL_ANCHORS}, got {mrl_anchor!r}")
+        self.mrl_anchor = mrl_anchor
         self.dims = _check_dims(dims)
         if weights is not None:
             if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
@@ -457,10 +475,30 @@ class TMRLLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"dims={self.dims}, t={self.t}, alpha={self.alpha}, beta={self.beta}, gamma={self.gamma}, "
-                f"temperature={self.temperature}, weights={self.weights}")
+                f"temperature={self.temperature}, weights={self.weights}, mrl_anchor={self.mrl_anchor!r}")
+
+    def _passage_candidates(self, p, qc, qc_valid):
+        """(positive queries (B, d), negative queries (N, d) or None) of the passage-anchored L_MRL."""
+        if qc is None:
+            raise ValueError("mrl_anchor='passage' needs qc (B, 1+n, d): each passage's positive query (index 0) "
+                             "and its negative queries, the candidates of the passage-anchored L_MRL")
+        _float_tensor("qc", qc, 3)
+        if qc.shape[0] != p.shape[0] or qc.shape[-1] != p.shape[-1] or qc.shape[1] < 1:
+            raise ValueError(f"qc must have shape (B={p.shape[0]}, 1+n, d={p.shape[-1]}), got {tuple(qc.shape)}")
+        pos = qc[:, 0]
+        negs = qc[:, 1:]
+        if qc_valid is not None:
+            _bool_tensor("qc_valid", qc_valid, qc.shape[:2])
+            if qc_valid.device != qc.device:
+                raise ValueError(f"qc_valid must be on qc's device {qc.device}, got {qc_valid.device}")
+            if not bool(qc_valid[:, 0].all()):
+                raise ValueError("qc_valid[:, 0] must be True: column 0 holds each passage's positive query")
+            negs = negs[qc_valid[:, 1:]]                 # (N, d), row-major: row 0's negatives first
+        negs = negs.reshape(-1, qc.shape[-1])
+        return pos, (negs if negs.shape[0] else None)
 
     def forward(self, q, p, neg_p=None, *, p_T=None, p_has=None, qc=None, qc_T=None, qc_has=None,
-                q_span=None, d_span=None):
+                qc_valid=None, q_span=None, d_span=None, return_terms: bool = False):
         _float_tensor("q", q, 2)
         _float_tensor("p", p, 2)
         if neg_p is not None:
@@ -471,9 +509,14 @@ class TMRLLoss(nn.Module):
                              "queries and their temporal tokens, are missing")
         from .. import matryoshka_infonce
 
-        mrl, levels = matryoshka_infonce(q, p, list(self.dims), temperature=self.temperature,
-                                         weights=None if self.weights is None else list(self.weights),
-                                         extra_neg=neg_p, q_span=q_span, d_span=d_span, return_levels=True)
+        w = None if self.weights is None else list(self.weights)
+        if self.mrl_anchor == "passage":
+            pos_q, neg_q = self._passage_candidates(p, qc, qc_valid)
+            mrl, levels = matryoshka_infonce(p, pos_q, list(self.dims), temperature=self.temperature, weights=w,
+                                             extra_neg=neg_q, q_span=d_span, d_span=q_span, return_levels=True)
+        else:
+            mrl, levels = matryoshka_infonce(q, p, list(self.dims), temperature=self.temperature, weights=w,
+                                             extra_neg=neg_p, q_span=q_span, d_span=d_span, return_levels=True)
         zero = mrl.detach().new_zeros(())
         loss = mrl
         temp = dist = cka = zero
@@ -501,4 +544,7 @@ class TMRLLoss(nn.Module):
             out[f"mrl@{m}"] = v
         out.update(temp=temp.detach().float(), dist=dist.detach().float(), cka=cka.detach().float(),
                    total=loss.detach().float())
+        if return_terms:   # the weighted, differentiable terms (their sum is loss): for gradient diagnostics
+            return loss, out, {"mrl": mrl, "temp": self.alpha * temp, "dist": self.beta * dist,
+                               "cka": self.gamma * cka}
         return loss, out

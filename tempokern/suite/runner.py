@@ -208,7 +208,8 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
             reason = "not in --quick runs (name it with --methods to run it)"
         status[m.name] = {"family": m.family, "description": m.description, "sets": list(m.sets),
                           "seeded": m.seeded, "status": "pending" if reason is None else "skipped",
-                          "reason": reason, "wall_seconds": {}, "errors": {}}
+                          "reason": reason, "wall_seconds": {}, "errors": {},
+                          "info": {}}
         if reason:
             log(f"[suite] {m.name}: skipped ({reason})")
     units: Dict[Tuple[str, str, int], dict] = {}
@@ -278,6 +279,7 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
         st["status"] = "done" if done and not st["errors"] else ("partial" if done else "failed")
         for (name, s, seed) in done:
             st["wall_seconds"][f"{s}/seed{seed}"] = units[(name, s, seed)].get("wall_seconds")
+            st["info"][f"{s}/seed{seed}"] = units[(name, s, seed)].get("info")   # training diagnostics
     from .report import build_results, write_report
     setup = {"suite": suite, "quick": quick, "sets": sets, "seeds": seeds, "budget": budget.__dict__,
              "backbone": str(backbone_path), "device": str(dev), "machine": machine(),

@@ -41,6 +41,8 @@ __all__ = ["TMRLConfig", "TMRLTrainer", "TMRLResult", "TMRL_VARIANTS", "train_tm
 TMRL_VARIANTS = ("zero_shot", "lora", "mrl", "tmrl_noaux", "tmrl")
 AMP_MODES = ("auto", "off", "bf16", "fp16")
 LORA_MODES = ("lora", "none", "full")
+#: A1's two readings: which side anchors L_MRL
+MRL_ANCHORS = ("query", "passage")
 
 
 @dataclass
@@ -49,8 +51,10 @@ class TMRLConfig:
     L_CKA (Eq. 15; the variant may zero them, :func:`variant_weights`). hard_negatives / negative_queries:
     per row and step, drawn from the row's lists (fewer when a row has fewer). lora_*: used when the CLI
     builds the model (the trainer trains whatever the model has trainable). cache_embeddings: GradCache
-    with mini-batches of mini_batch_size texts. mrl_anchor: "query" (A1's default; the "passage" reading
-    is not implemented)."""
+    with mini-batches of mini_batch_size texts. mrl_anchor: "query" (A1's default: query anchors against
+    the in-batch positives + hard-negative passages) or "passage" (A1's other reading: passage anchors
+    against the in-batch positive queries + every negative query of the batch; every row needs at least
+    one negative query, negative_queries >= 1, and hard-negative passages are not encoded)."""
     variant: str = "tmrl"
     dims: Optional[Tuple[int, ...]] = None
     t: Optional[int] = None
@@ -89,9 +93,8 @@ class TMRLConfig:
             raise ValueError(f"amp must be one of {AMP_MODES}, got {self.amp!r}")
         if self.lora not in LORA_MODES:
             raise ValueError(f"lora must be one of {LORA_MODES}, got {self.lora!r}")
-        if self.mrl_anchor != "query":
-            raise ValueError(f"mrl_anchor must be 'query' (the passage-anchored reading of A1 is not "
-                             f"implemented), got {self.mrl_anchor!r}")
+        if self.mrl_anchor not in MRL_ANCHORS:
+            raise ValueError(f"mrl_anchor must be one of {MRL_ANCHORS}, got {self.mrl_anchor!r}")
         if self.dims is not None:
             if isinstance(self.dims, int) or not all(isinstance(m, int) and not isinstance(m, bool) and m >= 1
                                                      for m in self.dims) or not len(self.dims):
@@ -109,6 +112,9 @@ class TMRLConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self.mrl_anchor == "passage" and self.negative_queries < 1:
+            raise ValueError("negative_queries must be >= 1 with mrl_anchor='passage' (the negative queries are "
+                             "the passage-anchored L_MRL's hard negatives)")
         if self.batch_size < 2:
             raise ValueError("batch_size must be >= 2 (in-batch negatives)")
         for name in ("lr", "temperature", "lora_alpha"):
@@ -177,6 +183,9 @@ class TMRLResult:
     history: List[dict] = field(default_factory=list)
     final_loss: Optional[float] = None
     seconds: float = 0.0
+    #: gradient diagnostics of the run's last optimizer step (its last micro-batch), see
+    #: :meth:`TMRLTrainer.grad_diagnostics`; None when no step ran or the loss is not a TMRLLoss
+    diagnostics: Optional[dict] = None
 
 
 class _RandState:
@@ -224,12 +233,24 @@ class TMRLTrainer:
         self.dims, self.t, self.alpha, self.beta, self.gamma = variant_weights(self.cfg, model)
         if len(self.rows) < 2 * self.world and self.cfg.variant != "zero_shot":
             raise ValueError(f"{len(self.rows)} training rows; need at least {2 * self.world}")
+        self.passage_anchor = self.cfg.mrl_anchor == "passage" and self.cfg.variant != "zero_shot"
+        if self.passage_anchor:
+            for i, r in enumerate(self.rows):
+                if not r.negative_queries:
+                    raise ValueError(f"training row {i} (query_id {r.query_id!r}) has no negative queries; "
+                                     f"mrl_anchor='passage' uses them as the hard negatives of L_MRL: give every "
+                                     f"row at least one negative query, or use mrl_anchor='query'")
         if loss_fn is None and self.cfg.variant != "zero_shot":
             from ..nn import TMRLLoss
             loss_fn = TMRLLoss(self.dims, self.t if self.t is not None else self.dims[0], alpha=self.alpha,
                                beta=self.beta, gamma=self.gamma, temperature=self.cfg.temperature,
-                               k=self.cfg.distill_k, detach_teacher=self.cfg.detach_teacher)
+                               k=self.cfg.distill_k, detach_teacher=self.cfg.detach_teacher,
+                               mrl_anchor=self.cfg.mrl_anchor)
         self.loss_fn = loss_fn
+        self.last_diagnostics: Optional[dict] = None
+        #: also measure the exact ratio on the backbone's trainable parameters (LoRA adapters; not the
+        #: projector) at the diagnosed step: two extra encoder backward passes, so off by default
+        self.diagnose_params = False
 
     # ---- batches --------------------------------------------------------------------------------------
     def num_batches(self) -> int:
@@ -265,22 +286,27 @@ class TMRLTrainer:
         return out
 
     def batch_items(self, batch) -> Tuple[List[_Item], dict]:
-        """The texts a step encodes, in order: B queries, B positives, the hard negatives, and (alpha > 0)
-        B x n negative queries; plus the layout to cut the embeddings back."""
+        """The texts a step encodes, in order: B queries, B positives, the hard negatives (not with
+        mrl_anchor='passage'), and (alpha > 0 or mrl_anchor='passage') B x n negative queries; plus the
+        layout to cut the embeddings back (``nq_valid``: which of the n slots of each row are real negative
+        queries, not cyclic repeats)."""
         temporal = self.alpha > 0
+        passage = self.passage_anchor
         rows = [(self.rows[ri], hn, nq) for ri, hn, nq in batch]
         B = len(rows)
         items: List[_Item] = [(r.query, "query", r.query_spans, temporal) for r, _, _ in rows]
         items += [(r.positive, "passage", r.positive_spans, temporal) for r, _, _ in rows]
         for r, hn, _ in rows:
-            for j in hn:
+            for j in (hn if not passage else ()):
                 items.append((r.hard_negatives[j], "passage",
                               r.hard_negative_spans[j] if r.hard_negative_spans is not None else None, False))
         E = len(items) - 2 * B
         n = 0
         row_ok = [True] * B
-        if temporal:
+        nq_valid = None
+        if temporal or passage:
             n = max((len(nq) for _, _, nq in rows), default=0)
+            nq_valid = [[k < len(nq) for k in range(n)] for _, _, nq in rows]
             for i, (r, _, nq) in enumerate(rows):
                 if not nq:   # no negative query: this row leaves L_Temp (masked below); placeholders
                     row_ok[i] = False
@@ -289,12 +315,13 @@ class TMRLTrainer:
                     sel = [(r.negative_queries[nq[k % len(nq)]],
                             r.negative_query_spans[nq[k % len(nq)]] if r.negative_query_spans is not None else None)
                            for k in range(n)]
-                items += [(t, "query", s, True) for t, s in sel]
+                items += [(t, "query", s, temporal) for t, s in sel]
         # rows sharing a positive passage are positives of each other (passage ids as spans)
         ids, pid = {}, []
         for r, _, _ in rows:
             pid.append(ids.setdefault(r.positive, len(ids)))
-        layout = {"B": B, "E": E, "n": n, "row_ok": row_ok, "pid": pid if len(ids) < B else None}
+        layout = {"B": B, "E": E, "n": n, "row_ok": row_ok, "nq_valid": nq_valid,
+                  "pid": pid if len(ids) < B else None}
         return items, layout
 
     # ---- encoding -------------------------------------------------------------------------------------
@@ -337,7 +364,7 @@ class TMRLTrainer:
         out = self.model(**self._tokenize(items, self.alpha > 0))
         return out.emb, out.temporal, out.has_temporal
 
-    def _loss_from(self, emb, x_t, has, layout):
+    def _loss_from(self, emb, x_t, has, layout, terms: bool = False):
         B, E, n = layout["B"], layout["E"], layout["n"]
         q, p = emb[:B], emb[B:2 * B]
         neg_p = emb[2 * B:2 * B + E] if E else None
@@ -345,9 +372,13 @@ class TMRLTrainer:
         if layout["pid"] is not None:
             ids = torch.tensor(layout["pid"], device=emb.device)
             kw["q_span"] = kw["d_span"] = (ids, ids)
+        s = 2 * B + E
+        d = emb.shape[1]
+        if self.passage_anchor:
+            qc = torch.cat([q.unsqueeze(1), emb[s:s + B * n].reshape(B, n, d)], dim=1)
+            valid = torch.tensor([[True] + v for v in layout["nq_valid"]], dtype=torch.bool, device=emb.device)
+            kw.update(qc=qc, qc_valid=valid.reshape(B, 1 + n))
         if self.alpha > 0 and x_t is not None:
-            s = 2 * B + E
-            d = emb.shape[1]
             qc = torch.cat([q.unsqueeze(1), emb[s:s + B * n].reshape(B, n, d)], dim=1)
             qc_t = torch.cat([x_t[:B].unsqueeze(1), x_t[s:s + B * n].reshape(B, n, -1)], dim=1)
             qc_has = torch.cat([has[:B].unsqueeze(1), has[s:s + B * n].reshape(B, n)], dim=1)
@@ -355,17 +386,84 @@ class TMRLTrainer:
             p_has = has[B:2 * B] & ok
             qc_has = qc_has & ok.unsqueeze(1)
             kw.update(p_T=x_t[B:2 * B], p_has=p_has, qc=qc, qc_T=qc_t, qc_has=qc_has)
+        if terms:
+            kw["return_terms"] = True
         return self.loss_fn(q, p, neg_p, **kw)
 
-    def backward_batch(self, batch, *, scale: float = 1.0, scaler=None, amp_dtype=None):
+    def can_diagnose(self) -> bool:
+        from ..nn import TMRLLoss
+        return isinstance(self.loss_fn, TMRLLoss)
+
+    @staticmethod
+    def grad_diagnostics(terms: dict, inputs: Sequence[torch.Tensor]) -> dict:
+        """How much each weighted loss term pushes the step's embeddings: the gradients of alpha L_Temp,
+        beta L_Dist, gamma L_CKA and L_MRL with respect to every embedding the loss reads (pooled embeddings
+        and temporal representations), from the loss graph only (no encoder backward).
+
+        ``aux_grad_ratio = ||grad(beta L_Dist + gamma L_CKA)|| / ||grad L_total||`` and ``aux_grad_cos`` (the
+        cosine of the two) in embedding space. It is a proxy for the same ratio on the LoRA parameters:
+        those gradients are J^T g with the one Jacobian J = d(embeddings)/d(parameters) shared by every
+        term, so the two ratios agree up to how J stretches the two directions (exactly when J^T J is a
+        multiple of the identity on them); the exact parameter ratio needs one more encoder backward per
+        term, the cost of a training step. Cost here: four backward passes through the loss graph."""
+        t0 = time.time()
+        inputs = [x for x in inputs if x is not None and x.requires_grad]
+        flat = {}
+        for k, v in terms.items():
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                gs = torch.autograd.grad(v, inputs, retain_graph=True, allow_unused=True)
+                flat[k] = torch.cat([(g if g is not None else torch.zeros_like(x)).detach().double().reshape(-1)
+                                     for g, x in zip(gs, inputs)])
+        n = sum(x.numel() for x in inputs)
+        for k in terms:
+            flat.setdefault(k, torch.zeros(n, dtype=torch.float64))
+        total = sum(flat.values())
+        aux = flat["dist"] + flat["cka"] if "dist" in flat and "cka" in flat else torch.zeros(n, dtype=torch.float64)
+        tn, an = float(total.norm()), float(aux.norm())
+        out = {"space": "embeddings", "grad_norm": {k: float(v.norm()) for k, v in flat.items()},
+               "grad_norm_total": tn, "grad_norm_aux": an,
+               "aux_grad_ratio": an / tn if tn > 0 else None,
+               "aux_grad_cos": float(aux @ total) / (an * tn) if an > 0 and tn > 0 else None,
+               "weighted_terms": {k: float(v.detach()) for k, v in terms.items()}}
+        out["seconds"] = round(time.time() - t0, 4)
+        return out
+
+    def _param_ratio(self, terms: dict, loss) -> Optional[dict]:
+        """The exact ||grad(beta L_Dist + gamma L_CKA)|| / ||grad L_total|| on the backbone's trainable
+        parameters (two encoder backward passes; the graph is kept for the step's own backward)."""
+        params = [p for n, p in self.model.named_parameters() if p.requires_grad and not n.startswith("projector.")]
+        aux = terms["dist"] + terms["cka"]
+        if not params or not loss.requires_grad:
+            return None
+
+        def flat(t):
+            if not isinstance(t, torch.Tensor) or not t.requires_grad:
+                return torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+            gs = torch.autograd.grad(t, params, retain_graph=True, allow_unused=True)
+            return torch.cat([(g if g is not None else torch.zeros_like(p)).detach().double().reshape(-1)
+                              for g, p in zip(gs, params)])
+        ga, gt = flat(aux), flat(loss)
+        an, tn = float(ga.norm()), float(gt.norm())
+        return {"space": "backbone parameters", "tensors": len(params), "grad_norm_total": tn, "grad_norm_aux": an,
+                "aux_grad_ratio": an / tn if tn > 0 else None,
+                "aux_grad_cos": float(ga @ gt) / (an * tn) if an > 0 and tn > 0 else None}
+
+    def backward_batch(self, batch, *, scale: float = 1.0, scaler=None, amp_dtype=None, diagnose: bool = False):
         """Loss of one batch and its gradients accumulated into the parameters (x scale); GradCache
-        when cache_embeddings. Returns (loss detached, parts)."""
+        when cache_embeddings. Returns (loss detached, parts). diagnose=True (with a TMRLLoss): also sets
+        ``self.last_diagnostics`` to :meth:`grad_diagnostics` of this batch."""
         items, layout = self.batch_items(batch)
         ac = dict(device_type=self.device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+        diagnose = diagnose and self.can_diagnose()
         if not self.cfg.cache_embeddings:
             with torch.autocast(**ac):
                 emb, x_t, has = self._embed(items)
-                loss, parts = self._loss_from(emb, x_t, has, layout)
+                res = self._loss_from(emb, x_t, has, layout, terms=diagnose)
+            loss, parts = res[:2]
+            if diagnose:
+                self.last_diagnostics = self.grad_diagnostics(res[2], (emb, x_t))
+                if self.diagnose_params:
+                    self.last_diagnostics["params"] = self._param_ratio(res[2], loss)
             scaled = loss * scale
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
             return loss.detach(), parts
@@ -384,7 +482,10 @@ class TMRLTrainer:
         x_t = None if xts[0] is None else torch.cat(xts).detach().requires_grad_(True)
         has = None if hass[0] is None else torch.cat(hass)
         with torch.autocast(**ac):
-            loss, parts = self._loss_from(emb, x_t, has, layout)
+            res = self._loss_from(emb, x_t, has, layout, terms=diagnose)
+        loss, parts = res[:2]
+        if diagnose:
+            self.last_diagnostics = self.grad_diagnostics(res[2], (emb, x_t))
         scaled = loss * scale
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         g_emb = emb.grad
@@ -471,6 +572,9 @@ class TMRLTrainer:
             logf = open(self.out / "log.jsonl", "a")
         t0 = time.time()
         last_loss = None
+        self.last_diagnostics, diagnostics = None, None
+        last_epoch = cfg.epochs - 1 if cfg.stop_after_epochs is None else min(cfg.epochs,
+                                                                            start_epoch + cfg.stop_after_epochs) - 1
         try:
             for epoch in range(start_epoch, cfg.epochs):
                 if cfg.max_steps is not None and step >= cfg.max_steps:
@@ -482,8 +586,13 @@ class TMRLTrainer:
                 acc: Dict[str, float] = {}
                 n_acc = 0
                 for bi, batch in enumerate(bar):
+                    ends_step = not (bi + 1) % cfg.grad_accum or bi + 1 == len(batches)
+                    final = ends_step and ((cfg.max_steps is not None and step + 1 >= cfg.max_steps)
+                                           or (epoch == last_epoch and bi + 1 == len(batches)))
                     loss, parts = self.backward_batch(batch, scale=1.0 / cfg.grad_accum, scaler=scaler,
-                                                      amp_dtype=amp_dtype)
+                                                      amp_dtype=amp_dtype, diagnose=final)
+                    if final and self.last_diagnostics is not None:
+                        diagnostics = {"step": step + 1, "epoch": epoch, **self.last_diagnostics}
                     for k, v in parts.items():
                         if isinstance(v, torch.Tensor) and v.numel() == 1:
                             acc[k] = acc.get(k, 0.0) + float(v)
@@ -528,7 +637,7 @@ class TMRLTrainer:
             if logf:
                 logf.close()
         model.eval()
-        return TMRLResult(step, history, last_loss, time.time() - t0)
+        return TMRLResult(step, history, last_loss, time.time() - t0, diagnostics)
 
 
 def train_tmrl(model, rows, config: Optional[TMRLConfig] = None, out_dir=None, *, resume: bool = False,

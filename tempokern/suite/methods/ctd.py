@@ -21,6 +21,37 @@ def _train_subset(ctx):
     return RetrievalDataset(f"{ctx.dataset.name}[suite-train]", ctx.dataset.records, qs, ctx.dataset.calendar)
 
 
+#: gallery positions sampled for the offset-bias diagnostics (pairs = BIAS_SAMPLE^2)
+BIAS_SAMPLE = 256
+
+
+def bias_diagnostics(model, u, *, sample: int = BIAS_SAMPLE, seed: int = 0) -> dict:
+    """What the trained relative-offset bias does, for results.json: its scale ε (initialised at 0), and the
+    largest |bias| over all ordered pairs of `sample` gallery positions `u` drawn without replacement (seeded):
+    in logit units (the scorer adds it to q.g / temperature), in cosine units (× temperature: the cosine change
+    it is worth) and of the unscaled MLP (the bias divided by ε). Cost: one (sample x sample) bias evaluation
+    (65,536 pairs x a 32-wide MLP at the default, ~4 MFLOP)."""
+    import torch
+    from ...nn.offset_bias import bias_params
+    from ... import offset_bias
+    u = u.detach().float().reshape(-1)
+    g = torch.Generator().manual_seed(int(seed))
+    idx = torch.randperm(u.numel(), generator=g)[:sample]
+    us = u[idx].contiguous()
+    w1, b1, w2, b2, scale = (p.detach().float().cpu() for p in bias_params(model.offset_bias))
+    with torch.no_grad():
+        mlp = offset_bias(us, us, w1, b1, w2, b2, torch.ones(()))
+    eps = float(scale)
+    max_mlp = float(mlp.abs().max()) if mlp.numel() else 0.0
+    # bias = eps * MLP: the max over the same pairs (computed as the op does, for the reader to compare)
+    with torch.no_grad():
+        max_bias = float(offset_bias(us, us, w1, b1, w2, b2, scale).abs().max()) if mlp.numel() else 0.0
+    return {"bias_scale": eps, "bias_max_abs": max_bias,
+            "bias_max_abs_cosine_units": max_bias * float(model.temperature),
+            "bias_mlp_max_abs": max_mlp, "bias_pairs": int(us.numel()) ** 2,
+            "bias_u_range": [float(us.min()), float(us.max())] if us.numel() else None}
+
+
 def run_ctd(variant: str):
     def run(ctx):
         import torch
@@ -46,6 +77,8 @@ def run_ctd(variant: str):
         gallery = ctx.gallery()
         doc_ids = [r.id for r in gallery]
         g_enc = model.encode([r.text for r in gallery], batch_size=b.eval_batch_size)
+        if model.use_bias:   # does the bias move scores at all? (diagnostics only, no effect on the runs)
+            info.update(bias_diagnostics(model, g_enc.u, seed=ctx.seed))
         runs = {}
         for split in ctx.eval_splits:
             qs = ctx.queries(split)

@@ -41,9 +41,15 @@ def _make_run(variant: str):
         dim_runs = runs_by_dim(model, ctx.dataset, ctx.eval_splits, dims, depth=ctx.depth,
                                batch_size=b.eval_batch_size)
         steps = [h for h in res.history if h.get("event") == "step"]
+        last = steps[-1] if steps else {}
         info = {"train_seconds": round(res.seconds, 1), "steps": res.steps, "rows": len(data),
                 "final_loss": res.final_loss, "resumed": resume, "dims": list(dims), **RECIPE,
-                "lr": cfg.lr, "last_step": steps[-1] if steps else None}
+                "lr": cfg.lr, "last_step": steps[-1] if steps else None,
+                # do the auxiliary terms move the model? the last step's parts (unweighted means) and the
+                # gradient diagnostics of its last micro-batch (TMRLTrainer.grad_diagnostics: the weighted
+                # terms and ||grad(beta L_Dist + gamma L_CKA)|| / ||grad L_total|| on the step's embeddings)
+                "final_parts": {k: last.get(k) for k in ("mrl", "temp", "dist", "cka", "total")} if last else None,
+                "grad_diagnostics": res.diagnostics}
         return MethodOutput(runs=dim_runs[dims[-1]], dim_runs=dim_runs, info=info,
                             embed=lambda texts: model.encode(list(texts), side="passage"))
     return run
