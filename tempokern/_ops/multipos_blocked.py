@@ -114,6 +114,39 @@ def stats_variant() -> str:
     return v
 
 
+GLUE_VARIANTS = ("fused", "torch")
+
+
+def glue_variant() -> str:
+    """The glue around the fused passes: TEMPOKERN_MPB_GLUE=fused (default: one prep kernel for the span
+    ranks and fallback flags, one finalize kernel per row block for the statistics merge, the hardest negative
+    and the loss, one workspace allocation) or torch (the torch ops measured on the H100 in the first GPU
+    session: sort / searchsorted / logsumexp / loss assembly, ~50 more ops per step). Same numbers."""
+    v = os.environ.get("TEMPOKERN_MPB_GLUE", "fused").strip().lower() or "fused"
+    if v not in GLUE_VARIANTS:
+        raise ValueError(f"TEMPOKERN_MPB_GLUE must be one of {GLUE_VARIANTS}, got {v!r}")
+    return v
+
+
+class _Workspace:
+    """The step's small arrays (int32 spans, fallback flags, the finalize counter, row / column statistics,
+    per-block partials) in one byte buffer: one allocation, raw pointers at 256-byte aligned offsets."""
+
+    def __init__(self):
+        self.size, self.offs, self.base = 0, {}, 0
+
+    def add(self, name: str, nbytes: int) -> None:
+        self.offs[name] = self.size
+        self.size += -(-max(int(nbytes), 1) // 256) * 256
+
+    def alloc(self, device: torch.device) -> None:
+        self.buf = torch.empty(self.size, dtype=torch.uint8, device=device)
+        self.base = self.buf.data_ptr()
+
+    def __getitem__(self, name: str) -> int:
+        return self.base + self.offs[name]
+
+
 def _budget(device: torch.device) -> int:
     env = os.environ.get("TEMPOKERN_BLOCK_BYTES")
     if env:
@@ -152,6 +185,11 @@ def tiling(R: int, C: int, device: torch.device):
     return TR, nct, nrt
 
 
+def _p(x) -> int:
+    """A kernel argument: a raw pointer (an int: workspace address) or a tensor's data pointer."""
+    return x if isinstance(x, int) else ptr(x)
+
+
 class _Launcher:
     """Common arguments of every kernel launch of one loss evaluation."""
 
@@ -166,11 +204,11 @@ class _Launcher:
         q_lo, q_hi, d_lo, d_hi = self.spans
         p = dict(S=ptr(S))
         if pos:
-            p.update(q_lo=ptr(q_lo), q_hi=ptr(q_hi), d_lo=ptr(d_lo), d_hi=ptr(d_hi), row_none=ptr(self.flags[0]),
-                     col_none=ptr(self.flags[1]))
+            p.update(q_lo=_p(q_lo), q_hi=_p(q_hi), d_lo=_p(d_lo), d_hi=_p(d_hi), row_none=_p(self.flags[0]),
+                     col_none=_p(self.flags[1]))
         if bias_mode == 1:
             p.update(u_q=ptr(self.u_q), u_d=ptr(self.u_d), table=ptr(self.table))
-        p.update({k: ptr(v) for k, v in extra.items() if v is not None})
+        p.update({k: _p(v) for k, v in extra.items() if v is not None})
         return p
 
     def launch(self, op, S, i0, *, pos, cols, bias_mode, dense=None, tiling_, nslots=1, slot0=0, gr=0.0, gc=0.0,
@@ -212,10 +250,11 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         q32, d32 = q.to(acc), d.to(acc)
     bias_mode = 1 if table is not None else (2 if exact is not None else 0)
     cols = col_weight != 0.0
-    spans = spans32(q_lo, q_hi, d_lo, d_hi)
-    flags = none_flags(*spans)
-    if row_none is not None:  # the caller knows more documents than this call's (CTDLoss's gathered column pass)
-        flags = (row_none, flags[1])
+    fused = glue_variant() == "fused" and Bq > 0 and Bd > 0
+    ws = None
+    if not fused:
+        spans = spans32(q_lo, q_hi, d_lo, d_hi)
+        flags = none_flags(*spans)
 
     def scores(a_rows, b):  # (R, H) x (C, H) -> (R, C)
         if cuda_path and q.device.type == "cpu":
@@ -237,6 +276,35 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     odtype = q.dtype if cuda_path else acc
     per_elem = _SIZE[sdtype] + _SIZE[odtype] + (2 * _SIZE[acc] if bias_mode == 2 else 0)
     R = block_rows(Bq, Bd, N, per_elem, q.device, requested_rows)
+    blocks = [(i0, min(R, Bq - i0)) for i0 in range(0, Bq, R)] if Bq else []
+    if fused:  # one workspace; the prep kernel writes the int32 spans and the fallback flags
+        asz = _SIZE[acc]
+        tls = {r: (tiling(r, Bd, q.device), tiling(r, N, q.device) if N else (1, 0, 1)) for _, r in blocks}
+        ws = _Workspace()
+        ws.add("spans", 4 * 2 * (Bq + Bd))
+        ws.add("flags", Bq + Bd)
+        ws.add("counter", 4)
+        ws.add("row_lse", 2 * Bq * asz)
+        ws.add("col_lse", 2 * Bd * asz)
+        ws.add("row_part", max(r * (tS[1] + tE[1]) * 2 for r, (tS, tE) in tls.items()) * asz)
+        if cols:
+            ws.add("col_part", max(tS[2] for tS, _ in tls.values()) * Bd * 2 * asz)
+        if want_hardest:
+            ws.add("hard_val", max(r * tS[1] for r, (tS, _) in tls.items()) * asz)
+            ws.add("hard_idx", max(r * tS[1] for r, (tS, _) in tls.items()) * 8)
+        ws.alloc(q.device)
+        dev, stream = launch_args(q)
+        b64 = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+               for t in (q_lo, q_hi, d_lo, d_hi)]
+        kernels().multipos_block_prep(dev, stream, [Bq, Bd, diag_offset],
+                                      dict(q_lo=ptr(b64[0]), q_hi=ptr(b64[1]), d_lo=ptr(b64[2]), d_hi=ptr(b64[3]),
+                                           spans32=ws["spans"], row_none=ws["flags"], col_none=ws["flags"] + Bq,
+                                           counter=ws["counter"]))
+        sp0 = ws["spans"]
+        spans = (sp0, sp0 + 4 * Bq, sp0 + 8 * Bq, sp0 + 8 * Bq + 4 * Bd)
+        flags = (ws["flags"], ws["flags"] + Bq)
+    if row_none is not None:  # the caller knows more documents than this call's (CTDLoss's gathered column pass)
+        flags = (row_none, flags[1])
     L = _Launcher(q, acc, odtype, inv_temp, diag_offset, spans, flags, u_q, u_d, table)
     w1 = b1 = w2 = b2 = scale = None
     if exact is not None:
@@ -247,13 +315,44 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
 
     keep = None
     hardest = torch.empty(Bq, dtype=torch.int64, device=q.device) if want_hardest else None
-    blocks = [(i0, min(R, Bq - i0)) for i0 in range(0, Bq, R)] if Bq else []
     single = len(blocks) == 1
-    row_lse = torch.empty(2, Bq, dtype=acc, device=q.device) if not single else None
-    col_lse = torch.full((Bd, 2), -math.inf, dtype=acc, device=q.device) if not single or Bd == 0 or not cols \
-        else None
     fwd_op = "fwd2" if stats_variant() == "v2" else "fwd"
-    for i0, r in blocks:
+    if fused:
+        loss = torch.empty((), dtype=acc, device=q.device)
+        row_lse, col_lse = ws["row_lse"], ws["col_lse"]
+        for b, (i0, r) in enumerate(blocks):
+            qb = q[i0:i0 + r]
+            S = scores(qb, d)
+            tS, tE = tls[r]
+            nslots = tS[1] + tE[1]
+            dense = dense_block(i0, r) if bias_mode == 2 else None
+            hv = hi = None
+            if want_hardest:
+                hv, hi = ws["hard_val"], ws["hard_idx"]
+            L.launch(fwd_op, S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS,
+                     nslots=nslots, slot0=0, row_part=ws["row_part"], col_part=ws["col_part"] if cols else None,
+                     hard_val=hv, hard_idx=hi)
+            E = None
+            if N:
+                E = scores(qb, extra_neg)
+                L.launch(fwd_op, E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, nslots=nslots,
+                         slot0=tS[1], row_part=ws["row_part"])
+            kernels().multipos_block_fin(
+                L.dev, L.stream, L.ad, [Bq, Bd, i0, r, nslots, tS[2], tS[1], int(cols), int(b == 0),
+                                        int(b == len(blocks) - 1)], [float(row_weight), float(col_weight)],
+                dict(row_part=ws["row_part"], col_part=ws["col_part"] if cols else 0, row_lse=row_lse,
+                     col_lse=col_lse, hard_val=hv or 0, hard_idx=hi or 0,
+                     hardest=0 if hardest is None else ptr(hardest), loss=ptr(loss), counter=ws["counter"]))
+            if single:
+                keep = (S, E, dense)
+            del S, E, dense
+        blocks_fwd = []
+    else:
+        blocks_fwd = blocks
+        row_lse = torch.empty(2, Bq, dtype=acc, device=q.device) if not single else None
+        col_lse = torch.full((Bd, 2), -math.inf, dtype=acc, device=q.device) if not single or Bd == 0 or not cols \
+            else None
+    for i0, r in blocks_fwd:
         qb = q[i0:i0 + r]
         S = scores(qb, d)
         tS = tiling(r, Bd, q.device)
@@ -285,17 +384,18 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
             if cols:
                 col_lse = torch.logaddexp(col_lse, torch.logsumexp(col_part, dim=0))
         del S, E, dense
-    if row_lse is None:  # no rows
-        row_lse = torch.empty(2, 0, dtype=acc, device=q.device)
-    col_lse = col_lse.t().contiguous()
+    if not fused:
+        if row_lse is None:  # no rows
+            row_lse = torch.empty(2, 0, dtype=acc, device=q.device)
+        col_lse = col_lse.t().contiguous()
 
-    tot = None  # sums in float64
-    if row_weight != 0.0:
-        tot = (row_lse[0] - row_lse[1]).double().mean() * row_weight
-    if cols:
-        tc = (col_lse[0] - col_lse[1]).double().mean() * col_weight
-        tot = tc if tot is None else tot + tc
-    loss = torch.zeros((), dtype=acc, device=q.device) if tot is None else tot.to(acc)
+        tot = None  # sums in float64
+        if row_weight != 0.0:
+            tot = (row_lse[0] - row_lse[1]).double().mean() * row_weight
+        if cols:
+            tc = (col_lse[0] - col_lse[1]).double().mean() * col_weight
+            tot = tc if tot is None else tot + tc
+        loss = torch.zeros((), dtype=acc, device=q.device) if tot is None else tot.to(acc)
     if not want_grad:
         return [loss] + [None] * 11 + [hardest]
 
