@@ -72,12 +72,15 @@ TK_BIND(multipos_block) {
             fail("unknown multipos_block op '" + op + "'");
           }
         });
-  // sizes: Bq, Bd, diag_offset. ptrs: q_lo, q_hi, d_lo, d_hi (int64), spans32, row_none, col_none, counter.
+  // sizes: Bq, Bd, diag_offset[, nzero]. ptrs: q_lo, q_hi, d_lo, d_hi (int64), spans32, row_none, col_none,
+  // counter[, zero].
   m.def("multipos_block_prep",
         [](int device, uintptr_t stream, const std::vector<int64_t>& sz, const Ptrs& m) {
-          if (sz.size() != 3) fail("multipos_block_prep: expected 3 sizes");
+          if (sz.size() != 3 && sz.size() != 4) fail("multipos_block_prep: expected 3 or 4 sizes");
           MultiposPrepParams p;
-          p.Bq = sz[0]; p.Bd = sz[1]; p.diag_offset = sz[2];
+          p.Bq = sz[0]; p.Bd = sz[1]; p.diag_offset = sz[2]; p.nzero = sz.size() == 4 ? sz[3] : 0;
+          p.zero = static_cast<double*>(get_mut(m, "zero"));
+          if (p.nzero < 0 || (p.nzero && !p.zero)) fail("multipos_block_prep: bad zero region");
           p.q_lo = static_cast<const int64_t*>(get(m, "q_lo")); p.q_hi = static_cast<const int64_t*>(get(m, "q_hi"));
           p.d_lo = static_cast<const int64_t*>(get(m, "d_lo")); p.d_hi = static_cast<const int64_t*>(get(m, "d_hi"));
           p.spans32 = static_cast<int32_t*>(get_mut(m, "spans32"));
@@ -116,6 +119,26 @@ TK_BIND(multipos_block) {
           if (p.last && (!p.loss || !p.counter)) fail("multipos_block_fin: the last launch needs loss and counter");
           run_on(device, [&] { multipos_block_fin_cpu(p); },
                  [&] { TK_CUDA_ONLY(multipos_block_fin_cuda(p, device, stream)); });
+        });
+  // adtype; sizes: Bq, Bd, i0, R, nct, nrt, P, nhist, first, last. ptrs: duq_part, dud_part, hist, dud_acc,
+  // du_q, du_d, dtable.
+  m.def("multipos_block_tgrad",
+        [](int device, uintptr_t stream, int adtype, const std::vector<int64_t>& sz, const Ptrs& m) {
+          if (sz.size() != 10) fail("multipos_block_tgrad: expected 10 sizes");
+          MultiposTableGradParams p;
+          p.adtype = to_dtype(adtype);
+          p.Bq = sz[0]; p.Bd = sz[1]; p.i0 = sz[2]; p.R = sz[3]; p.nct = sz[4]; p.nrt = sz[5]; p.P = sz[6];
+          p.nhist = sz[7]; p.first = sz[8] != 0; p.last = sz[9] != 0;
+          p.duq_part = get(m, "duq_part"); p.dud_part = get(m, "dud_part");
+          p.hist = static_cast<const double*>(get(m, "hist")); p.dud_acc = static_cast<double*>(get_mut(m, "dud_acc"));
+          p.du_q = get_mut(m, "du_q"); p.du_d = get_mut(m, "du_d"); p.dtable = get_mut(m, "dtable");
+          if (p.R < 0 || p.i0 < 0 || p.i0 + p.R > p.Bq || p.Bd < 0 || p.nct < 1 || p.nrt < 1 || p.P < 0 || p.nhist < 1)
+            fail("multipos_block_tgrad: bad sizes");
+          if ((p.R && (!p.duq_part || !p.du_q)) || (p.Bd && (!p.dud_part || !p.dud_acc || (p.last && !p.du_d))) ||
+              (p.last && p.P && (!p.hist || !p.dtable)))
+            fail("multipos_block_tgrad: missing buffers");
+          run_on(device, [&] { multipos_block_tgrad_cpu(p); },
+                 [&] { TK_CUDA_ONLY(multipos_block_tgrad_cuda(p, device, stream)); });
         });
 }
 

@@ -93,6 +93,8 @@ struct MultiposPrepParams {
   uint8_t* row_none = nullptr;  // (Bq,)
   uint8_t* col_none = nullptr;  // (Bd,)
   unsigned* counter = nullptr;  // optional: set to 0
+  double* zero = nullptr;       // optional: nzero float64 set to 0 (the table-gradient histogram)
+  int64_t nzero = 0;
 };
 
 // finalize (one launch per row block, after its forward passes): the block's row statistics from the
@@ -117,11 +119,30 @@ struct MultiposFinParams {
   unsigned* counter = nullptr;    // CUDA: the last-CTA counter, 0 before the launch
 };
 
+// table-bias gradient glue (one launch per row block, after its gradient pass): du_q[i0 + t] = sum over the
+// nct column tiles of duq_part[t, :]; dud_acc (float64, Bd) = (first ? 0 : dud_acc) + sum over the nrt row
+// tiles of dud_part[:, j] (in float64); on the last launch du_d = dud_acc and dtable[k] = sum over the nhist
+// rows of hist[:, k], both in the accumulation dtype (the torch glue's sums, in one launch).
+struct MultiposTableGradParams {
+  DType adtype = DType::F32;
+  int64_t Bq = 0, Bd = 0, i0 = 0, R = 0, nct = 1, nrt = 1, P = 0, nhist = 1;
+  bool first = true, last = true;
+  const void* duq_part = nullptr;  // (R, nct)
+  const void* dud_part = nullptr;  // (nrt, Bd)
+  const double* hist = nullptr;    // (nhist, P)
+  double* dud_acc = nullptr;       // (Bd,)
+  void* du_q = nullptr;            // (Bq,)
+  void* du_d = nullptr;            // (Bd,)
+  void* dtable = nullptr;          // (P,)
+};
+
 void multipos_block_prep_cpu(const MultiposPrepParams& p);
+void multipos_block_tgrad_cpu(const MultiposTableGradParams& p);
 void multipos_block_fin_cpu(const MultiposFinParams& p);
 #ifdef TK_WITH_CUDA
 void multipos_block_prep_cuda(const MultiposPrepParams& p, int device, uintptr_t stream);
 void multipos_block_fin_cuda(const MultiposFinParams& p, int device, uintptr_t stream);
+void multipos_block_tgrad_cuda(const MultiposTableGradParams& p, int device, uintptr_t stream);
 #endif
 
 void multipos_block_fwd_cpu(const MultiposBlockParams& p);

@@ -188,6 +188,7 @@ void multipos_block_prep_cpu(const MultiposPrepParams& p) {
   all.insert(all.end(), p.d_lo, p.d_lo + Bd);
   all.insert(all.end(), p.d_hi, p.d_hi + Bd);
   if (p.counter) *p.counter = 0u;
+  for (int64_t k = 0; k < p.nzero; ++k) p.zero[k] = 0.0;
   if (all.empty()) return;
   std::vector<int64_t> sorted = all;
   std::sort(sorted.begin(), sorted.end());
@@ -291,6 +292,36 @@ template <typename A> void fin(const MultiposFinParams& p) {
   *static_cast<A*>(p.loss) = (A)tot;
 }
 }  // namespace
+
+namespace {
+template <typename A> void tgrad(const MultiposTableGradParams& p) {
+  for (int64_t t = 0; t < p.R; ++t) {
+    const A* x = static_cast<const A*>(p.duq_part) + t * p.nct;
+    A s = 0;
+    for (int64_t c = 0; c < p.nct; ++c) s += x[c];
+    static_cast<A*>(p.du_q)[p.i0 + t] = s;
+  }
+  for (int64_t j = 0; j < p.Bd; ++j) {
+    double s = 0.0;
+    for (int64_t r = 0; r < p.nrt; ++r) s += (double)static_cast<const A*>(p.dud_part)[r * p.Bd + j];
+    const double v = p.first ? s : p.dud_acc[j] + s;
+    p.dud_acc[j] = v;
+    if (p.last) static_cast<A*>(p.du_d)[j] = (A)v;
+  }
+  if (p.last)
+    for (int64_t k = 0; k < p.P; ++k) {
+      double s = 0.0;
+      for (int64_t h = 0; h < p.nhist; ++h) s += p.hist[h * p.P + k];
+      static_cast<A*>(p.dtable)[k] = (A)s;
+    }
+}
+}  // namespace
+
+void multipos_block_tgrad_cpu(const MultiposTableGradParams& p) {
+  if (p.adtype == DType::F64) tgrad<double>(p);
+  else if (p.adtype == DType::F32) tgrad<float>(p);
+  else throw std::runtime_error("multipos_block tgrad: accumulation dtype must be float32 or float64");
+}
 
 void multipos_block_fin_cpu(const MultiposFinParams& p) {
   if (p.adtype == DType::F64) fin<double>(p);

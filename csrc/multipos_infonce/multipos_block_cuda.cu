@@ -939,6 +939,7 @@ __global__ void __launch_bounds__(kPrepThreads) mpb_prep_kernel(const MultiposPr
   };
   const int64_t t = (int64_t)blockIdx.x * kPrepThreads + tid;
   if (t == 0 && p.counter) *p.counter = 0u;
+  for (int64_t k = t; k < p.nzero; k += (int64_t)gridDim.x * kPrepThreads) p.zero[k] = 0.0;
   if (t < p.Bq) {
     const int64_t i = t;
     const long long lo = p.q_lo[i], hi = p.q_hi[i];
@@ -1053,11 +1054,26 @@ template <typename A> __global__ void __launch_bounds__(kFinThreads) mpb_fin_ker
   if (!last_cta) return;
   const volatile A* vrl = rl;
   const volatile A* vcl = cl;
-  double sr = 0.0, sc = 0.0;
-  if (p.row_weight != 0.0)
-    for (int64_t i = tid; i < p.Bq; i += kFinThreads) sr += (double)(A)(vrl[i] - vrl[p.Bq + i]);
-  if (p.cols)
-    for (int64_t j = tid; j < p.Bd; j += kFinThreads) sc += (double)(A)(vcl[j] - vcl[p.Bd + j]);
+  // 8 loads in flight per thread before their first use (volatile loads issue in order, stall at use)
+  constexpr int U = 8;
+  auto mean_diff = [&](const volatile A* x, int64_t n) {
+    double s = 0.0;
+    for (int64_t b = tid; b < n; b += (int64_t)U * kFinThreads) {
+      A a[U], c[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t k = b + (int64_t)u * kFinThreads;
+        a[u] = k < n ? x[k] : A(0);
+        c[u] = k < n ? x[n + k] : A(0);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (b + (int64_t)u * kFinThreads < n) s += (double)(A)(a[u] - c[u]);
+    }
+    return s;
+  };
+  const double sr = p.row_weight != 0.0 ? mean_diff(vrl, p.Bq) : 0.0;
+  const double sc = p.cols ? mean_diff(vcl, p.Bd) : 0.0;
   red[0][tid] = sr;
   red[1][tid] = sc;
   __syncthreads();
@@ -1084,7 +1100,46 @@ template <typename A> __global__ void __launch_bounds__(kFinThreads) mpb_fin_ker
   }
 }
 
+template <typename A> __global__ void __launch_bounds__(kFinThreads) mpb_tgrad_kernel(const MultiposTableGradParams p) {
+  const int64_t t = (int64_t)blockIdx.x * kFinThreads + threadIdx.x;
+  if (t < p.R) {
+    const A* x = static_cast<const A*>(p.duq_part) + t * p.nct;
+    A s = 0;
+    for (int64_t c = 0; c < p.nct; ++c) s += x[c];
+    static_cast<A*>(p.du_q)[p.i0 + t] = s;
+  } else if (t < p.R + p.Bd) {
+    const int64_t j = t - p.R;
+    const A* x = static_cast<const A*>(p.dud_part) + j;
+    double s = 0.0;
+    for (int64_t r = 0; r < p.nrt; ++r) s += (double)x[r * p.Bd];
+    const double v = p.first ? s : p.dud_acc[j] + s;
+    p.dud_acc[j] = v;
+    if (p.last) static_cast<A*>(p.du_d)[j] = (A)v;
+  } else if (p.last && t < p.R + p.Bd + p.P) {
+    const int64_t k = t - p.R - p.Bd;
+    double s = 0.0;
+    for (int64_t h = 0; h < p.nhist; ++h) s += p.hist[h * p.P + k];
+    static_cast<A*>(p.dtable)[k] = (A)s;
+  }
+}
+
 }  // namespace
+
+void multipos_block_tgrad_cuda(const MultiposTableGradParams& p, int device, uintptr_t stream) {
+  const int64_t n = p.R + p.Bd + (p.last ? p.P : 0);
+  if (n == 0) return;
+  cuda::set_device(device);
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  const unsigned grid = (unsigned)((n + kFinThreads - 1) / kFinThreads);
+  if (p.adtype == DType::F64) {
+    mpb_tgrad_kernel<double><<<grid, kFinThreads, 0, st>>>(p);
+  } else if (p.adtype == DType::F32) {
+    mpb_tgrad_kernel<float><<<grid, kFinThreads, 0, st>>>(p);
+  } else {
+    throw std::runtime_error("multipos_block tgrad: accumulation dtype must be float32 or float64");
+  }
+  cuda::check_launch();
+}
 
 void multipos_block_prep_cuda(const MultiposPrepParams& p, int device, uintptr_t stream) {
   const int64_t n = p.Bq + p.Bd;

@@ -292,14 +292,22 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         if want_hardest:
             ws.add("hard_val", max(r * tS[1] for r, (tS, _) in tls.items()) * asz)
             ws.add("hard_idx", max(r * tS[1] for r, (tS, _) in tls.items()) * 8)
+        nzero = 0
+        if bias_mode == 1 and want_grad:  # the table gradient's histogram (zeroed by prep) and partials
+            nh_t = max(1, max(tS[1] * tS[2] for tS, _ in tls.values()))
+            nzero = nh_t * table.numel()
+            ws.add("hist", nzero * 8)
+            ws.add("dud_acc", Bd * 8)
+            ws.add("duq_part", max(r * tS[1] for r, (tS, _) in tls.items()) * asz)
+            ws.add("dud_part", max(tS[2] for tS, _ in tls.values()) * Bd * asz)
         ws.alloc(q.device)
         dev, stream = launch_args(q)
         b64 = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
                for t in (q_lo, q_hi, d_lo, d_hi)]
-        kernels().multipos_block_prep(dev, stream, [Bq, Bd, diag_offset],
+        kernels().multipos_block_prep(dev, stream, [Bq, Bd, diag_offset, nzero],
                                       dict(q_lo=ptr(b64[0]), q_hi=ptr(b64[1]), d_lo=ptr(b64[2]), d_hi=ptr(b64[3]),
                                            spans32=ws["spans"], row_none=ws["flags"], col_none=ws["flags"] + Bq,
-                                           counter=ws["counter"]))
+                                           counter=ws["counter"], zero=ws["hist"] if nzero else 0))
         sp0 = ws["spans"]
         spans = (sp0, sp0 + 4 * Bq, sp0 + 8 * Bq, sp0 + 8 * Bq + 4 * Bd)
         flags = (ws["flags"], ws["flags"] + Bq)
@@ -407,7 +415,13 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     dd = torch.zeros(Bd, H, dtype=gdt, device=q.device) if not single else None
     dneg = torch.zeros(N, H, dtype=gdt, device=q.device) if N and not single else None
     du_q = du_d = dtable = hist = None
-    if bias_mode == 1:
+    tgrad = fused and bias_mode == 1  # the table gradient's sums in one kernel per block (multipos_block_tgrad)
+    if tgrad:
+        du_q = torch.empty(Bq, dtype=acc, device=q.device)
+        du_d = torch.empty(Bd, dtype=acc, device=q.device)
+        dtable = torch.empty(table.numel(), dtype=acc, device=q.device)
+        nh = nh_t
+    elif bias_mode == 1:
         du_q = torch.empty(Bq, dtype=acc, device=q.device)
         du_d = torch.zeros(Bd, dtype=torch.float64, device=q.device)
         nh = max(1, max(tiling(r, Bd, q.device)[1] * tiling(r, Bd, q.device)[2] for _, r in blocks)) if blocks else 1
@@ -418,7 +432,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         ex += [torch.zeros(t.shape, dtype=torch.float64, device=q.device) for t in exact]
     qops = q if not (cuda_path and q.device.type == "cpu") else q32
     dops = d if not (cuda_path and q.device.type == "cpu") else d32
-    for i0, r in blocks:
+    for b, (i0, r) in enumerate(blocks):
         qb = q[i0:i0 + r]
         if keep is not None:
             S, E, dense = keep
@@ -430,11 +444,19 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         dS = torch.empty(r, Bd, dtype=odtype, device=q.device)
         G = torch.empty(r, Bd, dtype=acc, device=q.device) if bias_mode == 2 else None
         outs = dict(row_lse=row_lse, col_lse=col_lse if cols else None, G=G)
-        if bias_mode == 1:
+        if tgrad:
+            outs.update(duq_part=ws["duq_part"], dud_part=ws["dud_part"], hist=ws["hist"])
+        elif bias_mode == 1:
             outs.update(duq_part=torch.empty(r, tS[1], dtype=acc, device=q.device),
                         dud_part=torch.empty(tS[2], Bd, dtype=acc, device=q.device), hist=hist)
         L.launch("bwd", S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS, gr=gr, gc=gc,
-                 dS=dS, nhist=0 if hist is None else hist.shape[0], **outs)
+                 dS=dS, nhist=nh if bias_mode == 1 else 0, **outs)
+        if tgrad:
+            kernels().multipos_block_tgrad(
+                L.dev, L.stream, L.ad, [Bq, Bd, i0, r, tS[1], tS[2], table.numel(), nh, int(b == 0),
+                                        int(b == len(blocks) - 1)],
+                dict(duq_part=ws["duq_part"], dud_part=ws["dud_part"], hist=ws["hist"], dud_acc=ws["dud_acc"],
+                     du_q=ptr(du_q), du_d=ptr(du_d), dtable=ptr(dtable)))
         del S, dense
         qbo = qops[i0:i0 + r]
         if single:  # one block: the products are the gradients, no accumulation
@@ -442,7 +464,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         else:
             dq[i0:i0 + r] = prod(dS, dops)
             prod_into(dd, dS.t(), qbo)
-        if bias_mode == 1:
+        if bias_mode == 1 and not tgrad:
             du_q[i0:i0 + r] = outs["duq_part"].sum(1)
             du_d += outs["dud_part"].double().sum(0)
         if bias_mode == 2:
@@ -465,7 +487,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
             del dE
         del E
         keep = None
-    if bias_mode == 1:
+    if bias_mode == 1 and not tgrad:
         dtable = hist.sum(0).to(acc)  # float64 totals, returned in the table's dtype
         du_d = du_d.to(acc)
     dexact = [None] * 5
