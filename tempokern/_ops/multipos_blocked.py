@@ -15,6 +15,12 @@ and bf16 dS. Extra memory: R x (C + N) x (score bytes + dS bytes) for the block 
 for the exact bias block and its gradient), O((B + N) H) for the gradients; never B x B unless one block
 holds it within the budget. The loss's gradient with respect to its output scale is linear, so the
 gradients are computed for d loss = 1 and scaled in backward.
+
+Glue (TEMPOKERN_MPB_GLUE, see glue_variant()): "fused" (default) runs one prep kernel (int32 spans, fallback
+flags) per step, one finalize kernel per row block (row / column statistics, hardest negative, loss) and, for
+the table bias, one tgrad kernel per row block, with every small array in one workspace allocation: 4 kernel
+launches and 8 launching torch ops per fwd+bwd step without bias (one block), against 2 kernels and 48 ops for
+"torch" (the glue measured on the H100). Counts: tests/test_multipos_launches.py, docs/DEVELOPING.md.
 """
 from __future__ import annotations
 
