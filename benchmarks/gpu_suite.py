@@ -53,15 +53,17 @@ import torch  # noqa: E402
 
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
-IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_prev", "tempokern_mrl_torch", "eager", "eager_chunked",
-         "compile", "matmul", "single")  # single: matryoshka_infonce's one-level yardstick
+IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch", "eager",
+         "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's one-level yardstick
 # tempokern_prev: ctd_topk at Q <= 16 with TEMPOKERN_TOPK_SERVE=0 (the path measured on the H100 on 2026-11-22;
 # "tempokern" is the serve kernels, default, not yet measured)
 # tempokern_mrl_torch: matryoshka_infonce with TEMPOKERN_MRL_CUDA=torch (the blocked torch path, the CUDA path
 # before the fused kernels; "tempokern" is the default fused kernels of matryoshka_block_cuda.cu; neither measured
 # on a GPU yet)
 # tempokern_stats_v2: the multipos loss with TEMPOKERN_MPB_STATS=v2 (the second-design statistics kernel, opt-in
-# until measured; "tempokern" is the default v1); --mpb-stats v1 leaves it out
+# until measured; "tempokern" is the default v1); --mpb-stats v1 leaves it out. tempokern_glue_torch: the same loss
+# with TEMPOKERN_MPB_GLUE=torch (the torch glue ops measured in the first GPU session, before the fused prep /
+# finalize kernels became the default): its time against "tempokern" is the launch overhead saved
 H, HIDDEN, D_FEAT, TEMPERATURE, TABLE_POINTS, MONTHS = 768, 32, 32, 0.05, 4097, 2030
 COMPILE_RESERVE_S = 60   # no torch.compile case starts with less of the time budget left
 
@@ -397,6 +399,9 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn, stats_v2: bool = True) -> Li
             if stats_v2 and mode != "exact":  # the variant column: the same op with the v2 statistics kernel
                 steps["tempokern_stats_v2"] = with_env(loss_step(lambda: tk().multipos_infonce),
                                                        "TEMPOKERN_MPB_STATS", "v2")
+            # the variant column of the glue: the torch ops around the passes instead of the prep / fin kernels
+            steps["tempokern_glue_torch"] = with_env(loss_step(lambda: tk().multipos_infonce),
+                                                     "TEMPOKERN_MPB_GLUE", "torch")
             cases.append(Case(
                 "multipos_infonce", label, f"B={B}",
                 make=(lambda s, B=B, mode=mode: loss_inputs(B, dev, dtype, s, mode)), steps=steps,

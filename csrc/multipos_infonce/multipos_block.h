@@ -79,6 +79,72 @@ struct MultiposBlockParams {
   int64_t nhist = 0;              // rows of hist: the CUDA grid size (nct * nrt), CPU: nrt
 };
 
+// ---- the glue around the passes (TEMPOKERN_MPB_GLUE=fused, the default; "torch" keeps the torch ops) ----
+//
+// prep (one launch per step, before the passes): from the int64 span bounds, the int32 bounds the passes
+// compare (shifted by the minimum of all bounds when max - min < 2^31 - 1, else each bound's rank = the count
+// of bounds smaller than it: both keep every comparison) and the fallback flags row_none / col_none (1 where
+// the row (column) overlaps no column (row); ov = max(lo) <= min(hi), as in the passes). It also zeroes the
+// finalize's block counter.
+struct MultiposPrepParams {
+  int64_t Bq = 0, Bd = 0, diag_offset = 0;
+  const int64_t *q_lo = nullptr, *q_hi = nullptr, *d_lo = nullptr, *d_hi = nullptr;
+  int32_t* spans32 = nullptr;  // (2 Bq + 2 Bd): q_lo, q_hi, d_lo, d_hi
+  uint8_t* row_none = nullptr;  // (Bq,)
+  uint8_t* col_none = nullptr;  // (Bd,)
+  unsigned* counter = nullptr;  // optional: set to 0
+  double* zero = nullptr;       // optional: nzero float64 set to 0 (the table-gradient histogram)
+  int64_t nzero = 0;
+};
+
+// finalize (one launch per row block, after its forward passes): the block's row statistics from the
+// per-(row, slot) partials (row_lse[:, i0:i0+R] = logsumexp over slots), the column statistics merged into
+// col_lse (first block: written, later ones: logaddexp), the hardest negative per row from its per-tile
+// partials; the last launch (last = true) also writes the loss: row_weight * mean_i(La_i - Lp_i) +
+// col_weight * mean_j(Ca_j - Cp_j) (sums in float64, each difference in the accumulation dtype), summed by
+// the grid's last CTA (a block counter, reset to 0 by that CTA). torch.logsumexp / torch.logaddexp semantics.
+struct MultiposFinParams {
+  DType adtype = DType::F32;
+  int64_t Bq = 0, Bd = 0, i0 = 0, R = 0, nslots = 1, nrt = 1, nct = 1;
+  bool cols = true, first = true, last = true;
+  const void* row_part = nullptr;  // (R, nslots, 2)
+  const void* col_part = nullptr;  // (nrt, Bd, 2)
+  void* row_lse = nullptr;         // (2, Bq)
+  void* col_lse = nullptr;         // (2, Bd)
+  const void* hard_val = nullptr;  // optional (R, nct) with hard_idx, written into hardest[i0 : i0 + R]
+  const int64_t* hard_idx = nullptr;
+  int64_t* hardest = nullptr;
+  double row_weight = 0.0, col_weight = 0.0;
+  void* loss = nullptr;           // () accumulation dtype (last launch)
+  unsigned* counter = nullptr;    // CUDA: the last-CTA counter, 0 before the launch
+};
+
+// table-bias gradient glue (one launch per row block, after its gradient pass): du_q[i0 + t] = sum over the
+// nct column tiles of duq_part[t, :]; dud_acc (float64, Bd) = (first ? 0 : dud_acc) + sum over the nrt row
+// tiles of dud_part[:, j] (in float64); on the last launch du_d = dud_acc and dtable[k] = sum over the nhist
+// rows of hist[:, k], both in the accumulation dtype (the torch glue's sums, in one launch).
+struct MultiposTableGradParams {
+  DType adtype = DType::F32;
+  int64_t Bq = 0, Bd = 0, i0 = 0, R = 0, nct = 1, nrt = 1, P = 0, nhist = 1;
+  bool first = true, last = true;
+  const void* duq_part = nullptr;  // (R, nct)
+  const void* dud_part = nullptr;  // (nrt, Bd)
+  const double* hist = nullptr;    // (nhist, P)
+  double* dud_acc = nullptr;       // (Bd,)
+  void* du_q = nullptr;            // (Bq,)
+  void* du_d = nullptr;            // (Bd,)
+  void* dtable = nullptr;          // (P,)
+};
+
+void multipos_block_prep_cpu(const MultiposPrepParams& p);
+void multipos_block_tgrad_cpu(const MultiposTableGradParams& p);
+void multipos_block_fin_cpu(const MultiposFinParams& p);
+#ifdef TK_WITH_CUDA
+void multipos_block_prep_cuda(const MultiposPrepParams& p, int device, uintptr_t stream);
+void multipos_block_fin_cuda(const MultiposFinParams& p, int device, uintptr_t stream);
+void multipos_block_tgrad_cuda(const MultiposTableGradParams& p, int device, uintptr_t stream);
+#endif
+
 void multipos_block_fwd_cpu(const MultiposBlockParams& p);
 void multipos_block_bwd_cpu(const MultiposBlockParams& p);
 #ifdef TK_WITH_CUDA

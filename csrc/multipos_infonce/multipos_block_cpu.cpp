@@ -177,4 +177,156 @@ void multipos_block_bwd_cpu(const MultiposBlockParams& p) {
   else bwd<float>(p);
 }
 
+// ---- glue twins (TEMPOKERN_MPB_GLUE=fused on CPU): the same outputs as the CUDA prep / fin kernels ----
+
+void multipos_block_prep_cpu(const MultiposPrepParams& p) {
+  const int64_t Bq = p.Bq, Bd = p.Bd;
+  std::vector<int64_t> all;
+  all.reserve(2 * (Bq + Bd));
+  all.insert(all.end(), p.q_lo, p.q_lo + Bq);
+  all.insert(all.end(), p.q_hi, p.q_hi + Bq);
+  all.insert(all.end(), p.d_lo, p.d_lo + Bd);
+  all.insert(all.end(), p.d_hi, p.d_hi + Bd);
+  if (p.counter) *p.counter = 0u;
+  for (int64_t k = 0; k < p.nzero; ++k) p.zero[k] = 0.0;
+  if (all.empty()) return;
+  std::vector<int64_t> sorted = all;
+  std::sort(sorted.begin(), sorted.end());
+  const int64_t mn = sorted.front(), mx = sorted.back();
+  const bool fits = (unsigned long long)mx - (unsigned long long)mn < 2147483647ull;
+  for (size_t k = 0; k < all.size(); ++k)  // shift, or rank = count of smaller bounds
+    p.spans32[k] = fits ? (int32_t)(all[k] - mn)
+                        : (int32_t)(std::lower_bound(sorted.begin(), sorted.end(), all[k]) - sorted.begin());
+  // overlaps of [lo, hi] with a set of intervals: none iff every partner starts after hi or ends before lo
+  // (with lo <= hi for every partner; an inverted partner never overlaps): counted by binary search on the
+  // partners' sorted starts and ends, O((Bq + Bd) log) as torch's none_flags
+  auto flags = [](const int64_t* lo, const int64_t* hi, int64_t n, const int64_t* plo, const int64_t* phi,
+                  int64_t m, uint8_t* out) {
+    std::vector<int64_t> s, e;
+    int64_t inverted = 0;
+    for (int64_t k = 0; k < m; ++k) {
+      if (plo[k] > phi[k]) { ++inverted; continue; }
+      s.push_back(plo[k]);
+      e.push_back(phi[k]);
+    }
+    std::sort(s.begin(), s.end());
+    std::sort(e.begin(), e.end());
+    const int64_t valid = m - inverted;
+    for (int64_t i = 0; i < n; ++i) {
+      if (lo[i] > hi[i]) { out[i] = 1; continue; }
+      const int64_t after = (int64_t)(s.end() - std::upper_bound(s.begin(), s.end(), hi[i]));
+      const int64_t before = (int64_t)(std::lower_bound(e.begin(), e.end(), lo[i]) - e.begin());
+      out[i] = valid - after - before == 0 ? 1 : 0;
+    }
+  };
+  flags(p.q_lo, p.q_hi, Bq, p.d_lo, p.d_hi, Bd, p.row_none);
+  flags(p.d_lo, p.d_hi, Bd, p.q_lo, p.q_hi, Bq, p.col_none);
+}
+
+namespace {
+template <typename A> A lse_strided(const A* x, int64_t n, int64_t st) {  // torch.logsumexp
+  A m = -std::numeric_limits<A>::infinity();
+  for (int64_t k = 0; k < n; ++k) {
+    const A v = x[k * st];
+    if (v != v || v > m) m = v;
+    if (m != m) break;
+  }
+  if (std::isinf(m)) m = A(0);
+  A s = 0;
+  for (int64_t k = 0; k < n; ++k) s += std::exp(x[k * st] - m);
+  return std::log(s) + m;
+}
+
+template <typename A> A logaddexp_(A a, A b) {  // torch.logaddexp
+  if (std::isinf(a) && a == b) return a;
+  const A m = std::max(a, b);
+  return m + std::log1p(std::exp(-std::abs(a - b)));
+}
+
+template <typename A> void fin(const MultiposFinParams& p) {
+  const A* rp = static_cast<const A*>(p.row_part);
+  const A* cp = static_cast<const A*>(p.col_part);
+  A* rl = static_cast<A*>(p.row_lse);
+  A* cl = static_cast<A*>(p.col_lse);
+  for (int64_t t = 0; t < p.R; ++t) {
+    const int64_t i = p.i0 + t;
+    rl[i] = lse_strided<A>(rp + t * p.nslots * 2, p.nslots, 2);
+    rl[p.Bq + i] = lse_strided<A>(rp + t * p.nslots * 2 + 1, p.nslots, 2);
+    if (p.hardest) {
+      const A* hv = static_cast<const A*>(p.hard_val) + t * p.nct;
+      const int64_t* hi = p.hard_idx + t * p.nct;
+      int64_t out = hi[0];
+      if (p.nct > 1) {
+        A best = hv[0];
+        for (int64_t c = 1; c < p.nct && best == best; ++c)
+          if (hv[c] != hv[c] || hv[c] > best) best = hv[c];
+        out = std::numeric_limits<int64_t>::max();
+        for (int64_t c = 0; c < p.nct; ++c)
+          if (hv[c] == best && hi[c] >= 0 && hi[c] < out) out = hi[c];
+        if (out == std::numeric_limits<int64_t>::max()) out = -1;
+      }
+      p.hardest[i] = out;
+    }
+  }
+  if (p.cols)
+    for (int64_t j = 0; j < p.Bd; ++j)
+      for (int k = 0; k < 2; ++k) {
+        const A v = lse_strided<A>(cp + j * 2 + k, p.nrt, p.Bd * 2);
+        cl[k * p.Bd + j] = p.first ? v : logaddexp_<A>(cl[k * p.Bd + j], v);
+      }
+  if (!p.last) return;
+  double tot = 0.0;
+  bool any = false;
+  if (p.row_weight != 0.0) {
+    double s = 0.0;
+    for (int64_t i = 0; i < p.Bq; ++i) s += (double)(A)(rl[i] - rl[p.Bq + i]);
+    tot = s / (double)p.Bq * p.row_weight;
+    any = true;
+  }
+  if (p.cols) {
+    double s = 0.0;
+    for (int64_t j = 0; j < p.Bd; ++j) s += (double)(A)(cl[j] - cl[p.Bd + j]);
+    const double tc = s / (double)p.Bd * p.col_weight;
+    tot = any ? tot + tc : tc;
+  }
+  *static_cast<A*>(p.loss) = (A)tot;
+}
+}  // namespace
+
+namespace {
+template <typename A> void tgrad(const MultiposTableGradParams& p) {
+  for (int64_t t = 0; t < p.R; ++t) {
+    const A* x = static_cast<const A*>(p.duq_part) + t * p.nct;
+    A s = 0;
+    for (int64_t c = 0; c < p.nct; ++c) s += x[c];
+    static_cast<A*>(p.du_q)[p.i0 + t] = s;
+  }
+  for (int64_t j = 0; j < p.Bd; ++j) {
+    double s = 0.0;
+    for (int64_t r = 0; r < p.nrt; ++r) s += (double)static_cast<const A*>(p.dud_part)[r * p.Bd + j];
+    const double v = p.first ? s : p.dud_acc[j] + s;
+    p.dud_acc[j] = v;
+    if (p.last) static_cast<A*>(p.du_d)[j] = (A)v;
+  }
+  if (p.last)
+    for (int64_t k = 0; k < p.P; ++k) {
+      double s = 0.0;
+      for (int64_t h = 0; h < p.nhist; ++h) s += p.hist[h * p.P + k];
+      static_cast<A*>(p.dtable)[k] = (A)s;
+    }
+}
+}  // namespace
+
+void multipos_block_tgrad_cpu(const MultiposTableGradParams& p) {
+  if (p.adtype == DType::F64) tgrad<double>(p);
+  else if (p.adtype == DType::F32) tgrad<float>(p);
+  else throw std::runtime_error("multipos_block tgrad: accumulation dtype must be float32 or float64");
+}
+
+void multipos_block_fin_cpu(const MultiposFinParams& p) {
+  if (p.adtype == DType::F64) fin<double>(p);
+  else if (p.adtype == DType::F32) fin<float>(p);
+  else throw std::runtime_error("multipos_block fin: accumulation dtype must be float32 or float64");
+}
+
 }  // namespace tk

@@ -7,9 +7,11 @@
 // in shared memory every 32 rows. The grid (nct x nrt) is sized by the driver to at least 4x the SM count.
 // Bytes per element: forward reads S once (4 B for float32 scores); backward reads S and writes dS once.
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 #include <type_traits>
 #include "common/cuda_utils.cuh"
 #include "multipos_infonce/multipos_block.h"
@@ -884,6 +886,285 @@ void multipos_block_bwd_cuda(const MultiposBlockParams& p, int device, uintptr_t
       }
     }
   });
+  cuda::check_launch();
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The glue kernels (TEMPOKERN_MPB_GLUE=fused): prep (spans and fallback flags) and fin (statistics merge,
+// hardest negative, loss). They replace ~50 torch ops per step (sort x4, searchsorted x4, the logsumexp
+// merges, the loss assembly); see multipos_block.h for what they compute.
+namespace {
+
+constexpr int kPrepThreads = 256;
+constexpr int kFinThreads = 256;
+
+// Prep: thread t owns row t (t < Bq) or column t - Bq. Every CTA first reduces the min and max of all
+// 2 (Bq + Bd) bounds (O(Bq + Bd) L2-resident loads per CTA, so that one launch suffices), then the thread
+// looks for one overlapping partner, starting at its diagonal partner (j = i + diag_offset, where the spans
+// of a query and its document usually overlap) and stopping at the first overlap: O(1) per row when the
+// diagonal overlaps, O(Bd) for a row without any (the fallback rows).
+__global__ void __launch_bounds__(kPrepThreads) mpb_prep_kernel(const MultiposPrepParams p) {
+  __shared__ long long smin[kPrepThreads], smax[kPrepThreads];
+  const int tid = threadIdx.x;
+  long long mn = LLONG_MAX, mx = LLONG_MIN;
+  const int64_t* arr[4] = {p.q_lo, p.q_hi, p.d_lo, p.d_hi};
+  const int64_t len[4] = {p.Bq, p.Bq, p.Bd, p.Bd};
+#pragma unroll
+  for (int a = 0; a < 4; ++a)
+    for (int64_t k = tid; k < len[a]; k += kPrepThreads) {
+      const long long v = (long long)__ldg(arr[a] + k);
+      mn = v < mn ? v : mn;
+      mx = v > mx ? v : mx;
+    }
+  smin[tid] = mn;
+  smax[tid] = mx;
+  __syncthreads();
+  for (int h = kPrepThreads / 2; h > 0; h >>= 1) {
+    if (tid < h) {
+      smin[tid] = smin[tid + h] < smin[tid] ? smin[tid + h] : smin[tid];
+      smax[tid] = smax[tid + h] > smax[tid] ? smax[tid + h] : smax[tid];
+    }
+    __syncthreads();
+  }
+  mn = smin[0];
+  mx = smax[0];
+  // max - min as unsigned: exact for any int64 pair with max >= min
+  const bool fits = (unsigned long long)mx - (unsigned long long)mn < 2147483647ull;
+  auto conv = [&](long long v) -> int32_t {
+    if (fits) return (int32_t)(v - mn);
+    long long c = 0;  // rank: bounds smaller than v (the rare path: a range past int32)
+    for (int a = 0; a < 4; ++a)
+      for (int64_t k = 0; k < len[a]; ++k) c += (long long)__ldg(arr[a] + k) < v;
+    return (int32_t)c;
+  };
+  const int64_t t = (int64_t)blockIdx.x * kPrepThreads + tid;
+  if (t == 0 && p.counter) *p.counter = 0u;
+  for (int64_t k = t; k < p.nzero; k += (int64_t)gridDim.x * kPrepThreads) p.zero[k] = 0.0;
+  if (t < p.Bq) {
+    const int64_t i = t;
+    const long long lo = p.q_lo[i], hi = p.q_hi[i];
+    bool found = false;
+    if (p.Bd > 0) {
+      int64_t j = (i + p.diag_offset) % p.Bd;
+      if (j < 0) j += p.Bd;
+      for (int64_t n = 0; n < p.Bd && !found; ++n) {
+        const long long dl = __ldg(p.d_lo + j), dh = __ldg(p.d_hi + j);
+        found = (lo > dl ? lo : dl) <= (hi < dh ? hi : dh);
+        if (++j == p.Bd) j = 0;
+      }
+    }
+    p.row_none[i] = found ? 0 : 1;
+    p.spans32[i] = conv(lo);
+    p.spans32[p.Bq + i] = conv(hi);
+  } else if (t < p.Bq + p.Bd) {
+    const int64_t j = t - p.Bq;
+    const long long lo = p.d_lo[j], hi = p.d_hi[j];
+    bool found = false;
+    if (p.Bq > 0) {
+      int64_t i = (j - p.diag_offset) % p.Bq;
+      if (i < 0) i += p.Bq;
+      for (int64_t n = 0; n < p.Bq && !found; ++n) {
+        const long long ql = __ldg(p.q_lo + i), qh = __ldg(p.q_hi + i);
+        found = (lo > ql ? lo : ql) <= (hi < qh ? hi : qh);
+        if (++i == p.Bq) i = 0;
+      }
+    }
+    p.col_none[j] = found ? 0 : 1;
+    p.spans32[2 * p.Bq + j] = conv(lo);
+    p.spans32[2 * p.Bq + p.Bd + j] = conv(hi);
+  }
+}
+
+template <typename A> __device__ __forceinline__ bool is_nan(A x) { return x != x; }
+// the libm functions (not the SFU approximations of the passes): the glue's few numbers follow torch's
+__device__ __forceinline__ float fexp(float x) { return expf(x); }
+__device__ __forceinline__ double fexp(double x) { return exp(x); }
+__device__ __forceinline__ float flog(float x) { return logf(x); }
+__device__ __forceinline__ double flog(double x) { return log(x); }
+__device__ __forceinline__ float flog1p(float x) { return log1pf(x); }
+__device__ __forceinline__ double flog1p(double x) { return log1p(x); }
+__device__ __forceinline__ float fabs_(float x) { return fabsf(x); }
+__device__ __forceinline__ double fabs_(double x) { return fabs(x); }
+
+// torch.logsumexp over n values at stride `st`: amax (NaN propagates), a +-inf maximum taken as 0, then
+// log(sum(exp(x - m))) + m.
+template <typename A> __device__ __forceinline__ A lse_n(const A* x, int64_t n, int64_t st) {
+  A m = ninf<A>();
+  for (int64_t k = 0; k < n; ++k) {
+    const A v = x[k * st];
+    if (is_nan(v) || v > m) m = v;
+    if (is_nan(m)) break;
+  }
+  if (m == std::numeric_limits<A>::infinity() || m == ninf<A>()) m = A(0);
+  A s = 0;
+  for (int64_t k = 0; k < n; ++k) s += fexp(x[k * st] - m);
+  return flog(s) + m;
+}
+
+// torch.logaddexp
+template <typename A> __device__ __forceinline__ A logaddexp_(A a, A b) {
+  if (a == b && (a == std::numeric_limits<A>::infinity() || a == ninf<A>())) return a;
+  const A m = a > b ? a : b;  // (std::max)
+  return m + flog1p(fexp(-fabs_(a - b)));
+}
+
+template <typename A> __global__ void __launch_bounds__(kFinThreads) mpb_fin_kernel(const MultiposFinParams p) {
+  __shared__ double red[2][kFinThreads];
+  __shared__ bool last_cta;
+  const int tid = threadIdx.x;
+  const int64_t t = (int64_t)blockIdx.x * kFinThreads + tid;
+  const A* rp = static_cast<const A*>(p.row_part);
+  const A* cp = static_cast<const A*>(p.col_part);
+  A* rl = static_cast<A*>(p.row_lse);
+  A* cl = static_cast<A*>(p.col_lse);
+  if (t < p.R) {
+    const int64_t i = p.i0 + t;
+    rl[i] = lse_n<A>(rp + t * p.nslots * 2, p.nslots, 2);
+    rl[p.Bq + i] = lse_n<A>(rp + t * p.nslots * 2 + 1, p.nslots, 2);
+    if (p.hardest) {
+      const A* hv = static_cast<const A*>(p.hard_val) + t * p.nct;
+      const int64_t* hi = p.hard_idx + t * p.nct;
+      int64_t out;
+      if (p.nct == 1) {
+        out = hi[0];
+      } else {  // merge_hardest: the max (NaN propagates), the lowest column among tiles equal to it
+        A best = hv[0];
+        for (int64_t c = 1; c < p.nct && !is_nan(best); ++c)
+          if (is_nan(hv[c]) || hv[c] > best) best = hv[c];
+        out = LLONG_MAX;
+        for (int64_t c = 0; c < p.nct; ++c)
+          if (hv[c] == best && hi[c] >= 0 && hi[c] < out) out = hi[c];
+        if (out == LLONG_MAX) out = -1;
+      }
+      p.hardest[i] = out;
+    }
+  } else if (p.cols && t < p.R + p.Bd) {
+    const int64_t j = t - p.R;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const A v = lse_n<A>(cp + j * 2 + k, p.nrt, p.Bd * 2);
+      cl[k * p.Bd + j] = p.first ? v : logaddexp_<A>(cl[k * p.Bd + j], v);
+    }
+  }
+  if (!p.last) return;  // uniform: every thread of every CTA
+  __threadfence();      // this CTA's statistics visible to the last CTA
+  __syncthreads();
+  if (tid == 0) last_cta = atomicAdd(p.counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last_cta) return;
+  const volatile A* vrl = rl;
+  const volatile A* vcl = cl;
+  // 8 loads in flight per thread before their first use (volatile loads issue in order, stall at use)
+  constexpr int U = 8;
+  auto mean_diff = [&](const volatile A* x, int64_t n) {
+    double s = 0.0;
+    for (int64_t b = tid; b < n; b += (int64_t)U * kFinThreads) {
+      A a[U], c[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t k = b + (int64_t)u * kFinThreads;
+        a[u] = k < n ? x[k] : A(0);
+        c[u] = k < n ? x[n + k] : A(0);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (b + (int64_t)u * kFinThreads < n) s += (double)(A)(a[u] - c[u]);
+    }
+    return s;
+  };
+  const double sr = p.row_weight != 0.0 ? mean_diff(vrl, p.Bq) : 0.0;
+  const double sc = p.cols ? mean_diff(vcl, p.Bd) : 0.0;
+  red[0][tid] = sr;
+  red[1][tid] = sc;
+  __syncthreads();
+  for (int h = kFinThreads / 2; h > 0; h >>= 1) {
+    if (tid < h) {
+      red[0][tid] += red[0][tid + h];
+      red[1][tid] += red[1][tid + h];
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    double tot = 0.0;
+    bool any = false;
+    if (p.row_weight != 0.0) {
+      tot = red[0][0] / (double)p.Bq * p.row_weight;
+      any = true;
+    }
+    if (p.cols) {
+      const double tc = red[1][0] / (double)p.Bd * p.col_weight;
+      tot = any ? tot + tc : tc;
+    }
+    *static_cast<A*>(p.loss) = (A)tot;
+    *p.counter = 0u;  // ready for the next step
+  }
+}
+
+template <typename A> __global__ void __launch_bounds__(kFinThreads) mpb_tgrad_kernel(const MultiposTableGradParams p) {
+  const int64_t t = (int64_t)blockIdx.x * kFinThreads + threadIdx.x;
+  if (t < p.R) {
+    const A* x = static_cast<const A*>(p.duq_part) + t * p.nct;
+    A s = 0;
+    for (int64_t c = 0; c < p.nct; ++c) s += x[c];
+    static_cast<A*>(p.du_q)[p.i0 + t] = s;
+  } else if (t < p.R + p.Bd) {
+    const int64_t j = t - p.R;
+    const A* x = static_cast<const A*>(p.dud_part) + j;
+    double s = 0.0;
+    for (int64_t r = 0; r < p.nrt; ++r) s += (double)x[r * p.Bd];
+    const double v = p.first ? s : p.dud_acc[j] + s;
+    p.dud_acc[j] = v;
+    if (p.last) static_cast<A*>(p.du_d)[j] = (A)v;
+  } else if (p.last && t < p.R + p.Bd + p.P) {
+    const int64_t k = t - p.R - p.Bd;
+    double s = 0.0;
+    for (int64_t h = 0; h < p.nhist; ++h) s += p.hist[h * p.P + k];
+    static_cast<A*>(p.dtable)[k] = (A)s;
+  }
+}
+
+}  // namespace
+
+void multipos_block_tgrad_cuda(const MultiposTableGradParams& p, int device, uintptr_t stream) {
+  const int64_t n = p.R + p.Bd + (p.last ? p.P : 0);
+  if (n == 0) return;
+  cuda::set_device(device);
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  const unsigned grid = (unsigned)((n + kFinThreads - 1) / kFinThreads);
+  if (p.adtype == DType::F64) {
+    mpb_tgrad_kernel<double><<<grid, kFinThreads, 0, st>>>(p);
+  } else if (p.adtype == DType::F32) {
+    mpb_tgrad_kernel<float><<<grid, kFinThreads, 0, st>>>(p);
+  } else {
+    throw std::runtime_error("multipos_block tgrad: accumulation dtype must be float32 or float64");
+  }
+  cuda::check_launch();
+}
+
+void multipos_block_prep_cuda(const MultiposPrepParams& p, int device, uintptr_t stream) {
+  const int64_t n = p.Bq + p.Bd;
+  if (n == 0) return;
+  cuda::set_device(device);
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  const unsigned grid = (unsigned)((n + kPrepThreads - 1) / kPrepThreads);
+  mpb_prep_kernel<<<grid, kPrepThreads, 0, st>>>(p);
+  cuda::check_launch();
+}
+
+void multipos_block_fin_cuda(const MultiposFinParams& p, int device, uintptr_t stream) {
+  const int64_t n = p.R + (p.cols ? p.Bd : 0);
+  if (n == 0 && !p.last) return;
+  if (p.last && !p.counter) throw std::runtime_error("multipos_block fin: the last launch needs the counter");
+  cuda::set_device(device);
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  const unsigned grid = (unsigned)std::max<int64_t>(1, (n + kFinThreads - 1) / kFinThreads);
+  if (p.adtype == DType::F64) {
+    mpb_fin_kernel<double><<<grid, kFinThreads, 0, st>>>(p);
+  } else if (p.adtype == DType::F32) {
+    mpb_fin_kernel<float><<<grid, kFinThreads, 0, st>>>(p);
+  } else {
+    throw std::runtime_error("multipos_block fin: accumulation dtype must be float32 or float64");
+  }
   cuda::check_launch();
 }
 

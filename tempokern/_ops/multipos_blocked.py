@@ -15,6 +15,12 @@ and bf16 dS. Extra memory: R x (C + N) x (score bytes + dS bytes) for the block 
 for the exact bias block and its gradient), O((B + N) H) for the gradients; never B x B unless one block
 holds it within the budget. The loss's gradient with respect to its output scale is linear, so the
 gradients are computed for d loss = 1 and scaled in backward.
+
+Glue (TEMPOKERN_MPB_GLUE, see glue_variant()): "fused" (default) runs one prep kernel (int32 spans, fallback
+flags) per step, one finalize kernel per row block (row / column statistics, hardest negative, loss) and, for
+the table bias, one tgrad kernel per row block, with every small array in one workspace allocation: 4 kernel
+launches and 8 launching torch ops per fwd+bwd step without bias (one block), against 2 kernels and 48 ops for
+"torch" (the glue measured on the H100). Counts: tests/test_multipos_launches.py, docs/DEVELOPING.md.
 """
 from __future__ import annotations
 
@@ -114,6 +120,39 @@ def stats_variant() -> str:
     return v
 
 
+GLUE_VARIANTS = ("fused", "torch")
+
+
+def glue_variant() -> str:
+    """The glue around the fused passes: TEMPOKERN_MPB_GLUE=fused (default: one prep kernel for the span
+    ranks and fallback flags, one finalize kernel per row block for the statistics merge, the hardest negative
+    and the loss, one workspace allocation) or torch (the torch ops measured on the H100 in the first GPU
+    session: sort / searchsorted / logsumexp / loss assembly, ~50 more ops per step). Same numbers."""
+    v = os.environ.get("TEMPOKERN_MPB_GLUE", "fused").strip().lower() or "fused"
+    if v not in GLUE_VARIANTS:
+        raise ValueError(f"TEMPOKERN_MPB_GLUE must be one of {GLUE_VARIANTS}, got {v!r}")
+    return v
+
+
+class _Workspace:
+    """The step's small arrays (int32 spans, fallback flags, the finalize counter, row / column statistics,
+    per-block partials) in one byte buffer: one allocation, raw pointers at 256-byte aligned offsets."""
+
+    def __init__(self):
+        self.size, self.offs, self.base = 0, {}, 0
+
+    def add(self, name: str, nbytes: int) -> None:
+        self.offs[name] = self.size
+        self.size += -(-max(int(nbytes), 1) // 256) * 256
+
+    def alloc(self, device: torch.device) -> None:
+        self.buf = torch.empty(self.size, dtype=torch.uint8, device=device)
+        self.base = self.buf.data_ptr()
+
+    def __getitem__(self, name: str) -> int:
+        return self.base + self.offs[name]
+
+
 def _budget(device: torch.device) -> int:
     env = os.environ.get("TEMPOKERN_BLOCK_BYTES")
     if env:
@@ -152,6 +191,11 @@ def tiling(R: int, C: int, device: torch.device):
     return TR, nct, nrt
 
 
+def _p(x) -> int:
+    """A kernel argument: a raw pointer (an int: workspace address) or a tensor's data pointer."""
+    return x if isinstance(x, int) else ptr(x)
+
+
 class _Launcher:
     """Common arguments of every kernel launch of one loss evaluation."""
 
@@ -166,11 +210,11 @@ class _Launcher:
         q_lo, q_hi, d_lo, d_hi = self.spans
         p = dict(S=ptr(S))
         if pos:
-            p.update(q_lo=ptr(q_lo), q_hi=ptr(q_hi), d_lo=ptr(d_lo), d_hi=ptr(d_hi), row_none=ptr(self.flags[0]),
-                     col_none=ptr(self.flags[1]))
+            p.update(q_lo=_p(q_lo), q_hi=_p(q_hi), d_lo=_p(d_lo), d_hi=_p(d_hi), row_none=_p(self.flags[0]),
+                     col_none=_p(self.flags[1]))
         if bias_mode == 1:
             p.update(u_q=ptr(self.u_q), u_d=ptr(self.u_d), table=ptr(self.table))
-        p.update({k: ptr(v) for k, v in extra.items() if v is not None})
+        p.update({k: _p(v) for k, v in extra.items() if v is not None})
         return p
 
     def launch(self, op, S, i0, *, pos, cols, bias_mode, dense=None, tiling_, nslots=1, slot0=0, gr=0.0, gc=0.0,
@@ -212,10 +256,11 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         q32, d32 = q.to(acc), d.to(acc)
     bias_mode = 1 if table is not None else (2 if exact is not None else 0)
     cols = col_weight != 0.0
-    spans = spans32(q_lo, q_hi, d_lo, d_hi)
-    flags = none_flags(*spans)
-    if row_none is not None:  # the caller knows more documents than this call's (CTDLoss's gathered column pass)
-        flags = (row_none, flags[1])
+    fused = glue_variant() == "fused" and Bq > 0 and Bd > 0
+    ws = None
+    if not fused:
+        spans = spans32(q_lo, q_hi, d_lo, d_hi)
+        flags = none_flags(*spans)
 
     def scores(a_rows, b):  # (R, H) x (C, H) -> (R, C)
         if cuda_path and q.device.type == "cpu":
@@ -237,6 +282,43 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     odtype = q.dtype if cuda_path else acc
     per_elem = _SIZE[sdtype] + _SIZE[odtype] + (2 * _SIZE[acc] if bias_mode == 2 else 0)
     R = block_rows(Bq, Bd, N, per_elem, q.device, requested_rows)
+    blocks = [(i0, min(R, Bq - i0)) for i0 in range(0, Bq, R)] if Bq else []
+    if fused:  # one workspace; the prep kernel writes the int32 spans and the fallback flags
+        asz = _SIZE[acc]
+        tls = {r: (tiling(r, Bd, q.device), tiling(r, N, q.device) if N else (1, 0, 1)) for _, r in blocks}
+        ws = _Workspace()
+        ws.add("spans", 4 * 2 * (Bq + Bd))
+        ws.add("flags", Bq + Bd)
+        ws.add("counter", 4)
+        ws.add("row_lse", 2 * Bq * asz)
+        ws.add("col_lse", 2 * Bd * asz)
+        ws.add("row_part", max(r * (tS[1] + tE[1]) * 2 for r, (tS, tE) in tls.items()) * asz)
+        if cols:
+            ws.add("col_part", max(tS[2] for tS, _ in tls.values()) * Bd * 2 * asz)
+        if want_hardest:
+            ws.add("hard_val", max(r * tS[1] for r, (tS, _) in tls.items()) * asz)
+            ws.add("hard_idx", max(r * tS[1] for r, (tS, _) in tls.items()) * 8)
+        nzero = 0
+        if bias_mode == 1 and want_grad:  # the table gradient's histogram (zeroed by prep) and partials
+            nh_t = max(1, max(tS[1] * tS[2] for tS, _ in tls.values()))
+            nzero = nh_t * table.numel()
+            ws.add("hist", nzero * 8)
+            ws.add("dud_acc", Bd * 8)
+            ws.add("duq_part", max(r * tS[1] for r, (tS, _) in tls.items()) * asz)
+            ws.add("dud_part", max(tS[2] for tS, _ in tls.values()) * Bd * asz)
+        ws.alloc(q.device)
+        dev, stream = launch_args(q)
+        b64 = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+               for t in (q_lo, q_hi, d_lo, d_hi)]
+        kernels().multipos_block_prep(dev, stream, [Bq, Bd, diag_offset, nzero],
+                                      dict(q_lo=ptr(b64[0]), q_hi=ptr(b64[1]), d_lo=ptr(b64[2]), d_hi=ptr(b64[3]),
+                                           spans32=ws["spans"], row_none=ws["flags"], col_none=ws["flags"] + Bq,
+                                           counter=ws["counter"], zero=ws["hist"] if nzero else 0))
+        sp0 = ws["spans"]
+        spans = (sp0, sp0 + 4 * Bq, sp0 + 8 * Bq, sp0 + 8 * Bq + 4 * Bd)
+        flags = (ws["flags"], ws["flags"] + Bq)
+    if row_none is not None:  # the caller knows more documents than this call's (CTDLoss's gathered column pass)
+        flags = (row_none, flags[1])
     L = _Launcher(q, acc, odtype, inv_temp, diag_offset, spans, flags, u_q, u_d, table)
     w1 = b1 = w2 = b2 = scale = None
     if exact is not None:
@@ -247,13 +329,44 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
 
     keep = None
     hardest = torch.empty(Bq, dtype=torch.int64, device=q.device) if want_hardest else None
-    blocks = [(i0, min(R, Bq - i0)) for i0 in range(0, Bq, R)] if Bq else []
     single = len(blocks) == 1
-    row_lse = torch.empty(2, Bq, dtype=acc, device=q.device) if not single else None
-    col_lse = torch.full((Bd, 2), -math.inf, dtype=acc, device=q.device) if not single or Bd == 0 or not cols \
-        else None
     fwd_op = "fwd2" if stats_variant() == "v2" else "fwd"
-    for i0, r in blocks:
+    if fused:
+        loss = torch.empty((), dtype=acc, device=q.device)
+        row_lse, col_lse = ws["row_lse"], ws["col_lse"]
+        for b, (i0, r) in enumerate(blocks):
+            qb = q[i0:i0 + r]
+            S = scores(qb, d)
+            tS, tE = tls[r]
+            nslots = tS[1] + tE[1]
+            dense = dense_block(i0, r) if bias_mode == 2 else None
+            hv = hi = None
+            if want_hardest:
+                hv, hi = ws["hard_val"], ws["hard_idx"]
+            L.launch(fwd_op, S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS,
+                     nslots=nslots, slot0=0, row_part=ws["row_part"], col_part=ws["col_part"] if cols else None,
+                     hard_val=hv, hard_idx=hi)
+            E = None
+            if N:
+                E = scores(qb, extra_neg)
+                L.launch(fwd_op, E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, nslots=nslots,
+                         slot0=tS[1], row_part=ws["row_part"])
+            kernels().multipos_block_fin(
+                L.dev, L.stream, L.ad, [Bq, Bd, i0, r, nslots, tS[2], tS[1], int(cols), int(b == 0),
+                                        int(b == len(blocks) - 1)], [float(row_weight), float(col_weight)],
+                dict(row_part=ws["row_part"], col_part=ws["col_part"] if cols else 0, row_lse=row_lse,
+                     col_lse=col_lse, hard_val=hv or 0, hard_idx=hi or 0,
+                     hardest=0 if hardest is None else ptr(hardest), loss=ptr(loss), counter=ws["counter"]))
+            if single:
+                keep = (S, E, dense)
+            del S, E, dense
+        blocks_fwd = []
+    else:
+        blocks_fwd = blocks
+        row_lse = torch.empty(2, Bq, dtype=acc, device=q.device) if not single else None
+        col_lse = torch.full((Bd, 2), -math.inf, dtype=acc, device=q.device) if not single or Bd == 0 or not cols \
+            else None
+    for i0, r in blocks_fwd:
         qb = q[i0:i0 + r]
         S = scores(qb, d)
         tS = tiling(r, Bd, q.device)
@@ -285,17 +398,18 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
             if cols:
                 col_lse = torch.logaddexp(col_lse, torch.logsumexp(col_part, dim=0))
         del S, E, dense
-    if row_lse is None:  # no rows
-        row_lse = torch.empty(2, 0, dtype=acc, device=q.device)
-    col_lse = col_lse.t().contiguous()
+    if not fused:
+        if row_lse is None:  # no rows
+            row_lse = torch.empty(2, 0, dtype=acc, device=q.device)
+        col_lse = col_lse.t().contiguous()
 
-    tot = None  # sums in float64
-    if row_weight != 0.0:
-        tot = (row_lse[0] - row_lse[1]).double().mean() * row_weight
-    if cols:
-        tc = (col_lse[0] - col_lse[1]).double().mean() * col_weight
-        tot = tc if tot is None else tot + tc
-    loss = torch.zeros((), dtype=acc, device=q.device) if tot is None else tot.to(acc)
+        tot = None  # sums in float64
+        if row_weight != 0.0:
+            tot = (row_lse[0] - row_lse[1]).double().mean() * row_weight
+        if cols:
+            tc = (col_lse[0] - col_lse[1]).double().mean() * col_weight
+            tot = tc if tot is None else tot + tc
+        loss = torch.zeros((), dtype=acc, device=q.device) if tot is None else tot.to(acc)
     if not want_grad:
         return [loss] + [None] * 11 + [hardest]
 
@@ -307,7 +421,13 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     dd = torch.zeros(Bd, H, dtype=gdt, device=q.device) if not single else None
     dneg = torch.zeros(N, H, dtype=gdt, device=q.device) if N and not single else None
     du_q = du_d = dtable = hist = None
-    if bias_mode == 1:
+    tgrad = fused and bias_mode == 1  # the table gradient's sums in one kernel per block (multipos_block_tgrad)
+    if tgrad:
+        du_q = torch.empty(Bq, dtype=acc, device=q.device)
+        du_d = torch.empty(Bd, dtype=acc, device=q.device)
+        dtable = torch.empty(table.numel(), dtype=acc, device=q.device)
+        nh = nh_t
+    elif bias_mode == 1:
         du_q = torch.empty(Bq, dtype=acc, device=q.device)
         du_d = torch.zeros(Bd, dtype=torch.float64, device=q.device)
         nh = max(1, max(tiling(r, Bd, q.device)[1] * tiling(r, Bd, q.device)[2] for _, r in blocks)) if blocks else 1
@@ -318,7 +438,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         ex += [torch.zeros(t.shape, dtype=torch.float64, device=q.device) for t in exact]
     qops = q if not (cuda_path and q.device.type == "cpu") else q32
     dops = d if not (cuda_path and q.device.type == "cpu") else d32
-    for i0, r in blocks:
+    for b, (i0, r) in enumerate(blocks):
         qb = q[i0:i0 + r]
         if keep is not None:
             S, E, dense = keep
@@ -330,11 +450,19 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         dS = torch.empty(r, Bd, dtype=odtype, device=q.device)
         G = torch.empty(r, Bd, dtype=acc, device=q.device) if bias_mode == 2 else None
         outs = dict(row_lse=row_lse, col_lse=col_lse if cols else None, G=G)
-        if bias_mode == 1:
+        if tgrad:
+            outs.update(duq_part=ws["duq_part"], dud_part=ws["dud_part"], hist=ws["hist"])
+        elif bias_mode == 1:
             outs.update(duq_part=torch.empty(r, tS[1], dtype=acc, device=q.device),
                         dud_part=torch.empty(tS[2], Bd, dtype=acc, device=q.device), hist=hist)
         L.launch("bwd", S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS, gr=gr, gc=gc,
-                 dS=dS, nhist=0 if hist is None else hist.shape[0], **outs)
+                 dS=dS, nhist=nh if bias_mode == 1 else 0, **outs)
+        if tgrad:
+            kernels().multipos_block_tgrad(
+                L.dev, L.stream, L.ad, [Bq, Bd, i0, r, tS[1], tS[2], table.numel(), nh, int(b == 0),
+                                        int(b == len(blocks) - 1)],
+                dict(duq_part=ws["duq_part"], dud_part=ws["dud_part"], hist=ws["hist"], dud_acc=ws["dud_acc"],
+                     du_q=ptr(du_q), du_d=ptr(du_d), dtable=ptr(dtable)))
         del S, dense
         qbo = qops[i0:i0 + r]
         if single:  # one block: the products are the gradients, no accumulation
@@ -342,7 +470,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         else:
             dq[i0:i0 + r] = prod(dS, dops)
             prod_into(dd, dS.t(), qbo)
-        if bias_mode == 1:
+        if bias_mode == 1 and not tgrad:
             du_q[i0:i0 + r] = outs["duq_part"].sum(1)
             du_d += outs["dud_part"].double().sum(0)
         if bias_mode == 2:
@@ -365,7 +493,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
             del dE
         del E
         keep = None
-    if bias_mode == 1:
+    if bias_mode == 1 and not tgrad:
         dtable = hist.sum(0).to(acc)  # float64 totals, returned in the table's dtype
         du_d = du_d.to(acc)
     dexact = [None] * 5

@@ -236,6 +236,8 @@ def _blocked_setup(ctx, inputs, output):
 
 def _blocked_backward(ctx, grads):
     g = grads[0]
+    if g is None:  # (grads are not materialised in eager mode: no gradient reached the loss)
+        return (None,) * 23
     if not ctx.want_grad:
         raise RuntimeError("multipos_infonce: backward was called, but the forward ran without gradients (no input "
                            "required grad, or grad mode was off); call it again with grad enabled")
@@ -263,6 +265,7 @@ class _BlockedEager(torch.autograd.Function):
         out = _blocked_impl(*inputs)
         _blocked_setup(ctx, inputs, out)
         ctx.mark_non_differentiable(*out[1:])
+        ctx.set_materialize_grads(False)  # no zeros for the 12 non-differentiable outputs (backward ignores them)
         return tuple(out)
 
     @staticmethod
