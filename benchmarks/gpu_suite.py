@@ -1031,7 +1031,7 @@ class Suite:
             if not math.isnan(fl):
                 self.emit(case, "tempokern", "floor_ms", fl, how)
         if agreement and case.agree:
-            self.agreement(case, sets[0], [i for i in ("tempokern", "tempokern_stats_v2", "tempokern_prev",
+            self.agreement(case, sets[0], [i for i in ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_prev",
                                                        "tempokern_mrl_torch", "eager")
                                            if i in impls and i in case.steps])
         del sets
