@@ -122,8 +122,9 @@ def test_twice_torch_error(variant, dtype, gpu, monkeypatch):
 @pytest.mark.parametrize("sms,per_sm", [(1, 2), (58, None), (108, None), (132, None)])
 def test_v2_grid_at_sm_counts(sms, per_sm, gpu, monkeypatch):
     # v2's grid is min(row groups / 8 warps, _CTAS_PER_SM_V2 x SMs) CTAs of 8 warps. One SM and 2 CTAs per SM:
-    # 16 warps walk 130 groups of 8 rows (260 of 4 in float64), every warp loops; at 58 / 108 / 132 SMs with
-    # the real factor, 17 CTAs (33 in float64), the last partial.
+    # 16 warps walk 130 groups of 8 rows (context; 260 of 4 rows for the scalar op and float64 context, 519 of 2
+    # for the float64 scalar op), every warp loops; at 58 / 108 / 132 SMs with the real factor, 17 to 65 CTAs,
+    # the last partial.
     import tempokern._ops.common as common
     from tempokern._ops import calendar as cal
     monkeypatch.setenv("TEMPOKERN_CALENDAR", "v2")

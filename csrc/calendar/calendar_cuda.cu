@@ -358,7 +358,15 @@ namespace v2 {
 constexpr int kW2 = 8;    // warps per CTA
 constexpr int kCPL = 2;   // output columns per lane per column block (64 columns)
 constexpr int kJB = 32 * kCPL;
-template <typename A> struct GroupRows { static constexpr int value = sizeof(A) == 8 ? 4 : 8; };
+// Resident CTAs per SM the register allocation must allow (ptxas caps registers at 65,536 / (256 x this)):
+// 4 -> 64 registers (32 warps per SM), 3 -> 80 (24 warps); see docs/calendar.md for the ptxas report.
+constexpr int kMinCtasScalar = 4;
+constexpr int kMinCtasContext = 2;
+// Rows per warp group: the context kernels reuse every table value for R rows (8; 4 in float64, twice the
+// registers per value); the scalar kernels have no table and keep 4 rows (2 in float64) within 64 registers.
+template <typename A, bool Scalar> struct GroupRows {
+  static constexpr int value = Scalar ? (sizeof(A) == 8 ? 2 : 4) : (sizeof(A) == 8 ? 4 : 8);
+};
 
 // xv[r] = logits[r][c0 + lane] / tau (or -inf outside the level / the batch): R loads issued together.
 template <int R, typename S, typename A>
@@ -467,8 +475,8 @@ __device__ __forceinline__ void group_range(int64_t B, int64_t& first, int64_t& 
 }
 
 template <typename S, typename A, bool Bwd>
-__global__ void __launch_bounds__(kW2 * 32) scalar_kernel(CalendarParams p) {
-  constexpr int R = GroupRows<A>::value;
+__global__ void __launch_bounds__(kW2 * 32, kMinCtasScalar) scalar_kernel(CalendarParams p) {
+  constexpr int R = GroupRows<A, true>::value;
   const int lane = threadIdx.x & 31;
   A* out = static_cast<A*>(p.out);
   const A* grad_out = static_cast<const A*>(p.grad_out);
@@ -534,8 +542,8 @@ __global__ void __launch_bounds__(kW2 * 32) scalar_kernel(CalendarParams p) {
 }
 
 template <typename S, typename A>
-__global__ void __launch_bounds__(kW2 * 32) context_fwd_kernel(CalendarParams p) {
-  constexpr int R = GroupRows<A>::value;
+__global__ void __launch_bounds__(kW2 * 32, kMinCtasContext) context_fwd_kernel(CalendarParams p) {
+  constexpr int R = GroupRows<A, false>::value;
   __shared__ __align__(32) A Psh[kW2][R][32];
   const int lane = threadIdx.x & 31;
   A (*P)[32] = Psh[threadIdx.x >> 5];
@@ -584,20 +592,19 @@ __global__ void __launch_bounds__(kW2 * 32) context_fwd_kernel(CalendarParams p)
           }
           const A* t0 = tab + c0 * Dp + j0 + lane;
           for (int c4 = 0; c4 < cw; c4 += 4) {
-            Vec4<A> pv[R];
+            A t[4][kCPL];  // 4 classes x this lane's columns, loaded once for the R rows
 #pragma unroll
-            for (int r = 0; r < R; ++r) pv[r] = *reinterpret_cast<const Vec4<A>*>(&P[r][c4]);
+            for (int i = 0; i < 4; ++i)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              if (c4 + i < cw) {
-                A t[kCPL];
+              for (int k = 0; k < kCPL; ++k)
+                t[i][k] = (c4 + i < cw && j0 + 32 * k < Dp) ? t0[(c4 + i) * Dp + 32 * k] : A(0);
 #pragma unroll
-                for (int k = 0; k < kCPL; ++k) t[k] = (j0 + 32 * k < Dp) ? t0[(c4 + i) * Dp + 32 * k] : A(0);
+            for (int r = 0; r < R; ++r) {
+              const Vec4<A> pv = *reinterpret_cast<const Vec4<A>*>(&P[r][c4]);  // zero beyond cw
 #pragma unroll
-                for (int r = 0; r < R; ++r)
+              for (int i = 0; i < 4; ++i)
 #pragma unroll
-                  for (int k = 0; k < kCPL; ++k) acc[r][k] += pv[r].v[i] * t[k];
-              }
+                for (int k = 0; k < kCPL; ++k) acc[r][k] += pv.v[i] * t[i][k];
             }
           }
         }
@@ -639,24 +646,22 @@ __device__ __forceinline__ void group_dp(A (&dp)[R], A (*G)[kJB], const S* go, i
     __syncwarp();
     const A* t0 = tabT + j0 * Np + c0 + lane;
     for (int j4 = 0; j4 < jw; j4 += 4) {
-      Vec4<A> gv[R];
+      A t[4];  // 4 columns of this lane's class, loaded once for the R rows
 #pragma unroll
-      for (int r = 0; r < R; ++r) gv[r] = *reinterpret_cast<const Vec4<A>*>(&G[r][j4]);
+      for (int i = 0; i < 4; ++i) t[i] = j4 + i < jw ? t0[(j4 + i) * Np] : A(0);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if (j4 + i < jw) {
-          const A t = t0[(j4 + i) * Np];
+      for (int r = 0; r < R; ++r) {
+        const Vec4<A> gv = *reinterpret_cast<const Vec4<A>*>(&G[r][j4]);  // zero beyond jw
 #pragma unroll
-          for (int r = 0; r < R; ++r) dp[r] += gv[r].v[i] * t;
-        }
+        for (int i = 0; i < 4; ++i) dp[r] += gv.v[i] * t[i];
       }
     }
   }
 }
 
 template <typename S, typename A>
-__global__ void __launch_bounds__(kW2 * 32) context_bwd_kernel(CalendarParams p) {
-  constexpr int R = GroupRows<A>::value;
+__global__ void __launch_bounds__(kW2 * 32, kMinCtasContext) context_bwd_kernel(CalendarParams p) {
+  constexpr int R = GroupRows<A, false>::value;
   __shared__ __align__(32) A Gsh[kW2][R][kJB];
   const int lane = threadIdx.x & 31;
   A (*G)[kJB] = Gsh[threadIdx.x >> 5];
@@ -726,14 +731,14 @@ __global__ void __launch_bounds__(kW2 * 32) context_bwd_kernel(CalendarParams p)
   }
 }
 
-template <typename Fn>
+template <bool Scalar, typename Fn>
 void launch_groups(const CalendarParams& p, int device, uintptr_t stream, Fn&& launch) {
   if (p.B == 0) return;
   set_device(device);
   dispatch_device_float(p.dtype, [&](auto t) {
     using S = decltype(t);
     using A = decltype(to_acc(S{}));
-    constexpr int R = GroupRows<A>::value;
+    constexpr int R = GroupRows<A, Scalar>::value;
     const int64_t ctas = ((p.B + R - 1) / R + kW2 - 1) / kW2;
     const int64_t cap = p.max_ctas > 0 ? p.max_ctas : ctas;
     const unsigned grid = (unsigned)std::min<int64_t>(std::min<int64_t>(ctas, cap), 1 << 30);
@@ -770,22 +775,22 @@ void calendar_context_bwd_cuda(const CalendarParams& p, int device, uintptr_t st
 
 namespace tk {
 void calendar_scalar_fwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream) {
-  v2::launch_groups(p, device, stream, [&](auto s, auto a, dim3 g, dim3 b, cudaStream_t st) {
+  v2::launch_groups<true>(p, device, stream, [&](auto s, auto a, dim3 g, dim3 b, cudaStream_t st) {
     v2::scalar_kernel<decltype(s), decltype(a), false><<<g, b, 0, st>>>(p);
   });
 }
 void calendar_scalar_bwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream) {
-  v2::launch_groups(p, device, stream, [&](auto s, auto a, dim3 g, dim3 b, cudaStream_t st) {
+  v2::launch_groups<true>(p, device, stream, [&](auto s, auto a, dim3 g, dim3 b, cudaStream_t st) {
     v2::scalar_kernel<decltype(s), decltype(a), true><<<g, b, 0, st>>>(p);
   });
 }
 void calendar_context_fwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream) {
-  v2::launch_groups(p, device, stream, [&](auto s, auto a, dim3 g, dim3 b, cudaStream_t st) {
+  v2::launch_groups<false>(p, device, stream, [&](auto s, auto a, dim3 g, dim3 b, cudaStream_t st) {
     v2::context_fwd_kernel<decltype(s), decltype(a)><<<g, b, 0, st>>>(p);
   });
 }
 void calendar_context_bwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream) {
-  v2::launch_groups(p, device, stream, [&](auto s, auto a, dim3 g, dim3 b, cudaStream_t st) {
+  v2::launch_groups<false>(p, device, stream, [&](auto s, auto a, dim3 g, dim3 b, cudaStream_t st) {
     v2::context_bwd_kernel<decltype(s), decltype(a)><<<g, b, 0, st>>>(p);
   });
 }

@@ -21,9 +21,11 @@ _CW = 32  # csrc/calendar/calendar_cuda.cu::kCW: CUDA tables are zero-padded to 
 # H100 (5 in the backward), so the last wave's tail is short; a small fixed multiple (8 x SMs) would leave
 # 1.3 waves and up to half the card idle at the end. At least 2 x SMs whenever there are that many tiles.
 _CTAS_PER_SM = 64
-# v2 (default): CTAs of 8 warps, a warp per group of 8 rows (4 in float64), grid-stride over the groups; the grid
-# is min(groups / 8, 8 x SM count): at 1M rows 1,056 CTAs on an H100, each walking ~16 groups per warp, so every
-# warp does the same work and there is no tail wave; >= 2 x SMs whenever there are 16 x 8 x SMs rows.
+# v2 (default): CTAs of 8 warps, a warp per group of R rows (context 8, 4 in float64; scalar 4, 2 in float64),
+# grid-stride over the groups; the grid is min(groups / 8, 8 x SM count): at 1M rows 1,056 CTAs on an H100, every
+# warp walking ~16 groups (context), so all warps do the same work and there is no tail wave; >= 2 x SMs whenever
+# there are 16 x 8 x R rows or more. 8 per SM also covers the 2 (context, 128 registers) or 4 (scalar, 64) CTAs
+# resident per SM.
 _CTAS_PER_SM_V2 = 8
 VARIANTS = ("v1", "v2")
 _TABLE_CACHE_SIZE = 32  # Fourier tables kept (least recently used dropped): bounded, pins little memory
