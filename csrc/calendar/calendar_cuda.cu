@@ -338,9 +338,9 @@ void launch_tiles(const CalendarParams& p, int device, uintptr_t stream, int til
 
 // ---- v2: warp-cooperative rows (default; TEMPOKERN_CALENDAR=v1 selects the kernels above) ----------------------
 //
-// A warp owns a group of R rows (R = 8 for float/half/bf16, 4 for double) and walks groups grid-stride (CTAs of
-// kW2 warps, no __syncthreads anywhere: warps share nothing, each has its own small shared tile guarded by
-// __syncwarp). Per level:
+// A warp owns a group of R rows (GroupRows: context 8, 4 in double; scalar 4, 2 in double) and walks groups
+// grid-stride (CTAs of kW2 warps, no __syncthreads anywhere: warps share nothing, each has its own small shared
+// tile guarded by __syncwarp). Counts per row and registers: docs/calendar.md. Per level:
 // - Statistics with lane = class (chunks of 32 classes): the R rows' logits of a chunk are loaded together
 //   (R independent loads per lane in flight; the next level's first chunk is issued before this level's
 //   arithmetic), per-lane online max / sum, then warp butterflies (max, then rescaled sums).
