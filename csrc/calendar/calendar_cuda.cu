@@ -622,11 +622,17 @@ __global__ void __launch_bounds__(kW2 * 32, kMinCtasContext) context_fwd_kernel(
   }
 }
 
-// dp[r] = <g_r, TT[:, c0 + lane]> for the group's rows; the gradient columns go through the warp's tile G.
+// dp[r] = <g_r, TT[:, c0 + c]> for the group's rows, c = lane % (32 / ways); the gradient columns go through the
+// warp's tile G. ways = 2 or 4 (levels of at most 16 or 8 classes): the lanes beyond the level's classes are put to
+// work, lane part h = lane / (32 / ways) takes the 4-column blocks j4 = 4 h (mod 4 ways) (their broadcast
+// addresses are 16 bytes apart: different banks), and the parts are summed by log2(ways) butterflies, so the
+// broadcasts, table loads and FMA per row are divided by ways. Every lane ends with its class's full dp.
 template <int R, typename S, typename A>
 __device__ __forceinline__ void group_dp(A (&dp)[R], A (*G)[kJB], const S* go, int64_t grs, int64_t gcs,
-                                         const A* __restrict__ tabT, int64_t D, int64_t Np, int64_t c0, int rows) {
+                                         const A* __restrict__ tabT, int64_t D, int64_t Np, int64_t c0, int rows,
+                                         int ways) {
   const int lane = threadIdx.x & 31;
+  const int width = 32 / ways, h = lane / width;
 #pragma unroll
   for (int r = 0; r < R; ++r) dp[r] = 0;
   for (int64_t j0 = 0; j0 < D; j0 += kJB) {
@@ -644,8 +650,8 @@ __device__ __forceinline__ void group_dp(A (&dp)[R], A (*G)[kJB], const S* go, i
       for (int k = 0; k < kCPL; ++k)
         G[r][32 * k + lane] = (r < rows && 32 * k + lane < jw) ? to_acc(raw[r][k]) : A(0);
     __syncwarp();
-    const A* t0 = tabT + j0 * Np + c0 + lane;
-    for (int j4 = 0; j4 < jw; j4 += 4) {
+    const A* t0 = tabT + j0 * Np + c0 + (lane & (width - 1));
+    for (int j4 = 4 * h; j4 < jw; j4 += 4 * ways) {
       A t[4];  // 4 columns of this lane's class, loaded once for the R rows
 #pragma unroll
       for (int i = 0; i < 4; ++i) t[i] = j4 + i < jw ? t0[(j4 + i) * Np] : A(0);
@@ -656,6 +662,10 @@ __device__ __forceinline__ void group_dp(A (&dp)[R], A (*G)[kJB], const S* go, i
         for (int i = 0; i < 4; ++i) dp[r] += gv.v[i] * t[i];
       }
     }
+  }
+  for (int o = 16; o >= width; o >>= 1) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) dp[r] += __shfl_xor_sync(0xffffffffu, dp[r], o);
   }
 }
 
@@ -695,7 +705,7 @@ __global__ void __launch_bounds__(kW2 * 32, kMinCtasContext) context_bwd_kernel(
       for (int r = 0; r < R; ++r) s[r] = A(1) / s[r];
       A dot[R], dp[R], pr[R];
       if (L.n <= 32) {  // one chunk, in registers: one pass
-        group_dp<R>(dp, G, go, grs, gcs, tabT, D, Np, 0, rows);
+        group_dp<R>(dp, G, go, grs, gcs, tabT, D, Np, 0, rows, L.n <= 8 ? 4 : L.n <= 16 ? 2 : 1);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           pr[r] = lane < L.n ? exp(xa[r] - m[r]) * s[r] : A(0);
@@ -713,7 +723,7 @@ __global__ void __launch_bounds__(kW2 * 32, kMinCtasContext) context_bwd_kernel(
         for (int pass = 0; pass < 2; ++pass) {
           for (int64_t c0 = 0; c0 < L.n; c0 += 32) {
             if (pass == 1 || c0 > 0) load_chunk(xa, x, L.row_stride, L.n, rows, c0, inv_tau);
-            group_dp<R>(dp, G, go, grs, gcs, tabT, D, Np, c0, rows);
+            group_dp<R>(dp, G, go, grs, gcs, tabT, D, Np, c0, rows, 1);
             const bool in = c0 + lane < L.n;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
