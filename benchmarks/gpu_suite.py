@@ -53,8 +53,11 @@ import torch  # noqa: E402
 
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
-IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch", "eager",
-         "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's one-level yardstick
+IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
+         "tempokern_cal_v1", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
+# one-level yardstick
+# tempokern_cal_v1: calendar_scalar / calendar_context with TEMPOKERN_CALENDAR=v1 (the thread-per-row kernels measured
+# on the H100 on 2026-11-22); "tempokern" is the default v2 warp-cooperative kernels, not yet measured
 # tempokern_prev: ctd_topk at Q <= 16 with TEMPOKERN_TOPK_SERVE=0 (the path measured on the H100 on 2026-11-22;
 # "tempokern" is the serve kernels, default, not yet measured)
 # tempokern_mrl_torch: matryoshka_infonce with TEMPOKERN_MRL_CUDA=torch (the blocked torch path, the CUDA path
@@ -659,9 +662,10 @@ def calendar_agree(inp, impls):
     want = with_grads(calendar_call(getattr(ref(), inp["op"]), i64), l64, names, inp["gout"].double(), "out")
     res = {}
     for impl in impls:
-        fn = getattr(tk(), inp["op"]) if impl == "tempokern" else getattr(ref(), inp["op"])
+        fn = getattr(tk(), inp["op"]) if impl in ("tempokern", "tempokern_cal_v1") else getattr(ref(), inp["op"])
         li = [_leaf(t) for t in inp["logits"]]
-        got = with_grads(calendar_call(fn, dict(inp, logits=li)), li, names, inp["gout"], "out")
+        call = lambda: with_grads(calendar_call(fn, dict(inp, logits=li)), li, names, inp["gout"], "out")  # noqa: E731
+        got = with_env(lambda _: call, "TEMPOKERN_CALENDAR", "v1")(None)() if impl == "tempokern_cal_v1" else call()
         res[impl] = compare(got, want)
     return res, ""
 
@@ -674,6 +678,8 @@ def calendar_cases(sizes, dev, bandwidth, compile_fn) -> List[Case]:
         steps = {"tempokern": calendar_step(lambda op=op: getattr(tk(), op)),
                  "eager": calendar_step(lambda op=op: getattr(ref(), op)),
                  "compile": calendar_step(lambda op=op: compile_fn(getattr(ref(), op)))}
+        # the variant column: the kernels measured on the H100 (v1) beside the default v2
+        steps["tempokern_cal_v1"] = with_env(steps["tempokern"], "TEMPOKERN_CALENDAR", "v1")
         nbytes = rows * 4 * (3 * n + 2 * out_w)   # fwd: logits in, out; bwd: logits + gout in, grads out
 
         def floor(ms, nbytes=nbytes):
@@ -1032,7 +1038,7 @@ class Suite:
                 self.emit(case, "tempokern", "floor_ms", fl, how)
         if agreement and case.agree:
             self.agreement(case, sets[0], [i for i in ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_prev",
-                                                       "tempokern_mrl_torch", "eager")
+                                                       "tempokern_mrl_torch", "tempokern_cal_v1", "eager")
                                            if i in impls and i in case.steps])
         del sets
         free_memory(self.dev)
@@ -1067,7 +1073,7 @@ class Suite:
                     worst, worst_q = v[1], qn
             self.emit(case, impl, "agreement", worst, f"largest agreement_rel ({worst_q}) vs float64"
                       + (f"; {note}" if note else ""))
-        for fused in ("tempokern", "tempokern_stats_v2", "tempokern_mrl_torch"):
+        for fused in ("tempokern", "tempokern_stats_v2", "tempokern_mrl_torch", "tempokern_cal_v1"):
             if fused not in res or "eager" not in res:
                 continue
             worst, worst_q = 0.0, ""

@@ -45,6 +45,11 @@ void calendar_scalar_fwd_cuda(const CalendarParams& p, int device, uintptr_t str
 void calendar_scalar_bwd_cuda(const CalendarParams& p, int device, uintptr_t stream);
 void calendar_context_fwd_cuda(const CalendarParams& p, int device, uintptr_t stream);
 void calendar_context_bwd_cuda(const CalendarParams& p, int device, uintptr_t stream);
+// v2 (default): warp-cooperative rows, no CTA barriers; max_ctas caps the grid of 256-thread CTAs.
+void calendar_scalar_fwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream);
+void calendar_scalar_bwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream);
+void calendar_context_fwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream);
+void calendar_context_bwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream);
 #endif
 
 }  // namespace tk

@@ -3,6 +3,7 @@ calendar_context (softmax-weighted Fourier codes per level)."""
 from __future__ import annotations
 
 import collections
+import os
 from typing import List, Sequence
 
 import torch
@@ -20,6 +21,13 @@ _CW = 32  # csrc/calendar/calendar_cuda.cu::kCW: CUDA tables are zero-padded to 
 # H100 (5 in the backward), so the last wave's tail is short; a small fixed multiple (8 x SMs) would leave
 # 1.3 waves and up to half the card idle at the end. At least 2 x SMs whenever there are that many tiles.
 _CTAS_PER_SM = 64
+# v2 (default): CTAs of 8 warps, a warp per group of R rows (context 8, 4 in float64; scalar 4, 2 in float64),
+# grid-stride over the groups; the grid is min(groups / 8, 8 x SM count): at 1M rows 1,056 CTAs on an H100, every
+# warp walking ~16 groups (context), so all warps do the same work and there is no tail wave; >= 2 x SMs whenever
+# there are 16 x 8 x R rows or more. 8 per SM also covers the 2 (context, 128 registers) or 4 (scalar, 64) CTAs
+# resident per SM.
+_CTAS_PER_SM_V2 = 8
+VARIANTS = ("v1", "v2")
 _TABLE_CACHE_SIZE = 32  # Fourier tables kept (least recently used dropped): bounded, pins little memory
 _tables: "collections.OrderedDict" = collections.OrderedDict()
 
@@ -59,8 +67,25 @@ def _table(n: int, dim: int, dtype: torch.dtype, device: torch.device, layout: s
     return t
 
 
+def variant() -> str:
+    """The CUDA kernels: TEMPOKERN_CALENDAR=v2 (default: warp-cooperative rows, csrc/calendar/calendar_cuda.cu
+    namespace v2; not yet run on a GPU) or v1 (thread per row through shared tiles: the kernels measured on the
+    H100 on 2026-11-22). Same outputs; the CPU kernels are the same for both."""
+    v = os.environ.get("TEMPOKERN_CALENDAR", "v2").strip().lower() or "v2"
+    if v not in VARIANTS:
+        raise ValueError(f"TEMPOKERN_CALENDAR must be one of {VARIANTS}, got {v!r}")
+    return v
+
+
+def _op(name: str, x: torch.Tensor) -> str:
+    return name + "_v2" if on_cuda_path(x) and variant() == "v2" else name
+
+
 def _max_ctas(x: torch.Tensor) -> int:
-    return max(1, _CTAS_PER_SM * common.sm_count(x.device)) if on_cuda_path(x) else 0
+    if not on_cuda_path(x):
+        return 0
+    per_sm = _CTAS_PER_SM_V2 if variant() == "v2" else _CTAS_PER_SM
+    return max(1, per_sm * common.sm_count(x.device))
 
 
 def _chunks(n: int):
@@ -105,7 +130,7 @@ def _calendar_scalar(logits: List[torch.Tensor], tau: float) -> torch.Tensor:
     dev, stream = launch_args(x0)
     levels = _level_args(logits)
     for k, idx in enumerate(_chunks(len(levels))):
-        kernels().calendar_launch("scalar_fwd", dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
+        kernels().calendar_launch(_op("scalar_fwd", x0), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
                            [levels[i] for i in idx], ptr(out), 0, 0, 0, k > 0, 1, _max_ctas(x0))
     return out
 
@@ -124,7 +149,7 @@ def _calendar_scalar_backward(grad: torch.Tensor, logits: List[torch.Tensor], ta
     dev, stream = launch_args(x0)
     levels = _level_args(logits, grads)
     for idx in _chunks(len(levels)):
-        kernels().calendar_launch("scalar_bwd", dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
+        kernels().calendar_launch(_op("scalar_bwd", x0), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
                            [levels[i] for i in idx], 0, ptr(grad), 0, 0, False, 1, _max_ctas(x0))
     return grads
 
@@ -173,7 +198,7 @@ def _calendar_context(logits: List[torch.Tensor], dim: int, tau: float) -> torch
     tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device, layout) for x in logits]
     levels = _level_args(logits, tables=tables, dim=dim)
     for idx in _chunks(L):
-        kernels().calendar_launch("context_fwd", dev, stream, dtype_code(x0), B, 1.0 / tau,
+        kernels().calendar_launch(_op("context_fwd", x0), dev, stream, dtype_code(x0), B, 1.0 / tau,
                            [levels[i] for i in idx], ptr(out), 0, out.stride(0), dim, False, 1, _max_ctas(x0))
     return out
 
@@ -200,7 +225,7 @@ def _calendar_context_backward(grad: torch.Tensor, logits: List[torch.Tensor], d
     tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device, layout) for x in logits]
     levels = _level_args(logits, grads, tables, dim)
     for idx in _chunks(len(logits)):
-        kernels().calendar_launch("context_bwd", dev, stream, dtype_code(x0), B, 1.0 / tau,
+        kernels().calendar_launch(_op("context_bwd", x0), dev, stream, dtype_code(x0), B, 1.0 / tau,
                            [levels[i] for i in idx], 0, ptr(grad), grad.stride(0), dim, False, grad.stride(1),
                            _max_ctas(x0))
     return grads
