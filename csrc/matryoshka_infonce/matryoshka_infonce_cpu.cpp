@@ -595,7 +595,7 @@ class Pass {
     pack_strips(q + i0 * p.ldq, p.ldq, mi, H, sc.qs.data());
     int64_t top = K - 1;  // the highest weighted level (gs.any: there is one)
     while (top > 0 && !gs.nz[top]) --top;
-    const bool fused = top < kMaxFusedK && std::getenv("TK_MRL_UNFUSED") == nullptr;
+    const bool fused = top < kMaxFusedK;  // else the per-level tiles + suffix-sum pass
     const int64_t jstart = stagger(i0 / itr, nJB);
     for (int64_t t = 0; t < nJB; ++t) {
       const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
