@@ -205,6 +205,35 @@ def test_float32_within_twice_torch_error():
         assert err_f <= 2 * err_t + 8 * torch.finfo(torch.float32).eps * e.abs().max().item(), (err_f, err_t)
 
 
+@pytest.mark.parametrize("weights", [(1.0, 1.0, 1.0, 1.0), (1.0, 0.5, 0.0, 0.0)])
+def test_float32_gradient_in_forward_within_twice_torch_error(weights):
+    """The 2x rule on the gradient-in-forward path (symmetric=False: the CPU kernel's all-level gradient row
+    pass with the 16-lane exps, and the one-sweep row statistics): several row blocks' worth of candidate
+    panels, a partial panel whose width is not a multiple of 16, spans with fallbacks, extra negatives, and
+    zero weights on the top levels (the pass then starts below them)."""
+    q, d, neg, sp = make(150, 64, Bd=203, N=21, spans="random", seed=6, scale=3.0)
+    dims = (8, 16, 32, 64)
+    kw = dict(temperature=0.05, symmetric=False, weights=weights)
+    exact = run_both(q, d, neg, sp, dims, **kw)[1]
+    fused, torch32 = run_both(q.float(), d.float(), neg.float(), sp, dims, **kw)
+    for a, b, e in zip([fused[0], fused[1], *fused[2]], [torch32[0], torch32[1], *torch32[2]],
+                       [exact[0], exact[1], *exact[2]]):
+        err_f = (a.double() - e).abs().max().item()
+        err_t = (b.double() - e).abs().max().item()
+        assert err_f <= 2 * err_t + 8 * torch.finfo(torch.float32).eps * e.abs().max().item(), (err_f, err_t)
+
+
+def test_more_than_16_levels_parity_float64():
+    """More levels than the CPU kernel's all-level gradient row pass takes (16): the per-level coefficient tiles
+    and the suffix-sum pass, float64 parity with the reference (gradient in forward and through levels)."""
+    q, d, neg, sp = make(70, 40, Bd=101, N=5, spans="random", seed=7)
+    dims = tuple(range(2, 40, 2)) + (40,)  # 20 levels
+    w = tuple(0.0 if k % 7 == 3 else 1.0 + 0.1 * k for k in range(len(dims)))
+    level_w = torch.linspace(-0.5, 0.5, len(dims))
+    res = run_both(q, d, neg, sp, dims, weights=w, temperature=0.1, symmetric=False, level_w=level_w)
+    assert_parity(*res, 1e-10)
+
+
 def test_half_inputs_run_in_float32():
     q, d, _, _ = make(33, 32, dtype=torch.bfloat16)
     qq = q.clone().requires_grad_()

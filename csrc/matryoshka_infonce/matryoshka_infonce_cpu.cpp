@@ -11,11 +11,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <new>
 #include <vector>
 #include "common/cpu_gemm.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include "common/cpu_math.h"
 #include "matryoshka_infonce/matryoshka_infonce.h"
 #include "multipos_infonce/multipos_math.h"
@@ -70,6 +75,33 @@ inline int64_t stagger(int64_t ib, int64_t nJB) {
 using mp::lse_merge;
 using mp::vexp_inplace;
 
+// A zero-initialised buffer on a 64-byte boundary (the packed operands: unaligned 64-byte loads split lines).
+template <typename T>
+class AlignedBuf {
+ public:
+  AlignedBuf() = default;
+  explicit AlignedBuf(size_t n) { resize(n); }
+  AlignedBuf(const AlignedBuf&) = delete;
+  AlignedBuf& operator=(const AlignedBuf&) = delete;
+  ~AlignedBuf() { std::free(p_); }
+  void resize(size_t n) {
+    std::free(p_);
+    p_ = nullptr;
+    n_ = n;
+    if (!n) return;
+    const size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
+    p_ = static_cast<T*>(std::aligned_alloc(64, bytes));
+    if (!p_) throw std::bad_alloc();
+    std::memset(p_, 0, bytes);
+  }
+  T* data() { return p_; }
+  const T* data() const { return p_; }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
 inline bool overlap(int64_t alo, int64_t ahi, int64_t blo, int64_t bhi) { return std::max(alo, blo) <= std::min(ahi, bhi); }
 
 // Positives of a tile (level-independent): for row r, columns pidx[pst[r] .. pst[r + 1]) (tile-local).
@@ -104,6 +136,30 @@ inline void vstore(float* p, vfw v) { std::memcpy(p, &v, sizeof v); }
 inline float hmax(vfw v) { float m = v[0]; for (int k = 1; k < kW; ++k) m = std::max(m, v[k]); return m; }
 inline float hsum(vfw v) { float s = 0; for (int k = 0; k < kW; ++k) s += v[k]; return s; }
 
+// exp of 16 lanes, always inlined (the shared vf16 fast_exp was an out-of-line call in the row passes: every
+// live zmm spilled around it). Same range reduction and polynomial as fast_exp (cpu_math.h): n = round(x / ln 2)
+// by vrndscale, 2^n by vscalef; 0 below -87.34 (no subnormal results), clamped above, NaN propagates.
+#if defined(__AVX512F__)
+__attribute__((always_inline)) inline vfw xexp(vfw xv) {
+  const __m512 x0 = (__m512)xv;
+  const __mmask16 keep = _mm512_cmp_ps_mask(x0, _mm512_set1_ps(-87.33654f), _CMP_NLT_UQ);  // x >= lo or NaN
+  const __m512 x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x0);                 // NaN stays NaN
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 q = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
+  q = _mm512_add_ps(_mm512_fmadd_ps(q, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return (vfw)_mm512_maskz_scalef_ps(keep, q, n);
+}
+#else
+inline vfw xexp(vfw x) { return fast_exp(x); }
+#endif
+
 // z[j] = g[j] * f * kc[j]; returns max_j z[j]
 inline float scale_max(const float* g, float f, const float* kc, float* z, int64_t n) {
   vfw vm = vfw{} - std::numeric_limits<float>::infinity();
@@ -128,7 +184,7 @@ inline float exp_sum(const float* z, float m, int64_t n) {
   vfw vs = vfw{};
   const vfw vm = vfw{} + m;
   int64_t j = 0;
-  for (; j + kW <= n; j += kW) vs += fast_exp(vload(z + j) - vm);
+  for (; j + kW <= n; j += kW) vs += xexp(vload(z + j) - vm);
   float s = hsum(vs);
   for (; j < n; ++j) s += fast_exp(z[j] - m);
   return s;
@@ -137,6 +193,39 @@ inline double exp_sum(const double* z, double m, int64_t n) {
   double s = 0;
   for (int64_t j = 0; j < n; ++j) s += std::exp(z[j] - m);
   return s;
+}
+
+// One row of a level tile in the statistics pass: z[j] = g[j] * f * kc[j] (stored) merged into the online
+// log-sum-exp (m, s) (log(s) + m). Once m is set (after the row's first tile) the exps are taken against m
+// itself in the same pass as the scaling (no separate max pass and re-read); only when the tile's max
+// exceeds m by more than 64 (exp could overflow float32 in the sum) the tile is summed again against its max.
+inline void scale_lse(const float* g, float f, const float* kc, float* z, int64_t n, float& m, float& s) {
+  if (!(m > -std::numeric_limits<float>::infinity())) {
+    const float mx = scale_max(g, f, kc, z, n);
+    lse_merge(m, s, mx, exp_sum(z, mx, n));
+    return;
+  }
+  vfw vm = vfw{} - std::numeric_limits<float>::infinity(), vs = vfw{};
+  const vfw vf = vfw{} + f, vsh = vfw{} + m;
+  int64_t j = 0;
+  for (; j + kW <= n; j += kW) {
+    const vfw v = vload(g + j) * vf * vload(kc + j);
+    vstore(z + j, v);
+    vm = v > vm ? v : vm;
+    vs += xexp(v - vsh);
+  }
+  float mt = hmax(vm), st = hsum(vs);
+  for (; j < n; ++j) {
+    z[j] = g[j] * f * kc[j];
+    mt = std::max(mt, z[j]);
+    st += fast_exp(z[j] - m);
+  }
+  if (mt > m + 64.f) lse_merge(m, s, mt, exp_sum(z, mt, n));
+  else s += st;
+}
+inline void scale_lse(const double* g, double f, const double* kc, double* z, int64_t n, double& m, double& s) {
+  const double mx = scale_max(g, f, kc, z, n);
+  lse_merge(m, s, mx, exp_sum(z, mx, n));
 }
 
 // One row of the gradient, dense part: z_j = RAW ? src[j] * fz * kc[j] : src[j];
@@ -151,8 +240,8 @@ inline float grad_dense(const float* src, float fz, const float* kc, int64_t n, 
   for (; j + kW <= n; j += kW) {
     const vfw k = vload(kc + j);
     const vfw z = RAW ? vload(src + j) * vfz * k : vload(src + j);
-    vfw g = vrw * fast_exp(z - vlse);
-    if constexpr (COLS) g += vcw * fast_exp(z - vload(cl + j));
+    vfw g = vrw * xexp(z - vlse);
+    if constexpr (COLS) g += vcw * xexp(z - vload(cl + j));
     const vfw u = g * z;
     vsu += u;
     vstore(tcl + j, vload(tcl + j) + u);
@@ -184,6 +273,66 @@ inline double grad_dense(const double* src, double fz, const double* kc, int64_t
   return su;
 }
 
+// One row of the gradient for all levels at once (gradient-in-forward path: no column term): walks the levels
+// from the top weighted one (top) down, g_l = rw_l exp(z_l - lse_l), keeps the suffix sum
+// H_l = sum_{k >= l} g_k f_k kc_k in a register and writes H_l (not h_l: no separate suffix-sum pass);
+// adds g_l z_l to tcl[l * JT + j] and returns the row sums in su[l]. Level l: logits z + l * zs, column
+// scales kc + l * kcs, output h + l * hs; rw_l = 0 for levels without weight.
+constexpr int64_t kMaxFusedK = 16;  // more levels take the per-level coef_tile + suffix-sum path
+inline void grad_row_levels(int64_t top, int64_t nj, const float* z, int64_t zs, const float* kc, int64_t kcs,
+                            const float* rw, const float* lse, const float* f, float* h, int64_t hs, float* tcl,
+                            float* su) {
+  vfw vsu[kMaxFusedK];
+  for (int64_t l = 0; l <= top; ++l) vsu[l] = vfw{};
+  int64_t j = 0;
+  for (; j + kW <= nj; j += kW) {
+    vfw acc = vfw{};
+    for (int64_t l = top; l >= 0; --l) {
+      if (rw[l] != 0.f) {
+        const vfw zz = vload(z + l * zs + j);
+        const vfw g = (vfw{} + rw[l]) * xexp(zz - lse[l]);
+        const vfw u = g * zz;
+        vsu[l] += u;
+        vstore(tcl + l * JT + j, vload(tcl + l * JT + j) + u);
+        acc += g * (vfw{} + f[l]) * vload(kc + l * kcs + j);
+      }
+      vstore(h + l * hs + j, acc);
+    }
+  }
+  for (int64_t l = 0; l <= top; ++l) su[l] = hsum(vsu[l]);
+  for (; j < nj; ++j) {
+    float acc = 0.f;
+    for (int64_t l = top; l >= 0; --l) {
+      if (rw[l] != 0.f) {
+        const float zz = z[l * zs + j];
+        const float g = rw[l] * fast_exp(zz - lse[l]);
+        su[l] += g * zz;
+        tcl[l * JT + j] += g * zz;
+        acc += g * f[l] * kc[l * kcs + j];
+      }
+      h[l * hs + j] = acc;
+    }
+  }
+}
+inline void grad_row_levels(int64_t top, int64_t nj, const double* z, int64_t zs, const double* kc, int64_t kcs,
+                            const double* rw, const double* lse, const double* f, double* h, int64_t hs, double* tcl,
+                            double* su) {
+  for (int64_t l = 0; l <= top; ++l) su[l] = 0;
+  for (int64_t j = 0; j < nj; ++j) {
+    double acc = 0;
+    for (int64_t l = top; l >= 0; --l) {
+      if (rw[l] != 0) {
+        const double zz = z[l * zs + j];
+        const double g = rw[l] * std::exp(zz - lse[l]);
+        su[l] += g * zz;
+        tcl[l * JT + j] += g * zz;
+        acc += g * f[l] * kc[l * kcs + j];
+      }
+      h[l * hs + j] = acc;
+    }
+  }
+}
+
 // Pack panel b of X (rows [b*JT, b*JT + w)) transposed to (H x w) at out + b*JT*H.
 template <typename A>
 void pack_panels(const A* X, int64_t ld, int64_t n, int64_t H, A* out) {
@@ -192,6 +341,19 @@ void pack_panels(const A* X, int64_t ld, int64_t n, int64_t H, A* out) {
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t j0 = b * JT, w = std::min(JT, n - j0);
     gemm::transpose_pack(w, H, X + j0 * ld, ld, out + j0 * H, w);
+  }
+}
+
+// X (rows x H, row stride ld) in strips of 64 columns: strip s (width min(64, H - 64 s)) is rows x width at
+// out + s * rows * 64: the dd product's B operand (the row block's q), packed once per row block instead of
+// once per acc_nn call (per candidate panel); the 6 x 64 micro-kernel then reads it without a copy.
+constexpr int64_t QW = 64;
+template <typename A>
+void pack_strips(const A* X, int64_t ld, int64_t rows, int64_t H, A* out) {
+  for (int64_t c0 = 0; c0 < H; c0 += QW) {
+    const int64_t w = std::min(QW, H - c0);
+    A* o = out + (c0 / QW) * rows * QW;
+    for (int64_t k = 0; k < rows; ++k) std::memcpy(o + k * w, X + k * ld + c0, sizeof(A) * w);
   }
 }
 
@@ -233,15 +395,26 @@ class Pass {
   // Per-thread scratch of the gradient computation.
   struct Scratch {
     std::vector<A> G, Hs, ea, ca, ddl, usum, tcol;
+    AlignedBuf<A> qs;
     std::vector<char> act;
     TilePos tp;
     Scratch(int64_t K, int64_t H)
-        : G(IT * JT), Hs(K * IT * JT), ea(JT), ca(JT), ddl(JT * H), usum(K * IT), tcol(K * JT), act(K) {}
+        : G(IT * JT), Hs(K * IT * JT), ea(JT), ca(JT), ddl(JT * H), usum(K * IT), tcol(K * JT), qs(IT * H), act(K) {}
   };
 
   // G (mi x nj, ld JT) += q[i0 + r, a:b] . panel rows a..b (panel: H x nj, packed)
   void seg_acc(int64_t i0, int64_t mi, const A* panel, int64_t nj, int64_t a, int64_t b, A* G) const {
     gemm::acc_nn(mi, nj, b - a, q + i0 * p.ldq + a, p.ldq, 1, panel + a * nj, nj, G, JT, A(1));
+  }
+  // segment [a, b) served from 64-column strips (pack_strips)?
+  bool strip_seg(int64_t a, int64_t b) const { return a % QW == 0 && (b % QW == 0 || b == H); }
+  // C[:, a:b] += Am (m x kk, strides sam, sak) . Xs[:, a:b], Xs: rows x H in 64-column strips
+  void acc_strips(int64_t m, int64_t kk, const A* Am, int64_t sam, int64_t sak, const A* Xs, int64_t rows, int64_t a,
+                  int64_t b, A* C, int64_t ldc) const {
+    for (int64_t c0 = a; c0 < b; c0 += QW) {
+      const int64_t w = std::min(QW, b - c0);
+      gemm::acc_nn(m, w, kk, Am, sam, sak, Xs + (c0 / QW) * rows * QW, std::min(QW, H - c0), C + c0, ldc, A(1));
+    }
   }
   // Z = inv_temp * G * rho_r * kc_j
   void scale(const A* G, int64_t mi, int64_t nj, const A* rr, const A* kc, A* Z) const {
@@ -300,15 +473,62 @@ class Pass {
     }
   }
 
+  // All levels' suffix-summed coefficient tiles H_l of one panel from stored logits (zp: the panel's level
+  // tiles, itr x JT each; the gradient-in-forward path, no column term) into sc.Hs, row sums into sc.usum,
+  // column sums into sc.tcol; then the positives' sparse corrections (level-independent positions), added to
+  // the suffix sums from the top down.
+  void coef_panel_fused(const GradState& gs, Scratch& sc, int64_t top, int64_t i0, int64_t mi, int64_t j0, int64_t nj,
+                        bool negs, const A* zp, const A* znext) const {
+    const A* st = static_cast<const A*>(p.row_stats);
+    const A* kc = negs ? kneg + j0 : kap + j0;
+    const int64_t kcs = negs ? N : Bd, zs = itr * JT;
+    A rw[kMaxFusedK], lse[kMaxFusedK], lsep[kMaxFusedK], f[kMaxFusedK], su[kMaxFusedK];
+    for (int64_t r = 0; r < mi; ++r) {
+      const int64_t i = i0 + r;
+      for (int64_t l = 0; l <= top; ++l) {
+        rw[l] = (gs.rows_on && gs.nz[l]) ? gs.rw[l] : A(0);
+        lse[l] = st[l * 3 * Bq + i];
+        lsep[l] = st[l * 3 * Bq + Bq + i];
+        f[l] = it * rho[l * Bq + i];
+      }
+      const A* zr = zp + r * JT;
+      A* hr = sc.Hs.data() + r * JT;
+      if (znext)  // the next panel's logits of this row towards L2 while this panel's products run
+        for (int64_t l = 0; l <= top; ++l)
+          for (int64_t x = 0; x < JT * (int64_t)sizeof(A); x += 64)
+            __builtin_prefetch(reinterpret_cast<const char*>(znext + l * zs + r * JT) + x, 0, 2);
+      grad_row_levels(top, nj, zr, zs, kc, kcs, rw, lse, f, hr, IT * JT, sc.tcol.data(), su);
+      if (!negs) {  // - rw exp(z - lse_pos) on the positives (and the fallback diagonal), all levels
+        auto fix = [&](int64_t j, bool diag) {
+          A acc = 0;
+          for (int64_t l = top; l >= 0; --l) {
+            if (rw[l] != A(0) && (!diag || st[l * 3 * Bq + 2 * Bq + i] != A(0))) {
+              const A z = zr[l * zs + j];
+              const A dg = -rw[l] * mp::vexp(z - lsep[l]);
+              acc += dg * f[l] * kc[l * kcs + j];
+              sc.tcol[l * JT + j] += dg * z;
+              su[l] += dg * z;
+            }
+            hr[l * IT * JT + j] += acc;
+          }
+        };
+        for (int32_t k = sc.tp.pst[r]; k < sc.tp.pst[r + 1]; ++k) fix(sc.tp.pidx[k], false);
+        const int64_t jd = col_of(i);
+        if (jd >= j0 && jd < j0 + nj && !overlap(p.q_lo[i], p.q_hi[i], p.d_lo[jd], p.d_hi[jd])) fix(jd - j0, true);
+      }
+      for (int64_t l = 0; l <= top; ++l) sc.usum[l * IT + r] += su[l];
+    }
+  }
+
   // After the coefficient tiles of a panel: suffix sums over levels, dq[:, S_l] += H_l X[:, S_l] and
   // dX[:, S_l] += H_l^T q[:, S_l] (X = d or the extra negatives), column sums merged under the panel lock.
   void finish_panel(GradState& gs, Scratch& sc, int64_t i0, int64_t mi, int64_t j0, int64_t nj, int64_t jb,
-                    bool negs) const {
+                    bool negs, bool summed = false) const {
     const std::vector<int64_t>& seg = p.seg;
     bool have = false;
     for (int64_t l = K - 1; l >= 0; --l) {
       A* h = sc.Hs.data() + l * IT * JT;
-      if (have) {
+      if (have && !summed) {
         const A* h1 = h + IT * JT;
         for (int64_t r = 0; r < mi; ++r) {
           if (gs.nz[l]) {
@@ -335,9 +555,13 @@ class Pass {
     A* dst = direct ? dX : sc.ddl.data();
     if (!direct) std::fill(sc.ddl.begin(), sc.ddl.begin() + nj * H, A(0));
     for (int64_t l = 0; l < K; ++l)
-      if (sc.act[l])
-        gemm::acc_nn(nj, seg[l + 1] - seg[l], mi, sc.Hs.data() + l * IT * JT, 1, JT, q + i0 * p.ldq + seg[l], p.ldq,
-                     dst + seg[l], H, A(1));
+      if (sc.act[l]) {
+        if (strip_seg(seg[l], seg[l + 1]))
+          acc_strips(nj, mi, sc.Hs.data() + l * IT * JT, 1, JT, sc.qs.data(), mi, seg[l], seg[l + 1], dst, H);
+        else
+          gemm::acc_nn(nj, seg[l + 1] - seg[l], mi, sc.Hs.data() + l * IT * JT, 1, JT, q + i0 * p.ldq + seg[l],
+                       p.ldq, dst + seg[l], H, A(1));
+      }
     if (!direct) {
       locks.lock(jb);
       for (int64_t x = 0; x < nj * H; ++x) dX[x] += sc.ddl[x];
@@ -368,25 +592,40 @@ class Pass {
   // every level's logits of these rows against all candidates (the gradient-in-forward path).
   void grad_rows_from_logits(GradState& gs, Scratch& sc, int64_t i0, int64_t mi, const A* zb) const {
     std::fill(sc.usum.begin(), sc.usum.end(), A(0));
+    pack_strips(q + i0 * p.ldq, p.ldq, mi, H, sc.qs.data());
+    int64_t top = K - 1;  // the highest weighted level (gs.any: there is one)
+    while (top > 0 && !gs.nz[top]) --top;
+    const bool fused = top < kMaxFusedK;  // else the per-level tiles + suffix-sum pass
     const int64_t jstart = stagger(i0 / itr, nJB);
     for (int64_t t = 0; t < nJB; ++t) {
       const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
       std::fill(sc.tcol.begin(), sc.tcol.end(), A(0));
       sc.tp.build(mi, nj, p.q_lo + i0, p.q_hi + i0, p.d_lo + j0, p.d_hi + j0);
-      for (int64_t l = 0; l < K; ++l) {
-        if (!gs.nz[l]) continue;
-        coef_tile(gs, sc, l, i0, mi, j0, nj, false, zb + zlog(jb, l, 0), JT, false, sc.Hs.data() + l * IT * JT);
+      if (fused) {
+        coef_panel_fused(gs, sc, top, i0, mi, j0, nj, false, zb + zlog(jb, 0, 0),
+                         t + 1 < nJB ? zb + zlog((jstart + t + 1) % nJB, 0, 0)
+                                     : (gs.rows_on && nNB ? zb + zlog(nJB, 0, 0) : nullptr));
+      } else {
+        for (int64_t l = 0; l < K; ++l) {
+          if (!gs.nz[l]) continue;
+          coef_tile(gs, sc, l, i0, mi, j0, nj, false, zb + zlog(jb, l, 0), JT, false, sc.Hs.data() + l * IT * JT);
+        }
       }
-      finish_panel(gs, sc, i0, mi, j0, nj, jb, false);
+      finish_panel(gs, sc, i0, mi, j0, nj, jb, false, fused);
     }
     for (int64_t nb = 0; gs.rows_on && nb < nNB; ++nb) {
       const int64_t k0 = nb * JT, nk = std::min(JT, N - k0);
       std::fill(sc.tcol.begin(), sc.tcol.end(), A(0));
-      for (int64_t l = 0; l < K; ++l) {
-        if (!gs.nz[l]) continue;
-        coef_tile(gs, sc, l, i0, mi, k0, nk, true, zb + zlog(nJB + nb, l, 0), JT, false, sc.Hs.data() + l * IT * JT);
+      if (fused) {
+        coef_panel_fused(gs, sc, top, i0, mi, k0, nk, true, zb + zlog(nJB + nb, 0, 0),
+                         nb + 1 < nNB ? zb + zlog(nJB + nb + 1, 0, 0) : nullptr);
+      } else {
+        for (int64_t l = 0; l < K; ++l) {
+          if (!gs.nz[l]) continue;
+          coef_tile(gs, sc, l, i0, mi, k0, nk, true, zb + zlog(nJB + nb, l, 0), JT, false, sc.Hs.data() + l * IT * JT);
+        }
       }
-      finish_panel(gs, sc, i0, mi, k0, nk, nb, true);
+      finish_panel(gs, sc, i0, mi, k0, nk, nb, true, fused);
     }
     finish_rows(sc, i0, mi);
   }
@@ -456,8 +695,7 @@ void Pass<A>::fwd() {
           for (int64_t r = 0; r < mi; ++r) {
             const int64_t i = i0 + r, x = l * IT + r;
             A* z = gif ? zb.data() + zlog(jb, l, r) : Z.data() + r * JT;
-            const A mx = scale_max(G.data() + r * JT, it * rho[l * Bq + i], kap + l * Bd + j0, z, nj);
-            lse_merge(rm[x], rsum[x], mx, exp_sum(z, mx, nj));
+            scale_lse(G.data() + r * JT, it * rho[l * Bq + i], kap + l * Bd + j0, z, nj, rm[x], rsum[x]);
             const int32_t* pi = tp.pidx.data() + tp.pst[r];
             const int64_t np = tp.pst[r + 1] - tp.pst[r];
             if (np) {
@@ -524,8 +762,7 @@ void Pass<A>::fwd() {
           for (int64_t r = 0; r < mi; ++r) {
             const int64_t x = l * IT + r;
             A* z = gif ? zb.data() + zlog(nJB + nb, l, r) : Z.data() + r * JT;
-            const A mx = scale_max(G.data() + r * JT, it * rho[l * Bq + i0 + r], kneg + l * N + k0, z, nk);
-            lse_merge(rm[x], rsum[x], mx, exp_sum(z, mx, nk));
+            scale_lse(G.data() + r * JT, it * rho[l * Bq + i0 + r], kneg + l * N + k0, z, nk, rm[x], rsum[x]);
           }
         }
       }
@@ -589,6 +826,7 @@ void Pass<A>::bwd() {
     for (int64_t ib = 0; ib < nIB; ++ib) {
       const int64_t i0 = ib * itr, mi = std::min(itr, Bq - i0);
       std::fill(sc.usum.begin(), sc.usum.end(), A(0));
+      pack_strips(q + i0 * p.ldq, p.ldq, mi, H, sc.qs.data());
       const int64_t jstart = stagger(ib, nJB);
       for (int64_t t = 0; t < nJB; ++t) {
         const int64_t jb = (jstart + t) % nJB, j0 = jb * JT, nj = std::min(JT, Bd - j0);
