@@ -3,7 +3,6 @@ calendar_context (softmax-weighted Fourier codes per level)."""
 from __future__ import annotations
 
 import collections
-import os
 from typing import List, Sequence
 
 import torch
@@ -11,7 +10,7 @@ import torch
 from . import common
 from ..reference.calendar import fourier_table as _ref_fourier_table
 from ..reference.calendar import level_weights
-from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code,
+from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, env_choice,
                      kernels, launch_args, on_cuda_path, ptr, rows_contiguous)
 
 _MAX_LEVELS = 8  # csrc/calendar/calendar.h::kMaxCalendarLevels
@@ -71,10 +70,7 @@ def variant() -> str:
     """The CUDA kernels: TEMPOKERN_CALENDAR=v2 (default: warp-cooperative rows, csrc/calendar/calendar_cuda.cu
     namespace v2; not yet run on a GPU) or v1 (thread per row through shared tiles: the kernels measured on the
     H100 on 2026-11-22). Same outputs; the CPU kernels are the same for both."""
-    v = os.environ.get("TEMPOKERN_CALENDAR", "v2").strip().lower() or "v2"
-    if v not in VARIANTS:
-        raise ValueError(f"TEMPOKERN_CALENDAR must be one of {VARIANTS}, got {v!r}")
-    return v
+    return env_choice("TEMPOKERN_CALENDAR", VARIANTS, "v2")
 
 
 def _op(name: str, x: torch.Tensor) -> str:

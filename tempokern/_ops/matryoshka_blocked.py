@@ -24,12 +24,11 @@ backward) once per block. Two more (R, C) blocks of memory; the MLP cost is that
 forward and backward over the B x C pairs, not K of them."""
 from __future__ import annotations
 
-import os
 from typing import List, Sequence
 
 import torch
 
-from .common import DTYPE_CODES, kernels, launch_args, on_cuda_path, ptr
+from .common import DTYPE_CODES, env_choice, kernels, launch_args, on_cuda_path, ptr
 from .multipos_blocked import _SIZE, _addmm_into, _mm, _mm_out_f32, block_rows, none_flags, spans32, tiling
 
 
@@ -250,10 +249,7 @@ def cuda_variant() -> str:
     """The CUDA execution of matryoshka_infonce: TEMPOKERN_MRL_CUDA=fused (default: the fused kernels of
     matryoshka_block_cuda.cu, tested on the CUDA emulator, not yet measured on a GPU) or torch (the blocked
     torch element-wise path above, the CUDA path before the fused kernels; neither has run on a GPU yet)."""
-    v = os.environ.get("TEMPOKERN_MRL_CUDA", "fused").strip().lower() or "fused"
-    if v not in MRL_VARIANTS:
-        raise ValueError(f"TEMPOKERN_MRL_CUDA must be one of {MRL_VARIANTS}, got {v!r}")
-    return v
+    return env_choice("TEMPOKERN_MRL_CUDA", MRL_VARIANTS, "fused")
 
 
 def use_fused(t, Bd: int) -> bool:

@@ -30,7 +30,7 @@ from typing import List, Optional
 
 import torch
 
-from .common import DTYPE_CODES, kernels, launch_args, on_cuda_path, ptr, sm_count
+from .common import DTYPE_CODES, env_choice, kernels, launch_args, on_cuda_path, ptr, sm_count
 
 TILE_COLS = 1024  # columns per CUDA block of the fused passes (256 threads x 4)
 _out_dtype_ok: dict = {}
@@ -114,10 +114,7 @@ def stats_variant() -> str:
     """The CUDA statistics kernel of the forward pass: TEMPOKERN_MPB_STATS=v1 (default, the kernel measured on
     the H100: threads own columns, a warp reduction per row per 4 columns) or v2 (a shared-memory tile, a
     warp per row, one reduction per row per 1024 columns; not yet measured on a GPU). Same outputs."""
-    v = os.environ.get("TEMPOKERN_MPB_STATS", "v1").strip().lower() or "v1"
-    if v not in STATS_VARIANTS:
-        raise ValueError(f"TEMPOKERN_MPB_STATS must be one of {STATS_VARIANTS}, got {v!r}")
-    return v
+    return env_choice("TEMPOKERN_MPB_STATS", STATS_VARIANTS, "v1")
 
 
 GLUE_VARIANTS = ("fused", "torch")
@@ -128,10 +125,7 @@ def glue_variant() -> str:
     ranks and fallback flags, one finalize kernel per row block for the statistics merge, the hardest negative
     and the loss, one workspace allocation) or torch (the torch ops measured on the H100 in the first GPU
     session: sort / searchsorted / logsumexp / loss assembly, ~50 more ops per step). Same numbers."""
-    v = os.environ.get("TEMPOKERN_MPB_GLUE", "fused").strip().lower() or "fused"
-    if v not in GLUE_VARIANTS:
-        raise ValueError(f"TEMPOKERN_MPB_GLUE must be one of {GLUE_VARIANTS}, got {v!r}")
-    return v
+    return env_choice("TEMPOKERN_MPB_GLUE", GLUE_VARIANTS, "fused")
 
 
 class _Workspace:
