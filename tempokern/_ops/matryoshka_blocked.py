@@ -118,6 +118,23 @@ def _masked_lse(z, mask, dim):
     return torch.logsumexp(z.masked_fill(~mask, float("-inf")), dim=dim)
 
 
+def _finish_levels(c, row_stats, col_stats, c_all, c_pos, cols: bool, coef, row_weight: float, col_weight: float):
+    """Both forward executions' last step: the fallback flags and column statistics into their outputs, then
+    the per-level losses (mean over rows / columns of lse_all - lse_pos, weighted by direction) and the loss
+    (levels weighted by coef; a zero-weight level contributes exactly 0)."""
+    K, acc, dev = row_stats.shape[0], row_stats.dtype, row_stats.device
+    row_stats[:, 2] = c.row_none_local.to(acc)[None, :]
+    if cols:
+        col_stats[:, 0], col_stats[:, 1] = c_all, c_pos
+    levels = torch.zeros(K, dtype=acc, device=dev)
+    if row_weight != 0.0 and c.Bq:
+        levels = levels + row_weight * (row_stats[:, 0] - row_stats[:, 1]).mean(dim=1)
+    if cols and c.Bd:
+        levels = levels + col_weight * (col_stats[:, 0] - col_stats[:, 1]).mean(dim=1)
+    w = torch.tensor(list(coef), dtype=acc, device=dev)
+    return (torch.where(w != 0, levels, torch.zeros_like(levels)) * w).sum(), levels
+
+
 def blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg: Sequence[int],
                     coef: Sequence[float], inv_temp: float, row_weight: float, col_weight: float, diag_offset: int,
                     block: int = 0, bias=None, want_grad: bool = False) -> List[torch.Tensor]:
@@ -147,16 +164,7 @@ def blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row
             if cols:
                 c_all[l] = torch.logaddexp(c_all[l], torch.logsumexp(z, dim=0))
                 c_pos[l] = torch.logaddexp(c_pos[l], _masked_lse(z, pos_c, 0))
-    row_stats[:, 2] = c.row_none_local.to(acc)[None, :]
-    if cols:
-        col_stats[:, 0], col_stats[:, 1] = c_all, c_pos
-    levels = torch.zeros(K, dtype=acc, device=dev)
-    if row_weight != 0.0 and c.Bq:
-        levels = levels + row_weight * (row_stats[:, 0] - row_stats[:, 1]).mean(dim=1)
-    if cols and c.Bd:
-        levels = levels + col_weight * (col_stats[:, 0] - col_stats[:, 1]).mean(dim=1)
-    w = torch.tensor(list(coef), dtype=acc, device=dev)
-    loss = (torch.where(w != 0, levels, torch.zeros_like(levels)) * w).sum()
+    loss, levels = _finish_levels(c, row_stats, col_stats, c_all, c_pos, cols, coef, row_weight, col_weight)
     return [loss, levels, row_stats, col_stats]
 
 
@@ -581,16 +589,7 @@ def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_n
         if gif:
             _backward_any(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, grads)
         del Gs, Es, dense, row_part, col_part
-    row_stats[:, 2] = c.row_none_local.to(acc)[None, :]
-    if cols:
-        col_stats[:, 0], col_stats[:, 1] = c_all, c_pos
-    levels = torch.zeros(K, dtype=acc, device=dev)
-    if row_weight != 0.0 and c.Bq:
-        levels = levels + row_weight * (row_stats[:, 0] - row_stats[:, 1]).mean(dim=1)
-    if cols and c.Bd:
-        levels = levels + col_weight * (col_stats[:, 0] - col_stats[:, 1]).mean(dim=1)
-    w = torch.tensor(list(coef), dtype=acc, device=dev)
-    loss = (torch.where(w != 0, levels, torch.zeros_like(levels)) * w).sum()
+    loss, levels = _finish_levels(c, row_stats, col_stats, c_all, c_pos, cols, coef, row_weight, col_weight)
     out = [loss, levels, row_stats, col_stats]
     if gif:
         out += grads.out(q, acc)
