@@ -47,4 +47,47 @@ qq = torch.randn(9, H, device=dev)
 v, i = tempokern.ctd_topk(qq, g, 10)
 vr, ir = ref.ctd_topk(qq.double(), g.double(), 10)
 check("ctd_topk none", v, vr, 1e-4)
+
+# Session 6 paths (never run on a GPU before 2026-11-23's session 7): the blocked loss's fused glue (prep /
+# finalize with its last-CTA counter / table-gradient kernels) on a batch large enough for several CTAs,
+# statistics v2, the Matryoshka fused passes, the ctd_topk serve kernels (Q = 1 and 16), return_hardest.
+import os
+B2, H2 = 1500, 64
+q2 = torch.randn(B2, H2, device=dev, dtype=torch.float64, requires_grad=True)
+d2 = torch.randn(B2, H2, device=dev, dtype=torch.float64, requires_grad=True)
+s2 = torch.randint(0, 300, (B2,), device=dev)
+sp2 = ((s2, s2 + torch.randint(1, 9, (B2,), device=dev)), (torch.randint(0, 300, (B2,), device=dev),) * 2)
+sp2 = (sp2[0], (sp2[1][0], sp2[1][0] + 2))
+u_q2, u_d2 = torch.rand(B2, device=dev, dtype=torch.float64), torch.rand(B2, device=dev, dtype=torch.float64)
+b2 = (u_q2, u_d2, *tempokern.nn.offset_bias.bias_params(ob))
+for stats in ("v1", "v2"):
+    os.environ["TEMPOKERN_MPB_STATS"] = stats
+    for pts, bias in ((None, None), (257, b2), (None, b2)):
+        lf = tempokern.multipos_infonce(q2, d2, *sp2, temperature=0.1, bias=bias, bias_table_points=pts)
+        lr = ref.multipos_infonce(q2, d2, *sp2, temperature=0.1, bias=bias, bias_table_points=pts)
+        gf = torch.autograd.grad(lf, [q2, d2])
+        gr = torch.autograd.grad(lr, [q2, d2])
+        check(f"blocked stats={stats} pts={pts} bias={bias is not None}", torch.stack([lf, *[x.sum() for x in gf]]),
+              torch.stack([lr, *[x.sum() for x in gr]]), 1e-8)
+os.environ.pop("TEMPOKERN_MPB_STATS")
+lf, hf = tempokern.multipos_infonce(q2.detach(), d2.detach(), *sp2, temperature=0.1, return_hardest=True)
+print("return_hardest", tuple(hf.shape), flush=True)
+q3 = q2.detach().float().requires_grad_()
+d3 = d2.detach().float().requires_grad_()
+for sym in (False, True):
+    lf = tempokern.matryoshka_infonce(q3, d3, (16, 40, 64), temperature=0.05, symmetric=sym)
+    lr = ref.matryoshka_infonce(q3.double(), d3.double(), (16, 40, 64), temperature=0.05, symmetric=sym)
+    gf = torch.autograd.grad(lf, [q3, d3])
+    check(f"matryoshka sym={sym}", lf, lr, 1e-4)
+gg = torch.randn(70000, H, device=dev)
+ugg = torch.rand(70000, device=dev)
+for Q in (1, 16):
+    qq = torch.randn(Q, H, device=dev)
+    uq = torch.rand(Q, device=dev)
+    for name, bias in (("none", None), ("exact", (uq, ugg, *[t.float() for t in tempokern.nn.offset_bias.bias_params(ob)]))):
+        v, i = tempokern.ctd_topk(qq, gg, 10, bias=bias)
+        bref = None if bias is None else tuple(t.double() for t in bias)
+        vr, ir = ref.ctd_topk(qq.double(), gg.double(), 10, bias=bref)
+        check(f"ctd_topk serve Q={Q} {name}", v, vr, 1e-3)
+print("session 6 paths ok", flush=True)
 print("all ok", flush=True)

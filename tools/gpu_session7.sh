@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call of the third GPU session (2026-11-23): PHASE=a builds for sm_90 (the .so is copied to $OUT so
+# a later call can carry it), runs every CUDA test and the GPU suite without torch.compile; PHASE=b runs
+# compute-sanitizer memcheck and racecheck on tools/gpu_sanitize_case.py (every op, the session-6 paths too);
+# PHASE=c builds unless tempokern/_C*312*.so is there and runs the full suite (torch.compile included).
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TEMPOKERN_TEST_EMU=0
+t0=$(date +%s)
+el() { echo "$(( $(date +%s) - t0 )) s"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/device.txt"
+build() {
+  TEMPOKERN_CUDA=ON TEMPOKERN_CUDA_ARCHS=90 JOBS=16 PYTHON=python3 tools/dev_build.sh > "$OUT/build.log" 2>&1 \
+    || { tail -40 "$OUT/build.log"; exit 1; }
+  cp tempokern/_C*.so "$OUT/"; echo "build done $(el)"
+}
+case "${PHASE:-a}" in
+a)
+  build
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests > "$OUT/pytest-cuda.log" 2>&1
+  echo "tests rc $? $(el)"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest-cuda.log" | tail -25
+  timeout ${SUITE_TIMEOUT:-360} python3 benchmarks/gpu_suite.py --out "$OUT" --no-compile --budget-s ${SUITE_BUDGET:-300} \
+    > "$OUT/suite.log" 2>&1
+  echo "suite rc $? $(el)"; tail -${TAIL:-90} "$OUT/suite.log" ;;
+b)
+  ls tempokern/_C*312*.so >/dev/null 2>&1 || build
+  for tool in memcheck racecheck; do
+    timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/gpu_sanitize_case.py \
+      > "$OUT/sanitizer-$tool.log" 2>&1
+    echo "compute-sanitizer $tool: rc $? $(el)"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|ok$" "$OUT/sanitizer-$tool.log" | tail -6
+  done ;;
+c)
+  ls tempokern/_C*312*.so >/dev/null 2>&1 || build
+  timeout ${SUITE_TIMEOUT:-500} python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s ${SUITE_BUDGET:-420} ${SUITE_ARGS:-} \
+    > "$OUT/suite.log" 2>&1
+  echo "suite rc $? $(el)"; tail -${TAIL:-90} "$OUT/suite.log" ;;
+esac
+echo "done $(el)"
