@@ -92,7 +92,7 @@ def test_twice_torch_error(variant, dtype, gpu, monkeypatch):
     w = ref.level_weights(sizes)
 
     def plain_scalar(a):
-        return sum(wl * (torch.softmax(x / tau, -1) @ torch.arange(x.shape[1], dtype=dtype))
+        return sum(wl * (torch.softmax(x / tau, -1) @ torch.arange(x.shape[1], dtype=dtype, device=x.device))
                    for wl, x in zip(w, a))
 
     def plain_context(a):

@@ -40,7 +40,7 @@ def run_both(q, d, neg, sp, dims, *, level_w=None, **kw):
         ins = [x.clone().requires_grad_() for x in (q, d) + ((neg,) if neg is not None else ())]
         loss, levels = fn(ins[0], ins[1], dims, extra_neg=ins[2] if neg is not None else None, return_levels=True,
                           **sp, **kw)
-        total = loss if level_w is None else loss + (levels * level_w.to(levels.dtype)).sum()
+        total = loss if level_w is None else loss + (levels * level_w.to(levels)).sum()
         grads = torch.autograd.grad(total, ins)
         out.append((loss.detach(), levels.detach(), [g.detach() for g in grads]))
     return out
@@ -488,7 +488,7 @@ def run_both_bias(q, d, neg, sp, dims, bias, *, level_w=None, table_points=None,
         fn = tempokern.matryoshka_infonce if fused else ref
         loss, levels = fn(ins[0], ins[1], dims, extra_neg=ins[2] if neg is not None else None, return_levels=True,
                           bias=tuple(bs), **sp, **kw, **extra)
-        total = loss if level_w is None else loss + (levels * level_w.to(levels.dtype)).sum()
+        total = loss if level_w is None else loss + (levels * level_w.to(levels)).sum()
         grads = torch.autograd.grad(total, ins + bs)
         out.append((loss.detach(), levels.detach(), [g.detach() for g in grads]))
     return out

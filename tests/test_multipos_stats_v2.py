@@ -116,8 +116,8 @@ def test_v2_hardest_negative_and_ties(gpu, v2, B):
     q_span = (lo, lo + torch.randint(0, 3, (B,), generator=g))
     lo2 = torch.randint(0, 80, (B,), generator=g)
     d_span = (lo2, lo2 + torch.randint(0, 3, (B,), generator=g))
-    loss, hard = tempokern.multipos_infonce(q.to(gpu), d.to(gpu), q_span, d_span, temperature=0.5,
-                                            return_hardest=True)
+    loss, hard = tempokern.multipos_infonce(q.to(gpu), d.to(gpu), tuple(t.to(gpu) for t in q_span),
+                                            tuple(t.to(gpu) for t in d_span), temperature=0.5, return_hardest=True)
     want_loss = ref(q, d, q_span, d_span, temperature=0.5)
     torch.testing.assert_close(loss.cpu(), want_loss, rtol=1e-9, atol=1e-10)
     want = _hardest_literal(q, d, q_span, d_span, 0.5)

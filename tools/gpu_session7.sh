@@ -34,5 +34,19 @@ c)
   timeout ${SUITE_TIMEOUT:-500} python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s ${SUITE_BUDGET:-420} ${SUITE_ARGS:-} \
     > "$OUT/suite.log" 2>&1
   echo "suite rc $? $(el)"; tail -${TAIL:-90} "$OUT/suite.log" ;;
+d)
+  build; xz -T16 -1 -c tempokern/_C*.so > "$OUT/_C312.so.xz"; ls -la "$OUT/_C312.so.xz"
+  timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests/test_multipos_hardest.py \
+    tests/test_calendar_v2.py tests/test_matryoshka_infonce.py tests/test_multipos_stats_v2.py \
+    tests/test_matryoshka_cuda_fused.py > "$OUT/pytest-cuda-fixed.log" 2>&1
+  echo "tests rc $? $(el)"; tail -3 "$OUT/pytest-cuda-fixed.log"
+  timeout 220 python3 tools/gpu_probe7.py > "$OUT/probe.log" 2>&1; echo "probe rc $? $(el)"
+  TEMPOKERN_MPB_STATS=v2 timeout 100 ncu --kernel-name regex:mpb_fwd --launch-count 1 --section SpeedOfLight \
+    --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats \
+    python3 tools/ncu_case.py 16384 > "$OUT/ncu-fwd2.txt" 2>&1; echo "ncu rc $? $(el)"
+  SAN_SMALL=1 timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tools/gpu_sanitize_case.py \
+    > "$OUT/sanitizer-racecheck.log" 2>&1
+  echo "racecheck rc $? $(el)"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error|ok$" "$OUT/sanitizer-racecheck.log" | tail -5
+  grep -E "^(topk|calendar|loss|matryoshka)" "$OUT/probe.log" ;;
 esac
 echo "done $(el)"
