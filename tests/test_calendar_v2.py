@@ -88,7 +88,7 @@ def test_twice_torch_error(variant, dtype, gpu, monkeypatch):
     xs = make_logits(B, sizes, dtype=dtype, device=gpu, seed=3)
     x64 = [x.detach().double().requires_grad_() for x in xs]
     xp = [x.detach().clone().requires_grad_() for x in xs]
-    tables = {n: ref.fourier_table(n, dim, dtype=dtype) for n in sizes}
+    tables = {n: ref.fourier_table(n, dim, dtype=dtype).to(xs[0].device) for n in sizes}
     w = ref.level_weights(sizes)
 
     def plain_scalar(a):
@@ -110,7 +110,7 @@ def test_twice_torch_error(variant, dtype, gpu, monkeypatch):
             assert d1.abs().max().item() <= 2 * d2.abs().max().item() + 1e-6
 
         check(f, e, p)
-        wt = torch.randn(e.shape, dtype=torch.float64)
+        wt = torch.randn(e.shape, dtype=torch.float64).to(e.device)
         gf = torch.autograd.grad((f.double() * wt).sum(), xs)
         ge = torch.autograd.grad((e * wt).sum(), x64)
         gp = torch.autograd.grad((p.double() * wt).sum(), xp)
@@ -143,7 +143,7 @@ def test_v2_grid_at_sm_counts(sms, per_sm, gpu, monkeypatch):
             w = torch.randn_like(want)
             for g, r in zip(torch.autograd.grad((got.double() * w).sum(), xs), torch.autograd.grad((want * w).sum(), x64)):
                 torch.testing.assert_close(g.double(), r, **gtol)
-    assert cal._max_ctas(xs[0]) == max(1, (per_sm or cal._CTAS_PER_SM_V2) * sms)
+    assert cal._max_ctas(xs[0], "context") == cal._max_ctas(xs[0], "scalar") == max(1, (per_sm or cal._CTAS_PER_SM_V2) * sms)
 
 
 @pytest.mark.emu
@@ -191,13 +191,20 @@ def test_thread_orders(variant, cuda_emu, monkeypatch):
 def test_variant_switch(monkeypatch):
     from tempokern._ops import calendar as cal
     monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
-    assert cal.variant() == "v2"
+    # unset / auto: the faster kernel per op as measured on the H100 (context v2, scalar v1)
+    assert (cal.variant("context"), cal.variant("scalar")) == ("v2", "v1")
+    monkeypatch.setenv("TEMPOKERN_CALENDAR", " Auto ")
+    assert (cal.variant("context"), cal.variant("scalar")) == ("v2", "v1")
     for v in ("v1", "V2", " v1 "):
         monkeypatch.setenv("TEMPOKERN_CALENDAR", v)
-        assert cal.variant() == v.strip().lower()
+        assert cal.variant("context") == cal.variant("scalar") == v.strip().lower()
     monkeypatch.setenv("TEMPOKERN_CALENDAR", "v3")
     with pytest.raises(ValueError, match="TEMPOKERN_CALENDAR"):
         cal.variant()
+    monkeypatch.delenv("TEMPOKERN_CALENDAR")
+    with pytest.raises(ValueError, match="op"):
+        cal.variant("softmax")
+    assert cal._op("scalar_fwd", torch.zeros(1)) == "scalar_fwd"   # CPU tensors: the CPU kernel names
 
 
 def test_bad_variant_raises_on_the_cuda_path(gpu, monkeypatch):

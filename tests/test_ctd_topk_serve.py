@@ -25,6 +25,7 @@ def paths(monkeypatch):
     monkeypatch.setattr(ops, "_serve_topk", serve)
     monkeypatch.setattr(ops, "_cuda_topk", old)
     monkeypatch.delenv("TEMPOKERN_TOPK_SERVE", raising=False)
+    monkeypatch.setattr(ops, "_SERVE_MAX_Q", ops._SERVE_KERNEL_MAX_Q)  # the kernels' whole range (dispatch: 4)
     return seen
 
 
@@ -218,6 +219,18 @@ def test_old_path_stays_selectable_and_large_q_keeps_it(gpu, paths, monkeypatch)
     monkeypatch.setenv("TEMPOKERN_TOPK_SERVE", "yes")
     with pytest.raises(ValueError, match="TEMPOKERN_TOPK_SERVE"):
         tempokern.ctd_topk(q[:2], g, 5)
+
+
+def test_default_dispatch_crossover(gpu, paths, monkeypatch):
+    # without the fixture's widening: Q <= 4 on the serve kernels, Q = 5 on the previous path (cuBLAS + select),
+    # the crossover measured on the H100
+    monkeypatch.setattr(ops, "_SERVE_MAX_Q", 4)
+    small_geometry(monkeypatch)
+    torch.manual_seed(6)
+    g = torch.randn(300, 16, device=gpu)
+    for Q in (1, 4, 5):
+        check_against_reference(torch.randn(Q, 16, device=gpu), g, 5, atol=1e-4)
+    assert paths == ["serve", "serve", "old"]
 
 
 def test_serve_falls_back_when_queries_do_not_fit(gpu, paths, monkeypatch):

@@ -140,7 +140,7 @@ def test_fused_does_not_depend_on_thread_order(cuda_emu, monkeypatch, bias_mode)
 def _errs(res, exact):
     (l, v, g) = res
     (le, ve, ge) = exact
-    return [(x.double() - y).abs().max().item() for x, y in zip([l, v, *g], [le, ve, *ge])]
+    return [(x.double().cpu() - y.cpu()).abs().max().item() for x, y in zip([l, v, *g], [le, ve, *ge])]
 
 
 TWO_X = [(dt, None) for dt in (torch.float32, torch.bfloat16, torch.float16)] + [(torch.bfloat16, "table"),

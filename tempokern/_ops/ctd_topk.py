@@ -33,7 +33,12 @@ _SEL_CTAS_PER_SM = 16       # select grid: 16 CTAs x 4 warps per SM (full occupa
 _SCAN_CTAS_PER_SM = 4       # scan grid: 4 CTAs x 8 warps per SM
 # Serve path (Q <= _SERVE_MAX_Q; ctd_topk_cuda_serve): no host sync, no torch op on the data; the previous
 # path (scan_rows for Q <= 4, cuBLAS + select_block above) stays selectable with TEMPOKERN_TOPK_SERVE=0.
-_SERVE_MAX_Q = 16
+# The serve kernels take 1 to _SERVE_KERNEL_MAX_Q queries; dispatch sends them Q <= _SERVE_MAX_Q, the measured
+# crossover on the H100 (2026-11-23, N = 1M, bf16, k = 10; tools/gpu_probe7.py): serve vs the previous path,
+# no bias / exact bias, ms: Q 1 0.74 / 1.21 vs 1.23 / 2.88, Q 4 0.93 / 2.86 vs 3.98 / 6.63, Q 8 2.94 / 6.14 vs
+# 1.10 / 4.52 (cuBLAS + select from Q = 5 on), Q 16 3.37 / 9.21 vs 1.30 / 5.37.
+_SERVE_KERNEL_MAX_Q = 16
+_SERVE_MAX_Q = 4
 _SERVE_WARPS = 8            # warps per CTA of serve_scan
 _SERVE_CTAS_PER_SM = 2      # serve grid: 2 CTAs x 8 warps per SM (>= 2 x SMs CTAs where N allows)
 _SERVE_SMEM = 96 * 1024     # serve_scan's shared memory: queries (QM, H) in the input dtype + score tiles
@@ -270,7 +275,7 @@ def _host_scalar(value: float, t: Optional[torch.Tensor]) -> float:
 
 
 def serve_mode() -> bool:
-    """TEMPOKERN_TOPK_SERVE: "1" (default) runs Q <= 16 through the serve kernels, "0" through the path
+    """TEMPOKERN_TOPK_SERVE: "1" (default) runs Q <= _SERVE_MAX_Q (4) through the serve kernels, "0" through the path
     measured on the H100 on 2026-11-22 (scan_rows for Q <= 4, cuBLAS + select_block above)."""
     v = os.environ.get("TEMPOKERN_TOPK_SERVE", "1").strip()
     if v not in ("0", "1"):
@@ -293,7 +298,7 @@ def _serve_smem(Q: int, H: int, dtype: torch.dtype) -> int:
 def serve_path(q: torch.Tensor, k: int) -> bool:
     """Whether ctd_topk on the CUDA path takes the serve kernels for these queries."""
     Q, H = q.shape
-    return 1 <= Q <= _SERVE_MAX_Q and serve_mode() and _serve_smem(Q, H, q.dtype) <= _SERVE_SMEM
+    return 1 <= Q <= min(_SERVE_MAX_Q, _SERVE_KERNEL_MAX_Q) and serve_mode() and _serve_smem(Q, H, q.dtype) <= _SERVE_SMEM
 
 
 _freq_cache: dict = {}
