@@ -265,6 +265,13 @@ def test_cuda_bookkeeping_with_a_fake_device(suite, tmp_path, monkeypatch):
         fake.peak = max(fake.peak, fake.allocated + (5 << 20))
     t = suite.time_step([step, step], dev, repeats=4, budget_s=60)
     assert t.runs == 4 and t.peak_mb == pytest.approx(5.0) and t.ms >= 0 and fake.syncs >= 2 * 4
+    # a fast step is also timed back to back (no synchronize between the steps): 30 steps, 2 more syncs
+    calls, syncs = [], fake.syncs
+    t = suite.time_step([lambda: calls.append(1)] * 2, dev, repeats=4, budget_s=60)
+    assert t.pipelined_runs == suite.PIPELINE_STEPS and t.pipelined_ms is not None and t.pipelined_ms >= 0
+    assert len(calls) == 1 + 4 + suite.PIPELINE_STEPS and fake.syncs - syncs == 2 + 2 * 4 + 2
+    slow = suite.time_step([lambda: __import__("time").sleep(0.06)], dev, repeats=2, budget_s=60)
+    assert slow.pipelined_ms is None and slow.pipelined_runs == 0   # over PIPELINE_MAX_MS: single steps only
     s = suite.Suite(suite.parse_args(["--out", str(tmp_path)]), ["benchmarks/gpu_suite.py", "--out", str(tmp_path)])
     assert s.meta["device"] == "Fake GPU" and s.csv_path.name.startswith("gpu-") and "fake-gpu" in s.csv_path.name
     case = suite.Case("op", "c", "n", make=lambda seed: {"x": torch.empty(30 << 20, dtype=torch.uint8)},

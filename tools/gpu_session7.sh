@@ -48,5 +48,28 @@ d)
     > "$OUT/sanitizer-racecheck.log" 2>&1
   echo "racecheck rc $? $(el)"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error|ok$" "$OUT/sanitizer-racecheck.log" | tail -5
   grep -E "^(topk|calendar|loss|matryoshka)" "$OUT/probe.log" ;;
+e)
+  # the .so of phase d carried as .devbuild/_C312.so.xz (csrc unchanged since)
+  ls tempokern/_C*312*.so >/dev/null 2>&1 || xz -dc .devbuild/_C312.so.xz > tempokern/_C.cpython-312-x86_64-linux-gnu.so
+  timeout ${SUITE_TIMEOUT:-430} python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s ${SUITE_BUDGET:-390} \
+    > "$OUT/suite.log" 2>&1; echo "suite rc $? $(el)"
+  timeout 70 python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests > "$OUT/pytest-cuda.log" 2>&1
+  echo "tests rc $? $(el)"; grep -E "passed|failed|FAILED" "$OUT/pytest-cuda.log" | tail -8
+  timeout 80 python3 tools/gpu_probe7.py calendar profile mrl > "$OUT/probe.log" 2>&1; echo "probe rc $? $(el)"
+  grep -E "^(calendar|loss|matryoshka)" "$OUT/probe.log"; tail -${TAIL:-75} "$OUT/suite.log" ;;
+f)
+  ls tempokern/_C*312*.so >/dev/null 2>&1 || xz -dc .devbuild/_C312.so.xz > tempokern/_C.cpython-312-x86_64-linux-gnu.so
+  timeout 150 python3 tools/gpu_hostprof.py > "$OUT/hostprof.log" 2>&1; echo "hostprof rc $? $(el)"
+  grep -E "host issue|one torch" "$OUT/hostprof.log" ;;
+g)
+  ls tempokern/_C*312*.so >/dev/null 2>&1 || xz -dc .devbuild/_C312.so.xz > tempokern/_C.cpython-312-x86_64-linux-gnu.so
+  timeout 90 python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests/test_cuda_no_sync.py tests/test_offset_bias.py \
+    tests/test_multipos_infonce.py tests/test_ctd_topk.py tests/test_ctd_topk_serve.py tests/test_multipos_blocked.py \
+    tests/test_ctd_loss.py > "$OUT/pytest-cuda-g.log" 2>&1
+  echo "tests rc $? $(el)"; grep -E "passed|failed|FAILED|^E  " "$OUT/pytest-cuda-g.log" | tail -12
+  timeout 45 python3 tools/gpu_hostprof.py > "$OUT/hostprof.log" 2>&1; echo "hostprof rc $? $(el)"
+  grep -E "host issue" "$OUT/hostprof.log"
+  timeout 250 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 210 --only "${SUITE_ONLY:-multipos_infonce|Q=1 N}" \
+    > "$OUT/suite.log" 2>&1; echo "suite rc $? $(el)"; tail -${TAIL:-40} "$OUT/suite.log" ;;
 esac
 echo "done $(el)"

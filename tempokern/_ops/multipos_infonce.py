@@ -338,7 +338,7 @@ def bias_kernel_inputs(bias: Sequence[torch.Tensor], acc: torch.dtype):
     A = torch.cat([Ws * cq + Wc * sq, Wc * cq - Ws * sq], dim=-1).contiguous()
     bd = ud[:, None] * f
     Ct = torch.cat([torch.sin(bd), torch.cos(bd)], dim=1).t().contiguous()
-    ends = torch.tensor([1.0, -1.0], dtype=acc, device=u_q.device)
+    ends = torch.linspace(1.0, -1.0, 2, dtype=acc, device=u_q.device)   # [1, -1] made on the device: no copy
     zc = (offset_features(ends, D) @ w1.to(acc).t() + b1.to(acc)).contiguous()
     return (A, Ct, b1.to(acc).contiguous(), w2.to(acc).reshape(-1).contiguous(), b2.to(acc).reshape(()).contiguous(),
             scale.to(acc).reshape(()).contiguous(), zc, uq.detach().contiguous(), ud.detach().contiguous())

@@ -21,9 +21,30 @@ def bias_frequencies(D: int, dtype: torch.dtype = torch.float32, device=None) ->
     Computed in float32 (float64 when ``dtype`` is float64) exactly like the reference does, then cast to
     ``dtype``; the fused kernels receive this tensor rather than recomputing it."""
     K = max(1, int(D) // 2)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    if dev.type == "cpu":
+        return _frequencies_cpu(K, dtype)
+    # Another device: computed once on the CPU (the same numbers everywhere) and cached there; a fresh copy
+    # per call would be a host-to-device copy from pageable memory, which waits for the stream: one host
+    # sync per training step in the bias modes (measured on the H100, 2026-11-23).
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = (K, dtype, dev)
+    f = _FREQ_CACHE.get(key)
+    if f is None:
+        with torch.inference_mode(False), torch.no_grad():   # usable by autograd even if first made in inference
+            f = _frequencies_cpu(K, dtype).to(dev)
+        _FREQ_CACHE[key] = f
+    return f
+
+
+_FREQ_CACHE: dict = {}
+
+
+def _frequencies_cpu(K: int, dtype: torch.dtype) -> torch.Tensor:
     work = torch.float64 if dtype == torch.float64 else torch.float32
     t = torch.linspace(0, 1, K, dtype=work)
-    return torch.exp(-math.log(10000.0) * t).to(dtype=dtype, device=device)
+    return torch.exp(-math.log(10000.0) * t).to(dtype=dtype)
 
 
 def offset_features(delta: torch.Tensor, D: int) -> torch.Tensor:
