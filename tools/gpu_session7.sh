@@ -71,5 +71,11 @@ g)
   grep -E "host issue" "$OUT/hostprof.log"
   timeout 250 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 210 --only "${SUITE_ONLY:-multipos_infonce|Q=1 N}" \
     > "$OUT/suite.log" 2>&1; echo "suite rc $? $(el)"; tail -${TAIL:-40} "$OUT/suite.log" ;;
+h)
+  ls tempokern/_C*312*.so >/dev/null 2>&1 || xz -dc .devbuild/_C312.so.xz > tempokern/_C.cpython-312-x86_64-linux-gnu.so
+  timeout 300 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 250 > "$OUT/suite.log" 2>&1
+  echo "suite rc $? $(el)"
+  timeout 40 python3 tools/gpu_hostprof.py > "$OUT/hostprof.log" 2>&1; echo "hostprof rc $? $(el)"
+  grep -E "host issue" "$OUT/hostprof.log"; tail -${TAIL:-16} "$OUT/suite.log" ;;
 esac
 echo "done $(el)"

@@ -98,11 +98,29 @@ def offset_bias_table(w1, b1, w2, b2, scale, points: int) -> torch.Tensor:
     (``bias_table_points=N`` of multipos_infonce / CTDLoss, ``table_points=N`` of offset_bias) evaluates
     the MLP here, exactly, and interpolates it with :func:`offset_bias_lookup`; gradients reach all five
     MLP inputs through this function."""
-    d = table_points_delta(points, torch.float64, w1.device)
-    phi = offset_features(d, w1.shape[1])
+    phi = table_features(points, w1.shape[1], w1.device)
     h = torch.relu(phi @ w1.double().t() + b1.double())
     y = (h @ w2.double().t()).squeeze(-1) + b2.double().reshape(())
     return scale.double().reshape(()) * y
+
+
+_TABLE_PHI: dict = {}
+
+
+def table_features(points: int, D: int, device=None) -> torch.Tensor:
+    """phi(delta_p) at the table's points, float64 (points, D): a constant of (points, D, device), cached
+    (the training table mode evaluates the MLP at these points every step; recomputing them was ~8 small
+    launches per step in the forward alone)."""
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    key = (int(points), int(D), dev)
+    phi = _TABLE_PHI.get(key)
+    if phi is None:
+        with torch.inference_mode(False), torch.no_grad():
+            phi = offset_features(table_points_delta(points, torch.float64, dev), D)
+        if len(_TABLE_PHI) >= 16:
+            _TABLE_PHI.pop(next(iter(_TABLE_PHI)))
+        _TABLE_PHI[key] = phi
+    return phi
 
 
 def offset_bias_tabulated(u_q, u_d, w1, b1, w2, b2, scale, points: int) -> torch.Tensor:
