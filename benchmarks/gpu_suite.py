@@ -56,8 +56,10 @@ import torch  # noqa: E402
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
 IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
-         "tempokern_cal_v1", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
+         "tempokern_cal_v1", "tempokern_ob_prune", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
 # one-level yardstick
+# tempokern_ob_prune: offset_bias (exact) and the exact-bias loss with TEMPOKERN_OB_PRUNE=1 (the CUDA kernels skip
+# the hidden units proved always off and merge the always-on ones; opt-in, not yet measured)
 # tempokern_cal_v1: calendar_scalar / calendar_context with TEMPOKERN_CALENDAR=v1 (the thread-per-row kernels measured
 # on the H100 on 2026-11-22); "tempokern" is the default v2 warp-cooperative kernels, not yet measured
 # tempokern_prev: ctd_topk at Q <= 16 with TEMPOKERN_TOPK_SERVE=0 (the path measured on the H100 on 2026-11-22;
@@ -400,8 +402,9 @@ def loss_agree(max_rows: int, seed: int):
             fn = tk().multipos_infonce if fused else ref().multipos_infonce
             i = subset(inp, slice(None), inp["q"].device)
             call = lambda: with_grads(loss_call(fn, i, check_keyword=fused), i["leaves"], i["names"])  # noqa: E731
-            got = with_env(lambda _: call, "TEMPOKERN_MPB_STATS", "v2")(None)() if impl == "tempokern_stats_v2" \
-                else call()
+            env = {"tempokern_stats_v2": ("TEMPOKERN_MPB_STATS", "v2"),
+                   "tempokern_ob_prune": ("TEMPOKERN_OB_PRUNE", "1")}.get(impl)
+            got = with_env(lambda _: call, *env)(None)() if env else call()
             res[impl] = compare(got, want)
         return res, note
     return agree
@@ -426,6 +429,9 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn, stats_v2: bool = True) -> Li
             if stats_v2 and mode != "exact":  # the variant column: the same op with the v2 statistics kernel
                 steps["tempokern_stats_v2"] = with_env(loss_step(lambda: tk().multipos_infonce),
                                                        "TEMPOKERN_MPB_STATS", "v2")
+            if mode == "exact":  # the variant column of the bias kernels: hidden-unit merging (TEMPOKERN_OB_PRUNE=1)
+                steps["tempokern_ob_prune"] = with_env(loss_step(lambda: tk().multipos_infonce),
+                                                       "TEMPOKERN_OB_PRUNE", "1")
             # the variant column of the glue: the torch ops around the passes instead of the prep / fin kernels
             steps["tempokern_glue_torch"] = with_env(loss_step(lambda: tk().multipos_infonce),
                                                      "TEMPOKERN_MPB_GLUE", "torch")
@@ -772,9 +778,14 @@ def bias_agree(max_rows: int, seed: int, backward: bool):
         res = {}
         for impl in impls:
             li = [_leaf(t) for t in inp["leaves"]]
-            fn = tk().offset_bias if impl == "tempokern" else ref().offset_bias
-            out = bias_call(fn, dict(inp, leaves=li), impl == "tempokern")
-            got = with_grads(out, li, names, inp["gout"], "out") if backward else [("out", out.detach())]
+            fused = impl.startswith("tempokern")
+            fn = tk().offset_bias if fused else ref().offset_bias
+
+            def call(fn=fn, li=li, fused=fused):
+                out = bias_call(fn, dict(inp, leaves=li), fused)
+                return with_grads(out, li, names, inp["gout"], "out") if backward else [("out", out.detach())]
+            got = with_env(lambda _: call, "TEMPOKERN_OB_PRUNE", "1")(None)() if impl == "tempokern_ob_prune" \
+                else call()
             res[impl] = compare(got, want)
         return res, note
     return agree
@@ -796,7 +807,9 @@ def bias_cases(sizes, dev, seed, bandwidth) -> List[Case]:
             cases.append(Case("offset_bias", label + " float32", f"{B}x{B}",
                               make=(lambda s, table=table: bias_inputs(B, dev, s, table)),
                               steps={"tempokern": bias_step("tempokern", backward),
-                                     "eager": bias_step("eager", backward)},
+                                     "eager": bias_step("eager", backward),
+                                     **({} if table else {"tempokern_ob_prune": with_env(
+                                         bias_step("tempokern", backward), "TEMPOKERN_OB_PRUNE", "1")})},
                               agree=bias_agree(sizes["agree_bias"], seed, backward),
                               mem_bytes={"eager": per_pair * B * B}, floor=floor))
     return cases
@@ -1065,7 +1078,8 @@ class Suite:
                 self.emit(case, "tempokern", "floor_ms", fl, how)
         if agreement and case.agree:
             self.agreement(case, sets[0], [i for i in ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_prev",
-                                                       "tempokern_mrl_torch", "tempokern_cal_v1", "eager")
+                                                       "tempokern_mrl_torch", "tempokern_cal_v1", "tempokern_ob_prune",
+                                                       "eager")
                                            if i in impls and i in case.steps])
         del sets
         free_memory(self.dev)
@@ -1100,7 +1114,7 @@ class Suite:
                     worst, worst_q = v[1], qn
             self.emit(case, impl, "agreement", worst, f"largest agreement_rel ({worst_q}) vs float64"
                       + (f"; {note}" if note else ""))
-        for fused in ("tempokern", "tempokern_stats_v2", "tempokern_mrl_torch", "tempokern_cal_v1"):
+        for fused in ("tempokern", "tempokern_stats_v2", "tempokern_mrl_torch", "tempokern_cal_v1", "tempokern_ob_prune"):
             if fused not in res or "eager" not in res:
                 continue
             worst, worst_q = 0.0, ""

@@ -12,7 +12,7 @@ TK_BIND(offset_bias) {
            int64_t hidden, uintptr_t u_q, uintptr_t u_d, uintptr_t freqs, uintptr_t w1, int64_t ld_w1, uintptr_t b1,
            uintptr_t w2, uintptr_t b2, uintptr_t scale, uintptr_t out, int64_t ld_out, uintptr_t grad_out,
            int64_t ld_grad, int64_t ld_grad_col, uintptr_t grad_uq, uintptr_t grad_ud, uintptr_t partials, int64_t nparts,
-           uintptr_t table, int64_t points, int64_t n_linear) {
+           uintptr_t table, int64_t points, int64_t n_linear, uintptr_t n_active) {
           OffsetBiasParams p;
           p.dtype = to_dtype(dtype);
           p.acc_double = p.dtype == DType::F64;
@@ -26,6 +26,8 @@ TK_BIND(offset_bias) {
           p.table = as_ptr<const float>(table); p.points = points;
           if (n_linear < 0 || n_linear > hidden) fail("offset_bias: n_linear must be in [0, hidden]");
           p.n_linear = n_linear;
+          p.n_active = as_ptr<const int32_t>(n_active);
+          if (p.n_active && device < 0) fail("offset_bias: n_active is a CUDA-path argument");
           if (op == "lookup") {
             if (points < 2) fail("offset_bias lookup: the table needs at least 2 points");
             run_on(device, [&] { offset_bias_lookup_cpu(p); }, [&] { TK_CUDA_ONLY(offset_bias_lookup_cuda(p, device, stream)); });

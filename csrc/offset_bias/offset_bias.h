@@ -12,6 +12,10 @@ struct OffsetBiasParams {
   bool acc_double = false;    // A = double (float64 calls) else float
   int64_t Bq = 0, Bd = 0, D = 0, hidden = 0;
   int64_t n_linear = 0;         // units [0, n_linear) have no ReLU (merged always-active units, see Python)
+  // CUDA: units [0, *n_active) are evaluated, the rest are skipped (Python orders the units so that those it
+  // proved always off or merged into the linear unit come last; the count stays on the device: no host sync).
+  // nullptr: all hidden units.
+  const int32_t* n_active = nullptr;
   const void* u_q = nullptr;    // (Bq,) A
   const void* u_d = nullptr;    // (Bd,) A
   const void* freqs = nullptr;  // (K,)  A, reference.bias_frequencies(D)

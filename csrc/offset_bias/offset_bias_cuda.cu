@@ -135,6 +135,11 @@ __device__ __forceinline__ void row_features(A uq, const A* f, int K, int KP, A*
   __syncwarp();
 }
 
+// Units evaluated: [0, *n_active) when Python passed a device count (its always-off / merged units last), else all.
+__device__ __forceinline__ int64_t active_units(const OffsetBiasParams& p) {
+  return p.n_active ? min((int64_t)max(*p.n_active, 0), p.hidden) : p.hidden;
+}
+
 template <typename S, typename A, int KMAX>
 __global__ void fwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -149,6 +154,7 @@ __global__ void fwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
   A ud, ds[KMAX], dc[KMAX], s[KMAX], c[KMAX];
   const bool col_ok = column_setup<A, KMAX>(p, f, K, j, ud, ds, dc);
   const A b2 = *static_cast<const A*>(p.b2), scale = *static_cast<const A*>(p.scale);
+  const int64_t nact = active_units(p);
   for (int64_t i0 = (int64_t)blockIdx.y * L.rows; i0 < p.Bq; i0 += (int64_t)gridDim.y * L.rows) {
     const int64_t i = i0 + ty;
     if (i >= p.Bq) break;  // warp-uniform
@@ -158,7 +164,7 @@ __global__ void fwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
     const bool fast = col_ok && bias_passes(diff) && uq >= A(-kBiasFastRange) && uq <= A(kBiasFastRange);
     pair_angles<A, KMAX>(diff, fast, ds, dc, rf, rf + KP, f, K, s, c);
     A y = 0;
-    for (int64_t n = 0; n < p.hidden; ++n) {
+    for (int64_t n = 0; n < nact; ++n) {
       const A h = sm[L.b1() + n] + wdot<A, KMAX>(sm + L.w() + n * 2 * KP, KP, s, c);
       if (n < p.n_linear || h > A(0)) y += sm[L.w2() + n] * h;
     }
@@ -194,7 +200,9 @@ __global__ void __launch_bounds__(256, (KMAX <= 16 && sizeof(A) == 4) ? 2 : 1) b
   for (int k = lane; k < 2 * KP; k += 32) rf[k] = A(0);
   // constant rows: phi rows past the features and the padding row are 0
   for (int64_t e = t; e < (int64_t)(L.dE - P) * L.ldb; e += nt) sP[P * L.ldb + e] = A(0);
-  for (int64_t e = t; e < (int64_t)(L.hE - p.hidden) * L.ldb; e += nt) sM[p.hidden * L.ldb + e] = A(0);
+  // M rows of the units not evaluated (past nact) stay 0 for the batch reduction
+  const int64_t nact = active_units(p);
+  for (int64_t e = t; e < (int64_t)(L.hE - nact) * L.ldb; e += nt) sM[nact * L.ldb + e] = A(0);
   for (int64_t e = t; L.rd_smem && e < p.hidden * D1; e += nt) racc[e] = 0.0;
   __syncthreads();
   const A* f = sm + L.f();
@@ -206,7 +214,7 @@ __global__ void __launch_bounds__(256, (KMAX <= 16 && sizeof(A) == 4) ? 2 : 1) b
   const S* G = static_cast<const S*>(p.grad_out);
   A* rowpart = static_cast<A*>(p.grad_uq) + (int64_t)blockIdx.x * p.Bq;
   // the reduction's 2 x 2 tiles of R: (n0, n0 + 1) x (m0, m0 + 1)
-  const int ntm = L.dE / 2, ntasks = (L.hE / 2) * ntm;
+  const int ntm = L.dE / 2, ntasks = (int)((nact + 1) / 2) * ntm;  // tiles of the evaluated units' rows
   for (int64_t i0 = (int64_t)blockIdx.y * L.rows; i0 < p.Bq; i0 += (int64_t)gridDim.y * L.rows) {
     const int64_t i = i0 + ty;
     const bool row_ok = i < p.Bq;  // warp-uniform; the block stays together for the batch reduction
@@ -225,7 +233,7 @@ __global__ void __launch_bounds__(256, (KMAX <= 16 && sizeof(A) == 4) ? 2 : 1) b
         if (K + k < D) sP[(K + k) * L.ldb + t] = c[k];
       }
     A y = 0;
-    for (int64_t n = 0; n < p.hidden; ++n) {
+    for (int64_t n = 0; n < nact; ++n) {
       const A h = sm[L.b1() + n] + wdot<A, KMAX>(sm + L.w() + n * 2 * KP, KP, s, c);
       const bool on = n < p.n_linear || h > A(0);
       if (on) y += sm[L.w2() + n] * h;
@@ -241,7 +249,7 @@ __global__ void __launch_bounds__(256, (KMAX <= 16 && sizeof(A) == 4) ? 2 : 1) b
     }
     A dd = 0;
     if (gs != A(0))
-      for (int64_t n = 0; n < p.hidden; ++n)
+      for (int64_t n = 0; n < nact; ++n)
         if (sM[n * L.ldb + t] != A(0)) dd += sm[L.w2() + n] * wdot<A, KMAX>(sm + L.w() + n * 2 * KP, KP, s, c);
     dd *= gs;
     s1 += (double)(g * y);
@@ -275,12 +283,12 @@ __global__ void __launch_bounds__(256, (KMAX <= 16 && sizeof(A) == 4) ? 2 : 1) b
           }
         }
       }
-      if (n0 < p.hidden) {
+      if (n0 < nact) {
         if (m0 < D) racc[n0 * D1 + m0] += (double)a00;
         if (m0 + 1 < D) racc[n0 * D1 + m0 + 1] += (double)a01;
         if (esum) racc[n0 * D1 + D] += (double)e0;
       }
-      if (n0 + 1 < p.hidden) {
+      if (n0 + 1 < nact) {
         if (m0 < D) racc[(n0 + 1) * D1 + m0] += (double)a10;
         if (m0 + 1 < D) racc[(n0 + 1) * D1 + m0 + 1] += (double)a11;
         if (esum) racc[(n0 + 1) * D1 + D] += (double)e1;

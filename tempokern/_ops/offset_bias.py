@@ -9,7 +9,7 @@ from typing import List, Tuple
 import torch
 
 from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
-from .common import (check_finite, check_same_device, check_tensor, dtype_code, kernels, launch_args,
+from .common import (check_finite, check_same_device, check_tensor, dtype_code, env_choice, kernels, launch_args,
                      on_cuda_path, ptr, sm_count)
 
 # Module-level caches, bounded (issue 13 item 20): the frequency vectors per (D, dtype, device) and the
@@ -97,6 +97,55 @@ def _unit_classes(w1: torch.Tensor, b1: torch.Tensor):
     return lo.min(1).values > 0, hi.max(1).values < 0
 
 
+_grids_dev: dict = {}
+
+
+def _unit_classes_device(w1: torch.Tensor, b1: torch.Tensor):
+    """_unit_classes on w1's device without a host sync (the CUDA path): the same bounds, reduced over the
+    intervals first (the curvature and rounding margins are per unit, so min over intervals of the chord's
+    lower end minus them = min over the grid minus them)."""
+    key = (w1.shape[1], w1.device)
+    g = _grids_dev.get(key)
+    if g is None:
+        phi, fsq = _grid(w1.shape[1])
+        with torch.inference_mode(False):
+            g = _cache_put(_grids_dev, key, (phi.to(w1.device), fsq.to(w1.device)))
+    phi, fsq = g
+    w = w1.detach().double()
+    b = b1.detach().double().reshape(-1)
+    h = phi @ w.t() + b                                    # (samples + 1, hidden)
+    curv = (w.abs() * fsq).sum(1) * (2.0 / _SAMPLES) ** 2 / 8
+    margin = 1e-4 * (b.abs() + w.abs().sum(1)) + 1e-30
+    return h.amin(0) - curv - margin > 0, h.amax(0) + curv + margin < 0
+
+
+#: Linear slots of the CUDA path: the merged always-on units as a float64 value split into two values of the
+#: accumulation dtype (hi + lo), so that a float32 call does not put one rounding error of the merged weights,
+#: the same in every pair, into every y (the float32 2x-rule tests see it in d/d scale otherwise).
+N_LINEAR_SLOTS = 2
+
+
+def _device_units(w1a, b1a, w2a, w1, b1, acc):
+    """CUDA path: the units the kernels evaluate, without a host sync. Slots 0-1 are the always-on units merged
+    into one linear unit (sum of w2_n w1_n, w2_n b1_n in float64, as hi + lo); slots 2.. are all units permuted
+    so that the ones that need a ReLU come first; the kernels read the count of evaluated slots
+    (2 + mixed units) from the device and skip the rest (csrc/offset_bias/offset_bias_cuda.cu, active_units)."""
+    hidden = w1a.shape[0]
+    on, off = _unit_classes_device(w1, b1)
+    mix = ~(on | off)
+    order = (~mix).to(torch.int64) * hidden + torch.arange(hidden, device=w1a.device)
+    perm = torch.argsort(order)                            # mixed units first, each group in its order
+    w2on = w2a.double() * on.double()
+    lin = torch.cat([w2on[None, :] @ w1a.double(), (w2on * b1a.double()).sum().reshape(1, 1)], dim=1)  # (1, D + 1)
+    hi = lin.to(acc)
+    lo = (lin - hi.double()).to(acc)
+    kw1 = torch.cat([hi[:, :-1], lo[:, :-1], w1a[perm]]).contiguous()
+    kb1 = torch.cat([hi[0, -1:], lo[0, -1:], b1a[perm]]).contiguous()
+    kw2 = torch.cat([w2a.new_ones(N_LINEAR_SLOTS), w2a[perm]]).contiguous()
+    nact = (mix.sum() + N_LINEAR_SLOTS).to(torch.int32).reshape(1)
+    return kw1, kb1, kw2, nact, ("device", on, perm)
+
+
 def _prepared(u_q, u_d, w1, b1, w2, b2, scale):
     """Kernel arguments in the accumulation dtype. On CPU, provably always-off hidden units are dropped
     and provably always-on ones merged into one linear unit (exact: relu is the identity or zero there);
@@ -106,8 +155,11 @@ def _prepared(u_q, u_d, w1, b1, w2, b2, scale):
     w1a, b1a, w2a = c(w1), c(b1).reshape(-1), c(w2).reshape(-1)
     base = (c(u_q), c(u_d), c(b2).reshape(1), c(scale).reshape(1), _frequencies(w1.shape[1], acc, u_q.device))
     mapping = None
-    kw1, kb1, kw2, nlin = w1a, b1a, w2a, 0
-    if not on_cuda_path(u_q):
+    kw1, kb1, kw2, nlin, nact = w1a, b1a, w2a, 0, None
+    if on_cuda_path(u_q) and prune_cuda():
+        kw1, kb1, kw2, nact, mapping = _device_units(w1a, b1a, w2a, w1, b1, acc)
+        nlin = N_LINEAR_SLOTS
+    elif not on_cuda_path(u_q):
         on, off = _unit_classes(w1, b1)
         if bool(on.any()) or bool(off.any()):
             mix = (~on & ~off).nonzero().flatten()
@@ -121,7 +173,16 @@ def _prepared(u_q, u_d, w1, b1, w2, b2, scale):
             kw2 = torch.cat([w2a.new_ones(1), w2a[mix]]).contiguous()
             nlin = 1  # (an all-zero linear unit when nothing is always on: harmless, keeps hidden >= 1)
             mapping = (on_idx, mix)
-    return base[0], base[1], kw1, kb1, kw2, base[2], base[3], base[4], nlin, mapping, (w1a, b1a, w2a)
+    return base[0], base[1], kw1, kb1, kw2, base[2], base[3], base[4], nlin, nact, mapping, (w1a, b1a, w2a)
+
+
+def prune_cuda() -> bool:
+    """TEMPOKERN_OB_PRUNE: "1" lets the CUDA kernels skip the hidden units proved always off and merge the
+    always-on ones (as the CPU kernels do); "0" (default) evaluates every unit (the kernels measured on the H100
+    on 2026-11-23). Opt-in until a GPU has timed it, and because on the emulator one float32 2x-rule draw of
+    the exact-bias loss's d/d scale lands just over the bound with it (3.2e-5 vs 3.05e-5; 2.2e-5 without):
+    docs/offset_bias.md, "Hidden-unit merging (CUDA)"."""
+    return env_choice("TEMPOKERN_OB_PRUNE", ("0", "1"), "0") == "1"
 
 
 # ---- forward -----------------------------------------------------------------------------------
@@ -135,12 +196,12 @@ def _offset_bias(u_q: torch.Tensor, u_d: torch.Tensor, w1: torch.Tensor, b1: tor
     out = torch.empty(Bq, Bd, dtype=out_dt, device=u_q.device)
     if Bq == 0 or Bd == 0:
         return out
-    uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, _, _ = _prepared(u_q, u_d, w1, b1, w2, b2, scale)
+    uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, nact, _, _ = _prepared(u_q, u_d, w1, b1, w2, b2, scale)
     dev, stream = launch_args(u_q)
     nparts = _num_parts(u_q.device, Bq, Bd) if on_cuda_path(u_q) else 0  # CUDA: sets the grid
     kernels().offset_bias_launch("fwd", dev, stream, dtype_code(out), Bq, Bd, D, kw1.shape[0], ptr(uq), ptr(ud), ptr(f),
                           ptr(kw1), kw1.stride(0), ptr(kb1), ptr(kw2), ptr(b2a), ptr(sa), ptr(out), out.stride(0),
-                          0, 0, 1, 0, 0, 0, nparts, 0, 0, nlin)
+                          0, 0, 1, 0, 0, 0, nparts, 0, 0, nlin, 0 if nact is None else ptr(nact))
     return out
 
 
@@ -159,7 +220,8 @@ def _offset_bias_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tens
     acc = _acc(out_dt)
     Bq, Bd = u_q.shape[0], u_d.shape[0]
     hidden, D = w1.shape
-    uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, mapping, (w1a, b1a, w2a) = _prepared(u_q, u_d, w1, b1, w2, b2, scale)
+    uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, nact, mapping, (w1a, b1a, w2a) = _prepared(u_q, u_d, w1, b1, w2, b2,
+                                                                                        scale)
     grad = grad.to(out_dt)  # no copy in the usual case; strides (even 0, broadcast) go to the kernel as they are
     dev, stream = launch_args(u_q)
     nparts = _num_parts(u_q.device, Bq, Bd)
@@ -177,13 +239,17 @@ def _offset_bias_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tens
     kernels().offset_bias_launch("bwd", dev, stream, dtype_code(grad), Bq, Bd, D, kh, ptr(uq), ptr(ud), ptr(f),
                           ptr(kw1), kw1.stride(0), ptr(kb1), ptr(kw2), ptr(b2a), ptr(sa), 0, 0,
                           ptr(grad), grad.stride(0), grad.stride(1), ptr(g_uq), ptr(g_ud), ptr(parts), nparts, 0, 0,
-                          nlin)
+                          nlin, 0 if nact is None else ptr(nact))
     tot = parts.double().sum(0)
     g_uq, g_ud = g_uq.double().sum(0), g_ud.double().sum(0)
     s1, s0 = tot[-2], tot[-1]
     Rk = tot[:kh * (D + 1)].view(kh, D + 1)
     if mapping is None:
         R = Rk
+    elif mapping[0] == "device":  # slots 0-1: the linear unit (equal sums); slot 2 + s: unit perm[s] (0 where
+        _, on, perm = mapping       # not evaluated)
+        Rp = Rk.new_zeros(hidden, D + 1).index_copy_(0, perm, Rk[N_LINEAR_SLOTS:])
+        R = torch.where(on[:, None], Rk[0].expand(hidden, D + 1), Rp)
     else:  # always-on units all see M = G scale (the linear unit's sums); always-off units get nothing
         on_idx, mix = mapping
         R = Rk.new_zeros(hidden, D + 1)
@@ -301,7 +367,7 @@ def _table_launch(op: str, u_q, u_d, values, table_dtype=None):
     dev, stream = launch_args(u_q)
     kernels().offset_bias_launch(op, dev, stream, dtype_code(out), out.shape[0], out.shape[1], 0, 0, ptr(uq), ptr(ud),
                                  0, 0, 0, 0, 0, 0, 0, ptr(out), out.stride(0), 0, 0, 1, 0, 0, 0, 0, ptr(v), v.numel(),
-                                 0)
+                                 0, 0)
     return out
 
 
@@ -333,7 +399,7 @@ def _offset_bias_interp_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: tor
     dev, stream = launch_args(u_q)
     kernels().offset_bias_launch("tbwd", dev, stream, dtype_code(grad), Bq, Bd, 0, 0, ptr(uq), ptr(ud), 0, 0, 0, 0, 0,
                                  0, 0, 0, 0, ptr(grad), grad.stride(0), grad.stride(1), ptr(g_uq), ptr(g_ud),
-                                 ptr(hist), nparts, ptr(v), N, 0)
+                                 ptr(hist), nparts, ptr(v), N, 0, 0)
     return [g_uq.double().sum(0).to(u_q.dtype), g_ud.double().sum(0).to(u_d.dtype), hist.sum(0).to(values.dtype)]
 
 
