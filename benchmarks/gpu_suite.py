@@ -56,7 +56,7 @@ import torch  # noqa: E402
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
 IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
-         "tempokern_cal_v1", "tempokern_ob_prune", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
+         "tempokern_mrl_fused", "tempokern_cal_v1", "tempokern_ob_prune", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
 # one-level yardstick
 # tempokern_ob_prune: offset_bias (exact) and the exact-bias loss with TEMPOKERN_OB_PRUNE=1 (the CUDA kernels skip
 # the hidden units proved always off and merge the always-on ones; opt-in, not yet measured)
@@ -64,6 +64,9 @@ IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_p
 # on the H100 on 2026-11-22); "tempokern" is the default v2 warp-cooperative kernels, not yet measured
 # tempokern_prev: ctd_topk at Q <= 16 with TEMPOKERN_TOPK_SERVE=0 (the path measured on the H100 on 2026-11-22;
 # "tempokern" is the serve kernels, default, not yet measured)
+# tempokern_mrl_fused: matryoshka_infonce with TEMPOKERN_MRL_CUDA=fused (the fused per-level kernels, 13.7 ms at
+# B = 8,192 on the H100 on 2026-11-23); "tempokern" is the default since then, levels (one fused multipos_infonce
+# per level), not yet measured
 # tempokern_mrl_torch: matryoshka_infonce with TEMPOKERN_MRL_CUDA=torch (the blocked torch path, the CUDA path
 # before the fused kernels; "tempokern" is the default fused kernels of matryoshka_block_cuda.cu; neither measured
 # on a GPU yet)
@@ -465,7 +468,7 @@ def mat_step(impl, compile_fn=None):
     compile (torch.compile of that loop)."""
     def build(inp):
         q, d = inp["q"], inp["d"]
-        if impl in ("tempokern", "tempokern_mrl_torch"):  # the env variable is set by with_env (steps)
+        if impl in ("tempokern", "tempokern_mrl_torch", "tempokern_mrl_fused"):  # env variable set by with_env
             f = lambda: tk().matryoshka_infonce(q, d, MAT_DIMS, temperature=TEMPERATURE)  # noqa: E731
         elif impl == "single":
             ids = torch.arange(q.shape[0], device=q.device)
@@ -494,13 +497,13 @@ def mat_agree(max_rows: int, seed: int):
                           ["q", "d"])
         res = {}
         for impl in impls:
-            if impl not in ("tempokern", "tempokern_mrl_torch", "eager"):
+            if impl not in ("tempokern", "tempokern_mrl_torch", "tempokern_mrl_fused", "eager"):
                 continue
             a, b = _leaf(q.clone()), _leaf(d.clone())
             fn = ref().matryoshka_infonce if impl == "eager" else tk().matryoshka_infonce
             run = lambda: with_grads(fn(a, b, MAT_DIMS, temperature=TEMPERATURE), [a, b], ["q", "d"])  # noqa: E731
-            if impl == "tempokern_mrl_torch":
-                run = with_env(lambda _, r=run: r, "TEMPOKERN_MRL_CUDA", "torch")(None)
+            if impl in ("tempokern_mrl_torch", "tempokern_mrl_fused"):
+                run = with_env(lambda _, r=run: r, "TEMPOKERN_MRL_CUDA", impl.rsplit("_", 1)[1])(None)
             res[impl] = compare(run(), want)
         return res, note
     return agree
@@ -512,6 +515,7 @@ def matryoshka_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
         steps = {impl: mat_step(impl, compile_fn) for impl in ("tempokern", "single", "eager", "compile")}
         steps["matmul"] = lambda inp: row_blocks_mm(inp["q"].detach(), inp["d"].detach())
         steps["tempokern_mrl_torch"] = with_env(mat_step("tempokern_mrl_torch"), "TEMPOKERN_MRL_CUDA", "torch")
+        steps["tempokern_mrl_fused"] = with_env(mat_step("tempokern_mrl_fused"), "TEMPOKERN_MRL_CUDA", "fused")
         cases.append(Case(
             "matryoshka_infonce", "dims 64..768", f"B={B}", make=(lambda s, B=B: mat_inputs(B, dev, dtype, s)),
             steps=steps, agree=mat_agree(sizes["agree_rows"], seed),
@@ -1078,7 +1082,8 @@ class Suite:
                 self.emit(case, "tempokern", "floor_ms", fl, how)
         if agreement and case.agree:
             self.agreement(case, sets[0], [i for i in ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_prev",
-                                                       "tempokern_mrl_torch", "tempokern_cal_v1", "tempokern_ob_prune",
+                                                       "tempokern_mrl_torch", "tempokern_mrl_fused", "tempokern_cal_v1",
+                                                       "tempokern_ob_prune",
                                                        "eager")
                                            if i in impls and i in case.steps])
         del sets
@@ -1114,7 +1119,8 @@ class Suite:
                     worst, worst_q = v[1], qn
             self.emit(case, impl, "agreement", worst, f"largest agreement_rel ({worst_q}) vs float64"
                       + (f"; {note}" if note else ""))
-        for fused in ("tempokern", "tempokern_stats_v2", "tempokern_mrl_torch", "tempokern_cal_v1", "tempokern_ob_prune"):
+        for fused in ("tempokern", "tempokern_stats_v2", "tempokern_mrl_torch", "tempokern_mrl_fused", "tempokern_cal_v1",
+                      "tempokern_ob_prune"):
             if fused not in res or "eager" not in res:
                 continue
             worst, worst_q = 0.0, ""

@@ -1,5 +1,6 @@
 """The fused CUDA path of tempokern.matryoshka_infonce (csrc/matryoshka_infonce/matryoshka_block_cuda.cu, one
-launch per level around torch's segment products; TEMPOKERN_MRL_CUDA=fused, the default) on the CUDA
+launch per level around torch's segment products; TEMPOKERN_MRL_CUDA=fused; the default, levels, takes them
+for calls with a bias or B != B') on the CUDA
 emulator, against tempokern.reference.matryoshka_infonce: float64 parity of the loss, the levels and every
 gradient (q, d, extra_neg, the seven bias inputs) with several row blocks and partial column tiles, the grid at
 132 / 108 / 58 SMs, three thread orders, the 2x-torch rule in float32 / bfloat16 / float16, one level equal to
@@ -21,8 +22,9 @@ from test_matryoshka_infonce import assert_parity, make, make_bias, run_both, ru
 @pytest.fixture
 def launches(monkeypatch):
     """The fused kernel launches of the test: (op, first row of the block, level, positive block, dtype of the
-    rounded gradient coefficients Ho or None, levels of a "bwd_all" launch or 0)."""
-    monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
+    rounded gradient coefficients Ho or None, levels of a "bwd_all" launch or 0). Selects the fused kernels
+    (TEMPOKERN_MRL_CUDA=fused; the default, levels, sends bias-free square calls through multipos_infonce)."""
+    monkeypatch.setenv("TEMPOKERN_MRL_CUDA", "fused")
     calls = []
     real = mb._Fused.launch
 
@@ -42,6 +44,8 @@ def on_device(gpu, q, d, neg, sp, bias=None):
 
 def test_switch_default_and_validation(monkeypatch):
     monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
+    assert mb.cuda_variant() == "levels"
+    monkeypatch.setenv("TEMPOKERN_MRL_CUDA", "fused")
     assert mb.cuda_variant() == "fused"
     monkeypatch.setenv("TEMPOKERN_MRL_CUDA", " Torch ")
     assert mb.cuda_variant() == "torch"

