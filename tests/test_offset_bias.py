@@ -660,8 +660,12 @@ def test_frequencies_and_phi_pinned_by_hand():
 
 def test_module_caches_are_bounded():
     import tempokern._ops.offset_bias as ob
-    for D in range(1, 3 * ob._CACHE_MAX):
+    import importlib
+    rob = importlib.import_module("tempokern.reference.offset_bias")  # the module (the package exports a function)
+    for D in range(1, 3 * rob.CACHE_MAX):
         ob._frequencies(D, torch.float32, torch.device("cpu"))
         ob._grid(D)
-    assert len(ob._freqs) <= ob._CACHE_MAX and len(ob._grids) <= ob._CACHE_MAX
-    assert (3 * ob._CACHE_MAX - 1) in ob._grids  # the newest stays
+        rob.table_features(D + 2, D)
+    assert len(rob._FREQ_CACHE) <= rob.CACHE_MAX and len(ob._grids) <= rob.CACHE_MAX
+    assert len(rob._TABLE_PHI) <= rob.CACHE_MAX
+    assert (3 * rob.CACHE_MAX - 1, torch.device("cpu")) in ob._grids  # the newest stays

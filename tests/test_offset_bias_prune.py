@@ -55,7 +55,7 @@ def test_pruned_kernels_match_reference_float64(gpu, monkeypatch, hidden, D, n_o
     got, want = run(gpu, uq, ud, params, gout), reference(uq, ud, params, gout)
     for name, a, b in zip(("out",) + NAMES, got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-9, msg=name)
-    on, off = ob._unit_classes_device(params[0].to(gpu), params[1].to(gpu))
+    on, off = ob._unit_classes(params[0].to(gpu), params[1].to(gpu), gpu)
     on_cpu, off_cpu = ob._unit_classes(params[0], params[1])
     assert torch.equal(on.cpu(), on_cpu) and torch.equal(off.cpu(), off_cpu)   # the CPU path's classes
     assert int(on.sum()) >= n_on and int(off.sum()) >= n_off

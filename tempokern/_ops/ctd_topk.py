@@ -301,17 +301,6 @@ def serve_path(q: torch.Tensor, k: int) -> bool:
     return 1 <= Q <= min(_SERVE_MAX_Q, _SERVE_KERNEL_MAX_Q) and serve_mode() and _serve_smem(Q, H, q.dtype) <= _SERVE_SMEM
 
 
-_freq_cache: dict = {}
-
-
-def _freqs_cached(D: int, acc: torch.dtype, device) -> torch.Tensor:
-    key = (D, acc, str(device))
-    t = _freq_cache.get(key)
-    if t is None:
-        t = _freq_cache[key] = _freqs(D, acc, device)
-    return t
-
-
 def _dev_scalar(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.detach().reshape(1).to(torch.float64)
 
@@ -340,7 +329,7 @@ def _serve_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, b2_
     if mode == _BIAS_EXACT:
         hidden, D = w1.shape
         K = max(1, D // 2)
-        fr = _freqs_cached(D, acc, dv)
+        fr = _freqs(D, acc, dv)  # cached per device by reference.bias_frequencies: no copy, no sync
         aux = torch.empty(_BOUND_SAMPLES + 2 * hidden, dtype=torch.float64, device=dv)
         amat = torch.empty(Q, hidden, 2 * K, dtype=acc, device=dv)
     b2d, scd = _dev_scalar(b2_t), _dev_scalar(scale_t)

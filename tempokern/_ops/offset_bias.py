@@ -8,21 +8,12 @@ from typing import List, Tuple
 
 import torch
 
-from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
+from ..reference.offset_bias import bias_frequencies, cache_put, offset_bias_table, offset_features
 from .common import (check_finite, check_same_device, check_tensor, dtype_code, env_choice, kernels, launch_args,
                      on_cuda_path, ptr, sm_count)
 
-# Module-level caches, bounded (issue 13 item 20): the frequency vectors per (D, dtype, device) and the
-# classification grids per D. At most _CACHE_MAX entries each; the oldest entry goes first.
-_CACHE_MAX = 16
-_freqs: dict = {}
-
-
-def _cache_put(cache: dict, key, value):
-    while len(cache) >= _CACHE_MAX:
-        cache.pop(next(iter(cache)))
-    cache[key] = value
-    return value
+# The classification grids per (D, device), in a bounded module-level cache (issue 13 item 20; the frequency
+# vectors are cached by reference.bias_frequencies itself).
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -37,11 +28,7 @@ def _out_dtype(*ts: torch.Tensor) -> torch.dtype:
 
 
 def _frequencies(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (D, dtype, str(device))
-    f = _freqs.get(key)
-    if f is None:
-        f = _cache_put(_freqs, key, bias_frequencies(D, dtype, device).contiguous())
-    return f
+    return bias_frequencies(D, dtype, device).contiguous()  # cached there, per (K, dtype, device)
 
 
 def _num_parts(device: torch.device, Bq: int, Bd: int) -> int:
@@ -61,27 +48,36 @@ _SAMPLES = 1024  # intervals of the [-1, 1] grid used to classify hidden units
 _grids: dict = {}
 
 
-def _grid(D: int):
-    """phi on the classification grid, and f^2 per feature column (|d^2 phi_m / d delta^2| <= f_m^2)."""
-    g = _grids.get(D)
+def _grid(D: int, device: torch.device = torch.device("cpu")):
+    """phi on the classification grid, and f^2 per feature column (|d^2 phi_m / d delta^2| <= f_m^2), float64,
+    on `device` (made on the CPU, then copied once per device)."""
+    key = (D, torch.device(device))
+    g = _grids.get(key)
     if g is None:
-        d = torch.linspace(-1.0, 1.0, _SAMPLES + 1, dtype=torch.float64)
-        f = bias_frequencies(D, torch.float64)
-        fsq = torch.cat([f * f, f * f])[:D]
-        fsq = torch.cat([fsq, fsq.new_zeros(D - fsq.numel())])
-        g = _cache_put(_grids, D, (offset_features(d, D), fsq))
+        if key[1].type == "cpu":
+            d = torch.linspace(-1.0, 1.0, _SAMPLES + 1, dtype=torch.float64)
+            f = bias_frequencies(D, torch.float64)
+            fsq = torch.cat([f * f, f * f])[:D]
+            fsq = torch.cat([fsq, fsq.new_zeros(D - fsq.numel())])
+            g = (offset_features(d, D), fsq)
+        else:
+            with torch.inference_mode(False):
+                g = tuple(t.to(key[1]) for t in _grid(D))
+        g = cache_put(_grids, key, g)
     return g
 
 
-def interval_bounds(w1: torch.Tensor, b1: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def interval_bounds(w1: torch.Tensor, b1: torch.Tensor, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Bounds (lo, hi), each (hidden, _SAMPLES) float64, of every hidden unit's pre-activation
     h_n(delta) = w1_n . phi(delta) + b1_n over the _SAMPLES equal intervals of [-1, 1], with a margin for
     float32 rounding folded in: lo > 0 proves the unit on over that interval, hi < 0 proves it off.
     h_n is evaluated in float64 at the interval ends and bounded between them by the chord minus
-    max|h''| s^2 / 8 (s the interval width)."""
-    w = w1.detach().double().cpu()
-    b = b1.detach().double().cpu().reshape(-1)
-    phi, fsq = _grid(w.shape[1])
+    max|h''| s^2 / 8 (s the interval width). Computed on `device` (default: the CPU; the CUDA path passes
+    the weights' device, so no host sync)."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    w = w1.detach().double().to(device)
+    b = b1.detach().double().to(device).reshape(-1)
+    phi, fsq = _grid(w.shape[1], device)
     h = phi @ w.t() + b                                    # (samples + 1, hidden)
     curv = (w.abs() * fsq).sum(1) * (2.0 / _SAMPLES) ** 2 / 8
     margin = 1e-4 * (b.abs() + w.abs().sum(1)) + 1e-30
@@ -90,38 +86,17 @@ def interval_bounds(w1: torch.Tensor, b1: torch.Tensor) -> Tuple[torch.Tensor, t
     return lo.t().contiguous(), hi.t().contiguous()
 
 
-def _unit_classes(w1: torch.Tensor, b1: torch.Tensor):
+def _unit_classes(w1: torch.Tensor, b1: torch.Tensor, device=None):
     """Hidden units whose pre-activation is provably > 0 (always on) or < 0 (always off) for every
-    delta in [-1, 1] (the clamp keeps delta there); the others stay exact ReLU units."""
-    lo, hi = interval_bounds(w1, b1)
-    return lo.min(1).values > 0, hi.max(1).values < 0
-
-
-_grids_dev: dict = {}
-
-
-def _unit_classes_device(w1: torch.Tensor, b1: torch.Tensor):
-    """_unit_classes on w1's device without a host sync (the CUDA path): the same bounds, reduced over the
-    intervals first (the curvature and rounding margins are per unit, so min over intervals of the chord's
-    lower end minus them = min over the grid minus them)."""
-    key = (w1.shape[1], w1.device)
-    g = _grids_dev.get(key)
-    if g is None:
-        phi, fsq = _grid(w1.shape[1])
-        with torch.inference_mode(False):
-            g = _cache_put(_grids_dev, key, (phi.to(w1.device), fsq.to(w1.device)))
-    phi, fsq = g
-    w = w1.detach().double()
-    b = b1.detach().double().reshape(-1)
-    h = phi @ w.t() + b                                    # (samples + 1, hidden)
-    curv = (w.abs() * fsq).sum(1) * (2.0 / _SAMPLES) ** 2 / 8
-    margin = 1e-4 * (b.abs() + w.abs().sum(1)) + 1e-30
-    return h.amin(0) - curv - margin > 0, h.amax(0) + curv + margin < 0
+    delta in [-1, 1] (the clamp keeps delta there); the others stay exact ReLU units. Boolean (hidden,)
+    tensors on `device` (default: the CPU)."""
+    lo, hi = interval_bounds(w1, b1, device)
+    return lo.amin(1) > 0, hi.amax(1) < 0
 
 
 #: Linear slots of the CUDA path: the merged always-on units as a float64 value split into two values of the
-#: accumulation dtype (hi + lo), so that a float32 call does not put one rounding error of the merged weights,
-#: the same in every pair, into every y (the float32 2x-rule tests see it in d/d scale otherwise).
+#: accumulation dtype (hi + lo), so that a float32 call does not round the merged weights once for every pair
+#: alike. (It did not move the float32 2x-rule draw that keeps TEMPOKERN_OB_PRUNE opt-in: see prune_cuda.)
 N_LINEAR_SLOTS = 2
 
 
@@ -131,7 +106,7 @@ def _device_units(w1a, b1a, w2a, w1, b1, acc):
     so that the ones that need a ReLU come first; the kernels read the count of evaluated slots
     (2 + mixed units) from the device and skip the rest (csrc/offset_bias/offset_bias_cuda.cu, active_units)."""
     hidden = w1a.shape[0]
-    on, off = _unit_classes_device(w1, b1)
+    on, off = _unit_classes(w1, b1, w1.device)
     mix = ~(on | off)
     order = (~mix).to(torch.int64) * hidden + torch.arange(hidden, device=w1a.device)
     perm = torch.argsort(order)                            # mixed units first, each group in its order

@@ -11,6 +11,18 @@ import torch
 TABLE_RANGE = 1.0
 
 
+#: Module-level caches are bounded (issue 13 item 20): at most CACHE_MAX entries each, the oldest goes first.
+CACHE_MAX = 16
+
+
+def cache_put(cache: dict, key, value):
+    """Insert into a bounded module-level cache (evicting the oldest entries) and return the value."""
+    while len(cache) >= CACHE_MAX:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -22,29 +34,23 @@ def bias_frequencies(D: int, dtype: torch.dtype = torch.float32, device=None) ->
     ``dtype``; the fused kernels receive this tensor rather than recomputing it."""
     K = max(1, int(D) // 2)
     dev = torch.device("cpu") if device is None else torch.device(device)
-    if dev.type == "cpu":
-        return _frequencies_cpu(K, dtype)
-    # Another device: computed once on the CPU (the same numbers everywhere) and cached there; a fresh copy
-    # per call would be a host-to-device copy from pageable memory, which waits for the stream: one host
-    # sync per training step in the bias modes (measured on the H100, 2026-11-23).
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
+    # Computed once on the CPU (the same numbers on every device) and cached per (K, dtype, device): a fresh
+    # copy per call would be a host-to-device copy from pageable memory, which waits for the stream, i.e. one
+    # host sync per training step in the bias modes (measured on the H100, 2026-11-23). Callers must not
+    # modify the returned tensor.
     key = (K, dtype, dev)
     f = _FREQ_CACHE.get(key)
     if f is None:
         with torch.inference_mode(False), torch.no_grad():   # usable by autograd even if first made in inference
-            f = _frequencies_cpu(K, dtype).to(dev)
-        _FREQ_CACHE[key] = f
+            work = torch.float64 if dtype == torch.float64 else torch.float32
+            t = torch.linspace(0, 1, K, dtype=work)
+            f = cache_put(_FREQ_CACHE, key, torch.exp(-math.log(10000.0) * t).to(dtype=dtype, device=dev))
     return f
 
 
 _FREQ_CACHE: dict = {}
-
-
-def _frequencies_cpu(K: int, dtype: torch.dtype) -> torch.Tensor:
-    work = torch.float64 if dtype == torch.float64 else torch.float32
-    t = torch.linspace(0, 1, K, dtype=work)
-    return torch.exp(-math.log(10000.0) * t).to(dtype=dtype)
 
 
 def offset_features(delta: torch.Tensor, D: int) -> torch.Tensor:
@@ -116,10 +122,7 @@ def table_features(points: int, D: int, device=None) -> torch.Tensor:
     phi = _TABLE_PHI.get(key)
     if phi is None:
         with torch.inference_mode(False), torch.no_grad():
-            phi = offset_features(table_points_delta(points, torch.float64, dev), D)
-        if len(_TABLE_PHI) >= 16:
-            _TABLE_PHI.pop(next(iter(_TABLE_PHI)))
-        _TABLE_PHI[key] = phi
+            phi = cache_put(_TABLE_PHI, key, offset_features(table_points_delta(points, torch.float64, dev), D))
     return phi
 
 
