@@ -330,6 +330,29 @@ def loss_step(fn_get, check_keyword=True):
     return build
 
 
+#: The variant columns: the tempokern op with one kernel-variant switch set during its calls (the comments above).
+VARIANT_ENV = {
+    "tempokern_stats_v2": ("TEMPOKERN_MPB_STATS", "v2"),
+    "tempokern_glue_torch": ("TEMPOKERN_MPB_GLUE", "torch"),
+    "tempokern_prev": ("TEMPOKERN_TOPK_SERVE", "0"),
+    "tempokern_mrl_torch": ("TEMPOKERN_MRL_CUDA", "torch"),
+    "tempokern_mrl_fused": ("TEMPOKERN_MRL_CUDA", "fused"),
+    "tempokern_cal_v1": ("TEMPOKERN_CALENDAR", "v1"),
+    "tempokern_ob_prune": ("TEMPOKERN_OB_PRUNE", "1"),
+}
+
+
+def variant_step(impl: str, build):
+    """The step of `build` as the variant column `impl` (its switch set during each call)."""
+    return with_env(build, *VARIANT_ENV[impl])
+
+
+def run_as(impl: str, call):
+    """call() with the switch of the variant column `impl` set (plain call() for any other impl)."""
+    env = VARIANT_ENV.get(impl)
+    return with_env(lambda _: call, *env)(None)() if env else call()
+
+
 def with_env(build, name: str, value: str):
     """The step of `build` with os.environ[name] = value during each call (and restored after it)."""
     def b(inp):
@@ -405,9 +428,7 @@ def loss_agree(max_rows: int, seed: int):
             fn = tk().multipos_infonce if fused else ref().multipos_infonce
             i = subset(inp, slice(None), inp["q"].device)
             call = lambda: with_grads(loss_call(fn, i, check_keyword=fused), i["leaves"], i["names"])  # noqa: E731
-            env = {"tempokern_stats_v2": ("TEMPOKERN_MPB_STATS", "v2"),
-                   "tempokern_ob_prune": ("TEMPOKERN_OB_PRUNE", "1")}.get(impl)
-            got = with_env(lambda _: call, *env)(None)() if env else call()
+            got = run_as(impl, call)
             res[impl] = compare(got, want)
         return res, note
     return agree
@@ -430,14 +451,14 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn, stats_v2: bool = True) -> Li
                 "compile": loss_step(lambda: compile_fn(ref().multipos_infonce), check_keyword=False),
             }
             if stats_v2 and mode != "exact":  # the variant column: the same op with the v2 statistics kernel
-                steps["tempokern_stats_v2"] = with_env(loss_step(lambda: tk().multipos_infonce),
-                                                       "TEMPOKERN_MPB_STATS", "v2")
+                steps["tempokern_stats_v2"] = variant_step("tempokern_stats_v2",
+                                                           loss_step(lambda: tk().multipos_infonce))
             if mode == "exact":  # the variant column of the bias kernels: hidden-unit merging (TEMPOKERN_OB_PRUNE=1)
-                steps["tempokern_ob_prune"] = with_env(loss_step(lambda: tk().multipos_infonce),
-                                                       "TEMPOKERN_OB_PRUNE", "1")
+                steps["tempokern_ob_prune"] = variant_step("tempokern_ob_prune",
+                                                           loss_step(lambda: tk().multipos_infonce))
             # the variant column of the glue: the torch ops around the passes instead of the prep / fin kernels
-            steps["tempokern_glue_torch"] = with_env(loss_step(lambda: tk().multipos_infonce),
-                                                     "TEMPOKERN_MPB_GLUE", "torch")
+            steps["tempokern_glue_torch"] = variant_step("tempokern_glue_torch",
+                                                         loss_step(lambda: tk().multipos_infonce))
             cases.append(Case(
                 "multipos_infonce", label, f"B={B}",
                 make=(lambda s, B=B, mode=mode: loss_inputs(B, dev, dtype, s, mode)), steps=steps,
@@ -502,9 +523,7 @@ def mat_agree(max_rows: int, seed: int):
             a, b = _leaf(q.clone()), _leaf(d.clone())
             fn = ref().matryoshka_infonce if impl == "eager" else tk().matryoshka_infonce
             run = lambda: with_grads(fn(a, b, MAT_DIMS, temperature=TEMPERATURE), [a, b], ["q", "d"])  # noqa: E731
-            if impl in ("tempokern_mrl_torch", "tempokern_mrl_fused"):
-                run = with_env(lambda _, r=run: r, "TEMPOKERN_MRL_CUDA", impl.rsplit("_", 1)[1])(None)
-            res[impl] = compare(run(), want)
+            res[impl] = compare(run_as(impl, run), want)
         return res, note
     return agree
 
@@ -514,8 +533,8 @@ def matryoshka_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
     for B in sizes.get("matryoshka", []):
         steps = {impl: mat_step(impl, compile_fn) for impl in ("tempokern", "single", "eager", "compile")}
         steps["matmul"] = lambda inp: row_blocks_mm(inp["q"].detach(), inp["d"].detach())
-        steps["tempokern_mrl_torch"] = with_env(mat_step("tempokern_mrl_torch"), "TEMPOKERN_MRL_CUDA", "torch")
-        steps["tempokern_mrl_fused"] = with_env(mat_step("tempokern_mrl_fused"), "TEMPOKERN_MRL_CUDA", "fused")
+        for v in ("tempokern_mrl_torch", "tempokern_mrl_fused"):
+            steps[v] = variant_step(v, mat_step(v))
         cases.append(Case(
             "matryoshka_infonce", "dims 64..768", f"B={B}", make=(lambda s, B=B: mat_inputs(B, dev, dtype, s)),
             steps=steps, agree=mat_agree(sizes["agree_rows"], seed),
@@ -619,11 +638,9 @@ def topk_agree(max_q: int, max_n: int, seed: int):
         wv, wi = ref().ctd_topk(sub["q"].double(), sub["g"].double(), inp["k"], temperature=TEMPERATURE, bias=b64)
         res = {}
         for impl in impls:
-            if impl == "tempokern":
-                v, i = tk().ctd_topk(sub["q"], sub["g"], inp["k"], temperature=TEMPERATURE, bias=sub["bias"])
-            elif impl == "tempokern_prev":
-                v, i = with_env(lambda _: lambda: tk().ctd_topk(sub["q"], sub["g"], inp["k"], temperature=TEMPERATURE,
-                                                                bias=sub["bias"]), "TEMPOKERN_TOPK_SERVE", "0")(None)()
+            if impl in ("tempokern", "tempokern_prev"):
+                v, i = run_as(impl, lambda: tk().ctd_topk(sub["q"], sub["g"], inp["k"], temperature=TEMPERATURE,
+                                                          bias=sub["bias"]))
             else:
                 v, i = topk_eager(sub)
             r = compare([("values", v)], [("values", wv)])
@@ -649,7 +666,7 @@ def topk_cases(sizes, dev, dtype, seed, bandwidth) -> List[Case]:
             "eager_chunked": lambda inp, chunk=chunk: lambda: topk_chunked(inp, chunk),
         }
         if Qc <= 16:   # the serve kernels (default) and the path they replaced, side by side
-            steps["tempokern_prev"] = with_env(steps["tempokern"], "TEMPOKERN_TOPK_SERVE", "0")
+            steps["tempokern_prev"] = variant_step("tempokern_prev", steps["tempokern"])
 
         def floor(ms, Qc=Qc, Nc=Nc):
             gal = Nc * H * 2 / bandwidth * 1e3 if bandwidth else math.nan
@@ -699,7 +716,7 @@ def calendar_agree(inp, impls):
         fn = getattr(tk(), inp["op"]) if impl in ("tempokern", "tempokern_cal_v1") else getattr(ref(), inp["op"])
         li = [_leaf(t) for t in inp["logits"]]
         call = lambda: with_grads(calendar_call(fn, dict(inp, logits=li)), li, names, inp["gout"], "out")  # noqa: E731
-        got = with_env(lambda _: call, "TEMPOKERN_CALENDAR", "v1")(None)() if impl == "tempokern_cal_v1" else call()
+        got = run_as(impl, call)
         res[impl] = compare(got, want)
     return res, ""
 
@@ -713,7 +730,7 @@ def calendar_cases(sizes, dev, bandwidth, compile_fn) -> List[Case]:
                  "eager": calendar_step(lambda op=op: getattr(ref(), op)),
                  "compile": calendar_step(lambda op=op: compile_fn(getattr(ref(), op)))}
         # the variant column: the kernels measured on the H100 (v1) beside the default v2
-        steps["tempokern_cal_v1"] = with_env(steps["tempokern"], "TEMPOKERN_CALENDAR", "v1")
+        steps["tempokern_cal_v1"] = variant_step("tempokern_cal_v1", steps["tempokern"])
         nbytes = rows * 4 * (3 * n + 2 * out_w)   # fwd: logits in, out; bwd: logits + gout in, grads out
 
         def floor(ms, nbytes=nbytes):
@@ -788,8 +805,7 @@ def bias_agree(max_rows: int, seed: int, backward: bool):
             def call(fn=fn, li=li, fused=fused):
                 out = bias_call(fn, dict(inp, leaves=li), fused)
                 return with_grads(out, li, names, inp["gout"], "out") if backward else [("out", out.detach())]
-            got = with_env(lambda _: call, "TEMPOKERN_OB_PRUNE", "1")(None)() if impl == "tempokern_ob_prune" \
-                else call()
+            got = run_as(impl, call)
             res[impl] = compare(got, want)
         return res, note
     return agree
@@ -812,8 +828,8 @@ def bias_cases(sizes, dev, seed, bandwidth) -> List[Case]:
                               make=(lambda s, table=table: bias_inputs(B, dev, s, table)),
                               steps={"tempokern": bias_step("tempokern", backward),
                                      "eager": bias_step("eager", backward),
-                                     **({} if table else {"tempokern_ob_prune": with_env(
-                                         bias_step("tempokern", backward), "TEMPOKERN_OB_PRUNE", "1")})},
+                                     **({} if table else {"tempokern_ob_prune": variant_step(
+                                         "tempokern_ob_prune", bias_step("tempokern", backward))})},
                               agree=bias_agree(sizes["agree_bias"], seed, backward),
                               mem_bytes={"eager": per_pair * B * B}, floor=floor))
     return cases
@@ -1081,10 +1097,7 @@ class Suite:
             if not math.isnan(fl):
                 self.emit(case, "tempokern", "floor_ms", fl, how)
         if agreement and case.agree:
-            self.agreement(case, sets[0], [i for i in ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_prev",
-                                                       "tempokern_mrl_torch", "tempokern_mrl_fused", "tempokern_cal_v1",
-                                                       "tempokern_ob_prune",
-                                                       "eager")
+            self.agreement(case, sets[0], [i for i in ("tempokern", *VARIANT_ENV, "eager")
                                            if i in impls and i in case.steps])
         del sets
         free_memory(self.dev)

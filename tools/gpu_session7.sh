@@ -14,6 +14,10 @@ build() {
     || { tail -40 "$OUT/build.log"; exit 1; }
   cp tempokern/_C*.so "$OUT/"; echo "build done $(el)"
 }
+# the .so of phase d carried as .devbuild/_C312.so.xz (while csrc/ is unchanged): no build
+carried() {
+  ls tempokern/_C*312*.so >/dev/null 2>&1 || xz -dc .devbuild/_C312.so.xz > tempokern/_C.cpython-312-x86_64-linux-gnu.so
+}
 case "${PHASE:-a}" in
 a)
   build
@@ -49,8 +53,7 @@ d)
   echo "racecheck rc $? $(el)"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error|ok$" "$OUT/sanitizer-racecheck.log" | tail -5
   grep -E "^(topk|calendar|loss|matryoshka)" "$OUT/probe.log" ;;
 e)
-  # the .so of phase d carried as .devbuild/_C312.so.xz (csrc unchanged since)
-  ls tempokern/_C*312*.so >/dev/null 2>&1 || xz -dc .devbuild/_C312.so.xz > tempokern/_C.cpython-312-x86_64-linux-gnu.so
+  carried
   timeout ${SUITE_TIMEOUT:-430} python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s ${SUITE_BUDGET:-390} \
     > "$OUT/suite.log" 2>&1; echo "suite rc $? $(el)"
   timeout 70 python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests > "$OUT/pytest-cuda.log" 2>&1
@@ -58,11 +61,11 @@ e)
   timeout 80 python3 tools/gpu_probe7.py calendar profile mrl > "$OUT/probe.log" 2>&1; echo "probe rc $? $(el)"
   grep -E "^(calendar|loss|matryoshka)" "$OUT/probe.log"; tail -${TAIL:-75} "$OUT/suite.log" ;;
 f)
-  ls tempokern/_C*312*.so >/dev/null 2>&1 || xz -dc .devbuild/_C312.so.xz > tempokern/_C.cpython-312-x86_64-linux-gnu.so
+  carried
   timeout 150 python3 tools/gpu_hostprof.py > "$OUT/hostprof.log" 2>&1; echo "hostprof rc $? $(el)"
   grep -E "host issue|one torch" "$OUT/hostprof.log" ;;
 g)
-  ls tempokern/_C*312*.so >/dev/null 2>&1 || xz -dc .devbuild/_C312.so.xz > tempokern/_C.cpython-312-x86_64-linux-gnu.so
+  carried
   timeout 90 python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests/test_cuda_no_sync.py tests/test_offset_bias.py \
     tests/test_multipos_infonce.py tests/test_ctd_topk.py tests/test_ctd_topk_serve.py tests/test_multipos_blocked.py \
     tests/test_ctd_loss.py > "$OUT/pytest-cuda-g.log" 2>&1
@@ -72,7 +75,7 @@ g)
   timeout 250 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 210 --only "${SUITE_ONLY:-multipos_infonce|Q=1 N}" \
     > "$OUT/suite.log" 2>&1; echo "suite rc $? $(el)"; tail -${TAIL:-40} "$OUT/suite.log" ;;
 h)
-  ls tempokern/_C*312*.so >/dev/null 2>&1 || xz -dc .devbuild/_C312.so.xz > tempokern/_C.cpython-312-x86_64-linux-gnu.so
+  carried
   timeout 300 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 250 > "$OUT/suite.log" 2>&1
   echo "suite rc $? $(el)"
   timeout 40 python3 tools/gpu_hostprof.py > "$OUT/hostprof.log" 2>&1; echo "hostprof rc $? $(el)"
