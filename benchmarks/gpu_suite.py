@@ -56,8 +56,10 @@ import torch  # noqa: E402
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
 IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
-         "tempokern_mrl_fused", "tempokern_cal_v1", "tempokern_ob_prune", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
+         "tempokern_mrl_fused", "tempokern_cal_v1", "tempokern_ob_prune", "tempokern_half_scores", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
 # one-level yardstick
+# tempokern_half_scores: the multipos loss (no bias, table bias) with TEMPOKERN_MPB_SCORES=half (the score blocks in
+# the operands' dtype, as torch's q @ d.T: half the score bytes; opt-in, not yet measured)
 # tempokern_ob_prune: offset_bias (exact) and the exact-bias loss with TEMPOKERN_OB_PRUNE=1 (the CUDA kernels skip
 # the hidden units proved always off and merge the always-on ones; opt-in, not yet measured)
 # tempokern_cal_v1: calendar_scalar / calendar_context with TEMPOKERN_CALENDAR=v1 (the thread-per-row kernels measured
@@ -339,6 +341,7 @@ VARIANT_ENV = {
     "tempokern_mrl_fused": ("TEMPOKERN_MRL_CUDA", "fused"),
     "tempokern_cal_v1": ("TEMPOKERN_CALENDAR", "v1"),
     "tempokern_ob_prune": ("TEMPOKERN_OB_PRUNE", "1"),
+    "tempokern_half_scores": ("TEMPOKERN_MPB_SCORES", "half"),
 }
 
 
@@ -453,6 +456,9 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn, stats_v2: bool = True) -> Li
             if stats_v2 and mode != "exact":  # the variant column: the same op with the v2 statistics kernel
                 steps["tempokern_stats_v2"] = variant_step("tempokern_stats_v2",
                                                            loss_step(lambda: tk().multipos_infonce))
+            if mode != "exact":  # the variant column of the score dtype: half-precision score blocks
+                steps["tempokern_half_scores"] = variant_step("tempokern_half_scores",
+                                                              loss_step(lambda: tk().multipos_infonce))
             if mode == "exact":  # the variant column of the bias kernels: hidden-unit merging (TEMPOKERN_OB_PRUNE=1)
                 steps["tempokern_ob_prune"] = variant_step("tempokern_ob_prune",
                                                            loss_step(lambda: tk().multipos_infonce))
@@ -1133,7 +1139,7 @@ class Suite:
             self.emit(case, impl, "agreement", worst, f"largest agreement_rel ({worst_q}) vs float64"
                       + (f"; {note}" if note else ""))
         for fused in ("tempokern", "tempokern_stats_v2", "tempokern_mrl_torch", "tempokern_mrl_fused", "tempokern_cal_v1",
-                      "tempokern_ob_prune"):
+                      "tempokern_ob_prune", "tempokern_half_scores"):
             if fused not in res or "eager" not in res:
                 continue
             worst, worst_q = 0.0, ""

@@ -50,6 +50,60 @@ __device__ __forceinline__ double dlog(double x) { return log(x); }
 
 template <typename A> __device__ __forceinline__ A ninf() { return -std::numeric_limits<A>::infinity(); }
 
+// The log domain of the default statistics kernel (mpb_fwd_kernel) and of the gradient kernel: base 2 for
+// float accumulation, natural for float64 (unchanged). Float: x2 = log2(e) x with log2(e) inv_temp split in
+// hi + lo (computed in double) so that x2 = fma(s, hi, s lo) is rounded once, as torch's x = s * inv_temp is;
+// every exp is then one SFU ex2 of the difference of two such values (no rounding compensation: ~2
+// instructions instead of dexp's ~9), and every log-sum-exp leaves the kernels in natural units,
+// (m2 + log2 s) ln 2. The gradient kernel's row / column log-sum-exps come in natural units and enter as
+// hi + lo in base 2 (Lv), so that x2 - lse2 carries no extra rounding either.
+template <typename A> struct Lg;
+template <> struct Lg<float> {
+  static constexpr double Kd = 1.4426950408889634074;
+  static constexpr float K = 1.4426950408889634f, K_lo = 1.925963033500518e-08f;
+  static constexpr float INV = 0.6931471805599453f, INV_lo = -1.904654323148236e-09f;  // ln 2 = INV + INV_lo
+  static __device__ __forceinline__ float ex(float x) { return ex2f(x); }
+  static __device__ __forceinline__ float lg(float x) { return log2f(x); }
+  static __device__ __forceinline__ float scale(float v) { return fmaf(v, K, v * K_lo); }  // log2(e) v
+};
+template <> struct Lg<double> {
+  static constexpr double Kd = 1.0;
+  static constexpr double K = 1.0, K_lo = 0.0, INV = 1.0, INV_lo = 0.0;
+  static __device__ __forceinline__ double ex(double x) { return exp(x); }
+  static __device__ __forceinline__ double lg(double x) { return log(x); }
+  static __device__ __forceinline__ double scale(double v) { return v; }
+};
+// (m + l) ln 2 in natural units with one rounding at the end (m: a running max, l = log2 of its sum), so that
+// to_dom() in the gradient kernel gives back m + l as closely as the natural domain's stored m + log(s).
+template <typename A> __device__ __forceinline__ A from_dom(A m, A l) {
+  if (!(m - m == A(0))) return (m + l) * Lg<A>::INV;  // +-inf / NaN as they are
+  return fma(m, Lg<A>::INV, fma(l, Lg<A>::INV, (m + l) * Lg<A>::INV_lo));
+}
+// A natural-unit value (a log-sum-exp) in the kernels' domain as hi + lo: x2 - v2 = (x2 - hi) - lo.
+template <typename A> struct Lv {
+  A hi = 0, lo = 0;
+};
+template <typename A> __device__ __forceinline__ Lv<A> to_dom(A v) {
+  Lv<A> r;
+  r.hi = v * Lg<A>::K;
+  r.lo = (v == v && v - v == A(0)) ? fma(v, Lg<A>::K, -r.hi) + v * Lg<A>::K_lo : A(0);  // finite v only
+  return r;
+}
+template <typename A> __device__ __forceinline__ A ex_minus(A x2, const Lv<A>& v) {
+  return Lg<A>::ex((x2 - v.hi) - v.lo);
+}
+// log2(e) inv_temp as hi + lo (float), inv_temp itself (double).
+template <typename A> struct Ct {
+  A hi, lo;
+};
+template <typename A> __device__ __forceinline__ Ct<A> inv_temp_dom(double inv_temp) {
+  const double c = inv_temp * Lg<A>::Kd;
+  Ct<A> r;
+  r.hi = (A)c;
+  r.lo = (A)(c - (double)r.hi);
+  return r;
+}
+
 // (m, s) <- (m, s) + exp(x) online, m the running max (s = 0 when empty).
 template <typename A> __device__ __forceinline__ void online_add(A& m, A& s, A x) {
   if (x > m) {
@@ -127,16 +181,17 @@ template <typename A> struct Elem {
   bool pr, pc;
 };
 
+// x is in the kernels' domain (Lg): log2(e) (inv_temp s + bias) for float, inv_temp s + bias for float64.
 template <typename A, int BM, bool POS>
 __device__ __forceinline__ Elem<A> element(const MultiposBlockParams& p, A s, const A* dense_row, int64_t j, bool dg,
-                                           const RowCtx<A>& rc, const Col<A>& c, A it, A half_span, const A* T) {
+                                           const RowCtx<A>& rc, const Col<A>& c, Ct<A> ct, A half_span, const A* T) {
   Elem<A> e;
-  e.x = s * it;
+  e.x = fma(s, ct.hi, s * ct.lo);
   e.slope = A(0);
   e.t = A(0);
   e.idx = 0;
-  if (BM == 1) e.x += table_bias<A>(T, p.P, half_span, c.ud - rc.uq, e.slope, e.idx, e.t);
-  if (BM == 2) e.x += dense_row[j];
+  if (BM == 1) e.x += Lg<A>::scale(table_bias<A>(T, p.P, half_span, c.ud - rc.uq, e.slope, e.idx, e.t));
+  if (BM == 2) e.x += Lg<A>::scale(dense_row[j]);
   e.pr = e.pc = false;
   if (POS) {
     const bool ov = max(rc.lo, c.lo) <= min(rc.hi, c.hi);
@@ -159,9 +214,9 @@ __device__ __forceinline__ void flush_rows(const MultiposBlockParams& p, A (*wpa
       if (m != ninf<A>())
         for (int w = 0; w < kWarps; ++w) {
           const A ws = wpart[w][tid][2 * k + 1];
-          if (ws != A(0)) s += ws * dexp(wpart[w][tid][2 * k] - m);
+          if (ws != A(0)) s += ws * Lg<A>::ex(wpart[w][tid][2 * k] - m);
         }
-      lse[k] = s > A(0) ? m + dlog(s) : (s == s ? ninf<A>() : s);
+      lse[k] = s > A(0) ? from_dom<A>(m, Lg<A>::lg(s)) : (s == s ? ninf<A>() : s);  // natural units
     }
     A* out = static_cast<A*>(p.row_part) + ((rb + tid) * p.nslots + p.slot0 + blockIdx.x) * 2;
     out[0] = lse[0];
@@ -219,7 +274,7 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
   const int64_t c0 = (int64_t)blockIdx.x * kThreads * KC + tid;
   const int64_t r0 = (int64_t)blockIdx.y * p.TR;
   const int64_t r1 = min(r0 + p.TR, p.R);
-  const A it = (A)p.inv_temp;
+  const Ct<A> ct = inv_temp_dom<A>(p.inv_temp);
   const A half_span = (A)(0.5 * (double)(p.P - 1));
   const A* T = static_cast<const A*>(p.table);
   Col<A> c[KC];
@@ -258,7 +313,7 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
         for (int k = 0; k < KC; ++k) {
           if (c[k].valid) {
             const Elem<A> e = element<A, BM, POS>(p, sv[b][k], drow, c0 + k * kThreads, dd + k * kThreads == 0, rc,
-                                                  c[k], it, half_span, T);
+                                                  c[k], ct, half_span, T);
             xb[b][k] = e.x;
             pr[k] = e.pr;
             pcb[b][k] = e.pc;
@@ -273,7 +328,7 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
         A ls = 0;
 #pragma unroll
         for (int k = 0; k < KC; ++k)  // (a row of NaN keeps its NaN)
-          if (c[k].valid) ls += wm != ninf<A>() ? dexp(xb[b][k] - wm) : (xb[b][k] != xb[b][k] ? xb[b][k] : A(0));
+          if (c[k].valid) ls += wm != ninf<A>() ? Lg<A>::ex(xb[b][k] - wm) : (xb[b][k] != xb[b][k] ? xb[b][k] : A(0));
         const A ws = cuda::warp_sum(ls);
         A pm = ninf<A>(), ps = 0;
         if (POS && __ballot_sync(kFull, lpm != ninf<A>())) {
@@ -281,7 +336,7 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
           A lps = 0;
 #pragma unroll
           for (int k = 0; k < KC; ++k)
-            if (pr[k]) lps += dexp(xb[b][k] - pm);
+            if (pr[k]) lps += Lg<A>::ex(xb[b][k] - pm);
           ps = cuda::warp_sum(lps);
         }
         if constexpr (hard) {  // columns increase with k: strict > keeps the lowest one among a thread's ties
@@ -323,10 +378,10 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
             if (pcb[b][k]) bpm = max(bpm, xb[b][k]);
           }
           if (bm != ninf<A>()) {
-            A acc = cs[k] * dexp(cm[k] - bm);
+            A acc = cs[k] * Lg<A>::ex(cm[k] - bm);
 #pragma unroll
             for (int b = 0; b < RB; ++b)
-              if (b < nb) acc += dexp(xb[b][k] - bm);
+              if (b < nb) acc += Lg<A>::ex(xb[b][k] - bm);
             cs[k] = acc;
             cm[k] = bm;
           } else {
@@ -335,10 +390,10 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
               if (b < nb && xb[b][k] != xb[b][k]) cs[k] = xb[b][k];  // NaN stays NaN
           }
           if (bpm != ninf<A>()) {
-            A acc = cps[k] * dexp(cpm[k] - bpm);
+            A acc = cps[k] * Lg<A>::ex(cpm[k] - bpm);
 #pragma unroll
             for (int b = 0; b < RB; ++b)
-              if (b < nb && pcb[b][k]) acc += dexp(xb[b][k] - bpm);
+              if (b < nb && pcb[b][k]) acc += Lg<A>::ex(xb[b][k] - bpm);
             cps[k] = acc;
             cpm[k] = bpm;
           }
@@ -355,8 +410,8 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
     for (int k = 0; k < KC; ++k) {
       if (!c[k].valid) continue;
       A* out = static_cast<A*>(p.col_part) + ((int64_t)blockIdx.y * p.C + c0 + k * kThreads) * 2;
-      out[0] = cs[k] > A(0) ? cm[k] + dlog(cs[k]) : (cs[k] == cs[k] ? ninf<A>() : cs[k]);
-      out[1] = cps[k] > A(0) ? cpm[k] + dlog(cps[k]) : (cps[k] == cps[k] ? ninf<A>() : cps[k]);
+      out[0] = cs[k] > A(0) ? from_dom<A>(cm[k], Lg<A>::lg(cs[k])) : (cs[k] == cs[k] ? ninf<A>() : cs[k]);
+      out[1] = cps[k] > A(0) ? from_dom<A>(cpm[k], Lg<A>::lg(cps[k])) : (cps[k] == cps[k] ? ninf<A>() : cps[k]);
     }
   }
 }
@@ -662,6 +717,7 @@ __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockPa
   const int64_t r1 = min(r0 + p.TR, p.R);
   A* G = static_cast<A*>(p.G);
   const A it = (A)p.inv_temp, gr = (A)p.gr, gc = (A)p.gc;
+  const Ct<A> ct = inv_temp_dom<A>(p.inv_temp);
   const bool rows = p.gr != 0.0, cols = POS && p.cols && p.gc != 0.0;
   constexpr bool table = BM == 1;
   const A half_span = (A)(0.5 * (double)(p.P - 1));
@@ -677,15 +733,16 @@ __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockPa
   __syncthreads();
 
   Col<A> c[KC];
-  A ca[KC], cp[KC], dud[KC];
+  Lv<A> ca[KC], cp[KC];
+  A dud[KC];
 #pragma unroll
   for (int k = 0; k < KC; ++k) {
     const int64_t j = c0 + k * kThreads;
     c[k] = load_col<A, BM, POS>(p, j);
-    ca[k] = cp[k] = dud[k] = A(0);
+    dud[k] = A(0);
     if (c[k].valid && cols) {
-      ca[k] = cl[j];
-      cp[k] = cl[p.C + j];
+      ca[k] = to_dom<A>(cl[j]);
+      cp[k] = to_dom<A>(cl[p.C + j]);
     }
   }
   const int64_t dbase = c0 - (p.i0 + r0 + p.diag_offset);
@@ -705,21 +762,21 @@ __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockPa
         const RowCtx<A> rc = load_row<A, BM, POS>(p, i);
         const A* drow = BM == 2 ? static_cast<const A*>(p.dense) + r * p.ldb : nullptr;
         const int64_t dd = dbase - (r - r0);
-        A la = 0, lp = 0;
+        Lv<A> la, lp;
         if (rows) {
-          la = __ldg(rl + i);
-          if (POS) lp = __ldg(rl + p.Bq + i);
+          la = to_dom<A>(__ldg(rl + i));
+          if (POS) lp = to_dom<A>(__ldg(rl + p.Bq + i));
         }
         A rsum = 0;
 #pragma unroll
         for (int k = 0; k < KC; ++k) {
           if (!c[k].valid) continue;
           const int64_t j = c0 + k * kThreads;
-          const Elem<A> e = element<A, BM, POS>(p, sv[b][k], drow, j, dd + k * kThreads == 0, rc, c[k], it,
+          const Elem<A> e = element<A, BM, POS>(p, sv[b][k], drow, j, dd + k * kThreads == 0, rc, c[k], ct,
                                                 half_span, T);
           A g = 0;
-          if (rows) g = gr * (dexp(e.x - la) - (e.pr ? dexp(e.x - lp) : A(0)));
-          if (cols) g += gc * (dexp(e.x - ca[k]) - (e.pc ? dexp(e.x - cp[k]) : A(0)));
+          if (rows) g = gr * (ex_minus(e.x, la) - (e.pr ? ex_minus(e.x, lp) : A(0)));
+          if (cols) g += gc * (ex_minus(e.x, ca[k]) - (e.pc ? ex_minus(e.x, cp[k]) : A(0)));
           Ob[b * p.ldo + k * kThreads] = cuda::from_acc<OT>(g * it);
           if (BM == 2) G[r * p.ldo + j] = g;
           if (table) {

@@ -117,6 +117,17 @@ def stats_variant() -> str:
     return env_choice("TEMPOKERN_MPB_STATS", STATS_VARIANTS, "v1")
 
 
+SCORES_VARIANTS = ("f32", "half")
+
+
+def scores_variant() -> str:
+    """The dtype of the cuBLAS score blocks for fp16 / bf16 operands on CUDA: TEMPOKERN_MPB_SCORES=f32
+    (default: cuBLAS's float32 accumulator kept, ``mm(..., out_dtype=float32)``) or half (the operands' dtype,
+    rounded as torch's own ``q @ d.T`` is: half the bytes written by each score product and read by the fused
+    passes, 4 of the 22 bytes per pair of a step become 2 of 14). Float32 / float64 operands are unaffected."""
+    return env_choice("TEMPOKERN_MPB_SCORES", SCORES_VARIANTS, "f32")
+
+
 GLUE_VARIANTS = ("fused", "torch")
 
 
@@ -256,10 +267,14 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         spans = spans32(q_lo, q_hi, d_lo, d_hi)
         flags = none_flags(*spans)
 
+    # half-precision score blocks (TEMPOKERN_MPB_SCORES=half): the product rounded to the operands' dtype
+    half_scores = cuda_path and q.dtype in (torch.float16, torch.bfloat16) and scores_variant() == "half"
+
     def scores(a_rows, b):  # (R, H) x (C, H) -> (R, C)
-        if cuda_path and q.device.type == "cpu":
-            return torch.mm(a_rows.to(acc), b.to(acc).t())
-        return _mm(a_rows, b.t())
+        if cuda_path and q.device.type == "cpu":  # the emulator: a float32 product, rounded like cuBLAS's output
+            S = torch.mm(a_rows.to(acc), b.to(acc).t())
+            return S.to(q.dtype) if half_scores else S
+        return torch.mm(a_rows, b.t()) if half_scores else _mm(a_rows, b.t())
 
     def prod(a, b):  # gradient products, float32 output for half operands where torch can
         if q.device.type == "cpu":
@@ -272,7 +287,8 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         else:
             _addmm_into(c, a, b)
 
-    sdtype = acc if (q.device.type == "cpu" or q.dtype == acc or _mm_out_f32(q.device)) else q.dtype
+    sdtype = acc if not half_scores and (q.device.type == "cpu" or q.dtype == acc or _mm_out_f32(q.device)) \
+        else q.dtype
     odtype = q.dtype if cuda_path else acc
     per_elem = _SIZE[sdtype] + _SIZE[odtype] + (2 * _SIZE[acc] if bias_mode == 2 else 0)
     R = block_rows(Bq, Bd, N, per_elem, q.device, requested_rows)
