@@ -35,6 +35,10 @@ b)
   SAN_SMALL=1 timeout ${SAN_TIMEOUT:-120} compute-sanitizer --tool racecheck --error-exitcode 9 python3 \
     tools/gpu_sanitize_case.py > "$OUT/sanitizer-racecheck.log" 2>&1
   echo "racecheck rc $? $(el)"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error|ok$" "$OUT/sanitizer-racecheck.log" | tail -4 ;;
+p)
+  carried
+  timeout ${PROBE_TIMEOUT:-200} python3 tools/gpu_probe8.py > "$OUT/probe.log" 2>&1; echo "probe rc $? $(el)"
+  grep -E "^(loss|matryoshka)" "$OUT/probe.log"; tail -3 "$OUT/probe.log" ;;
 c)
   carried
   timeout ${SUITE_TIMEOUT:-540} python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s ${SUITE_BUDGET:-470} ${SUITE_ARGS:-} \
