@@ -39,6 +39,13 @@ p)
   carried
   timeout ${PROBE_TIMEOUT:-200} python3 tools/gpu_probe8.py > "$OUT/probe.log" 2>&1; echo "probe rc $? $(el)"
   grep -E "^(loss|matryoshka)" "$OUT/probe.log"; tail -3 "$OUT/probe.log" ;;
+s)
+  carried
+  for tool in memcheck racecheck; do
+    SAN_SMALL=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 9 python3 \
+      tools/gpu_sanitize_case.py > "$OUT/sanitizer-$tool.log" 2>&1
+    echo "$tool rc $? $(el)"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error|ok$" "$OUT/sanitizer-$tool.log" | tail -4
+  done ;;
 c)
   carried
   timeout ${SUITE_TIMEOUT:-540} python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s ${SUITE_BUDGET:-470} ${SUITE_ARGS:-} \
