@@ -294,93 +294,57 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
   for (int64_t rb = r0; rb < r1; rb += 32) {
     const int nr = (int)min((int64_t)32, r1 - rb);
     for (int rr0 = 0; rr0 < nr; rr0 += RB) {
-      const int nb = min(RB, nr - rr0);
       const ST* Sb = static_cast<const ST*>(p.S) + (rb + rr0) * p.lds + c0;
       A sv[RB][KC];
-      load_batch<ST, A>(Sb, p.lds, nb, c, sv);
-      // the batch's row contexts loaded together (rows past nb repeat the last: never used)
-      RowCtx<A> rc[RB];
-      const A* drow[RB];
-#pragma unroll
-      for (int b = 0; b < RB; ++b) {
-        const int64_t r = rb + rr0 + min(b, nb - 1);
-        rc[b] = load_row<A, BM, POS>(p, p.i0 + r);
-        drow[b] = BM == 2 ? static_cast<const A*>(p.dense) + r * p.ldb : nullptr;
-      }
+      load_batch<ST, A>(Sb, p.lds, nr - rr0, c, sv);
       A xb[RB][KC];
-      bool prb[RB][KC], pcb[RB][KC];
-      A wm[RB], lpm[RB];
-      bool anyp = false;
+      bool pcb[RB][KC];
 #pragma unroll
       for (int b = 0; b < RB; ++b) {
-        const int64_t dd = dbase - (rb + rr0 + b - r0);
-        wm[b] = lpm[b] = ninf<A>();
+        const int rr = rr0 + b;
+        if (rr >= nr) break;  // uniform
+        const int64_t r = rb + rr, i = p.i0 + r;
+        const RowCtx<A> rc = load_row<A, BM, POS>(p, i);
+        const A* drow = BM == 2 ? static_cast<const A*>(p.dense) + r * p.ldb : nullptr;
+        const int64_t dd = dbase - (r - r0);
+        A lm = ninf<A>(), lpm = ninf<A>();
+        bool pr[KC];
 #pragma unroll
         for (int k = 0; k < KC; ++k) {
-          if (b < nb && c[k].valid) {
-            const Elem<A> e = element<A, BM, POS>(p, sv[b][k], drow[b], c0 + k * kThreads, dd + k * kThreads == 0,
-                                                  rc[b], c[k], ct, half_span, T);
+          if (c[k].valid) {
+            const Elem<A> e = element<A, BM, POS>(p, sv[b][k], drow, c0 + k * kThreads, dd + k * kThreads == 0, rc,
+                                                  c[k], ct, half_span, T);
             xb[b][k] = e.x;
-            prb[b][k] = e.pr;
+            pr[k] = e.pr;
             pcb[b][k] = e.pc;
           } else {
             xb[b][k] = ninf<A>();
-            prb[b][k] = pcb[b][k] = false;
+            pr[k] = pcb[b][k] = false;
           }
-          wm[b] = max(wm[b], xb[b][k]);
-          if (prb[b][k]) lpm[b] = max(lpm[b], xb[b][k]);
+          lm = max(lm, xb[b][k]);
+          if (pr[k]) lpm = max(lpm, xb[b][k]);
         }
-        anyp = anyp || lpm[b] != ninf<A>();
-      }
-      // row statistics of the RB rows: their butterfly reductions interleaved (RB independent shuffle chains
-      // in flight instead of one), the same operations per row as cuda::warp_max / warp_sum
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int b = 0; b < RB; ++b) wm[b] = max(wm[b], __shfl_xor_sync(kFull, wm[b], o));
-      A ws[RB];
-#pragma unroll
-      for (int b = 0; b < RB; ++b) {
-        ws[b] = 0;
+        const A wm = cuda::warp_max(lm);
+        A ls = 0;
 #pragma unroll
         for (int k = 0; k < KC; ++k)  // (a row of NaN keeps its NaN)
-          if (b < nb && c[k].valid)
-            ws[b] += wm[b] != ninf<A>() ? Lg<A>::ex(xb[b][k] - wm[b]) : (xb[b][k] != xb[b][k] ? xb[b][k] : A(0));
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int b = 0; b < RB; ++b) ws[b] += __shfl_xor_sync(kFull, ws[b], o);
-      A pm[RB], ps[RB];
-#pragma unroll
-      for (int b = 0; b < RB; ++b) {
-        pm[b] = lpm[b];
-        ps[b] = 0;
-      }
-      if (POS && __ballot_sync(kFull, anyp) != 0u) {  // warp-uniform: most batches of a large block have no positive
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-          for (int b = 0; b < RB; ++b) pm[b] = max(pm[b], __shfl_xor_sync(kFull, pm[b], o));
-#pragma unroll
-        for (int b = 0; b < RB; ++b)
+          if (c[k].valid) ls += wm != ninf<A>() ? Lg<A>::ex(xb[b][k] - wm) : (xb[b][k] != xb[b][k] ? xb[b][k] : A(0));
+        const A ws = cuda::warp_sum(ls);
+        A pm = ninf<A>(), ps = 0;
+        if (POS && __ballot_sync(kFull, lpm != ninf<A>())) {
+          pm = cuda::warp_max(lpm);
+          A lps = 0;
 #pragma unroll
           for (int k = 0; k < KC; ++k)
-            if (prb[b][k]) ps[b] += Lg<A>::ex(xb[b][k] - pm[b]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-          for (int b = 0; b < RB; ++b) ps[b] += __shfl_xor_sync(kFull, ps[b], o);
-      }
-      if constexpr (hard) {  // columns increase with k: strict > keeps the lowest one among a thread's ties
-#pragma unroll
-        for (int b = 0; b < RB; ++b) {
-          if (b >= nb) break;  // uniform
+            if (pr[k]) lps += Lg<A>::ex(xb[b][k] - pm);
+          ps = cuda::warp_sum(lps);
+        }
+        if constexpr (hard) {  // columns increase with k: strict > keeps the lowest one among a thread's ties
           A bv = ninf<A>();
           int bj = INT_MAX;
 #pragma unroll
           for (int k = 0; k < KC; ++k)
-            if (c[k].valid && !prb[b][k] && (bj == INT_MAX || xb[b][k] > bv)) {
+            if (c[k].valid && !pr[k] && (bj == INT_MAX || xb[b][k] > bv)) {
               bv = xb[b][k];
               bj = (int)(c0 + k * kThreads);
             }
@@ -390,22 +354,19 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
             hard_merge(bv, bj, ov, oj);
           }
           if (lane == 0) {
-            hpv[warp][rr0 + b] = bv;
-            hpj[warp][rr0 + b] = bj;
+            hpv[warp][rr] = bv;
+            hpj[warp][rr] = bj;
           }
         }
-      }
-      if (lane == 0) {
-#pragma unroll
-        for (int b = 0; b < RB; ++b) {
-          if (b >= nb) break;
-          wpart[warp][rr0 + b][0] = wm[b];
-          wpart[warp][rr0 + b][1] = ws[b];
-          wpart[warp][rr0 + b][2] = pm[b];
-          wpart[warp][rr0 + b][3] = ps[b];
+        if (lane == 0) {
+          wpart[warp][rr][0] = wm;
+          wpart[warp][rr][1] = ws;
+          wpart[warp][rr][2] = pm;
+          wpart[warp][rr][3] = ps;
         }
       }
       if (cols) {  // column statistics of the batch: one rescale per batch, not per element
+        const int nb = min(RB, nr - rr0);
 #pragma unroll
         for (int k = 0; k < KC; ++k) {
           if (!c[k].valid) continue;
