@@ -56,12 +56,12 @@ import torch  # noqa: E402
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
 IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
-         "tempokern_mrl_fused", "tempokern_cal_v1", "tempokern_ob_prune", "tempokern_half_scores", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
+         "tempokern_mrl_fused", "tempokern_cal_v1", "tempokern_ob_full", "tempokern_half_scores", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
 # one-level yardstick
 # tempokern_half_scores: the multipos loss (no bias, table bias) with TEMPOKERN_MPB_SCORES=half (the score blocks in
 # the operands' dtype, as torch's q @ d.T: half the score bytes; opt-in, not yet measured)
-# tempokern_ob_prune: offset_bias (exact) and the exact-bias loss with TEMPOKERN_OB_PRUNE=1 (the CUDA kernels skip
-# the hidden units proved always off and merge the always-on ones; opt-in, not yet measured)
+# tempokern_ob_full: offset_bias (exact) and the exact-bias loss with TEMPOKERN_OB_PRUNE=0 (every hidden unit
+# evaluated: the kernels' default until 2026-11-23; "tempokern" merges / skips the units the bias never switches)
 # tempokern_cal_v1: calendar_scalar / calendar_context with TEMPOKERN_CALENDAR=v1 (the thread-per-row kernels measured
 # on the H100 on 2026-11-22); "tempokern" is the default v2 warp-cooperative kernels, not yet measured
 # tempokern_prev: ctd_topk at Q <= 16 with TEMPOKERN_TOPK_SERVE=0 (the path measured on the H100 on 2026-11-22;
@@ -340,7 +340,7 @@ VARIANT_ENV = {
     "tempokern_mrl_torch": ("TEMPOKERN_MRL_CUDA", "torch"),
     "tempokern_mrl_fused": ("TEMPOKERN_MRL_CUDA", "fused"),
     "tempokern_cal_v1": ("TEMPOKERN_CALENDAR", "v1"),
-    "tempokern_ob_prune": ("TEMPOKERN_OB_PRUNE", "1"),
+    "tempokern_ob_full": ("TEMPOKERN_OB_PRUNE", "0"),
     "tempokern_half_scores": ("TEMPOKERN_MPB_SCORES", "half"),
 }
 
@@ -459,8 +459,8 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn, stats_v2: bool = True) -> Li
             if mode != "exact":  # the variant column of the score dtype: half-precision score blocks
                 steps["tempokern_half_scores"] = variant_step("tempokern_half_scores",
                                                               loss_step(lambda: tk().multipos_infonce))
-            if mode == "exact":  # the variant column of the bias kernels: hidden-unit merging (TEMPOKERN_OB_PRUNE=1)
-                steps["tempokern_ob_prune"] = variant_step("tempokern_ob_prune",
+            if mode == "exact":  # the variant column of the bias kernels: every hidden unit (TEMPOKERN_OB_PRUNE=0)
+                steps["tempokern_ob_full"] = variant_step("tempokern_ob_full",
                                                            loss_step(lambda: tk().multipos_infonce))
             # the variant column of the glue: the torch ops around the passes instead of the prep / fin kernels
             steps["tempokern_glue_torch"] = variant_step("tempokern_glue_torch",
@@ -834,8 +834,8 @@ def bias_cases(sizes, dev, seed, bandwidth) -> List[Case]:
                               make=(lambda s, table=table: bias_inputs(B, dev, s, table)),
                               steps={"tempokern": bias_step("tempokern", backward),
                                      "eager": bias_step("eager", backward),
-                                     **({} if table else {"tempokern_ob_prune": variant_step(
-                                         "tempokern_ob_prune", bias_step("tempokern", backward))})},
+                                     **({} if table else {"tempokern_ob_full": variant_step(
+                                         "tempokern_ob_full", bias_step("tempokern", backward))})},
                               agree=bias_agree(sizes["agree_bias"], seed, backward),
                               mem_bytes={"eager": per_pair * B * B}, floor=floor))
     return cases
@@ -1139,7 +1139,7 @@ class Suite:
             self.emit(case, impl, "agreement", worst, f"largest agreement_rel ({worst_q}) vs float64"
                       + (f"; {note}" if note else ""))
         for fused in ("tempokern", "tempokern_stats_v2", "tempokern_mrl_torch", "tempokern_mrl_fused", "tempokern_cal_v1",
-                      "tempokern_ob_prune", "tempokern_half_scores"):
+                      "tempokern_ob_full", "tempokern_half_scores"):
             if fused not in res or "eager" not in res:
                 continue
             worst, worst_q = 0.0, ""

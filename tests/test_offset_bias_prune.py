@@ -1,9 +1,10 @@
-"""With TEMPOKERN_OB_PRUNE=1 (opt-in) the CUDA offset-bias kernels skip the hidden units proved always off and merge the always-on ones into one
+"""With TEMPOKERN_OB_PRUNE=1 (the default since the H100 timed it on 2026-11-23) the CUDA offset-bias kernels skip the hidden units proved always off and merge the always-on ones into one
 linear unit (as the CPU kernels do), with the classification, the unit order and the count of evaluated units
 kept on the device (no host sync): tempokern/_ops/offset_bias.py::_device_units, `active_units` in
 csrc/offset_bias/offset_bias_cuda.cu. Checked against tempokern.reference in float64 (output and all seven
 gradients), with poisoned weights in the slots the kernels must not read, and against the default
-(TEMPOKERN_OB_PRUNE unset or 0: every unit evaluated)."""
+(TEMPOKERN_OB_PRUNE=0: every unit evaluated); the merged unit is evaluated in float64, so that the exact-bias
+loss's d/d scale keeps the float32 2x-torch rule (test_merged_unit_keeps_the_two_x_rule)."""
 import pytest
 import torch
 
@@ -112,7 +113,7 @@ def test_switch_off_gives_the_same_numbers(gpu, monkeypatch, dtype):
     with pytest.raises(ValueError, match="TEMPOKERN_OB_PRUNE"):
         ob.prune_cuda()
     monkeypatch.delenv("TEMPOKERN_OB_PRUNE")
-    assert not ob.prune_cuda()       # opt-in until timed on a GPU
+    assert ob.prune_cuda()           # the default (timed on the H100: 2.3x faster exact-bias loss)
     run(gpu, uq, ud, params, gout)   # a kernel runs in every emulator test
 
 
@@ -122,3 +123,25 @@ def test_n_active_is_rejected_on_the_cpu_kernels():
     with pytest.raises(Exception, match="n_active"):
         kernels().offset_bias_launch("fwd", -1, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0,
                                      1, 0, 0, 0, n.data_ptr())
+
+
+def test_merged_unit_keeps_the_two_x_rule(gpu, monkeypatch):
+    # the draw that kept merging opt-in (seed 11 of test_multipos_blocked's exact-bias 2x-rule test: all five
+    # units merge or drop): d/d scale with a float32 merged unit was 3.3e-5 against torch's 9.6e-6 (bound
+    # 2 x 9.6e-6 + sqrt(pairs) eps = 3.05e-5); the float64 linear unit must keep it within the rule, and the
+    # output itself no further from float64 than torch float32's own formula
+    from test_multipos_blocked import _two_x_errors
+    from test_multipos_infonce import make
+    monkeypatch.setenv("TEMPOKERN_OB_PRUNE", "1")
+    fused, plain = _two_x_errors(gpu, torch.float32, "exact", 11)
+    pairs = (96 if gpu.type == "cpu" else 256) ** 2
+    bound = 2 * plain[10] + pairs ** 0.5 * torch.finfo(torch.float32).eps
+    assert fused[10] <= bound, (fused[10], plain[10])
+    q, d, sp, neg, b = make(96, 32, N=9, bias=True, dtype=torch.float64, seed=11, u_lo=0.0, u_hi=1.0)
+    on, off = ob._unit_classes(b[2], b[3])
+    assert bool((on | off).all())  # every unit merged or dropped: the linear unit carries the whole MLP
+    truth = tempokern.reference.offset_bias(*b)
+    got = torch.ops.tempokern.offset_bias(*(t.float().to(gpu) for t in b)).double().cpu()
+    plain32 = tempokern.reference.offset_bias(*(t.float() for t in b)).double()
+    err = lambda y: (y - truth).pow(2).mean().sqrt().item()  # noqa: E731
+    assert err(got) <= 1.5 * err(plain32), (err(got), err(plain32))

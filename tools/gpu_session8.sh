@@ -39,6 +39,18 @@ p)
   carried
   timeout ${PROBE_TIMEOUT:-200} python3 tools/gpu_probe8.py > "$OUT/probe.log" 2>&1; echo "probe rc $? $(el)"
   grep -E "^(loss|matryoshka)" "$OUT/probe.log"; tail -3 "$OUT/probe.log" ;;
+d)
+  build; xz -T16 -1 -c tempokern/_C*312*.so > "$OUT/_C312.so.xz"
+  timeout ${TEST_TIMEOUT:-100} python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests > "$OUT/pytest-cuda.log" 2>&1
+  echo "tests rc $? $(el)"; grep -E "passed|failed|FAILED" "$OUT/pytest-cuda.log" | tail -12
+  timeout ${SUITE_TIMEOUT:-130} python3 benchmarks/gpu_suite.py --out "$OUT" --no-compile --budget-s 110 \
+    --only "${SUITE_ONLY:-offset_bias/exact|multipos_infonce/exact}" > "$OUT/suite.log" 2>&1
+  echo "suite rc $? $(el)"; grep -E "^\| (exact|loss, exact)" "$OUT/suite.log" | cut -c1-160
+  for tool in memcheck racecheck; do
+    SAN_SMALL=1 timeout ${SAN_TIMEOUT:-90} compute-sanitizer --tool $tool --error-exitcode 9 python3 \
+      tools/gpu_sanitize_case.py > "$OUT/sanitizer-$tool.log" 2>&1
+    echo "$tool rc $? $(el)"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error|ok$" "$OUT/sanitizer-$tool.log" | tail -4
+  done ;;
 s)
   carried
   for tool in memcheck racecheck; do
