@@ -173,8 +173,8 @@ def _errs(got, truth):
             for x, y in zip([got[0], *got[1]], [truth[0], *truth[1]])]
 
 
-def _two_x_errors(gpu, dtype, mode, seed):
-    B = 96 if gpu.type == "cpu" else 256
+def _two_x_errors(gpu, dtype, mode, seed, B=None):
+    B = B or (96 if gpu.type == "cpu" else 256)
     q, d, sp, neg, b = make(B, 32, N=9, bias=mode != "none", dtype=torch.float64, device=gpu, seed=seed,
                             u_lo=0.0, u_hi=1.0)
     with torch.no_grad():

@@ -114,23 +114,29 @@ __device__ __forceinline__ A wdot(const A* W, int KP, const A (&s)[KMAX], const 
 }
 
 // The merged always-on units (hidden-unit merging, TEMPOKERN_OB_PRUNE: slots 0 and 1 hold the float64 merged
-// weights as hi + lo, w2 = 1) evaluated as one linear unit in float64 from the pair's features: a float32 sum of
-// their large, partly cancelling terms puts a correlated error into every pair's y, which d/d scale (a sum of
-// G y over B^2 pairs whose G rows sum to 0) does not average out. 2 x 2 KP float64 multiply-adds per pair.
+// weights as hi + lo, w2 = 1) evaluated as one linear unit, centred: Python folds the cos weights' value at
+// delta = 0 into the bias (b = b_lin + sum_k w_cos_k, hi + lo), and the unit sums w_sin_k s_k + w_cos_k (c_k - 1)
+// before adding it. The uncentred float32 sum carried the large, nearly constant cos part of every pair (cos ~ 1
+// for the low frequencies) in its partial sums: a rounding error correlated across pairs, which d/d scale (a
+// sum of G y over B^2 pairs whose G rows sum to 0) does not average out (the float32 2x-rule draw that kept
+// merging opt-in). 4 x K multiply-adds per pair, about one ordinary unit.
 constexpr int64_t kLinearSlots = 2;
 template <typename A, int KMAX>
-__device__ __forceinline__ double linear_units(const A* sm, const SmemLayout<A>& L, int KP, const A (&s)[KMAX],
-                                               const A (&c)[KMAX]) {
+__device__ __forceinline__ A linear_units(const A* sm, const SmemLayout<A>& L, int KP, const A (&s)[KMAX],
+                                          const A (&c)[KMAX]) {
   const A* wh = sm + L.w();
   const A* wl = wh + 2 * KP;
-  double h = (double)sm[L.b1()] + (double)sm[L.b1() + 1];
+  A acc = 0;
 #pragma unroll
   for (int q = 0; q < KMAX; ++q)
-    if (q < KP) {
-      h += ((double)wh[q] + (double)wl[q]) * (double)s[q];
-      h += ((double)wh[KP + q] + (double)wl[KP + q]) * (double)c[q];
+    if (q < KP) {  // padding: s = c = 0 with zero weights, so (c - 1) adds nothing there
+      const A cm1 = c[q] - A(1);
+      acc = fma(wl[q], s[q], acc);
+      acc = fma(wl[KP + q], cm1, acc);
+      acc = fma(wh[q], s[q], acc);
+      acc = fma(wh[KP + q], cm1, acc);
     }
-  return h;
+  return sm[L.b1()] + (sm[L.b1() + 1] + acc);
 }
 
 // Per-thread setup shared by forward and backward: the document's angle features (0 for k >= K).
@@ -183,14 +189,12 @@ __global__ void fwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
     const A diff = ud - uq;
     const bool fast = col_ok && bias_passes(diff) && uq >= A(-kBiasFastRange) && uq <= A(kBiasFastRange);
     pair_angles<A, KMAX>(diff, fast, ds, dc, rf, rf + KP, f, K, s, c);
-    const bool lin = p.n_linear == kLinearSlots;
-    const double ylin = lin ? linear_units<A, KMAX>(sm, L, KP, s, c) : 0.0;
-    A y = 0;
+    const bool lin = p.n_linear == kLinearSlots;  // the merged units as one centred linear unit
+    A y = lin ? linear_units<A, KMAX>(sm, L, KP, s, c) : A(0);
     for (int64_t n = lin ? kLinearSlots : 0; n < nact; ++n) {
       const A h = sm[L.b1() + n] + wdot<A, KMAX>(sm + L.w() + n * 2 * KP, KP, s, c);
       if (n < p.n_linear || h > A(0)) y += sm[L.w2() + n] * h;
     }
-    if (lin) y = (A)(ylin + (double)y);
     if (j < p.Bd) static_cast<S*>(p.out)[i * p.ld_out + j] = from_acc<S>(scale * (y + b2));
     __syncwarp();  // rf is rewritten for the next row
   }
@@ -255,10 +259,9 @@ __global__ void __launch_bounds__(256, (KMAX <= 16 && sizeof(A) == 4) ? 2 : 1) b
         if (k < D) sP[k * L.ldb + t] = s[k];
         if (K + k < D) sP[(K + k) * L.ldb + t] = c[k];
       }
-    const bool lin = p.n_linear == kLinearSlots;  // merged units in float64 (linear_units)
-    const double ylin = lin ? linear_units<A, KMAX>(sm, L, KP, s, c) : 0.0;
+    const bool lin = p.n_linear == kLinearSlots;  // the merged units as one centred linear unit
     if (lin) sM[t] = sM[L.ldb + t] = gs;
-    A y = 0;
+    A y = lin ? linear_units<A, KMAX>(sm, L, KP, s, c) : A(0);
     for (int64_t n = lin ? kLinearSlots : 0; n < nact; ++n) {
       const A h = sm[L.b1() + n] + wdot<A, KMAX>(sm + L.w() + n * 2 * KP, KP, s, c);
       const bool on = n < p.n_linear || h > A(0);
@@ -278,7 +281,7 @@ __global__ void __launch_bounds__(256, (KMAX <= 16 && sizeof(A) == 4) ? 2 : 1) b
       for (int64_t n = 0; n < nact; ++n)
         if (sM[n * L.ldb + t] != A(0)) dd += sm[L.w2() + n] * wdot<A, KMAX>(sm + L.w() + n * 2 * KP, KP, s, c);
     dd *= gs;
-    s1 += lin ? (double)g * (ylin + (double)y) : (double)(g * y);
+    s1 += (double)(g * y);
     s0 += (double)g;
     if (!bias_passes(diff) || !valid) dd = A(0);
     gd_acc += (double)dd;

@@ -112,6 +112,10 @@ def _device_units(w1a, b1a, w2a, w1, b1, acc):
     perm = torch.argsort(order)                            # mixed units first, each group in its order
     w2on = w2a.double() * on.double()
     lin = torch.cat([w2on[None, :] @ w1a.double(), (w2on * b1a.double()).sum().reshape(1, 1)], dim=1)  # (1, D + 1)
+    # centred: the kernels sum w_sin s + w_cos (cos - 1), so the bias slot carries b + sum(w_cos) (linear_units)
+    D = w1a.shape[1]
+    K = bias_frequencies(D, torch.float64, torch.device("cpu")).numel()
+    lin[0, D] = lin[0, D] + lin[0, K:min(2 * K, D)].sum()
     hi = lin.to(acc)
     lo = (lin - hi.double()).to(acc)
     kw1 = torch.cat([hi[:, :-1], lo[:, :-1], w1a[perm]]).contiguous()
