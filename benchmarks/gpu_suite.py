@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
-IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
+IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_stats_v3", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
          "tempokern_mrl_fused", "tempokern_cal_v1", "tempokern_ob_full", "tempokern_half_scores", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
 # one-level yardstick
 # tempokern_half_scores: the multipos loss (no bias, table bias) with TEMPOKERN_MPB_SCORES=half (the score blocks in
@@ -72,6 +72,8 @@ IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_glue_torch", "tempokern_p
 # tempokern_mrl_torch: matryoshka_infonce with TEMPOKERN_MRL_CUDA=torch (the blocked torch path, the CUDA path
 # before the fused kernels; "tempokern" is the default fused kernels of matryoshka_block_cuda.cu; neither measured
 # on a GPU yet)
+# tempokern_stats_v3: the multipos loss with TEMPOKERN_MPB_STATS=v3 (vector loads, the next batch in flight, no
+# per-element validity branches; opt-in, not yet timed)
 # tempokern_stats_v2: the multipos loss with TEMPOKERN_MPB_STATS=v2 (the second-design statistics kernel, opt-in
 # until measured; "tempokern" is the default v1); --mpb-stats v1 leaves it out. tempokern_glue_torch: the same loss
 # with TEMPOKERN_MPB_GLUE=torch (the torch glue ops measured in the first GPU session, before the fused prep /
@@ -335,6 +337,7 @@ def loss_step(fn_get, check_keyword=True):
 #: The variant columns: the tempokern op with one kernel-variant switch set during its calls (the comments above).
 VARIANT_ENV = {
     "tempokern_stats_v2": ("TEMPOKERN_MPB_STATS", "v2"),
+    "tempokern_stats_v3": ("TEMPOKERN_MPB_STATS", "v3"),
     "tempokern_glue_torch": ("TEMPOKERN_MPB_GLUE", "torch"),
     "tempokern_prev": ("TEMPOKERN_TOPK_SERVE", "0"),
     "tempokern_mrl_torch": ("TEMPOKERN_MRL_CUDA", "torch"),
@@ -455,6 +458,9 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn, stats_v2: bool = True) -> Li
             }
             if stats_v2 and mode != "exact":  # the variant column: the same op with the v2 statistics kernel
                 steps["tempokern_stats_v2"] = variant_step("tempokern_stats_v2",
+                                                           loss_step(lambda: tk().multipos_infonce))
+            if mode != "exact":  # the variant column of the v3 statistics kernel (opt-in, not yet timed)
+                steps["tempokern_stats_v3"] = variant_step("tempokern_stats_v3",
                                                            loss_step(lambda: tk().multipos_infonce))
             if mode != "exact":  # the variant column of the score dtype: half-precision score blocks
                 steps["tempokern_half_scores"] = variant_step("tempokern_half_scores",
@@ -1138,7 +1144,7 @@ class Suite:
                     worst, worst_q = v[1], qn
             self.emit(case, impl, "agreement", worst, f"largest agreement_rel ({worst_q}) vs float64"
                       + (f"; {note}" if note else ""))
-        for fused in ("tempokern", "tempokern_stats_v2", "tempokern_mrl_torch", "tempokern_mrl_fused", "tempokern_cal_v1",
+        for fused in ("tempokern", "tempokern_stats_v2", "tempokern_stats_v3", "tempokern_mrl_torch", "tempokern_mrl_fused", "tempokern_cal_v1",
                       "tempokern_ob_full", "tempokern_half_scores"):
             if fused not in res or "eager" not in res:
                 continue

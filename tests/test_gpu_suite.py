@@ -309,6 +309,9 @@ def test_stats_v2_variant_column(suite, tmp_path, monkeypatch):
     assert math.isfinite(float(one(rows, **loss, impl="tempokern_stats_v2", metric="err_vs_torch")["value"]))
     assert "tempokern_stats_v2" in md
     assert "v2" in seen and None in seen          # the variant's calls, and the default's
+    assert one(rows, **loss, impl="tempokern_stats_v3", metric="status")["value"] == "ok"  # v3 likewise
+    assert math.isfinite(float(one(rows, **loss, impl="tempokern_stats_v3", metric="err_vs_torch")["value"]))
+    assert "v3" in seen
     assert "TEMPOKERN_MPB_STATS" not in os.environ  # restored after each call
     rows, _ = run(suite, tmp_path / "v1", "--no-compile", "--mpb-stats", "v1", "--only", r"multipos_infonce/no bias/B=48")
     assert not pick(rows, impl="tempokern_stats_v2")

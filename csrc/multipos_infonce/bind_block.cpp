@@ -54,11 +54,12 @@ TK_BIND(multipos_block) {
         [](const std::string& op, int device, uintptr_t stream, const std::vector<int>& dtypes,
            const std::vector<int64_t>& sizes, const std::vector<double>& scalars, const Ptrs& ptrs) {
           const MultiposBlockParams p = make(dtypes, sizes, scalars, ptrs);
-          if (op == "fwd" || op == "fwd2") {  // fwd2: the v2 statistics kernel on CUDA (one CPU kernel)
+          if (op == "fwd" || op == "fwd2" || op == "fwd3") {  // v2 / v3 statistics kernels on CUDA (one CPU kernel)
             if (!p.row_part || (p.cols && !p.col_part)) fail("multipos_block_launch: forward needs its partial outputs");
-            const bool v2 = op == "fwd2";
             run_on(device, [&] { multipos_block_fwd_cpu(p); }, [&] {
-              TK_CUDA_ONLY(v2 ? multipos_block_fwd2_cuda(p, device, stream) : multipos_block_fwd_cuda(p, device, stream));
+              TK_CUDA_ONLY(op == "fwd2" ? multipos_block_fwd2_cuda(p, device, stream)
+                                        : op == "fwd3" ? multipos_block_fwd3_cuda(p, device, stream)
+                                                       : multipos_block_fwd_cuda(p, device, stream));
             });
           } else if (op == "bwd") {
             if (!p.dS || (p.gr != 0.0 && !p.row_lse) || (p.cols && p.gc != 0.0 && !p.col_lse))

@@ -151,6 +151,7 @@ void multipos_block_bwd_cpu(const MultiposBlockParams& p);
 void multipos_block_fwd_cuda(const MultiposBlockParams& p, int device, uintptr_t stream);
 // statistics pass v2 (same outputs, shared-memory tile, one reduction per row per 1024 columns)
 void multipos_block_fwd2_cuda(const MultiposBlockParams& p, int device, uintptr_t stream);
+void multipos_block_fwd3_cuda(const MultiposBlockParams& p, int device, uintptr_t stream);
 void multipos_block_bwd_cuda(const MultiposBlockParams& p, int device, uintptr_t stream);
 #endif
 

@@ -819,6 +819,247 @@ __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockPa
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Statistics pass v3 (TEMPOKERN_MPB_STATS=v3, opt-in until a GPU has timed it; float accumulation: float64
+// runs v1): v1's outputs, grid and per-row warp reductions, with the per-element work cut to the arithmetic.
+// v1's SASS (sm_90) has ~2,300 instructions of which ~500 integer compares, branches and divergence barriers
+// (per-element validity tests, int64 diagonal tests, packed bools), one 4-byte load per score, and it reads
+// float32 scores at 0.83 TB/s on the H100 (latency- and issue-bound at 25% occupancy). Here:
+//  - thread t owns the 4 consecutive columns c0 + 4t + e (e < 4): one 16-byte (float) / 8-byte (half) load per
+//    row (scalar loads when a row is not aligned: vec = 0, or at the end of a partial tile);
+//  - the next batch of RB rows is loaded while the current one is computed (double buffer);
+//  - no per-element validity branch: a column past C gets x = -inf and spans that overlap nothing (compiled
+//    out in full tiles: FULL); the diagonal test is one int32 compare against the row's diagonal column
+//    within the thread (dk); all -inf / NaN handling once per row and per column batch (reference 0 when the
+//    max is -inf), none per element; positives (rare) under warp-uniform ballots.
+// Per score (float32, no bias, no positive in the warp's batch): 0.25 loads, 2 (x), 3 (span overlap), 2
+// (flags), 2 (row max), 3 (row exp), 1 + 3 (column max, exp) + the per-batch rescale: ~17 instructions.
+template <typename ST> struct __align__(16) Sc4 {
+  ST v[4];
+};
+template <> struct __align__(8) Sc4<__half> {
+  __half v[4];
+};
+template <> struct __align__(8) Sc4<__nv_bfloat16> {
+  __nv_bfloat16 v[4];
+};
+
+// The 4 scores at p[0..3] (nv of them valid, the rest 0): one vector load when all 4 are valid and vec.
+template <typename ST, bool FULL>
+__device__ __forceinline__ void load4(const ST* p, bool vec, int nv, float (&x)[4]) {
+  if ((FULL || nv >= 4) && vec) {
+    const Sc4<ST> u = *reinterpret_cast<const Sc4<ST>*>(p);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] = cuda::to_acc(u.v[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] = (FULL || e < nv) ? cuda::to_acc(p[e]) : 0.0f;
+  }
+}
+
+template <typename ST, int BM, bool POS, bool HARD, bool FULL>
+__global__ void __launch_bounds__(kThreads, 2) mpb_fwd3_kernel(const MultiposBlockParams p, int vec) {
+  using A = float;
+  __shared__ A wpart[kWarps][32][4];
+  __shared__ A hpv[HARD ? kWarps : 1][32];
+  __shared__ int hpj[HARD ? kWarps : 1][32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr bool hard = POS && HARD;
+  if (!FULL && (int64_t)(blockIdx.x + 1) * kTC <= p.C) return;  // the partial launch runs the last tile only
+  if (FULL && (int64_t)(blockIdx.x + 1) * kTC > p.C) return;
+  const int64_t cj = (int64_t)blockIdx.x * kTC + 4 * tid;  // the thread's first column
+  const int nv = FULL ? 4 : (int)max((int64_t)0, min((int64_t)4, p.C - cj));
+  const int64_t r0 = (int64_t)blockIdx.y * p.TR;
+  const int64_t r1 = min(r0 + p.TR, p.R);
+  const Ct<A> ct = inv_temp_dom<A>(p.inv_temp);
+  const A half_span = (A)(0.5 * (double)(p.P - 1));
+  const A* T = static_cast<const A*>(p.table);
+  const bool cols = POS && p.cols;
+  int32_t clo[4], chi[4];
+  bool cnone[4];
+  A ud[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const bool ok = FULL || e < nv;
+    clo[e] = INT_MAX;
+    chi[e] = INT_MIN;
+    cnone[e] = false;
+    ud[e] = A(0);
+    if (ok) {
+      if (POS) {
+        clo[e] = p.d_lo[cj + e];
+        chi[e] = p.d_hi[cj + e];
+        cnone[e] = p.col_none[cj + e] != 0;
+      }
+      if (BM == 1) ud[e] = static_cast<const A*>(p.u_d)[cj + e];
+    }
+  }
+  A cm[4], cs[4], cpm[4], cps[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    cm[e] = cpm[e] = ninf<A>();
+    cs[e] = cps[e] = A(0);
+  }
+  const ST* S0 = static_cast<const ST*>(p.S) + cj;
+  A sv[RB][4];
+  {
+    const int nb0 = (int)min((int64_t)RB, r1 - r0);
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+      if (b < nb0) load4<ST, FULL>(S0 + (r0 + b) * p.lds, vec, nv, sv[b]);
+      else
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sv[b][e] = A(0);
+    }
+  }
+  for (int64_t rb = r0; rb < r1; rb += 32) {
+    const int nr = (int)min((int64_t)32, r1 - rb);
+    for (int rr0 = 0; rr0 < nr; rr0 += RB) {
+      const int nb = min(RB, nr - rr0);
+      // the next batch in flight while this one is computed
+      const int64_t rn = rb + rr0 + RB;
+      const int nn = (int)max((int64_t)0, min((int64_t)RB, r1 - rn));
+      A svn[RB][4];
+#pragma unroll
+      for (int b = 0; b < RB; ++b) {
+        if (b < nn) load4<ST, FULL>(S0 + (rn + b) * p.lds, vec, nv, svn[b]);
+        else
+#pragma unroll
+          for (int e = 0; e < 4; ++e) svn[b][e] = A(0);
+      }
+      A xb[RB][4];
+      bool pcb[RB][4];
+      bool anyc = false;
+#pragma unroll
+      for (int b = 0; b < RB; ++b) {
+        const int rr = rr0 + b;
+        const int64_t r = rb + min(rr, nr - 1), i = p.i0 + r;
+        const RowCtx<A> rc = load_row<A, BM, POS>(p, i);
+        // the row's diagonal column relative to the thread's first column (-1: not among its 4)
+        const int64_t rel = i + p.diag_offset - cj;
+        const int dk = (rel >= 0 && rel < nv) ? (int)rel : -1;
+        const A* drow = BM == 2 ? static_cast<const A*>(p.dense) + r * p.ldb + cj : nullptr;
+        bool prb[4];
+        A lm = ninf<A>(), lpm = ninf<A>();
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const A sc = sv[b][e];
+          A x = fma(sc, ct.hi, sc * ct.lo);
+          if (BM == 1) {
+            A slope, t;
+            int64_t idx;
+            x += Lg<A>::scale(table_bias<A>(T, p.P, half_span, ud[e] - rc.uq, slope, idx, t));
+          }
+          if (BM == 2 && (FULL || e < nv)) x += Lg<A>::scale(drow[e]);
+          const bool live = b < nb && (FULL || e < nv);
+          x = live ? x : ninf<A>();
+          bool pr = false, pc = false;
+          if (POS) {
+            const bool ov = max(rc.lo, clo[e]) <= min(rc.hi, chi[e]);
+            const bool dg = dk == e;
+            pr = live && (ov || (rc.none && dg));
+            pc = live && (ov || (dg && (rc.none || cnone[e])));
+          }
+          xb[b][e] = x;
+          prb[e] = pr;
+          pcb[b][e] = pc;
+          anyc = anyc || pc;
+          lm = max(lm, x);
+          lpm = max(lpm, pr ? x : ninf<A>());
+        }
+        const A wm = cuda::warp_max(lm);
+        const A ref = wm == ninf<A>() ? A(0) : wm;  // all -inf (or NaN): exp(x - 0) gives 0 (or NaN)
+        A ls = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ls += Lg<A>::ex(xb[b][e] - ref);
+        const A ws = cuda::warp_sum(ls);
+        A pm = ninf<A>(), ps = 0;
+        if (POS && __ballot_sync(kFull, lpm != ninf<A>()) != 0u) {
+          pm = cuda::warp_max(lpm);
+          A lps = 0;
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (prb[e]) lps += Lg<A>::ex(xb[b][e] - pm);
+          ps = cuda::warp_sum(lps);
+        }
+        if constexpr (hard) {  // columns increase with e: strict > keeps the lowest one among a thread's ties
+          A bv = ninf<A>();
+          int bj = INT_MAX;
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (b < nb && (FULL || e < nv) && !prb[e] && (bj == INT_MAX || xb[b][e] > bv)) {
+              bv = xb[b][e];
+              bj = (int)(cj + e);
+            }
+          for (int o = 16; o > 0; o >>= 1) {
+            const A ov = __shfl_xor_sync(kFull, bv, o);
+            const int oj = __shfl_xor_sync(kFull, bj, o);
+            hard_merge(bv, bj, ov, oj);
+          }
+          if (lane == 0 && b < nb) {
+            hpv[warp][rr] = bv;
+            hpj[warp][rr] = bj;
+          }
+        }
+        if (lane == 0 && b < nb) {
+          wpart[warp][rr][0] = wm;
+          wpart[warp][rr][1] = ws;
+          wpart[warp][rr][2] = pm;
+          wpart[warp][rr][3] = ps;
+        }
+      }
+      if (cols) {  // column statistics of the batch: one rescale per batch (rows past nb are -inf: add 0)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          A bm = cm[e];
+#pragma unroll
+          for (int b = 0; b < RB; ++b) bm = max(bm, xb[b][e]);
+          const A ref = bm == ninf<A>() ? A(0) : bm;
+          A acc = cs[e] * Lg<A>::ex(cm[e] - ref);
+#pragma unroll
+          for (int b = 0; b < RB; ++b) acc += Lg<A>::ex(xb[b][e] - ref);
+          cs[e] = acc;
+          cm[e] = bm;
+        }
+        if (__ballot_sync(kFull, anyc) != 0u) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            A bpm = cpm[e];
+#pragma unroll
+            for (int b = 0; b < RB; ++b)
+              if (pcb[b][e]) bpm = max(bpm, xb[b][e]);
+            if (bpm != ninf<A>()) {
+              A acc = cps[e] * Lg<A>::ex(cpm[e] - bpm);
+#pragma unroll
+              for (int b = 0; b < RB; ++b)
+                if (pcb[b][e]) acc += Lg<A>::ex(xb[b][e] - bpm);
+              cps[e] = acc;
+              cpm[e] = bpm;
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < RB; ++b)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sv[b][e] = svn[b][e];
+    }
+    __syncthreads();
+    flush_rows<A>(p, wpart, rb, nr);
+    if constexpr (hard) flush_hard<A>(p, hpv, hpj, rb, nr);
+    __syncthreads();
+  }
+  if (cols) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (!(FULL || e < nv)) continue;
+      A* out = static_cast<A*>(p.col_part) + ((int64_t)blockIdx.y * p.C + cj + e) * 2;
+      out[0] = cs[e] > A(0) ? from_dom<A>(cm[e], Lg<A>::lg(cs[e])) : (cs[e] == cs[e] ? ninf<A>() : cs[e]);
+      out[1] = cps[e] > A(0) ? from_dom<A>(cpm[e], Lg<A>::lg(cps[e])) : (cps[e] == cps[e] ? ninf<A>() : cps[e]);
+    }
+  }
+}
+
 // Calls f(BM, POS) as compile-time constants for the combinations the driver launches.
 template <typename F> void dispatch_mode(const MultiposBlockParams& p, F&& f) {
   if (!p.pos) {
@@ -902,6 +1143,50 @@ void multipos_block_fwd2_cuda(const MultiposBlockParams& p, int device, uintptr_
       else
         run(mpb_fwd2_kernel<ST, A, BM, POS, false>);
     });
+  });
+  cuda::check_launch();
+}
+
+void multipos_block_fwd3_cuda(const MultiposBlockParams& p, int device, uintptr_t stream) {
+  if (p.adtype == DType::F64) {  // v3 is written for float accumulation; float64 runs v1
+    multipos_block_fwd_cuda(p, device, stream);
+    return;
+  }
+  check(p);
+  if (p.R == 0 || p.C == 0) return;
+  cuda::set_device(device);
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  const int64_t nfull = p.C / kTC;          // full 1024-column tiles: the FULL kernel
+  const bool partial = p.C % kTC != 0;      // the last tile: the guarded kernel, launched over that tile only
+  dispatch_fwd(p.sdtype, p.adtype, [&](auto s, auto a) {
+    using ST = decltype(s);
+    if constexpr (std::is_same<ST, double>::value) {
+      throw std::runtime_error("multipos_block: v3 statistics take float / half scores");
+    } else {
+      const int vec = (reinterpret_cast<uintptr_t>(p.S) % 16 == 0) && ((p.lds * (int64_t)sizeof(ST)) % 16 == 0);
+      dispatch_mode(p, [&](auto bm, auto pos) {
+        constexpr int BM = decltype(bm)::value;
+        constexpr bool POS = decltype(pos)::value;
+        auto go = [&](auto hardc) {
+          constexpr bool H = decltype(hardc)::value;
+          const dim3 gfull((unsigned)nfull, (unsigned)p.nrt), glast((unsigned)(nfull + 1), (unsigned)p.nrt);
+          if (nfull > 0) {
+            mpb_fwd3_kernel<ST, BM, POS, H, true><<<gfull, kThreads, 0, st>>>(p, vec);
+          }
+          if (partial) {  // the last, partial tile: blockIdx.x = nfull in a grid of nfull + 1 (the others return)
+            mpb_fwd3_kernel<ST, BM, POS, H, false><<<glast, kThreads, 0, st>>>(p, vec);
+          }
+        };
+        if constexpr (POS) {
+          if (p.hard_idx != nullptr)
+            go(std::true_type{});
+          else
+            go(std::false_type{});
+        } else {
+          go(std::false_type{});
+        }
+      });
+    }
   });
   cuda::check_launch();
 }

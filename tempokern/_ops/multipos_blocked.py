@@ -107,13 +107,16 @@ def spans32(q_lo, q_hi, d_lo, d_hi):
     return tuple(t.contiguous() for t in torch.split(out, [q_lo.numel(), q_hi.numel(), d_lo.numel(), d_hi.numel()]))
 
 
-STATS_VARIANTS = ("v1", "v2")
+STATS_VARIANTS = ("v1", "v2", "v3")
 
 
 def stats_variant() -> str:
     """The CUDA statistics kernel of the forward pass: TEMPOKERN_MPB_STATS=v1 (default, the kernel measured on
     the H100: threads own columns, a warp reduction per row per 4 columns) or v2 (a shared-memory tile, a
-    warp per row, one reduction per row per 1024 columns; not yet measured on a GPU). Same outputs."""
+    warp per row, one reduction per row per 1024 columns; measured within 5% of v1) or v3 (v1's reductions with
+    4 consecutive columns per thread, vector loads, the next batch's loads in flight, no per-element validity
+    branches: docs/multipos_infonce.md; float accumulation, float64 runs v1; not yet timed on a GPU). Same
+    outputs."""
     return env_choice("TEMPOKERN_MPB_STATS", STATS_VARIANTS, "v1")
 
 
@@ -340,7 +343,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     keep = None
     hardest = torch.empty(Bq, dtype=torch.int64, device=q.device) if want_hardest else None
     single = len(blocks) == 1
-    fwd_op = "fwd2" if stats_variant() == "v2" else "fwd"
+    fwd_op = {"v1": "fwd", "v2": "fwd2", "v3": "fwd3"}[stats_variant()]
     if fused:
         loss = torch.empty((), dtype=acc, device=q.device)
         row_lse, col_lse = ws["row_lse"], ws["col_lse"]

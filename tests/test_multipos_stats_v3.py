@@ -1,0 +1,145 @@
+"""The v3 statistics kernel of the blocked multi-positive InfoNCE (TEMPOKERN_MPB_STATS=v3: four consecutive
+columns per thread with vector loads, the next batch's loads in flight, no per-element validity branches;
+float accumulation only, float64 calls run v1) on the CUDA emulator, against tempokern.reference: float32
+agreement with the float64 reference for the loss and every gradient (no bias / table / exact bias, extra
+negatives, several row blocks, full and partial 1,024-column tiles, rows that are and are not 16-byte
+aligned), the 2x-torch rule in float32 / float16 / bfloat16, the hardest-negative by-product with its tie rule,
+the grid at 132 / 108 / 58 / 1 SMs, independence of the thread order, and the switch (v1 stays the default)."""
+import pytest
+import torch
+
+import tempokern
+import tempokern._ops.multipos_blocked as mpb
+from tempokern.reference import multipos_infonce as ref
+
+from test_multipos_blocked import _two_x_errors, assert_all_close, run_pair
+from test_multipos_infonce import make
+from test_multipos_stats_v2 import _hardest_literal
+
+
+@pytest.fixture
+def v3(monkeypatch):
+    monkeypatch.setenv("TEMPOKERN_MPB_STATS", "v3")
+    calls = []
+    real = mpb._Launcher.launch
+
+    def spy(self, op, *a, **k):
+        calls.append(op)
+        return real(self, op, *a, **k)
+
+    monkeypatch.setattr(mpb._Launcher, "launch", spy)
+    return calls
+
+
+def test_switch(monkeypatch):
+    monkeypatch.delenv("TEMPOKERN_MPB_STATS", raising=False)
+    assert mpb.stats_variant() == "v1"
+    monkeypatch.setenv("TEMPOKERN_MPB_STATS", "v3")
+    assert mpb.stats_variant() == "v3"
+
+
+def _f32_case(gpu, mode, B, H, N, rows, seed, spans="random"):
+    q, d, sp, neg, b = make(B, H, N=N, bias=mode != "none", device=gpu, seed=seed, spans=spans)
+    truth_pair = run_pair(q, d, sp, neg, b, pts=97 if mode == "table" else None, block_rows=rows)
+    low = lambda t: None if t is None else t.detach().float().requires_grad_()  # noqa: E731
+    b32 = None if b is None else tuple(low(t) for t in b)
+    got, _ = run_pair(low(q), low(d), sp, low(neg), b32, pts=97 if mode == "table" else None, block_rows=rows)
+    return got, truth_pair[1]
+
+
+# B = 1,100: a full tile and a partial one (76 columns), rows 16-byte aligned (1,100 x 4 bytes); 1,101: rows not
+# aligned (scalar loads); 70: only a partial tile; rows = 32: several row blocks (statistics merged across them)
+V3_CASES = [("none", 1100, 6, 0, 0), ("table", 1101, 6, 3, 0), ("none", 1101, 6, 5, 32), ("none", 70, 10, 3, 0),
+            ("table", 70, 10, 3, 0), ("exact", 70, 10, 3, 0), ("exact", 97, 12, 7, 32), ("none", 2048, 8, 0, 0)]
+
+
+@pytest.mark.parametrize("mode,B,H,N,rows", V3_CASES)
+def test_v3_float32_matches_reference(gpu, v3, mode, B, H, N, rows):
+    got, want = _f32_case(gpu, mode, B, H, N, rows, seed=B + len(mode))
+    assert_all_close(got, want, rtol=2e-4, atol=2e-5)
+    assert "fwd3" in v3 and "fwd" not in v3
+
+
+@pytest.mark.parametrize("spans", ["disjoint", "all"])
+def test_v3_fallbacks_and_all_positive(gpu, v3, spans):
+    # every row / column falls back to its diagonal (disjoint), or every pair is a positive (all): the
+    # diagonal test and the positive branches of the kernel
+    got, want = _f32_case(gpu, "none", 1030, 6, 0, 0, seed=3, spans=spans)
+    assert_all_close(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_v3_float64_runs_v1(gpu, v3):
+    q, d, sp, neg, b = make(300, 8, N=5, bias=True, device=gpu, seed=2)
+    got, want = run_pair(q, d, sp, neg, b, pts=33)
+    assert_all_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("sms", [132, 108, 58, 1])
+def test_v3_at_other_sm_counts(gpu, v3, monkeypatch, sms):
+    monkeypatch.setattr(mpb, "sm_count", lambda device: sms)
+    got, want = _f32_case(gpu, "table", 1100, 8, 5, 0, seed=sms)
+    assert_all_close(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_v3_asymmetric_row_loss(gpu, v3):
+    q, d, sp, neg, b = make(1100, 8, N=4, bias=False, device=gpu, seed=5)
+    low = lambda t: t.detach().float().requires_grad_()  # noqa: E731
+    got, _ = run_pair(low(q), low(d), sp, low(neg), None, symmetric=False)
+    _, want = run_pair(q, d, sp, neg, None, symmetric=False)
+    assert_all_close(got, want, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["none", "table", "exact"])
+def test_v3_two_x_torch_rule(gpu, v3, dtype, mode):
+    # loss and every gradient within 2x plain torch's own error in that dtype (as test_multipos_blocked)
+    seeds = (11, 12, 13) if mode != "none" else (11,)
+    runs = [_two_x_errors(gpu, dtype, mode, sd) for sd in seeds]
+    eps = torch.finfo(dtype).eps
+    pairs = (96 if gpu.type == "cpu" else 256) ** 2
+    for k in range(len(runs[0][0])):
+        ef = max(r[0][k] for r in runs)
+        et = max(r[1][k] for r in runs)
+        floor = pairs ** 0.5 * eps if mode != "none" and k >= 6 else 4 * eps
+        assert ef <= 2 * et + floor, f"output {k}: fused {ef:.2e} vs torch {et:.2e} ({dtype}, {mode})"
+    assert "fwd3" in v3
+
+
+@pytest.mark.parametrize("B", [40, 1030])
+def test_v3_hardest_negative_and_ties(gpu, v3, B):
+    # small integer embeddings in float32: every score is an exact integer, so exact ties are everywhere (inside
+    # a thread's 4 columns, across threads and across the two column tiles at B = 1,030); the lowest column wins
+    g = torch.Generator().manual_seed(B)
+    H = 4
+    q = torch.randint(-2, 3, (B, H), generator=g).float()
+    d = torch.randint(-2, 3, (B, H), generator=g).float()
+    lo = torch.randint(0, 80, (B,), generator=g)
+    q_span = (lo, lo + torch.randint(0, 3, (B,), generator=g))
+    lo2 = torch.randint(0, 80, (B,), generator=g)
+    d_span = (lo2, lo2 + torch.randint(0, 3, (B,), generator=g))
+    loss, hard = tempokern.multipos_infonce(q.to(gpu), d.to(gpu), tuple(t.to(gpu) for t in q_span),
+                                            tuple(t.to(gpu) for t in d_span), temperature=0.5, return_hardest=True)
+    want_loss = ref(q.double(), d.double(), q_span, d_span, temperature=0.5)
+    torch.testing.assert_close(loss.cpu().double(), want_loss, rtol=1e-5, atol=1e-6)
+    want = _hardest_literal(q.double(), d.double(), q_span, d_span, 0.5)
+    assert (want >= 0).all()
+    assert torch.equal(hard.cpu(), want)
+    assert "fwd3" in v3
+
+
+def test_v3_does_not_depend_on_thread_order(cuda_emu, monkeypatch):
+    from tempokern._ops.common import cuda_emulator
+    monkeypatch.setenv("TEMPOKERN_MPB_STATS", "v3")
+    outs = []
+    try:
+        for s in (0, 1, 2):
+            cuda_emu.emu_set_seed(s)
+            with cuda_emulator(cuda_emu):
+                q, d, sp, neg, b = make(1040, 8, N=3, bias=True, dtype=torch.float32, seed=4)
+                loss, hard = tempokern.multipos_infonce(q, d, *sp, temperature=0.1, bias=b, extra_neg=neg,
+                                                        bias_table_points=65, return_hardest=True)
+                outs.append((loss, hard))
+    finally:
+        cuda_emu.emu_set_seed(0)
+    for o in outs[1:]:
+        assert torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1])  # the forward has no atomics
