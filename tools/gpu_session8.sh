@@ -43,7 +43,7 @@ d)
   build; xz -T16 -1 -c tempokern/_C*312*.so > "$OUT/_C312.so.xz"
   timeout ${TEST_TIMEOUT:-100} python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests > "$OUT/pytest-cuda.log" 2>&1
   echo "tests rc $? $(el)"; grep -E "passed|failed|FAILED" "$OUT/pytest-cuda.log" | tail -12
-  timeout ${SUITE_TIMEOUT:-130} python3 benchmarks/gpu_suite.py --out "$OUT" --no-compile --budget-s 110 \
+  timeout ${SUITE_TIMEOUT:-130} python3 benchmarks/gpu_suite.py --out "$OUT" --no-compile --budget-s ${SUITE_BUDGET:-110} \
     --only "${SUITE_ONLY:-offset_bias/exact|multipos_infonce/exact}" > "$OUT/suite.log" 2>&1
   echo "suite rc $? $(el)"; grep -E "^\| (exact|loss, exact)" "$OUT/suite.log" | cut -c1-160
   for tool in memcheck racecheck; do
