@@ -195,16 +195,13 @@ def _two_x_errors(gpu, dtype, mode, seed, B=None):
     return _errs(fused, truth), _errs(plain, truth)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("mode", ["none", "table", "exact"])
-def test_two_x_torch_rule(device, dtype, mode):
-    gpu = device  # CPU kernel, CUDA emulator and GPU alike (issue 13 item 13: every gradient, every dtype)
-    # loss and every gradient: the fused op's error against float64 at most twice plain torch's own error in
-    # that dtype (plus a floor of a few ulps of the dtype for gradients that torch happens to get exact).
-    # The bias's parameter gradients (w1, b1, w2, b2, scale; exact or tabulated) are sums of B^2 terms that
-    # cancel (each softmax row of dL/dx sums to 0): torch's own error there varies 100x between draws, so both
-    # errors are the largest over three draws, with the slack test_offset_bias gives such sums (sqrt(pairs) ulps).
-    seeds = (11, 12, 13) if mode != "none" else (11,)
+def assert_two_x_rule(gpu, dtype, mode, seeds=None):
+    """Loss and every gradient: the fused op's error against float64 at most twice plain torch's own error in
+    that dtype (plus a floor of a few ulps of the dtype for gradients that torch happens to get exact). The
+    bias's parameter gradients (w1, b1, w2, b2, scale; exact or tabulated) are sums of B^2 terms that cancel
+    (each softmax row of dL/dx sums to 0): torch's own error there varies 100x between draws, so both errors
+    are the largest over three draws, with the slack test_offset_bias gives such sums (sqrt(pairs) ulps)."""
+    seeds = seeds or ((11, 12, 13) if mode != "none" else (11,))
     runs = [_two_x_errors(gpu, dtype, mode, sd) for sd in seeds]
     eps = torch.finfo(dtype).eps
     pairs = (96 if gpu.type == "cpu" else 256) ** 2
@@ -213,6 +210,28 @@ def test_two_x_torch_rule(device, dtype, mode):
         et = max(r[1][k] for r in runs)
         floor = pairs ** 0.5 * eps if mode != "none" and k >= 6 else 4 * eps
         assert ef <= 2 * et + floor, f"output {k}: fused {ef:.2e} vs torch {et:.2e} ({dtype}, {mode})"
+
+
+def launch_spy(monkeypatch, name, value, record=lambda op, S: op):
+    """Sets the switch `name` = `value` and records record(op, S) for every fused-pass launch of the blocked
+    path (the list is returned)."""
+    monkeypatch.setenv(name, value)
+    calls = []
+    real = mpb._Launcher.launch
+
+    def spy(self, op, S, *a, **k):
+        calls.append(record(op, S))
+        return real(self, op, S, *a, **k)
+
+    monkeypatch.setattr(mpb._Launcher, "launch", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["none", "table", "exact"])
+def test_two_x_torch_rule(device, dtype, mode):
+    # CPU kernel, CUDA emulator and GPU alike (issue 13 item 13: every gradient, every dtype)
+    assert_two_x_rule(device, dtype, mode)
 
 
 def test_table_points_validation():

@@ -8,22 +8,13 @@ import torch
 
 import tempokern._ops.multipos_blocked as mpb
 
-from test_multipos_blocked import _two_x_errors, assert_all_close, run_pair
+from test_multipos_blocked import assert_all_close, assert_two_x_rule, launch_spy, run_pair
 from test_multipos_infonce import make
 
 
 @pytest.fixture
 def half(monkeypatch):
-    monkeypatch.setenv("TEMPOKERN_MPB_SCORES", "half")
-    seen = []
-    real = mpb._Launcher.launch
-
-    def spy(self, op, S, *a, **k):
-        seen.append(S.dtype)
-        return real(self, op, S, *a, **k)
-
-    monkeypatch.setattr(mpb._Launcher, "launch", spy)
-    return seen
+    return launch_spy(monkeypatch, "TEMPOKERN_MPB_SCORES", "half", record=lambda op, S: S.dtype)
 
 
 def test_switch_default_and_validation(monkeypatch):
@@ -40,16 +31,8 @@ def test_switch_default_and_validation(monkeypatch):
 @pytest.mark.parametrize("mode", ["none", "table", "exact"])
 def test_half_scores_two_x_torch_rule(gpu, half, dtype, mode):
     # the same rule and floors as test_multipos_blocked.test_two_x_torch_rule, with the score blocks in `dtype`
-    seeds = (11, 12, 13) if mode != "none" else (11, 12)
-    runs = [_two_x_errors(gpu, dtype, mode, sd) for sd in seeds]
+    assert_two_x_rule(gpu, dtype, mode, seeds=(11, 12, 13) if mode != "none" else (11, 12))
     assert half and all(t == dtype for t in half)  # every pass read half scores
-    eps = torch.finfo(dtype).eps
-    pairs = (96 if gpu.type == "cpu" else 256) ** 2
-    for k in range(len(runs[0][0])):
-        ef = max(r[0][k] for r in runs)
-        et = max(r[1][k] for r in runs)
-        floor = pairs ** 0.5 * eps if mode != "none" and k >= 6 else 4 * eps
-        assert ef <= 2 * et + floor, f"output {k}: fused {ef:.2e} vs torch {et:.2e} ({dtype}, {mode})"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -12,23 +12,14 @@ import tempokern
 import tempokern._ops.multipos_blocked as mpb
 from tempokern.reference import multipos_infonce as ref
 
-from test_multipos_blocked import _two_x_errors, assert_all_close, run_pair
+from test_multipos_blocked import assert_all_close, assert_two_x_rule, launch_spy, run_pair
 from test_multipos_infonce import make
 from test_multipos_stats_v2 import _hardest_literal
 
 
 @pytest.fixture
 def v3(monkeypatch):
-    monkeypatch.setenv("TEMPOKERN_MPB_STATS", "v3")
-    calls = []
-    real = mpb._Launcher.launch
-
-    def spy(self, op, *a, **k):
-        calls.append(op)
-        return real(self, op, *a, **k)
-
-    monkeypatch.setattr(mpb._Launcher, "launch", spy)
-    return calls
+    return launch_spy(monkeypatch, "TEMPOKERN_MPB_STATS", "v3")
 
 
 def test_switch(monkeypatch):
@@ -93,15 +84,7 @@ def test_v3_asymmetric_row_loss(gpu, v3):
 @pytest.mark.parametrize("mode", ["none", "table", "exact"])
 def test_v3_two_x_torch_rule(gpu, v3, dtype, mode):
     # loss and every gradient within 2x plain torch's own error in that dtype (as test_multipos_blocked)
-    seeds = (11, 12, 13) if mode != "none" else (11,)
-    runs = [_two_x_errors(gpu, dtype, mode, sd) for sd in seeds]
-    eps = torch.finfo(dtype).eps
-    pairs = (96 if gpu.type == "cpu" else 256) ** 2
-    for k in range(len(runs[0][0])):
-        ef = max(r[0][k] for r in runs)
-        et = max(r[1][k] for r in runs)
-        floor = pairs ** 0.5 * eps if mode != "none" and k >= 6 else 4 * eps
-        assert ef <= 2 * et + floor, f"output {k}: fused {ef:.2e} vs torch {et:.2e} ({dtype}, {mode})"
+    assert_two_x_rule(gpu, dtype, mode, seeds=(11, 12, 13) if mode != "none" else (11,))
     assert "fwd3" in v3
 
 

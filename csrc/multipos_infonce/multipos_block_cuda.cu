@@ -232,6 +232,43 @@ template <typename A> __device__ __forceinline__ void hard_merge(A& bv, int& bj,
   }
 }
 
+// The row's positive statistics over the warp (lane: its max over positives lpm and its 4 values with their
+// positive flags): (pm, ps) = (max, sum of exp(x - max)) in the kernels' domain; (-inf, 0) when the warp holds
+// no positive of the row (one warp-uniform ballot, so the common case costs one vote).
+template <typename A>
+__device__ __forceinline__ void warp_pos_stats(A lpm, const A (&x)[4], const bool (&pr)[4], A& pm, A& ps) {
+  pm = ninf<A>();
+  ps = A(0);
+  if (__ballot_sync(kFull, lpm != ninf<A>()) != 0u) {
+    pm = cuda::warp_max(lpm);
+    A lps = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (pr[k]) lps += Lg<A>::ex(x[k] - pm);
+    ps = cuda::warp_sum(lps);
+  }
+}
+
+// The row's hardest negative over the warp: each lane's best among its 4 values (ok and not positive; column
+// j0 + k * stride, increasing with k, so strict > keeps the lowest among a lane's ties), merged by hard_merge.
+template <typename A>
+__device__ __forceinline__ void warp_hardest(const A (&x)[4], const bool (&pr)[4], const bool (&ok)[4], int64_t j0,
+                                             int stride, A& bv, int& bj) {
+  bv = ninf<A>();
+  bj = INT_MAX;
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    if (ok[k] && !pr[k] && (bj == INT_MAX || x[k] > bv)) {
+      bv = x[k];
+      bj = (int)(j0 + (int64_t)k * stride);
+    }
+  for (int o = 16; o > 0; o >>= 1) {
+    const A ov = __shfl_xor_sync(kFull, bv, o);
+    const int oj = __shfl_xor_sync(kFull, bj, o);
+    hard_merge(bv, bj, ov, oj);
+  }
+}
+
 // Combine the 8 warps' (max, column) of the row's negatives and write this column tile's partial.
 template <typename A>
 __device__ __forceinline__ void flush_hard(const MultiposBlockParams& p, A (*hv)[32], int (*hj)[32], int64_t rb,
@@ -250,6 +287,7 @@ __device__ __forceinline__ void flush_hard(const MultiposBlockParams& p, A (*hv)
 // Each thread owns KC columns (j = c0 + tid + 256 k) and walks the block's rows RB at a time, all KC x RB
 // loads of a batch issued before any is used (bytes in flight hide the memory latency).
 constexpr int KC = 4;
+static_assert(KC == 4, "warp_pos_stats / warp_hardest take a thread's 4 values");
 constexpr int RB = 4;
 
 // The batch's scores: rows b < nb of the batch starting at Sb, the thread's KC columns (0 elsewhere).
@@ -331,28 +369,12 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
           if (c[k].valid) ls += wm != ninf<A>() ? Lg<A>::ex(xb[b][k] - wm) : (xb[b][k] != xb[b][k] ? xb[b][k] : A(0));
         const A ws = cuda::warp_sum(ls);
         A pm = ninf<A>(), ps = 0;
-        if (POS && __ballot_sync(kFull, lpm != ninf<A>())) {
-          pm = cuda::warp_max(lpm);
-          A lps = 0;
-#pragma unroll
-          for (int k = 0; k < KC; ++k)
-            if (pr[k]) lps += Lg<A>::ex(xb[b][k] - pm);
-          ps = cuda::warp_sum(lps);
-        }
-        if constexpr (hard) {  // columns increase with k: strict > keeps the lowest one among a thread's ties
-          A bv = ninf<A>();
-          int bj = INT_MAX;
-#pragma unroll
-          for (int k = 0; k < KC; ++k)
-            if (c[k].valid && !pr[k] && (bj == INT_MAX || xb[b][k] > bv)) {
-              bv = xb[b][k];
-              bj = (int)(c0 + k * kThreads);
-            }
-          for (int o = 16; o > 0; o >>= 1) {
-            const A ov = __shfl_xor_sync(kFull, bv, o);
-            const int oj = __shfl_xor_sync(kFull, bj, o);
-            hard_merge(bv, bj, ov, oj);
-          }
+        if (POS) warp_pos_stats<A>(lpm, xb[b], pr, pm, ps);
+        if constexpr (hard) {
+          const bool ok[4] = {c[0].valid, c[1].valid, c[2].valid, c[3].valid};
+          A bv;
+          int bj;
+          warp_hardest<A>(xb[b], pr, ok, c0, kThreads, bv, bj);
           if (lane == 0) {
             hpv[warp][rr] = bv;
             hpj[warp][rr] = bj;
@@ -974,28 +996,13 @@ __global__ void __launch_bounds__(kThreads, 2) mpb_fwd3_kernel(const MultiposBlo
         for (int e = 0; e < 4; ++e) ls += Lg<A>::ex(xb[b][e] - ref);
         const A ws = cuda::warp_sum(ls);
         A pm = ninf<A>(), ps = 0;
-        if (POS && __ballot_sync(kFull, lpm != ninf<A>()) != 0u) {
-          pm = cuda::warp_max(lpm);
-          A lps = 0;
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (prb[e]) lps += Lg<A>::ex(xb[b][e] - pm);
-          ps = cuda::warp_sum(lps);
-        }
-        if constexpr (hard) {  // columns increase with e: strict > keeps the lowest one among a thread's ties
-          A bv = ninf<A>();
-          int bj = INT_MAX;
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (b < nb && (FULL || e < nv) && !prb[e] && (bj == INT_MAX || xb[b][e] > bv)) {
-              bv = xb[b][e];
-              bj = (int)(cj + e);
-            }
-          for (int o = 16; o > 0; o >>= 1) {
-            const A ov = __shfl_xor_sync(kFull, bv, o);
-            const int oj = __shfl_xor_sync(kFull, bj, o);
-            hard_merge(bv, bj, ov, oj);
-          }
+        if (POS) warp_pos_stats<A>(lpm, xb[b], prb, pm, ps);
+        if constexpr (hard) {
+          const bool ok[4] = {b < nb && (FULL || 0 < nv), b < nb && (FULL || 1 < nv), b < nb && (FULL || 2 < nv),
+                              b < nb && (FULL || 3 < nv)};
+          A bv;
+          int bj;
+          warp_hardest<A>(xb[b], prb, ok, cj, 1, bv, bj);
           if (lane == 0 && b < nb) {
             hpv[warp][rr] = bv;
             hpj[warp][rr] = bj;
