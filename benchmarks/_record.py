@@ -14,11 +14,24 @@ RESULTS = Path(__file__).resolve().parent / "results"
 FIELDS = ["date", "device", "torch", "tempokern", "op", "provider", "size", "ms", "extra_peak_mb", "note"]
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux; platform.processor() elsewhere): CPU rows from an Intel
+    and an AMD machine differ (MKL's speed differs between them), so every row names the model."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def device_name(device: str = "cpu") -> str:
     if str(device).startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
     threads = torch.get_num_threads()
-    return f"{platform.processor() or platform.machine()} cpu x{os.cpu_count()} (torch threads {threads})"
+    return f"{platform.machine()} {cpu_model()} cpu x{os.cpu_count()} (torch threads {threads})"
 
 
 def record(file: str, *, op: str, provider: str, size: str, ms: float, extra_peak_mb: float | None = None,
