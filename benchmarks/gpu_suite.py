@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
-IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_stats_v3", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
+IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_stats_v3", "tempokern_grad_v3", "tempokern_v3", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
          "tempokern_mrl_fused", "tempokern_cal_v1", "tempokern_ob_full", "tempokern_half_scores", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
 # one-level yardstick
 # tempokern_half_scores: the multipos loss (no bias, table bias) with TEMPOKERN_MPB_SCORES=half (the score blocks in
@@ -73,7 +73,9 @@ IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_stats_v3", "tempokern_glu
 # before the fused kernels; "tempokern" is the default fused kernels of matryoshka_block_cuda.cu; neither measured
 # on a GPU yet)
 # tempokern_stats_v3: the multipos loss with TEMPOKERN_MPB_STATS=v3 (vector loads, the next batch in flight, no
-# per-element validity branches; opt-in, not yet timed)
+# per-element validity branches; opt-in, not yet timed); tempokern_grad_v3: with TEMPOKERN_MPB_GRAD=v3 (the
+# gradient kernel on the same layout: vector loads of S and vector stores of dS; opt-in, not yet timed);
+# tempokern_v3: both switches
 # tempokern_stats_v2: the multipos loss with TEMPOKERN_MPB_STATS=v2 (the second-design statistics kernel, opt-in
 # until measured; "tempokern" is the default v1); --mpb-stats v1 leaves it out. tempokern_glue_torch: the same loss
 # with TEMPOKERN_MPB_GLUE=torch (the torch glue ops measured in the first GPU session, before the fused prep /
@@ -336,44 +338,48 @@ def loss_step(fn_get, check_keyword=True):
 
 #: The variant columns: the tempokern op with one kernel-variant switch set during its calls (the comments above).
 VARIANT_ENV = {
-    "tempokern_stats_v2": ("TEMPOKERN_MPB_STATS", "v2"),
-    "tempokern_stats_v3": ("TEMPOKERN_MPB_STATS", "v3"),
-    "tempokern_glue_torch": ("TEMPOKERN_MPB_GLUE", "torch"),
-    "tempokern_prev": ("TEMPOKERN_TOPK_SERVE", "0"),
-    "tempokern_mrl_torch": ("TEMPOKERN_MRL_CUDA", "torch"),
-    "tempokern_mrl_fused": ("TEMPOKERN_MRL_CUDA", "fused"),
-    "tempokern_cal_v1": ("TEMPOKERN_CALENDAR", "v1"),
-    "tempokern_ob_full": ("TEMPOKERN_OB_PRUNE", "0"),
-    "tempokern_half_scores": ("TEMPOKERN_MPB_SCORES", "half"),
+    "tempokern_stats_v2": {"TEMPOKERN_MPB_STATS": "v2"},
+    "tempokern_stats_v3": {"TEMPOKERN_MPB_STATS": "v3"},
+    "tempokern_grad_v3": {"TEMPOKERN_MPB_GRAD": "v3"},
+    "tempokern_v3": {"TEMPOKERN_MPB_STATS": "v3", "TEMPOKERN_MPB_GRAD": "v3"},
+    "tempokern_glue_torch": {"TEMPOKERN_MPB_GLUE": "torch"},
+    "tempokern_prev": {"TEMPOKERN_TOPK_SERVE": "0"},
+    "tempokern_mrl_torch": {"TEMPOKERN_MRL_CUDA": "torch"},
+    "tempokern_mrl_fused": {"TEMPOKERN_MRL_CUDA": "fused"},
+    "tempokern_cal_v1": {"TEMPOKERN_CALENDAR": "v1"},
+    "tempokern_ob_full": {"TEMPOKERN_OB_PRUNE": "0"},
+    "tempokern_half_scores": {"TEMPOKERN_MPB_SCORES": "half"},
 }
 
 
 def variant_step(impl: str, build):
     """The step of `build` as the variant column `impl` (its switch set during each call)."""
-    return with_env(build, *VARIANT_ENV[impl])
+    return with_env(build, VARIANT_ENV[impl])
 
 
 def run_as(impl: str, call):
     """call() with the switch of the variant column `impl` set (plain call() for any other impl)."""
     env = VARIANT_ENV.get(impl)
-    return with_env(lambda _: call, *env)(None)() if env else call()
+    return with_env(lambda _: call, env)(None)() if env else call()
 
 
-def with_env(build, name: str, value: str):
-    """The step of `build` with os.environ[name] = value during each call (and restored after it)."""
+def with_env(build, settings: dict):
+    """The step of `build` with os.environ updated by `settings` (name -> value) during each call (and
+    restored after it)."""
     def b(inp):
         fn = build(inp)
 
         def run():
-            old = os.environ.get(name)
-            os.environ[name] = value
+            old = {name: os.environ.get(name) for name in settings}
+            os.environ.update(settings)
             try:
                 return fn()
             finally:
-                if old is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = old
+                for name, v in old.items():
+                    if v is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = v
         return run
     return b
 
@@ -459,9 +465,9 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn, stats_v2: bool = True) -> Li
             if stats_v2 and mode != "exact":  # the variant column: the same op with the v2 statistics kernel
                 steps["tempokern_stats_v2"] = variant_step("tempokern_stats_v2",
                                                            loss_step(lambda: tk().multipos_infonce))
-            if mode != "exact":  # the variant column of the v3 statistics kernel (opt-in, not yet timed)
-                steps["tempokern_stats_v3"] = variant_step("tempokern_stats_v3",
-                                                           loss_step(lambda: tk().multipos_infonce))
+            if mode != "exact":  # the variant columns of the v3 statistics / gradient kernels (opt-in, not yet timed)
+                for impl in ("tempokern_stats_v3", "tempokern_grad_v3", "tempokern_v3"):
+                    steps[impl] = variant_step(impl, loss_step(lambda: tk().multipos_infonce))
             if mode != "exact":  # the variant column of the score dtype: half-precision score blocks
                 steps["tempokern_half_scores"] = variant_step("tempokern_half_scores",
                                                               loss_step(lambda: tk().multipos_infonce))
@@ -1144,8 +1150,7 @@ class Suite:
                     worst, worst_q = v[1], qn
             self.emit(case, impl, "agreement", worst, f"largest agreement_rel ({worst_q}) vs float64"
                       + (f"; {note}" if note else ""))
-        for fused in ("tempokern", "tempokern_stats_v2", "tempokern_stats_v3", "tempokern_mrl_torch", "tempokern_mrl_fused", "tempokern_cal_v1",
-                      "tempokern_ob_full", "tempokern_half_scores"):
+        for fused in ("tempokern", *VARIANT_ENV):
             if fused not in res or "eager" not in res:
                 continue
             worst, worst_q = 0.0, ""

@@ -2,9 +2,10 @@
 full, committed measurement). Prints one line per case: median fwd+bwd time over repeats (CUDA events), extra
 peak memory, and the agreement of the loss with a float64 evaluation where that fits."""
 import argparse
-import statistics
 
 import torch
+
+from gpu_timing import med
 
 import tempokern
 from tempokern.reference import multipos_infonce as ref
@@ -29,14 +30,7 @@ def make(B, H=768, dtype=torch.bfloat16, bias=False, seed=0):
 
 
 def timeit(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return med(fn, reps=reps, warm=1)
 
 
 def run_case(name, B, impl, bias=None, pts=None, reps=5):

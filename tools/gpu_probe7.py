@@ -4,34 +4,14 @@ import os
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+
+from gpu_timing import med, prof
 
 import tempokern
 import tempokern._ops.ctd_topk as tk
 
 dev = "cuda"
 parts = sys.argv[1:] or ["topk", "calendar", "profile", "mrl"]
-
-
-def med(fn, reps=20, warm=3):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
-def prof(name, fn, rows=12):
-    fn(); torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        fn(); torch.cuda.synchronize()
-    print(f"--- profile {name}")
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
 
 
 g = torch.Generator(device=dev).manual_seed(0)

@@ -71,6 +71,22 @@ for stats in ("v1", "v2"):
         check(f"blocked stats={stats} pts={pts} bias={bias is not None}", torch.stack([lf, *[x.sum() for x in gf]]),
               torch.stack([lr, *[x.sum() for x in gr]]), 1e-8)
 os.environ.pop("TEMPOKERN_MPB_STATS")
+# Session 9: the v3 statistics and gradient kernels (float accumulation only: float32 inputs, the float64
+# reference on the same rounded values)
+os.environ.update(TEMPOKERN_MPB_STATS="v3", TEMPOKERN_MPB_GRAD="v3")
+q4, d4 = (t.detach().float().requires_grad_() for t in (q2, d2))
+b4 = tuple(t.detach().float() for t in b2)
+for pts, bias in ((None, None), (257, b4), (None, b4)):
+    lf = tempokern.multipos_infonce(q4, d4, *sp2, temperature=0.1, bias=bias, bias_table_points=pts)
+    q64, d64 = (t.detach().double().requires_grad_() for t in (q4, d4))
+    lr = ref.multipos_infonce(q64, d64, *sp2, temperature=0.1, bias=None if bias is None else
+                              tuple(t.double() for t in bias), bias_table_points=pts)
+    gf = torch.autograd.grad(lf, [q4, d4])
+    gr = torch.autograd.grad(lr, [q64, d64])
+    check(f"blocked v3 float32 pts={pts} bias={bias is not None}", torch.stack([lf.double(), *[x.double().sum() for x in gf]]),
+          torch.stack([lr, *[x.sum() for x in gr]]), 1e-3)
+os.environ.pop("TEMPOKERN_MPB_STATS")
+os.environ.pop("TEMPOKERN_MPB_GRAD")
 lf, hf = tempokern.multipos_infonce(q2.detach(), d2.detach(), *sp2, temperature=0.1, return_hardest=True)
 print("return_hardest", tuple(hf.shape), flush=True)
 q3 = q2.detach().float().requires_grad_()

@@ -17,6 +17,13 @@ build() {
 carried() {
   ls tempokern/_C*312*.so >/dev/null 2>&1 || xz -dc .devbuild/_C312.so.xz > tempokern/_C.cpython-312-x86_64-linux-gnu.so
 }
+sanitizers() {  # memcheck and racecheck on tools/gpu_sanitize_case.py (small sizes), timeout $1 s each
+  for tool in memcheck racecheck; do
+    SAN_SMALL=1 timeout "$1" compute-sanitizer --tool $tool --error-exitcode 9 python3 \
+      tools/gpu_sanitize_case.py > "$OUT/sanitizer-$tool.log" 2>&1
+    echo "$tool rc $? $(el)"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error|ok$" "$OUT/sanitizer-$tool.log" | tail -4
+  done
+}
 case "${PHASE:-a}" in
 a)
   build; xz -T16 -1 -c tempokern/_C*312*.so > "$OUT/_C312.so.xz"
@@ -29,12 +36,7 @@ b)
   timeout ${SUITE_TIMEOUT:-330} python3 benchmarks/gpu_suite.py --out "$OUT" --no-compile --budget-s ${SUITE_BUDGET:-300} \
     --only "${SUITE_ONLY:-multipos_infonce|matryoshka|offset_bias}" > "$OUT/suite.log" 2>&1
   echo "suite rc $? $(el)"; tail -${TAIL:-60} "$OUT/suite.log"
-  SAN_SMALL=1 timeout ${SAN_TIMEOUT:-120} compute-sanitizer --tool memcheck --error-exitcode 9 python3 \
-    tools/gpu_sanitize_case.py > "$OUT/sanitizer-memcheck.log" 2>&1
-  echo "memcheck rc $? $(el)"; grep -E "ERROR SUMMARY|Error|ok$" "$OUT/sanitizer-memcheck.log" | tail -4
-  SAN_SMALL=1 timeout ${SAN_TIMEOUT:-120} compute-sanitizer --tool racecheck --error-exitcode 9 python3 \
-    tools/gpu_sanitize_case.py > "$OUT/sanitizer-racecheck.log" 2>&1
-  echo "racecheck rc $? $(el)"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error|ok$" "$OUT/sanitizer-racecheck.log" | tail -4 ;;
+  sanitizers ${SAN_TIMEOUT:-120} ;;
 p)
   carried
   timeout ${PROBE_TIMEOUT:-200} python3 tools/gpu_probe8.py > "$OUT/probe.log" 2>&1; echo "probe rc $? $(el)"
@@ -46,18 +48,10 @@ d)
   timeout ${SUITE_TIMEOUT:-130} python3 benchmarks/gpu_suite.py --out "$OUT" --no-compile --budget-s ${SUITE_BUDGET:-110} \
     --only "${SUITE_ONLY:-offset_bias/exact|multipos_infonce/exact}" > "$OUT/suite.log" 2>&1
   echo "suite rc $? $(el)"; grep -E "^\| (exact|loss, exact)" "$OUT/suite.log" | cut -c1-160
-  for tool in memcheck racecheck; do
-    SAN_SMALL=1 timeout ${SAN_TIMEOUT:-90} compute-sanitizer --tool $tool --error-exitcode 9 python3 \
-      tools/gpu_sanitize_case.py > "$OUT/sanitizer-$tool.log" 2>&1
-    echo "$tool rc $? $(el)"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error|ok$" "$OUT/sanitizer-$tool.log" | tail -4
-  done ;;
+  sanitizers ${SAN_TIMEOUT:-90} ;;
 s)
   carried
-  for tool in memcheck racecheck; do
-    SAN_SMALL=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 9 python3 \
-      tools/gpu_sanitize_case.py > "$OUT/sanitizer-$tool.log" 2>&1
-    echo "$tool rc $? $(el)"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Error|ok$" "$OUT/sanitizer-$tool.log" | tail -4
-  done ;;
+  sanitizers ${SAN_TIMEOUT:-150} ;;
 c)
   carried
   timeout ${SUITE_TIMEOUT:-540} python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s ${SUITE_BUDGET:-470} ${SUITE_ARGS:-} \

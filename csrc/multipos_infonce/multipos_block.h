@@ -153,6 +153,7 @@ void multipos_block_fwd_cuda(const MultiposBlockParams& p, int device, uintptr_t
 void multipos_block_fwd2_cuda(const MultiposBlockParams& p, int device, uintptr_t stream);
 void multipos_block_fwd3_cuda(const MultiposBlockParams& p, int device, uintptr_t stream);
 void multipos_block_bwd_cuda(const MultiposBlockParams& p, int device, uintptr_t stream);
+void multipos_block_bwd3_cuda(const MultiposBlockParams& p, int device, uintptr_t stream);  // v3 (opt-in)
 #endif
 
 }  // namespace tk

@@ -224,6 +224,15 @@ __device__ __forceinline__ void flush_rows(const MultiposBlockParams& p, A (*wpa
   }
 }
 
+// Column j's (lse_all, lse_pos) partial of this row tile, in natural units, from the running (max, sum) pairs
+// in the kernels' domain (-inf for an empty sum, NaN kept): the statistics kernels v1 and v3.
+template <typename A>
+__device__ __forceinline__ void write_col_part(const MultiposBlockParams& p, int64_t j, A cm, A cs, A cpm, A cps) {
+  A* out = static_cast<A*>(p.col_part) + ((int64_t)blockIdx.y * p.C + j) * 2;
+  out[0] = cs > A(0) ? from_dom<A>(cm, Lg<A>::lg(cs)) : (cs == cs ? ninf<A>() : cs);
+  out[1] = cps > A(0) ? from_dom<A>(cpm, Lg<A>::lg(cps)) : (cps == cps ? ninf<A>() : cps);
+}
+
 // Hardest negative: (v, j) beats (bv, bj) if larger, or equal with a lower column (j = INT_MAX: none).
 template <typename A> __device__ __forceinline__ void hard_merge(A& bv, int& bj, A v, int j) {
   if (v > bv || (v == bv && j < bj)) {
@@ -431,9 +440,7 @@ __global__ void __launch_bounds__(kThreads) mpb_fwd_kernel(const MultiposBlockPa
 #pragma unroll
     for (int k = 0; k < KC; ++k) {
       if (!c[k].valid) continue;
-      A* out = static_cast<A*>(p.col_part) + ((int64_t)blockIdx.y * p.C + c0 + k * kThreads) * 2;
-      out[0] = cs[k] > A(0) ? from_dom<A>(cm[k], Lg<A>::lg(cs[k])) : (cs[k] == cs[k] ? ninf<A>() : cs[k]);
-      out[1] = cps[k] > A(0) ? from_dom<A>(cpm[k], Lg<A>::lg(cps[k])) : (cps[k] == cps[k] ? ninf<A>() : cps[k]);
+      write_col_part<A>(p, c0 + k * kThreads, cm[k], cs[k], cpm[k], cps[k]);
     }
   }
 }
@@ -728,6 +735,53 @@ __global__ void __launch_bounds__(kThreads, sizeof(A) == 4 ? 2 : 1) mpb_fwd2_ker
   }
 }
 
+// dL/dx of one pair in units of dS * T: gr (row softmax - the row's positive softmax) + gc (the same over the
+// column), the log-sum-exps given in the kernels' domain (to_dom), so that x2 - lse2 carries no extra rounding.
+template <typename A>
+__device__ __forceinline__ A pair_grad(const Elem<A>& e, bool rows, bool cols, A gr, A gc, const Lv<A>& la,
+                                       const Lv<A>& lp, const Lv<A>& ca, const Lv<A>& cp) {
+  A g = 0;
+  if (rows) g = gr * (ex_minus(e.x, la) - (e.pr ? ex_minus(e.x, lp) : A(0)));
+  if (cols) g += gc * (ex_minus(e.x, ca) - (e.pc ? ex_minus(e.x, cp) : A(0)));
+  return g;
+}
+
+// Table mode, one pair: dL/ddelta into the column's (dud) and the row's (rsum) sums, dL/dtable into the two
+// bins of the interpolation (the CTA's shared histogram, or its slot of the global one).
+template <typename A>
+__device__ __forceinline__ void table_scatter(const Elem<A>& e, A g, A& dud, A& rsum, int hist_smem, A* hs,
+                                              double* hist_g) {
+  const A dD = g * e.slope;
+  dud += dD;
+  rsum += dD;
+  if (hist_smem) {
+    atomicAdd(hs + e.idx, g - g * e.t);
+    atomicAdd(hs + e.idx + 1, g * e.t);
+  } else {
+    atomicAdd(hist_g + e.idx, (double)(g - g * e.t));
+    atomicAdd(hist_g + e.idx + 1, (double)(g * e.t));
+  }
+}
+
+// Table mode, every 32 rows: the rows' dL/du_q partials of this column tile (-sum over the CTA's columns).
+template <typename A>
+__device__ __forceinline__ void flush_duq(const MultiposBlockParams& p, A* rowacc, int64_t rb, int nr) {
+  __syncthreads();
+  if ((int)threadIdx.x < nr) {
+    static_cast<A*>(p.duq_part)[(rb + threadIdx.x) * p.nct + blockIdx.x] = -rowacc[threadIdx.x];
+    rowacc[threadIdx.x] = A(0);
+  }
+  __syncthreads();
+}
+
+// Table mode, at the end: the shared histogram into the CTA's slot hid of the global one.
+template <typename A>
+__device__ __forceinline__ void flush_hist(const MultiposBlockParams& p, const A* hs, int64_t hid) {
+  __syncthreads();
+  double* h = p.hist + hid * p.P;
+  for (int64_t k = threadIdx.x; k < p.P; k += kThreads) h[k] += (double)hs[k];
+}
+
 template <typename ST, typename OT, typename A, int BM, bool POS>
 __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockParams p, int hist_smem) {
   extern __shared__ unsigned char mpb_smem[];
@@ -796,23 +850,10 @@ __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockPa
           const int64_t j = c0 + k * kThreads;
           const Elem<A> e = element<A, BM, POS>(p, sv[b][k], drow, j, dd + k * kThreads == 0, rc, c[k], ct,
                                                 half_span, T);
-          A g = 0;
-          if (rows) g = gr * (ex_minus(e.x, la) - (e.pr ? ex_minus(e.x, lp) : A(0)));
-          if (cols) g += gc * (ex_minus(e.x, ca[k]) - (e.pc ? ex_minus(e.x, cp[k]) : A(0)));
+          const A g = pair_grad<A>(e, rows, cols, gr, gc, la, lp, ca[k], cp[k]);
           Ob[b * p.ldo + k * kThreads] = cuda::from_acc<OT>(g * it);
           if (BM == 2) G[r * p.ldo + j] = g;
-          if (table) {
-            const A dD = g * e.slope;
-            dud[k] += dD;
-            rsum += dD;
-            if (hist_smem) {
-              atomicAdd(hs + e.idx, g - g * e.t);
-              atomicAdd(hs + e.idx + 1, g * e.t);
-            } else {
-              atomicAdd(hist_g + e.idx, (double)(g - g * e.t));
-              atomicAdd(hist_g + e.idx + 1, (double)(g * e.t));
-            }
-          }
+          if (table) table_scatter<A>(e, g, dud[k], rsum, hist_smem, hs, hist_g);
         }
         if (table) {
           const A wsum = cuda::warp_sum(rsum);
@@ -820,24 +861,13 @@ __global__ void __launch_bounds__(kThreads) mpb_bwd_kernel(const MultiposBlockPa
         }
       }
     }
-    if (table) {
-      __syncthreads();
-      if (tid < nr) {
-        static_cast<A*>(p.duq_part)[(rb + tid) * p.nct + blockIdx.x] = -rowacc[tid];
-        rowacc[tid] = A(0);
-      }
-      __syncthreads();
-    }
+    if (table) flush_duq<A>(p, rowacc, rb, nr);
   }
   if (table) {
 #pragma unroll
     for (int k = 0; k < KC; ++k)
       if (c[k].valid) static_cast<A*>(p.dud_part)[(int64_t)blockIdx.y * p.C + c0 + k * kThreads] = dud[k];
-    if (hist_smem) {
-      __syncthreads();
-      double* h = p.hist + hid * p.P;
-      for (int64_t k = tid; k < p.P; k += kThreads) h[k] += (double)hs[k];
-    }
+    if (hist_smem) flush_hist<A>(p, hs, hid);
   }
 }
 
@@ -1060,10 +1090,153 @@ __global__ void __launch_bounds__(kThreads, 2) mpb_fwd3_kernel(const MultiposBlo
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       if (!(FULL || e < nv)) continue;
-      A* out = static_cast<A*>(p.col_part) + ((int64_t)blockIdx.y * p.C + cj + e) * 2;
-      out[0] = cs[e] > A(0) ? from_dom<A>(cm[e], Lg<A>::lg(cs[e])) : (cs[e] == cs[e] ? ninf<A>() : cs[e]);
-      out[1] = cps[e] > A(0) ? from_dom<A>(cpm[e], Lg<A>::lg(cps[e])) : (cps[e] == cps[e] ? ninf<A>() : cps[e]);
+      write_col_part<A>(p, cj + e, cm[e], cs[e], cpm[e], cps[e]);
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Gradient pass v3 (TEMPOKERN_MPB_GRAD=v3, opt-in until a GPU has timed it; float accumulation, float64 runs
+// v1): mpb_bwd_kernel's outputs and arithmetic (pair_grad, table_scatter: the same numbers) with the layout of
+// the v3 statistics pass. Thread t owns the 4 consecutive columns c0 + 4t + e: one 16-byte (float) / 8-byte
+// (half) load of S and one 16- / 8-byte store of dS per row (scalar where a row is not aligned or at the end
+// of a partial tile); the next batch of RB rows is loaded while the current one is computed; a FULL
+// instantiation without per-element validity tests (a partial last tile gets its own launch); the diagonal
+// test is one int32 compare per row (dk). v1 (measured on the H100: 232 us at B = 8,192, 1.7 TB/s for 6 bytes
+// per float32-score / bf16-dS pair) issues 4-byte loads and 2-byte stores, one per column per row, with
+// per-element validity and int64 diagonal tests.
+template <typename OT, bool FULL>
+__device__ __forceinline__ void store4(OT* p, bool vec, int nv, const float (&g)[4]) {
+  if ((FULL || nv >= 4) && vec) {
+    Sc4<OT> u;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) u.v[e] = cuda::from_acc<OT>(g[e]);
+    *reinterpret_cast<Sc4<OT>*>(p) = u;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (FULL || e < nv) p[e] = cuda::from_acc<OT>(g[e]);
+  }
+}
+
+// vec: bit 0 = S rows 16-byte aligned, bit 1 = dS rows 16-byte aligned.
+template <typename ST, typename OT, int BM, bool POS, bool FULL>
+__global__ void __launch_bounds__(kThreads, 2) mpb_bwd3_kernel(const MultiposBlockParams p, int hist_smem, int vec) {
+  using A = float;
+  extern __shared__ unsigned char mpb_smem[];
+  A* hs = reinterpret_cast<A*>(mpb_smem);  // table mode: the CTA's histogram of dL/dtable (P values)
+  __shared__ A rowacc[32];
+  const int tid = threadIdx.x, lane = tid & 31;
+  if (!FULL && (int64_t)(blockIdx.x + 1) * kTC <= p.C) return;  // the partial launch runs the last tile only
+  if (FULL && (int64_t)(blockIdx.x + 1) * kTC > p.C) return;
+  const bool vin = (vec & 1) != 0, vout = (vec & 2) != 0;
+  const int64_t cj = (int64_t)blockIdx.x * kTC + 4 * tid;  // the thread's first column
+  const int nv = FULL ? 4 : (int)max((int64_t)0, min((int64_t)4, p.C - cj));
+  const int64_t r0 = (int64_t)blockIdx.y * p.TR;
+  const int64_t r1 = min(r0 + p.TR, p.R);
+  A* G = static_cast<A*>(p.G);
+  const A it = (A)p.inv_temp, gr = (A)p.gr, gc = (A)p.gc;
+  const Ct<A> ct = inv_temp_dom<A>(p.inv_temp);
+  const bool rows = p.gr != 0.0, cols = POS && p.cols && p.gc != 0.0;
+  constexpr bool table = BM == 1;
+  const A half_span = (A)(0.5 * (double)(p.P - 1));
+  const A* T = static_cast<const A*>(p.table);
+  const A* rl = static_cast<const A*>(p.row_lse);
+  const A* cl = static_cast<const A*>(p.col_lse);
+  const int64_t hid = (int64_t)blockIdx.y * p.nct + blockIdx.x;  // the same slot in the full and partial launches
+  double* hist_g = p.hist + (hist_smem ? 0 : hid * p.P);
+  if (table && hist_smem) {
+    for (int64_t k = tid; k < p.P; k += kThreads) hs[k] = A(0);
+  }
+  if (tid < 32) rowacc[tid] = A(0);
+  __syncthreads();
+
+  Col<A> c[4];
+  Lv<A> ca[4], cp[4];
+  A dud[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int64_t j = cj + e;
+    if (FULL || e < nv) {
+      c[e] = load_col<A, BM, POS>(p, j);
+      if (cols) {
+        ca[e] = to_dom<A>(cl[j]);
+        cp[e] = to_dom<A>(cl[p.C + j]);
+      }
+    }
+    dud[e] = A(0);
+  }
+  const ST* S0 = static_cast<const ST*>(p.S) + cj;
+  OT* O0 = static_cast<OT*>(p.dS) + cj;
+  A sv[RB][4];
+  {
+    const int nb0 = (int)min((int64_t)RB, r1 - r0);
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+      if (b < nb0) load4<ST, FULL>(S0 + (r0 + b) * p.lds, vin, nv, sv[b]);
+      else
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sv[b][e] = A(0);
+    }
+  }
+  for (int64_t rb = r0; rb < r1; rb += 32) {
+    const int nr = (int)min((int64_t)32, r1 - rb);
+    for (int rr0 = 0; rr0 < nr; rr0 += RB) {
+      const int nb = min(RB, nr - rr0);
+      // the next batch in flight while this one is computed
+      const int64_t rn = rb + rr0 + RB;
+      const int nn = (int)max((int64_t)0, min((int64_t)RB, r1 - rn));
+      A svn[RB][4];
+#pragma unroll
+      for (int b = 0; b < RB; ++b) {
+        if (b < nn) load4<ST, FULL>(S0 + (rn + b) * p.lds, vin, nv, svn[b]);
+        else
+#pragma unroll
+          for (int e = 0; e < 4; ++e) svn[b][e] = A(0);
+      }
+#pragma unroll
+      for (int b = 0; b < RB; ++b) {
+        if (b >= nb) break;  // uniform
+        const int64_t r = rb + rr0 + b, i = p.i0 + r;
+        const RowCtx<A> rc = load_row<A, BM, POS>(p, i);
+        const int64_t rel = i + p.diag_offset - cj;  // the row's diagonal column within the thread's 4 (or not)
+        const int dk = (rel >= 0 && rel < nv) ? (int)rel : -1;
+        const A* drow = BM == 2 ? static_cast<const A*>(p.dense) + r * p.ldb : nullptr;
+        Lv<A> la, lp;
+        if (rows) {
+          la = to_dom<A>(__ldg(rl + i));
+          if (POS) lp = to_dom<A>(__ldg(rl + p.Bq + i));
+        }
+        A rsum = 0, go[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          go[e] = A(0);
+          if (!(FULL || e < nv)) continue;
+          const int64_t j = cj + e;
+          const Elem<A> el = element<A, BM, POS>(p, sv[b][e], drow, j, dk == e, rc, c[e], ct, half_span, T);
+          const A g = pair_grad<A>(el, rows, cols, gr, gc, la, lp, ca[e], cp[e]);
+          go[e] = g * it;
+          if (BM == 2) G[r * p.ldo + j] = g;
+          if (table) table_scatter<A>(el, g, dud[e], rsum, hist_smem, hs, hist_g);
+        }
+        store4<OT, FULL>(O0 + r * p.ldo, vout, nv, go);
+        if (table) {
+          const A wsum = cuda::warp_sum(rsum);
+          if (lane == 0) atomicAdd(rowacc + rr0 + b, wsum);
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < RB; ++b)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sv[b][e] = svn[b][e];
+    }
+    if (table) flush_duq<A>(p, rowacc, rb, nr);
+  }
+  if (table) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (FULL || e < nv) static_cast<A*>(p.dud_part)[(int64_t)blockIdx.y * p.C + cj + e] = dud[e];
+    if (hist_smem) flush_hist<A>(p, hs, hid);
   }
 }
 
@@ -1227,6 +1400,61 @@ void multipos_block_bwd_cuda(const MultiposBlockParams& p, int device, uintptr_t
     if constexpr (sizeof(A) == 8) {
       launch(double{});
     } else {
+      switch (p.odtype) {
+        case DType::F32: launch(float{}); break;
+        case DType::F16: launch(__half{}); break;
+        case DType::BF16: launch(__nv_bfloat16{}); break;
+        default: throw std::runtime_error("multipos_block: float64 dS needs float64 accumulation");
+      }
+    }
+  });
+  cuda::check_launch();
+}
+
+void multipos_block_bwd3_cuda(const MultiposBlockParams& p, int device, uintptr_t stream) {
+  if (p.adtype == DType::F64) {  // v3 is written for float accumulation; float64 runs v1
+    multipos_block_bwd_cuda(p, device, stream);
+    return;
+  }
+  check(p);
+  if (p.R == 0 || p.C == 0) return;
+  cuda::set_device(device);
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  int optin = 0;
+  TK_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const int64_t nfull = p.C / kTC;      // full 1024-column tiles: the FULL kernel
+  const bool partial = p.C % kTC != 0;  // the last tile: the guarded kernel, launched over that tile only
+  const size_t hbytes = p.bias_mode == 1 ? (size_t)p.P * sizeof(float) : 0;
+  const int hist_smem = hbytes > 0 && hbytes + 1024 <= (size_t)optin;
+  const size_t smem = hist_smem ? hbytes : 0;
+  dispatch_fwd(p.sdtype, p.adtype, [&](auto s, auto a) {
+    using ST = decltype(s);
+    if constexpr (std::is_same<ST, double>::value) {
+      throw std::runtime_error("multipos_block: v3 gradients take float / half scores");
+    } else {
+      auto launch = [&](auto o) {
+        using OT = decltype(o);
+        const int vin = (reinterpret_cast<uintptr_t>(p.S) % 16 == 0) && ((p.lds * (int64_t)sizeof(ST)) % 16 == 0);
+        const int vout = (reinterpret_cast<uintptr_t>(p.dS) % 16 == 0) && ((p.ldo * (int64_t)sizeof(OT)) % 16 == 0);
+        const int vec = vin | (vout << 1);
+        dispatch_mode(p, [&](auto bm, auto pos) {
+          constexpr int BM = decltype(bm)::value;
+          constexpr bool POS = decltype(pos)::value;
+          auto kfull = mpb_bwd3_kernel<ST, OT, BM, POS, true>;
+          auto klast = mpb_bwd3_kernel<ST, OT, BM, POS, false>;
+          if (smem > 48 * 1024) {
+            TK_CUDA_CHECK(cudaFuncSetAttribute(kfull, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+            TK_CUDA_CHECK(cudaFuncSetAttribute(klast, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+          }
+          const dim3 gfull((unsigned)nfull, (unsigned)p.nrt), glast((unsigned)(nfull + 1), (unsigned)p.nrt);
+          if (nfull > 0) {
+            mpb_bwd3_kernel<ST, OT, BM, POS, true><<<gfull, kThreads, smem, st>>>(p, hist_smem, vec);
+          }
+          if (partial) {  // the last, partial tile: blockIdx.x = nfull in a grid of nfull + 1 (the others return)
+            mpb_bwd3_kernel<ST, OT, BM, POS, false><<<glast, kThreads, smem, st>>>(p, hist_smem, vec);
+          }
+        });
+      };
       switch (p.odtype) {
         case DType::F32: launch(float{}); break;
         case DType::F16: launch(__half{}); break;

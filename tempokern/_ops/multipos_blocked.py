@@ -120,6 +120,18 @@ def stats_variant() -> str:
     return env_choice("TEMPOKERN_MPB_STATS", STATS_VARIANTS, "v1")
 
 
+GRAD_VARIANTS = ("v1", "v3")
+
+
+def grad_variant() -> str:
+    """The CUDA gradient kernel of the backward pass: TEMPOKERN_MPB_GRAD=v1 (default, the kernel measured on the
+    H100: threads own columns 256 apart, one 4-byte load and one store per column per row) or v3 (the layout of
+    the v3 statistics kernel: 4 consecutive columns per thread, vector loads of S and vector stores of dS, the
+    next batch's loads in flight, no per-element validity branches; the same arithmetic, so the same numbers;
+    float accumulation, float64 runs v1; not yet timed on a GPU). Same outputs."""
+    return env_choice("TEMPOKERN_MPB_GRAD", GRAD_VARIANTS, "v1")
+
+
 SCORES_VARIANTS = ("f32", "half")
 
 
@@ -344,6 +356,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     hardest = torch.empty(Bq, dtype=torch.int64, device=q.device) if want_hardest else None
     single = len(blocks) == 1
     fwd_op = {"v1": "fwd", "v2": "fwd2", "v3": "fwd3"}[stats_variant()]
+    bwd_op = {"v1": "bwd", "v3": "bwd3"}[grad_variant()]
     if fused:
         loss = torch.empty((), dtype=acc, device=q.device)
         row_lse, col_lse = ws["row_lse"], ws["col_lse"]
@@ -468,7 +481,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         elif bias_mode == 1:
             outs.update(duq_part=torch.empty(r, tS[1], dtype=acc, device=q.device),
                         dud_part=torch.empty(tS[2], Bd, dtype=acc, device=q.device), hist=hist)
-        L.launch("bwd", S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS, gr=gr, gc=gc,
+        L.launch(bwd_op, S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS, gr=gr, gc=gc,
                  dS=dS, nhist=nh if bias_mode == 1 else 0, **outs)
         if tgrad:
             kernels().multipos_block_tgrad(
@@ -495,7 +508,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         if N:
             tE = tiling(r, N, q.device)
             dE = torch.empty(r, N, dtype=odtype, device=q.device)
-            L.launch("bwd", E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, gr=gr, gc=0.0, dS=dE,
+            L.launch(bwd_op, E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, gr=gr, gc=0.0, dS=dE,
                      row_lse=row_lse)
             negops = extra_neg if not (cuda_path and q.device.type == "cpu") else extra_neg.to(acc)
             prod_into(dq[i0:i0 + r], dE, negops)
