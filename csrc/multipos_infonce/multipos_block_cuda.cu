@@ -909,6 +909,22 @@ __device__ __forceinline__ void load4(const ST* p, bool vec, int nv, float (&x)[
   }
 }
 
+// Rows row0 .. row0 + n - 1 (n <= RB) of the thread's 4 columns into x (load4 each), zeros in the rows past n:
+// a batch of the v3 statistics and gradient kernels.
+template <typename ST, bool FULL>
+__device__ __forceinline__ void load_rows4(const ST* S0, int64_t lds, int64_t row0, int n, bool vec, int nv,
+                                           float (&x)[RB][4]) {
+#pragma unroll
+  for (int b = 0; b < RB; ++b) {
+    if (b < n) {
+      load4<ST, FULL>(S0 + (row0 + b) * lds, vec, nv, x[b]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[b][e] = 0.0f;
+    }
+  }
+}
+
 template <typename ST, int BM, bool POS, bool HARD, bool FULL>
 __global__ void __launch_bounds__(kThreads, 2) mpb_fwd3_kernel(const MultiposBlockParams p, int vec) {
   using A = float;
@@ -954,16 +970,7 @@ __global__ void __launch_bounds__(kThreads, 2) mpb_fwd3_kernel(const MultiposBlo
   }
   const ST* S0 = static_cast<const ST*>(p.S) + cj;
   A sv[RB][4];
-  {
-    const int nb0 = (int)min((int64_t)RB, r1 - r0);
-#pragma unroll
-    for (int b = 0; b < RB; ++b) {
-      if (b < nb0) load4<ST, FULL>(S0 + (r0 + b) * p.lds, vec, nv, sv[b]);
-      else
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sv[b][e] = A(0);
-    }
-  }
+  load_rows4<ST, FULL>(S0, p.lds, r0, (int)min((int64_t)RB, r1 - r0), vec, nv, sv);
   for (int64_t rb = r0; rb < r1; rb += 32) {
     const int nr = (int)min((int64_t)32, r1 - rb);
     for (int rr0 = 0; rr0 < nr; rr0 += RB) {
@@ -972,13 +979,7 @@ __global__ void __launch_bounds__(kThreads, 2) mpb_fwd3_kernel(const MultiposBlo
       const int64_t rn = rb + rr0 + RB;
       const int nn = (int)max((int64_t)0, min((int64_t)RB, r1 - rn));
       A svn[RB][4];
-#pragma unroll
-      for (int b = 0; b < RB; ++b) {
-        if (b < nn) load4<ST, FULL>(S0 + (rn + b) * p.lds, vec, nv, svn[b]);
-        else
-#pragma unroll
-          for (int e = 0; e < 4; ++e) svn[b][e] = A(0);
-      }
+      load_rows4<ST, FULL>(S0, p.lds, rn, nn, vec, nv, svn);
       A xb[RB][4];
       bool pcb[RB][4];
       bool anyc = false;
@@ -1169,16 +1170,7 @@ __global__ void __launch_bounds__(kThreads, 2) mpb_bwd3_kernel(const MultiposBlo
   const ST* S0 = static_cast<const ST*>(p.S) + cj;
   OT* O0 = static_cast<OT*>(p.dS) + cj;
   A sv[RB][4];
-  {
-    const int nb0 = (int)min((int64_t)RB, r1 - r0);
-#pragma unroll
-    for (int b = 0; b < RB; ++b) {
-      if (b < nb0) load4<ST, FULL>(S0 + (r0 + b) * p.lds, vin, nv, sv[b]);
-      else
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sv[b][e] = A(0);
-    }
-  }
+  load_rows4<ST, FULL>(S0, p.lds, r0, (int)min((int64_t)RB, r1 - r0), vin, nv, sv);
   for (int64_t rb = r0; rb < r1; rb += 32) {
     const int nr = (int)min((int64_t)32, r1 - rb);
     for (int rr0 = 0; rr0 < nr; rr0 += RB) {
@@ -1187,13 +1179,7 @@ __global__ void __launch_bounds__(kThreads, 2) mpb_bwd3_kernel(const MultiposBlo
       const int64_t rn = rb + rr0 + RB;
       const int nn = (int)max((int64_t)0, min((int64_t)RB, r1 - rn));
       A svn[RB][4];
-#pragma unroll
-      for (int b = 0; b < RB; ++b) {
-        if (b < nn) load4<ST, FULL>(S0 + (rn + b) * p.lds, vin, nv, svn[b]);
-        else
-#pragma unroll
-          for (int e = 0; e < 4; ++e) svn[b][e] = A(0);
-      }
+      load_rows4<ST, FULL>(S0, p.lds, rn, nn, vin, nv, svn);
 #pragma unroll
       for (int b = 0; b < RB; ++b) {
         if (b >= nb) break;  // uniform
