@@ -108,11 +108,15 @@ def test_semantic_cache(parts):
     again = m.encode(TEXTS, pub=PUB, role="document")
     assert len(calls) == n_first                             # nothing re-encoded
     torch.testing.assert_close(first[:len(TEXTS)], plain, rtol=1e-5, atol=1e-6)
-    assert torch.equal(first[:len(TEXTS)], again) and torch.equal(first[len(TEXTS):], again[:2])
+    # the cached backbone outputs go through the time head again in batches of other sizes: equal up to rounding
+    torch.testing.assert_close(first[:len(TEXTS)], again, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(first[len(TEXTS):], again[:2], rtol=1e-6, atol=1e-7)
     # a second encoder on the same backbone shares the cache; identity still holds through it
     m2 = _model(parts)
     m2.enable_semantic_cache(cache)
-    assert torch.equal(m2.encode(TEXTS, times=[None] * len(TEXTS)), F.normalize(torch.stack([cache[t] for t in TEXTS]), dim=-1))
+    # (equal up to rounding: F.normalize over a batch of a different size may take another vectorised path)
+    torch.testing.assert_close(m2.encode(TEXTS, times=[None] * len(TEXTS)),
+                               F.normalize(torch.stack([cache[t] for t in TEXTS]), dim=-1), rtol=1e-6, atol=1e-7)
     assert len(calls) == n_first
     h.remove()
     m.disable_semantic_cache()

@@ -49,7 +49,17 @@ def re3_loss(q: torch.Tensor, d: torch.Tensor, d_tw: Optional[torch.Tensor] = No
     loss_d = (torch.logsumexp(s, dim=0) - torch.logsumexp(s.masked_fill(~pos, neg_inf), dim=0)).mean()
     l_nce = (loss_q + loss_d) / 2
     # hardest in-batch negative: masked max over the (B, B) matrix, lowest column among exact ties
-    hard_col = hardest_negatives(s.detach(), pos)
+    # identical document embeddings are exact ties (duplicates of one document): their scores are taken from the
+    # first copy, so that the lowest-column rule does not depend on how the product rounds a column by position
+    # (MKL on an AMD EPYC gave two copies scores 1 ulp apart in float64)
+    sel = s.detach()
+    if B > 1:
+        _, inv = torch.unique(d.detach(), dim=0, return_inverse=True)
+        cols = torch.arange(d.shape[0], device=d.device)
+        first = torch.full((int(inv.max()) + 1,), d.shape[0], dtype=torch.long, device=d.device)
+        first = first.scatter_reduce(0, inv, cols, reduce="amin")
+        sel = sel[:, first[inv]]
+    hard_col = hardest_negatives(sel, pos)
     has = hard_col >= 0
     s_pos = cos.diagonal()
     s_neg = cos.gather(1, hard_col.clamp(min=0)[:, None])[:, 0]
