@@ -75,6 +75,24 @@ def test_float64_parity(variant, B, sizes, dim, gpu, monkeypatch, spy):
     assert set(spy.ops) == want_ops
 
 
+@pytest.mark.parametrize("B,sizes,dim", SHAPES[1:])
+def test_auto_mixes_directions(B, sizes, dim, gpu, monkeypatch, spy):
+    # unset (auto): context forward v2 with context backward v1 (the faster kernel per direction on the H100),
+    # scalar v1; float64 outputs and every gradient within 1e-9 of the reference, float32 within float32 tolerance
+    monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
+    for dtype, tol in ((torch.float64, dict(atol=1e-9, rtol=0)), (torch.float32, dict(atol=1e-5, rtol=1e-4))):
+        xs = make_logits(B, sizes, dtype=dtype, device=gpu, seed=B)
+        x64 = [x.detach().double().requires_grad_() for x in xs]
+        for fused, plain in both_ops(dim, 0.7):
+            got, want = fused(xs), plain(x64)
+            torch.testing.assert_close(got.double(), want, **tol)
+            w = torch.randn_like(want)
+            for g, r in zip(torch.autograd.grad((got.double() * w).sum(), xs),
+                            torch.autograd.grad((want * w).sum(), x64)):
+                torch.testing.assert_close(g.double(), r, **tol)
+    assert set(spy.ops) == {"scalar_fwd", "scalar_bwd", "context_fwd_v2", "context_bwd"}
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_twice_torch_error(variant, dtype, gpu, monkeypatch):
@@ -191,13 +209,16 @@ def test_thread_orders(variant, cuda_emu, monkeypatch):
 def test_variant_switch(monkeypatch):
     from tempokern._ops import calendar as cal
     monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
-    # unset / auto: the faster kernel per op as measured on the H100 (context v2, scalar v1)
+    # unset / auto: the faster kernel per op and direction as measured on the H100 (context forward v2, context
+    # backward v1, scalar v1); an op name means its forward
+    kernels = ("context_fwd", "context_bwd", "scalar_fwd", "scalar_bwd")
+    assert [cal.variant(k) for k in kernels] == ["v2", "v1", "v1", "v1"]
     assert (cal.variant("context"), cal.variant("scalar")) == ("v2", "v1")
     monkeypatch.setenv("TEMPOKERN_CALENDAR", " Auto ")
-    assert (cal.variant("context"), cal.variant("scalar")) == ("v2", "v1")
+    assert [cal.variant(k) for k in kernels] == ["v2", "v1", "v1", "v1"]
     for v in ("v1", "V2", " v1 "):
         monkeypatch.setenv("TEMPOKERN_CALENDAR", v)
-        assert cal.variant("context") == cal.variant("scalar") == v.strip().lower()
+        assert {cal.variant(k) for k in ("context", "scalar", *kernels)} == {v.strip().lower()}
     monkeypatch.setenv("TEMPOKERN_CALENDAR", "v3")
     with pytest.raises(ValueError, match="TEMPOKERN_CALENDAR"):
         cal.variant()

@@ -66,28 +66,36 @@ def _table(n: int, dim: int, dtype: torch.dtype, device: torch.device, layout: s
     return t
 
 
-#: The kernel each op runs on CUDA when TEMPOKERN_CALENDAR is unset or "auto": the faster one on the H100 on
-#: 2026-11-23 (benchmarks/gpu_suite.py, fwd+bwd, float32, 1M rows, levels 12x32x12): context v2 2.90 ms vs v1
-#: 3.13 ms, scalar v1 1.03 ms vs v2 1.26 ms (benchmarks/results/gpu-2026-11-23-*).
-DEFAULT_VARIANT = {"context": "v2", "scalar": "v1"}
+#: The kernel each op's forward / backward runs on CUDA when TEMPOKERN_CALENDAR is unset or "auto": the faster
+#: one per direction on the H100 (tools/gpu_probe7.py's kernel profiles, 2026-11-23, float32, 1M rows, levels
+#: 12x32x12, dim 64): context forward v2 0.88 ms vs v1 1.31 ms, context backward v1 1.15 ms vs v2 1.51 ms;
+#: scalar v1 both ways (fwd+bwd 1.03 ms vs v2 1.26 ms in the suite). The context pair v2 + v1 is predicted from
+#: those parts at ~0.36 ms less than v2 + v2 (2.83 ms in the suite, benchmarks/results/gpu-2026-11-23-0923-*):
+#: not yet timed as a pair (suite column tempokern_cal_v2 is the previous default).
+DEFAULT_VARIANT = {"context_fwd": "v2", "context_bwd": "v1", "scalar_fwd": "v1", "scalar_bwd": "v1"}
+_OPS = ("context", "scalar")
 
 
 def variant(op: str = "context") -> str:
-    """The CUDA kernels of ``op`` ("context" or "scalar"): TEMPOKERN_CALENDAR=v2 (warp-cooperative rows,
-    csrc/calendar/calendar_cuda.cu namespace v2), v1 (thread per row through shared tiles, the kernels first
-    measured on 2026-11-22) or auto (unset: DEFAULT_VARIANT, the faster one per op as measured). Same outputs;
-    the CPU kernels are the same for every choice."""
-    if op not in DEFAULT_VARIANT:
-        raise ValueError(f"op must be one of {tuple(DEFAULT_VARIANT)}, got {op!r}")
+    """The CUDA kernel of ``op``: a kernel ("context_fwd", "context_bwd", "scalar_fwd", "scalar_bwd") or an op
+    ("context", "scalar": its forward). TEMPOKERN_CALENDAR=v2 (warp-cooperative rows, csrc/calendar/calendar_cuda.cu
+    namespace v2), v1 (thread per row through shared tiles, the kernels first measured on 2026-11-22) or auto
+    (unset: DEFAULT_VARIANT, the faster one per op and direction as measured). Same outputs; the CPU kernels are
+    the same for every choice."""
+    key = op + "_fwd" if op in _OPS else op
+    if key not in DEFAULT_VARIANT:
+        raise ValueError(f"op must be one of {_OPS + tuple(DEFAULT_VARIANT)}, got {op!r}")
     v = env_choice("TEMPOKERN_CALENDAR", VARIANTS + ("auto",), "auto")
-    return DEFAULT_VARIANT[op] if v == "auto" else v
+    return DEFAULT_VARIANT[key] if v == "auto" else v
 
 
 def _op(name: str, x: torch.Tensor) -> str:
-    return name + "_v2" if on_cuda_path(x) and variant(name.split("_")[0]) == "v2" else name
+    """The kernel name for calendar_launch: name (the v1 / CPU kernel) or name + "_v2"."""
+    return name + "_v2" if on_cuda_path(x) and variant(name) == "v2" else name
 
 
 def _max_ctas(x: torch.Tensor, op: str) -> int:
+    """The grid cap of the kernel (or op's forward) `op` on the CUDA path (0: the CPU kernels)."""
     if not on_cuda_path(x):
         return 0
     per_sm = _CTAS_PER_SM_V2 if variant(op) == "v2" else _CTAS_PER_SM
@@ -137,7 +145,7 @@ def _calendar_scalar(logits: List[torch.Tensor], tau: float) -> torch.Tensor:
     levels = _level_args(logits)
     for k, idx in enumerate(_chunks(len(levels))):
         kernels().calendar_launch(_op("scalar_fwd", x0), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
-                           [levels[i] for i in idx], ptr(out), 0, 0, 0, k > 0, 1, _max_ctas(x0, "scalar"))
+                           [levels[i] for i in idx], ptr(out), 0, 0, 0, k > 0, 1, _max_ctas(x0, "scalar_fwd"))
     return out
 
 
@@ -156,7 +164,7 @@ def _calendar_scalar_backward(grad: torch.Tensor, logits: List[torch.Tensor], ta
     levels = _level_args(logits, grads)
     for idx in _chunks(len(levels)):
         kernels().calendar_launch(_op("scalar_bwd", x0), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
-                           [levels[i] for i in idx], 0, ptr(grad), 0, 0, False, 1, _max_ctas(x0, "scalar"))
+                           [levels[i] for i in idx], 0, ptr(grad), 0, 0, False, 1, _max_ctas(x0, "scalar_bwd"))
     return grads
 
 
@@ -205,7 +213,7 @@ def _calendar_context(logits: List[torch.Tensor], dim: int, tau: float) -> torch
     levels = _level_args(logits, tables=tables, dim=dim)
     for idx in _chunks(L):
         kernels().calendar_launch(_op("context_fwd", x0), dev, stream, dtype_code(x0), B, 1.0 / tau,
-                           [levels[i] for i in idx], ptr(out), 0, out.stride(0), dim, False, 1, _max_ctas(x0, "context"))
+                           [levels[i] for i in idx], ptr(out), 0, out.stride(0), dim, False, 1, _max_ctas(x0, "context_fwd"))
     return out
 
 
@@ -233,7 +241,7 @@ def _calendar_context_backward(grad: torch.Tensor, logits: List[torch.Tensor], d
     for idx in _chunks(len(logits)):
         kernels().calendar_launch(_op("context_bwd", x0), dev, stream, dtype_code(x0), B, 1.0 / tau,
                            [levels[i] for i in idx], 0, ptr(grad), grad.stride(0), dim, False, grad.stride(1),
-                           _max_ctas(x0, "context"))
+                           _max_ctas(x0, "context_bwd"))
     return grads
 
 
