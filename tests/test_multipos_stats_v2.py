@@ -86,26 +86,31 @@ def _hardest_literal(q, d, q_span, d_span, temperature):
     return torch.where(neg.any(1), first, -1)
 
 
-@pytest.mark.parametrize("B", [40, 1030])
-def test_v2_hardest_negative_and_ties(gpu, v2, B):
-    # small integer embeddings: every score is an exact integer, so exact ties are everywhere (inside a lane's
-    # columns, across lanes and across the two column tiles at B = 1,030); the lowest column must win.
-    # temperature 0.5: x = 2 s exactly in the kernel and in the literal.
+def check_hardest_ties(gpu, B, dtype):
+    """Small integer embeddings: every score is an exact integer, so exact ties are everywhere (inside a thread's
+    or lane's columns, across them and across the two column tiles at B = 1,030); the lowest column must win.
+    Temperature 0.5: x = 2 s exactly in the kernel and in the literal (float32 or float64 alike)."""
     g = torch.Generator().manual_seed(B)
     H = 4
-    q = torch.randint(-2, 3, (B, H), generator=g).double()
-    d = torch.randint(-2, 3, (B, H), generator=g).double()
+    q = torch.randint(-2, 3, (B, H), generator=g).to(dtype)
+    d = torch.randint(-2, 3, (B, H), generator=g).to(dtype)
     lo = torch.randint(0, 80, (B,), generator=g)
     q_span = (lo, lo + torch.randint(0, 3, (B,), generator=g))
     lo2 = torch.randint(0, 80, (B,), generator=g)
     d_span = (lo2, lo2 + torch.randint(0, 3, (B,), generator=g))
     loss, hard = tempokern.multipos_infonce(q.to(gpu), d.to(gpu), tuple(t.to(gpu) for t in q_span),
                                             tuple(t.to(gpu) for t in d_span), temperature=0.5, return_hardest=True)
-    want_loss = ref(q, d, q_span, d_span, temperature=0.5)
-    torch.testing.assert_close(loss.cpu(), want_loss, rtol=1e-9, atol=1e-10)
-    want = _hardest_literal(q, d, q_span, d_span, 0.5)
+    want_loss = ref(q.double(), d.double(), q_span, d_span, temperature=0.5)
+    tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss.cpu().double(), want_loss, **tol)
+    want = _hardest_literal(q.double(), d.double(), q_span, d_span, 0.5)
     assert (want >= 0).all()
     assert torch.equal(hard.cpu(), want)
+
+
+@pytest.mark.parametrize("B", [40, 1030])
+def test_v2_hardest_negative_and_ties(gpu, v2, B):
+    check_hardest_ties(gpu, B, torch.float64)
     assert "fwd2" in v2
 
 
