@@ -304,3 +304,21 @@ def test_gather_two_gloo_processes(tmp_path, tw_in_nce):
                                    atol=1e-12)
     # hardest columns index the gathered documents (rank order), as in the single process
     assert torch.equal(torch.cat([res[0]["hard"], res[1]["hard"]]), sparts["hardest_col"])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_reference_first_copies(seed):
+    # tempokern.reference.re3's duplicate detection (exact ties among identical document embeddings) against a
+    # literal loop: small integer rows (many duplicates, sign flips, rows that are permutations of each other) and
+    # float rows with duplicates
+    from tempokern.reference.re3 import first_copies
+    g = torch.Generator().manual_seed(seed)
+    for trial in range(25):
+        n, H = int(torch.randint(1, 80, (1,), generator=g)), int(torch.randint(1, 12, (1,), generator=g))
+        ints = trial % 2 == 0
+        base = (torch.randint(-2, 3, (max(1, n // 3), H), generator=g).double() if ints
+                else torch.randn(max(1, n // 3), H, generator=g, dtype=torch.float64))
+        x = base[torch.randint(0, base.shape[0], (n,), generator=g)]
+        want = torch.tensor([next(j for j in range(n) if torch.equal(x[j], x[i])) for i in range(n)])
+        assert torch.equal(first_copies(x), want), (seed, trial)
+        assert torch.equal(first_copies(x.float()), want), (seed, trial)

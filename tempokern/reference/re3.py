@@ -28,6 +28,35 @@ def re3_positives(B: int, doc_ids: Optional[torch.Tensor], dedup: bool, device) 
     return torch.eye(B, dtype=torch.bool, device=device)
 
 
+def first_copies(x: torch.Tensor) -> torch.Tensor:
+    """(n,) int64: for each row of x (n, H), the lowest index of a row equal to it (itself when unique). No host
+    synchronisation (sort, cummax, gathers): rows are keyed by an integer hash of their bits (equal rows, equal keys),
+    grouped by a stable sort, and a key shared by unequal rows (a collision) falls back to the row itself after an
+    exact comparison."""
+    n = x.shape[0]
+    # integer keys from the float64 bit patterns: exact and independent of the reduction order (a float key is not:
+    # torch's row sums round equal rows differently by position); the two 32-bit halves times fixed weights < 2^14
+    # keep every sum below 2^63 for H < 2^15; two keys with different weights, sorted lexicographically
+    bits = x.to(torch.float64).contiguous().view(torch.int64)
+    lo, hi = bits & 0xFFFFFFFF, (bits >> 32) & 0xFFFFFFFF
+    h = torch.arange(1, x.shape[1] + 1, dtype=torch.float64, device=x.device)
+
+    def weights(seed: float) -> torch.Tensor:  # pseudo-random in [1, 16384), no linear relations between positions
+        return ((h * seed).sin() * 43758.5453).frac().abs().mul(16383).to(torch.int64) + 1
+
+    keys = [(lo * weights(a) + hi * weights(c)).sum(1) for a, c in ((12.9898, 78.233), (39.3468, 11.135))]
+    order = torch.sort(keys[1], stable=True).indices
+    order = order[torch.sort(keys[0][order], stable=True).indices]  # by key 0, then key 1, then index
+    k0, k1 = keys[0][order], keys[1][order]
+    pos = torch.arange(n, device=x.device)
+    start = torch.ones(n, dtype=torch.bool, device=x.device)
+    start[1:] = (k0[1:] != k0[:-1]) | (k1[1:] != k1[:-1])
+    run_start = torch.where(start, pos, torch.zeros_like(pos)).cummax(0).values
+    first = torch.empty_like(order).scatter_(0, order, order[run_start])
+    same = (x[first] == x).all(1)
+    return torch.where(same, first, pos)
+
+
 def re3_loss(q: torch.Tensor, d: torch.Tensor, d_tw: Optional[torch.Tensor] = None,
              doc_ids: Optional[torch.Tensor] = None, *, temperature: float = 0.05, margin: float = 0.1,
              lambda_hard: float = 0.1, lambda_tw: float = 0.1, tw_in_nce: bool = False,
@@ -54,11 +83,7 @@ def re3_loss(q: torch.Tensor, d: torch.Tensor, d_tw: Optional[torch.Tensor] = No
     # (MKL on an AMD EPYC gave two copies scores 1 ulp apart in float64)
     sel = s.detach()
     if B > 1:
-        _, inv = torch.unique(d.detach(), dim=0, return_inverse=True)
-        cols = torch.arange(d.shape[0], device=d.device)
-        first = torch.full((int(inv.max()) + 1,), d.shape[0], dtype=torch.long, device=d.device)
-        first = first.scatter_reduce(0, inv, cols, reduce="amin")
-        sel = sel[:, first[inv]]
+        sel = sel[:, first_copies(d.detach())]
     hard_col = hardest_negatives(sel, pos)
     has = hard_col >= 0
     s_pos = cos.diagonal()
