@@ -111,20 +111,28 @@ def test_v3_hardest_negative_and_ties(gpu, v3, B):
     assert "fwd3" in v3
 
 
-def test_v3_does_not_depend_on_thread_order(cuda_emu, monkeypatch):
+def by_thread_order(cuda_emu, run, seeds=(0, 1, 2)):
+    """run() on the CUDA emulator under each seeded thread order (its outputs, one entry per seed)."""
     from tempokern._ops.common import cuda_emulator
-    monkeypatch.setenv("TEMPOKERN_MPB_STATS", "v3")
     outs = []
     try:
-        for s in (0, 1, 2):
+        for s in seeds:
             cuda_emu.emu_set_seed(s)
             with cuda_emulator(cuda_emu):
-                q, d, sp, neg, b = make(1040, 8, N=3, bias=True, dtype=torch.float32, seed=4)
-                loss, hard = tempokern.multipos_infonce(q, d, *sp, temperature=0.1, bias=b, extra_neg=neg,
-                                                        bias_table_points=65, return_hardest=True)
-                outs.append((loss, hard))
+                outs.append(run())
     finally:
         cuda_emu.emu_set_seed(0)
+    return outs
+
+
+def test_v3_does_not_depend_on_thread_order(cuda_emu, monkeypatch):
+    monkeypatch.setenv("TEMPOKERN_MPB_STATS", "v3")
+
+    def run():
+        q, d, sp, neg, b = make(1040, 8, N=3, bias=True, dtype=torch.float32, seed=4)
+        return tempokern.multipos_infonce(q, d, *sp, temperature=0.1, bias=b, extra_neg=neg,
+                                          bias_table_points=65, return_hardest=True)
+    outs = by_thread_order(cuda_emu, run)
     for o in outs[1:]:
         assert torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1])  # the forward has no atomics
 
@@ -139,19 +147,14 @@ def test_v3_statistics_and_gradients_together(gpu, v3, monkeypatch):
 @pytest.mark.parametrize("mode", ["none", "exact"])
 def test_v3_gradients_do_not_depend_on_thread_order(cuda_emu, monkeypatch, mode):
     # without the table's histogram atomics the backward has no order-dependent sums: bit-identical gradients
-    from tempokern._ops.common import cuda_emulator
     monkeypatch.setenv("TEMPOKERN_MPB_GRAD", "v3")
-    outs = []
-    try:
-        for s in (0, 1, 2):
-            cuda_emu.emu_set_seed(s)
-            with cuda_emulator(cuda_emu):
-                q, d, sp, neg, b = make(1040, 8, N=3, bias=mode == "exact", dtype=torch.float32, seed=4)
-                q.requires_grad_()
-                d.requires_grad_()
-                loss = tempokern.multipos_infonce(q, d, *sp, temperature=0.1, bias=b, extra_neg=neg)
-                outs.append(torch.autograd.grad(loss, (q, d)))
-    finally:
-        cuda_emu.emu_set_seed(0)
+
+    def run():
+        q, d, sp, neg, b = make(1040, 8, N=3, bias=mode == "exact", dtype=torch.float32, seed=4)
+        q.requires_grad_()
+        d.requires_grad_()
+        loss = tempokern.multipos_infonce(q, d, *sp, temperature=0.1, bias=b, extra_neg=neg)
+        return torch.autograd.grad(loss, (q, d))
+    outs = by_thread_order(cuda_emu, run)
     for o in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(o, outs[0]))

@@ -29,10 +29,6 @@ def make(B, H=768, dtype=torch.bfloat16, bias=False, seed=0):
     return q, d, sp, b
 
 
-def timeit(fn, reps=5):
-    return med(fn, reps=reps, warm=1)
-
-
 def run_case(name, B, impl, bias=None, pts=None, reps=5):
     q, d, sp, b = make(B, bias=bias is not None)
     def step():
@@ -45,7 +41,7 @@ def run_case(name, B, impl, bias=None, pts=None, reps=5):
     try:
         torch.cuda.synchronize(); torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(); torch.cuda.reset_peak_memory_stats()
-        t = timeit(step, reps)
+        t = med(step, reps=reps, warm=1)
         mem = (torch.cuda.max_memory_allocated() - base) / 2**20
         print(f"{name:34s} B={B:7d} {t:10.3f} ms  extra {mem:9.0f} MiB", flush=True)
     except torch.cuda.OutOfMemoryError:
