@@ -44,6 +44,8 @@ def on_device(gpu, q, d, neg, sp, bias=None):
 
 def test_switch_default_and_validation(monkeypatch):
     monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
+    assert mb.cuda_variant() == "tc"
+    monkeypatch.setenv("TEMPOKERN_MRL_CUDA", "levels")
     assert mb.cuda_variant() == "levels"
     monkeypatch.setenv("TEMPOKERN_MRL_CUDA", "fused")
     assert mb.cuda_variant() == "fused"

@@ -5,6 +5,7 @@
 #include "common/bind_utils.h"
 #include "common/registry.h"
 #include "matryoshka_infonce/matryoshka_block.h"
+#include "matryoshka_infonce/matryoshka_tc.h"
 
 namespace tk {
 namespace {
@@ -42,6 +43,33 @@ MrlBlockParams make(const std::vector<int>& dt, const std::vector<int64_t>& sz, 
   if (p.dense && !p.pos) fail("mrl_block_launch: an extra-negative block takes no bias");
   return p;
 }
+
+// sizes: R, C, i0, Bq, ldq, ldd, ldr, ldk, diag_offset, cols, nsplit, tiles_per_split, lsh. seg: 0, m_1 .. m_K.
+MrlTcParams make_tc(int dtype, const std::vector<int64_t>& sz, const std::vector<int>& seg, double inv_temp,
+                    const PtrMap& m) {
+  if (sz.size() != 13) fail("mrl_tc_launch: expected 13 sizes");
+  if (seg.size() < 2 || seg.size() > (size_t)kMrlTcMaxLevels + 1) fail("mrl_tc_launch: 1..8 levels");
+  MrlTcParams p;
+  p.dtype = to_dtype(dtype);
+  p.R = sz[0]; p.C = sz[1]; p.i0 = sz[2]; p.Bq = sz[3]; p.ldq = sz[4]; p.ldd = sz[5]; p.ldr = sz[6]; p.ldk = sz[7];
+  p.diag_offset = sz[8]; p.cols = sz[9] != 0; p.nsplit = sz[10]; p.tiles_per_split = sz[11]; p.lsh = sz[12];
+  p.K = (int)seg.size() - 1;
+  for (size_t l = 0; l < seg.size(); ++l) p.seg[l] = seg[l];
+  p.inv_temp = inv_temp;
+  p.q = ptr_of(m, "q"); p.d = ptr_of(m, "d");
+  p.rho = static_cast<const float*>(ptr_of(m, "rho")); p.kap = static_cast<const float*>(ptr_of(m, "kap"));
+  p.q_lo = static_cast<const int32_t*>(ptr_of(m, "q_lo")); p.q_hi = static_cast<const int32_t*>(ptr_of(m, "q_hi"));
+  p.d_lo = static_cast<const int32_t*>(ptr_of(m, "d_lo")); p.d_hi = static_cast<const int32_t*>(ptr_of(m, "d_hi"));
+  p.row_none = static_cast<const uint8_t*>(ptr_of(m, "row_none"));
+  p.col_none = static_cast<const uint8_t*>(ptr_of(m, "col_none"));
+  p.row_fb = static_cast<const uint8_t*>(ptr_of(m, "row_fb"));
+  p.row_part = static_cast<float*>(mut_ptr_of(m, "row_part")); p.col_part = static_cast<float*>(mut_ptr_of(m, "col_part"));
+  p.row_lse = static_cast<const float*>(ptr_of(m, "row_lse")); p.col_lse = static_cast<const float*>(ptr_of(m, "col_lse"));
+  p.coef = static_cast<const float*>(ptr_of(m, "coef")); p.Ho = mut_ptr_of(m, "Ho");
+  p.drho_part = static_cast<float*>(mut_ptr_of(m, "drho_part"));
+  p.dkap_part = static_cast<float*>(mut_ptr_of(m, "dkap_part"));
+  return p;
+}
 }  // namespace
 
 TK_BIND(mrl_block) {
@@ -70,6 +98,25 @@ TK_BIND(mrl_block) {
             fail("unknown mrl_block op '" + op + "'");
           }
         });
+  // The tensor-core passes (matryoshka_tc.h): op "fwd" or "bwd"; the kernel checks the rest.
+  m.def("mrl_tc_launch",
+        [](const std::string& op, int device, uintptr_t stream, int dtype, const std::vector<int64_t>& sizes,
+           const std::vector<int>& seg, double inv_temp, const PtrMap& ptrs) {
+          const MrlTcParams p = make_tc(dtype, sizes, seg, inv_temp, ptrs);
+          const auto cpu = [&] { fail("mrl_tc_launch: the tensor-core Matryoshka passes run on CUDA (or the CUDA emulator)"); };
+          if (op == "fwd") {
+            run_on(device, cpu, [&] { TK_CUDA_ONLY(mrl_tc_fwd_cuda(p, device, stream)); });
+          } else if (op == "bwd") {
+            run_on(device, cpu, [&] { TK_CUDA_ONLY(mrl_tc_bwd_cuda(p, device, stream)); });
+          } else {
+            fail("unknown mrl_tc op '" + op + "'");
+          }
+        });
+  m.def("mrl_tc_max_levels", [](int device) {
+    int K = 0;
+    run_on(device, [&] { K = 0; }, [&] { TK_CUDA_ONLY(K = mrl_tc_max_levels_cuda(device)); });
+    return K;
+  });
 }
 
 }  // namespace tk

@@ -28,7 +28,7 @@ from typing import List, Sequence
 
 import torch
 
-from .common import DTYPE_CODES, env_choice, kernels, launch_args, on_cuda_path, ptr
+from .common import DTYPE_CODES, env_choice, kernels, launch_args, on_cuda_path, ptr, sm_count
 from .multipos_blocked import _SIZE, _addmm_into, _mm, _mm_out_f32, block_rows, none_flags, spans32, tiling
 
 
@@ -250,21 +250,54 @@ def blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kne
 # Memory: forward R (C + N) accumulation values (+ the bias block), backward (K + 1) R (C + N) (+ 2 R C with a
 # bias), plus O(K R C / 1024 + K C R / TR) partials; never B x C unless one block holds it.
 
-MRL_VARIANTS = ("levels", "fused", "torch")
+MRL_VARIANTS = ("tc", "levels", "fused", "torch")
 
 
 def cuda_variant() -> str:
-    """The CUDA execution of matryoshka_infonce: TEMPOKERN_MRL_CUDA=levels (default: one fused multipos_infonce
-    per level on the truncated, normalised embeddings, for calls without a bias and with B == B'; the others
-    take the fused kernels), fused (the per-level fused kernels of matryoshka_block_cuda.cu: 13.7 ms at
-    B = 8,192 on the H100, 2026-11-23) or torch (the blocked torch element-wise path above: 48.8 ms)."""
-    return env_choice("TEMPOKERN_MRL_CUDA", MRL_VARIANTS, "levels")
+    """The CUDA execution of matryoshka_infonce: TEMPOKERN_MRL_CUDA=tc (default: the tensor-core kernels of
+    matryoshka_tc_cuda.cu, for bfloat16 embeddings without a bias or extra negatives whose dims are multiples
+    of 16; other calls take "levels"), levels (one fused multipos_infonce per level on the truncated,
+    normalised embeddings, for calls without a bias and with B == B'; the others take the fused kernels: 6.8 ms
+    at B = 8,192 on the H100, 2026-11-23), fused (the per-level fused kernels of matryoshka_block_cuda.cu:
+    13.1 ms) or torch (the blocked torch element-wise path above: 47.2 ms)."""
+    return env_choice("TEMPOKERN_MRL_CUDA", MRL_VARIANTS, "tc")
 
 
 def use_fused(t, Bd: int) -> bool:
-    """Whether a call on tensor (or device) t with Bd candidates runs the fused kernels: CUDA (or emulated CUDA)
-    with the fused variant (or levels, where a call cannot take the per-level path) and a candidate."""
-    return on_cuda_path(t) and Bd > 0 and cuda_variant() in ("levels", "fused")
+    """Whether a call on tensor (or device) t with Bd candidates runs the fused kernels (tensor-core or per-level):
+    CUDA (or emulated CUDA) with a variant other than torch, and a candidate."""
+    return on_cuda_path(t) and Bd > 0 and cuda_variant() in ("tc", "levels", "fused")
+
+
+_TC_LEVELS: dict = {}
+
+
+def tc_max_levels(t: torch.Tensor) -> int:
+    """The most levels whose tensor-core backward fits the device's shared memory (8 on an H100 or A100 for the
+    forward and backward together, 4 on sm_86 / sm_89's 99 KB)."""
+    dev, _ = launch_args(t)
+    if t.device.type != "cuda":  # the emulator: its opt-in limit can change between tests
+        return kernels().mrl_tc_max_levels(dev)
+    if dev not in _TC_LEVELS:
+        _TC_LEVELS[dev] = kernels().mrl_tc_max_levels(dev)
+    return _TC_LEVELS[dev]
+
+
+def tc_eligible(half, H: int, seg: Sequence[int], N: int, bias, t) -> bool:
+    """Whether the tensor-core kernels take a call: the tc variant, bfloat16 operands (half), no extra negatives,
+    no bias, rows of a multiple of 8 features (16-byte loads), level boundaries increasing multiples of 16 and at
+    most tc_max_levels(t) levels."""
+    K = len(seg) - 1
+    return (cuda_variant() == "tc" and half == torch.bfloat16 and N == 0 and bias is None and H % 8 == 0
+            and 1 <= K and all(b > a and b % 16 == 0 for a, b in zip(seg, seg[1:])) and K <= tc_max_levels(t))
+
+
+def tc_call(q, d, dims, extra_neg, bias) -> bool:
+    """tc_eligible for a matryoshka_infonce call (before its op: bfloat16 q and d)."""
+    if not (on_cuda_path(q) and q.dtype == torch.bfloat16 and d.dtype == torch.bfloat16 and d.shape[0] > 0):
+        return False
+    seg = [0] + sorted({int(m) for m in dims})
+    return tc_eligible(torch.bfloat16, q.shape[-1], seg, 0 if extra_neg is None else 1, bias, q)
 
 
 def _exact_half(ts) -> "torch.dtype | None":
@@ -308,7 +341,12 @@ class _Fused:
         asz = _SIZE[c.acc]
         per_elem = asz * ((c.K + 1) if backward else 1) + (2 * c.K if backward and self.half is not None else 0) + \
             (2 * asz if bias is not None else 0)
+        self.tc = tc_eligible(self.half, c.q.shape[1], c.seg, c.N, bias, q)
+        if self.tc:  # backward: the K bf16 coefficient blocks Ho; forward: partials only (~K / 8 bytes)
+            per_elem = 2 * c.K if backward else max(1, c.K // 8)
         self.R = block_rows(c.Bq, c.Bd, c.N, per_elem, q.device, block)
+        if self.tc and self.R < c.Bq and self.R > 64 and not block:
+            self.R = self.R // 64 * 64  # whole 64-row tiles per launch
 
     def blocks(self):
         for i0 in range(0, self.c.Bq, self.R):
@@ -541,6 +579,8 @@ def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_n
     gif = bool(want_grad) and col_weight == 0.0
     F = _Fused(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
                col_weight, diag_offset, block, bias, backward=gif)
+    if F.tc:
+        return _tc_forward(F, coef, row_weight, col_weight, gif, bias)
     c = F.c
     K, dev, acc = c.K, q.device, c.acc
     cols = col_weight != 0.0
@@ -608,6 +648,10 @@ def fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg,
     rw = [x * row_weight / c.Bq if c.Bq else 0.0 for x in coef]
     cw = [x * col_weight / c.Bd if cols else 0.0 for x in coef]
     row_stats, col_stats = row_stats.contiguous(), col_stats.contiguous()
+    if F.tc:
+        for i0, i1 in F.blocks():
+            _tc_backward_block(F, i0, i1, rw, cw, row_stats, col_stats, grads)
+        return grads.out(q, c.acc)
     top = _top([float(a != 0.0 or b != 0.0) for a, b in zip(rw, cw)])
     topn = _top(rw) if c.N else 0
     if top:
@@ -619,3 +663,99 @@ def fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg,
             _backward_any(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, grads)
             del Gs, Es, dense
     return grads.out(q, c.acc)
+
+
+# ---- the tensor-core path (csrc/matryoshka_infonce/matryoshka_tc_cuda.cu) ----------------------------------
+#
+# Per block of R rows: ONE forward launch computes every level's score tiles on the tensor cores and reduces
+# them on chip (row partials per column split, column partials per 64-row block); ONE backward launch
+# recomputes them and writes only the K bfloat16 coefficient blocks Ho_l (the suffix sums of the levels'
+# dL/dG), then cuBLAS runs dq[:, S_l] += Ho_l d[:, S_l] and dd[:, S_l] += Ho_l^T q[:, S_l] (one product's
+# flops over the K segments). Per pair: forward 2 m_K flops and no bytes; backward 2 m_K flops on the tensor
+# cores, 2 K bytes written and 4 K read by the 2 K products (2 x 2 m_K flops). Memory: 2 K R C bytes (Ho)
+# in the backward, O(K (R C / 64 + R splits)) partials; R from the 1 GiB budget (block_rows).
+
+
+def _tc_splits(F, r: int):
+    """(nsplit, tiles_per_split): column splits so that the grid has at least 4 x SMs CUDA blocks."""
+    ntiles = -(-F.c.Bd // 64)
+    nrb = -(-r // 64)
+    want = max(1, -(-4 * sm_count(F.c.q.device) // nrb))
+    nsplit = max(1, min(ntiles, want))
+    tps = -(-ntiles // nsplit)
+    return -(-ntiles // tps), tps
+
+
+def _tc_launch(F, op: str, i0: int, i1: int, K: int, splits, **outs):
+    c = F.c
+    q_lo, q_hi, d_lo, d_hi = F.spans
+    p = dict(q=ptr(F.qo), d=ptr(F.do), rho=ptr(c.rho), kap=ptr(c.kap), q_lo=ptr(q_lo), q_hi=ptr(q_hi),
+             d_lo=ptr(d_lo), d_hi=ptr(d_hi), row_none=ptr(F.row_none), col_none=ptr(F.col_none))
+    if F.row_fb is not None:
+        p["row_fb"] = ptr(F.row_fb)
+    p.update({k: ptr(v) for k, v in outs.items() if v is not None})
+    Ho = outs.get("Ho")
+    sizes = [i1 - i0, c.Bd, i0, c.Bq, F.qo.stride(0), F.do.stride(0), c.rho.stride(0), c.kap.stride(0), c.off,
+             int(c.cw != 0.0), splits[0], splits[1], 0 if Ho is None else Ho.stride(0)]
+    kernels().mrl_tc_launch(op, F.dev, F.stream, DTYPE_CODES[F.half], sizes, [int(x) for x in c.seg[:K + 1]], c.it,
+                            p)
+
+
+def _tc_forward(F, coef, row_weight, col_weight, gif: bool, bias):
+    c = F.c
+    K, dev, acc = c.K, c.q.device, c.acc
+    cols = col_weight != 0.0
+    row_stats = torch.zeros(K, 3, c.Bq, dtype=acc, device=dev)
+    col_stats = torch.zeros(K, 3, c.Bd, dtype=acc, device=dev)
+    c_all = torch.full((K, c.Bd), float("-inf"), dtype=acc, device=dev) if cols else None
+    c_pos = c_all.clone() if cols else None
+    if gif:
+        grads = _Grads(F, bias)
+        rw = [float(x) * row_weight / c.Bq if c.Bq else 0.0 for x in coef]
+        cw = [0.0] * K
+    for i0, i1 in F.blocks():
+        r = i1 - i0
+        splits = _tc_splits(F, r)
+        row_part = torch.empty(K, r, splits[0], 2, dtype=acc, device=dev)
+        col_part = torch.empty(K, -(-r // 64), c.Bd, 2, dtype=acc, device=dev) if cols else None
+        _tc_launch(F, "fwd", i0, i1, K, splits, row_part=row_part, col_part=col_part)
+        lse = torch.logsumexp(row_part, dim=2)  # (K, r, 2)
+        row_stats[:, 0, i0:i1] = lse[..., 0]
+        row_stats[:, 1, i0:i1] = lse[..., 1]
+        if cols:
+            cl = torch.logsumexp(col_part, dim=1)  # (K, C, 2)
+            c_all = torch.logaddexp(c_all, cl[..., 0])
+            c_pos = torch.logaddexp(c_pos, cl[..., 1])
+        if gif:
+            _tc_backward_block(F, i0, i1, rw, cw, row_stats, col_stats, grads)
+        del row_part, col_part
+    loss, levels = _finish_levels(c, row_stats, col_stats, c_all, c_pos, cols, coef, row_weight, col_weight)
+    out = [loss, levels, row_stats, col_stats]
+    if gif:
+        out += grads.out(c.q, acc)
+    return out
+
+
+def _tc_backward_block(F, i0, i1, rw, cw, row_stats, col_stats, gr: _Grads):
+    """The gradient of rows i0..i1 for the level coefficients rw, cw: one backward launch for the levels up to
+    the top weighted one (Ho_l, dL/drho_l and dL/dkap_l partials), then the 2 x top segment products."""
+    c = F.c
+    top = _top([float(a != 0.0 or b != 0.0) for a, b in zip(rw, cw)])
+    if not top:
+        return
+    dev, acc = c.q.device, c.acc
+    r = i1 - i0
+    splits = _tc_splits(F, r)
+    Ho = torch.empty(top, r, c.Bd, dtype=F.half, device=dev)
+    drp = torch.empty(top, r, splits[0], dtype=acc, device=dev)
+    dkp = torch.empty(top, -(-r // 64), c.Bd, dtype=acc, device=dev)
+    co = torch.tensor([[rw[l], cw[l]] for l in range(top)], dtype=acc).to(dev)
+    _tc_launch(F, "bwd", i0, i1, top, splits, row_lse=row_stats, col_lse=col_stats if c.cw != 0.0 else None,
+               coef=co, Ho=Ho, drho_part=drp, dkap_part=dkp)
+    gr.drho[:top, i0:i1] += drp.sum(2)
+    gr.dkap[:top] += dkp.sum(1)
+    qo = F.qo[i0:i1]
+    for l in range(top):
+        a, b = c.seg[l], c.seg[l + 1]
+        gr.dq[i0:i1, a:b] += F.grad_prod(Ho[l], F.do[:, a:b])
+        gr.dd[:, a:b] += F.grad_prod(Ho[l].t(), qo[:, a:b])

@@ -19,7 +19,7 @@ import torch
 
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, kernels, launch_args,
                      on_cuda_path, ptr)
-from .matryoshka_blocked import blocked_backward, blocked_forward, cuda_variant, use_fused
+from .matryoshka_blocked import blocked_backward, blocked_forward, cuda_variant, tc_call, use_fused
 from ..reference.offset_bias import offset_bias_table
 from .multipos_infonce import _BIAS_NAMES, _check_span, _span_bounds, check_table_points, validate_bias
 
@@ -488,7 +488,7 @@ def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *,
         bias = validate_bias(bias, q.shape[0], d.shape[0])
         check_same_device(q=q, **{f"bias {n}": t for n, t in zip(_BIAS_NAMES, bias)})
     bias_table_points = check_table_points(bias_table_points, bias)
-    if _per_level(q, d, bias):
+    if _per_level(q, d, bias, dims, extra_neg):
         loss, levels = _levels_path(q, d, dims, weights, temperature, extra_neg, symmetric, q_span, d_span, normalize,
                                     return_levels)
         return (loss, levels) if return_levels else loss
@@ -505,11 +505,12 @@ def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *,
     return (loss, levels) if return_levels else loss
 
 
-def _per_level(q, d, bias) -> bool:
-    """The CUDA path's default (TEMPOKERN_MRL_CUDA=levels): no bias (a bias would be evaluated once per level),
-    a square batch (multipos_infonce's), at least one row."""
-    return (bias is None and on_cuda_path(q) and cuda_variant() == "levels" and q.shape[0] == d.shape[0]
-            and q.shape[0] > 0)
+def _per_level(q, d, bias, dims, extra_neg) -> bool:
+    """The levels path (TEMPOKERN_MRL_CUDA=levels, and the default tc for calls the tensor-core kernels do not
+    take): no bias (a bias would be evaluated once per level), a square batch (multipos_infonce's), a row."""
+    v = cuda_variant()
+    return (bias is None and on_cuda_path(q) and v in ("levels", "tc") and q.shape[0] == d.shape[0]
+            and q.shape[0] > 0 and not (v == "tc" and tc_call(q, d, dims, extra_neg, bias)))
 
 
 def _levels_path(q, d, dims, weights, temperature, extra_neg, symmetric, q_span, d_span, normalize, want_levels):

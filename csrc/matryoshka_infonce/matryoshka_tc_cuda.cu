@@ -1,0 +1,465 @@
+// Tensor-core fused passes of the blocked Matryoshka InfoNCE (see matryoshka_tc.h for the math and layout).
+//
+// CUDA block: 128 threads (4 warps as 2 x 2, each 32 x 32 of the 64 x 64 tile: 2 x 2 wmma 16x16x16
+// accumulators). Feature chunks (<= 32, never across a level boundary) go global -> registers (16-byte loads,
+// the next chunk in flight during the current chunk's mma) -> shared memory (two stages, one barrier per chunk).
+// At a level boundary the accumulators are stored to a float32 score tile in shared memory (they stay in
+// registers and keep accumulating), and the epilogue threads read it:
+//   forward, after each level: row pass (thread = row t/2, every other column) and column pass (thread =
+//     column t/2, every other row), two sweeps each (max, then the sum of exps), running (max, sum) per
+//     thread and level in shared memory;
+//   backward, after the top level: element pass (thread = column t%64, rows t/64 + 2k: a warp writes 32
+//     consecutive Ho elements of a row), the level's g G written back over G_l, then a row pass (dL/drho) and
+//     a column pass (dL/dkap) over those products.
+// Flops per pair: 2 m_K (one product at the top dim); bytes per pair: forward none, backward 2 K (Ho).
+#include <cuda_runtime.h>
+#include <mma.h>
+#include <stdexcept>
+#include "common/cuda_math.cuh"
+#include "common/cuda_utils.cuh"
+#include "matryoshka_infonce/matryoshka_tc.h"
+
+namespace tk {
+namespace {
+
+using namespace nvcuda;
+using cuda::dexp;
+using cuda::lse_of;
+using cuda::ninf;
+
+constexpr int T = kMrlTcTile;  // 64
+constexpr int kThreads = 128;
+constexpr int KCH = 32;       // feature chunk
+constexpr int LDA = KCH + 8;  // operand row stride in shared memory (elements): 80 bytes, conflict-free rows
+constexpr int LDS = T + 4;    // score tile row stride (floats)
+
+struct __align__(16) V16 {  // 8 operand values: one 16-byte load / store
+  uint32_t w[4];
+};
+struct __align__(16) Stat {  // running (max, sum) of all columns and of the positives
+  float m, s, mp, sp;
+};
+
+template <typename OT> struct Smem {
+  OT* ops;        // [2 stages][2 operands][T][LDA]
+  float* ss;      // [levels][T][LDS]: forward 1, backward K - 1 (the top level's tile overlays ops)
+  float* state;   // forward: Stat [K][128]; backward: float [K][128]
+  float* rv;      // [3][K][T]: rho, lse_all, lse_pos of the CUDA block's rows
+  float* cv;      // [3][K][T]: inv_temp kap, lse_all, lse_pos of the tile's columns
+  int32_t* rspan;  // [2][T]
+  int32_t* cspan;  // [2][T]
+  uint8_t* rflag;  // [T]: bit 0 row_none, bit 1 row_fb
+  uint8_t* cflag;  // [T]: col_none
+
+  __device__ Smem(unsigned char* base, int K, bool bwd) {
+    ops = reinterpret_cast<OT*>(base);
+    ss = reinterpret_cast<float*>(base + kMrlTcOps);
+    state = ss + (bwd ? K - 1 : 1) * T * LDS;
+    rv = state + K * kThreads * (bwd ? 1 : 4);
+    cv = rv + 3 * K * T;
+    rspan = reinterpret_cast<int32_t*>(cv + 3 * K * T);
+    cspan = rspan + 2 * T;
+    rflag = reinterpret_cast<uint8_t*>(cspan + 2 * T);
+    cflag = rflag + T;
+  }
+  __device__ OT* stage(int s, int operand) { return ops + (s * 2 + operand) * T * LDA; }
+  // The backward's score tile of level l (the top one over the operand stages, idle by then).
+  __device__ float* level(int l, int K) const {
+    return l == K - 1 ? reinterpret_cast<float*>(ops) : ss + l * T * LDS;
+  }
+};
+
+// One chunk of both operands, global -> registers: 64 rows x kc (16 or 32) features, 8 per 16-byte vector.
+template <typename OT> struct Chunk {
+  V16 a[2], b[2];
+  __device__ __forceinline__ void load(const MrlTcParams& p, int64_t row0, int64_t c0, int k0, int kc) {
+    const int nv = kc / 8;
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int v = tid + u * kThreads;
+      a[u] = b[u] = V16{{0u, 0u, 0u, 0u}};
+      if (v < T * nv) {
+        const int r = v / nv, cvv = v % nv;
+        if (row0 + r < p.R)
+          a[u] = *reinterpret_cast<const V16*>(static_cast<const OT*>(p.q) + (p.i0 + row0 + r) * p.ldq + k0 + cvv * 8);
+        if (c0 + r < p.C)
+          b[u] = *reinterpret_cast<const V16*>(static_cast<const OT*>(p.d) + (c0 + r) * p.ldd + k0 + cvv * 8);
+      }
+    }
+  }
+  __device__ __forceinline__ void store(Smem<OT>& sm, int s, int kc) const {
+    const int nv = kc / 8;
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int v = tid + u * kThreads;
+      if (v < T * nv) {
+        const int r = v / nv, cvv = v % nv;
+        *reinterpret_cast<V16*>(sm.stage(s, 0) + r * LDA + cvv * 8) = a[u];
+        *reinterpret_cast<V16*>(sm.stage(s, 1) + r * LDA + cvv * 8) = b[u];
+      }
+    }
+  }
+};
+
+template <typename OT> struct Acc {
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> f[2][2];
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int x = 0; x < 2; ++x)
+#pragma unroll
+      for (int y = 0; y < 2; ++y) wmma::fill_fragment(f[x][y], 0.0f);
+  }
+  __device__ __forceinline__ void mma(Smem<OT>& sm, int s, int kc) {
+    const int w = threadIdx.x >> 5, wr = w >> 1, wc = w & 1;
+    for (int kk = 0; kk < kc; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, OT, wmma::row_major> a[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, OT, wmma::col_major> b[2];
+#pragma unroll
+      for (int x = 0; x < 2; ++x) wmma::load_matrix_sync(a[x], sm.stage(s, 0) + (wr * 32 + x * 16) * LDA + kk, LDA);
+#pragma unroll
+      for (int y = 0; y < 2; ++y) wmma::load_matrix_sync(b[y], sm.stage(s, 1) + (wc * 32 + y * 16) * LDA + kk, LDA);
+#pragma unroll
+      for (int x = 0; x < 2; ++x)
+#pragma unroll
+        for (int y = 0; y < 2; ++y) wmma::mma_sync(f[x][y], a[x], b[y], f[x][y]);
+    }
+  }
+  __device__ __forceinline__ void store(float* tile) const {
+    const int w = threadIdx.x >> 5, wr = w >> 1, wc = w & 1;
+#pragma unroll
+    for (int x = 0; x < 2; ++x)
+#pragma unroll
+      for (int y = 0; y < 2; ++y)
+        wmma::store_matrix_sync(tile + (wr * 32 + x * 16) * LDS + wc * 32 + y * 16, f[x][y], LDS, wmma::mem_row_major);
+  }
+};
+
+// Positives of (row r, column c) of the tile: span overlap, or the diagonal fallback of rows (pr) and of
+// columns (pc) without an overlap (matryoshka_block.h).
+template <typename OT>
+__device__ __forceinline__ void positives(const Smem<OT>& sm, int r, int c, int64_t dg0, bool& pr, bool& pc) {
+  const bool ov = max(sm.rspan[r], sm.cspan[c]) <= min(sm.rspan[T + r], sm.cspan[T + c]);
+  const bool dg = dg0 + c - r == 0;  // column index == row index + diag_offset
+  const uint8_t rf = sm.rflag[r];
+  pr = ov || ((rf & 1) && dg);
+  pc = ov || (dg && ((rf & 2) || sm.cflag[c]));
+}
+
+__device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
+  if (m2 == ninf<float>() && s2 == s2) return;
+  if (m == ninf<float>() && s == s) {
+    m = m2;
+    s = s2;
+    return;
+  }
+  const float nm = fmaxf(m, m2);
+  s = s * dexp(m - nm) + s2 * dexp(m2 - nm);
+  m = nm;
+}
+
+// (max, sum of exp(z - max)) of n <= 32 values with the positives' pair beside them.
+struct Sweep {
+  float m = ninf<float>(), s = 0.f, mp = ninf<float>(), sp = 0.f;
+};
+
+template <typename OT>
+__device__ void load_rows(const MrlTcParams& p, Smem<OT>& sm, int64_t row0, bool bwd) {
+  const int tid = threadIdx.x;
+  for (int idx = tid; idx < p.K * T; idx += kThreads) {
+    const int l = idx / T, r = idx % T;
+    const bool ok = row0 + r < p.R;
+    const int64_t i = p.i0 + row0 + r;
+    sm.rv[l * T + r] = ok ? p.rho[l * p.ldr + i] : 0.f;
+    if (bwd) {
+      sm.rv[(p.K + l) * T + r] = ok ? p.row_lse[(int64_t)l * 3 * p.Bq + i] : 0.f;
+      sm.rv[(2 * p.K + l) * T + r] = ok ? p.row_lse[(int64_t)l * 3 * p.Bq + p.Bq + i] : 0.f;
+    }
+  }
+  if (tid < T) {
+    const bool ok = row0 + tid < p.R;
+    const int64_t i = p.i0 + row0 + tid;
+    sm.rspan[tid] = ok ? p.q_lo[i] : 0;
+    sm.rspan[T + tid] = ok ? p.q_hi[i] : -1;
+    const uint8_t none = ok ? p.row_none[i] != 0 : 0;
+    const uint8_t fb = ok ? (p.row_fb ? p.row_fb[i] != 0 : none) : 0;
+    sm.rflag[tid] = (uint8_t)(none | (fb << 1));
+  }
+}
+
+template <typename OT>
+__device__ void load_cols(const MrlTcParams& p, Smem<OT>& sm, int64_t c0, bool bwd) {
+  const int tid = threadIdx.x;
+  const float it = (float)p.inv_temp;
+  for (int idx = tid; idx < p.K * T; idx += kThreads) {
+    const int l = idx / T, c = idx % T;
+    const int64_t j = c0 + c;
+    const bool ok = j < p.C;
+    sm.cv[l * T + c] = ok ? it * p.kap[l * p.ldk + j] : 0.f;
+    if (bwd) {
+      const bool st = ok && p.cols;
+      sm.cv[(p.K + l) * T + c] = st ? p.col_lse[(int64_t)l * 3 * p.C + j] : 0.f;
+      sm.cv[(2 * p.K + l) * T + c] = st ? p.col_lse[(int64_t)l * 3 * p.C + p.C + j] : 0.f;
+    }
+  }
+  if (tid < T) {
+    const int64_t j = c0 + tid;
+    const bool ok = j < p.C;
+    sm.cspan[tid] = ok ? p.d_lo[j] : 0;
+    sm.cspan[T + tid] = ok ? p.d_hi[j] : -1;
+    sm.cflag[tid] = ok ? (uint8_t)(p.col_none[j] != 0) : (uint8_t)0;
+  }
+}
+
+// Forward epilogue of level l on the score tile: the rows' running statistics, the columns' partials.
+template <typename OT>
+__device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int l, int64_t row0, int64_t c0, int64_t nrb) {
+  const int tid = threadIdx.x, h = tid & 1, me = tid >> 1;
+  const int64_t dg0 = c0 - (p.i0 + row0 + p.diag_offset);
+  const float* tile = sm.ss;
+  const int ncol = (int)min((int64_t)T, p.C - c0);
+  {  // row pass: row me, columns h, h + 2, ...
+    const int r = me;
+    const float rs = sm.rv[l * T + r];
+    const float* ks = sm.cv + l * T;
+    Sweep w;
+    for (int k = 0; k < T / 2; ++k) {
+      const int c = h + 2 * k;
+      if (c >= ncol) break;
+      bool pr, pc;
+      positives(sm, r, c, dg0, pr, pc);
+      const float z = tile[r * LDS + c] * rs * ks[c];
+      w.m = fmaxf(w.m, z);
+      if (pr) w.mp = fmaxf(w.mp, z);
+    }
+    for (int k = 0; k < T / 2; ++k) {
+      const int c = h + 2 * k;
+      if (c >= ncol) break;
+      bool pr, pc;
+      positives(sm, r, c, dg0, pr, pc);
+      const float z = tile[r * LDS + c] * rs * ks[c];
+      if (w.m != ninf<float>()) w.s += dexp(z - w.m);
+      if (pr && w.mp != ninf<float>()) w.sp += dexp(z - w.mp);
+    }
+    Stat* st = reinterpret_cast<Stat*>(sm.state) + l * kThreads + tid;
+    Stat v = *st;
+    merge(v.m, v.s, w.m, w.s);
+    merge(v.mp, v.sp, w.mp, w.sp);
+    *st = v;
+  }
+  if (p.cols) {  // column pass: column me, rows h, h + 2, ...
+    const int c = me;
+    const float ks = sm.cv[l * T + c];
+    const float* rs = sm.rv + l * T;
+    const int nrow = (int)min((int64_t)T, p.R - row0);
+    Sweep w;
+    for (int k = 0; k < T / 2; ++k) {
+      const int r = h + 2 * k;
+      if (r >= nrow) break;
+      bool pr, pc;
+      positives(sm, r, c, dg0, pr, pc);
+      const float z = tile[r * LDS + c] * rs[r] * ks;
+      w.m = fmaxf(w.m, z);
+      if (pc) w.mp = fmaxf(w.mp, z);
+    }
+    for (int k = 0; k < T / 2; ++k) {
+      const int r = h + 2 * k;
+      if (r >= nrow) break;
+      bool pr, pc;
+      positives(sm, r, c, dg0, pr, pc);
+      const float z = tile[r * LDS + c] * rs[r] * ks;
+      if (w.m != ninf<float>()) w.s += dexp(z - w.m);
+      if (pc && w.mp != ninf<float>()) w.sp += dexp(z - w.mp);
+    }
+    merge(w.m, w.s, __shfl_xor_sync(0xffffffffu, w.m, 1), __shfl_xor_sync(0xffffffffu, w.s, 1));
+    merge(w.mp, w.sp, __shfl_xor_sync(0xffffffffu, w.mp, 1), __shfl_xor_sync(0xffffffffu, w.sp, 1));
+    if (h == 0 && c < ncol) {
+      float* out = p.col_part + (((int64_t)l * nrb + blockIdx.y) * p.C + c0 + c) * 2;
+      out[0] = lse_of(w.m, w.s);
+      out[1] = lse_of(w.mp, w.sp);
+    }
+  }
+}
+
+// Backward epilogue on the K score tiles: Ho for every level, the tiles overwritten by g G, then the dL/drho
+// sums (added to the thread's state) and the dL/dkap partials of the tile's columns.
+template <typename OT>
+__device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int64_t row0, int64_t c0, int64_t nrb) {
+  const int tid = threadIdx.x, K = p.K;
+  const int64_t dg0 = c0 - (p.i0 + row0 + p.diag_offset);
+  const int ncol = (int)min((int64_t)T, p.C - c0);
+  const int nrow = (int)min((int64_t)T, p.R - row0);
+  OT* Ho = static_cast<OT*>(p.Ho);
+  {  // element pass
+    const int c = tid & (T - 1);
+    for (int k = 0; k < T / 2; ++k) {
+      const int r = (tid >> 6) + 2 * k;
+      if (c >= ncol || r >= nrow) {
+        for (int l = 0; l < K; ++l) sm.level(l, K)[r * LDS + c] = 0.f;
+        continue;
+      }
+      bool pr, pc;
+      positives(sm, r, c, dg0, pr, pc);
+      float hacc = 0.f;
+      for (int l = K - 1; l >= 0; --l) {
+        float* gp = sm.level(l, K) + r * LDS + c;
+        const float G = *gp, rs = sm.rv[l * T + r], ks = sm.cv[l * T + c];
+        const float x = G * rs * ks;
+        const float gr = __ldg(p.coef + 2 * l), gc = p.cols ? __ldg(p.coef + 2 * l + 1) : 0.f;
+        float g = 0.f;
+        if (gr != 0.f)
+          g = gr * (dexp(x - sm.rv[(K + l) * T + r]) - (pr ? dexp(x - sm.rv[(2 * K + l) * T + r]) : 0.f));
+        if (gc != 0.f)
+          g += gc * (dexp(x - sm.cv[(K + l) * T + c]) - (pc ? dexp(x - sm.cv[(2 * K + l) * T + c]) : 0.f));
+        *gp = g * G;
+        hacc += g * rs * ks;
+        Ho[l * p.lsh + (row0 + r) * p.C + c0 + c] = cuda::from_acc<OT>(hacc);
+      }
+    }
+  }
+  __syncthreads();
+  const int h = tid & 1, me = tid >> 1;
+  for (int l = 0; l < K; ++l) {  // dL/drho: row me
+    const float* row = sm.level(l, K) + me * LDS;
+    const float* ks = sm.cv + l * T;
+    float s = 0.f;
+    for (int k = 0; k < T / 2; ++k) s += row[h + 2 * k] * ks[h + 2 * k];
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    sm.state[l * kThreads + tid] += s;
+  }
+  for (int l = 0; l < K; ++l) {  // dL/dkap: column me
+    const float* col = sm.level(l, K) + me;
+    const float* rs = sm.rv + l * T;
+    float s = 0.f;
+    for (int k = 0; k < T / 2; ++k) s += col[(h + 2 * k) * LDS] * rs[h + 2 * k];
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    if (h == 0 && me < ncol) p.dkap_part[((int64_t)l * nrb + blockIdx.y) * p.C + c0 + me] = s * (float)p.inv_temp;
+  }
+}
+
+template <typename OT, bool BWD>
+__global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
+  extern __shared__ __align__(128) unsigned char mrl_tc_smem[];
+  Smem<OT> sm(mrl_tc_smem, p.K, BWD);
+  const int tid = threadIdx.x, K = p.K;
+  const int64_t row0 = (int64_t)blockIdx.y * T;
+  const int64_t nrb = (p.R + T - 1) / T;
+  const int64_t ntiles = (p.C + T - 1) / T;
+  const int64_t t0 = (int64_t)blockIdx.x * p.tiles_per_split;
+  const int64_t t1 = min(ntiles, t0 + p.tiles_per_split);
+  load_rows(p, sm, row0, BWD);
+  for (int l = 0; l < K; ++l) {
+    if (BWD) sm.state[l * kThreads + tid] = 0.f;
+    else reinterpret_cast<Stat*>(sm.state)[l * kThreads + tid] = Stat{ninf<float>(), 0.f, ninf<float>(), 0.f};
+  }
+  Acc<OT> acc;
+  Chunk<OT> ch;
+  for (int64_t tile = t0; tile < t1; ++tile) {
+    const int64_t c0 = tile * T;
+    load_cols(p, sm, c0, BWD);
+    acc.zero();
+    int k0 = 0, l = 0, kc = min(KCH, p.seg[1]), s = 0;
+    ch.load(p, row0, c0, k0, kc);
+    ch.store(sm, 0, kc);
+    __syncthreads();
+    while (true) {
+      const int kn = k0 + kc;
+      const bool lend = kn == p.seg[l + 1];
+      const int ln = lend ? l + 1 : l;
+      const bool more = ln < K;
+      const int kcn = more ? min(KCH, p.seg[ln + 1] - kn) : 0;
+      if (more) ch.load(p, row0, c0, kn, kcn);
+      acc.mma(sm, s, kc);
+      if (lend) {
+        if (BWD && l == K - 1) __syncthreads();  // every warp is done with the operand stages the tile overlays
+        acc.store(BWD ? sm.level(l, K) : sm.ss);
+        __syncthreads();
+        if (!BWD) fwd_epilogue(p, sm, l, row0, c0, nrb);
+        else if (l == K - 1) bwd_epilogue(p, sm, row0, c0, nrb);
+      }
+      if (more) ch.store(sm, s ^ 1, kcn);
+      __syncthreads();
+      if (!more) break;
+      k0 = kn;
+      kc = kcn;
+      l = ln;
+      s ^= 1;
+    }
+  }
+  // the thread pair's per-row results
+  const int h = tid & 1, r = tid >> 1;
+  const bool ok = row0 + r < p.R;
+  for (int l = 0; l < K; ++l) {
+    if (BWD) {
+      if (h == 0 && ok) p.drho_part[((int64_t)l * p.R + row0 + r) * p.nsplit + blockIdx.x] = sm.state[l * kThreads + tid];
+    } else {
+      Stat v = reinterpret_cast<const Stat*>(sm.state)[l * kThreads + tid];
+      merge(v.m, v.s, __shfl_xor_sync(0xffffffffu, v.m, 1), __shfl_xor_sync(0xffffffffu, v.s, 1));
+      merge(v.mp, v.sp, __shfl_xor_sync(0xffffffffu, v.mp, 1), __shfl_xor_sync(0xffffffffu, v.sp, 1));
+      if (h == 0 && ok) {
+        float* out = p.row_part + (((int64_t)l * p.R + row0 + r) * p.nsplit + blockIdx.x) * 2;
+        out[0] = lse_of(v.m, v.s);
+        out[1] = lse_of(v.mp, v.sp);
+      }
+    }
+  }
+}
+
+void check(const MrlTcParams& p, bool bwd) {
+  if (p.R < 0 || p.C < 0 || p.K < 1 || p.K > kMrlTcMaxLevels) throw std::runtime_error("mrl_tc: bad sizes or levels");
+  if (p.dtype != DType::BF16 && p.dtype != DType::F16) throw std::runtime_error("mrl_tc: operands must be bf16 or fp16");
+  if (p.seg[0] != 0) throw std::runtime_error("mrl_tc: seg[0] must be 0");
+  for (int l = 0; l < p.K; ++l)
+    if (p.seg[l + 1] <= p.seg[l] || p.seg[l + 1] % 16 != 0)
+      throw std::runtime_error("mrl_tc: level boundaries must increase in multiples of 16");
+  if (p.ldq % 8 || p.ldd % 8 || p.ldq < p.seg[p.K] || p.ldd < p.seg[p.K])
+    throw std::runtime_error("mrl_tc: row strides must be multiples of 8 and cover the top level");
+  if (reinterpret_cast<uintptr_t>(p.q) % 16 || reinterpret_cast<uintptr_t>(p.d) % 16)
+    throw std::runtime_error("mrl_tc: q and d must be 16-byte aligned");
+  const int64_t ntiles = (p.C + T - 1) / T;
+  if (p.nsplit < 1 || p.tiles_per_split < 1 || p.nsplit * p.tiles_per_split < ntiles ||
+      (p.nsplit - 1) * p.tiles_per_split >= ntiles)
+    throw std::runtime_error("mrl_tc: inconsistent column splits");
+  if ((p.R + T - 1) / T > 65535) throw std::runtime_error("mrl_tc: too many row blocks for one launch");
+  if (!p.q || !p.d || !p.rho || !p.kap || !p.q_lo || !p.q_hi || !p.d_lo || !p.d_hi || !p.row_none || !p.col_none)
+    throw std::runtime_error("mrl_tc: missing inputs");
+  if (!bwd && (!p.row_part || (p.cols && !p.col_part))) throw std::runtime_error("mrl_tc: missing forward outputs");
+  if (bwd && (!p.row_lse || (p.cols && !p.col_lse) || !p.coef || !p.Ho || !p.drho_part || !p.dkap_part))
+    throw std::runtime_error("mrl_tc: missing backward inputs or outputs");
+}
+
+template <bool BWD> void launch(const MrlTcParams& p, int device, uintptr_t stream) {
+  check(p, BWD);
+  if (p.R == 0 || p.C == 0) return;
+  cuda::set_device(device);
+  const size_t smem = mrl_tc_smem_bytes(p.K, BWD);
+  int optin = 0;
+  TK_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (smem > (size_t)optin) throw std::runtime_error("mrl_tc: too many levels for this GPU's shared memory");
+  const dim3 grid((unsigned)p.nsplit, (unsigned)((p.R + T - 1) / T));
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  auto run = [&](auto o) {
+    using OT = decltype(o);
+    auto kern = mrl_tc_kernel<OT, BWD>;
+    TK_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kern<<<grid, kThreads, smem, st>>>(p);
+  };
+  if (p.dtype == DType::BF16) run(__nv_bfloat16{}); else run(__half{});
+  cuda::check_launch();
+}
+
+}  // namespace
+
+void mrl_tc_fwd_cuda(const MrlTcParams& p, int device, uintptr_t stream) { launch<false>(p, device, stream); }
+void mrl_tc_bwd_cuda(const MrlTcParams& p, int device, uintptr_t stream) { launch<true>(p, device, stream); }
+
+int mrl_tc_max_levels_cuda(int device) {
+  int optin = 0;
+  TK_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  int K = 0;
+  while (K < kMrlTcMaxLevels && mrl_tc_smem_bytes(K + 1, true) <= (size_t)optin) ++K;
+  return K;
+}
+
+}  // namespace tk
