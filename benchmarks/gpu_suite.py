@@ -56,7 +56,7 @@ import torch  # noqa: E402
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
 IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_stats_v3", "tempokern_grad_v3", "tempokern_v3", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
-         "tempokern_mrl_fused", "tempokern_cal_v1", "tempokern_cal_v2", "tempokern_ob_full", "tempokern_half_scores", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
+         "tempokern_mrl_fused", "tempokern_mrl_levels", "tempokern_cal_v1", "tempokern_cal_v2", "tempokern_ob_full", "tempokern_half_scores", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
 # one-level yardstick
 # tempokern_half_scores: the multipos loss (no bias, table bias) with TEMPOKERN_MPB_SCORES=half (the score blocks in
 # the operands' dtype, as torch's q @ d.T: half the score bytes; opt-in, not yet measured)
@@ -67,9 +67,10 @@ IMPLS = ("tempokern", "tempokern_stats_v2", "tempokern_stats_v3", "tempokern_gra
 # context op's default until session 9); "tempokern" is auto: context forward v2 + backward v1, scalar v1
 # tempokern_prev: ctd_topk at Q <= 16 with TEMPOKERN_TOPK_SERVE=0 (the path measured on the H100 on 2026-11-22;
 # "tempokern" is the serve kernels, default, not yet measured)
-# tempokern_mrl_fused: matryoshka_infonce with TEMPOKERN_MRL_CUDA=fused (the fused per-level kernels, 13.7 ms at
-# B = 8,192 on the H100 on 2026-11-23); "tempokern" is the default since then, levels (one fused multipos_infonce
-# per level), not yet measured
+# tempokern_mrl_fused: matryoshka_infonce with TEMPOKERN_MRL_CUDA=fused (the fused per-level kernels, 13.1 ms at
+# B = 8,192 on the H100 on 2026-11-23); tempokern_mrl_levels: TEMPOKERN_MRL_CUDA=levels (one fused multipos_infonce
+# per level: the default measured at 6.8 ms that day); "tempokern" is the default since session 10, tc (the
+# tensor-core kernels of matryoshka_tc_cuda.cu for bf16 calls), not yet measured
 # tempokern_mrl_torch: matryoshka_infonce with TEMPOKERN_MRL_CUDA=torch (the blocked torch path, the CUDA path
 # before the fused kernels; "tempokern" is the default fused kernels of matryoshka_block_cuda.cu; neither measured
 # on a GPU yet)
@@ -347,6 +348,7 @@ VARIANT_ENV = {
     "tempokern_prev": {"TEMPOKERN_TOPK_SERVE": "0"},
     "tempokern_mrl_torch": {"TEMPOKERN_MRL_CUDA": "torch"},
     "tempokern_mrl_fused": {"TEMPOKERN_MRL_CUDA": "fused"},
+    "tempokern_mrl_levels": {"TEMPOKERN_MRL_CUDA": "levels"},
     "tempokern_cal_v1": {"TEMPOKERN_CALENDAR": "v1"},
     "tempokern_cal_v2": {"TEMPOKERN_CALENDAR": "v2"},
     "tempokern_ob_full": {"TEMPOKERN_OB_PRUNE": "0"},
@@ -494,6 +496,7 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn, stats_v2: bool = True) -> Li
 # matryoshka_infonce (issue 16 item 1) ------------------------------------------------------------------------
 
 MAT_DIMS = (64, 128, 256, 512, 768)
+MAT_IMPLS = ("tempokern", "tempokern_mrl_torch", "tempokern_mrl_fused", "tempokern_mrl_levels")
 
 
 def mat_inputs(B, dev, dtype, seed):
@@ -509,7 +512,7 @@ def mat_step(impl, compile_fn=None):
     compile (torch.compile of that loop)."""
     def build(inp):
         q, d = inp["q"], inp["d"]
-        if impl in ("tempokern", "tempokern_mrl_torch", "tempokern_mrl_fused"):  # env variable set by with_env
+        if impl in MAT_IMPLS:  # env variable set by with_env
             f = lambda: tk().matryoshka_infonce(q, d, MAT_DIMS, temperature=TEMPERATURE)  # noqa: E731
         elif impl == "single":
             ids = torch.arange(q.shape[0], device=q.device)
@@ -538,7 +541,7 @@ def mat_agree(max_rows: int, seed: int):
                           ["q", "d"])
         res = {}
         for impl in impls:
-            if impl not in ("tempokern", "tempokern_mrl_torch", "tempokern_mrl_fused", "eager"):
+            if impl not in MAT_IMPLS + ("eager",):
                 continue
             a, b = _leaf(q.clone()), _leaf(d.clone())
             fn = ref().matryoshka_infonce if impl == "eager" else tk().matryoshka_infonce
@@ -553,7 +556,7 @@ def matryoshka_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
     for B in sizes.get("matryoshka", []):
         steps = {impl: mat_step(impl, compile_fn) for impl in ("tempokern", "single", "eager", "compile")}
         steps["matmul"] = lambda inp: row_blocks_mm(inp["q"].detach(), inp["d"].detach())
-        for v in ("tempokern_mrl_torch", "tempokern_mrl_fused"):
+        for v in MAT_IMPLS[1:]:
             steps[v] = variant_step(v, mat_step(v))
         cases.append(Case(
             "matryoshka_infonce", "dims 64..768", f"B={B}", make=(lambda s, B=B: mat_inputs(B, dev, dtype, s)),

@@ -164,7 +164,7 @@ def test_grid_at_other_sm_counts(gpu, tc, monkeypatch, sms):
         nsplit, tps = tc["launches"][0][4]
         ntiles, nrb = -(-200 // 64), -(-200 // 64)
         assert nsplit * tps >= ntiles > (nsplit - 1) * tps
-        assert nsplit * nrb >= min(4 * sms, ntiles * nrb)
+        assert nsplit * nrb >= min(mb.TC_BLOCKS_PER_SM * sms, ntiles * nrb)
 
 
 def test_does_not_depend_on_thread_order(cuda_emu, monkeypatch):

@@ -96,6 +96,12 @@ for sym in (False, True):
     lr = ref.matryoshka_infonce(q3.double(), d3.double(), (8, 20, H2), temperature=0.05, symmetric=sym)
     gf = torch.autograd.grad(lf, [q3, d3])
     check(f"matryoshka sym={sym}", lf, lr, 1e-4)
+    # the tensor-core kernels (session 10, the default for bf16): dims multiples of 16
+    qb3, db3 = q2.detach().bfloat16().requires_grad_(), d2.detach().bfloat16().requires_grad_()
+    lf = tempokern.matryoshka_infonce(qb3, db3, (16, 32, H2), temperature=0.05, symmetric=sym)
+    lr = ref.matryoshka_infonce(qb3.double(), db3.double(), (16, 32, H2), temperature=0.05, symmetric=sym)
+    gf = torch.autograd.grad(lf, [qb3, db3])
+    check(f"matryoshka tc sym={sym}", lf, lr, 1e-4)
 NG = 9000 if SMALL else 70000
 gg = torch.randn(NG, H, device=dev)
 ugg = torch.rand(NG, device=dev)

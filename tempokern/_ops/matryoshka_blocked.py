@@ -676,11 +676,17 @@ def fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg,
 # in the backward, O(K (R C / 64 + R splits)) partials; R from the 1 GiB budget (block_rows).
 
 
+#: CUDA blocks per SM the tensor-core grids aim at: ~8 waves of the forward's 4 resident blocks per SM (16 of
+#: the backward's 2), so that the last, partial wave costs a few percent (a split adds only its row partials)
+TC_BLOCKS_PER_SM = 32
+
+
 def _tc_splits(F, r: int):
-    """(nsplit, tiles_per_split): column splits so that the grid has at least 4 x SMs CUDA blocks."""
+    """(nsplit, tiles_per_split): column splits so that the grid has TC_BLOCKS_PER_SM x SMs CUDA blocks where
+    the tiles allow it."""
     ntiles = -(-F.c.Bd // 64)
     nrb = -(-r // 64)
-    want = max(1, -(-4 * sm_count(F.c.q.device) // nrb))
+    want = max(1, -(-TC_BLOCKS_PER_SM * sm_count(F.c.q.device) // nrb))
     nsplit = max(1, min(ntiles, want))
     tps = -(-ntiles // nsplit)
     return -(-ntiles // tps), tps
