@@ -259,7 +259,7 @@ def test_kernel_rejects_what_it_cannot_run(cuda_emu):
         for seg, msg in (([0, 24], "multiples of 16"), ([0, 48], "cover the top level"), ([0, 16, 16], "increase")):
             with pytest.raises(RuntimeError, match=msg):
                 k.mrl_tc_launch("fwd", 0, 0, bf, sizes, seg, 1.0, p)
-        with pytest.raises(RuntimeError, match="bf16 or fp16"):
+        with pytest.raises(RuntimeError, match="must be bf16"):
             k.mrl_tc_launch("fwd", 0, 0, mb.DTYPE_CODES[torch.float32], sizes, [0, 32], 1.0, p)
         with pytest.raises(RuntimeError, match="column splits"):
             k.mrl_tc_launch("fwd", 0, 0, bf, sizes[:10] + [2, 1, 0], [0, 32], 1.0, p)

@@ -4,7 +4,7 @@
 // The per-level kernels of matryoshka_block.h read each level's (R x C) score block from memory, which cuBLAS
 // wrote: K score blocks per pass, ~5 x the bytes of one level for dims 64..768. Here the score tiles never
 // leave the chip. A CUDA block owns 64 rows x (a range of 64-column tiles); per tile it accumulates the prefix
-// products q[:, :m_l] d[:, :m_l]^T on the tensor cores (wmma, bf16 / fp16 operands, float32 accumulation),
+// products q[:, :m_l] d[:, :m_l]^T on the tensor cores (wmma, bf16 operands, float32 accumulation),
 // one feature chunk of <= 32 at a time through double-buffered shared memory, and at each level boundary
 // stores the accumulators (the raw level score G_l of the tile, float32) to shared memory:
 //
@@ -31,7 +31,7 @@ constexpr int kMrlTcMaxLevels = 8;
 constexpr int kMrlTcTile = 64;  // rows and columns of a tile
 
 struct MrlTcParams {
-  DType dtype = DType::BF16;  // q, d and Ho: BF16 or F16
+  DType dtype = DType::BF16;  // q, d and Ho: BF16 (the kernels' only instantiation)
   int64_t R = 0, C = 0;       // rows of this launch (global rows i0 .. i0 + R), columns
   int64_t i0 = 0, Bq = 0;
   const void* q = nullptr;  // (Bq, ldq): the rows' embeddings

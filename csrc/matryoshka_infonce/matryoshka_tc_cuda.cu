@@ -1,7 +1,7 @@
 // Tensor-core fused passes of the blocked Matryoshka InfoNCE (see matryoshka_tc.h for the math and layout).
 //
 // CUDA block: 128 threads (4 warps as 2 x 2, each 32 x 32 of the 64 x 64 tile: 2 x 2 wmma 16x16x16
-// accumulators). Feature chunks (<= 32, never across a level boundary) go global -> registers (16-byte loads,
+// accumulators, bf16 operands). Feature chunks (<= 32, never across a level boundary) go global -> registers (16-byte loads,
 // the next chunk in flight during the current chunk's mma) -> shared memory (two stages, one barrier per chunk).
 // At a level boundary the accumulators are stored to a float32 score tile in shared memory (they stay in
 // registers and keep accumulating), and the epilogue threads read it:
@@ -408,7 +408,8 @@ __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
 
 void check(const MrlTcParams& p, bool bwd) {
   if (p.R < 0 || p.C < 0 || p.K < 1 || p.K > kMrlTcMaxLevels) throw std::runtime_error("mrl_tc: bad sizes or levels");
-  if (p.dtype != DType::BF16 && p.dtype != DType::F16) throw std::runtime_error("mrl_tc: operands must be bf16 or fp16");
+  // bf16 only: float16 coefficients Ho would fall into float16's subnormals at large B (the driver's rule)
+  if (p.dtype != DType::BF16) throw std::runtime_error("mrl_tc: operands must be bf16");
   if (p.seg[0] != 0) throw std::runtime_error("mrl_tc: seg[0] must be 0");
   for (int l = 0; l < p.K; ++l)
     if (p.seg[l + 1] <= p.seg[l] || p.seg[l + 1] % 16 != 0)
@@ -445,7 +446,7 @@ template <bool BWD> void launch(const MrlTcParams& p, int device, uintptr_t stre
     TK_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     kern<<<grid, kThreads, smem, st>>>(p);
   };
-  if (p.dtype == DType::BF16) run(__nv_bfloat16{}); else run(__half{});
+  run(__nv_bfloat16{});
   cuda::check_launch();
 }
 
