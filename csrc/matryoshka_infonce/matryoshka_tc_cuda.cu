@@ -159,10 +159,35 @@ __device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
   m = nm;
 }
 
-// (max, sum of exp(z - max)) of n <= 32 values with the positives' pair beside them.
+// (max, sum of exp(z - max)) of up to 32 values, and the same of the positives among them.
 struct Sweep {
   float m = ninf<float>(), s = 0.f, mp = ninf<float>(), sp = 0.f;
 };
+
+// The Sweep of the elements h, h + 2, ... (< n) of a tile row or column: at(index, z, positive) gives each
+// element's logit and whether it is a positive. Two passes: the maxima, then the sums of exponentials.
+template <typename At> __device__ __forceinline__ Sweep sweep(int h, int n, At&& at) {
+  Sweep w;
+  for (int k = 0; k < T / 2; ++k) {
+    const int e = h + 2 * k;
+    if (e >= n) break;
+    float z;
+    bool in;
+    at(e, z, in);
+    w.m = fmaxf(w.m, z);
+    if (in) w.mp = fmaxf(w.mp, z);
+  }
+  for (int k = 0; k < T / 2; ++k) {
+    const int e = h + 2 * k;
+    if (e >= n) break;
+    float z;
+    bool in;
+    at(e, z, in);
+    if (w.m != ninf<float>()) w.s += dexp(z - w.m);
+    if (in && w.mp != ninf<float>()) w.sp += dexp(z - w.mp);
+  }
+  return w;
+}
 
 template <typename OT>
 __device__ void load_rows(const MrlTcParams& p, Smem<OT>& sm, int64_t row0, bool bwd) {
@@ -223,25 +248,12 @@ __device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int l, int64_t 
     const int r = me;
     const float rs = sm.rv[l * T + r];
     const float* ks = sm.cv + l * T;
-    Sweep w;
-    for (int k = 0; k < T / 2; ++k) {
-      const int c = h + 2 * k;
-      if (c >= ncol) break;
+    const Sweep w = sweep(h, ncol, [&](int c, float& z, bool& in) {
       bool pr, pc;
       positives(sm, r, c, dg0, pr, pc);
-      const float z = tile[r * LDS + c] * rs * ks[c];
-      w.m = fmaxf(w.m, z);
-      if (pr) w.mp = fmaxf(w.mp, z);
-    }
-    for (int k = 0; k < T / 2; ++k) {
-      const int c = h + 2 * k;
-      if (c >= ncol) break;
-      bool pr, pc;
-      positives(sm, r, c, dg0, pr, pc);
-      const float z = tile[r * LDS + c] * rs * ks[c];
-      if (w.m != ninf<float>()) w.s += dexp(z - w.m);
-      if (pr && w.mp != ninf<float>()) w.sp += dexp(z - w.mp);
-    }
+      z = tile[r * LDS + c] * rs * ks[c];
+      in = pr;
+    });
     Stat* st = reinterpret_cast<Stat*>(sm.state) + l * kThreads + tid;
     Stat v = *st;
     merge(v.m, v.s, w.m, w.s);
@@ -253,25 +265,12 @@ __device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int l, int64_t 
     const float ks = sm.cv[l * T + c];
     const float* rs = sm.rv + l * T;
     const int nrow = (int)min((int64_t)T, p.R - row0);
-    Sweep w;
-    for (int k = 0; k < T / 2; ++k) {
-      const int r = h + 2 * k;
-      if (r >= nrow) break;
+    Sweep w = sweep(h, nrow, [&](int r, float& z, bool& in) {
       bool pr, pc;
       positives(sm, r, c, dg0, pr, pc);
-      const float z = tile[r * LDS + c] * rs[r] * ks;
-      w.m = fmaxf(w.m, z);
-      if (pc) w.mp = fmaxf(w.mp, z);
-    }
-    for (int k = 0; k < T / 2; ++k) {
-      const int r = h + 2 * k;
-      if (r >= nrow) break;
-      bool pr, pc;
-      positives(sm, r, c, dg0, pr, pc);
-      const float z = tile[r * LDS + c] * rs[r] * ks;
-      if (w.m != ninf<float>()) w.s += dexp(z - w.m);
-      if (pc && w.mp != ninf<float>()) w.sp += dexp(z - w.mp);
-    }
+      z = tile[r * LDS + c] * rs[r] * ks;
+      in = pc;
+    });
     merge(w.m, w.s, __shfl_xor_sync(0xffffffffu, w.m, 1), __shfl_xor_sync(0xffffffffu, w.s, 1));
     merge(w.mp, w.sp, __shfl_xor_sync(0xffffffffu, w.mp, 1), __shfl_xor_sync(0xffffffffu, w.sp, 1));
     if (h == 0 && c < ncol) {

@@ -13,6 +13,7 @@
 #include <limits>
 #include <stdexcept>
 #include <type_traits>
+#include "common/cuda_math.cuh"
 #include "common/cuda_utils.cuh"
 #include "multipos_infonce/multipos_block.h"
 
@@ -23,30 +24,14 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 
-// exp through the SFU's exp2 with the rounding of x * log2(e) compensated: t = fl(x * L), the residual
+// dexp (common/cuda_math.cuh): exp through the SFU's exp2 with the rounding of x * log2(e) compensated: t = fl(x * L), the residual
 // lo = x * L - t (one fma, plus x times the part of log2(e) that L misses), exp(x) = 2^t * (1 + lo ln 2).
 // About as accurate as expf (a plain ex2(x * L) loses |x| * 2^-24 relative, 4x torch's error at |x| ~ 10).
-__device__ __forceinline__ float ex2f(float t) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(t));
-  return y;
-#else
-  return exp2f(t);
-#endif
-}
-__device__ __forceinline__ float dexp(float x) {
-  constexpr float L = 1.4426950408889634f, L_lo = 1.925963033500518e-08f, LN2 = 0.6931471805599453f;
-  const float t = x * L;
-  const float lo = fmaf(x, L, -t) + x * L_lo;
-  const float y = ex2f(t);
-  return fabsf(x) < 1e30f ? fmaf(y, lo * LN2, y) : y;  // +-inf (and NaN): the plain 2^t
-}
-__device__ __forceinline__ double dexp(double x) { return exp(x); }
-__device__ __forceinline__ float dlog(float x) { return logf(x); }
+using cuda::dexp;
+using cuda::dlog;
+using cuda::ex2f;
 __device__ __forceinline__ float dfloor(float x) { return floorf(x); }
 __device__ __forceinline__ double dfloor(double x) { return ::floor(x); }
-__device__ __forceinline__ double dlog(double x) { return log(x); }
 
 template <typename A> __device__ __forceinline__ A ninf() { return -std::numeric_limits<A>::infinity(); }
 

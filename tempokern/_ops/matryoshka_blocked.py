@@ -570,6 +570,21 @@ def _top(coefs) -> int:
     return act[-1] + 1 if act else 0
 
 
+def _forward_state(F, coef, row_weight, col_weight, gif: bool, bias):
+    """Both fused forwards' accumulators: (row_stats, col_stats, column lse_all / lse_pos running values or None
+    without a column term, and with gif the gradient accumulators and the levels' row / column coefficients)."""
+    c = F.c
+    K, dev, acc = c.K, c.q.device, c.acc
+    row_stats = torch.zeros(K, 3, c.Bq, dtype=acc, device=dev)
+    col_stats = torch.zeros(K, 3, c.Bd, dtype=acc, device=dev)
+    c_all = torch.full((K, c.Bd), float("-inf"), dtype=acc, device=dev) if col_weight != 0.0 else None
+    c_pos = None if c_all is None else c_all.clone()
+    if not gif:
+        return row_stats, col_stats, c_all, c_pos, None, None, None
+    rw = [float(x) * row_weight / c.Bq if c.Bq else 0.0 for x in coef]
+    return row_stats, col_stats, c_all, c_pos, _Grads(F, bias), rw, [0.0] * K
+
+
 def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
                   row_weight, col_weight, diag_offset, block=0, bias=None, want_grad=False) -> List[torch.Tensor]:
     """[loss, levels, row_stats, col_stats], then with want_grad (only without a column term: a block's row
@@ -584,14 +599,7 @@ def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_n
     c = F.c
     K, dev, acc = c.K, q.device, c.acc
     cols = col_weight != 0.0
-    row_stats = torch.zeros(K, 3, c.Bq, dtype=acc, device=dev)
-    col_stats = torch.zeros(K, 3, c.Bd, dtype=acc, device=dev)
-    c_all = torch.full((K, c.Bd), float("-inf"), dtype=acc, device=dev) if cols else None
-    c_pos = c_all.clone() if cols else None
-    if gif:
-        grads = _Grads(F, bias)
-        rw = [float(x) * row_weight / c.Bq if c.Bq else 0.0 for x in coef]
-        cw = [0.0] * K
+    row_stats, col_stats, c_all, c_pos, grads, rw, cw = _forward_state(F, coef, row_weight, col_weight, gif, bias)
     for i0, i1 in F.blocks():
         r = i1 - i0
         tS = tiling(r, c.Bd, dev)
@@ -711,14 +719,7 @@ def _tc_forward(F, coef, row_weight, col_weight, gif: bool, bias):
     c = F.c
     K, dev, acc = c.K, c.q.device, c.acc
     cols = col_weight != 0.0
-    row_stats = torch.zeros(K, 3, c.Bq, dtype=acc, device=dev)
-    col_stats = torch.zeros(K, 3, c.Bd, dtype=acc, device=dev)
-    c_all = torch.full((K, c.Bd), float("-inf"), dtype=acc, device=dev) if cols else None
-    c_pos = c_all.clone() if cols else None
-    if gif:
-        grads = _Grads(F, bias)
-        rw = [float(x) * row_weight / c.Bq if c.Bq else 0.0 for x in coef]
-        cw = [0.0] * K
+    row_stats, col_stats, c_all, c_pos, grads, rw, cw = _forward_state(F, coef, row_weight, col_weight, gif, bias)
     for i0, i1 in F.blocks():
         r = i1 - i0
         splits = _tc_splits(F, r)
