@@ -30,6 +30,9 @@ def tc(monkeypatch):
     """The default variant, with every tensor-core launch recorded: (op, i0, i1, K, outputs) and the levels
     path's multipos_infonce calls."""
     monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
+    # the levels path's per-level multipos_infonce calls keep the blocked path here (with the default
+    # TEMPOKERN_MPB_TC=1 their bf16 levels would be one-level tensor-core launches: tests/test_multipos_tc.py)
+    monkeypatch.setenv("TEMPOKERN_MPB_TC", "0")
     rec = {"launches": [], "levels": 0}
     real, real_mp = mb._tc_launch, mpi.multipos_infonce
 

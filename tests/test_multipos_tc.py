@@ -1,0 +1,129 @@
+"""multipos_infonce's tensor-core path (TEMPOKERN_MPB_TC=1, the default): bfloat16 CUDA calls without a bias,
+extra negatives or return_hardest, with a multiple of 16 features, run the one-level tensor-core kernels of
+csrc/matryoshka_infonce/matryoshka_tc_cuda.cu (normalize=False). On the CUDA emulator (and a GPU where there is
+one) against tempokern.reference: the forward to float32 rounding on the same bfloat16 values (rtol 2e-6), the
+2x-torch rule in bfloat16 for the loss and both gradients, the partial entry with a diagonal offset and
+caller-given row_none (CTDLoss's gathered column pass), and which calls take the blocked path instead."""
+import pytest
+import torch
+
+import tempokern
+import tempokern._ops.matryoshka_blocked as mb
+import tempokern._ops.multipos_blocked as mpb
+from tempokern._ops.multipos_infonce import multipos_infonce_partial
+from tempokern.reference import multipos_infonce as ref
+from tempokern.reference.multipos_infonce import multipos_infonce_partial as ref_partial
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """Counts the tensor-core launches and the blocked path's kernel launches."""
+    monkeypatch.delenv("TEMPOKERN_MPB_TC", raising=False)
+    monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
+    seen = {"tc": 0, "blocked": 0}
+    real_tc, real_bl = mb._tc_launch, mpb._Launcher.launch
+
+    def tc(*a, **k):
+        seen["tc"] += 1
+        return real_tc(*a, **k)
+
+    def bl(*a, **k):
+        seen["blocked"] += 1
+        return real_bl(*a, **k)
+    monkeypatch.setattr(mb, "_tc_launch", tc)
+    monkeypatch.setattr(mpb._Launcher, "launch", bl)
+    return seen
+
+
+def inputs(B, H, *, Bd=None, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    Bd = B if Bd is None else Bd
+    q = torch.randn(B, H, generator=g, dtype=torch.float64)
+    d = torch.randn(Bd, H, generator=g, dtype=torch.float64)
+    qs, ds = torch.randint(0, 30, (B,), generator=g), torch.randint(0, 30, (Bd,), generator=g)
+    sp = ((qs, qs + torch.randint(0, 3, (B,), generator=g)), (ds, ds + torch.randint(0, 3, (Bd,), generator=g)))
+    return q.to(dtype), d.to(dtype), sp
+
+
+def on(gpu, q, d, sp):
+    return q.to(gpu), d.to(gpu), tuple(tuple(t.to(gpu) for t in s) for s in sp)
+
+
+@pytest.mark.parametrize("B,symmetric", [(70, False), (70, True), (200, True), (5, False)])
+def test_forward_and_gradients_against_reference(gpu, paths, B, symmetric):
+    q, d, sp = inputs(B, 64, seed=B)
+    qg, dg, spg = on(gpu, q, d, sp)
+    qg.requires_grad_()
+    dg.requires_grad_()
+    loss = tempokern.multipos_infonce(qg, dg, *spg, temperature=0.05, symmetric=symmetric)
+    gq, gd = torch.autograd.grad(loss, (qg, dg))
+    q64, d64 = q.double().requires_grad_(), d.double().requires_grad_()
+    lr = ref(q64, d64, *sp, temperature=0.05, symmetric=symmetric)
+    rq, rd = torch.autograd.grad(lr, (q64, d64))
+    torch.testing.assert_close(loss.double().cpu(), lr, rtol=2e-6, atol=1e-6)
+    for a, b in ((gq, rq), (gd, rd)):  # coefficients rounded once to bf16 (as the blocked path's dS)
+        torch.testing.assert_close(a.double().cpu(), b, rtol=0, atol=1e-2 * b.abs().max().item())
+    if gpu.type == "cpu":
+        assert paths["tc"] >= 2 and paths["blocked"] == 0
+
+
+def test_two_x_torch_rule_bf16(gpu, paths):
+    q, d, sp = inputs(96, 32, seed=3, dtype=torch.float64)
+    exact = _run(ref, q, d, sp)
+    low = [t.to(torch.bfloat16) for t in (q, d)]
+    plain = _run(ref, *low, sp)
+    got = _run(tempokern.multipos_infonce, *on(gpu, *low, sp))
+    eps = torch.finfo(torch.bfloat16).eps
+    for k, (f, p, e) in enumerate(zip(got, plain, exact)):
+        ef = (f.double().cpu() - e).abs().max().item()
+        et = (p.double() - e).abs().max().item()
+        assert ef <= 2 * et + 4 * eps, f"output {k}: tempokern {ef:.2e} vs torch {et:.2e}"
+    if gpu.type == "cpu":
+        assert paths["tc"] and not paths["blocked"]
+
+
+def _run(fn, q, d, sp):
+    q, d = q.clone().requires_grad_(), d.clone().requires_grad_()
+    loss = fn(q, d, *sp, temperature=0.1, symmetric=True)
+    return [loss.detach(), *torch.autograd.grad(loss, (q, d))]
+
+
+def test_partial_with_diagonal_offset_and_row_none(gpu, paths):
+    # CTDLoss's gathered passes: more columns than rows, row i's fallback at column i + 40, and a caller's
+    # row_none flag (rows without an overlap among ALL documents) deciding the column fallback
+    q, d, sp = inputs(40, 32, Bd=120, seed=7)
+    (q_lo, q_hi), (d_lo, d_hi) = ((torch.minimum(*s), torch.maximum(*s)) for s in sp)
+    row_none = torch.rand(40, generator=torch.Generator().manual_seed(1)) < 0.3
+    kw = dict(temperature=0.1, row_weight=0.5, col_weight=0.5, diag_offset=40)
+    got = multipos_infonce_partial(*on(gpu, q, d, ((q_lo, q_hi), (d_lo, d_hi)))[:2], q_lo.to(gpu), q_hi.to(gpu),
+                                   d_lo.to(gpu), d_hi.to(gpu), row_none=row_none.to(gpu), **kw)
+    want = ref_partial(q.double(), d.double(), q_lo, q_hi, d_lo, d_hi, row_none=row_none, **kw)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=2e-6, atol=1e-6)
+    if gpu.type == "cpu":
+        assert paths["tc"] == 1 and paths["blocked"] == 0
+
+
+@pytest.mark.parametrize("case", ["float32", "H24", "extra_neg", "bias", "hardest", "switch"])
+def test_calls_that_keep_the_blocked_path(gpu, paths, monkeypatch, case):
+    q, d, sp = inputs(40, 24 if case == "H24" else 32, seed=11, dtype=torch.float32 if case == "float32" else
+                      torch.bfloat16)
+    q, d, sp = on(gpu, q, d, sp)
+    kw = {}
+    if case == "extra_neg":
+        kw["extra_neg"] = d[:5].clone()
+    elif case == "bias":
+        u = torch.rand(40, device=gpu)
+        kw["bias"] = (u, u, torch.randn(4, 8, device=gpu), torch.randn(4, device=gpu), torch.randn(1, 4, device=gpu),
+                      torch.randn(1, device=gpu), torch.tensor(1.0, device=gpu))
+        kw["bias_table_points"] = 65
+    elif case == "hardest":
+        kw["return_hardest"] = True
+    elif case == "switch":
+        monkeypatch.setenv("TEMPOKERN_MPB_TC", "0")
+    out = tempokern.multipos_infonce(q, d, *sp, temperature=0.1, **kw)
+    assert torch.isfinite(out[0] if isinstance(out, tuple) else out)
+    if gpu.type == "cpu":
+        assert paths["tc"] == 0 and paths["blocked"] > 0
+    monkeypatch.setenv("TEMPOKERN_MPB_TC", "2")
+    with pytest.raises(ValueError, match="TEMPOKERN_MPB_TC"):
+        tempokern.multipos_infonce(q, d, *sp, temperature=0.1)
