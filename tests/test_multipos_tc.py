@@ -127,3 +127,25 @@ def test_calls_that_keep_the_blocked_path(gpu, paths, monkeypatch, case):
     monkeypatch.setenv("TEMPOKERN_MPB_TC", "2")
     with pytest.raises(ValueError, match="TEMPOKERN_MPB_TC"):
         tempokern.multipos_infonce(q, d, *sp, temperature=0.1)
+
+
+def test_under_torch_compile_fullgraph(gpu, paths):
+    # the routing (dtype, the device's level limit: a constant for dynamo) traces without a graph break, and the
+    # compiled calls of both losses equal the eager ones
+    q, d, sp = on(gpu, *inputs(70, 32, seed=13))
+    q.requires_grad_()
+    d.requires_grad_()
+    spans = dict(q_span=sp[0], d_span=sp[1])
+    losses = (lambda q, d: tempokern.multipos_infonce(q, d, *sp, temperature=0.1),
+              lambda q, d: tempokern.matryoshka_infonce(q, d, (16, 32), temperature=0.1, **spans))
+    for fn in losses:
+        eager = fn(q, d)
+        ge = torch.autograd.grad(eager, (q, d))
+        comp = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        got = comp(q, d)
+        gc = torch.autograd.grad(got, (q, d))
+        torch.testing.assert_close(got, eager, rtol=0, atol=0)
+        for a, b in zip(gc, ge):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if gpu.type == "cpu":
+        assert paths["tc"] >= 8 and paths["blocked"] == 0

@@ -276,7 +276,13 @@ def tc_max_levels(t: torch.Tensor) -> int:
     """The most levels whose tensor-core backward fits the device's shared memory (8 on an H100 or A100 for the
     forward and backward together, 4 on sm_86 / sm_89's 99 KB)."""
     dev, _ = launch_args(t)
-    if t.device.type != "cuda":  # the emulator: its opt-in limit can change between tests
+    return _tc_levels(t.device.type == "cuda", dev)
+
+
+@torch.compiler.assume_constant_result
+def _tc_levels(cuda: bool, dev: int) -> int:
+    """A device query torch.compile records as a constant (it cannot trace the extension's function)."""
+    if not cuda:  # the emulator: its opt-in limit can change between tests
         return kernels().mrl_tc_max_levels(dev)
     if dev not in _TC_LEVELS:
         _TC_LEVELS[dev] = kernels().mrl_tc_max_levels(dev)
