@@ -270,3 +270,37 @@ def test_kernel_rejects_what_it_cannot_run(cuda_emu):
             k.mrl_tc_launch("bwd_all", 0, 0, bf, sizes, [0, 32], 1.0, p)
         with pytest.raises(RuntimeError, match="backward"):
             k.mrl_tc_launch("bwd", 0, 0, bf, sizes, [0, 32], 1.0, p)
+
+
+@pytest.mark.parametrize("row_w,col_w", [(0.5, 0.5), (1.0, 0.0)])
+def test_opcheck_on_the_tensor_core_path(cuda_emu, tc, row_w, col_w):
+    # the op with bf16_operands=True (float32 inputs holding bf16 values, as matryoshka_partial passes them)
+    from tempokern._ops.common import cuda_emulator
+    from tempokern._ops.matryoshka_infonce import inverse_prefix_norms
+    q, d, _ = bf16_inputs("cpu", 40, 32, seed=21)
+    q, d = q.float(), d.float()
+    ids = torch.arange(40)
+    dims = [16, 32]
+    rho, kap = (inverse_prefix_norms(x, dims) for x in (q, d))
+    args = (q.requires_grad_(), d.requires_grad_(), None, rho.requires_grad_(), kap.requires_grad_(), None, ids,
+            ids, ids, ids, None, [0, 16, 32], [1.0, 0.5], 10.0, row_w, col_w, 0, True, True)
+    with cuda_emulator(cuda_emu):
+        torch.library.opcheck(torch.ops.tempokern.matryoshka_infonce.default, args)
+    assert tc["launches"]
+
+
+def test_bf16_inputs_skip_the_value_check_and_the_sorts(gpu, tc, monkeypatch):
+    # bf16 callers: the op knows its float32 copies are bf16 values (no _exact_half pass and device sync), and
+    # the spans / fallback flags come from the prep kernel (no torch.sort)
+    seen = []
+    monkeypatch.setattr(mb, "_exact_half", lambda ts: seen.append("check"))
+    real_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: seen.append("sort") or real_sort(*a, **k))
+    q, d, sp = bf16_inputs(gpu, 70, 64, spans="random", seed=22)
+    q.requires_grad_()
+    d.requires_grad_()
+    loss = tempokern.matryoshka_infonce(q, d, DIMS, temperature=0.1, symmetric=True, **sp)
+    torch.autograd.grad(loss, (q, d))
+    assert seen == []
+    if gpu.type == "cpu":
+        assert {x[0] for x in tc["launches"]} == {"fwd", "bwd"}

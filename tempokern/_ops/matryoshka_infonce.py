@@ -90,14 +90,15 @@ def _gif(want_grad: bool, col_weight: float, K: int, Bd: int, N: int, itemsize: 
 def _mat(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor], rho: torch.Tensor, kap: torch.Tensor,
          kneg: Optional[torch.Tensor], q_lo: torch.Tensor, q_hi: torch.Tensor, d_lo: torch.Tensor, d_hi: torch.Tensor,
          row_none: Optional[torch.Tensor], seg: List[int], coef: List[float], inv_temp: float, row_weight: float,
-         col_weight: float, diag_offset: int, want_grad: bool) -> List[torch.Tensor]:
+         col_weight: float, diag_offset: int, bf16_operands: bool, want_grad: bool) -> List[torch.Tensor]:
     K = len(seg) - 1
     acc = q.dtype
     N = 0 if extra_neg is None else extra_neg.shape[0]
     if _blocked(q):
         gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), q.device)
         out = blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
-                              row_weight, col_weight, diag_offset, _block_rows(), want_grad=gif)
+                              row_weight, col_weight, diag_offset, _block_rows(), want_grad=gif,
+                              known_half=torch.bfloat16 if bf16_operands else None)
         return out if gif else out + [q.new_empty(0) for _ in range(6)]
     loss = torch.zeros((), dtype=acc, device=q.device)
     levels = torch.zeros(K, dtype=acc, device=q.device)
@@ -117,7 +118,7 @@ def _mat(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor], rh
 
 @_mat.register_fake
 def _(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp, row_weight, col_weight,
-      diag_offset, want_grad):
+      diag_offset, bf16_operands, want_grad):
     K = len(seg) - 1
     N = 0 if extra_neg is None else extra_neg.shape[0]
     out = [q.new_empty(()), q.new_empty((K,)), q.new_empty((K, 3, q.shape[0])), q.new_empty((K, 3, d.shape[0]))]
@@ -132,10 +133,11 @@ def _mat_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: torch
                   d: torch.Tensor, extra_neg: Optional[torch.Tensor], rho: torch.Tensor, kap: torch.Tensor,
                   kneg: Optional[torch.Tensor], q_lo: torch.Tensor, q_hi: torch.Tensor, d_lo: torch.Tensor,
                   d_hi: torch.Tensor, row_none: Optional[torch.Tensor], seg: List[int], inv_temp: float,
-                  row_weight: float, col_weight: float, diag_offset: int) -> List[torch.Tensor]:
+                  row_weight: float, col_weight: float, diag_offset: int, bf16_operands: bool) -> List[torch.Tensor]:
     if _blocked(q):
         return blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
-                                row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows())
+                                row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(),
+                                known_half=torch.bfloat16 if bf16_operands else None)
     coef = [float(c) for c in lcoef.detach().to("cpu", torch.float64).tolist()]
     z = lambda t: None if t is None else torch.zeros(t.shape, dtype=q.dtype, device=q.device)  # noqa: E731
     dq, dd, dneg, drho, dkap, dkneg = z(q), z(d), z(extra_neg), z(rho), z(kap), z(kneg)
@@ -151,7 +153,7 @@ def _mat_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: torch
 
 @_mat_backward.register_fake
 def _(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp,
-      row_weight, col_weight, diag_offset):
+      row_weight, col_weight, diag_offset, bf16_operands):
     return [torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(d, memory_format=torch.contiguous_format),
             q.new_empty(0) if extra_neg is None else torch.empty_like(extra_neg, memory_format=torch.contiguous_format),
@@ -411,9 +413,13 @@ def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weight
             1.0 / temperature, float(row_weight), float(col_weight), int(diag_offset))
         return out[0], out[1]
     want = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qk, dk, nk, rho, kap, kneg))
+    # bfloat16 inputs: their float32 copies are bf16 values, which the CUDA path's half-operand products need
+    # to know (else it checks the values: a pass and a device synchronisation per call)
+    bf16 = q.dtype == torch.bfloat16 and d.dtype == torch.bfloat16 and (extra_neg is None or
+                                                                         extra_neg.dtype == torch.bfloat16)
     out = torch.ops.tempokern.matryoshka_infonce(
         qk, dk, nk, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, [float(w) for w in weights],
-        1.0 / temperature, float(row_weight), float(col_weight), int(diag_offset), bool(want))
+        1.0 / temperature, float(row_weight), float(col_weight), int(diag_offset), bf16, bool(want))
     return out[0], out[1]
 
 
