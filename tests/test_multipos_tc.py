@@ -149,3 +149,23 @@ def test_under_torch_compile_fullgraph(gpu, paths):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     if gpu.type == "cpu":
         assert paths["tc"] >= 8 and paths["blocked"] == 0
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_step_reads_no_device_value_on_the_host(gpu, paths, monkeypatch, symmetric):
+    # a training step (forward + backward) on the tensor-core path never reads a device value on the host
+    # (each read is a synchronisation that stalls a pipelined loop): level coefficients stay on the device,
+    # and the unused levels output gets no zero gradient to inspect
+    q, d, sp = on(gpu, *inputs(70, 32, seed=17))
+    q.requires_grad_()
+    d.requires_grad_()
+    reads = []
+    for name in ("tolist", "item", "__bool__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _r=real, **k: reads.append(_n) or _r(self, *a, **k))
+    loss = tempokern.multipos_infonce(q, d, *sp, temperature=0.1, symmetric=symmetric)
+    loss.backward()
+    monkeypatch.undo()
+    assert reads == []
+    if gpu.type == "cpu":
+        assert paths["tc"] == 2

@@ -690,15 +690,19 @@ def fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg,
                col_weight, diag_offset, block, bias, backward=True, known_half=known_half)
     c = F.c
     grads = _Grads(F, bias)
-    coef = [float(x) for x in lcoef.detach().to("cpu", torch.float64).tolist()]
     cols = col_weight != 0.0
+    if F.tc:  # the level coefficients stay on the device (no host synchronisation); every level is launched
+        scale = torch.tensor([row_weight / c.Bq if c.Bq else 0.0, col_weight / c.Bd if (cols and c.Bd) else 0.0],
+                             dtype=c.acc).to(c.q.device)
+        co = (lcoef.detach().to(c.acc)[:, None] * scale[None, :]).contiguous()
+        row_stats, col_stats = row_stats.contiguous(), col_stats.contiguous()
+        for i0, i1 in F.blocks():
+            _tc_backward_block(F, i0, i1, None, None, row_stats, col_stats, grads, co=co)
+        return grads.out(q, c.acc)
+    coef = [float(x) for x in lcoef.detach().to("cpu", torch.float64).tolist()]
     rw = [x * row_weight / c.Bq if c.Bq else 0.0 for x in coef]
     cw = [x * col_weight / c.Bd if cols else 0.0 for x in coef]
     row_stats, col_stats = row_stats.contiguous(), col_stats.contiguous()
-    if F.tc:
-        for i0, i1 in F.blocks():
-            _tc_backward_block(F, i0, i1, rw, cw, row_stats, col_stats, grads)
-        return grads.out(q, c.acc)
     top = _top([float(a != 0.0 or b != 0.0) for a, b in zip(rw, cw)])
     topn = _top(rw) if c.N else 0
     if top:
@@ -782,20 +786,23 @@ def _tc_forward(F, coef, row_weight, col_weight, gif: bool, bias):
     return out
 
 
-def _tc_backward_block(F, i0, i1, rw, cw, row_stats, col_stats, gr: _Grads):
-    """The gradient of rows i0..i1 for the level coefficients rw, cw: one backward launch for the levels up to
-    the top weighted one (Ho_l, dL/drho_l and dL/dkap_l partials), then the 2 x top segment products."""
+def _tc_backward_block(F, i0, i1, rw, cw, row_stats, col_stats, gr: _Grads, co=None):
+    """The gradient of rows i0..i1 for the level coefficients rw, cw (host floats: the levels up to the top
+    weighted one are launched) or co (a (K, 2) device tensor of (row, column) coefficients: every level): one
+    backward launch (Ho_l, dL/drho_l and dL/dkap_l partials), then the 2 x top segment products."""
     c = F.c
-    top = _top([float(a != 0.0 or b != 0.0) for a, b in zip(rw, cw)])
-    if not top:
-        return
+    if co is None:
+        top = _top([float(a != 0.0 or b != 0.0) for a, b in zip(rw, cw)])
+        if not top:
+            return
+        co = torch.tensor([[rw[l], cw[l]] for l in range(top)], dtype=c.acc).to(c.q.device)
+    top = co.shape[0]
     dev, acc = c.q.device, c.acc
     r = i1 - i0
     splits = _tc_splits(F, r)
     Ho = torch.empty(top, r, c.Bd, dtype=F.half, device=dev)
     drp = torch.empty(top, r, splits[0], dtype=acc, device=dev)
     dkp = torch.empty(top, -(-r // 64), c.Bd, dtype=acc, device=dev)
-    co = torch.tensor([[rw[l], cw[l]] for l in range(top)], dtype=acc).to(dev)
     _tc_launch(F, "bwd", i0, i1, top, splits, row_lse=row_stats, col_lse=col_stats if c.cw != 0.0 else None,
                coef=co, Ho=Ho, drho_part=drp, dkap_part=dkp)
     gr.drho[:top, i0:i1] += drp.sum(2)

@@ -165,6 +165,9 @@ _GRAD_OF = {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5}  # input index -> index among th
 
 
 def _setup(ctx, inputs, output):
+    # unused outputs (the levels of a plain loss call) get None, not a zero tensor: the backward then skips their
+    # call without inspecting a device tensor (a host synchronisation per step)
+    ctx.set_materialize_grads(False)
     row_stats, col_stats = output[2], output[3]
     ctx.gif = _gif(inputs[-1], inputs[_NT + 4], len(inputs[_NT]) - 1, inputs[1].shape[0],
                    0 if inputs[2] is None else inputs[2].shape[0], inputs[0].element_size(), inputs[0].device)
@@ -183,7 +186,7 @@ def _backward(ctx, grads_out):
     g_loss, g_levels = grads_out[0], grads_out[1]
     row_stats, col_stats, *rest = ctx.saved_tensors
     ins = [t if present else None for t, present in zip(rest[:_NT], ctx.present)]
-    g_loss = g_loss.reshape(()).to(row_stats.dtype)
+    g_loss = row_stats.new_zeros(()) if g_loss is None else g_loss.reshape(()).to(row_stats.dtype)
     grads = None
     if ctx.gif:  # the forward computed the gradient for a unit upstream gradient of the loss
         grads = [g_loss * t for t in rest[_NT:]]
