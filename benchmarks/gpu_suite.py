@@ -58,9 +58,10 @@ FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op",
 IMPLS = ("tempokern", "tempokern_mpb_blocked", "tempokern_stats_v2", "tempokern_stats_v3", "tempokern_grad_v3", "tempokern_v3", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
          "tempokern_mrl_fused", "tempokern_mrl_levels", "tempokern_cal_v1", "tempokern_cal_v2", "tempokern_ob_full", "tempokern_half_scores", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
 # one-level yardstick
-# tempokern_mpb_blocked: the multipos loss without a bias with TEMPOKERN_MPB_TC=0 (the blocked path: cuBLAS score
-# blocks + fused passes, the default measured on the H100 on 2026-11-23: 1.77 ms at B = 8,192); "tempokern" is the
-# default since session 10 for bf16 calls without a bias: the one-level tensor-core kernels, not yet timed
+# tempokern_mpb_blocked: the multipos loss without a bias or with the table bias with TEMPOKERN_MPB_TC=0 (the blocked
+# path: cuBLAS score blocks + fused passes, the default measured on the H100 on 2026-11-23: 1.77 / 2.99 ms at
+# B = 8,192); "tempokern" is the default since session 10 for those bf16 calls: the one-level tensor-core kernels,
+# not yet timed
 # tempokern_half_scores: the multipos loss (no bias, table bias) with TEMPOKERN_MPB_SCORES=half (the score blocks in
 # the operands' dtype, as torch's q @ d.T: half the score bytes; opt-in, not yet measured)
 # tempokern_ob_full: offset_bias (exact) and the exact-bias loss with TEMPOKERN_OB_PRUNE=0 (every hidden unit
@@ -475,7 +476,7 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn, stats_v2: bool = True) -> Li
             if stats_v2 and mode != "exact":  # the variant column: the same op with the v2 statistics kernel
                 steps["tempokern_stats_v2"] = variant_step("tempokern_stats_v2",
                                                            loss_step(lambda: tk().multipos_infonce))
-            if mode is None:  # the blocked path (cuBLAS score blocks + fused passes) beside the tensor-core default
+            if mode != "exact":  # the blocked path (cuBLAS score blocks + fused passes) beside the tensor-core default
                 steps["tempokern_mpb_blocked"] = variant_step("tempokern_mpb_blocked",
                                                               loss_step(lambda: tk().multipos_infonce))
             if mode != "exact":  # the variant columns of the v3 statistics / gradient kernels (opt-in, not yet timed)

@@ -103,7 +103,7 @@ def test_partial_with_diagonal_offset_and_row_none(gpu, paths):
         assert paths["tc"] == 1 and paths["blocked"] == 0
 
 
-@pytest.mark.parametrize("case", ["float32", "H24", "extra_neg", "bias", "hardest", "switch"])
+@pytest.mark.parametrize("case", ["float32", "H24", "extra_neg", "bias", "hardest", "switch"])  # bias: exact
 def test_calls_that_keep_the_blocked_path(gpu, paths, monkeypatch, case):
     q, d, sp = inputs(40, 24 if case == "H24" else 32, seed=11, dtype=torch.float32 if case == "float32" else
                       torch.bfloat16)
@@ -114,8 +114,7 @@ def test_calls_that_keep_the_blocked_path(gpu, paths, monkeypatch, case):
     elif case == "bias":
         u = torch.rand(40, device=gpu)
         kw["bias"] = (u, u, torch.randn(4, 8, device=gpu), torch.randn(4, device=gpu), torch.randn(1, 4, device=gpu),
-                      torch.randn(1, device=gpu), torch.tensor(1.0, device=gpu))
-        kw["bias_table_points"] = 65
+                      torch.randn(1, device=gpu), torch.tensor(1.0, device=gpu))  # the exact MLP bias
     elif case == "hardest":
         kw["return_hardest"] = True
     elif case == "switch":
@@ -169,3 +168,67 @@ def test_step_reads_no_device_value_on_the_host(gpu, paths, monkeypatch, symmetr
     assert reads == []
     if gpu.type == "cpu":
         assert paths["tc"] == 2
+
+
+# ---- the table bias (bias_table_points=N) on the tensor-core path ------------------------------------------
+
+@pytest.mark.parametrize("mode", ["none", "table"])
+def test_two_x_torch_rule_as_the_blocked_path(gpu, paths, mode):
+    # the blocked path's 2x-torch test (test_multipos_blocked.assert_two_x_rule: the loss and every gradient,
+    # the seven bias inputs included, with its floors for the bias parameters' cancelling sums) without the
+    # extra negatives, so that the calls take the tensor-core path
+    from test_multipos_blocked import assert_two_x_rule
+    assert_two_x_rule(gpu, torch.bfloat16, mode, N=0)
+    if gpu.type == "cpu":
+        assert paths["tc"] and not paths["blocked"]
+
+
+@pytest.mark.parametrize("pts,symmetric", [(65, False), (65, True), (20001, True)])
+def test_table_bias_forward_against_reference(gpu, paths, monkeypatch, pts, symmetric):
+    # 20,001 points: the histogram of dL/dtable in global memory (atomics) instead of shared memory
+    from test_matryoshka_infonce import make_bias
+    seen = []
+    real = mb._tc_launch
+    monkeypatch.setattr(mb, "_tc_launch", lambda F, op, *a, **k: seen.append((op, F.tab[3])) or real(F, op, *a, **k))
+    q, d, sp = inputs(130, 32, seed=pts)
+    bias = tuple(t.float() for t in make_bias(130, 130, seed=4, u_lo=0.0, u_hi=1.0))
+    qg, dg, spg = on(gpu, q, d, sp)
+    ins = [qg.requires_grad_(), dg.requires_grad_()] + [t.to(gpu).requires_grad_() for t in bias]
+    loss = tempokern.multipos_infonce(ins[0], ins[1], *spg, temperature=0.1, bias=tuple(ins[2:]),
+                                      bias_table_points=pts, symmetric=symmetric)
+    got = torch.autograd.grad(loss, ins)
+    r_ins = [q.double().requires_grad_(), d.double().requires_grad_()] + [t.double().requires_grad_() for t in bias]
+    lr = ref(r_ins[0], r_ins[1], *sp, temperature=0.1, bias=tuple(r_ins[2:]), bias_table_points=pts,
+             symmetric=symmetric)
+    want = torch.autograd.grad(lr, r_ins)
+    torch.testing.assert_close(loss.double().cpu(), lr, rtol=2e-6, atol=1e-6)
+    # u_q, u_d: float32 sums of g slope (the slope of a float32 table: (P - 1) / 2 times its rounding)
+    for a, b in zip(got[2:4], want[2:4]):
+        torch.testing.assert_close(a.double().cpu(), b, rtol=0, atol=2e-3 * b.abs().max().item())
+    if gpu.type == "cpu":
+        assert seen == [("fwd", pts <= mb.TC_HIST_SMEM_POINTS), ("bwd", pts <= mb.TC_HIST_SMEM_POINTS)]
+        assert paths["blocked"] == 0
+
+
+def test_matryoshka_with_a_table_bias(gpu, paths):
+    from test_matryoshka_infonce import make_bias
+    from tempokern.reference import matryoshka_infonce as mref
+    q, d, sp = inputs(70, 64, seed=5)
+    bias = tuple(t.float() for t in make_bias(70, 70, seed=6, u_lo=0.0, u_hi=1.0))
+    qg, dg, spg = on(gpu, q, d, sp)
+    kw = dict(temperature=0.1, bias_table_points=129, symmetric=True)
+    ins = [qg.requires_grad_(), dg.requires_grad_()] + [t.to(gpu).requires_grad_() for t in bias]
+    got = tempokern.matryoshka_infonce(ins[0], ins[1], (16, 64), q_span=spg[0], d_span=spg[1],
+                                       bias=tuple(ins[2:]), **kw)
+    g_got = torch.autograd.grad(got, ins)
+    r_ins = [q.double().requires_grad_(), d.double().requires_grad_()] + [t.double().requires_grad_() for t in bias]
+    want = mref(r_ins[0], r_ins[1], (16, 64), q_span=sp[0], d_span=sp[1], bias=tuple(r_ins[2:]), **kw)
+    g_want = torch.autograd.grad(want, r_ins)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=2e-6, atol=1e-6)
+    # q, d: the bf16-rounded coefficients; the bias inputs: float32 sums of the levels' g (both levels' terms)
+    for k, (a, b) in enumerate(zip(g_got, g_want)):
+        tol = (1e-2 if k < 2 else 2e-3) * b.abs().max().item()
+        if k in (2, 3, 4, 6, 8):  # u_q, u_d, w1, w2, scale (b1 / b2 cancel to ~0: the softmax is shift-invariant)
+            torch.testing.assert_close(a.double().cpu(), b, rtol=0, atol=tol, msg=lambda m: f"grad {k}: {m}")
+    if gpu.type == "cpu":
+        assert paths["tc"] == 2 and paths["blocked"] == 0  # forward, backward

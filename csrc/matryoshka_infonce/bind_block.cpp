@@ -44,15 +44,17 @@ MrlBlockParams make(const std::vector<int>& dt, const std::vector<int64_t>& sz, 
   return p;
 }
 
-// sizes: R, C, i0, Bq, ldq, ldd, ldr, ldk, diag_offset, cols, nsplit, tiles_per_split, lsh. seg: 0, m_1 .. m_K.
+// sizes: R, C, i0, Bq, ldq, ldd, ldr, ldk, diag_offset, cols, nsplit, tiles_per_split, lsh, and with a table
+// bias P, hist_smem. seg: 0, m_1 .. m_K.
 MrlTcParams make_tc(int dtype, const std::vector<int64_t>& sz, const std::vector<int>& seg, double inv_temp,
                     const PtrMap& m) {
-  if (sz.size() != 13) fail("mrl_tc_launch: expected 13 sizes");
+  if (sz.size() != 13 && sz.size() != 15) fail("mrl_tc_launch: expected 13 or 15 sizes");
   if (seg.size() < 2 || seg.size() > (size_t)kMrlTcMaxLevels + 1) fail("mrl_tc_launch: 1..8 levels");
   MrlTcParams p;
   p.dtype = to_dtype(dtype);
   p.R = sz[0]; p.C = sz[1]; p.i0 = sz[2]; p.Bq = sz[3]; p.ldq = sz[4]; p.ldd = sz[5]; p.ldr = sz[6]; p.ldk = sz[7];
   p.diag_offset = sz[8]; p.cols = sz[9] != 0; p.nsplit = sz[10]; p.tiles_per_split = sz[11]; p.lsh = sz[12];
+  if (sz.size() == 15) { p.P = sz[13]; p.hist_smem = sz[14] != 0; }
   p.K = (int)seg.size() - 1;
   for (size_t l = 0; l < seg.size(); ++l) p.seg[l] = seg[l];
   p.inv_temp = inv_temp;
@@ -68,6 +70,11 @@ MrlTcParams make_tc(int dtype, const std::vector<int64_t>& sz, const std::vector
   p.coef = static_cast<const float*>(ptr_of(m, "coef")); p.Ho = mut_ptr_of(m, "Ho");
   p.drho_part = static_cast<float*>(mut_ptr_of(m, "drho_part"));
   p.dkap_part = static_cast<float*>(mut_ptr_of(m, "dkap_part"));
+  p.u_q = static_cast<const float*>(ptr_of(m, "u_q")); p.u_d = static_cast<const float*>(ptr_of(m, "u_d"));
+  p.table = static_cast<const float*>(ptr_of(m, "table"));
+  p.hist = static_cast<double*>(mut_ptr_of(m, "hist"));
+  p.duq_part = static_cast<float*>(mut_ptr_of(m, "duq_part"));
+  p.dud_part = static_cast<float*>(mut_ptr_of(m, "dud_part"));
   return p;
 }
 }  // namespace
@@ -112,6 +119,14 @@ TK_BIND(mrl_block) {
             fail("unknown mrl_tc op '" + op + "'");
           }
         });
+  m.def("mrl_tc_smem_bytes", [](int K, bool backward, bool table, int64_t hist_points) {
+    return mrl_tc_smem_bytes(K, backward, table, hist_points);
+  });
+  m.def("mrl_tc_smem_optin", [](int device) {
+    int optin = 0;
+    run_on(device, [&] { optin = 0; }, [&] { TK_CUDA_ONLY(optin = mrl_tc_smem_optin_cuda(device)); });
+    return optin;
+  });
   m.def("mrl_tc_max_levels", [](int device) {
     int K = 0;
     run_on(device, [&] { K = 0; }, [&] { TK_CUDA_ONLY(K = mrl_tc_max_levels_cuda(device)); });

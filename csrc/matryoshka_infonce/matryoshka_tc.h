@@ -60,6 +60,21 @@ struct MrlTcParams {
   int64_t lsh = 0;
   float* drho_part = nullptr;  // bwd (K, R, nsplit)
   float* dkap_part = nullptr;  // bwd (K, nrb, C)
+
+  // Table bias (optional: table != nullptr): bias_ij = lerp of the P table values at
+  // x = (clamp(u_d[j] - u_q[i], -1, 1) + 1) (P - 1) / 2 (tempokern.reference.offset_bias_lookup), added to every
+  // level's logits. Backward: with g = sum over the levels of dL/dz, dL/dtable into the two bins (a shared-memory
+  // histogram per CUDA block, written to its slot of hist, (nsplit x nrb, P); or with hist_smem false atomics
+  // into one (P,) float64 array), dL/du_d = g slope summed per (row block, column) into dud_part (nrb, C) and
+  // dL/du_q = -g slope per (row, split) into duq_part (R, nsplit).
+  const float* u_q = nullptr;  // (Bq,) global rows
+  const float* u_d = nullptr;  // (C,)
+  const float* table = nullptr;
+  int64_t P = 0;
+  double* hist = nullptr;
+  bool hist_smem = true;
+  float* duq_part = nullptr;
+  float* dud_part = nullptr;
 };
 
 // Dynamic shared memory of one CUDA block: two stages of both operands' 64 x 32 chunks (rows padded to 40),
@@ -69,17 +84,22 @@ struct MrlTcParams {
 // K = 5: forward 55.6 KB (4 CTAs per H100 SM by shared memory), backward 99.1 KB (2 per SM).
 constexpr size_t kMrlTcOps = 2 * 2 * kMrlTcTile * 40 * 2;
 constexpr size_t kMrlTcScore = kMrlTcTile * 68 * 4;
-inline size_t mrl_tc_smem_bytes(int K, bool backward) {
+// The table bias adds u_q / u_d of the tile (512 bytes) and, backward, the g slope tile, the rows' dL/du_q
+// sums and the histogram when it is kept in shared memory (hist_points floats; 0 for the global one).
+inline size_t mrl_tc_smem_bytes(int K, bool backward, bool table = false, int64_t hist_points = 0) {
   const size_t k = (size_t)K;
   static_assert(kMrlTcScore <= kMrlTcOps, "the backward's top-level tile overlays the operand stages");
-  return kMrlTcOps + (backward ? k - 1 : 1) * kMrlTcScore + k * 128 * (backward ? 4 : 16) + 2 * 3 * k * kMrlTcTile * 4 +
-         2 * (2 * kMrlTcTile * 4 + kMrlTcTile);
+  size_t b = kMrlTcOps + (backward ? k - 1 : 1) * kMrlTcScore + k * 128 * (backward ? 4 : 16) +
+             2 * 3 * k * kMrlTcTile * 4 + 2 * (2 * kMrlTcTile * 4 + kMrlTcTile);
+  if (table) b += 2 * kMrlTcTile * 4 + (backward ? kMrlTcScore + 128 * 4 + (size_t)hist_points * 4 : 0);
+  return b;
 }
 
 #ifdef TK_WITH_CUDA
 void mrl_tc_fwd_cuda(const MrlTcParams& p, int device, uintptr_t stream);
 void mrl_tc_bwd_cuda(const MrlTcParams& p, int device, uintptr_t stream);
 int mrl_tc_max_levels_cuda(int device);  // the most levels whose backward fits the device's shared memory
+int mrl_tc_smem_optin_cuda(int device);  // the device's opt-in shared memory per block
 #endif
 
 }  // namespace tk

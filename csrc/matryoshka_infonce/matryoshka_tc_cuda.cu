@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 #include <mma.h>
 #include <stdexcept>
+#include <type_traits>
 #include "common/cuda_math.cuh"
 #include "common/cuda_utils.cuh"
 #include "matryoshka_infonce/matryoshka_tc.h"
@@ -55,8 +56,13 @@ template <typename OT> struct Smem {
   int32_t* cspan;  // [2][T]
   uint8_t* rflag;  // [T]: bit 0 row_none, bit 1 row_fb
   uint8_t* cflag;  // [T]: col_none
+  float* uq;       // table: [T] u_q of the rows
+  float* ud;       // table: [T] u_d of the tile's columns
+  float* dD;       // table, backward: [T][LDS] g slope of the tile
+  float* duq;      // table, backward: [128] the thread pair's row sums of g slope
+  float* hs;       // table, backward, hist_smem: [P] the block's dL/dtable histogram
 
-  __device__ Smem(unsigned char* base, int K, bool bwd) {
+  __device__ Smem(unsigned char* base, int K, bool bwd, bool tab = false, int64_t P = 0) {
     ops = reinterpret_cast<OT*>(base);
     ss = reinterpret_cast<float*>(base + kMrlTcOps);
     state = ss + (bwd ? K - 1 : 1) * T * LDS;
@@ -66,6 +72,12 @@ template <typename OT> struct Smem {
     cspan = rspan + 2 * T;
     rflag = reinterpret_cast<uint8_t*>(cspan + 2 * T);
     cflag = rflag + T;
+    uq = reinterpret_cast<float*>(cflag + T);
+    ud = uq + T;
+    dD = ud + T;
+    duq = dD + (tab && bwd ? T * LDS : 0);
+    hs = duq + (tab && bwd ? kThreads : 0);
+    (void)P;
   }
   __device__ OT* stage(int s, int operand) { return ops + (s * 2 + operand) * T * LDA; }
   // The backward's score tile of level l (the top one over the operand stages, idle by then).
@@ -152,6 +164,30 @@ __device__ __forceinline__ void positives(const Smem<OT>& sm, int r, int c, int6
   pc = ov || (dg && ((rf & 2) || sm.cflag[c]));
 }
 
+// The table bias at delta = u_d - u_q (tempokern.reference.offset_bias_lookup; the arithmetic of
+// multipos_block_cuda.cu's table_bias): value, slope = d bias / d delta (0 where the clamp bites), the left bin
+// idx and the right bin's weight t.
+__device__ __forceinline__ float tab_bias(const MrlTcParams& p, float delta, float& slope, int& idx, float& t) {
+  const float half_span = 0.5f * (float)(p.P - 1);
+  const bool in = delta >= -1.f && delta <= 1.f;
+  const float dc = delta < -1.f ? -1.f : (delta > 1.f ? 1.f : delta);
+  const float x = (dc + 1.f) * half_span;
+  float f = floorf(x);
+  if (!(f >= 0.f)) f = 0.f;  // also NaN
+  if (f > (float)(p.P - 2)) f = (float)(p.P - 2);
+  idx = (int)f;
+  t = x - f;
+  const float v0 = __ldg(p.table + idx), v1 = __ldg(p.table + idx + 1);
+  slope = in ? (v1 - v0) * half_span : 0.f;
+  return v0 + t * (v1 - v0);
+}
+template <typename OT>
+__device__ __forceinline__ float tab_value(const MrlTcParams& p, const Smem<OT>& sm, int r, int c) {
+  float slope, t;
+  int idx;
+  return tab_bias(p, sm.ud[c] - sm.uq[r], slope, idx, t);
+}
+
 __device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
   if (m2 == ninf<float>() && s2 == s2) return;
   if (m == ninf<float>() && s == s) {
@@ -215,6 +251,7 @@ __device__ void load_rows(const MrlTcParams& p, Smem<OT>& sm, int64_t row0, bool
     const uint8_t none = ok ? p.row_none[i] != 0 : 0;
     const uint8_t fb = ok ? (p.row_fb ? p.row_fb[i] != 0 : none) : 0;
     sm.rflag[tid] = (uint8_t)(none | (fb << 1));
+    if (p.table) sm.uq[tid] = ok ? p.u_q[i] : 0.f;
   }
 }
 
@@ -239,11 +276,12 @@ __device__ void load_cols(const MrlTcParams& p, Smem<OT>& sm, int64_t c0, bool b
     sm.cspan[tid] = ok ? p.d_lo[j] : 0;
     sm.cspan[T + tid] = ok ? p.d_hi[j] : -1;
     sm.cflag[tid] = ok ? (uint8_t)(p.col_none[j] != 0) : (uint8_t)0;
+    if (p.table) sm.ud[tid] = ok ? p.u_d[j] : 0.f;
   }
 }
 
 // Forward epilogue of level l on the score tile: the rows' running statistics, the columns' partials.
-template <typename OT>
+template <typename OT, bool TAB>
 __device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int l, int64_t row0, int64_t c0, int64_t nrb) {
   const int tid = threadIdx.x, h = tid & 1, me = tid >> 1;
   const int64_t dg0 = c0 - (p.i0 + row0 + p.diag_offset);
@@ -257,6 +295,7 @@ __device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int l, int64_t 
       bool pr, pc;
       positives(sm, r, c, dg0, pr, pc);
       z = tile[r * LDS + c] * rs * ks[c];
+      if (TAB) z += tab_value(p, sm, r, c);
       in = pr;
     });
     Stat* st = reinterpret_cast<Stat*>(sm.state) + l * kThreads + tid;
@@ -274,6 +313,7 @@ __device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int l, int64_t 
       bool pr, pc;
       positives(sm, r, c, dg0, pr, pc);
       z = tile[r * LDS + c] * rs[r] * ks;
+      if (TAB) z += tab_value(p, sm, r, c);
       in = pc;
     });
     merge(w.m, w.s, __shfl_xor_sync(0xffffffffu, w.m, 1), __shfl_xor_sync(0xffffffffu, w.s, 1));
@@ -288,7 +328,7 @@ __device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int l, int64_t 
 
 // Backward epilogue on the K score tiles: Ho for every level, the tiles overwritten by g G, then the dL/drho
 // sums (added to the thread's state) and the dL/dkap partials of the tile's columns.
-template <typename OT>
+template <typename OT, bool TAB>
 __device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int64_t row0, int64_t c0, int64_t nrb) {
   const int tid = threadIdx.x, K = p.K;
   const int64_t dg0 = c0 - (p.i0 + row0 + p.diag_offset);
@@ -301,15 +341,18 @@ __device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int64_t row0, i
       const int r = (tid >> 6) + 2 * k;
       if (c >= ncol || r >= nrow) {
         for (int l = 0; l < K; ++l) sm.level(l, K)[r * LDS + c] = 0.f;
+        if (TAB) sm.dD[r * LDS + c] = 0.f;
         continue;
       }
       bool pr, pc;
       positives(sm, r, c, dg0, pr, pc);
-      float hacc = 0.f;
+      float hacc = 0.f, b = 0.f, slope = 0.f, tw = 0.f, gsum = 0.f;
+      int bin = 0;
+      if (TAB) b = tab_bias(p, sm.ud[c] - sm.uq[r], slope, bin, tw);
       for (int l = K - 1; l >= 0; --l) {
         float* gp = sm.level(l, K) + r * LDS + c;
         const float G = *gp, rs = sm.rv[l * T + r], ks = sm.cv[l * T + c];
-        const float x = G * rs * ks;
+        const float x = G * rs * ks + b;
         const float gr = __ldg(p.coef + 2 * l), gc = p.cols ? __ldg(p.coef + 2 * l + 1) : 0.f;
         float g = 0.f;
         if (gr != 0.f)
@@ -318,7 +361,18 @@ __device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int64_t row0, i
           g += gc * (fexp(x - sm.cv[(K + l) * T + c]) - (pc ? fexp(x - sm.cv[(2 * K + l) * T + c]) : 0.f));
         *gp = g * G;
         hacc += g * rs * ks;
+        gsum += g;
         Ho[l * p.lsh + (row0 + r) * p.C + c0 + c] = cuda::from_acc<OT>(hacc);
+      }
+      if (TAB) {  // dL/dbias = the levels' g: into the two bins, and g slope for dL/du
+        sm.dD[r * LDS + c] = gsum * slope;
+        if (p.hist_smem) {
+          atomicAdd(sm.hs + bin, gsum - gsum * tw);
+          atomicAdd(sm.hs + bin + 1, gsum * tw);
+        } else {
+          atomicAdd(p.hist + bin, (double)(gsum - gsum * tw));
+          atomicAdd(p.hist + bin + 1, (double)(gsum * tw));
+        }
       }
     }
   }
@@ -340,12 +394,22 @@ __device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int64_t row0, i
     s += __shfl_xor_sync(0xffffffffu, s, 1);
     if (h == 0 && me < ncol) p.dkap_part[((int64_t)l * nrb + blockIdx.y) * p.C + c0 + me] = s * (float)p.inv_temp;
   }
+  if (TAB) {  // dL/du_q (row sums of g slope, negated at the end) and dL/du_d (column sums)
+    float s = 0.f;
+    for (int k = 0; k < T / 2; ++k) s += sm.dD[me * LDS + h + 2 * k];
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    sm.duq[tid] += s;
+    float t = 0.f;
+    for (int k = 0; k < T / 2; ++k) t += sm.dD[(h + 2 * k) * LDS + me];
+    t += __shfl_xor_sync(0xffffffffu, t, 1);
+    if (h == 0 && me < ncol) p.dud_part[(int64_t)blockIdx.y * p.C + c0 + me] = t;
+  }
 }
 
-template <typename OT, bool BWD>
+template <typename OT, bool BWD, bool TAB>
 __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
   extern __shared__ __align__(128) unsigned char mrl_tc_smem[];
-  Smem<OT> sm(mrl_tc_smem, p.K, BWD);
+  Smem<OT> sm(mrl_tc_smem, p.K, BWD, TAB, p.P);
   const int tid = threadIdx.x, K = p.K;
   const int64_t row0 = (int64_t)blockIdx.y * T;
   const int64_t nrb = (p.R + T - 1) / T;
@@ -356,6 +420,11 @@ __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
   for (int l = 0; l < K; ++l) {
     if (BWD) sm.state[l * kThreads + tid] = 0.f;
     else reinterpret_cast<Stat*>(sm.state)[l * kThreads + tid] = Stat{ninf<float>(), 0.f, ninf<float>(), 0.f};
+  }
+  if (TAB && BWD) {
+    sm.duq[tid] = 0.f;
+    if (p.hist_smem)
+      for (int64_t k = tid; k < p.P; k += kThreads) sm.hs[k] = 0.f;
   }
   Acc<OT> acc;
   Chunk<OT> ch;
@@ -379,8 +448,8 @@ __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
         if (BWD && l == K - 1) __syncthreads();  // every warp is done with the operand stages the tile overlays
         acc.store(BWD ? sm.level(l, K) : sm.ss);
         __syncthreads();
-        if (!BWD) fwd_epilogue(p, sm, l, row0, c0, nrb);
-        else if (l == K - 1) bwd_epilogue(p, sm, row0, c0, nrb);
+        if (!BWD) fwd_epilogue<OT, TAB>(p, sm, l, row0, c0, nrb);
+        else if (l == K - 1) bwd_epilogue<OT, TAB>(p, sm, row0, c0, nrb);
       }
       if (more) ch.store(sm, s ^ 1, kcn);
       __syncthreads();
@@ -408,6 +477,13 @@ __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
       }
     }
   }
+  if (TAB && BWD) {  // (after the last tile's barrier) dL/du_q partial and the block's histogram slot
+    if (h == 0 && ok) p.duq_part[(row0 + r) * p.nsplit + blockIdx.x] = -sm.duq[tid];
+    if (p.hist_smem) {
+      double* slot = p.hist + ((int64_t)blockIdx.y * p.nsplit + blockIdx.x) * p.P;
+      for (int64_t k = tid; k < p.P; k += kThreads) slot[k] = (double)sm.hs[k];
+    }
+  }
 }
 
 void check(const MrlTcParams& p, bool bwd) {
@@ -432,25 +508,30 @@ void check(const MrlTcParams& p, bool bwd) {
   if (!bwd && (!p.row_part || (p.cols && !p.col_part))) throw std::runtime_error("mrl_tc: missing forward outputs");
   if (bwd && (!p.row_lse || (p.cols && !p.col_lse) || !p.coef || !p.Ho || !p.drho_part || !p.dkap_part))
     throw std::runtime_error("mrl_tc: missing backward inputs or outputs");
+  if (p.table && (p.P < 2 || p.P > (1 << 30) || !p.u_q || !p.u_d))
+    throw std::runtime_error("mrl_tc: a table bias needs 2 or more points and u_q, u_d");
+  if (p.table && bwd && (!p.hist || !p.duq_part || !p.dud_part))
+    throw std::runtime_error("mrl_tc: a table bias's backward needs hist, duq_part and dud_part");
 }
 
 template <bool BWD> void launch(const MrlTcParams& p, int device, uintptr_t stream) {
   check(p, BWD);
   if (p.R == 0 || p.C == 0) return;
   cuda::set_device(device);
-  const size_t smem = mrl_tc_smem_bytes(p.K, BWD);
+  const size_t smem = mrl_tc_smem_bytes(p.K, BWD, p.table != nullptr, p.table && p.hist_smem ? p.P : 0);
   int optin = 0;
   TK_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  if (smem > (size_t)optin) throw std::runtime_error("mrl_tc: too many levels for this GPU's shared memory");
+  if (smem > (size_t)optin)
+    throw std::runtime_error("mrl_tc: too many levels (or table points in shared memory) for this GPU");
   const dim3 grid((unsigned)p.nsplit, (unsigned)((p.R + T - 1) / T));
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  auto run = [&](auto o) {
+  auto run = [&](auto o, auto tab) {
     using OT = decltype(o);
-    auto kern = mrl_tc_kernel<OT, BWD>;
+    auto kern = mrl_tc_kernel<OT, BWD, decltype(tab)::value>;
     TK_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     kern<<<grid, kThreads, smem, st>>>(p);
   };
-  run(__nv_bfloat16{});
+  if (p.table) run(__nv_bfloat16{}, std::true_type{}); else run(__nv_bfloat16{}, std::false_type{});
   cuda::check_launch();
 }
 
@@ -459,9 +540,14 @@ template <bool BWD> void launch(const MrlTcParams& p, int device, uintptr_t stre
 void mrl_tc_fwd_cuda(const MrlTcParams& p, int device, uintptr_t stream) { launch<false>(p, device, stream); }
 void mrl_tc_bwd_cuda(const MrlTcParams& p, int device, uintptr_t stream) { launch<true>(p, device, stream); }
 
-int mrl_tc_max_levels_cuda(int device) {
+int mrl_tc_smem_optin_cuda(int device) {
   int optin = 0;
   TK_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return optin;
+}
+
+int mrl_tc_max_levels_cuda(int device) {
+  const int optin = mrl_tc_smem_optin_cuda(device);
   int K = 0;
   while (K < kMrlTcMaxLevels && mrl_tc_smem_bytes(K + 1, true) <= (size_t)optin) ++K;
   return K;

@@ -291,21 +291,40 @@ def _tc_levels(cuda: bool, dev: int) -> int:
     return _TC_LEVELS[dev]
 
 
-def tc_eligible(half, H: int, seg: Sequence[int], N: int, bias, t) -> bool:
+def tc_eligible(half, H: int, seg: Sequence[int], N: int, bias_mode, t) -> bool:
     """Whether the tensor-core kernels take a call: the tc variant, bfloat16 operands (half), no extra negatives,
-    no bias, rows of a multiple of 8 features (16-byte loads), level boundaries increasing multiples of 16 and at
-    most tc_max_levels(t) levels."""
+    no bias or the table bias (bias_mode None / "table"; "exact" never), rows of a multiple of 8 features
+    (16-byte loads), level boundaries increasing multiples of 16, and the backward's shared memory within the
+    device's (tc_max_levels(t) levels without a bias)."""
     K = len(seg) - 1
-    return (cuda_variant() == "tc" and half == torch.bfloat16 and N == 0 and bias is None and H % 8 == 0
-            and 1 <= K and all(b > a and b % 16 == 0 for a, b in zip(seg, seg[1:])) and K <= tc_max_levels(t))
+    if not (cuda_variant() == "tc" and half == torch.bfloat16 and N == 0 and bias_mode in (None, "table")
+            and H % 8 == 0 and 1 <= K and all(b > a and b % 16 == 0 for a, b in zip(seg, seg[1:]))):
+        return False
+    if bias_mode is None:
+        return K <= tc_max_levels(t)
+    dev, _ = launch_args(t)
+    return _tc_table_fits(t.device.type == "cuda", dev, K)
 
 
-def tc_call(q, d, dims, extra_neg, bias) -> bool:
-    """tc_eligible for a matryoshka_infonce call (before its op: bfloat16 q and d)."""
+@torch.compiler.assume_constant_result
+def _tc_table_fits(cuda: bool, dev: int, K: int) -> bool:
+    """Whether K levels with a table bias (its histogram in global memory at least) fit the device."""
+    k = kernels()
+    return k.mrl_tc_smem_bytes(K, True, True, 0) <= k.mrl_tc_smem_optin(dev)
+
+
+def tc_call(q, d, dims, extra_neg, bias, table_points=None) -> bool:
+    """tc_eligible for a matryoshka_infonce / multipos_infonce call (before its op: bfloat16 q and d; a bias
+    only in the table mode, table_points)."""
     if not (on_cuda_path(q) and q.dtype == torch.bfloat16 and d.dtype == torch.bfloat16 and d.shape[0] > 0):
         return False
     seg = [0] + sorted({int(m) for m in dims})
-    return tc_eligible(torch.bfloat16, q.shape[-1], seg, 0 if extra_neg is None else 1, bias, q)
+    mode = None if bias is None else ("table" if table_points is not None else "exact")
+    return tc_eligible(torch.bfloat16, q.shape[-1], seg, 0 if extra_neg is None else 1, mode, q)
+
+
+#: table points up to which the backward keeps dL/dtable in a shared-memory histogram per CUDA block (64 KB)
+TC_HIST_SMEM_POINTS = 16385
 
 
 def prep_spans(q_lo, q_hi, d_lo, d_hi, diag_offset: int, like: torch.Tensor):
@@ -378,7 +397,14 @@ class _Fused:
         asz = _SIZE[c.acc]
         per_elem = asz * ((c.K + 1) if backward else 1) + (2 * c.K if backward and self.half is not None else 0) + \
             (2 * asz if bias is not None else 0)
-        self.tc = tc_eligible(self.half, c.q.shape[1], c.seg, c.N, bias, q)
+        bias_mode = None if bias is None else ("table" if bias[2] is not None else "exact")
+        self.tc = tc_eligible(self.half, c.q.shape[1], c.seg, c.N, bias_mode, q)
+        self.tab = None  # the table bias of the tensor-core path: (u_q, u_d, table) float32, hist in shared memory
+        if self.tc and bias is not None:
+            u_q, u_d, table = (x.to(torch.float32).contiguous() for x in bias[:3])
+            k = kernels()
+            smem = k.mrl_tc_smem_bytes(c.K, True, True, table.numel()) <= k.mrl_tc_smem_optin(self.dev)
+            self.tab = (u_q, u_d, table, bool(smem and table.numel() <= TC_HIST_SMEM_POINTS))
         if self.tc:  # backward: the K bf16 coefficient blocks Ho; forward: partials only (~K / 8 bytes)
             per_elem = 2 * c.K if backward else max(1, c.K // 8)
         self.R = block_rows(c.Bq, c.Bd, c.N, per_elem, q.device, block)
@@ -754,6 +780,10 @@ def _tc_launch(F, op: str, i0: int, i1: int, K: int, splits, **outs):
     Ho = outs.get("Ho")
     sizes = [i1 - i0, c.Bd, i0, c.Bq, F.qo.stride(0), F.do.stride(0), c.rho.stride(0), c.kap.stride(0), c.off,
              int(c.cw != 0.0), splits[0], splits[1], 0 if Ho is None else Ho.stride(0)]
+    if F.tab is not None:
+        u_q, u_d, table, hist_smem = F.tab
+        p.update(u_q=ptr(u_q), u_d=ptr(u_d), table=ptr(table))
+        sizes += [table.numel(), int(hist_smem)]
     kernels().mrl_tc_launch(op, F.dev, F.stream, DTYPE_CODES[F.half], sizes, [int(x) for x in c.seg[:K + 1]], c.it,
                             p)
 
@@ -803,10 +833,20 @@ def _tc_backward_block(F, i0, i1, rw, cw, row_stats, col_stats, gr: _Grads, co=N
     Ho = torch.empty(top, r, c.Bd, dtype=F.half, device=dev)
     drp = torch.empty(top, r, splits[0], dtype=acc, device=dev)
     dkp = torch.empty(top, -(-r // 64), c.Bd, dtype=acc, device=dev)
+    tab = {}
+    if F.tab is not None:  # the table bias's gradient partials (float64 histogram: per CUDA block or one)
+        P, nrb = F.tab[2].numel(), -(-r // 64)
+        tab = dict(hist=torch.zeros(splits[0] * nrb if F.tab[3] else 1, P, dtype=torch.float64, device=dev),
+                   duq_part=torch.empty(r, splits[0], dtype=acc, device=dev),
+                   dud_part=torch.empty(nrb, c.Bd, dtype=acc, device=dev))
     _tc_launch(F, "bwd", i0, i1, top, splits, row_lse=row_stats, col_lse=col_stats if c.cw != 0.0 else None,
-               coef=co, Ho=Ho, drho_part=drp, dkap_part=dkp)
+               coef=co, Ho=Ho, drho_part=drp, dkap_part=dkp, **tab)
     gr.drho[:top, i0:i1] += drp.sum(2)
     gr.dkap[:top] += dkp.sum(1)
+    if tab:
+        gr.bias[0][i0:i1] += tab["duq_part"].double().sum(1)
+        gr.bias[1] += tab["dud_part"].double().sum(0)
+        gr.bias[2] += tab["hist"].sum(0).reshape(gr.bias[2].shape)
     qo = F.qo[i0:i1]
     for l in range(top):
         a, b = c.seg[l], c.seg[l + 1]

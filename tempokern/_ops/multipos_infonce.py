@@ -443,18 +443,20 @@ def check_table_points(points, bias) -> Optional[int]:
 
 
 def tensor_core_variant() -> str:
-    """TEMPOKERN_MPB_TC: "1" (default) sends bfloat16 CUDA calls without a bias, extra negatives or
-    return_hardest, with a multiple of 16 features, to the tensor-core kernels of matryoshka_tc_cuda.cu (one
+    """TEMPOKERN_MPB_TC: "1" (default) sends bfloat16 CUDA calls without a bias or with the table bias, without
+    extra negatives or return_hardest, with a multiple of 16 features, to the tensor-core kernels of
+    matryoshka_tc_cuda.cu (one
     level, normalize=False: the same loss, docs/multipos_infonce.md, "Tensor-core path"); "0" keeps the
     blocked path (cuBLAS score blocks + fused passes, the path measured on the H100 on 2026-11-23)."""
     return env_choice("TEMPOKERN_MPB_TC", ("1", "0"), "1")
 
 
-def _tensor_core_call(q, d, bias, extra_neg, return_hardest: bool) -> bool:
-    if bias is not None or extra_neg is not None or return_hardest or tensor_core_variant() != "1":
+def _tensor_core_call(q, d, bias, extra_neg, return_hardest: bool, table_points) -> bool:
+    if (bias is not None and table_points is None) or extra_neg is not None or return_hardest or \
+            tensor_core_variant() != "1":
         return False
     from .matryoshka_blocked import tc_call
-    return q.shape[0] > 0 and q.shape[1] % 16 == 0 and tc_call(q, d, [q.shape[1]], None, None)
+    return q.shape[0] > 0 and q.shape[1] % 16 == 0 and tc_call(q, d, [q.shape[1]], None, bias, table_points)
 
 
 def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
@@ -471,11 +473,12 @@ def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float
     row (see :func:`multipos_infonce`), in the caller's row and column order (the CPU path's u-sort undone)."""
     if row_none is not None:
         row_none = row_none.to(torch.uint8).contiguous()
-    if _tensor_core_call(q, d, bias, extra_neg, return_hardest):
+    if _tensor_core_call(q, d, bias, extra_neg, return_hardest, bias_table_points):
         from .matryoshka_infonce import matryoshka_partial  # (it imports this module)
         return matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, [q.shape[1]], [1.0], temperature=temperature,
                                   row_weight=row_weight, col_weight=col_weight, diag_offset=diag_offset,
-                                  row_none=row_none, normalize=False)[0]
+                                  row_none=row_none, normalize=False, bias=bias,
+                                  bias_table_points=bias_table_points)[0]
     if on_cuda_path(q) or bias_table_points is not None:
         return blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias,
                                 extra_neg=extra_neg, row_weight=row_weight, col_weight=col_weight,
