@@ -212,3 +212,17 @@ def test_emulator_switch_is_local_to_the_calling_thread(cuda_emu):
         t.join()
     assert seen == {"path": False, "kernels": common._C, "sms": 1}
     assert not common.on_cuda_path(torch.device("cpu"))
+
+
+def test_gpu_sanitize_case_runs_on_the_emulator(cuda_emu, monkeypatch):
+    """tools/gpu_sanitize_case.py (what a GPU session runs under compute-sanitizer) with its CUDA device replaced
+    by the emulator: every call it makes runs and agrees with the float64 reference, so the GPU session's
+    sanitizer run does not stop at a bug of the script (session 10: a duplicate Matryoshka dim at SAN_SMALL)."""
+    monkeypatch.setenv("SAN_SMALL", "1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "tools", "gpu_sanitize_case.py")) as f:
+        src = f.read()
+    assert src.count('dev = "cuda"') == 1
+    with cuda_emulator(cuda_emu):
+        exec(compile(src.replace('dev = "cuda"', 'dev = "cpu"'), "gpu_sanitize_case.py", "exec"),
+             {"__name__": "__main__"})

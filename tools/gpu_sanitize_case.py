@@ -98,10 +98,20 @@ for sym in (False, True):
     check(f"matryoshka sym={sym}", lf, lr, 1e-4)
     # the tensor-core kernels (session 10, the default for bf16): dims multiples of 16
     qb3, db3 = q2.detach().bfloat16().requires_grad_(), d2.detach().bfloat16().requires_grad_()
-    lf = tempokern.matryoshka_infonce(qb3, db3, (16, 32, H2), temperature=0.05, symmetric=sym)
-    lr = ref.matryoshka_infonce(qb3.double(), db3.double(), (16, 32, H2), temperature=0.05, symmetric=sym)
+    tc_dims = sorted({16, 32, H2})
+    lf = tempokern.matryoshka_infonce(qb3, db3, tc_dims, temperature=0.05, symmetric=sym)
+    lr = ref.matryoshka_infonce(qb3.double(), db3.double(), tc_dims, temperature=0.05, symmetric=sym)
     gf = torch.autograd.grad(lf, [qb3, db3])
     check(f"matryoshka tc sym={sym}", lf, lr, 1e-4)
+    # the tensor-core multipos path with the table bias (shared-memory histogram: 97 points; global: 20,001)
+    for pts in (97, 20001):
+        bb = tuple(t.float() for t in b[:2]) + tuple(t.float() for t in b[2:])
+        lf = tempokern.multipos_infonce(qb3[:B], db3[:B], *sp, temperature=0.1, bias=bb, bias_table_points=pts,
+                                        symmetric=sym)
+        lr = ref.multipos_infonce(qb3[:B].double(), db3[:B].double(), *sp, temperature=0.1, bias=b,
+                                  bias_table_points=pts, symmetric=sym)
+        torch.autograd.grad(lf, [qb3, db3])
+        check(f"multipos tc table={pts} sym={sym}", lf, lr, 1e-4)
 NG = 9000 if SMALL else 70000
 gg = torch.randn(NG, H, device=dev)
 ugg = torch.rand(NG, device=dev)
