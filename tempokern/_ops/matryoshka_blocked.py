@@ -633,6 +633,20 @@ def _top(coefs) -> int:
     return act[-1] + 1 if act else 0
 
 
+def _merge_block_stats(row_stats, i0, i1, row_part, col_part, c_all, c_pos):
+    """A row block's partials into the statistics: its rows' (lse_all, lse_pos) from row_part (K, r, slots, 2)
+    into row_stats[:, :2, i0:i1], and with a column term (col_part (K, tiles, C, 2)) the running column values;
+    returns (c_all, c_pos)."""
+    lse = torch.logsumexp(row_part, dim=2)  # (K, r, 2)
+    row_stats[:, 0, i0:i1] = lse[..., 0]
+    row_stats[:, 1, i0:i1] = lse[..., 1]
+    if col_part is not None:
+        cl = torch.logsumexp(col_part, dim=1)  # (K, C, 2)
+        c_all = torch.logaddexp(c_all, cl[..., 0])
+        c_pos = torch.logaddexp(c_pos, cl[..., 1])
+    return c_all, c_pos
+
+
 def _forward_state(F, coef, row_weight, col_weight, gif: bool, bias):
     """Both fused forwards' accumulators: (row_stats, col_stats, column lse_all / lse_pos running values or None
     without a column term, and with gif the gradient accumulators and the levels' row / column coefficients)."""
@@ -692,13 +706,7 @@ def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_n
                     F.prod(Es[0], qo[:, a:b], F.no[:, a:b], None if l == 0 else Es[0])
                 F.launch("fwd", Es[l if gif else 0], i0, l, pos=False, tiling_=tE, scale_cols=c.kneg, nslots=nslots,
                          slot0=tS[1], row_part=row_part[l])
-        lse = torch.logsumexp(row_part, dim=2)  # (K, r, 2)
-        row_stats[:, 0, i0:i1] = lse[..., 0]
-        row_stats[:, 1, i0:i1] = lse[..., 1]
-        if cols:
-            cl = torch.logsumexp(col_part, dim=1)  # (K, C, 2)
-            c_all = torch.logaddexp(c_all, cl[..., 0])
-            c_pos = torch.logaddexp(c_pos, cl[..., 1])
+        c_all, c_pos = _merge_block_stats(row_stats, i0, i1, row_part, col_part, c_all, c_pos)
         if gif:
             _backward_any(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, grads)
         del Gs, Es, dense, row_part, col_part
@@ -799,13 +807,7 @@ def _tc_forward(F, coef, row_weight, col_weight, gif: bool, bias):
         row_part = torch.empty(K, r, splits[0], 2, dtype=acc, device=dev)
         col_part = torch.empty(K, -(-r // 64), c.Bd, 2, dtype=acc, device=dev) if cols else None
         _tc_launch(F, "fwd", i0, i1, K, splits, row_part=row_part, col_part=col_part)
-        lse = torch.logsumexp(row_part, dim=2)  # (K, r, 2)
-        row_stats[:, 0, i0:i1] = lse[..., 0]
-        row_stats[:, 1, i0:i1] = lse[..., 1]
-        if cols:
-            cl = torch.logsumexp(col_part, dim=1)  # (K, C, 2)
-            c_all = torch.logaddexp(c_all, cl[..., 0])
-            c_pos = torch.logaddexp(c_pos, cl[..., 1])
+        c_all, c_pos = _merge_block_stats(row_stats, i0, i1, row_part, col_part, c_all, c_pos)
         if gif:
             _tc_backward_block(F, i0, i1, rw, cw, row_stats, col_stats, grads)
         del row_part, col_part
