@@ -405,8 +405,9 @@ class _Fused:
             k = kernels()
             smem = k.mrl_tc_smem_bytes(c.K, True, True, table.numel()) <= k.mrl_tc_smem_optin(self.dev)
             self.tab = (u_q, u_d, table, bool(smem and table.numel() <= TC_HIST_SMEM_POINTS))
-        if self.tc:  # backward: the K bf16 coefficient blocks Ho; forward: partials only (~K / 8 bytes)
-            per_elem = 2 * c.K if backward else max(1, c.K // 8)
+        if self.tc:  # backward: the K bf16 coefficient blocks Ho (counted twice: half the budget, since this
+            # path also holds float32 and bf16 copies of q and d, 0.6 GB at B = 65,536, H = 768); forward: partials
+            per_elem = 4 * c.K if backward else max(1, c.K // 8)
         self.R = block_rows(c.Bq, c.Bd, c.N, per_elem, q.device, block)
         if self.tc and self.R < c.Bq and self.R > 64 and not block:
             self.R = self.R // 64 * 64  # whole 64-row tiles per launch
