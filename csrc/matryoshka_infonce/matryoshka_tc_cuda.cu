@@ -164,27 +164,15 @@ __device__ __forceinline__ void positives(const Smem<OT>& sm, int r, int c, int6
   pc = ov || (dg && ((rf & 2) || sm.cflag[c]));
 }
 
-// The table bias at delta = u_d - u_q (tempokern.reference.offset_bias_lookup; the arithmetic of
-// multipos_block_cuda.cu's table_bias): value, slope = d bias / d delta (0 where the clamp bites), the left bin
-// idx and the right bin's weight t.
-__device__ __forceinline__ float tab_bias(const MrlTcParams& p, float delta, float& slope, int& idx, float& t) {
-  const float half_span = 0.5f * (float)(p.P - 1);
-  const bool in = delta >= -1.f && delta <= 1.f;
-  const float dc = delta < -1.f ? -1.f : (delta > 1.f ? 1.f : delta);
-  const float x = (dc + 1.f) * half_span;
-  float f = floorf(x);
-  if (!(f >= 0.f)) f = 0.f;  // also NaN
-  if (f > (float)(p.P - 2)) f = (float)(p.P - 2);
-  idx = (int)f;
-  t = x - f;
-  const float v0 = __ldg(p.table + idx), v1 = __ldg(p.table + idx + 1);
-  slope = in ? (v1 - v0) * half_span : 0.f;
-  return v0 + t * (v1 - v0);
+// The table bias at delta = u_d - u_q (common/cuda_math.cuh's table_bias, the multipos kernels' arithmetic):
+// value, slope = d bias / d delta (0 where the clamp bites), the left bin idx and the right bin's weight t.
+__device__ __forceinline__ float tab_bias(const MrlTcParams& p, float delta, float& slope, int64_t& idx, float& t) {
+  return cuda::table_bias<float>(p.table, p.P, 0.5f * (float)(p.P - 1), delta, slope, idx, t);
 }
 template <typename OT>
 __device__ __forceinline__ float tab_value(const MrlTcParams& p, const Smem<OT>& sm, int r, int c) {
   float slope, t;
-  int idx;
+  int64_t idx;
   return tab_bias(p, sm.ud[c] - sm.uq[r], slope, idx, t);
 }
 
@@ -347,7 +335,7 @@ __device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int64_t row0, i
       bool pr, pc;
       positives(sm, r, c, dg0, pr, pc);
       float hacc = 0.f, b = 0.f, slope = 0.f, tw = 0.f, gsum = 0.f;
-      int bin = 0;
+      int64_t bin = 0;
       if (TAB) b = tab_bias(p, sm.ud[c] - sm.uq[r], slope, bin, tw);
       for (int l = K - 1; l >= 0; --l) {
         float* gp = sm.level(l, K) + r * LDS + c;

@@ -30,8 +30,6 @@ constexpr unsigned kFull = 0xffffffffu;
 using cuda::dexp;
 using cuda::dlog;
 using cuda::ex2f;
-__device__ __forceinline__ float dfloor(float x) { return floorf(x); }
-__device__ __forceinline__ double dfloor(double x) { return ::floor(x); }
 
 template <typename A> __device__ __forceinline__ A ninf() { return -std::numeric_limits<A>::infinity(); }
 
@@ -99,23 +97,7 @@ template <typename A> __device__ __forceinline__ void online_add(A& m, A& s, A x
   }
 }
 
-// Linear interpolation of the table at delta (clamped to [-1, 1]); slope = d bias / d delta (0 where the
-// clamp bites), idx / t = the left bin and the weight of the right one. Same arithmetic as
-// tempokern.reference.offset_bias_lookup.
-template <typename A>
-__device__ __forceinline__ A table_bias(const A* T, int64_t P, A half_span, A delta, A& slope, int64_t& idx, A& t) {
-  const bool in = delta >= A(-1) && delta <= A(1);
-  const A dc = delta < A(-1) ? A(-1) : (delta > A(1) ? A(1) : delta);
-  const A x = (dc + A(1)) * half_span;
-  A f = dfloor(x);
-  if (!(f >= A(0))) f = A(0);  // also NaN
-  if (f > A(P - 2)) f = A(P - 2);
-  idx = (int64_t)f;
-  t = x - f;
-  const A v0 = __ldg(T + idx), v1 = __ldg(T + idx + 1);
-  slope = in ? (v1 - v0) * half_span : A(0);
-  return v0 + t * (v1 - v0);
-}
+using cuda::table_bias;
 
 // Column context (thread-owned columns) and row context (broadcast loads). BM: bias mode (0 none, 1 table,
 // 2 dense), POS: positives (false for an extra-negative block); both compile-time, so unused loads vanish.

@@ -29,7 +29,7 @@ from typing import List, Sequence
 import torch
 
 from .common import DTYPE_CODES, env_choice, kernels, launch_args, on_cuda_path, ptr, sm_count
-from .multipos_blocked import _SIZE, _addmm_into, _mm, _mm_out_f32, block_rows, none_flags, spans32, tiling
+from .multipos_blocked import _SIZE, _addmm_into, _mm, _mm_out_f32, block_rows, none_flags, prep_spans, spans32, tiling
 
 
 def _none_flags(q_lo, q_hi, d_lo, d_hi):
@@ -325,26 +325,6 @@ def tc_call(q, d, dims, extra_neg, bias, table_points=None) -> bool:
 
 #: table points up to which the backward keeps dL/dtable in a shared-memory histogram per CUDA block (64 KB)
 TC_HIST_SMEM_POINTS = 16385
-
-
-def prep_spans(q_lo, q_hi, d_lo, d_hi, diag_offset: int, like: torch.Tensor):
-    """((q_lo, q_hi, d_lo, d_hi) int32, row_none, col_none uint8) by multipos's prep kernel (CUDA or the
-    emulator; Bq, Bd > 0): the spans shifted into int32 (ranks when their range does not fit) and the rows /
-    columns without any overlapping partner, as spans32 + none_flags compute with sorts."""
-    Bq, Bd = q_lo.numel(), d_lo.numel()
-    dev = like.device
-    sp = torch.empty(2 * (Bq + Bd), dtype=torch.int32, device=dev)
-    fl = torch.empty(Bq + Bd, dtype=torch.uint8, device=dev)
-    counter = torch.empty(1, dtype=torch.int32, device=dev)
-    b64 = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
-           for t in (q_lo, q_hi, d_lo, d_hi)]
-    d_, stream = launch_args(like)
-    kernels().multipos_block_prep(d_, stream, [Bq, Bd, int(diag_offset), 0],
-                                  dict(q_lo=ptr(b64[0]), q_hi=ptr(b64[1]), d_lo=ptr(b64[2]), d_hi=ptr(b64[3]),
-                                       spans32=ptr(sp), row_none=ptr(fl), col_none=ptr(fl) + Bq,
-                                       counter=ptr(counter), zero=0))
-    spans = (sp[:Bq], sp[Bq:2 * Bq], sp[2 * Bq:2 * Bq + Bd], sp[2 * Bq + Bd:])
-    return spans, fl[:Bq], fl[Bq:]
 
 
 def _exact_half(ts) -> "torch.dtype | None":

@@ -183,6 +183,27 @@ def _budget(device: torch.device) -> int:
     return 256 << 20
 
 
+def prep_spans(q_lo, q_hi, d_lo, d_hi, diag_offset: int, like: torch.Tensor):
+    """((q_lo, q_hi, d_lo, d_hi) int32, row_none, col_none uint8) by the prep kernel (CUDA or the
+    emulator; Bq, Bd > 0): the spans shifted into int32 (ranks when their range does not fit) and the rows /
+    columns without any overlapping partner, as spans32 + none_flags compute with sorts. For callers outside
+    blocked_loss (which launches the prep kernel into its one workspace, with the table histogram's zeroing)."""
+    Bq, Bd = q_lo.numel(), d_lo.numel()
+    dev = like.device
+    sp = torch.empty(2 * (Bq + Bd), dtype=torch.int32, device=dev)
+    fl = torch.empty(Bq + Bd, dtype=torch.uint8, device=dev)
+    counter = torch.empty(1, dtype=torch.int32, device=dev)
+    b64 = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+           for t in (q_lo, q_hi, d_lo, d_hi)]
+    d_, stream = launch_args(like)
+    kernels().multipos_block_prep(d_, stream, [Bq, Bd, int(diag_offset), 0],
+                                  dict(q_lo=ptr(b64[0]), q_hi=ptr(b64[1]), d_lo=ptr(b64[2]), d_hi=ptr(b64[3]),
+                                       spans32=ptr(sp), row_none=ptr(fl), col_none=ptr(fl) + Bq,
+                                       counter=ptr(counter), zero=0))
+    spans = (sp[:Bq], sp[Bq:2 * Bq], sp[2 * Bq:2 * Bq + Bd], sp[2 * Bq + Bd:])
+    return spans, fl[:Bq], fl[Bq:]
+
+
 def block_rows(Bq: int, C: int, N: int, per_elem: int, device: torch.device, requested: int = 0) -> int:
     """Rows per block: the whole batch when its score block fits the budget (1 GiB on CUDA, at most a
     quarter of free memory; TEMPOKERN_BLOCK_BYTES overrides), else a multiple of 256 rows."""
