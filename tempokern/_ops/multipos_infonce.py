@@ -445,18 +445,18 @@ def check_table_points(points, bias) -> Optional[int]:
 def tensor_core_variant() -> str:
     """TEMPOKERN_MPB_TC: "1" (default) sends bfloat16 CUDA calls without a bias or with the table bias, without
     extra negatives or return_hardest, with a multiple of 16 features, to the tensor-core kernels of
-    matryoshka_tc_cuda.cu (one
-    level, normalize=False: the same loss, docs/multipos_infonce.md, "Tensor-core path"); "0" keeps the
-    blocked path (cuBLAS score blocks + fused passes, the path measured on the H100 on 2026-11-23)."""
+    matryoshka_tc_cuda.cu (one level, normalize=False: the same loss, docs/multipos_infonce.md, "Tensor-core
+    path"); "0" keeps the blocked path (cuBLAS score blocks + fused passes, measured on the H100 on 2026-11-23)."""
     return env_choice("TEMPOKERN_MPB_TC", ("1", "0"), "1")
 
 
 def _tensor_core_call(q, d, bias, extra_neg, return_hardest: bool, table_points) -> bool:
-    if (bias is not None and table_points is None) or extra_neg is not None or return_hardest or \
-            tensor_core_variant() != "1":
+    """tc_call for one level of H features (which also rules out extra negatives, the exact bias and H not a
+    multiple of 16), with the switch, a row and no return_hardest."""
+    if return_hardest or tensor_core_variant() != "1" or q.shape[0] == 0:
         return False
     from .matryoshka_blocked import tc_call
-    return q.shape[0] > 0 and q.shape[1] % 16 == 0 and tc_call(q, d, [q.shape[1]], None, bias, table_points)
+    return tc_call(q, d, [q.shape[1]], extra_neg, bias, table_points)
 
 
 def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
