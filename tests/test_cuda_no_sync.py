@@ -25,8 +25,9 @@ def _inputs(B=512, H=64, seed=0):
     return q.requires_grad_(), d.requires_grad_(), m
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("mode", ["none", "table", "exact"])
-def test_loss_step_does_not_sync(no_sync, mode):
+def test_loss_step_does_not_sync(no_sync, mode, symmetric):
     q, d, m = _inputs()
     ob = tempokern.nn.OffsetBias(features=8, hidden=8).cuda()
     u = m.float() / 300
@@ -35,13 +36,36 @@ def test_loss_step_does_not_sync(no_sync, mode):
         kw["bias_table_points"] = 257
 
     def step():
-        loss = tempokern.multipos_infonce(q, d, (m, m + 1), (m, m + 3), temperature=0.05, **kw)
+        loss = tempokern.multipos_infonce(q, d, (m, m + 1), (m, m + 3), temperature=0.05, symmetric=symmetric,
+                                          **kw)
         loss.backward()
         return loss
     step()                      # first call: caches (frequencies, the out_dtype probe) may sync once
     torch.cuda.synchronize()
     no_sync()
     loss = step()               # raises RuntimeError on any synchronising call
+    torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(loss).item()
+
+
+@pytest.mark.parametrize("mode", ["none", "table"])
+def test_matryoshka_step_does_not_sync(no_sync, mode):
+    # the tensor-core path (bf16, the default): level coefficients, scales and prefix ends are cached device
+    # constants, the bf16 operands are known (no value check)
+    q, d, m = _inputs()
+    ob = tempokern.nn.OffsetBias(features=8, hidden=8).cuda()
+    u = m.float() / 300
+    kw = {} if mode == "none" else dict(bias=(u, u, *tempokern.nn.offset_bias.bias_params(ob)), bias_table_points=257)
+
+    def step():
+        loss = tempokern.matryoshka_infonce(q, d, [16, 32, 64], temperature=0.05, symmetric=True,
+                                            q_span=(m, m + 1), d_span=(m, m + 3), **kw)
+        loss.backward()
+        return loss
+    step()
+    torch.cuda.synchronize()
+    no_sync()
+    loss = step()
     torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(loss).item()
 

@@ -232,3 +232,38 @@ def test_matryoshka_with_a_table_bias(gpu, paths):
             torch.testing.assert_close(a.double().cpu(), b, rtol=0, atol=tol, msg=lambda m: f"grad {k}: {m}")
     if gpu.type == "cpu":
         assert paths["tc"] == 2 and paths["blocked"] == 0  # forward, backward
+
+
+# ---- no host synchronisation per training step --------------------------------------------------------------
+
+@pytest.mark.parametrize("loss_fn,mode", [("multipos", "none"), ("multipos_sym", "none"), ("multipos", "table"),
+                                          ("matryoshka", "none"), ("matryoshka", "table")])
+def test_steady_step_makes_no_tensor_from_host_values(gpu, paths, monkeypatch, loss_fn, mode):
+    # after the first step, a training step on the tensor-core path builds no tensor from host values: on a GPU
+    # each torch.tensor(..., device=cuda) is a copy from pageable memory, which waits for the stream (a host
+    # synchronisation per step); the small constants (level coefficients, scales, prefix ends) are cached per
+    # device (common.device_constant). The bf16 table-bias call also skips the operand value check.
+    from test_matryoshka_infonce import make_bias
+    q, d, sp = on(gpu, *inputs(70, 32, seed=31))
+    q.requires_grad_()
+    d.requires_grad_()
+    bias = tuple(t.float().to(gpu).requires_grad_() for t in make_bias(70, 70, seed=5, u_lo=0.0, u_hi=1.0))
+    kw = {} if mode == "none" else dict(bias=bias, bias_table_points=65)
+
+    def step():
+        if loss_fn == "matryoshka":
+            loss = tempokern.matryoshka_infonce(q, d, [16, 32], temperature=0.1, symmetric=True,
+                                                q_span=sp[0], d_span=sp[1], **kw)
+        else:
+            loss = tempokern.multipos_infonce(q, d, *sp, temperature=0.1, symmetric=loss_fn == "multipos_sym", **kw)
+        loss.backward()
+    step()
+    made = []
+    real = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(a[0] if a else k) or real(*a, **k))
+    monkeypatch.setattr(mb, "_exact_half", lambda ts: made.append("value check"))
+    step()
+    monkeypatch.undo()
+    assert made == []
+    if gpu.type == "cpu":
+        assert paths["tc"] >= 4 and paths["blocked"] == 0

@@ -28,7 +28,7 @@ from typing import List, Sequence
 
 import torch
 
-from .common import DTYPE_CODES, env_choice, kernels, launch_args, on_cuda_path, ptr, sm_count
+from .common import DTYPE_CODES, device_constant, env_choice, kernels, launch_args, on_cuda_path, ptr, sm_count
 from .multipos_blocked import _SIZE, _addmm_into, _mm, _mm_out_f32, block_rows, none_flags, prep_spans, spans32, tiling
 
 
@@ -132,7 +132,7 @@ def _finish_levels(c, row_stats, col_stats, c_all, c_pos, cols: bool, coef, row_
         levels = levels + row_weight * (row_stats[:, 0] - row_stats[:, 1]).mean(dim=1)
     if cols and c.Bd:
         levels = levels + col_weight * (col_stats[:, 0] - col_stats[:, 1]).mean(dim=1)
-    w = torch.tensor(list(coef), dtype=acc, device=dev)
+    w = device_constant([float(x) for x in coef], acc, row_stats)
     return (torch.where(w != 0, levels, torch.zeros_like(levels)) * w).sum(), levels
 
 
@@ -572,7 +572,7 @@ def _backward_block_all(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, 
         K = len(coefs)
         Gs = Gs[:K]
         t = tiling(r, X.shape[0], dev)
-        co = torch.tensor(coefs, dtype=acc, device=dev)
+        co = device_constant(coefs, acc, c.q)
         Ho = torch.empty(Gs.shape, dtype=F.half, device=dev) if F.half is not None else None
         Gb = torch.empty(r, c.Bd, dtype=acc, device=dev) if (pos and dense is not None) else None
         drp = torch.empty(K, r, t[1], dtype=acc, device=dev)
@@ -707,8 +707,8 @@ def fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg,
     grads = _Grads(F, bias)
     cols = col_weight != 0.0
     if F.tc:  # the level coefficients stay on the device (no host synchronisation); every level is launched
-        scale = torch.tensor([row_weight / c.Bq if c.Bq else 0.0, col_weight / c.Bd if (cols and c.Bd) else 0.0],
-                             dtype=c.acc).to(c.q.device)
+        scale = device_constant([row_weight / c.Bq if c.Bq else 0.0, col_weight / c.Bd if (cols and c.Bd) else 0.0],
+                                c.acc, c.q)
         co = (lcoef.detach().to(c.acc)[:, None] * scale[None, :]).contiguous()
         row_stats, col_stats = row_stats.contiguous(), col_stats.contiguous()
         for i0, i1 in F.blocks():
@@ -808,7 +808,7 @@ def _tc_backward_block(F, i0, i1, rw, cw, row_stats, col_stats, gr: _Grads, co=N
         top = _top([float(a != 0.0 or b != 0.0) for a, b in zip(rw, cw)])
         if not top:
             return
-        co = torch.tensor([[rw[l], cw[l]] for l in range(top)], dtype=c.acc).to(c.q.device)
+        co = device_constant([[float(rw[l]), float(cw[l])] for l in range(top)], c.acc, c.q)
     top = co.shape[0]
     dev, acc = c.q.device, c.acc
     r = i1 - i0

@@ -17,8 +17,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, kernels, launch_args,
-                     on_cuda_path, ptr)
+from .common import (check_finite, check_positive, check_same_device, check_tensor, device_constant, dtype_code,
+                     kernels, launch_args, on_cuda_path, ptr)
 from .matryoshka_blocked import blocked_backward, blocked_forward, cuda_variant, tc_call, use_fused
 from ..reference.offset_bias import offset_bias_table
 from .multipos_infonce import _BIAS_NAMES, _check_span, _span_bounds, check_table_points, validate_bias
@@ -198,7 +198,7 @@ def _backward(ctx, grads_out):
                                                                     *ins, ctx.seg, *ctx.scalars)
             grads = [a + b for a, b in zip(grads, extra)]
     else:
-        w = torch.tensor(ctx.coef, dtype=row_stats.dtype, device=row_stats.device)
+        w = device_constant([float(x) for x in ctx.coef], row_stats.dtype, row_stats)
         lcoef = g_loss * w
         if g_levels is not None:
             lcoef = lcoef + g_levels.to(w.dtype)
@@ -226,18 +226,20 @@ def _mat_bias(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor
               u_d: torch.Tensor, table: Optional[torch.Tensor], w1: Optional[torch.Tensor],
               b1: Optional[torch.Tensor], w2: Optional[torch.Tensor], b2: Optional[torch.Tensor],
               scale: Optional[torch.Tensor], seg: List[int], coef: List[float], inv_temp: float, row_weight: float,
-              col_weight: float, diag_offset: int) -> List[torch.Tensor]:
+              col_weight: float, diag_offset: int, bf16_operands: bool) -> List[torch.Tensor]:
     """matryoshka_infonce with offset_bias's per-pair bias added to every level's logits: [loss, levels,
     row_stats, col_stats] by the blocked path. table (points,) given: the table mode (w1..scale None);
-    else the exact MLP (w1..scale)."""
+    else the exact MLP (w1..scale). bf16_operands: q, d and extra_neg hold bfloat16 values (the caller's
+    tensors were bfloat16), so the CUDA path needs no check of the values (a pass and a device sync)."""
     return blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
                            row_weight, col_weight, diag_offset, _block_rows(),
-                           bias=(u_q, u_d, table, w1, b1, w2, b2, scale))
+                           bias=(u_q, u_d, table, w1, b1, w2, b2, scale),
+                           known_half=torch.bfloat16 if bf16_operands else None)
 
 
 @_mat_bias.register_fake
 def _(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, u_q, u_d, table, w1, b1, w2, b2, scale, seg,
-      coef, inv_temp, row_weight, col_weight, diag_offset):
+      coef, inv_temp, row_weight, col_weight, diag_offset, bf16_operands):
     K = len(seg) - 1
     return [q.new_empty(()), q.new_empty((K,)), q.new_empty((K, 3, q.shape[0])), q.new_empty((K, 3, d.shape[0]))]
 
@@ -250,17 +252,18 @@ def _mat_bias_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: 
                        table: Optional[torch.Tensor], w1: Optional[torch.Tensor], b1: Optional[torch.Tensor],
                        w2: Optional[torch.Tensor], b2: Optional[torch.Tensor], scale: Optional[torch.Tensor],
                        seg: List[int], inv_temp: float, row_weight: float, col_weight: float,
-                       diag_offset: int) -> List[torch.Tensor]:
+                       diag_offset: int, bf16_operands: bool) -> List[torch.Tensor]:
     """[dq, dd, dneg, drho, dkap, dkneg] in the accumulation dtype, then [du_q, du_d, dtable, dw1, db1, dw2,
     db2, dscale] in float64 (empty where absent)."""
     return blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
                             row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(),
-                            bias=(u_q, u_d, table, w1, b1, w2, b2, scale))
+                            bias=(u_q, u_d, table, w1, b1, w2, b2, scale),
+                            known_half=torch.bfloat16 if bf16_operands else None)
 
 
 @_mat_bias_backward.register_fake
 def _(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, u_q, u_d, table,
-      w1, b1, w2, b2, scale, seg, inv_temp, row_weight, col_weight, diag_offset):
+      w1, b1, w2, b2, scale, seg, inv_temp, row_weight, col_weight, diag_offset, bf16_operands):
     out = [q.new_empty(q.shape), q.new_empty(d.shape), q.new_empty(0) if extra_neg is None else q.new_empty(
         extra_neg.shape), q.new_empty(rho.shape), q.new_empty(kap.shape),
         q.new_empty(0) if kneg is None else q.new_empty(kneg.shape)]
@@ -284,7 +287,7 @@ def _bias_backward(ctx, grads_out):
     g_loss, g_levels = grads_out[0], grads_out[1]
     row_stats, col_stats, *rest = ctx.saved_tensors
     ins = [t if present else None for t, present in zip(rest, ctx.present)]
-    w = torch.tensor(ctx.coef, dtype=row_stats.dtype, device=row_stats.device)
+    w = device_constant([float(x) for x in ctx.coef], row_stats.dtype, row_stats)
     lcoef = w * (0.0 if g_loss is None else g_loss.reshape(()).to(w.dtype))
     if g_levels is not None:
         lcoef = lcoef + g_levels.to(w.dtype)
@@ -372,7 +375,8 @@ def inverse_prefix_norms(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
     squared norm). The K prefix sums of squares are one product with a (H, K) 0/1 prefix matrix: a handful
     of full-size ops forward and backward instead of K norms (they cost ~15% of the step at B = 2,048)."""
     H = x.shape[1]
-    prefix = (torch.arange(H, device=x.device)[:, None] < torch.tensor(list(dims), device=x.device)[None, :])
+    ends = device_constant([int(m) for m in dims], torch.int64, x)  # cached: no host-to-device copy per call
+    prefix = torch.arange(H, device=x.device)[:, None] < ends[None, :]
     ss = _PrefixSquares.apply(x, prefix.to(x.dtype))
     return ss.clamp_min(EPS * EPS).rsqrt().t().contiguous()
 
@@ -404,6 +408,10 @@ def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weight
     if row_none is not None:
         row_none = row_none.to(torch.uint8).contiguous()
     seg = [0, *[int(m) for m in dims]]
+    # bfloat16 inputs: their float32 copies are bf16 values, which the CUDA path's half-operand products need
+    # to know (else it checks the values: a pass and a device synchronisation per call)
+    bf16 = q.dtype == torch.bfloat16 and d.dtype == torch.bfloat16 and (extra_neg is None or
+                                                                         extra_neg.dtype == torch.bfloat16)
     if bias is not None:
         u_q, u_d, w1, b1, w2, b2, scale = bias
         if bias_table_points is not None:
@@ -413,13 +421,9 @@ def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weight
             bk = (u_q.contiguous(), u_d.contiguous(), None, w1, b1, w2, b2, scale)
         out = torch.ops.tempokern.matryoshka_infonce_bias(
             qk, dk, nk, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, *bk, seg, [float(w) for w in weights],
-            1.0 / temperature, float(row_weight), float(col_weight), int(diag_offset))
+            1.0 / temperature, float(row_weight), float(col_weight), int(diag_offset), bf16)
         return out[0], out[1]
     want = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qk, dk, nk, rho, kap, kneg))
-    # bfloat16 inputs: their float32 copies are bf16 values, which the CUDA path's half-operand products need
-    # to know (else it checks the values: a pass and a device synchronisation per call)
-    bf16 = q.dtype == torch.bfloat16 and d.dtype == torch.bfloat16 and (extra_neg is None or
-                                                                         extra_neg.dtype == torch.bfloat16)
     out = torch.ops.tempokern.matryoshka_infonce(
         qk, dk, nk, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, [float(w) for w in weights],
         1.0 / temperature, float(row_weight), float(col_weight), int(diag_offset), bf16, bool(want))
