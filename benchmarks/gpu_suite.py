@@ -56,7 +56,7 @@ import torch  # noqa: E402
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
 IMPLS = ("tempokern", "tempokern_mpb_blocked", "tempokern_stats_v2", "tempokern_stats_v3", "tempokern_grad_v3", "tempokern_v3", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
-         "tempokern_mrl_fused", "tempokern_mrl_levels", "tempokern_cal_v1", "tempokern_cal_v2", "tempokern_ob_full", "tempokern_half_scores", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
+         "tempokern_mrl_fused", "tempokern_mrl_levels", "tempokern_cal_v1", "tempokern_cal_v2", "tempokern_cal_pair9", "tempokern_ob_full", "tempokern_half_scores", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
 # one-level yardstick
 # tempokern_mpb_blocked: the multipos loss without a bias or with the table bias with TEMPOKERN_MPB_TC=0 (the blocked
 # path: cuBLAS score blocks + fused passes, the default measured on the H100 on 2026-11-23: 1.77 / 2.99 ms at
@@ -68,7 +68,9 @@ IMPLS = ("tempokern", "tempokern_mpb_blocked", "tempokern_stats_v2", "tempokern_
 # evaluated: the kernels' default until 2026-11-23; "tempokern" merges / skips the units the bias never switches)
 # tempokern_cal_v1: calendar_scalar / calendar_context with TEMPOKERN_CALENDAR=v1 (the thread-per-row kernels measured
 # on the H100 on 2026-11-22); tempokern_cal_v2: TEMPOKERN_CALENDAR=v2 (the warp-cooperative kernels both ways, the
-# context op's default until session 9); "tempokern" is auto: context forward v2 + backward v1, scalar v1
+# context op's default until session 9); tempokern_cal_pair9: TEMPOKERN_CALENDAR=pair9 (context forward v2 + backward
+# v1, the default of sessions 9-10, predicted ~2.47 ms); "tempokern" is auto: context v3 both ways (session 11, the
+# prefetching row tiles, not yet timed), scalar v1
 # tempokern_prev: ctd_topk at Q <= 16 with TEMPOKERN_TOPK_SERVE=0 (the path measured on the H100 on 2026-11-22;
 # "tempokern" is the serve kernels, default, not yet measured)
 # tempokern_mrl_fused: matryoshka_infonce with TEMPOKERN_MRL_CUDA=fused (the fused per-level kernels, 13.1 ms at
@@ -358,6 +360,7 @@ VARIANT_ENV = {
     "tempokern_mrl_levels": {"TEMPOKERN_MRL_CUDA": "levels"},
     "tempokern_cal_v1": {"TEMPOKERN_CALENDAR": "v1"},
     "tempokern_cal_v2": {"TEMPOKERN_CALENDAR": "v2"},
+    "tempokern_cal_pair9": {"TEMPOKERN_CALENDAR": "pair9"},
     "tempokern_ob_full": {"TEMPOKERN_OB_PRUNE": "0"},
     "tempokern_half_scores": {"TEMPOKERN_MPB_SCORES": "half", "TEMPOKERN_MPB_TC": "0"},
 }
@@ -746,7 +749,8 @@ def calendar_agree(inp, impls):
     want = with_grads(calendar_call(getattr(ref(), inp["op"]), i64), l64, names, inp["gout"].double(), "out")
     res = {}
     for impl in impls:
-        fn = getattr(tk(), inp["op"]) if impl in ("tempokern", "tempokern_cal_v1", "tempokern_cal_v2") else getattr(ref(), inp["op"])
+        fn = getattr(tk(), inp["op"]) if impl in ("tempokern", "tempokern_cal_v1", "tempokern_cal_v2",
+                                                          "tempokern_cal_pair9") else getattr(ref(), inp["op"])
         li = [_leaf(t) for t in inp["logits"]]
         call = lambda: with_grads(calendar_call(fn, dict(inp, logits=li)), li, names, inp["gout"], "out")  # noqa: E731
         got = run_as(impl, call)
@@ -762,10 +766,12 @@ def calendar_cases(sizes, dev, bandwidth, compile_fn) -> List[Case]:
         steps = {"tempokern": calendar_step(lambda op=op: getattr(tk(), op)),
                  "eager": calendar_step(lambda op=op: getattr(ref(), op)),
                  "compile": calendar_step(lambda op=op: compile_fn(getattr(ref(), op)))}
-        # the variant columns: v1 and v2 in both directions beside the default (auto: context forward v2 with
-        # backward v1, scalar v1; the context pair is not yet timed)
+        # the variant columns: v1 and v2 in both directions, and (context) session 9's pair, beside the default
+        # (auto: context v3 both ways, not yet timed; scalar v1)
         steps["tempokern_cal_v1"] = variant_step("tempokern_cal_v1", steps["tempokern"])
         steps["tempokern_cal_v2"] = variant_step("tempokern_cal_v2", steps["tempokern"])
+        if op == "calendar_context":  # the scalar op's pair9 is its default
+            steps["tempokern_cal_pair9"] = variant_step("tempokern_cal_pair9", steps["tempokern"])
         nbytes = rows * 4 * (3 * n + 2 * out_w)   # fwd: logits in, out; bwd: logits + gout in, grads out
 
         def floor(ms, nbytes=nbytes):

@@ -1,5 +1,5 @@
-"""The CUDA calendar kernels, both variants (TEMPOKERN_CALENDAR=v2 warp-cooperative rows, the default; v1 the
-thread-per-row kernels measured on the H100), against tempokern.reference on the CUDA emulator (and a GPU)."""
+"""The CUDA calendar kernels v1 and v2 (TEMPOKERN_CALENDAR=v2 warp-cooperative rows; v1 the thread-per-row kernels
+measured on the H100; v3, the calendar_context default, has tests/test_calendar_v3.py), against tempokern.reference on the CUDA emulator (and a GPU)."""
 import pytest
 import torch
 
@@ -76,10 +76,11 @@ def test_float64_parity(variant, B, sizes, dim, gpu, monkeypatch, spy):
 
 
 @pytest.mark.parametrize("B,sizes,dim", SHAPES[1:])
-def test_auto_mixes_directions(B, sizes, dim, gpu, monkeypatch, spy):
-    # unset (auto): context forward v2 with context backward v1 (the faster kernel per direction on the H100),
-    # scalar v1; float64 outputs and every gradient within 1e-9 of the reference, float32 within float32 tolerance
-    monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
+def test_pair9_mixes_directions(B, sizes, dim, gpu, monkeypatch, spy):
+    # TEMPOKERN_CALENDAR=pair9 (session 9's default, and v3's fallback): context forward v2 with context backward
+    # v1 (the faster measured kernel per direction on the H100), scalar v1; float64 outputs and every gradient
+    # within 1e-9 of the reference, float32 within float32 tolerance
+    monkeypatch.setenv("TEMPOKERN_CALENDAR", "pair9")
     for dtype, tol in ((torch.float64, dict(atol=1e-9, rtol=0)), (torch.float32, dict(atol=1e-5, rtol=1e-4))):
         xs = make_logits(B, sizes, dtype=dtype, device=gpu, seed=B)
         x64 = [x.detach().double().requires_grad_() for x in xs]
@@ -209,17 +210,20 @@ def test_thread_orders(variant, cuda_emu, monkeypatch):
 def test_variant_switch(monkeypatch):
     from tempokern._ops import calendar as cal
     monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
-    # unset / auto: the faster kernel per op and direction as measured on the H100 (context forward v2, context
-    # backward v1, scalar v1); an op name means its forward
+    # unset / auto: context v3 both ways (by count, untimed), scalar v1 (measured); an op name means its forward
     kernels = ("context_fwd", "context_bwd", "scalar_fwd", "scalar_bwd")
-    assert [cal.variant(k) for k in kernels] == ["v2", "v1", "v1", "v1"]
-    assert (cal.variant("context"), cal.variant("scalar")) == ("v2", "v1")
+    assert [cal.variant(k) for k in kernels] == ["v3", "v3", "v1", "v1"]
+    assert (cal.variant("context"), cal.variant("scalar")) == ("v3", "v1")
     monkeypatch.setenv("TEMPOKERN_CALENDAR", " Auto ")
-    assert [cal.variant(k) for k in kernels] == ["v2", "v1", "v1", "v1"]
+    assert [cal.variant(k) for k in kernels] == ["v3", "v3", "v1", "v1"]
     for v in ("v1", "V2", " v1 "):
         monkeypatch.setenv("TEMPOKERN_CALENDAR", v)
         assert {cal.variant(k) for k in ("context", "scalar", *kernels)} == {v.strip().lower()}
-    monkeypatch.setenv("TEMPOKERN_CALENDAR", "v3")
+    monkeypatch.setenv("TEMPOKERN_CALENDAR", "v3")   # calendar_context only: the scalar op keeps its kernel
+    assert [cal.variant(k) for k in kernels] == ["v3", "v3", "v1", "v1"]
+    monkeypatch.setenv("TEMPOKERN_CALENDAR", "pair9")  # session 9's default
+    assert [cal.variant(k) for k in kernels] == ["v2", "v1", "v1", "v1"]
+    monkeypatch.setenv("TEMPOKERN_CALENDAR", "v4")
     with pytest.raises(ValueError, match="TEMPOKERN_CALENDAR"):
         cal.variant()
     monkeypatch.delenv("TEMPOKERN_CALENDAR")

@@ -41,6 +41,13 @@ bias32 = tuple(t.float() for t in b)
 check("offset_bias exact", tempokern.offset_bias(*bias32), ref.offset_bias(*b), 1e-4)
 logits = [torch.randn(B, k, device=dev) for k in (12, 32, 12)]
 check("calendar_context", tempokern.calendar_context(logits, 16), ref.calendar_context([x.double() for x in logits], 16), 1e-5)
+# calendar_context v3 (the default) forward and backward, two launches of 3 + 1 levels
+cl = [torch.randn(B, k, device=dev).requires_grad_() for k in (12, 32, 17, 3)]
+cw = torch.randn(B, 4 * 64, device=dev)
+cg = torch.autograd.grad(tempokern.calendar_context(cl, 64), cl, grad_outputs=cw)
+c64 = [x.detach().double().requires_grad_() for x in cl]
+cr = torch.autograd.grad(ref.calendar_context(c64, 64), c64, grad_outputs=cw.double())
+check("calendar_context v3 grads", torch.cat([x.flatten() for x in cg]), torch.cat([x.flatten() for x in cr]), 1e-4)
 check("calendar_scalar", tempokern.calendar_scalar(logits), ref.calendar_scalar([x.double() for x in logits]), 1e-5)
 g = torch.randn(5000, H, device=dev)
 qq = torch.randn(9, H, device=dev)

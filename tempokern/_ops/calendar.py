@@ -26,7 +26,14 @@ _CTAS_PER_SM = 64
 # there are 16 x 8 x R rows or more. 8 per SM also covers the 2 (context, 128 registers) or 4 (scalar, 64) CTAs
 # resident per SM.
 _CTAS_PER_SM_V2 = 8
-VARIANTS = ("v1", "v2")
+# v3 (calendar_context only, csrc/calendar/calendar_v3_cuda.cu): persistent CTAs of 256 threads walking 64-row tiles,
+# 2 resident per SM (<= 128 registers, <= 93 KB shared memory); a grid of 2 x SMs gives every CTA the same number of
+# tiles (+-1: 62 at 1M rows on an H100), and each CTA's next tile is in flight while it computes the current one.
+_CTAS_PER_SM_V3 = 2
+_V3_MAX_LEVELS = 3   # levels per v3 launch (the forward holds every level's logits of its next tile in registers)
+_V3_MAX_CLASSES = 32
+_V3_MAX_DIM = 128
+VARIANTS = ("v1", "v2", "v3")
 _TABLE_CACHE_SIZE = 32  # Fourier tables kept (least recently used dropped): bounded, pins little memory
 _tables: "collections.OrderedDict" = collections.OrderedDict()
 
@@ -66,13 +73,17 @@ def _table(n: int, dim: int, dtype: torch.dtype, device: torch.device, layout: s
     return t
 
 
-#: The kernel each op's forward / backward runs on CUDA when TEMPOKERN_CALENDAR is unset or "auto": the faster
-#: one per direction on the H100 (tools/gpu_probe7.py's kernel profiles, 2026-11-23, float32, 1M rows, levels
-#: 12x32x12, dim 64): context forward v2 0.88 ms vs v1 1.31 ms, context backward v1 1.15 ms vs v2 1.51 ms;
-#: scalar v1 both ways (fwd+bwd 1.03 ms vs v2 1.26 ms in the suite). The context pair v2 + v1 is predicted from
-#: those parts at ~0.36 ms less than v2 + v2 (2.83 ms in the suite, benchmarks/results/gpu-2026-11-23-0923-*):
-#: not yet timed as a pair (suite column tempokern_cal_v2 is the previous default).
-DEFAULT_VARIANT = {"context_fwd": "v2", "context_bwd": "v1", "scalar_fwd": "v1", "scalar_bwd": "v1"}
+#: The kernel each op's forward / backward runs on CUDA when TEMPOKERN_CALENDAR is unset or "auto". Measured on the
+#: H100 (tools/gpu_probe7.py's kernel profiles, 2026-11-23, float32, 1M rows, levels 12x32x12, dim 64): context
+#: forward v2 0.88 ms vs v1 1.31 ms, context backward v1 1.15 ms vs v2 1.51 ms; scalar v1 both ways (fwd+bwd
+#: 1.03 ms vs v2 1.26 ms in the suite). Context v3 (session 11) is the default by count, NOT timed: its tiles keep
+#: the next tile's reads in flight (docs/calendar.md, "v3"; predicted ~0.45 + 0.55 ms against the 0.88 + 1.15 ms
+#: measured). Calls v3 does not take (float64, a level of more than 32 classes, dim not a multiple of 4 or above
+#: 128, a broadcast or unaligned upstream gradient) run FALLBACK's kernel, the session-9 pair. Suite columns
+#: tempokern_cal_v1 / _v2 / _pair9 time the alternatives; if v3 loses on the card, set the context entries back to
+#: FALLBACK's.
+DEFAULT_VARIANT = {"context_fwd": "v3", "context_bwd": "v3", "scalar_fwd": "v1", "scalar_bwd": "v1"}
+FALLBACK = {"context_fwd": "v2", "context_bwd": "v1", "scalar_fwd": "v1", "scalar_bwd": "v1"}
 _OPS = ("context", "scalar")
 
 
@@ -85,25 +96,50 @@ def variant(op: str = "context") -> str:
     key = op + "_fwd" if op in _OPS else op
     if key not in DEFAULT_VARIANT:
         raise ValueError(f"op must be one of {_OPS + tuple(DEFAULT_VARIANT)}, got {op!r}")
-    v = env_choice("TEMPOKERN_CALENDAR", VARIANTS + ("auto",), "auto")
-    return DEFAULT_VARIANT[key] if v == "auto" else v
+    v = env_choice("TEMPOKERN_CALENDAR", VARIANTS + ("auto", "pair9"), "auto")
+    if v == "pair9":  # session 9's default (context forward v2, backward v1), a suite column
+        return FALLBACK[key]
+    v = DEFAULT_VARIANT[key] if v == "auto" else v
+    return FALLBACK[key] if v == "v3" and key.startswith("scalar") else v  # v3 is calendar_context only
 
 
-def _op(name: str, x: torch.Tensor) -> str:
-    """The kernel name for calendar_launch: name (the v1 / CPU kernel) or name + "_v2"."""
-    return name + "_v2" if on_cuda_path(x) and variant(name) == "v2" else name
+def _op(name: str, x: torch.Tensor, v: "str | None" = None) -> str:
+    """The kernel name for calendar_launch: name (the v1 / CPU kernel) or name + "_v2" / "_v3"; v: the variant
+    (default variant(name))."""
+    if not on_cuda_path(x):
+        return name
+    v = variant(name) if v is None else v
+    return name if v == "v1" else name + "_" + v
 
 
-def _max_ctas(x: torch.Tensor, op: str) -> int:
+def _max_ctas(x: torch.Tensor, op: str, v: "str | None" = None) -> int:
     """The grid cap of the kernel (or op's forward) `op` on the CUDA path (0: the CPU kernels)."""
     if not on_cuda_path(x):
         return 0
-    per_sm = _CTAS_PER_SM_V2 if variant(op) == "v2" else _CTAS_PER_SM
+    v = variant(op) if v is None else v
+    per_sm = {"v1": _CTAS_PER_SM, "v2": _CTAS_PER_SM_V2, "v3": _CTAS_PER_SM_V3}[v]
     return max(1, per_sm * common.sm_count(x.device))
 
 
-def _chunks(n: int):
-    return [range(i, min(n, i + _MAX_LEVELS)) for i in range(0, n, _MAX_LEVELS)]
+def _context_variant(kernel: str, logits, dim: int, grad: "torch.Tensor | None" = None) -> str:
+    """The variant a calendar_context kernel ("context_fwd" / "context_bwd") runs for these inputs: variant(kernel),
+    except that v3 takes only float32 / float16 / bfloat16 levels of <= 32 classes with dim a multiple of 4 in
+    4..128, and (backward) an upstream gradient with unit column stride and 16-byte aligned rows; other calls run
+    FALLBACK's kernel."""
+    v = variant(kernel)
+    if v != "v3" or not on_cuda_path(logits[0]):
+        return v
+    x0 = logits[0]
+    ok = (x0.dtype in (torch.float32, torch.float16, torch.bfloat16) and 4 <= dim <= _V3_MAX_DIM and dim % 4 == 0
+          and all(x.shape[1] <= _V3_MAX_CLASSES for x in logits))
+    if ok and grad is not None:
+        vec = 4 * grad.element_size()
+        ok = grad.stride(1) == 1 and (grad.stride(0) * grad.element_size()) % vec == 0 and grad.data_ptr() % vec == 0
+    return v if ok else FALLBACK[kernel]
+
+
+def _chunks(n: int, size: int = _MAX_LEVELS):
+    return [range(i, min(n, i + size)) for i in range(0, n, size)]
 
 
 def validate_levels(logits) -> List[torch.Tensor]:
@@ -208,12 +244,14 @@ def _calendar_context(logits: List[torch.Tensor], dim: int, tau: float) -> torch
     if dim == 0 or B == 0:
         return out
     dev, stream = launch_args(x0)
+    v = _context_variant("context_fwd", logits, dim)
     layout = "cuda_fwd" if on_cuda_path(x0) else "cpu"
     tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device, layout) for x in logits]
     levels = _level_args(logits, tables=tables, dim=dim)
-    for idx in _chunks(L):
-        kernels().calendar_launch(_op("context_fwd", x0), dev, stream, dtype_code(x0), B, 1.0 / tau,
-                           [levels[i] for i in idx], ptr(out), 0, out.stride(0), dim, False, 1, _max_ctas(x0, "context_fwd"))
+    for idx in _chunks(L, _V3_MAX_LEVELS if v == "v3" else _MAX_LEVELS):
+        kernels().calendar_launch(_op("context_fwd", x0, v), dev, stream, dtype_code(x0), B, 1.0 / tau,
+                                  [levels[i] for i in idx], ptr(out), 0, out.stride(0), dim, False, 1,
+                                  _max_ctas(x0, "context_fwd", v))
     return out
 
 
@@ -235,13 +273,15 @@ def _calendar_context_backward(grad: torch.Tensor, logits: List[torch.Tensor], d
         return [g.zero_() for g in grads]
     grad = grad.to(x0.dtype)  # read through its strides: a broadcast gradient (from .sum()) is not copied
     dev, stream = launch_args(x0)
-    layout = "cuda_bwd" if on_cuda_path(x0) else "cpu"
+    v = _context_variant("context_bwd", logits, dim, grad)
+    # v1 / v2 read the transposed table; v3 the forward's layout (rows of classes, 16-byte loads along dim)
+    layout = ("cuda_fwd" if v == "v3" else "cuda_bwd") if on_cuda_path(x0) else "cpu"
     tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device, layout) for x in logits]
     levels = _level_args(logits, grads, tables, dim)
-    for idx in _chunks(len(logits)):
-        kernels().calendar_launch(_op("context_bwd", x0), dev, stream, dtype_code(x0), B, 1.0 / tau,
-                           [levels[i] for i in idx], 0, ptr(grad), grad.stride(0), dim, False, grad.stride(1),
-                           _max_ctas(x0, "context_bwd"))
+    for idx in _chunks(len(logits), _V3_MAX_LEVELS if v == "v3" else _MAX_LEVELS):
+        kernels().calendar_launch(_op("context_bwd", x0, v), dev, stream, dtype_code(x0), B, 1.0 / tau,
+                                  [levels[i] for i in idx], 0, ptr(grad), grad.stride(0), dim, False, grad.stride(1),
+                                  _max_ctas(x0, "context_bwd", v))
     return grads
 
 
