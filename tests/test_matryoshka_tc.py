@@ -12,6 +12,8 @@ multiples of 16) on the CUDA emulator (and a GPU where there is one), against te
 - grids at 132 / 108 / 58 / 1 SMs, three thread orders, the levels up to the top weighted one, all weights
   zero, and which calls fall back (float32, dims not multiples of 16, extra negatives, a bias, more levels than
   the shared memory holds: sm_86's 99 KB), and the kernel's own checks."""
+import os
+
 import pytest
 import torch
 
@@ -25,11 +27,13 @@ from test_matryoshka_infonce import make, make_bias, run_both
 from test_multipos_v3 import by_thread_order
 
 
-@pytest.fixture
-def tc(monkeypatch):
+@pytest.fixture(params=["64", "128"])
+def tc(monkeypatch, request):
     """The default variant, with every tensor-core launch recorded: (op, i0, i1, K, outputs) and the levels
-    path's multipos_infonce calls."""
+    path's multipos_infonce calls; each test twice, with 64- and 128-row tiles (TEMPOKERN_MRL_TC_ROWS; 128
+    wherever the shared memory holds the backward's K score tiles)."""
     monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
+    monkeypatch.setenv("TEMPOKERN_MRL_TC_ROWS", request.param)
     # the levels path's per-level multipos_infonce calls keep the blocked path here (with the default
     # TEMPOKERN_MPB_TC=1 their bf16 levels would be one-level tensor-core launches: tests/test_multipos_tc.py)
     monkeypatch.setenv("TEMPOKERN_MPB_TC", "0")
@@ -45,7 +49,12 @@ def tc(monkeypatch):
         return real_mp(*a, **k)
     monkeypatch.setattr(mb, "_tc_launch", spy)
     monkeypatch.setattr(mpi, "multipos_infonce", mp)
-    return rec
+    yield rec
+    rows = {x[5].tr for x in rec["launches"]}
+    if request.param == "64":
+        assert rows <= {64}
+    elif any(x[3] <= 3 for x in rec["launches"]) and "TEMPOKERN_EMU_SMEM_OPTIN" not in os.environ:
+        assert 128 in rows
 
 
 def bf16_inputs(gpu, B, H, Bd=None, spans=None, seed=0):
@@ -170,10 +179,12 @@ def test_grid_at_other_sm_counts(gpu, tc, monkeypatch, sms):
         assert nsplit * nrb >= min(mb.TC_BLOCKS_PER_SM * sms, ntiles * nrb)
 
 
-def test_does_not_depend_on_thread_order(cuda_emu, monkeypatch):
+@pytest.mark.parametrize("rows", ["64", "128"])
+def test_does_not_depend_on_thread_order(cuda_emu, monkeypatch, rows):
     # seeded thread orders: a missing barrier around the shared score tiles, the operand stages (which the
-    # backward's top-level tile overlays) or the column vectors would change the results
+    # backward's top-level tile overlays at 64 rows) or the column vectors would change the results
     monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
+    monkeypatch.setenv("TEMPOKERN_MRL_TC_ROWS", rows)
 
     def run():
         q, d, sp = bf16_inputs("cpu", 70, 64, spans="random", seed=5)
@@ -254,7 +265,7 @@ def test_kernel_rejects_what_it_cannot_run(cuda_emu):
     out = torch.zeros(1, 64, 1, 2)
     p = {k: t.data_ptr() for k, t in dict(q=q, d=q, rho=f, kap=f, q_lo=i, q_hi=i, d_lo=i, d_hi=i, row_none=u,
                                           col_none=u, row_part=out).items()}
-    sizes = [64, 64, 0, 64, 40, 40, 64, 64, 0, 0, 1, 1, 0]
+    sizes = [64, 64, 0, 64, 40, 40, 64, 64, 0, 0, 1, 1, 0, 64]
     bf = mb.DTYPE_CODES[torch.bfloat16]
     with cuda_emulator(cuda_emu):
         k = mb.kernels()
@@ -265,7 +276,11 @@ def test_kernel_rejects_what_it_cannot_run(cuda_emu):
         with pytest.raises(RuntimeError, match="must be bf16"):
             k.mrl_tc_launch("fwd", 0, 0, mb.DTYPE_CODES[torch.float32], sizes, [0, 32], 1.0, p)
         with pytest.raises(RuntimeError, match="column splits"):
-            k.mrl_tc_launch("fwd", 0, 0, bf, sizes[:10] + [2, 1, 0], [0, 32], 1.0, p)
+            k.mrl_tc_launch("fwd", 0, 0, bf, sizes[:10] + [2, 1, 0, 64], [0, 32], 1.0, p)
+        with pytest.raises(RuntimeError, match="tile_rows"):
+            k.mrl_tc_launch("fwd", 0, 0, bf, sizes[:13] + [96], [0, 32], 1.0, p)
+        with pytest.raises(ValueError, match="14 or 16 sizes"):
+            k.mrl_tc_launch("fwd", 0, 0, bf, sizes[:13], [0, 32], 1.0, p)
         with pytest.raises(ValueError, match="unknown mrl_tc op"):
             k.mrl_tc_launch("bwd_all", 0, 0, bf, sizes, [0, 32], 1.0, p)
         with pytest.raises(RuntimeError, match="backward"):

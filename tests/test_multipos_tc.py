@@ -15,24 +15,29 @@ from tempokern.reference import multipos_infonce as ref
 from tempokern.reference.multipos_infonce import multipos_infonce_partial as ref_partial
 
 
-@pytest.fixture
-def paths(monkeypatch):
-    """Counts the tensor-core launches and the blocked path's kernel launches."""
+@pytest.fixture(params=["auto", "64"])
+def paths(monkeypatch, request):
+    """Counts the tensor-core launches and the blocked path's kernel launches; each test twice, with the default
+    128-row tiles of one-level calls (TEMPOKERN_MRL_TC_ROWS=auto) and with 64-row tiles."""
     monkeypatch.delenv("TEMPOKERN_MPB_TC", raising=False)
     monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
-    seen = {"tc": 0, "blocked": 0}
+    monkeypatch.setenv("TEMPOKERN_MRL_TC_ROWS", request.param)
+    seen = {"tc": 0, "blocked": 0, "rows": set()}
     real_tc, real_bl = mb._tc_launch, mpb._Launcher.launch
 
-    def tc(*a, **k):
+    def tc(F, *a, **k):
         seen["tc"] += 1
-        return real_tc(*a, **k)
+        seen["rows"].add(F.tr)
+        return real_tc(F, *a, **k)
 
     def bl(*a, **k):
         seen["blocked"] += 1
         return real_bl(*a, **k)
     monkeypatch.setattr(mb, "_tc_launch", tc)
     monkeypatch.setattr(mpb._Launcher, "launch", bl)
-    return seen
+    yield seen
+    if seen["tc"]:  # one-level calls (K = 1): 128 rows by default; the Matryoshka calls here have K = 2
+        assert seen["rows"] == ({128} if request.param == "auto" else {64})
 
 
 def inputs(B, H, *, Bd=None, seed=0, dtype=torch.bfloat16):

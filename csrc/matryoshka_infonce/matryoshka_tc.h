@@ -28,7 +28,7 @@
 namespace tk {
 
 constexpr int kMrlTcMaxLevels = 8;
-constexpr int kMrlTcTile = 64;  // rows and columns of a tile
+constexpr int kMrlTcTile = 64;  // columns of a tile; rows: MrlTcParams::tile_rows (64 or 128)
 
 struct MrlTcParams {
   DType dtype = DType::BF16;  // q, d and Ho: BF16 (the kernels' only instantiation)
@@ -48,10 +48,14 @@ struct MrlTcParams {
   const uint8_t *row_none = nullptr, *col_none = nullptr, *row_fb = nullptr;
   int64_t diag_offset = 0;
   bool cols = false;  // column term (forward: col_part; backward: gc)
-  int64_t nsplit = 1, tiles_per_split = 1;  // grid (nsplit, ceil(R / 64)); split s: tiles [s tps, (s + 1) tps)
+  int64_t nsplit = 1, tiles_per_split = 1;  // grid (nsplit, nrb); split s: column tiles [s tps, (s + 1) tps)
+  // Rows per CUDA block (and tile): 64 (4 warps of 32 x 32) or 128 (4 warps of 64 x 32: 1.5x the tensor-core work
+  // per shared-memory operand byte and 0.75x the L2 operand bytes per pair; K <= 2 by shared memory). nrb =
+  // ceil(R / tile_rows) row blocks.
+  int tile_rows = 64;
 
   float* row_part = nullptr;  // fwd (K, R, nsplit, 2)
-  float* col_part = nullptr;  // fwd (K, nrb, C, 2), nrb = ceil(R / 64)
+  float* col_part = nullptr;  // fwd (K, nrb, C, 2)
 
   const float* row_lse = nullptr;  // bwd (K, 3, Bq): lse_all, lse_pos, -
   const float* col_lse = nullptr;  // bwd (K, 3, C)
@@ -77,21 +81,24 @@ struct MrlTcParams {
   float* dud_part = nullptr;
 };
 
-// Dynamic shared memory of one CUDA block: two stages of both operands' 64 x 32 chunks (rows padded to 40),
-// the float32 score tiles (64 x 68; forward one, backward K - 1 plus the top level's over the operand stages,
-// idle by then), per-thread level state (forward: running (max, sum) pairs of all and positives; backward:
-// dL/drho sums), the rows' and columns' per-level vectors (scale, two statistics) and spans / fallback flags.
-// K = 5: forward 55.6 KB (4 CTAs per H100 SM by shared memory), backward 99.1 KB (2 per SM).
-constexpr size_t kMrlTcOps = 2 * 2 * kMrlTcTile * 40 * 2;
-constexpr size_t kMrlTcScore = kMrlTcTile * 68 * 4;
-// The table bias adds u_q / u_d of the tile (512 bytes) and, backward, the g slope tile, the rows' dL/du_q
-// sums and the histogram when it is kept in shared memory (hist_points floats; 0 for the global one).
-inline size_t mrl_tc_smem_bytes(int K, bool backward, bool table = false, int64_t hist_points = 0) {
-  const size_t k = (size_t)K;
-  static_assert(kMrlTcScore <= kMrlTcOps, "the backward's top-level tile overlays the operand stages");
-  size_t b = kMrlTcOps + (backward ? k - 1 : 1) * kMrlTcScore + k * 128 * (backward ? 4 : 16) +
-             2 * 3 * k * kMrlTcTile * 4 + 2 * (2 * kMrlTcTile * 4 + kMrlTcTile);
-  if (table) b += 2 * kMrlTcTile * 4 + (backward ? kMrlTcScore + 128 * 4 + (size_t)hist_points * 4 : 0);
+// Dynamic shared memory of one CUDA block (tile_rows TR = 64 or 128): two stages of both operands' TR x 32 and
+// 64 x 32 chunks (rows padded to 40), the float32 score tiles (TR x 68; forward one, backward K, the top level's
+// over the operand stages when it fits there, i.e. for TR = 64), per-thread level state (forward: running
+// (max, sum) pairs of all and positives; backward: dL/drho sums), the rows' and columns' per-level vectors (scale,
+// two statistics) and spans / fallback flags. TR = 64, K = 5: forward 55.6 KB (4 CTAs per H100 SM by shared
+// memory), backward 99.1 KB (2 per SM); TR = 128, K = 1: forward 67 KB, backward 67 KB (3 per SM).
+inline size_t mrl_tc_ops_bytes(int tile_rows) { return (size_t)2 * (tile_rows + kMrlTcTile) * 40 * 2; }
+inline size_t mrl_tc_score_bytes(int tile_rows) { return (size_t)tile_rows * 68 * 4; }
+inline bool mrl_tc_overlay(int tile_rows) { return mrl_tc_score_bytes(tile_rows) <= mrl_tc_ops_bytes(tile_rows); }
+// The table bias adds u_q / u_d of the tile and, backward, the g slope tile, the rows' dL/du_q sums and the
+// histogram when it is kept in shared memory (hist_points floats; 0 for the global one).
+inline size_t mrl_tc_smem_bytes(int K, bool backward, bool table = false, int64_t hist_points = 0,
+                                int tile_rows = kMrlTcTile) {
+  const size_t k = (size_t)K, tr = (size_t)tile_rows, tc = kMrlTcTile;
+  const size_t tiles = backward ? (mrl_tc_overlay(tile_rows) ? k - 1 : k) : 1;
+  size_t b = mrl_tc_ops_bytes(tile_rows) + tiles * mrl_tc_score_bytes(tile_rows) + k * 128 * (backward ? 4 : 16) +
+             3 * k * (tr + tc) * 4 + 2 * (tr + tc) * 4 + (tr + tc);
+  if (table) b += (tr + tc) * 4 + (backward ? mrl_tc_score_bytes(tile_rows) + 128 * 4 + (size_t)hist_points * 4 : 0);
   return b;
 }
 

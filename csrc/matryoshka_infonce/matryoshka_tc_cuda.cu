@@ -1,7 +1,7 @@
 // Tensor-core fused passes of the blocked Matryoshka InfoNCE (see matryoshka_tc.h for the math and layout).
 //
-// CUDA block: 128 threads (4 warps as 2 x 2, each 32 x 32 of the 64 x 64 tile: 2 x 2 wmma 16x16x16
-// accumulators, bf16 operands). Feature chunks (<= 32, never across a level boundary) go global -> registers (16-byte loads,
+// CUDA block: 128 threads (4 warps as 2 x 2, each 32 x 32 of a 64 x 64 tile: 2 x 2 wmma 16x16x16 accumulators;
+// or, with tile_rows = 128, each 64 x 32 of a 128 x 64 tile: 4 x 2 accumulators; bf16 operands). Feature chunks (<= 32, never across a level boundary) go global -> registers (16-byte loads,
 // the next chunk in flight during the current chunk's mma) -> shared memory (two stages, one barrier per chunk).
 // At a level boundary the accumulators are stored to a float32 score tile in shared memory (they stay in
 // registers and keep accumulating), and the epilogue threads read it:
@@ -28,7 +28,7 @@ using cuda::ex2f;
 using cuda::lse_of;
 using cuda::ninf;
 
-constexpr int T = kMrlTcTile;  // 64
+constexpr int T = kMrlTcTile;  // 64 columns per tile (TR rows: 64 or 128, a template parameter)
 constexpr int kThreads = 128;
 constexpr int KCH = 32;       // feature chunk
 constexpr int LDA = KCH + 8;  // operand row stride in shared memory (elements): 80 bytes, conflict-free rows
@@ -46,99 +46,114 @@ struct __align__(16) Stat {  // running (max, sum) of all columns and of the pos
   float m, s, mp, sp;
 };
 
-template <typename OT> struct Smem {
-  OT* ops;        // [2 stages][2 operands][T][LDA]
-  float* ss;      // [levels][T][LDS]: forward 1, backward K - 1 (the top level's tile overlays ops)
+// TR: rows of the CUDA block's tile (64 or 128); RPT = 128 / TR threads per row in the row passes.
+template <typename OT, int TR> struct Smem {
+  static constexpr bool kOverlay = TR * LDS * 4 <= 2 * (TR + T) * LDA * 2;  // mrl_tc_overlay
+  OT* ops;        // [2 stages][TR + T rows: the q chunk's TR, then the d chunk's T][LDA]
+  float* ss;      // [levels][TR][LDS]: forward 1, backward K (K - 1 when the top level's tile overlays ops)
   float* state;   // forward: Stat [K][128]; backward: float [K][128]
-  float* rv;      // [3][K][T]: rho, lse_all, lse_pos of the CUDA block's rows
+  float* rv;      // [3][K][TR]: rho, lse_all, lse_pos of the CUDA block's rows
   float* cv;      // [3][K][T]: inv_temp kap, lse_all, lse_pos of the tile's columns
-  int32_t* rspan;  // [2][T]
+  int32_t* rspan;  // [2][TR]
   int32_t* cspan;  // [2][T]
-  uint8_t* rflag;  // [T]: bit 0 row_none, bit 1 row_fb
+  uint8_t* rflag;  // [TR]: bit 0 row_none, bit 1 row_fb
   uint8_t* cflag;  // [T]: col_none
-  float* uq;       // table: [T] u_q of the rows
+  float* uq;       // table: [TR] u_q of the rows
   float* ud;       // table: [T] u_d of the tile's columns
-  float* dD;       // table, backward: [T][LDS] g slope of the tile
-  float* duq;      // table, backward: [128] the thread pair's row sums of g slope
+  float* dD;       // table, backward: [TR][LDS] g slope of the tile
+  float* duq;      // table, backward: [128] the threads' row sums of g slope
   float* hs;       // table, backward, hist_smem: [P] the block's dL/dtable histogram
 
   __device__ Smem(unsigned char* base, int K, bool bwd, bool tab = false, int64_t P = 0) {
     ops = reinterpret_cast<OT*>(base);
-    ss = reinterpret_cast<float*>(base + kMrlTcOps);
-    state = ss + (bwd ? K - 1 : 1) * T * LDS;
+    ss = reinterpret_cast<float*>(base + 2 * (TR + T) * LDA * sizeof(OT));
+    state = ss + (bwd ? (kOverlay ? K - 1 : K) : 1) * TR * LDS;
     rv = state + K * kThreads * (bwd ? 1 : 4);
-    cv = rv + 3 * K * T;
+    cv = rv + 3 * K * TR;
     rspan = reinterpret_cast<int32_t*>(cv + 3 * K * T);
-    cspan = rspan + 2 * T;
+    cspan = rspan + 2 * TR;
     rflag = reinterpret_cast<uint8_t*>(cspan + 2 * T);
-    cflag = rflag + T;
+    cflag = rflag + TR;
     uq = reinterpret_cast<float*>(cflag + T);
-    ud = uq + T;
+    ud = uq + TR;
     dD = ud + T;
-    duq = dD + (tab && bwd ? T * LDS : 0);
+    duq = dD + (tab && bwd ? TR * LDS : 0);
     hs = duq + (tab && bwd ? kThreads : 0);
     (void)P;
   }
-  __device__ OT* stage(int s, int operand) { return ops + (s * 2 + operand) * T * LDA; }
-  // The backward's score tile of level l (the top one over the operand stages, idle by then).
+  __device__ OT* stage(int s, int operand) { return ops + (s * (TR + T) + operand * TR) * LDA; }
+  // The backward's score tile of level l (the top one over the operand stages, idle by then, when it fits).
   __device__ float* level(int l, int K) const {
-    return l == K - 1 ? reinterpret_cast<float*>(ops) : ss + l * T * LDS;
+    return kOverlay && l == K - 1 ? reinterpret_cast<float*>(ops) : ss + l * TR * LDS;
   }
 };
 
-// One chunk of both operands, global -> registers: 64 rows x kc (16 or 32) features, 8 per 16-byte vector.
-template <typename OT> struct Chunk {
-  V16 a[2], b[2];
+// One chunk of both operands, global -> registers: TR q rows and 64 d rows x kc (16 or 32) features, 8 per
+// 16-byte vector.
+template <typename OT, int TR> struct Chunk {
+  static constexpr int NA = TR * 4 / kThreads, NB = T * 4 / kThreads;
+  V16 a[NA], b[NB];
   __device__ __forceinline__ void load(const MrlTcParams& p, int64_t row0, int64_t c0, int k0, int kc) {
     const int nv = kc / 8;
     const int tid = threadIdx.x;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < NA; ++u) {
       const int v = tid + u * kThreads;
-      a[u] = b[u] = V16{{0u, 0u, 0u, 0u}};
-      if (v < T * nv) {
+      a[u] = V16{{0u, 0u, 0u, 0u}};
+      if (v < TR * nv) {
         const int r = v / nv, cvv = v % nv;
         if (row0 + r < p.R)
           a[u] = *reinterpret_cast<const V16*>(static_cast<const OT*>(p.q) + (p.i0 + row0 + r) * p.ldq + k0 + cvv * 8);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < NB; ++u) {
+      const int v = tid + u * kThreads;
+      b[u] = V16{{0u, 0u, 0u, 0u}};
+      if (v < T * nv) {
+        const int r = v / nv, cvv = v % nv;
         if (c0 + r < p.C)
           b[u] = *reinterpret_cast<const V16*>(static_cast<const OT*>(p.d) + (c0 + r) * p.ldd + k0 + cvv * 8);
       }
     }
   }
-  __device__ __forceinline__ void store(Smem<OT>& sm, int s, int kc) const {
+  __device__ __forceinline__ void store(Smem<OT, TR>& sm, int s, int kc) const {
     const int nv = kc / 8;
     const int tid = threadIdx.x;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < NA; ++u) {
       const int v = tid + u * kThreads;
-      if (v < T * nv) {
-        const int r = v / nv, cvv = v % nv;
-        *reinterpret_cast<V16*>(sm.stage(s, 0) + r * LDA + cvv * 8) = a[u];
-        *reinterpret_cast<V16*>(sm.stage(s, 1) + r * LDA + cvv * 8) = b[u];
-      }
+      if (v < TR * nv) *reinterpret_cast<V16*>(sm.stage(s, 0) + (v / nv) * LDA + (v % nv) * 8) = a[u];
+    }
+#pragma unroll
+    for (int u = 0; u < NB; ++u) {
+      const int v = tid + u * kThreads;
+      if (v < T * nv) *reinterpret_cast<V16*>(sm.stage(s, 1) + (v / nv) * LDA + (v % nv) * 8) = b[u];
     }
   }
 };
 
-template <typename OT> struct Acc {
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> f[2][2];
+// The 4 warps as 2 x 2, each (TR / 2) x 32 of the tile: FX x 2 accumulators of 16 x 16 (FX = 2 or 4).
+template <typename OT, int TR> struct Acc {
+  static constexpr int FX = TR / 32, WR = TR / 2;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> f[FX][2];
   __device__ __forceinline__ void zero() {
 #pragma unroll
-    for (int x = 0; x < 2; ++x)
+    for (int x = 0; x < FX; ++x)
 #pragma unroll
       for (int y = 0; y < 2; ++y) wmma::fill_fragment(f[x][y], 0.0f);
   }
-  __device__ __forceinline__ void mma(Smem<OT>& sm, int s, int kc) {
+  __device__ __forceinline__ void mma(Smem<OT, TR>& sm, int s, int kc) {
     const int w = threadIdx.x >> 5, wr = w >> 1, wc = w & 1;
     for (int kk = 0; kk < kc; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, OT, wmma::row_major> a[2];
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, OT, wmma::row_major> a[FX];
       wmma::fragment<wmma::matrix_b, 16, 16, 16, OT, wmma::col_major> b[2];
 #pragma unroll
-      for (int x = 0; x < 2; ++x) wmma::load_matrix_sync(a[x], sm.stage(s, 0) + (wr * 32 + x * 16) * LDA + kk, LDA);
+      for (int x = 0; x < FX; ++x) wmma::load_matrix_sync(a[x], sm.stage(s, 0) + (wr * WR + x * 16) * LDA + kk, LDA);
 #pragma unroll
       for (int y = 0; y < 2; ++y) wmma::load_matrix_sync(b[y], sm.stage(s, 1) + (wc * 32 + y * 16) * LDA + kk, LDA);
 #pragma unroll
-      for (int x = 0; x < 2; ++x)
+      for (int x = 0; x < FX; ++x)
 #pragma unroll
         for (int y = 0; y < 2; ++y) wmma::mma_sync(f[x][y], a[x], b[y], f[x][y]);
     }
@@ -146,18 +161,18 @@ template <typename OT> struct Acc {
   __device__ __forceinline__ void store(float* tile) const {
     const int w = threadIdx.x >> 5, wr = w >> 1, wc = w & 1;
 #pragma unroll
-    for (int x = 0; x < 2; ++x)
+    for (int x = 0; x < FX; ++x)
 #pragma unroll
       for (int y = 0; y < 2; ++y)
-        wmma::store_matrix_sync(tile + (wr * 32 + x * 16) * LDS + wc * 32 + y * 16, f[x][y], LDS, wmma::mem_row_major);
+        wmma::store_matrix_sync(tile + (wr * WR + x * 16) * LDS + wc * 32 + y * 16, f[x][y], LDS, wmma::mem_row_major);
   }
 };
 
 // Positives of (row r, column c) of the tile: span overlap, or the diagonal fallback of rows (pr) and of
 // columns (pc) without an overlap (matryoshka_block.h).
-template <typename OT>
-__device__ __forceinline__ void positives(const Smem<OT>& sm, int r, int c, int64_t dg0, bool& pr, bool& pc) {
-  const bool ov = max(sm.rspan[r], sm.cspan[c]) <= min(sm.rspan[T + r], sm.cspan[T + c]);
+template <typename OT, int TR>
+__device__ __forceinline__ void positives(const Smem<OT, TR>& sm, int r, int c, int64_t dg0, bool& pr, bool& pc) {
+  const bool ov = max(sm.rspan[r], sm.cspan[c]) <= min(sm.rspan[TR + r], sm.cspan[T + c]);
   const bool dg = dg0 + c - r == 0;  // column index == row index + diag_offset
   const uint8_t rf = sm.rflag[r];
   pr = ov || ((rf & 1) && dg);
@@ -169,8 +184,8 @@ __device__ __forceinline__ void positives(const Smem<OT>& sm, int r, int c, int6
 __device__ __forceinline__ float tab_bias(const MrlTcParams& p, float delta, float& slope, int64_t& idx, float& t) {
   return cuda::table_bias<float>(p.table, p.P, 0.5f * (float)(p.P - 1), delta, slope, idx, t);
 }
-template <typename OT>
-__device__ __forceinline__ float tab_value(const MrlTcParams& p, const Smem<OT>& sm, int r, int c) {
+template <typename OT, int TR>
+__device__ __forceinline__ float tab_value(const MrlTcParams& p, const Smem<OT, TR>& sm, int r, int c) {
   float slope, t;
   int64_t idx;
   return tab_bias(p, sm.ud[c] - sm.uq[r], slope, idx, t);
@@ -193,12 +208,12 @@ struct Sweep {
   float m = ninf<float>(), s = 0.f, mp = ninf<float>(), sp = 0.f;
 };
 
-// The Sweep of the elements h, h + 2, ... (< n) of a tile row or column: at(index, z, positive) gives each
+// The Sweep of the elements h, h + STEP, ... (< n <= N) of a tile row or column: at(index, z, positive) gives each
 // element's logit and whether it is a positive. Two passes: the maxima, then the sums of exponentials.
-template <typename At> __device__ __forceinline__ Sweep sweep(int h, int n, At&& at) {
+template <int STEP, int N, typename At> __device__ __forceinline__ Sweep sweep(int h, int n, At&& at) {
   Sweep w;
-  for (int k = 0; k < T / 2; ++k) {
-    const int e = h + 2 * k;
+  for (int k = 0; k < N / STEP; ++k) {
+    const int e = h + STEP * k;
     if (e >= n) break;
     float z;
     bool in;
@@ -206,8 +221,8 @@ template <typename At> __device__ __forceinline__ Sweep sweep(int h, int n, At&&
     w.m = fmaxf(w.m, z);
     if (in) w.mp = fmaxf(w.mp, z);
   }
-  for (int k = 0; k < T / 2; ++k) {
-    const int e = h + 2 * k;
+  for (int k = 0; k < N / STEP; ++k) {
+    const int e = h + STEP * k;
     if (e >= n) break;
     float z;
     bool in;
@@ -218,24 +233,24 @@ template <typename At> __device__ __forceinline__ Sweep sweep(int h, int n, At&&
   return w;
 }
 
-template <typename OT>
-__device__ void load_rows(const MrlTcParams& p, Smem<OT>& sm, int64_t row0, bool bwd) {
+template <typename OT, int TR>
+__device__ void load_rows(const MrlTcParams& p, Smem<OT, TR>& sm, int64_t row0, bool bwd) {
   const int tid = threadIdx.x;
-  for (int idx = tid; idx < p.K * T; idx += kThreads) {
-    const int l = idx / T, r = idx % T;
+  for (int idx = tid; idx < p.K * TR; idx += kThreads) {
+    const int l = idx / TR, r = idx % TR;
     const bool ok = row0 + r < p.R;
     const int64_t i = p.i0 + row0 + r;
-    sm.rv[l * T + r] = ok ? p.rho[l * p.ldr + i] : 0.f;
+    sm.rv[l * TR + r] = ok ? p.rho[l * p.ldr + i] : 0.f;
     if (bwd) {
-      sm.rv[(p.K + l) * T + r] = ok ? p.row_lse[(int64_t)l * 3 * p.Bq + i] : 0.f;
-      sm.rv[(2 * p.K + l) * T + r] = ok ? p.row_lse[(int64_t)l * 3 * p.Bq + p.Bq + i] : 0.f;
+      sm.rv[(p.K + l) * TR + r] = ok ? p.row_lse[(int64_t)l * 3 * p.Bq + i] : 0.f;
+      sm.rv[(2 * p.K + l) * TR + r] = ok ? p.row_lse[(int64_t)l * 3 * p.Bq + p.Bq + i] : 0.f;
     }
   }
-  if (tid < T) {
+  if (tid < TR) {
     const bool ok = row0 + tid < p.R;
     const int64_t i = p.i0 + row0 + tid;
     sm.rspan[tid] = ok ? p.q_lo[i] : 0;
-    sm.rspan[T + tid] = ok ? p.q_hi[i] : -1;
+    sm.rspan[TR + tid] = ok ? p.q_hi[i] : -1;
     const uint8_t none = ok ? p.row_none[i] != 0 : 0;
     const uint8_t fb = ok ? (p.row_fb ? p.row_fb[i] != 0 : none) : 0;
     sm.rflag[tid] = (uint8_t)(none | (fb << 1));
@@ -243,8 +258,8 @@ __device__ void load_rows(const MrlTcParams& p, Smem<OT>& sm, int64_t row0, bool
   }
 }
 
-template <typename OT>
-__device__ void load_cols(const MrlTcParams& p, Smem<OT>& sm, int64_t c0, bool bwd) {
+template <typename OT, int TR>
+__device__ void load_cols(const MrlTcParams& p, Smem<OT, TR>& sm, int64_t c0, bool bwd) {
   const int tid = threadIdx.x;
   const float it = (float)p.inv_temp;
   for (int idx = tid; idx < p.K * T; idx += kThreads) {
@@ -269,17 +284,18 @@ __device__ void load_cols(const MrlTcParams& p, Smem<OT>& sm, int64_t c0, bool b
 }
 
 // Forward epilogue of level l on the score tile: the rows' running statistics, the columns' partials.
-template <typename OT, bool TAB>
-__device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int l, int64_t row0, int64_t c0, int64_t nrb) {
+template <typename OT, bool TAB, int TR>
+__device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT, TR>& sm, int l, int64_t row0, int64_t c0, int64_t nrb) {
+  constexpr int RPT = kThreads / TR;  // threads per row
   const int tid = threadIdx.x, h = tid & 1, me = tid >> 1;
   const int64_t dg0 = c0 - (p.i0 + row0 + p.diag_offset);
   const float* tile = sm.ss;
   const int ncol = (int)min((int64_t)T, p.C - c0);
-  {  // row pass: row me, columns h, h + 2, ...
-    const int r = me;
-    const float rs = sm.rv[l * T + r];
+  {  // row pass: row tid / RPT, columns tid % RPT + RPT k
+    const int r = tid / RPT;
+    const float rs = sm.rv[l * TR + r];
     const float* ks = sm.cv + l * T;
-    const Sweep w = sweep(h, ncol, [&](int c, float& z, bool& in) {
+    const Sweep w = sweep<RPT, T>(tid % RPT, ncol, [&](int c, float& z, bool& in) {
       bool pr, pc;
       positives(sm, r, c, dg0, pr, pc);
       z = tile[r * LDS + c] * rs * ks[c];
@@ -295,9 +311,9 @@ __device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int l, int64_t 
   if (p.cols) {  // column pass: column me, rows h, h + 2, ...
     const int c = me;
     const float ks = sm.cv[l * T + c];
-    const float* rs = sm.rv + l * T;
-    const int nrow = (int)min((int64_t)T, p.R - row0);
-    Sweep w = sweep(h, nrow, [&](int r, float& z, bool& in) {
+    const float* rs = sm.rv + l * TR;
+    const int nrow = (int)min((int64_t)TR, p.R - row0);
+    Sweep w = sweep<2, TR>(h, nrow, [&](int r, float& z, bool& in) {
       bool pr, pc;
       positives(sm, r, c, dg0, pr, pc);
       z = tile[r * LDS + c] * rs[r] * ks;
@@ -316,16 +332,17 @@ __device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int l, int64_t 
 
 // Backward epilogue on the K score tiles: Ho for every level, the tiles overwritten by g G, then the dL/drho
 // sums (added to the thread's state) and the dL/dkap partials of the tile's columns.
-template <typename OT, bool TAB>
-__device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int64_t row0, int64_t c0, int64_t nrb) {
+template <typename OT, bool TAB, int TR>
+__device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT, TR>& sm, int64_t row0, int64_t c0, int64_t nrb) {
+  constexpr int RPT = kThreads / TR;  // threads per row in the row sums
   const int tid = threadIdx.x, K = p.K;
   const int64_t dg0 = c0 - (p.i0 + row0 + p.diag_offset);
   const int ncol = (int)min((int64_t)T, p.C - c0);
-  const int nrow = (int)min((int64_t)T, p.R - row0);
+  const int nrow = (int)min((int64_t)TR, p.R - row0);
   OT* Ho = static_cast<OT*>(p.Ho);
-  {  // element pass
+  {  // element pass: column tid % 64, rows tid / 64 + 2 k
     const int c = tid & (T - 1);
-    for (int k = 0; k < T / 2; ++k) {
+    for (int k = 0; k < TR / 2; ++k) {
       const int r = (tid >> 6) + 2 * k;
       if (c >= ncol || r >= nrow) {
         for (int l = 0; l < K; ++l) sm.level(l, K)[r * LDS + c] = 0.f;
@@ -339,12 +356,12 @@ __device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int64_t row0, i
       if (TAB) b = tab_bias(p, sm.ud[c] - sm.uq[r], slope, bin, tw);
       for (int l = K - 1; l >= 0; --l) {
         float* gp = sm.level(l, K) + r * LDS + c;
-        const float G = *gp, rs = sm.rv[l * T + r], ks = sm.cv[l * T + c];
+        const float G = *gp, rs = sm.rv[l * TR + r], ks = sm.cv[l * T + c];
         const float x = G * rs * ks + b;
         const float gr = __ldg(p.coef + 2 * l), gc = p.cols ? __ldg(p.coef + 2 * l + 1) : 0.f;
         float g = 0.f;
         if (gr != 0.f)
-          g = gr * (fexp(x - sm.rv[(K + l) * T + r]) - (pr ? fexp(x - sm.rv[(2 * K + l) * T + r]) : 0.f));
+          g = gr * (fexp(x - sm.rv[(K + l) * TR + r]) - (pr ? fexp(x - sm.rv[(2 * K + l) * TR + r]) : 0.f));
         if (gc != 0.f)
           g += gc * (fexp(x - sm.cv[(K + l) * T + c]) - (pc ? fexp(x - sm.cv[(2 * K + l) * T + c]) : 0.f));
         *gp = g * G;
@@ -365,42 +382,44 @@ __device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT>& sm, int64_t row0, i
     }
   }
   __syncthreads();
-  const int h = tid & 1, me = tid >> 1;
-  for (int l = 0; l < K; ++l) {  // dL/drho: row me
-    const float* row = sm.level(l, K) + me * LDS;
+  const int h = tid & 1, me = tid >> 1;          // column passes: column me, rows h + 2 k
+  const int hr = tid % RPT, mr = tid / RPT;      // row passes: row mr, columns hr + RPT k
+  for (int l = 0; l < K; ++l) {  // dL/drho: row mr
+    const float* row = sm.level(l, K) + mr * LDS;
     const float* ks = sm.cv + l * T;
     float s = 0.f;
-    for (int k = 0; k < T / 2; ++k) s += row[h + 2 * k] * ks[h + 2 * k];
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    for (int k = 0; k < T / RPT; ++k) s += row[hr + RPT * k] * ks[hr + RPT * k];
+    if (RPT == 2) s += __shfl_xor_sync(0xffffffffu, s, 1);
     sm.state[l * kThreads + tid] += s;
   }
   for (int l = 0; l < K; ++l) {  // dL/dkap: column me
     const float* col = sm.level(l, K) + me;
-    const float* rs = sm.rv + l * T;
+    const float* rs = sm.rv + l * TR;
     float s = 0.f;
-    for (int k = 0; k < T / 2; ++k) s += col[(h + 2 * k) * LDS] * rs[h + 2 * k];
+    for (int k = 0; k < TR / 2; ++k) s += col[(h + 2 * k) * LDS] * rs[h + 2 * k];
     s += __shfl_xor_sync(0xffffffffu, s, 1);
     if (h == 0 && me < ncol) p.dkap_part[((int64_t)l * nrb + blockIdx.y) * p.C + c0 + me] = s * (float)p.inv_temp;
   }
   if (TAB) {  // dL/du_q (row sums of g slope, negated at the end) and dL/du_d (column sums)
     float s = 0.f;
-    for (int k = 0; k < T / 2; ++k) s += sm.dD[me * LDS + h + 2 * k];
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    for (int k = 0; k < T / RPT; ++k) s += sm.dD[mr * LDS + hr + RPT * k];
+    if (RPT == 2) s += __shfl_xor_sync(0xffffffffu, s, 1);
     sm.duq[tid] += s;
     float t = 0.f;
-    for (int k = 0; k < T / 2; ++k) t += sm.dD[(h + 2 * k) * LDS + me];
+    for (int k = 0; k < TR / 2; ++k) t += sm.dD[(h + 2 * k) * LDS + me];
     t += __shfl_xor_sync(0xffffffffu, t, 1);
     if (h == 0 && me < ncol) p.dud_part[(int64_t)blockIdx.y * p.C + c0 + me] = t;
   }
 }
 
-template <typename OT, bool BWD, bool TAB>
+template <typename OT, bool BWD, bool TAB, int TR>
 __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
+  constexpr int RPT = kThreads / TR;  // threads per row in the row passes
   extern __shared__ __align__(128) unsigned char mrl_tc_smem[];
-  Smem<OT> sm(mrl_tc_smem, p.K, BWD, TAB, p.P);
+  Smem<OT, TR> sm(mrl_tc_smem, p.K, BWD, TAB, p.P);
   const int tid = threadIdx.x, K = p.K;
-  const int64_t row0 = (int64_t)blockIdx.y * T;
-  const int64_t nrb = (p.R + T - 1) / T;
+  const int64_t row0 = (int64_t)blockIdx.y * TR;
+  const int64_t nrb = (p.R + TR - 1) / TR;
   const int64_t ntiles = (p.C + T - 1) / T;
   const int64_t t0 = (int64_t)blockIdx.x * p.tiles_per_split;
   const int64_t t1 = min(ntiles, t0 + p.tiles_per_split);
@@ -414,8 +433,8 @@ __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
     if (p.hist_smem)
       for (int64_t k = tid; k < p.P; k += kThreads) sm.hs[k] = 0.f;
   }
-  Acc<OT> acc;
-  Chunk<OT> ch;
+  Acc<OT, TR> acc;
+  Chunk<OT, TR> ch;
   for (int64_t tile = t0; tile < t1; ++tile) {
     const int64_t c0 = tile * T;
     load_cols(p, sm, c0, BWD);
@@ -433,11 +452,12 @@ __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
       if (more) ch.load(p, row0, c0, kn, kcn);
       acc.mma(sm, s, kc);
       if (lend) {
-        if (BWD && l == K - 1) __syncthreads();  // every warp is done with the operand stages the tile overlays
+        if (BWD && Smem<OT, TR>::kOverlay && l == K - 1)
+          __syncthreads();  // every warp is done with the operand stages the tile overlays
         acc.store(BWD ? sm.level(l, K) : sm.ss);
         __syncthreads();
-        if (!BWD) fwd_epilogue<OT, TAB>(p, sm, l, row0, c0, nrb);
-        else if (l == K - 1) bwd_epilogue<OT, TAB>(p, sm, row0, c0, nrb);
+        if (!BWD) fwd_epilogue<OT, TAB, TR>(p, sm, l, row0, c0, nrb);
+        else if (l == K - 1) bwd_epilogue<OT, TAB, TR>(p, sm, row0, c0, nrb);
       }
       if (more) ch.store(sm, s ^ 1, kcn);
       __syncthreads();
@@ -448,16 +468,18 @@ __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
       s ^= 1;
     }
   }
-  // the thread pair's per-row results
-  const int h = tid & 1, r = tid >> 1;
+  // the per-row results (of the thread pair when RPT = 2)
+  const int h = tid % RPT, r = tid / RPT;
   const bool ok = row0 + r < p.R;
   for (int l = 0; l < K; ++l) {
     if (BWD) {
       if (h == 0 && ok) p.drho_part[((int64_t)l * p.R + row0 + r) * p.nsplit + blockIdx.x] = sm.state[l * kThreads + tid];
     } else {
       Stat v = reinterpret_cast<const Stat*>(sm.state)[l * kThreads + tid];
-      merge(v.m, v.s, __shfl_xor_sync(0xffffffffu, v.m, 1), __shfl_xor_sync(0xffffffffu, v.s, 1));
-      merge(v.mp, v.sp, __shfl_xor_sync(0xffffffffu, v.mp, 1), __shfl_xor_sync(0xffffffffu, v.sp, 1));
+      if (RPT == 2) {
+        merge(v.m, v.s, __shfl_xor_sync(0xffffffffu, v.m, 1), __shfl_xor_sync(0xffffffffu, v.s, 1));
+        merge(v.mp, v.sp, __shfl_xor_sync(0xffffffffu, v.mp, 1), __shfl_xor_sync(0xffffffffu, v.sp, 1));
+      }
       if (h == 0 && ok) {
         float* out = p.row_part + (((int64_t)l * p.R + row0 + r) * p.nsplit + blockIdx.x) * 2;
         out[0] = lse_of(v.m, v.s);
@@ -490,7 +512,9 @@ void check(const MrlTcParams& p, bool bwd) {
   if (p.nsplit < 1 || p.tiles_per_split < 1 || p.nsplit * p.tiles_per_split < ntiles ||
       (p.nsplit - 1) * p.tiles_per_split >= ntiles)
     throw std::runtime_error("mrl_tc: inconsistent column splits");
-  if ((p.R + T - 1) / T > 65535) throw std::runtime_error("mrl_tc: too many row blocks for one launch");
+  if (p.tile_rows != 64 && p.tile_rows != 128) throw std::runtime_error("mrl_tc: tile_rows must be 64 or 128");
+  if ((p.R + p.tile_rows - 1) / p.tile_rows > 65535)
+    throw std::runtime_error("mrl_tc: too many row blocks for one launch");
   if (!p.q || !p.d || !p.rho || !p.kap || !p.q_lo || !p.q_hi || !p.d_lo || !p.d_hi || !p.row_none || !p.col_none)
     throw std::runtime_error("mrl_tc: missing inputs");
   if (!bwd && (!p.row_part || (p.cols && !p.col_part))) throw std::runtime_error("mrl_tc: missing forward outputs");
@@ -506,20 +530,26 @@ template <bool BWD> void launch(const MrlTcParams& p, int device, uintptr_t stre
   check(p, BWD);
   if (p.R == 0 || p.C == 0) return;
   cuda::set_device(device);
-  const size_t smem = mrl_tc_smem_bytes(p.K, BWD, p.table != nullptr, p.table && p.hist_smem ? p.P : 0);
+  const size_t smem = mrl_tc_smem_bytes(p.K, BWD, p.table != nullptr, p.table && p.hist_smem ? p.P : 0, p.tile_rows);
   int optin = 0;
   TK_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   if (smem > (size_t)optin)
     throw std::runtime_error("mrl_tc: too many levels (or table points in shared memory) for this GPU");
-  const dim3 grid((unsigned)p.nsplit, (unsigned)((p.R + T - 1) / T));
+  const dim3 grid((unsigned)p.nsplit, (unsigned)((p.R + p.tile_rows - 1) / p.tile_rows));
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  auto run = [&](auto o, auto tab) {
+  auto run = [&](auto o, auto tab, auto tr) {
     using OT = decltype(o);
-    auto kern = mrl_tc_kernel<OT, BWD, decltype(tab)::value>;
+    auto kern = mrl_tc_kernel<OT, BWD, decltype(tab)::value, decltype(tr)::value>;
     TK_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     kern<<<grid, kThreads, smem, st>>>(p);
   };
-  if (p.table) run(__nv_bfloat16{}, std::true_type{}); else run(__nv_bfloat16{}, std::false_type{});
+  using R64 = std::integral_constant<int, 64>;
+  using R128 = std::integral_constant<int, 128>;
+  if (p.tile_rows == 128) {
+    if (p.table) run(__nv_bfloat16{}, std::true_type{}, R128{}); else run(__nv_bfloat16{}, std::false_type{}, R128{});
+  } else {
+    if (p.table) run(__nv_bfloat16{}, std::true_type{}, R64{}); else run(__nv_bfloat16{}, std::false_type{}, R64{});
+  }
   cuda::check_launch();
 }
 

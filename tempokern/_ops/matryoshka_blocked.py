@@ -265,6 +265,18 @@ def cuda_variant() -> str:
     return env_choice("TEMPOKERN_MRL_CUDA", MRL_VARIANTS, "tc")
 
 
+TC_ROWS = ("auto", "64", "128")
+
+
+def tc_rows_choice() -> str:
+    """TEMPOKERN_MRL_TC_ROWS: the tensor-core kernels' rows per CUDA block and tile. auto (default): 128 for calls
+    of <= 2 levels (the CTD loss, K = 1), 64 otherwise; 128: wherever the backward's shared memory allows it; 64:
+    always. A 128 x 64 tile (4 warps of 64 x 32) does 1.5x the tensor-core work per shared-memory operand byte of
+    the 64 x 64 tile (4 warps of 32 x 32) and moves 0.75x the L2 operand bytes per pair (docs/multipos_infonce.md,
+    "tensor-core"); the backward keeps K 128 x 64 float32 score tiles (34 KB each), hence the level limit."""
+    return env_choice("TEMPOKERN_MRL_TC_ROWS", TC_ROWS, "auto")
+
+
 def use_fused(t, Bd: int) -> bool:
     """Whether a call on tensor (or device) t with Bd candidates runs the fused kernels (tensor-core or per-level):
     CUDA (or emulated CUDA) with a variant other than torch, and a candidate."""
@@ -380,17 +392,26 @@ class _Fused:
         bias_mode = None if bias is None else ("table" if bias[2] is not None else "exact")
         self.tc = tc_eligible(self.half, c.q.shape[1], c.seg, c.N, bias_mode, q)
         self.tab = None  # the table bias of the tensor-core path: (u_q, u_d, table) float32, hist in shared memory
-        if self.tc and bias is not None:
-            u_q, u_d, table = (x.to(torch.float32).contiguous() for x in bias[:3])
+        self.tr = 64     # the tensor-core kernels' rows per CUDA block (tc_rows_choice)
+        if self.tc:
             k = kernels()
-            smem = k.mrl_tc_smem_bytes(c.K, True, True, table.numel()) <= k.mrl_tc_smem_optin(self.dev)
-            self.tab = (u_q, u_d, table, bool(smem and table.numel() <= TC_HIST_SMEM_POINTS))
-        if self.tc:  # backward: the K bf16 coefficient blocks Ho (counted twice: half the budget, since this
-            # path also holds float32 and bf16 copies of q and d, 0.6 GB at B = 65,536, H = 768); forward: partials
+            optin = k.mrl_tc_smem_optin(self.dev)
+            P = 0 if bias is None else bias[2].numel()
+            hist = 0 < P <= TC_HIST_SMEM_POINTS  # the histogram in shared memory where it fits
+            rows = tc_rows_choice()
+            if rows == "128" or (rows == "auto" and c.K <= 2):
+                fits = k.mrl_tc_smem_bytes(c.K, True, bias is not None, P if hist else 0, 128) <= optin
+                self.tr = 128 if fits else 64
+            if bias is not None:
+                u_q, u_d, table = (x.to(torch.float32).contiguous() for x in bias[:3])
+                smem = k.mrl_tc_smem_bytes(c.K, True, True, P, self.tr) <= optin
+                self.tab = (u_q, u_d, table, bool(smem and hist))
+            # backward: the K bf16 coefficient blocks Ho (counted twice: half the budget, since this path also
+            # holds float32 and bf16 copies of q and d, 0.6 GB at B = 65,536, H = 768); forward: partials
             per_elem = 4 * c.K if backward else max(1, c.K // 8)
         self.R = block_rows(c.Bq, c.Bd, c.N, per_elem, q.device, block)
-        if self.tc and self.R < c.Bq and self.R > 64 and not block:
-            self.R = self.R // 64 * 64  # whole 64-row tiles per launch
+        if self.tc and self.R < c.Bq and self.R > self.tr and not block:
+            self.R = self.R // self.tr * self.tr  # whole tiles per launch
 
     def blocks(self):
         for i0 in range(0, self.c.Bq, self.R):
@@ -751,7 +772,7 @@ def _tc_splits(F, r: int):
     """(nsplit, tiles_per_split): column splits so that the grid has TC_BLOCKS_PER_SM x SMs CUDA blocks where
     the tiles allow it."""
     ntiles = -(-F.c.Bd // 64)
-    nrb = -(-r // 64)
+    nrb = -(-r // F.tr)
     want = max(1, -(-TC_BLOCKS_PER_SM * sm_count(F.c.q.device) // nrb))
     nsplit = max(1, min(ntiles, want))
     tps = -(-ntiles // nsplit)
@@ -768,7 +789,7 @@ def _tc_launch(F, op: str, i0: int, i1: int, K: int, splits, **outs):
     p.update({k: ptr(v) for k, v in outs.items() if v is not None})
     Ho = outs.get("Ho")
     sizes = [i1 - i0, c.Bd, i0, c.Bq, F.qo.stride(0), F.do.stride(0), c.rho.stride(0), c.kap.stride(0), c.off,
-             int(c.cw != 0.0), splits[0], splits[1], 0 if Ho is None else Ho.stride(0)]
+             int(c.cw != 0.0), splits[0], splits[1], 0 if Ho is None else Ho.stride(0), F.tr]
     if F.tab is not None:
         u_q, u_d, table, hist_smem = F.tab
         p.update(u_q=ptr(u_q), u_d=ptr(u_d), table=ptr(table))
@@ -786,7 +807,7 @@ def _tc_forward(F, coef, row_weight, col_weight, gif: bool, bias):
         r = i1 - i0
         splits = _tc_splits(F, r)
         row_part = torch.empty(K, r, splits[0], 2, dtype=acc, device=dev)
-        col_part = torch.empty(K, -(-r // 64), c.Bd, 2, dtype=acc, device=dev) if cols else None
+        col_part = torch.empty(K, -(-r // F.tr), c.Bd, 2, dtype=acc, device=dev) if cols else None
         _tc_launch(F, "fwd", i0, i1, K, splits, row_part=row_part, col_part=col_part)
         c_all, c_pos = _merge_block_stats(row_stats, i0, i1, row_part, col_part, c_all, c_pos)
         if gif:
@@ -815,10 +836,10 @@ def _tc_backward_block(F, i0, i1, rw, cw, row_stats, col_stats, gr: _Grads, co=N
     splits = _tc_splits(F, r)
     Ho = torch.empty(top, r, c.Bd, dtype=F.half, device=dev)
     drp = torch.empty(top, r, splits[0], dtype=acc, device=dev)
-    dkp = torch.empty(top, -(-r // 64), c.Bd, dtype=acc, device=dev)
+    dkp = torch.empty(top, -(-r // F.tr), c.Bd, dtype=acc, device=dev)
     tab = {}
     if F.tab is not None:  # the table bias's gradient partials (float64 histogram: per CUDA block or one)
-        P, nrb = F.tab[2].numel(), -(-r // 64)
+        P, nrb = F.tab[2].numel(), -(-r // F.tr)
         tab = dict(hist=torch.zeros(splits[0] * nrb if F.tab[3] else 1, P, dtype=torch.float64, device=dev),
                    duq_part=torch.empty(r, splits[0], dtype=acc, device=dev),
                    dud_part=torch.empty(nrb, c.Bd, dtype=acc, device=dev))
