@@ -289,8 +289,19 @@ __device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT, TR>& sm, int l, int6
   constexpr int RPT = kThreads / TR;  // threads per row
   const int tid = threadIdx.x, h = tid & 1, me = tid >> 1;
   const int64_t dg0 = c0 - (p.i0 + row0 + p.diag_offset);
-  const float* tile = sm.ss;
+  float* tile = sm.ss;
   const int ncol = (int)min((int64_t)T, p.C - c0);
+  if (TAB) {  // the logits z = G rho kap + bias into the tile once (the four sweeps below would look the table up
+    // four times per element): column tid % 64, rows tid / 64 + 2 k; the same arithmetic as the sweeps' own
+    const int c = tid & (T - 1);
+    const float ks = sm.cv[l * T + c];
+    for (int k = 0; k < TR / 2; ++k) {
+      const int r = (tid >> 6) + 2 * k;
+      float* e = tile + r * LDS + c;
+      *e = *e * sm.rv[l * TR + r] * ks + tab_value(p, sm, r, c);
+    }
+    __syncthreads();
+  }
   {  // row pass: row tid / RPT, columns tid % RPT + RPT k
     const int r = tid / RPT;
     const float rs = sm.rv[l * TR + r];
@@ -298,8 +309,7 @@ __device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT, TR>& sm, int l, int6
     const Sweep w = sweep<RPT, T>(tid % RPT, ncol, [&](int c, float& z, bool& in) {
       bool pr, pc;
       positives(sm, r, c, dg0, pr, pc);
-      z = tile[r * LDS + c] * rs * ks[c];
-      if (TAB) z += tab_value(p, sm, r, c);
+      z = TAB ? tile[r * LDS + c] : tile[r * LDS + c] * rs * ks[c];
       in = pr;
     });
     Stat* st = reinterpret_cast<Stat*>(sm.state) + l * kThreads + tid;
@@ -316,8 +326,7 @@ __device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT, TR>& sm, int l, int6
     Sweep w = sweep<2, TR>(h, nrow, [&](int r, float& z, bool& in) {
       bool pr, pc;
       positives(sm, r, c, dg0, pr, pc);
-      z = tile[r * LDS + c] * rs[r] * ks;
-      if (TAB) z += tab_value(p, sm, r, c);
+      z = TAB ? tile[r * LDS + c] : tile[r * LDS + c] * rs[r] * ks;
       in = pc;
     });
     merge(w.m, w.s, __shfl_xor_sync(0xffffffffu, w.m, 1), __shfl_xor_sync(0xffffffffu, w.s, 1));
