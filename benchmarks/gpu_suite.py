@@ -72,8 +72,8 @@ IMPLS = ("tempokern", "tempokern_mpb_blocked", "tempokern_tc64", "tempokern_stat
 # tempokern_cal_v1: calendar_scalar / calendar_context with TEMPOKERN_CALENDAR=v1 (the thread-per-row kernels measured
 # on the H100 on 2026-11-22); tempokern_cal_v2: TEMPOKERN_CALENDAR=v2 (the warp-cooperative kernels both ways, the
 # context op's default until session 9); tempokern_cal_pair9: TEMPOKERN_CALENDAR=pair9 (context forward v2 + backward
-# v1, the default of sessions 9-10, predicted ~2.47 ms); "tempokern" is auto: context v3 both ways (session 11, the
-# prefetching row tiles, not yet timed), scalar v1
+# v1, the default of sessions 9-10, predicted ~2.47 ms); "tempokern" is auto: v3 both ways for both ops (session 11,
+# the prefetching row tiles / groups, not yet timed; the scalar op's previous default is tempokern_cal_v1)
 # tempokern_prev: ctd_topk at Q <= 16 with TEMPOKERN_TOPK_SERVE=0 (the path measured on the H100 on 2026-11-22;
 # "tempokern" is the serve kernels, default, not yet measured)
 # tempokern_mrl_fused: matryoshka_infonce with TEMPOKERN_MRL_CUDA=fused (the fused per-level kernels, 13.1 ms at
@@ -773,7 +773,7 @@ def calendar_cases(sizes, dev, bandwidth, compile_fn) -> List[Case]:
                  "eager": calendar_step(lambda op=op: getattr(ref(), op)),
                  "compile": calendar_step(lambda op=op: compile_fn(getattr(ref(), op)))}
         # the variant columns: v1 and v2 in both directions, and (context) session 9's pair, beside the default
-        # (auto: context v3 both ways, not yet timed; scalar v1)
+        # (auto: v3 both ways, not yet timed)
         steps["tempokern_cal_v1"] = variant_step("tempokern_cal_v1", steps["tempokern"])
         steps["tempokern_cal_v2"] = variant_step("tempokern_cal_v2", steps["tempokern"])
         if op == "calendar_context":  # the scalar op's pair9 is its default

@@ -210,17 +210,15 @@ def test_thread_orders(variant, cuda_emu, monkeypatch):
 def test_variant_switch(monkeypatch):
     from tempokern._ops import calendar as cal
     monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
-    # unset / auto: context v3 both ways (by count, untimed), scalar v1 (measured); an op name means its forward
+    # unset / auto: v3 everywhere (by count, untimed); an op name means its forward
     kernels = ("context_fwd", "context_bwd", "scalar_fwd", "scalar_bwd")
-    assert [cal.variant(k) for k in kernels] == ["v3", "v3", "v1", "v1"]
-    assert (cal.variant("context"), cal.variant("scalar")) == ("v3", "v1")
+    assert [cal.variant(k) for k in kernels] == ["v3", "v3", "v3", "v3"]
+    assert (cal.variant("context"), cal.variant("scalar")) == ("v3", "v3")
     monkeypatch.setenv("TEMPOKERN_CALENDAR", " Auto ")
-    assert [cal.variant(k) for k in kernels] == ["v3", "v3", "v1", "v1"]
-    for v in ("v1", "V2", " v1 "):
+    assert [cal.variant(k) for k in kernels] == ["v3", "v3", "v3", "v3"]
+    for v in ("v1", "V2", " v1 ", "v3"):
         monkeypatch.setenv("TEMPOKERN_CALENDAR", v)
         assert {cal.variant(k) for k in ("context", "scalar", *kernels)} == {v.strip().lower()}
-    monkeypatch.setenv("TEMPOKERN_CALENDAR", "v3")   # calendar_context only: the scalar op keeps its kernel
-    assert [cal.variant(k) for k in kernels] == ["v3", "v3", "v1", "v1"]
     monkeypatch.setenv("TEMPOKERN_CALENDAR", "pair9")  # session 9's default
     assert [cal.variant(k) for k in kernels] == ["v2", "v1", "v1", "v1"]
     monkeypatch.setenv("TEMPOKERN_CALENDAR", "v4")

@@ -1,6 +1,6 @@
-"""calendar_context's v3 CUDA kernels (csrc/calendar/calendar_v3_cuda.cu; the default for float32 / float16 /
-bfloat16 calls with levels of <= 32 classes and dim a multiple of 4 up to 128) against tempokern.reference on the
-CUDA emulator (and a GPU): outputs and every gradient, the 2x-torch rule in each dtype, partial and several tiles
+"""The v3 CUDA calendar kernels (csrc/calendar/calendar_v3_cuda.cu; the default for float32 / float16 / bfloat16
+calls with levels of <= 32 classes, and for calendar_context dim a multiple of 4 up to 128) against
+tempokern.reference on the CUDA emulator (and a GPU): outputs and every gradient, the 2x-torch rule in each dtype, partial and several tiles
 per CTA at the SM counts of an L4 / A100 / H100 and one SM, thread-order independence, non-finite logits, strided
 logits, and which calls fall back to the v1 / v2 kernels."""
 import pytest
@@ -11,6 +11,7 @@ from tempokern import reference as ref
 from test_calendar_v2 import LaunchSpy, make_logits
 
 V3_OPS = {"context_fwd_v3", "context_bwd_v3"}
+V3_SCALAR = {"scalar_fwd_v3", "scalar_bwd_v3"}
 
 
 @pytest.fixture
@@ -224,3 +225,132 @@ def test_kernel_checks_its_inputs(gpu):
         with pytest.raises(ValueError, match=msg):
             cal.kernels().calendar_launch("context_fwd_v3", dev, stream, dtype_code(torch.zeros(1, dtype=dt)), 8, 1.0,
                                           levels, out.data_ptr(), 0, 64, dim, False, 1, 1)
+
+
+# ---- calendar_scalar v3 --------------------------------------------------------------------------------------------
+
+def check_scalar(xs, tau, tol, gtol):
+    x64 = [x.detach().double().requires_grad_() for x in xs]
+    got, want = tempokern.calendar_scalar(xs, tau), ref.calendar_scalar(x64, tau)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, **tol)
+    w = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(want.device)
+    for a, b in zip(torch.autograd.grad(got, xs, grad_outputs=w.float()), torch.autograd.grad(want, x64, grad_outputs=w)):
+        assert a.dtype == xs[0].dtype and a.shape == b.shape
+        torch.testing.assert_close(a.double(), b, **gtol)
+
+
+@pytest.mark.parametrize("B,sizes,dim", SHAPES)
+def test_scalar_float32_against_reference(B, sizes, dim, gpu, spy):
+    # 1 to 33 row groups of 8 (the last partial), 4 levels: two launches, the second accumulating into the output
+    xs = make_logits(B, sizes, dtype=torch.float32, device=gpu, seed=B + 1)
+    check_scalar(xs, 0.7, dict(atol=2e-6, rtol=1e-5), dict(atol=1e-5, rtol=1e-4))
+    if gpu.type == "cpu":
+        assert set(spy.ops) == V3_SCALAR
+        assert spy.ops.count("scalar_fwd_v3") == -(-len(sizes) // 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_scalar_twice_torch_error(dtype, gpu, spy):
+    B, sizes, tau = 203, [12, 32, 12, 5], 0.6
+    xs = make_logits(B, sizes, dtype=dtype, device=gpu, seed=8)
+    x64 = [x.detach().double().requires_grad_() for x in xs]
+    xp = [x.detach().clone().requires_grad_() for x in xs]
+    w = ref.level_weights(sizes)
+    f = tempokern.calendar_scalar(xs, tau)
+    e = ref.calendar_scalar(x64, tau)
+    p = sum(wl * (torch.softmax(x / tau, -1) @ torch.arange(x.shape[1], dtype=dtype, device=x.device))
+            for wl, x in zip(w, xp))
+
+    def check(a, b, c):
+        d1, d2 = a.detach().double() - b.detach(), c.detach().double() - b.detach()
+        rms1, rms2 = d1.pow(2).mean().sqrt().item(), d2.pow(2).mean().sqrt().item()
+        assert rms1 <= 2 * rms2, (rms1, rms2)
+        assert d1.abs().max().item() <= 2 * d2.abs().max().item() + 1e-6
+
+    check(f, e, p)
+    wt = torch.randn(e.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).to(e.device)
+    for a, b, c in zip(torch.autograd.grad(f, xs, grad_outputs=wt.float()),
+                       torch.autograd.grad(e, x64, grad_outputs=wt),
+                       torch.autograd.grad(p, xp, grad_outputs=wt.to(p.dtype))):
+        assert a.dtype == dtype
+        check(a, b, c)
+    if gpu.type == "cpu":
+        assert set(spy.ops) == V3_SCALAR
+
+
+@pytest.mark.parametrize("sms,per_sm", [(1, 1), (1, 3), (58, None), (132, None)])
+def test_scalar_grid_at_sm_counts(sms, per_sm, gpu, spy, monkeypatch):
+    # grid min(row groups / 8 warps, _CTAS_PER_SM_V3_SCALAR x SMs) CTAs of 8 warps: one SM with 1 CTA walks 261
+    # groups of 8 rows in its 8 warps (the next group's loads overlap each group)
+    import tempokern._ops.common as common
+    from tempokern._ops import calendar as cal
+    monkeypatch.setattr(common, "sm_count", lambda device: sms)
+    if per_sm is not None:
+        monkeypatch.setattr(cal, "_CTAS_PER_SM_V3_SCALAR", per_sm)
+    xs = make_logits(2087, [12, 32, 9], dtype=torch.float32, device=gpu, seed=sms + 1)
+    check_scalar(xs, 0.6, dict(atol=2e-6, rtol=1e-5), dict(atol=1e-5, rtol=1e-4))
+    assert cal._max_ctas(xs[0], "scalar_fwd", "v3") == max(1, (per_sm or cal._CTAS_PER_SM_V3_SCALAR) * sms)
+    if gpu.type == "cpu":
+        assert set(spy.ops) == V3_SCALAR
+
+
+def test_scalar_non_finite_and_fallbacks(gpu, spy):
+    # -inf masks classes; NaN, +inf and an all -inf row give NaN as in torch; float64 and a level of 33 classes run
+    # the v1 kernels
+    xs = make_logits(70, [12, 5], dtype=torch.float32, device=gpu, seed=5)
+    with torch.no_grad():
+        xs[0][0, :8] = float("-inf")
+        xs[1][2, 1] = float("nan")
+        xs[1][3, 4] = float("inf")
+        xs[1][4, :] = float("-inf")
+    x64 = [x.detach().double().requires_grad_() for x in xs]
+    got, want = tempokern.calendar_scalar(xs, 0.8), ref.calendar_scalar(x64, 0.8)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5, equal_nan=True)
+    assert torch.isfinite(got[[0, 1, 5]]).all() and torch.isnan(got[[2, 3, 4]]).all()
+    if gpu.type == "cpu":
+        assert set(spy.ops) == {"scalar_fwd_v3"}
+        spy.ops.clear()
+    for dtype, sizes in ((torch.float64, [12, 5]), (torch.float32, [33, 5])):
+        xs = make_logits(40, sizes, dtype=dtype, device=gpu, seed=6)
+        check_scalar(xs, 0.7, dict(atol=2e-6, rtol=1e-5), dict(atol=1e-5, rtol=1e-4)) if dtype == torch.float32 else \
+            torch.testing.assert_close(tempokern.calendar_scalar(xs, 0.7), ref.calendar_scalar(xs, 0.7), atol=1e-9, rtol=0)
+    if gpu.type == "cpu":
+        assert set(spy.ops) == {"scalar_fwd", "scalar_bwd"}
+
+
+@pytest.mark.emu
+def test_scalar_thread_orders(cuda_emu, monkeypatch):
+    # three seeded thread orders give bitwise equal results (the warps share nothing; a prefetch overwriting
+    # registers still in use would show); one SM, one CTA, 4 levels (two launches), float32 and float16
+    import tempokern._ops.common as common
+    from tempokern._ops import calendar as cal
+    from tempokern._ops.common import cuda_emulator
+    monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
+    monkeypatch.setattr(common, "sm_count", lambda device: 1)
+    monkeypatch.setattr(cal, "_CTAS_PER_SM_V3_SCALAR", 1)
+    spy = LaunchSpy(cal.kernels)
+    monkeypatch.setattr(cal, "kernels", spy)
+    g = torch.Generator().manual_seed(6)
+
+    def run():
+        outs = []
+        for dt in (torch.float32, torch.float16):
+            xs = [(3 * torch.randn(301, n, generator=g)).to(dt).requires_grad_() for n in (17, 1, 12, 32)]
+            u = tempokern.calendar_scalar(xs, 0.7)
+            outs += [u, *torch.autograd.grad(u, xs, grad_outputs=torch.randn(u.shape, generator=g))]
+        return outs
+
+    try:
+        with cuda_emulator(cuda_emu):
+            cuda_emu.emu_set_seed(0)
+            g.manual_seed(6)
+            base = run()
+            for s in (1, 2):
+                cuda_emu.emu_set_seed(s)
+                g.manual_seed(6)
+                for i, (a, b) in enumerate(zip(base, run())):
+                    assert torch.equal(a, b), (s, i)
+    finally:
+        cuda_emu.emu_set_seed(0)
+    assert set(spy.ops) == V3_SCALAR

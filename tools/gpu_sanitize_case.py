@@ -49,6 +49,11 @@ c64 = [x.detach().double().requires_grad_() for x in cl]
 cr = torch.autograd.grad(ref.calendar_context(c64, 64), c64, grad_outputs=cw.double())
 check("calendar_context v3 grads", torch.cat([x.flatten() for x in cg]), torch.cat([x.flatten() for x in cr]), 1e-4)
 check("calendar_scalar", tempokern.calendar_scalar(logits), ref.calendar_scalar([x.double() for x in logits]), 1e-5)
+# calendar_scalar v3 (the default) backward, two launches of 3 + 1 levels
+sw = torch.randn(B, device=dev)
+sg = torch.autograd.grad(tempokern.calendar_scalar(cl), cl, grad_outputs=sw)
+sr = torch.autograd.grad(ref.calendar_scalar(c64), c64, grad_outputs=sw.double())
+check("calendar_scalar v3 grads", torch.cat([x.flatten() for x in sg]), torch.cat([x.flatten() for x in sr]), 1e-4)
 g = torch.randn(5000, H, device=dev)
 qq = torch.randn(9, H, device=dev)
 v, i = tempokern.ctd_topk(qq, g, 10)

@@ -50,7 +50,10 @@ void calendar_scalar_fwd_cuda_v2(const CalendarParams& p, int device, uintptr_t 
 void calendar_scalar_bwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream);
 void calendar_context_fwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream);
 void calendar_context_bwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream);
-// v3 (calendar_v3_cuda.cu): float32 / float16 / bfloat16, 1-3 levels of <= 32 classes, dim a multiple of 4 <= 128
+// v3 (calendar_v3_cuda.cu): float32 / float16 / bfloat16, 1-3 levels of <= 32 classes (context: dim a multiple of
+// 4, <= 128)
+void calendar_scalar_fwd_cuda_v3(const CalendarParams& p, int device, uintptr_t stream);
+void calendar_scalar_bwd_cuda_v3(const CalendarParams& p, int device, uintptr_t stream);
 void calendar_context_fwd_cuda_v3(const CalendarParams& p, int device, uintptr_t stream);
 void calendar_context_bwd_cuda_v3(const CalendarParams& p, int device, uintptr_t stream);
 #endif

@@ -21,6 +21,7 @@
 // Launches take 1-3 levels (Python feeds longer hierarchies in chunks).
 #include <algorithm>
 #include <stdexcept>
+#include <type_traits>
 #include <string>
 #include "calendar/calendar.h"
 #include "common/cuda_utils.cuh"
@@ -310,6 +311,84 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) context_bwd_kernel(Calenda
   }
 }
 
+// calendar_scalar: a warp owns 8 rows (4 lanes per row, classes q + 4 k), walks row groups grid-stride and issues
+// the next group's logits (and, backward, its upstream gradient) before the current group's arithmetic; no shared
+// memory, no barriers. Per level: m, s = sum exp(x - m), t = sum c exp(x - m) over the row's 4 lanes (2 shuffles
+// each); E = t / s; forward u = sum_l w_l E_l (lane 0 of the row writes it, added to out with accumulate);
+// backward d logit_c = g w / s exp(x_c - m) (c - E) / tau, the arithmetic of the v1 kernel.
+constexpr int kMinCtasScalar = 3;  // forward <= 85 registers; backward 2 per SM (<= 128: no spills at 3 levels)
+
+template <typename S, int NL, bool BWD>
+__global__ void __launch_bounds__(kThreads, BWD ? kMinCtasScalar - 1 : kMinCtasScalar) scalar_kernel(CalendarParams p) {
+  const int lane = threadIdx.x & 31, r = lane >> 2, q = lane & 3;
+  const int64_t nwarps = (int64_t)gridDim.x * (kThreads / 32);
+  const int64_t ngroups = (p.B + 7) / 8;
+  const float inv_tau = (float)p.inv_tau;
+  float* out = static_cast<float*>(p.out);
+  const float* gout = static_cast<const float*>(p.grad_out);
+  S x[NL][kPerLane];
+  float gv = 0.0f;
+  int64_t grp = (int64_t)blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5);
+  if (grp < ngroups) {
+    const int64_t row = grp * 8 + r;
+#pragma unroll
+    for (int l = 0; l < NL; ++l) load_logits(x[l], p.levels[l], row, row < p.B, q);
+    if (BWD && row < p.B) gv = gout[row];
+  }
+  for (; grp < ngroups; grp += nwarps) {
+    const int64_t row = grp * 8 + r;
+    const bool in = row < p.B;
+    float xs[NL][kPerLane];  // this group's logits / tau: the registers x receive the next group's
+#pragma unroll
+    for (int l = 0; l < NL; ++l)
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) xs[l][k] = to_acc(x[l][k]) * inv_tau;
+    const float g = gv;
+    const int64_t next = grp + nwarps;
+    if (next < ngroups) {
+      const int64_t nrow = next * 8 + r;
+#pragma unroll
+      for (int l = 0; l < NL; ++l) load_logits(x[l], p.levels[l], nrow, nrow < p.B, q);
+      if (BWD) gv = nrow < p.B ? gout[nrow] : 0.0f;
+    }
+    float u = 0.0f;
+#pragma unroll
+    for (int l = 0; l < NL; ++l) {
+      const CalendarLevel& L = p.levels[l];
+      const int n = (int)L.n;
+      float m = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k)
+        if (q + 4 * k < n) m = max(m, xs[l][k]);
+      m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      float sum = 0.0f, t = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const float ex = (q + 4 * k < n) ? exp(xs[l][k] - m) : 0.0f;
+        xs[l][k] = ex;
+        sum += ex;
+        t += (float)(q + 4 * k) * ex;
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      t += __shfl_xor_sync(0xffffffffu, t, 1);
+      t += __shfl_xor_sync(0xffffffffu, t, 2);
+      const float E = t / sum;
+      if (!BWD) {
+        u += (float)L.weight * E;
+      } else if (in) {
+        const float kf = g * (float)L.weight * inv_tau / sum;
+        S* gl = static_cast<S*>(L.grad_logits) + row * (int64_t)n;
+#pragma unroll
+        for (int k = 0; k < kPerLane; ++k)
+          if (q + 4 * k < n) gl[q + 4 * k] = from_acc<S>(kf * xs[l][k] * ((float)(q + 4 * k) - E));
+      }
+    }
+    if (!BWD && in && q == 0) out[row] = p.accumulate ? out[row] + u : u;
+  }
+}
+
 size_t smem_bytes(const CalendarParams& p, bool bwd) {
   size_t nt = 0;
   for (int l = 0; l < p.num_levels; ++l) nt += (size_t)p.levels[l].n;
@@ -317,11 +396,12 @@ size_t smem_bytes(const CalendarParams& p, bool bwd) {
   return 4 * (nt * (D + 4) + (bwd ? kTR * (D + 4) + (size_t)kMaxN * kLdP : nt * kLdP));
 }
 
-void check(const CalendarParams& p, bool bwd) {
+void check(const CalendarParams& p, bool bwd, bool scalar = false) {
   if (p.dtype == DType::F64) fail_v3("takes float32, float16 or bfloat16 (float64 runs v1 / v2)");
   if (p.num_levels < 1 || p.num_levels > 3) fail_v3("takes 1-3 levels per launch");
   for (int l = 0; l < p.num_levels; ++l)
     if (p.levels[l].n < 1 || p.levels[l].n > kMaxN) fail_v3("takes levels of 1-32 classes");
+  if (scalar) return;
   if (p.dim < 4 || p.dim % 4 || p.dim > 4 * 4 * kMaxG) fail_v3("takes dim a multiple of 4, <= 128");
   if (p.out_row_stride % 4) fail_v3("needs an output / gradient row stride that is a multiple of 4");
   if (bwd && p.grad_col_stride != 1) fail_v3("needs a gradient of unit column stride");
@@ -360,9 +440,37 @@ void run(const CalendarParams& p, int device, uintptr_t stream, bool bwd) {
   else by_levels(__nv_bfloat16{});
   check_launch();
 }
+void run_scalar(const CalendarParams& p, int device, uintptr_t stream, bool bwd) {
+  check(p, bwd, true);
+  if (p.B == 0) return;
+  set_device(device);
+  const int64_t ctas = ((p.B + 7) / 8 + kThreads / 32 - 1) / (kThreads / 32);
+  const int64_t cap = p.max_ctas > 0 ? p.max_ctas : ctas;
+  const unsigned grid = (unsigned)std::min<int64_t>(std::min<int64_t>(ctas, cap), 1 << 30);
+  const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  auto go = [&](auto s, auto nl) {
+    using S = decltype(s);
+    constexpr int NL = decltype(nl)::value;
+    if (bwd)
+      scalar_kernel<S, NL, true><<<grid, kThreads, 0, st>>>(p);
+    else
+      scalar_kernel<S, NL, false><<<grid, kThreads, 0, st>>>(p);
+  };
+  auto by_levels = [&](auto s) {
+    if (p.num_levels == 1) go(s, std::integral_constant<int, 1>{});
+    else if (p.num_levels == 2) go(s, std::integral_constant<int, 2>{});
+    else go(s, std::integral_constant<int, 3>{});
+  };
+  if (p.dtype == DType::F32) by_levels(float{});
+  else if (p.dtype == DType::F16) by_levels(__half{});
+  else by_levels(__nv_bfloat16{});
+  check_launch();
+}
 }  // namespace v3
 }  // namespace
 
+void calendar_scalar_fwd_cuda_v3(const CalendarParams& p, int device, uintptr_t stream) { v3::run_scalar(p, device, stream, false); }
+void calendar_scalar_bwd_cuda_v3(const CalendarParams& p, int device, uintptr_t stream) { v3::run_scalar(p, device, stream, true); }
 void calendar_context_fwd_cuda_v3(const CalendarParams& p, int device, uintptr_t stream) { v3::run(p, device, stream, false); }
 void calendar_context_bwd_cuda_v3(const CalendarParams& p, int device, uintptr_t stream) { v3::run(p, device, stream, true); }
 }  // namespace tk

@@ -30,6 +30,9 @@ _CTAS_PER_SM_V2 = 8
 # 2 resident per SM (<= 128 registers, <= 93 KB shared memory); a grid of 2 x SMs gives every CTA the same number of
 # tiles (+-1: 62 at 1M rows on an H100), and each CTA's next tile is in flight while it computes the current one.
 _CTAS_PER_SM_V3 = 2
+# v3 calendar_scalar: CTAs of 8 warps, a warp per group of 8 rows (4 lanes per row), no shared memory; 3 resident
+# per SM (the forward's <= 85 registers; the backward fits 2), grid-stride with the next group's loads in flight
+_CTAS_PER_SM_V3_SCALAR = 3
 _V3_MAX_LEVELS = 3   # levels per v3 launch (the forward holds every level's logits of its next tile in registers)
 _V3_MAX_CLASSES = 32
 _V3_MAX_DIM = 128
@@ -76,13 +79,13 @@ def _table(n: int, dim: int, dtype: torch.dtype, device: torch.device, layout: s
 #: The kernel each op's forward / backward runs on CUDA when TEMPOKERN_CALENDAR is unset or "auto". Measured on the
 #: H100 (tools/gpu_probe7.py's kernel profiles, 2026-11-23, float32, 1M rows, levels 12x32x12, dim 64): context
 #: forward v2 0.88 ms vs v1 1.31 ms, context backward v1 1.15 ms vs v2 1.51 ms; scalar v1 both ways (fwd+bwd
-#: 1.03 ms vs v2 1.26 ms in the suite). Context v3 (session 11) is the default by count, NOT timed: its tiles keep
-#: the next tile's reads in flight (docs/calendar.md, "v3"; predicted ~0.45 + 0.55 ms against the 0.88 + 1.15 ms
-#: measured). Calls v3 does not take (float64, a level of more than 32 classes, dim not a multiple of 4 or above
-#: 128, a broadcast or unaligned upstream gradient) run FALLBACK's kernel, the session-9 pair. Suite columns
-#: tempokern_cal_v1 / _v2 / _pair9 time the alternatives; if v3 loses on the card, set the context entries back to
-#: FALLBACK's.
-DEFAULT_VARIANT = {"context_fwd": "v3", "context_bwd": "v3", "scalar_fwd": "v1", "scalar_bwd": "v1"}
+#: 1.03 ms vs v2 1.26 ms in the suite). v3 (session 11) is the default by count, NOT timed: its tiles / row groups
+#: keep the next reads in flight (docs/calendar.md, "v3"; predicted context ~0.45 + 0.55 ms against the
+#: 0.88 + 1.15 ms measured, scalar near its 0.24 ms floor against ~0.9 ms). Calls v3 does not take (float64, a
+#: level of more than 32 classes; context: dim not a multiple of 4 or above 128, a broadcast or unaligned upstream
+#: gradient) run FALLBACK's kernel, the session-9 default. Suite columns tempokern_cal_v1 / _v2 / _pair9 time the
+#: alternatives; if v3 loses on the card, set the entries back to FALLBACK's.
+DEFAULT_VARIANT = {"context_fwd": "v3", "context_bwd": "v3", "scalar_fwd": "v3", "scalar_bwd": "v3"}
 FALLBACK = {"context_fwd": "v2", "context_bwd": "v1", "scalar_fwd": "v1", "scalar_bwd": "v1"}
 _OPS = ("context", "scalar")
 
@@ -97,10 +100,9 @@ def variant(op: str = "context") -> str:
     if key not in DEFAULT_VARIANT:
         raise ValueError(f"op must be one of {_OPS + tuple(DEFAULT_VARIANT)}, got {op!r}")
     v = env_choice("TEMPOKERN_CALENDAR", VARIANTS + ("auto", "pair9"), "auto")
-    if v == "pair9":  # session 9's default (context forward v2, backward v1), a suite column
+    if v == "pair9":  # session 9's default (context forward v2, backward v1; scalar v1), a suite column
         return FALLBACK[key]
-    v = DEFAULT_VARIANT[key] if v == "auto" else v
-    return FALLBACK[key] if v == "v3" and key.startswith("scalar") else v  # v3 is calendar_context only
+    return DEFAULT_VARIANT[key] if v == "auto" else v
 
 
 def _op(name: str, x: torch.Tensor, v: "str | None" = None) -> str:
@@ -117,7 +119,8 @@ def _max_ctas(x: torch.Tensor, op: str, v: "str | None" = None) -> int:
     if not on_cuda_path(x):
         return 0
     v = variant(op) if v is None else v
-    per_sm = {"v1": _CTAS_PER_SM, "v2": _CTAS_PER_SM_V2, "v3": _CTAS_PER_SM_V3}[v]
+    per_sm = {"v1": _CTAS_PER_SM, "v2": _CTAS_PER_SM_V2,
+              "v3": _CTAS_PER_SM_V3_SCALAR if op.startswith("scalar") else _CTAS_PER_SM_V3}[v]
     return max(1, per_sm * common.sm_count(x.device))
 
 
@@ -135,6 +138,17 @@ def _context_variant(kernel: str, logits, dim: int, grad: "torch.Tensor | None" 
     if ok and grad is not None:
         vec = 4 * grad.element_size()
         ok = grad.stride(1) == 1 and (grad.stride(0) * grad.element_size()) % vec == 0 and grad.data_ptr() % vec == 0
+    return v if ok else FALLBACK[kernel]
+
+
+def _scalar_variant(kernel: str, logits) -> str:
+    """The variant a calendar_scalar kernel ("scalar_fwd" / "scalar_bwd") runs: variant(kernel), except that v3
+    takes only float32 / float16 / bfloat16 levels of <= 32 classes (others run FALLBACK's kernel)."""
+    v = variant(kernel)
+    if v != "v3" or not on_cuda_path(logits[0]):
+        return v
+    ok = logits[0].dtype in (torch.float32, torch.float16, torch.bfloat16) and all(
+        x.shape[1] <= _V3_MAX_CLASSES for x in logits)
     return v if ok else FALLBACK[kernel]
 
 
@@ -179,9 +193,11 @@ def _calendar_scalar(logits: List[torch.Tensor], tau: float) -> torch.Tensor:
     out = torch.empty(x0.shape[0], dtype=_acc_dtype(x0.dtype), device=x0.device)
     dev, stream = launch_args(x0)
     levels = _level_args(logits)
-    for k, idx in enumerate(_chunks(len(levels))):
-        kernels().calendar_launch(_op("scalar_fwd", x0), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
-                           [levels[i] for i in idx], ptr(out), 0, 0, 0, k > 0, 1, _max_ctas(x0, "scalar_fwd"))
+    v = _scalar_variant("scalar_fwd", logits)
+    for k, idx in enumerate(_chunks(len(levels), _V3_MAX_LEVELS if v == "v3" else _MAX_LEVELS)):
+        kernels().calendar_launch(_op("scalar_fwd", x0, v), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
+                                  [levels[i] for i in idx], ptr(out), 0, 0, 0, k > 0, 1,
+                                  _max_ctas(x0, "scalar_fwd", v))
     return out
 
 
@@ -198,9 +214,11 @@ def _calendar_scalar_backward(grad: torch.Tensor, logits: List[torch.Tensor], ta
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in logits]
     dev, stream = launch_args(x0)
     levels = _level_args(logits, grads)
-    for idx in _chunks(len(levels)):
-        kernels().calendar_launch(_op("scalar_bwd", x0), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
-                           [levels[i] for i in idx], 0, ptr(grad), 0, 0, False, 1, _max_ctas(x0, "scalar_bwd"))
+    v = _scalar_variant("scalar_bwd", logits)
+    for idx in _chunks(len(levels), _V3_MAX_LEVELS if v == "v3" else _MAX_LEVELS):
+        kernels().calendar_launch(_op("scalar_bwd", x0, v), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
+                                  [levels[i] for i in idx], 0, ptr(grad), 0, 0, False, 1,
+                                  _max_ctas(x0, "scalar_bwd", v))
     return grads
 
 
