@@ -55,12 +55,13 @@ import torch  # noqa: E402
 
 FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
           "value", "note"]
-IMPLS = ("tempokern", "tempokern_mpb_blocked", "tempokern_tc64", "tempokern_stats_v2", "tempokern_stats_v3", "tempokern_grad_v3", "tempokern_v3", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
+IMPLS = ("tempokern", "tempokern_mpb_blocked", "tempokern_tc64", "tempokern_tc128x64", "tempokern_stats_v2", "tempokern_stats_v3", "tempokern_grad_v3", "tempokern_v3", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
          "tempokern_mrl_fused", "tempokern_mrl_levels", "tempokern_cal_v1", "tempokern_cal_v2", "tempokern_cal_pair9", "tempokern_ob_full", "tempokern_half_scores", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
 # one-level yardstick
-# tempokern_tc64: the multipos loss (no bias, table bias) with TEMPOKERN_MRL_TC_ROWS=64: the tensor-core kernels with
-# 64 x 64 tiles (4 warps of 32 x 32), as built in session 10; "tempokern" runs one-level calls on 128 x 64 tiles since
-# session 11 (1.5x the mma work per shared-memory byte, 0.75x the L2 operand bytes per pair), neither timed yet
+# tempokern_tc64: the multipos loss (no bias, table bias) with TEMPOKERN_MRL_TC_TILE=64x64: the tensor-core kernels with
+# 64 x 64 tiles (4 warps of 32 x 32), as built in session 10; "tempokern" runs one-level calls without a table bias on
+# 128 x 128 tiles since session 11 (2x the mma work per shared-memory byte, half the L2 operand bytes per pair);
+# tempokern_tc128x64: TEMPOKERN_MRL_TC_TILE=128x64, the middle size; none of them timed yet
 # tempokern_mpb_blocked: the multipos loss without a bias or with the table bias with TEMPOKERN_MPB_TC=0 (the blocked
 # path: cuBLAS score blocks + fused passes, the default measured on the H100 on 2026-11-23: 1.77 / 2.99 ms at
 # B = 8,192); "tempokern" is the default since session 10 for those bf16 calls: the one-level tensor-core kernels,
@@ -352,7 +353,8 @@ def loss_step(fn_get, check_keyword=True):
 #: which would otherwise take their bf16 no-bias calls.
 VARIANT_ENV = {
     "tempokern_mpb_blocked": {"TEMPOKERN_MPB_TC": "0"},
-    "tempokern_tc64": {"TEMPOKERN_MRL_TC_ROWS": "64"},
+    "tempokern_tc64": {"TEMPOKERN_MRL_TC_TILE": "64x64"},
+    "tempokern_tc128x64": {"TEMPOKERN_MRL_TC_TILE": "128x64"},
     "tempokern_stats_v2": {"TEMPOKERN_MPB_STATS": "v2", "TEMPOKERN_MPB_TC": "0"},
     "tempokern_stats_v3": {"TEMPOKERN_MPB_STATS": "v3", "TEMPOKERN_MPB_TC": "0"},
     "tempokern_grad_v3": {"TEMPOKERN_MPB_GRAD": "v3", "TEMPOKERN_MPB_TC": "0"},
@@ -486,8 +488,9 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn, stats_v2: bool = True) -> Li
             if mode != "exact":  # the blocked path (cuBLAS score blocks + fused passes) beside the tensor-core default
                 steps["tempokern_mpb_blocked"] = variant_step("tempokern_mpb_blocked",
                                                               loss_step(lambda: tk().multipos_infonce))
-                # and the tensor-core kernels with session 10's 64-row tiles beside the default 128-row ones
-                steps["tempokern_tc64"] = variant_step("tempokern_tc64", loss_step(lambda: tk().multipos_infonce))
+                # and the tensor-core kernels with session 10's 64 x 64 tiles and with 128 x 64 beside the default
+                for impl in ("tempokern_tc64", "tempokern_tc128x64"):
+                    steps[impl] = variant_step(impl, loss_step(lambda: tk().multipos_infonce))
             if mode != "exact":  # the variant columns of the v3 statistics / gradient kernels (opt-in, not yet timed)
                 for impl in ("tempokern_stats_v3", "tempokern_grad_v3", "tempokern_v3"):
                     steps[impl] = variant_step(impl, loss_step(lambda: tk().multipos_infonce))

@@ -27,13 +27,13 @@ from test_matryoshka_infonce import make, make_bias, run_both
 from test_multipos_v3 import by_thread_order
 
 
-@pytest.fixture(params=["64", "128"])
+@pytest.fixture(params=["64x64", "128x64", "128x128"])
 def tc(monkeypatch, request):
     """The default variant, with every tensor-core launch recorded: (op, i0, i1, K, outputs) and the levels
-    path's multipos_infonce calls; each test twice, with 64- and 128-row tiles (TEMPOKERN_MRL_TC_ROWS; 128
-    wherever the shared memory holds the backward's K score tiles)."""
+    path's multipos_infonce calls; each test with the three tiles (TEMPOKERN_MRL_TC_TILE; the larger ones
+    wherever the shared memory holds the backward's K score tiles, else the next smaller)."""
     monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
-    monkeypatch.setenv("TEMPOKERN_MRL_TC_ROWS", request.param)
+    monkeypatch.setenv("TEMPOKERN_MRL_TC_TILE", request.param)
     # the levels path's per-level multipos_infonce calls keep the blocked path here (with the default
     # TEMPOKERN_MPB_TC=1 their bf16 levels would be one-level tensor-core launches: tests/test_multipos_tc.py)
     monkeypatch.setenv("TEMPOKERN_MPB_TC", "0")
@@ -50,11 +50,11 @@ def tc(monkeypatch, request):
     monkeypatch.setattr(mb, "_tc_launch", spy)
     monkeypatch.setattr(mpi, "multipos_infonce", mp)
     yield rec
-    rows = {x[5].tr for x in rec["launches"]}
-    if request.param == "64":
-        assert rows <= {64}
-    elif any(x[3] <= 3 for x in rec["launches"]) and "TEMPOKERN_EMU_SMEM_OPTIN" not in os.environ:
-        assert 128 in rows
+    tiles = {(x[5].tr, x[5].tcl) for x in rec["launches"]}
+    if request.param == "64x64":
+        assert tiles <= {(64, 64)}
+    elif any(x[3] <= 2 for x in rec["launches"]) and "TEMPOKERN_EMU_SMEM_OPTIN" not in os.environ:
+        assert tuple(int(v) for v in request.param.split("x")) in tiles
 
 
 def bf16_inputs(gpu, B, H, Bd=None, spans=None, seed=0):
@@ -121,17 +121,19 @@ def _coefficients_float64(F, i0, i1, K, o):
     return torch.stack(Hs), torch.stack(drho), torch.stack(dkap)
 
 
+@pytest.mark.parametrize("dims", [DIMS, (32, 64)])  # K = 2: the 128-row tiles of the default rule, dL/dkap of each
 @pytest.mark.parametrize("B,Bd,spans,symmetric,rows", [(70, 70, "random", True, 0), (130, 130, None, False, 48),
                                                        (70, 130, "random", False, 0)])
-def test_backward_coefficients_within_one_bf16_ulp(cuda_emu, tc, B, Bd, spans, symmetric, rows):
+def test_backward_coefficients_within_one_bf16_ulp(cuda_emu, tc, B, Bd, spans, symmetric, rows, dims):
     from tempokern._ops.common import cuda_emulator
     q, d, sp = bf16_inputs("cpu", B, 64, Bd=Bd, spans=spans, seed=3 * B + Bd)
     q.requires_grad_()
     d.requires_grad_()
+    K = len(dims)
     with cuda_emulator(cuda_emu), (force_blocked(rows) if rows else torch.enable_grad()):
-        loss, levels = tempokern.matryoshka_infonce(q, d, DIMS, temperature=0.05, weights=(1.0, 0.5, 2.0),
+        loss, levels = tempokern.matryoshka_infonce(q, d, dims, temperature=0.05, weights=(1.0, 0.5, 2.0)[-K:],
                                                     symmetric=symmetric, return_levels=True, **sp)
-        (loss + (levels * LW).sum()).backward()
+        (loss + (levels * LW[-K:]).sum()).backward()
     bw = [x for x in tc["launches"] if x[0] == "bwd"]
     assert bw
     for op, i0, i1, K, splits, F, o in bw:
@@ -144,16 +146,17 @@ def test_backward_coefficients_within_one_bf16_ulp(cuda_emu, tc, B, Bd, spans, s
         torch.testing.assert_close(o["dkap_part"].double().sum(1), dkap, rtol=1e-4, atol=1e-6)
 
 
-def test_two_x_torch_rule_bf16(gpu, tc):
+@pytest.mark.parametrize("dims", [DIMS, (32, 64)])
+def test_two_x_torch_rule_bf16(gpu, tc, dims):
     # loss, levels and both gradients: tempokern's error against the float64 reference at most twice plain
     # torch's own error in bfloat16 (plus 4 eps for outputs torch happens to get exact)
     q, d, _, sp = make(96, 64, spans="random", seed=8)
-    kw = dict(temperature=0.1, symmetric=True, level_w=LW)
-    exact = run_both(q, d, None, sp, DIMS, **kw)[1]
+    kw = dict(temperature=0.1, symmetric=True, level_w=LW[-len(dims):])
+    exact = run_both(q, d, None, sp, dims, **kw)[1]
     low = [t.to(torch.bfloat16) for t in (q, d)]
-    plain = run_both(*low, None, sp, DIMS, **kw)[1]
+    plain = run_both(*low, None, sp, dims, **kw)[1]
     got = run_both(low[0].to(gpu), low[1].to(gpu), None, {k: tuple(t.to(gpu) for t in v) for k, v in sp.items()},
-                   DIMS, **kw)[0]
+                   dims, **kw)[0]
     eps = torch.finfo(torch.bfloat16).eps
     for k, (f, p, e) in enumerate(zip([got[0], got[1], *got[2]], [plain[0], plain[1], *plain[2]],
                                       [exact[0], exact[1], *exact[2]])):
@@ -179,12 +182,12 @@ def test_grid_at_other_sm_counts(gpu, tc, monkeypatch, sms):
         assert nsplit * nrb >= min(mb.TC_BLOCKS_PER_SM * sms, ntiles * nrb)
 
 
-@pytest.mark.parametrize("rows", ["64", "128"])
-def test_does_not_depend_on_thread_order(cuda_emu, monkeypatch, rows):
+@pytest.mark.parametrize("tile", ["64x64", "128x64", "128x128"])
+def test_does_not_depend_on_thread_order(cuda_emu, monkeypatch, tile):
     # seeded thread orders: a missing barrier around the shared score tiles, the operand stages (which the
     # backward's top-level tile overlays at 64 rows) or the column vectors would change the results
     monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
-    monkeypatch.setenv("TEMPOKERN_MRL_TC_ROWS", rows)
+    monkeypatch.setenv("TEMPOKERN_MRL_TC_TILE", tile)
 
     def run():
         q, d, sp = bf16_inputs("cpu", 70, 64, spans="random", seed=5)
@@ -265,7 +268,7 @@ def test_kernel_rejects_what_it_cannot_run(cuda_emu):
     out = torch.zeros(1, 64, 1, 2)
     p = {k: t.data_ptr() for k, t in dict(q=q, d=q, rho=f, kap=f, q_lo=i, q_hi=i, d_lo=i, d_hi=i, row_none=u,
                                           col_none=u, row_part=out).items()}
-    sizes = [64, 64, 0, 64, 40, 40, 64, 64, 0, 0, 1, 1, 0, 64]
+    sizes = [64, 64, 0, 64, 40, 40, 64, 64, 0, 0, 1, 1, 0, 64, 64]
     bf = mb.DTYPE_CODES[torch.bfloat16]
     with cuda_emulator(cuda_emu):
         k = mb.kernels()
@@ -276,11 +279,13 @@ def test_kernel_rejects_what_it_cannot_run(cuda_emu):
         with pytest.raises(RuntimeError, match="must be bf16"):
             k.mrl_tc_launch("fwd", 0, 0, mb.DTYPE_CODES[torch.float32], sizes, [0, 32], 1.0, p)
         with pytest.raises(RuntimeError, match="column splits"):
-            k.mrl_tc_launch("fwd", 0, 0, bf, sizes[:10] + [2, 1, 0, 64], [0, 32], 1.0, p)
+            k.mrl_tc_launch("fwd", 0, 0, bf, sizes[:10] + [2, 1, 0, 64, 64], [0, 32], 1.0, p)
         with pytest.raises(RuntimeError, match="tile_rows"):
-            k.mrl_tc_launch("fwd", 0, 0, bf, sizes[:13] + [96], [0, 32], 1.0, p)
-        with pytest.raises(ValueError, match="14 or 16 sizes"):
-            k.mrl_tc_launch("fwd", 0, 0, bf, sizes[:13], [0, 32], 1.0, p)
+            k.mrl_tc_launch("fwd", 0, 0, bf, sizes[:13] + [96, 64], [0, 32], 1.0, p)
+        with pytest.raises(RuntimeError, match="tile_cols"):
+            k.mrl_tc_launch("fwd", 0, 0, bf, sizes[:13] + [64, 128], [0, 32], 1.0, p)
+        with pytest.raises(ValueError, match="15 or 17 sizes"):
+            k.mrl_tc_launch("fwd", 0, 0, bf, sizes[:14], [0, 32], 1.0, p)
         with pytest.raises(ValueError, match="unknown mrl_tc op"):
             k.mrl_tc_launch("bwd_all", 0, 0, bf, sizes, [0, 32], 1.0, p)
         with pytest.raises(RuntimeError, match="backward"):

@@ -15,19 +15,20 @@ from tempokern.reference import multipos_infonce as ref
 from tempokern.reference.multipos_infonce import multipos_infonce_partial as ref_partial
 
 
-@pytest.fixture(params=["auto", "64"])
+@pytest.fixture(params=["auto", "128x64", "64x64"])
 def paths(monkeypatch, request):
-    """Counts the tensor-core launches and the blocked path's kernel launches; each test twice, with the default
-    128-row tiles of one-level calls (TEMPOKERN_MRL_TC_ROWS=auto) and with 64-row tiles."""
+    """Counts the tensor-core launches and the blocked path's kernel launches; each test with the default tile
+    rule (TEMPOKERN_MRL_TC_TILE=auto: 128 x 128 for one-level calls without a table bias, 64 x 64 with one, where
+    the 128-row tiles would leave room for one block per SM) and with 128 x 64 and 64 x 64 tiles."""
     monkeypatch.delenv("TEMPOKERN_MPB_TC", raising=False)
     monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
-    monkeypatch.setenv("TEMPOKERN_MRL_TC_ROWS", request.param)
+    monkeypatch.setenv("TEMPOKERN_MRL_TC_TILE", request.param)
     seen = {"tc": 0, "blocked": 0, "rows": set()}
     real_tc, real_bl = mb._tc_launch, mpb._Launcher.launch
 
     def tc(F, *a, **k):
         seen["tc"] += 1
-        seen["rows"].add(F.tr)
+        seen["rows"].add((F.tr, F.tcl, F.tab is not None, F.c.K))
         return real_tc(F, *a, **k)
 
     def bl(*a, **k):
@@ -36,8 +37,15 @@ def paths(monkeypatch, request):
     monkeypatch.setattr(mb, "_tc_launch", tc)
     monkeypatch.setattr(mpb._Launcher, "launch", bl)
     yield seen
-    if seen["tc"]:  # one-level calls (K = 1): 128 rows by default; the Matryoshka calls here have K = 2
-        assert seen["rows"] == ({128} if request.param == "auto" else {64})
+    if seen["tc"]:  # one-level calls (K = 1; the Matryoshka calls here have K = 2)
+        if request.param == "auto":  # two blocks per SM: 128 x 128 (K = 1) and 128 x 64 (K = 2) without a table
+            # bias (97 and 105 KB of the emulated H100's 227), at most 128 x 64 with one (its gradient tile and
+            # histogram)
+            for tr, tcl, tab, K in seen["rows"]:
+                assert (tr, tcl) == ((128, 128) if K == 1 else (128, 64)) if not tab else tr * tcl <= 128 * 64
+        else:
+            want = tuple(int(v) for v in request.param.split("x"))
+            assert {(tr, tcl) for tr, tcl, _, _ in seen["rows"]} == {want}
 
 
 def inputs(B, H, *, Bd=None, seed=0, dtype=torch.bfloat16):

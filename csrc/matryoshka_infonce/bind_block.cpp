@@ -48,14 +48,15 @@ MrlBlockParams make(const std::vector<int>& dt, const std::vector<int64_t>& sz, 
 // bias P, hist_smem. seg: 0, m_1 .. m_K.
 MrlTcParams make_tc(int dtype, const std::vector<int64_t>& sz, const std::vector<int>& seg, double inv_temp,
                     const PtrMap& m) {
-  if (sz.size() != 14 && sz.size() != 16) fail("mrl_tc_launch: expected 14 or 16 sizes");
+  if (sz.size() != 15 && sz.size() != 17) fail("mrl_tc_launch: expected 15 or 17 sizes");
   if (seg.size() < 2 || seg.size() > (size_t)kMrlTcMaxLevels + 1) fail("mrl_tc_launch: 1..8 levels");
   MrlTcParams p;
   p.dtype = to_dtype(dtype);
   p.R = sz[0]; p.C = sz[1]; p.i0 = sz[2]; p.Bq = sz[3]; p.ldq = sz[4]; p.ldd = sz[5]; p.ldr = sz[6]; p.ldk = sz[7];
   p.diag_offset = sz[8]; p.cols = sz[9] != 0; p.nsplit = sz[10]; p.tiles_per_split = sz[11]; p.lsh = sz[12];
   p.tile_rows = (int)sz[13];
-  if (sz.size() == 16) { p.P = sz[14]; p.hist_smem = sz[15] != 0; }
+  p.tile_cols = (int)sz[14];
+  if (sz.size() == 17) { p.P = sz[15]; p.hist_smem = sz[16] != 0; }
   p.K = (int)seg.size() - 1;
   for (size_t l = 0; l < seg.size(); ++l) p.seg[l] = seg[l];
   p.inv_temp = inv_temp;
@@ -120,11 +121,12 @@ TK_BIND(mrl_block) {
             fail("unknown mrl_tc op '" + op + "'");
           }
         });
-  m.def("mrl_tc_smem_bytes", [](int K, bool backward, bool table, int64_t hist_points, int tile_rows) {
+  m.def("mrl_tc_smem_bytes", [](int K, bool backward, bool table, int64_t hist_points, int tile_rows, int tile_cols) {
     if (tile_rows != 64 && tile_rows != 128) fail("mrl_tc_smem_bytes: tile_rows must be 64 or 128");
-    return mrl_tc_smem_bytes(K, backward, table, hist_points, tile_rows);
+    if (tile_cols != 64 && tile_cols != 128) fail("mrl_tc_smem_bytes: tile_cols must be 64 or 128");
+    return mrl_tc_smem_bytes(K, backward, table, hist_points, tile_rows, tile_cols);
   }, pybind11::arg("K"), pybind11::arg("backward"), pybind11::arg("table"), pybind11::arg("hist_points"),
-     pybind11::arg("tile_rows") = 64);
+     pybind11::arg("tile_rows") = 64, pybind11::arg("tile_cols") = 64);
   m.def("mrl_tc_smem_optin", [](int device) {
     int optin = 0;
     run_on(device, [&] { optin = 0; }, [&] { TK_CUDA_ONLY(optin = mrl_tc_smem_optin_cuda(device)); });

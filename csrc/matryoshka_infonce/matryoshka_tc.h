@@ -53,6 +53,9 @@ struct MrlTcParams {
   // per shared-memory operand byte and 0.75x the L2 operand bytes per pair; K <= 2 by shared memory). nrb =
   // ceil(R / tile_rows) row blocks.
   int tile_rows = 64;
+  // Columns per tile: 64, or 128 with tile_rows 128 (4 warps of 64 x 64: 2x the mma work per shared-memory operand
+  // byte of the 64 x 64 tile, half its L2 operand bytes per pair).
+  int tile_cols = 64;
 
   float* row_part = nullptr;  // fwd (K, R, nsplit, 2)
   float* col_part = nullptr;  // fwd (K, nrb, C, 2)
@@ -87,18 +90,24 @@ struct MrlTcParams {
 // (max, sum) pairs of all and positives; backward: dL/drho sums), the rows' and columns' per-level vectors (scale,
 // two statistics) and spans / fallback flags. TR = 64, K = 5: forward 55.6 KB (4 CTAs per H100 SM by shared
 // memory), backward 99.1 KB (2 per SM); TR = 128, K = 1: forward 67 KB, backward 67 KB (3 per SM).
-inline size_t mrl_tc_ops_bytes(int tile_rows) { return (size_t)2 * (tile_rows + kMrlTcTile) * 40 * 2; }
-inline size_t mrl_tc_score_bytes(int tile_rows) { return (size_t)tile_rows * 68 * 4; }
-inline bool mrl_tc_overlay(int tile_rows) { return mrl_tc_score_bytes(tile_rows) <= mrl_tc_ops_bytes(tile_rows); }
+// operand stages: 2 x (rows + columns) x (chunk + 8) bf16, chunk 32 (16 for 128-column tiles)
+inline size_t mrl_tc_ops_bytes(int tile_rows, int tile_cols) {
+  return (size_t)2 * (tile_rows + tile_cols) * (tile_cols == 128 ? 24 : 40) * 2;
+}
+inline size_t mrl_tc_score_bytes(int tile_rows, int tile_cols) { return (size_t)tile_rows * (tile_cols + 4) * 4; }
+inline bool mrl_tc_overlay(int tile_rows, int tile_cols) {
+  return mrl_tc_score_bytes(tile_rows, tile_cols) <= mrl_tc_ops_bytes(tile_rows, tile_cols);
+}
 // The table bias adds u_q / u_d of the tile and, backward, the g slope tile, the rows' dL/du_q sums and the
 // histogram when it is kept in shared memory (hist_points floats; 0 for the global one).
 inline size_t mrl_tc_smem_bytes(int K, bool backward, bool table = false, int64_t hist_points = 0,
-                                int tile_rows = kMrlTcTile) {
-  const size_t k = (size_t)K, tr = (size_t)tile_rows, tc = kMrlTcTile;
-  const size_t tiles = backward ? (mrl_tc_overlay(tile_rows) ? k - 1 : k) : 1;
-  size_t b = mrl_tc_ops_bytes(tile_rows) + tiles * mrl_tc_score_bytes(tile_rows) + k * 128 * (backward ? 4 : 16) +
+                                int tile_rows = kMrlTcTile, int tile_cols = kMrlTcTile) {
+  const size_t k = (size_t)K, tr = (size_t)tile_rows, tc = (size_t)tile_cols;
+  const size_t score = mrl_tc_score_bytes(tile_rows, tile_cols);
+  const size_t tiles = backward ? (mrl_tc_overlay(tile_rows, tile_cols) ? k - 1 : k) : 1;
+  size_t b = mrl_tc_ops_bytes(tile_rows, tile_cols) + tiles * score + k * 128 * (backward ? 4 : 16) +
              3 * k * (tr + tc) * 4 + 2 * (tr + tc) * 4 + (tr + tc);
-  if (table) b += (tr + tc) * 4 + (backward ? mrl_tc_score_bytes(tile_rows) + 128 * 4 + (size_t)hist_points * 4 : 0);
+  if (table) b += (tr + tc) * 4 + (backward ? score + 128 * 4 + (size_t)hist_points * 4 : 0);
   return b;
 }
 

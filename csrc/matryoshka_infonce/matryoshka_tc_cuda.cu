@@ -30,9 +30,12 @@ using cuda::ninf;
 
 constexpr int T = kMrlTcTile;  // 64 columns per tile (TR rows: 64 or 128, a template parameter)
 constexpr int kThreads = 128;
-constexpr int KCH = 32;       // feature chunk
-constexpr int LDA = KCH + 8;  // operand row stride in shared memory (elements): 80 bytes, conflict-free rows
-constexpr int LDS = T + 4;    // score tile row stride (floats)
+// Feature chunk: 32 (16 for 128-column tiles, whose operand stages would otherwise push the block past half an H100
+// SM's shared memory) and the operand row stride in shared memory, chunk + 8 elements: 80 / 48 bytes, rows
+// conflict-free for 16-byte accesses of 8 consecutive rows.
+template <int TC> constexpr int kKch = TC == 128 ? 16 : 32;
+template <int TC> constexpr int kLda = kKch<TC> + 8;
+template <int TC> constexpr int kLd = TC + 4;  // score tile row stride (floats) of TC-column tiles
 
 // exp(x) as one SFU ex2 of x log2(e): 2 instructions instead of the compensated dexp's ~9; the rounding of
 // x log2(e) costs |x| 2^-24 relative (1e-6 at |x| = 20), far below the bf16 operands' own 2^-8, and the
@@ -47,51 +50,51 @@ struct __align__(16) Stat {  // running (max, sum) of all columns and of the pos
 };
 
 // TR: rows of the CUDA block's tile (64 or 128); RPT = 128 / TR threads per row in the row passes.
-template <typename OT, int TR> struct Smem {
-  static constexpr bool kOverlay = TR * LDS * 4 <= 2 * (TR + T) * LDA * 2;  // mrl_tc_overlay
-  OT* ops;        // [2 stages][TR + T rows: the q chunk's TR, then the d chunk's T][LDA]
-  float* ss;      // [levels][TR][LDS]: forward 1, backward K (K - 1 when the top level's tile overlays ops)
+template <typename OT, int TR, int TC> struct Smem {
+  static constexpr bool kOverlay = TR * kLd<TC> * 4 <= 2 * (TR + TC) * kLda<TC> * 2;  // mrl_tc_overlay
+  OT* ops;        // [2 stages][TR + TC rows: the q chunk's TR, then the d chunk's TC][kLda<TC>]
+  float* ss;      // [levels][TR][kLd<TC>]: forward 1, backward K (K - 1 when the top level's tile overlays ops)
   float* state;   // forward: Stat [K][128]; backward: float [K][128]
   float* rv;      // [3][K][TR]: rho, lse_all, lse_pos of the CUDA block's rows
-  float* cv;      // [3][K][T]: inv_temp kap, lse_all, lse_pos of the tile's columns
+  float* cv;      // [3][K][TC]: inv_temp kap, lse_all, lse_pos of the tile's columns
   int32_t* rspan;  // [2][TR]
-  int32_t* cspan;  // [2][T]
+  int32_t* cspan;  // [2][TC]
   uint8_t* rflag;  // [TR]: bit 0 row_none, bit 1 row_fb
-  uint8_t* cflag;  // [T]: col_none
+  uint8_t* cflag;  // [TC]: col_none
   float* uq;       // table: [TR] u_q of the rows
-  float* ud;       // table: [T] u_d of the tile's columns
-  float* dD;       // table, backward: [TR][LDS] g slope of the tile
+  float* ud;       // table: [TC] u_d of the tile's columns
+  float* dD;       // table, backward: [TR][kLd<TC>] g slope of the tile
   float* duq;      // table, backward: [128] the threads' row sums of g slope
   float* hs;       // table, backward, hist_smem: [P] the block's dL/dtable histogram
 
   __device__ Smem(unsigned char* base, int K, bool bwd, bool tab = false, int64_t P = 0) {
     ops = reinterpret_cast<OT*>(base);
-    ss = reinterpret_cast<float*>(base + 2 * (TR + T) * LDA * sizeof(OT));
-    state = ss + (bwd ? (kOverlay ? K - 1 : K) : 1) * TR * LDS;
+    ss = reinterpret_cast<float*>(base + 2 * (TR + TC) * kLda<TC> * sizeof(OT));
+    state = ss + (bwd ? (kOverlay ? K - 1 : K) : 1) * TR * kLd<TC>;
     rv = state + K * kThreads * (bwd ? 1 : 4);
     cv = rv + 3 * K * TR;
-    rspan = reinterpret_cast<int32_t*>(cv + 3 * K * T);
+    rspan = reinterpret_cast<int32_t*>(cv + 3 * K * TC);
     cspan = rspan + 2 * TR;
-    rflag = reinterpret_cast<uint8_t*>(cspan + 2 * T);
+    rflag = reinterpret_cast<uint8_t*>(cspan + 2 * TC);
     cflag = rflag + TR;
-    uq = reinterpret_cast<float*>(cflag + T);
+    uq = reinterpret_cast<float*>(cflag + TC);
     ud = uq + TR;
-    dD = ud + T;
-    duq = dD + (tab && bwd ? TR * LDS : 0);
+    dD = ud + TC;
+    duq = dD + (tab && bwd ? TR * kLd<TC> : 0);
     hs = duq + (tab && bwd ? kThreads : 0);
     (void)P;
   }
-  __device__ OT* stage(int s, int operand) { return ops + (s * (TR + T) + operand * TR) * LDA; }
+  __device__ OT* stage(int s, int operand) { return ops + (s * (TR + TC) + operand * TR) * kLda<TC>; }
   // The backward's score tile of level l (the top one over the operand stages, idle by then, when it fits).
   __device__ float* level(int l, int K) const {
-    return kOverlay && l == K - 1 ? reinterpret_cast<float*>(ops) : ss + l * TR * LDS;
+    return kOverlay && l == K - 1 ? reinterpret_cast<float*>(ops) : ss + l * TR * kLd<TC>;
   }
 };
 
 // One chunk of both operands, global -> registers: TR q rows and 64 d rows x kc (16 or 32) features, 8 per
 // 16-byte vector.
-template <typename OT, int TR> struct Chunk {
-  static constexpr int NA = TR * 4 / kThreads, NB = T * 4 / kThreads;
+template <typename OT, int TR, int TC> struct Chunk {
+  static constexpr int NA = TR * 4 / kThreads, NB = TC * 4 / kThreads;
   V16 a[NA], b[NB];
   __device__ __forceinline__ void load(const MrlTcParams& p, int64_t row0, int64_t c0, int k0, int kc) {
     const int nv = kc / 8;
@@ -110,52 +113,52 @@ template <typename OT, int TR> struct Chunk {
     for (int u = 0; u < NB; ++u) {
       const int v = tid + u * kThreads;
       b[u] = V16{{0u, 0u, 0u, 0u}};
-      if (v < T * nv) {
+      if (v < TC * nv) {
         const int r = v / nv, cvv = v % nv;
         if (c0 + r < p.C)
           b[u] = *reinterpret_cast<const V16*>(static_cast<const OT*>(p.d) + (c0 + r) * p.ldd + k0 + cvv * 8);
       }
     }
   }
-  __device__ __forceinline__ void store(Smem<OT, TR>& sm, int s, int kc) const {
+  __device__ __forceinline__ void store(Smem<OT, TR, TC>& sm, int s, int kc) const {
     const int nv = kc / 8;
     const int tid = threadIdx.x;
 #pragma unroll
     for (int u = 0; u < NA; ++u) {
       const int v = tid + u * kThreads;
-      if (v < TR * nv) *reinterpret_cast<V16*>(sm.stage(s, 0) + (v / nv) * LDA + (v % nv) * 8) = a[u];
+      if (v < TR * nv) *reinterpret_cast<V16*>(sm.stage(s, 0) + (v / nv) * kLda<TC> + (v % nv) * 8) = a[u];
     }
 #pragma unroll
     for (int u = 0; u < NB; ++u) {
       const int v = tid + u * kThreads;
-      if (v < T * nv) *reinterpret_cast<V16*>(sm.stage(s, 1) + (v / nv) * LDA + (v % nv) * 8) = b[u];
+      if (v < TC * nv) *reinterpret_cast<V16*>(sm.stage(s, 1) + (v / nv) * kLda<TC> + (v % nv) * 8) = b[u];
     }
   }
 };
 
-// The 4 warps as 2 x 2, each (TR / 2) x 32 of the tile: FX x 2 accumulators of 16 x 16 (FX = 2 or 4).
-template <typename OT, int TR> struct Acc {
-  static constexpr int FX = TR / 32, WR = TR / 2;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> f[FX][2];
+// The 4 warps as 2 x 2, each (TR / 2) x (TC / 2) of the tile: FX x FY accumulators of 16 x 16 (2 or 4 each).
+template <typename OT, int TR, int TC> struct Acc {
+  static constexpr int FX = TR / 32, WR = TR / 2, FY = TC / 32, WC = TC / 2;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> f[FX][FY];
   __device__ __forceinline__ void zero() {
 #pragma unroll
     for (int x = 0; x < FX; ++x)
 #pragma unroll
-      for (int y = 0; y < 2; ++y) wmma::fill_fragment(f[x][y], 0.0f);
+      for (int y = 0; y < FY; ++y) wmma::fill_fragment(f[x][y], 0.0f);
   }
-  __device__ __forceinline__ void mma(Smem<OT, TR>& sm, int s, int kc) {
+  __device__ __forceinline__ void mma(Smem<OT, TR, TC>& sm, int s, int kc) {
     const int w = threadIdx.x >> 5, wr = w >> 1, wc = w & 1;
     for (int kk = 0; kk < kc; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, OT, wmma::row_major> a[FX];
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, OT, wmma::col_major> b[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, OT, wmma::col_major> b[FY];
 #pragma unroll
-      for (int x = 0; x < FX; ++x) wmma::load_matrix_sync(a[x], sm.stage(s, 0) + (wr * WR + x * 16) * LDA + kk, LDA);
+      for (int x = 0; x < FX; ++x) wmma::load_matrix_sync(a[x], sm.stage(s, 0) + (wr * WR + x * 16) * kLda<TC> + kk, kLda<TC>);
 #pragma unroll
-      for (int y = 0; y < 2; ++y) wmma::load_matrix_sync(b[y], sm.stage(s, 1) + (wc * 32 + y * 16) * LDA + kk, LDA);
+      for (int y = 0; y < FY; ++y) wmma::load_matrix_sync(b[y], sm.stage(s, 1) + (wc * WC + y * 16) * kLda<TC> + kk, kLda<TC>);
 #pragma unroll
       for (int x = 0; x < FX; ++x)
 #pragma unroll
-        for (int y = 0; y < 2; ++y) wmma::mma_sync(f[x][y], a[x], b[y], f[x][y]);
+        for (int y = 0; y < FY; ++y) wmma::mma_sync(f[x][y], a[x], b[y], f[x][y]);
     }
   }
   __device__ __forceinline__ void store(float* tile) const {
@@ -163,16 +166,16 @@ template <typename OT, int TR> struct Acc {
 #pragma unroll
     for (int x = 0; x < FX; ++x)
 #pragma unroll
-      for (int y = 0; y < 2; ++y)
-        wmma::store_matrix_sync(tile + (wr * WR + x * 16) * LDS + wc * 32 + y * 16, f[x][y], LDS, wmma::mem_row_major);
+      for (int y = 0; y < FY; ++y)
+        wmma::store_matrix_sync(tile + (wr * WR + x * 16) * kLd<TC> + wc * WC + y * 16, f[x][y], kLd<TC>, wmma::mem_row_major);
   }
 };
 
 // Positives of (row r, column c) of the tile: span overlap, or the diagonal fallback of rows (pr) and of
 // columns (pc) without an overlap (matryoshka_block.h).
-template <typename OT, int TR>
-__device__ __forceinline__ void positives(const Smem<OT, TR>& sm, int r, int c, int64_t dg0, bool& pr, bool& pc) {
-  const bool ov = max(sm.rspan[r], sm.cspan[c]) <= min(sm.rspan[TR + r], sm.cspan[T + c]);
+template <typename OT, int TR, int TC>
+__device__ __forceinline__ void positives(const Smem<OT, TR, TC>& sm, int r, int c, int64_t dg0, bool& pr, bool& pc) {
+  const bool ov = max(sm.rspan[r], sm.cspan[c]) <= min(sm.rspan[TR + r], sm.cspan[TC + c]);
   const bool dg = dg0 + c - r == 0;  // column index == row index + diag_offset
   const uint8_t rf = sm.rflag[r];
   pr = ov || ((rf & 1) && dg);
@@ -184,8 +187,8 @@ __device__ __forceinline__ void positives(const Smem<OT, TR>& sm, int r, int c, 
 __device__ __forceinline__ float tab_bias(const MrlTcParams& p, float delta, float& slope, int64_t& idx, float& t) {
   return cuda::table_bias<float>(p.table, p.P, 0.5f * (float)(p.P - 1), delta, slope, idx, t);
 }
-template <typename OT, int TR>
-__device__ __forceinline__ float tab_value(const MrlTcParams& p, const Smem<OT, TR>& sm, int r, int c) {
+template <typename OT, int TR, int TC>
+__device__ __forceinline__ float tab_value(const MrlTcParams& p, const Smem<OT, TR, TC>& sm, int r, int c) {
   float slope, t;
   int64_t idx;
   return tab_bias(p, sm.ud[c] - sm.uq[r], slope, idx, t);
@@ -233,8 +236,8 @@ template <int STEP, int N, typename At> __device__ __forceinline__ Sweep sweep(i
   return w;
 }
 
-template <typename OT, int TR>
-__device__ void load_rows(const MrlTcParams& p, Smem<OT, TR>& sm, int64_t row0, bool bwd) {
+template <typename OT, int TR, int TC>
+__device__ void load_rows(const MrlTcParams& p, Smem<OT, TR, TC>& sm, int64_t row0, bool bwd) {
   const int tid = threadIdx.x;
   for (int idx = tid; idx < p.K * TR; idx += kThreads) {
     const int l = idx / TR, r = idx % TR;
@@ -258,46 +261,47 @@ __device__ void load_rows(const MrlTcParams& p, Smem<OT, TR>& sm, int64_t row0, 
   }
 }
 
-template <typename OT, int TR>
-__device__ void load_cols(const MrlTcParams& p, Smem<OT, TR>& sm, int64_t c0, bool bwd) {
+template <typename OT, int TR, int TC>
+__device__ void load_cols(const MrlTcParams& p, Smem<OT, TR, TC>& sm, int64_t c0, bool bwd) {
   const int tid = threadIdx.x;
   const float it = (float)p.inv_temp;
-  for (int idx = tid; idx < p.K * T; idx += kThreads) {
-    const int l = idx / T, c = idx % T;
+  for (int idx = tid; idx < p.K * TC; idx += kThreads) {
+    const int l = idx / TC, c = idx % TC;
     const int64_t j = c0 + c;
     const bool ok = j < p.C;
-    sm.cv[l * T + c] = ok ? it * p.kap[l * p.ldk + j] : 0.f;
+    sm.cv[l * TC + c] = ok ? it * p.kap[l * p.ldk + j] : 0.f;
     if (bwd) {
       const bool st = ok && p.cols;
-      sm.cv[(p.K + l) * T + c] = st ? p.col_lse[(int64_t)l * 3 * p.C + j] : 0.f;
-      sm.cv[(2 * p.K + l) * T + c] = st ? p.col_lse[(int64_t)l * 3 * p.C + p.C + j] : 0.f;
+      sm.cv[(p.K + l) * TC + c] = st ? p.col_lse[(int64_t)l * 3 * p.C + j] : 0.f;
+      sm.cv[(2 * p.K + l) * TC + c] = st ? p.col_lse[(int64_t)l * 3 * p.C + p.C + j] : 0.f;
     }
   }
-  if (tid < T) {
+  if (tid < TC) {
     const int64_t j = c0 + tid;
     const bool ok = j < p.C;
     sm.cspan[tid] = ok ? p.d_lo[j] : 0;
-    sm.cspan[T + tid] = ok ? p.d_hi[j] : -1;
+    sm.cspan[TC + tid] = ok ? p.d_hi[j] : -1;
     sm.cflag[tid] = ok ? (uint8_t)(p.col_none[j] != 0) : (uint8_t)0;
     if (p.table) sm.ud[tid] = ok ? p.u_d[j] : 0.f;
   }
 }
 
 // Forward epilogue of level l on the score tile: the rows' running statistics, the columns' partials.
-template <typename OT, bool TAB, int TR>
-__device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT, TR>& sm, int l, int64_t row0, int64_t c0, int64_t nrb) {
+template <typename OT, bool TAB, int TR, int TC>
+__device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT, TR, TC>& sm, int l, int64_t row0, int64_t c0, int64_t nrb) {
   constexpr int RPT = kThreads / TR;  // threads per row
-  const int tid = threadIdx.x, h = tid & 1, me = tid >> 1;
+  constexpr int CPT = kThreads / TC;  // threads per column (and rows per element-pass step)
+  const int tid = threadIdx.x, h = tid % CPT, me = tid / CPT;
   const int64_t dg0 = c0 - (p.i0 + row0 + p.diag_offset);
   float* tile = sm.ss;
-  const int ncol = (int)min((int64_t)T, p.C - c0);
+  const int ncol = (int)min((int64_t)TC, p.C - c0);
   if (TAB) {  // the logits z = G rho kap + bias into the tile once (the four sweeps below would look the table up
-    // four times per element): column tid % 64, rows tid / 64 + 2 k; the same arithmetic as the sweeps' own
-    const int c = tid & (T - 1);
-    const float ks = sm.cv[l * T + c];
-    for (int k = 0; k < TR / 2; ++k) {
-      const int r = (tid >> 6) + 2 * k;
-      float* e = tile + r * LDS + c;
+    // four times per element): column tid % TC, rows tid / TC + CPT k; the same arithmetic as the sweeps' own
+    const int c = tid % TC;
+    const float ks = sm.cv[l * TC + c];
+    for (int k = 0; k < TR / CPT; ++k) {
+      const int r = tid / TC + CPT * k;
+      float* e = tile + r * kLd<TC> + c;
       *e = *e * sm.rv[l * TR + r] * ks + tab_value(p, sm, r, c);
     }
     __syncthreads();
@@ -305,11 +309,11 @@ __device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT, TR>& sm, int l, int6
   {  // row pass: row tid / RPT, columns tid % RPT + RPT k
     const int r = tid / RPT;
     const float rs = sm.rv[l * TR + r];
-    const float* ks = sm.cv + l * T;
-    const Sweep w = sweep<RPT, T>(tid % RPT, ncol, [&](int c, float& z, bool& in) {
+    const float* ks = sm.cv + l * TC;
+    const Sweep w = sweep<RPT, TC>(tid % RPT, ncol, [&](int c, float& z, bool& in) {
       bool pr, pc;
       positives(sm, r, c, dg0, pr, pc);
-      z = TAB ? tile[r * LDS + c] : tile[r * LDS + c] * rs * ks[c];
+      z = TAB ? tile[r * kLd<TC> + c] : tile[r * kLd<TC> + c] * rs * ks[c];
       in = pr;
     });
     Stat* st = reinterpret_cast<Stat*>(sm.state) + l * kThreads + tid;
@@ -318,19 +322,21 @@ __device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT, TR>& sm, int l, int6
     merge(v.mp, v.sp, w.mp, w.sp);
     *st = v;
   }
-  if (p.cols) {  // column pass: column me, rows h, h + 2, ...
+  if (p.cols) {  // column pass: column me, rows h, h + CPT, ...
     const int c = me;
-    const float ks = sm.cv[l * T + c];
+    const float ks = sm.cv[l * TC + c];
     const float* rs = sm.rv + l * TR;
     const int nrow = (int)min((int64_t)TR, p.R - row0);
-    Sweep w = sweep<2, TR>(h, nrow, [&](int r, float& z, bool& in) {
+    Sweep w = sweep<CPT, TR>(h, nrow, [&](int r, float& z, bool& in) {
       bool pr, pc;
       positives(sm, r, c, dg0, pr, pc);
-      z = TAB ? tile[r * LDS + c] : tile[r * LDS + c] * rs[r] * ks;
+      z = TAB ? tile[r * kLd<TC> + c] : tile[r * kLd<TC> + c] * rs[r] * ks;
       in = pc;
     });
-    merge(w.m, w.s, __shfl_xor_sync(0xffffffffu, w.m, 1), __shfl_xor_sync(0xffffffffu, w.s, 1));
-    merge(w.mp, w.sp, __shfl_xor_sync(0xffffffffu, w.mp, 1), __shfl_xor_sync(0xffffffffu, w.sp, 1));
+    if (CPT == 2) {
+      merge(w.m, w.s, __shfl_xor_sync(0xffffffffu, w.m, 1), __shfl_xor_sync(0xffffffffu, w.s, 1));
+      merge(w.mp, w.sp, __shfl_xor_sync(0xffffffffu, w.mp, 1), __shfl_xor_sync(0xffffffffu, w.sp, 1));
+    }
     if (h == 0 && c < ncol) {
       float* out = p.col_part + (((int64_t)l * nrb + blockIdx.y) * p.C + c0 + c) * 2;
       out[0] = lse_of(w.m, w.s);
@@ -341,21 +347,22 @@ __device__ void fwd_epilogue(const MrlTcParams& p, Smem<OT, TR>& sm, int l, int6
 
 // Backward epilogue on the K score tiles: Ho for every level, the tiles overwritten by g G, then the dL/drho
 // sums (added to the thread's state) and the dL/dkap partials of the tile's columns.
-template <typename OT, bool TAB, int TR>
-__device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT, TR>& sm, int64_t row0, int64_t c0, int64_t nrb) {
+template <typename OT, bool TAB, int TR, int TC>
+__device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT, TR, TC>& sm, int64_t row0, int64_t c0, int64_t nrb) {
   constexpr int RPT = kThreads / TR;  // threads per row in the row sums
   const int tid = threadIdx.x, K = p.K;
   const int64_t dg0 = c0 - (p.i0 + row0 + p.diag_offset);
-  const int ncol = (int)min((int64_t)T, p.C - c0);
+  const int ncol = (int)min((int64_t)TC, p.C - c0);
   const int nrow = (int)min((int64_t)TR, p.R - row0);
   OT* Ho = static_cast<OT*>(p.Ho);
-  {  // element pass: column tid % 64, rows tid / 64 + 2 k
-    const int c = tid & (T - 1);
-    for (int k = 0; k < TR / 2; ++k) {
-      const int r = (tid >> 6) + 2 * k;
+  constexpr int CPT = kThreads / TC;  // threads per column (and rows per element-pass step)
+  {  // element pass: column tid % TC, rows tid / TC + CPT k
+    const int c = tid % TC;
+    for (int k = 0; k < TR / CPT; ++k) {
+      const int r = tid / TC + CPT * k;
       if (c >= ncol || r >= nrow) {
-        for (int l = 0; l < K; ++l) sm.level(l, K)[r * LDS + c] = 0.f;
-        if (TAB) sm.dD[r * LDS + c] = 0.f;
+        for (int l = 0; l < K; ++l) sm.level(l, K)[r * kLd<TC> + c] = 0.f;
+        if (TAB) sm.dD[r * kLd<TC> + c] = 0.f;
         continue;
       }
       bool pr, pc;
@@ -364,22 +371,22 @@ __device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT, TR>& sm, int64_t row
       int64_t bin = 0;
       if (TAB) b = tab_bias(p, sm.ud[c] - sm.uq[r], slope, bin, tw);
       for (int l = K - 1; l >= 0; --l) {
-        float* gp = sm.level(l, K) + r * LDS + c;
-        const float G = *gp, rs = sm.rv[l * TR + r], ks = sm.cv[l * T + c];
+        float* gp = sm.level(l, K) + r * kLd<TC> + c;
+        const float G = *gp, rs = sm.rv[l * TR + r], ks = sm.cv[l * TC + c];
         const float x = G * rs * ks + b;
         const float gr = __ldg(p.coef + 2 * l), gc = p.cols ? __ldg(p.coef + 2 * l + 1) : 0.f;
         float g = 0.f;
         if (gr != 0.f)
           g = gr * (fexp(x - sm.rv[(K + l) * TR + r]) - (pr ? fexp(x - sm.rv[(2 * K + l) * TR + r]) : 0.f));
         if (gc != 0.f)
-          g += gc * (fexp(x - sm.cv[(K + l) * T + c]) - (pc ? fexp(x - sm.cv[(2 * K + l) * T + c]) : 0.f));
+          g += gc * (fexp(x - sm.cv[(K + l) * TC + c]) - (pc ? fexp(x - sm.cv[(2 * K + l) * TC + c]) : 0.f));
         *gp = g * G;
         hacc += g * rs * ks;
         gsum += g;
         Ho[l * p.lsh + (row0 + r) * p.C + c0 + c] = cuda::from_acc<OT>(hacc);
       }
       if (TAB) {  // dL/dbias = the levels' g: into the two bins, and g slope for dL/du
-        sm.dD[r * LDS + c] = gsum * slope;
+        sm.dD[r * kLd<TC> + c] = gsum * slope;
         if (p.hist_smem) {
           atomicAdd(sm.hs + bin, gsum - gsum * tw);
           atomicAdd(sm.hs + bin + 1, gsum * tw);
@@ -391,13 +398,13 @@ __device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT, TR>& sm, int64_t row
     }
   }
   __syncthreads();
-  const int h = tid & 1, me = tid >> 1;          // column passes: column me, rows h + 2 k
+  const int h = tid % CPT, me = tid / CPT;      // column passes: column me, rows h + CPT k
   const int hr = tid % RPT, mr = tid / RPT;      // row passes: row mr, columns hr + RPT k
   for (int l = 0; l < K; ++l) {  // dL/drho: row mr
-    const float* row = sm.level(l, K) + mr * LDS;
-    const float* ks = sm.cv + l * T;
+    const float* row = sm.level(l, K) + mr * kLd<TC>;
+    const float* ks = sm.cv + l * TC;
     float s = 0.f;
-    for (int k = 0; k < T / RPT; ++k) s += row[hr + RPT * k] * ks[hr + RPT * k];
+    for (int k = 0; k < TC / RPT; ++k) s += row[hr + RPT * k] * ks[hr + RPT * k];
     if (RPT == 2) s += __shfl_xor_sync(0xffffffffu, s, 1);
     sm.state[l * kThreads + tid] += s;
   }
@@ -405,31 +412,31 @@ __device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT, TR>& sm, int64_t row
     const float* col = sm.level(l, K) + me;
     const float* rs = sm.rv + l * TR;
     float s = 0.f;
-    for (int k = 0; k < TR / 2; ++k) s += col[(h + 2 * k) * LDS] * rs[h + 2 * k];
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    for (int k = 0; k < TR / CPT; ++k) s += col[(h + CPT * k) * kLd<TC>] * rs[h + CPT * k];
+    if (CPT == 2) s += __shfl_xor_sync(0xffffffffu, s, 1);
     if (h == 0 && me < ncol) p.dkap_part[((int64_t)l * nrb + blockIdx.y) * p.C + c0 + me] = s * (float)p.inv_temp;
   }
   if (TAB) {  // dL/du_q (row sums of g slope, negated at the end) and dL/du_d (column sums)
     float s = 0.f;
-    for (int k = 0; k < T / RPT; ++k) s += sm.dD[mr * LDS + hr + RPT * k];
+    for (int k = 0; k < TC / RPT; ++k) s += sm.dD[mr * kLd<TC> + hr + RPT * k];
     if (RPT == 2) s += __shfl_xor_sync(0xffffffffu, s, 1);
     sm.duq[tid] += s;
     float t = 0.f;
-    for (int k = 0; k < TR / 2; ++k) t += sm.dD[(h + 2 * k) * LDS + me];
-    t += __shfl_xor_sync(0xffffffffu, t, 1);
+    for (int k = 0; k < TR / CPT; ++k) t += sm.dD[(h + CPT * k) * kLd<TC> + me];
+    if (CPT == 2) t += __shfl_xor_sync(0xffffffffu, t, 1);
     if (h == 0 && me < ncol) p.dud_part[(int64_t)blockIdx.y * p.C + c0 + me] = t;
   }
 }
 
-template <typename OT, bool BWD, bool TAB, int TR>
+template <typename OT, bool BWD, bool TAB, int TR, int TC>
 __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
   constexpr int RPT = kThreads / TR;  // threads per row in the row passes
   extern __shared__ __align__(128) unsigned char mrl_tc_smem[];
-  Smem<OT, TR> sm(mrl_tc_smem, p.K, BWD, TAB, p.P);
+  Smem<OT, TR, TC> sm(mrl_tc_smem, p.K, BWD, TAB, p.P);
   const int tid = threadIdx.x, K = p.K;
   const int64_t row0 = (int64_t)blockIdx.y * TR;
   const int64_t nrb = (p.R + TR - 1) / TR;
-  const int64_t ntiles = (p.C + T - 1) / T;
+  const int64_t ntiles = (p.C + TC - 1) / TC;
   const int64_t t0 = (int64_t)blockIdx.x * p.tiles_per_split;
   const int64_t t1 = min(ntiles, t0 + p.tiles_per_split);
   load_rows(p, sm, row0, BWD);
@@ -442,13 +449,13 @@ __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
     if (p.hist_smem)
       for (int64_t k = tid; k < p.P; k += kThreads) sm.hs[k] = 0.f;
   }
-  Acc<OT, TR> acc;
-  Chunk<OT, TR> ch;
+  Acc<OT, TR, TC> acc;
+  Chunk<OT, TR, TC> ch;
   for (int64_t tile = t0; tile < t1; ++tile) {
-    const int64_t c0 = tile * T;
+    const int64_t c0 = tile * TC;
     load_cols(p, sm, c0, BWD);
     acc.zero();
-    int k0 = 0, l = 0, kc = min(KCH, p.seg[1]), s = 0;
+    int k0 = 0, l = 0, kc = min(kKch<TC>, p.seg[1]), s = 0;
     ch.load(p, row0, c0, k0, kc);
     ch.store(sm, 0, kc);
     __syncthreads();
@@ -457,16 +464,16 @@ __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
       const bool lend = kn == p.seg[l + 1];
       const int ln = lend ? l + 1 : l;
       const bool more = ln < K;
-      const int kcn = more ? min(KCH, p.seg[ln + 1] - kn) : 0;
+      const int kcn = more ? min(kKch<TC>, p.seg[ln + 1] - kn) : 0;
       if (more) ch.load(p, row0, c0, kn, kcn);
       acc.mma(sm, s, kc);
       if (lend) {
-        if (BWD && Smem<OT, TR>::kOverlay && l == K - 1)
+        if (BWD && Smem<OT, TR, TC>::kOverlay && l == K - 1)
           __syncthreads();  // every warp is done with the operand stages the tile overlays
         acc.store(BWD ? sm.level(l, K) : sm.ss);
         __syncthreads();
-        if (!BWD) fwd_epilogue<OT, TAB, TR>(p, sm, l, row0, c0, nrb);
-        else if (l == K - 1) bwd_epilogue<OT, TAB, TR>(p, sm, row0, c0, nrb);
+        if (!BWD) fwd_epilogue<OT, TAB, TR, TC>(p, sm, l, row0, c0, nrb);
+        else if (l == K - 1) bwd_epilogue<OT, TAB, TR, TC>(p, sm, row0, c0, nrb);
       }
       if (more) ch.store(sm, s ^ 1, kcn);
       __syncthreads();
@@ -517,7 +524,9 @@ void check(const MrlTcParams& p, bool bwd) {
     throw std::runtime_error("mrl_tc: row strides must be multiples of 8 and cover the top level");
   if (reinterpret_cast<uintptr_t>(p.q) % 16 || reinterpret_cast<uintptr_t>(p.d) % 16)
     throw std::runtime_error("mrl_tc: q and d must be 16-byte aligned");
-  const int64_t ntiles = (p.C + T - 1) / T;
+  if (p.tile_cols != 64 && p.tile_cols != 128) throw std::runtime_error("mrl_tc: tile_cols must be 64 or 128");
+  if (p.tile_cols == 128 && p.tile_rows != 128) throw std::runtime_error("mrl_tc: 128 tile_cols need 128 tile_rows");
+  const int64_t ntiles = (p.C + p.tile_cols - 1) / p.tile_cols;
   if (p.nsplit < 1 || p.tiles_per_split < 1 || p.nsplit * p.tiles_per_split < ntiles ||
       (p.nsplit - 1) * p.tiles_per_split >= ntiles)
     throw std::runtime_error("mrl_tc: inconsistent column splits");
@@ -539,26 +548,27 @@ template <bool BWD> void launch(const MrlTcParams& p, int device, uintptr_t stre
   check(p, BWD);
   if (p.R == 0 || p.C == 0) return;
   cuda::set_device(device);
-  const size_t smem = mrl_tc_smem_bytes(p.K, BWD, p.table != nullptr, p.table && p.hist_smem ? p.P : 0, p.tile_rows);
+  const size_t smem =
+      mrl_tc_smem_bytes(p.K, BWD, p.table != nullptr, p.table && p.hist_smem ? p.P : 0, p.tile_rows, p.tile_cols);
   int optin = 0;
   TK_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   if (smem > (size_t)optin)
     throw std::runtime_error("mrl_tc: too many levels (or table points in shared memory) for this GPU");
   const dim3 grid((unsigned)p.nsplit, (unsigned)((p.R + p.tile_rows - 1) / p.tile_rows));
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  auto run = [&](auto o, auto tab, auto tr) {
-    using OT = decltype(o);
-    auto kern = mrl_tc_kernel<OT, BWD, decltype(tab)::value, decltype(tr)::value>;
-    TK_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    kern<<<grid, kThreads, smem, st>>>(p);
+  auto run = [&](auto tr, auto tc) {
+    auto go = [&](auto tab) {
+      auto kern = mrl_tc_kernel<__nv_bfloat16, BWD, decltype(tab)::value, decltype(tr)::value, decltype(tc)::value>;
+      TK_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      kern<<<grid, kThreads, smem, st>>>(p);
+    };
+    if (p.table) go(std::true_type{}); else go(std::false_type{});
   };
-  using R64 = std::integral_constant<int, 64>;
-  using R128 = std::integral_constant<int, 128>;
-  if (p.tile_rows == 128) {
-    if (p.table) run(__nv_bfloat16{}, std::true_type{}, R128{}); else run(__nv_bfloat16{}, std::false_type{}, R128{});
-  } else {
-    if (p.table) run(__nv_bfloat16{}, std::true_type{}, R64{}); else run(__nv_bfloat16{}, std::false_type{}, R64{});
-  }
+  using N64 = std::integral_constant<int, 64>;
+  using N128 = std::integral_constant<int, 128>;
+  if (p.tile_cols == 128) run(N128{}, N128{});
+  else if (p.tile_rows == 128) run(N128{}, N64{});
+  else run(N64{}, N64{});
   cuda::check_launch();
 }
 

@@ -265,16 +265,38 @@ def cuda_variant() -> str:
     return env_choice("TEMPOKERN_MRL_CUDA", MRL_VARIANTS, "tc")
 
 
-TC_ROWS = ("auto", "64", "128")
+TC_TILES = ("auto", "64x64", "128x64", "128x128")
+_TC_TILE_SHAPES = {"64x64": (64, 64), "128x64": (128, 64), "128x128": (128, 128)}
 
 
-def tc_rows_choice() -> str:
-    """TEMPOKERN_MRL_TC_ROWS: the tensor-core kernels' rows per CUDA block and tile. auto (default): 128 for calls
-    of <= 2 levels (the CTD loss, K = 1), 64 otherwise; 128: wherever the backward's shared memory allows it; 64:
-    always. A 128 x 64 tile (4 warps of 64 x 32) does 1.5x the tensor-core work per shared-memory operand byte of
-    the 64 x 64 tile (4 warps of 32 x 32) and moves 0.75x the L2 operand bytes per pair (docs/multipos_infonce.md,
-    "tensor-core"); the backward keeps K 128 x 64 float32 score tiles (34 KB each), hence the level limit."""
-    return env_choice("TEMPOKERN_MRL_TC_ROWS", TC_ROWS, "auto")
+def tc_tile_choice() -> str:
+    """TEMPOKERN_MRL_TC_TILE: the tensor-core kernels' tile (rows x columns per CUDA block of 4 warps). auto
+    (default): for calls of <= 2 levels (the CTD loss: K = 1) the largest of 128x128, 128x64, 64x64 whose backward
+    leaves room for two blocks per SM (half the device's opt-in shared memory), else 64x64; a named tile: that one
+    where the shared memory allows, else the next smaller. Per pair and pass the tiles move 48 / 36 / 24 bytes of
+    L2 operands (the binding term at B = 65,536) and do 16 / 21 / 32 mma flops per shared-memory operand byte
+    (docs/multipos_infonce.md, "tensor-core"); the backward keeps K float32 score tiles (17 / 34 / 68 KB each)."""
+    return env_choice("TEMPOKERN_MRL_TC_TILE", TC_TILES, "auto")
+
+
+def tc_tile(K: int, table: bool, hist_points: int, optin: int):
+    """(rows, columns) of the tensor-core tile for a call of K levels (table: with the table bias, whose
+    histogram of hist_points floats stays in shared memory where it fits) on a device with `optin` bytes of
+    shared memory per block: tc_tile_choice()'s rule."""
+    k = kernels()
+    choice = tc_tile_choice()
+    order = [(128, 128), (128, 64), (64, 64)]
+    if choice == "auto":
+        if K > 2:
+            return 64, 64
+        for tr, tcl in order:
+            if k.mrl_tc_smem_bytes(K, True, table, hist_points, tr, tcl) <= optin // 2:
+                return tr, tcl
+        return 64, 64
+    for tr, tcl in order[order.index(_TC_TILE_SHAPES[choice]):]:
+        if k.mrl_tc_smem_bytes(K, True, table, hist_points, tr, tcl) <= optin:
+            return tr, tcl
+    return 64, 64
 
 
 def use_fused(t, Bd: int) -> bool:
@@ -392,19 +414,16 @@ class _Fused:
         bias_mode = None if bias is None else ("table" if bias[2] is not None else "exact")
         self.tc = tc_eligible(self.half, c.q.shape[1], c.seg, c.N, bias_mode, q)
         self.tab = None  # the table bias of the tensor-core path: (u_q, u_d, table) float32, hist in shared memory
-        self.tr = 64     # the tensor-core kernels' rows per CUDA block (tc_rows_choice)
+        self.tr, self.tcl = 64, 64  # the tensor-core tile: rows, columns per CUDA block (tc_tile)
         if self.tc:
             k = kernels()
             optin = k.mrl_tc_smem_optin(self.dev)
             P = 0 if bias is None else bias[2].numel()
             hist = 0 < P <= TC_HIST_SMEM_POINTS  # the histogram in shared memory where it fits
-            rows = tc_rows_choice()
-            if rows == "128" or (rows == "auto" and c.K <= 2):
-                fits = k.mrl_tc_smem_bytes(c.K, True, bias is not None, P if hist else 0, 128) <= optin
-                self.tr = 128 if fits else 64
+            self.tr, self.tcl = tc_tile(c.K, bias is not None, P if hist else 0, optin)
             if bias is not None:
                 u_q, u_d, table = (x.to(torch.float32).contiguous() for x in bias[:3])
-                smem = k.mrl_tc_smem_bytes(c.K, True, True, P, self.tr) <= optin
+                smem = k.mrl_tc_smem_bytes(c.K, True, True, P, self.tr, self.tcl) <= optin
                 self.tab = (u_q, u_d, table, bool(smem and hist))
             # backward: the K bf16 coefficient blocks Ho (counted twice: half the budget, since this path also
             # holds float32 and bf16 copies of q and d, 0.6 GB at B = 65,536, H = 768); forward: partials
@@ -771,7 +790,7 @@ TC_BLOCKS_PER_SM = 32
 def _tc_splits(F, r: int):
     """(nsplit, tiles_per_split): column splits so that the grid has TC_BLOCKS_PER_SM x SMs CUDA blocks where
     the tiles allow it."""
-    ntiles = -(-F.c.Bd // 64)
+    ntiles = -(-F.c.Bd // F.tcl)
     nrb = -(-r // F.tr)
     want = max(1, -(-TC_BLOCKS_PER_SM * sm_count(F.c.q.device) // nrb))
     nsplit = max(1, min(ntiles, want))
@@ -789,7 +808,7 @@ def _tc_launch(F, op: str, i0: int, i1: int, K: int, splits, **outs):
     p.update({k: ptr(v) for k, v in outs.items() if v is not None})
     Ho = outs.get("Ho")
     sizes = [i1 - i0, c.Bd, i0, c.Bq, F.qo.stride(0), F.do.stride(0), c.rho.stride(0), c.kap.stride(0), c.off,
-             int(c.cw != 0.0), splits[0], splits[1], 0 if Ho is None else Ho.stride(0), F.tr]
+             int(c.cw != 0.0), splits[0], splits[1], 0 if Ho is None else Ho.stride(0), F.tr, F.tcl]
     if F.tab is not None:
         u_q, u_d, table, hist_smem = F.tab
         p.update(u_q=ptr(u_q), u_d=ptr(u_d), table=ptr(table))
