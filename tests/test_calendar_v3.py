@@ -8,7 +8,8 @@ import torch
 
 import tempokern
 from tempokern import reference as ref
-from test_calendar_v2 import LaunchSpy, make_logits
+from test_calendar_v2 import LaunchSpy, assert_within_twice_torch, make_logits
+from test_multipos_v3 import by_thread_order
 
 V3_OPS = {"context_fwd_v3", "context_bwd_v3"}
 V3_SCALAR = {"scalar_fwd_v3", "scalar_bwd_v3"}
@@ -71,19 +72,13 @@ def test_twice_torch_error(dtype, sizes, dim, gpu, spy):
     e = ref.calendar_context(x64, dim, tau)
     p = torch.cat([torch.softmax(x / tau, -1) @ tables[x.shape[1]] for x in xp], -1)
 
-    def check(a, b, c):
-        d1, d2 = a.detach().double() - b.detach(), c.detach().double() - b.detach()
-        rms1, rms2 = d1.pow(2).mean().sqrt().item(), d2.pow(2).mean().sqrt().item()
-        assert rms1 <= 2 * rms2, (rms1, rms2)
-        assert d1.abs().max().item() <= 2 * d2.abs().max().item() + 1e-6
-
-    check(f, e, p)
+    assert_within_twice_torch(f, e, p)
     wt = torch.randn(e.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).to(e.device)
     for a, b, c in zip(torch.autograd.grad(f, xs, grad_outputs=wt.to(dtype)),
                        torch.autograd.grad(e, x64, grad_outputs=wt),
                        torch.autograd.grad(p, xp, grad_outputs=wt.to(dtype))):
         assert a.dtype == dtype
-        check(a, b, c)
+        assert_within_twice_torch(a, b, c)
     if gpu.type == "cpu":
         assert set(spy.ops) == V3_OPS
 
@@ -175,16 +170,10 @@ def test_thread_orders(cuda_emu, monkeypatch):
     # three seeded thread orders of the emulator give bitwise equal results (a missing __syncthreads around the
     # shared P^T / G / dP^T tiles, or a prefetch overwriting registers still needed, changes them); one SM with
     # 2 CTAs walking 6 tiles each, 4 levels (two launches), float32 and bfloat16
-    import tempokern._ops.common as common
-    from tempokern._ops import calendar as cal
-    from tempokern._ops.common import cuda_emulator
-    monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
-    monkeypatch.setattr(common, "sm_count", lambda device: 1)
-    spy = LaunchSpy(cal.kernels)
-    monkeypatch.setattr(cal, "kernels", spy)
-    g = torch.Generator().manual_seed(5)
+    spy = _one_sm(monkeypatch)
 
     def run():
+        g = torch.Generator().manual_seed(5)
         outs = []
         for dt in (torch.float32, torch.bfloat16):
             xs = [(3 * torch.randn(701, n, generator=g)).to(dt).requires_grad_() for n in (17, 1, 12, 32)]
@@ -193,19 +182,25 @@ def test_thread_orders(cuda_emu, monkeypatch):
             outs += [c, *torch.autograd.grad(c, xs, grad_outputs=w)]
         return outs
 
-    try:
-        with cuda_emulator(cuda_emu):
-            cuda_emu.emu_set_seed(0)
-            g.manual_seed(5)
-            base = run()
-            for s in (1, 2):
-                cuda_emu.emu_set_seed(s)
-                g.manual_seed(5)
-                for i, (a, b) in enumerate(zip(base, run())):
-                    assert torch.equal(a, b), (s, i)
-    finally:
-        cuda_emu.emu_set_seed(0)
+    _assert_bitwise_equal(by_thread_order(cuda_emu, run))
     assert set(spy.ops) == V3_OPS
+
+
+def _one_sm(monkeypatch):
+    """The default variant on one emulated SM (every CTA walks several tiles), its launches recorded."""
+    import tempokern._ops.common as common
+    from tempokern._ops import calendar as cal
+    monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
+    monkeypatch.setattr(common, "sm_count", lambda device: 1)
+    spy = LaunchSpy(cal.kernels)
+    monkeypatch.setattr(cal, "kernels", spy)
+    return spy
+
+
+def _assert_bitwise_equal(outs):
+    for seed, o in enumerate(outs[1:], 1):
+        for i, (a, b) in enumerate(zip(outs[0], o)):
+            assert torch.equal(a, b), (seed, i)
 
 
 def test_kernel_checks_its_inputs(gpu):
@@ -262,19 +257,13 @@ def test_scalar_twice_torch_error(dtype, gpu, spy):
     p = sum(wl * (torch.softmax(x / tau, -1) @ torch.arange(x.shape[1], dtype=dtype, device=x.device))
             for wl, x in zip(w, xp))
 
-    def check(a, b, c):
-        d1, d2 = a.detach().double() - b.detach(), c.detach().double() - b.detach()
-        rms1, rms2 = d1.pow(2).mean().sqrt().item(), d2.pow(2).mean().sqrt().item()
-        assert rms1 <= 2 * rms2, (rms1, rms2)
-        assert d1.abs().max().item() <= 2 * d2.abs().max().item() + 1e-6
-
-    check(f, e, p)
+    assert_within_twice_torch(f, e, p)
     wt = torch.randn(e.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).to(e.device)
     for a, b, c in zip(torch.autograd.grad(f, xs, grad_outputs=wt.float()),
                        torch.autograd.grad(e, x64, grad_outputs=wt),
                        torch.autograd.grad(p, xp, grad_outputs=wt.to(p.dtype))):
         assert a.dtype == dtype
-        check(a, b, c)
+        assert_within_twice_torch(a, b, c)
     if gpu.type == "cpu":
         assert set(spy.ops) == V3_SCALAR
 
@@ -323,17 +312,12 @@ def test_scalar_non_finite_and_fallbacks(gpu, spy):
 def test_scalar_thread_orders(cuda_emu, monkeypatch):
     # three seeded thread orders give bitwise equal results (the warps share nothing; a prefetch overwriting
     # registers still in use would show); one SM, one CTA, 4 levels (two launches), float32 and float16
-    import tempokern._ops.common as common
     from tempokern._ops import calendar as cal
-    from tempokern._ops.common import cuda_emulator
-    monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
-    monkeypatch.setattr(common, "sm_count", lambda device: 1)
+    spy = _one_sm(monkeypatch)
     monkeypatch.setattr(cal, "_CTAS_PER_SM_V3_SCALAR", 1)
-    spy = LaunchSpy(cal.kernels)
-    monkeypatch.setattr(cal, "kernels", spy)
-    g = torch.Generator().manual_seed(6)
 
     def run():
+        g = torch.Generator().manual_seed(6)
         outs = []
         for dt in (torch.float32, torch.float16):
             xs = [(3 * torch.randn(301, n, generator=g)).to(dt).requires_grad_() for n in (17, 1, 12, 32)]
@@ -341,16 +325,5 @@ def test_scalar_thread_orders(cuda_emu, monkeypatch):
             outs += [u, *torch.autograd.grad(u, xs, grad_outputs=torch.randn(u.shape, generator=g))]
         return outs
 
-    try:
-        with cuda_emulator(cuda_emu):
-            cuda_emu.emu_set_seed(0)
-            g.manual_seed(6)
-            base = run()
-            for s in (1, 2):
-                cuda_emu.emu_set_seed(s)
-                g.manual_seed(6)
-                for i, (a, b) in enumerate(zip(base, run())):
-                    assert torch.equal(a, b), (s, i)
-    finally:
-        cuda_emu.emu_set_seed(0)
+    _assert_bitwise_equal(by_thread_order(cuda_emu, run))
     assert set(spy.ops) == V3_SCALAR

@@ -91,48 +91,38 @@ template <typename OT, int TR, int TC> struct Smem {
   }
 };
 
-// One chunk of both operands, global -> registers: TR q rows and 64 d rows x kc (16 or 32) features, 8 per
-// 16-byte vector.
+// n rows of a chunk (nv 16-byte vectors of 8 features per row) of src (row stride ld), global -> registers: vector
+// tid + u * 128 in v[u]; rows at or past rows_left (the matrix's end) are zero.
+template <int NV, typename OT>
+__device__ __forceinline__ void load_chunk_rows(V16 (&v)[NV], const OT* src, int64_t ld, int64_t rows_left, int n,
+                                                int nv) {
+#pragma unroll
+  for (int u = 0; u < NV; ++u) {
+    const int i = threadIdx.x + u * kThreads;
+    v[u] = V16{{0u, 0u, 0u, 0u}};
+    if (i < n * nv && i / nv < rows_left) v[u] = *reinterpret_cast<const V16*>(src + (i / nv) * ld + (i % nv) * 8);
+  }
+}
+template <int NV, typename OT, int TC>
+__device__ __forceinline__ void store_chunk_rows(OT* dst, const V16 (&v)[NV], int n, int nv) {
+#pragma unroll
+  for (int u = 0; u < NV; ++u) {
+    const int i = threadIdx.x + u * kThreads;
+    if (i < n * nv) *reinterpret_cast<V16*>(dst + (i / nv) * kLda<TC> + (i % nv) * 8) = v[u];
+  }
+}
+
+// One chunk of both operands, global -> registers: TR q rows and TC d rows x kc (16 or 32) features.
 template <typename OT, int TR, int TC> struct Chunk {
   static constexpr int NA = TR * 4 / kThreads, NB = TC * 4 / kThreads;
   V16 a[NA], b[NB];
   __device__ __forceinline__ void load(const MrlTcParams& p, int64_t row0, int64_t c0, int k0, int kc) {
-    const int nv = kc / 8;
-    const int tid = threadIdx.x;
-#pragma unroll
-    for (int u = 0; u < NA; ++u) {
-      const int v = tid + u * kThreads;
-      a[u] = V16{{0u, 0u, 0u, 0u}};
-      if (v < TR * nv) {
-        const int r = v / nv, cvv = v % nv;
-        if (row0 + r < p.R)
-          a[u] = *reinterpret_cast<const V16*>(static_cast<const OT*>(p.q) + (p.i0 + row0 + r) * p.ldq + k0 + cvv * 8);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < NB; ++u) {
-      const int v = tid + u * kThreads;
-      b[u] = V16{{0u, 0u, 0u, 0u}};
-      if (v < TC * nv) {
-        const int r = v / nv, cvv = v % nv;
-        if (c0 + r < p.C)
-          b[u] = *reinterpret_cast<const V16*>(static_cast<const OT*>(p.d) + (c0 + r) * p.ldd + k0 + cvv * 8);
-      }
-    }
+    load_chunk_rows(a, static_cast<const OT*>(p.q) + (p.i0 + row0) * p.ldq + k0, p.ldq, p.R - row0, TR, kc / 8);
+    load_chunk_rows(b, static_cast<const OT*>(p.d) + c0 * p.ldd + k0, p.ldd, p.C - c0, TC, kc / 8);
   }
   __device__ __forceinline__ void store(Smem<OT, TR, TC>& sm, int s, int kc) const {
-    const int nv = kc / 8;
-    const int tid = threadIdx.x;
-#pragma unroll
-    for (int u = 0; u < NA; ++u) {
-      const int v = tid + u * kThreads;
-      if (v < TR * nv) *reinterpret_cast<V16*>(sm.stage(s, 0) + (v / nv) * kLda<TC> + (v % nv) * 8) = a[u];
-    }
-#pragma unroll
-    for (int u = 0; u < NB; ++u) {
-      const int v = tid + u * kThreads;
-      if (v < TC * nv) *reinterpret_cast<V16*>(sm.stage(s, 1) + (v / nv) * kLda<TC> + (v % nv) * 8) = b[u];
-    }
+    store_chunk_rows<NA, OT, TC>(sm.stage(s, 0), a, TR, kc / 8);
+    store_chunk_rows<NB, OT, TC>(sm.stage(s, 1), b, TC, kc / 8);
   }
 };
 
