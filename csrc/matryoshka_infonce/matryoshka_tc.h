@@ -90,9 +90,9 @@ struct MrlTcParams {
 // (max, sum) pairs of all and positives; backward: dL/drho sums), the rows' and columns' per-level vectors (scale,
 // two statistics) and spans / fallback flags. TR = 64, K = 5: forward 55.6 KB (4 CTAs per H100 SM by shared
 // memory), backward 99.1 KB (2 per SM); TR = 128, K = 1: forward 67 KB, backward 67 KB (3 per SM).
-// operand stages: 2 x (rows + columns) x (chunk + 8) bf16, chunk 32 (16 for 128-column tiles)
+// operand stages: 2 x (rows + columns) x (chunk + 8) bf16, chunk 32 (16 for 128-row tiles)
 inline size_t mrl_tc_ops_bytes(int tile_rows, int tile_cols) {
-  return (size_t)2 * (tile_rows + tile_cols) * (tile_cols == 128 ? 24 : 40) * 2;
+  return (size_t)2 * (tile_rows + tile_cols) * (tile_rows == 128 ? 24 : 40) * 2;
 }
 inline size_t mrl_tc_score_bytes(int tile_rows, int tile_cols) { return (size_t)tile_rows * (tile_cols + 4) * 4; }
 inline bool mrl_tc_overlay(int tile_rows, int tile_cols) {

@@ -30,11 +30,12 @@ using cuda::ninf;
 
 constexpr int T = kMrlTcTile;  // 64 columns per tile (TR rows: 64 or 128, a template parameter)
 constexpr int kThreads = 128;
-// Feature chunk: 32 (16 for 128-column tiles, whose operand stages would otherwise push the block past half an H100
-// SM's shared memory) and the operand row stride in shared memory, chunk + 8 elements: 80 / 48 bytes, rows
-// conflict-free for 16-byte accesses of 8 consecutive rows.
-template <int TC> constexpr int kKch = TC == 128 ? 16 : 32;
-template <int TC> constexpr int kLda = kKch<TC> + 8;
+// Feature chunk: 32 for 64-row tiles, 16 for 128-row tiles (whose operand stages would otherwise push a block past
+// half an H100 SM's shared memory: 128 x 128 tiles, and 128 x 64 with the table bias's tiles), and the operand row
+// stride in shared memory, chunk + 8 elements: 80 / 48 bytes, rows conflict-free for 16-byte accesses of 8
+// consecutive rows.
+template <int TR> constexpr int kKch = TR == 128 ? 16 : 32;
+template <int TR> constexpr int kLda = kKch<TR> + 8;
 template <int TC> constexpr int kLd = TC + 4;  // score tile row stride (floats) of TC-column tiles
 
 // exp(x) as one SFU ex2 of x log2(e): 2 instructions instead of the compensated dexp's ~9; the rounding of
@@ -51,8 +52,8 @@ struct __align__(16) Stat {  // running (max, sum) of all columns and of the pos
 
 // TR: rows of the CUDA block's tile (64 or 128); RPT = 128 / TR threads per row in the row passes.
 template <typename OT, int TR, int TC> struct Smem {
-  static constexpr bool kOverlay = TR * kLd<TC> * 4 <= 2 * (TR + TC) * kLda<TC> * 2;  // mrl_tc_overlay
-  OT* ops;        // [2 stages][TR + TC rows: the q chunk's TR, then the d chunk's TC][kLda<TC>]
+  static constexpr bool kOverlay = TR * kLd<TC> * 4 <= 2 * (TR + TC) * kLda<TR> * 2;  // mrl_tc_overlay
+  OT* ops;        // [2 stages][TR + TC rows: the q chunk's TR, then the d chunk's TC][kLda<TR>]
   float* ss;      // [levels][TR][kLd<TC>]: forward 1, backward K (K - 1 when the top level's tile overlays ops)
   float* state;   // forward: Stat [K][128]; backward: float [K][128]
   float* rv;      // [3][K][TR]: rho, lse_all, lse_pos of the CUDA block's rows
@@ -69,7 +70,7 @@ template <typename OT, int TR, int TC> struct Smem {
 
   __device__ Smem(unsigned char* base, int K, bool bwd, bool tab = false, int64_t P = 0) {
     ops = reinterpret_cast<OT*>(base);
-    ss = reinterpret_cast<float*>(base + 2 * (TR + TC) * kLda<TC> * sizeof(OT));
+    ss = reinterpret_cast<float*>(base + 2 * (TR + TC) * kLda<TR> * sizeof(OT));
     state = ss + (bwd ? (kOverlay ? K - 1 : K) : 1) * TR * kLd<TC>;
     rv = state + K * kThreads * (bwd ? 1 : 4);
     cv = rv + 3 * K * TR;
@@ -84,7 +85,7 @@ template <typename OT, int TR, int TC> struct Smem {
     hs = duq + (tab && bwd ? kThreads : 0);
     (void)P;
   }
-  __device__ OT* stage(int s, int operand) { return ops + (s * (TR + TC) + operand * TR) * kLda<TC>; }
+  __device__ OT* stage(int s, int operand) { return ops + (s * (TR + TC) + operand * TR) * kLda<TR>; }
   // The backward's score tile of level l (the top one over the operand stages, idle by then, when it fits).
   __device__ float* level(int l, int K) const {
     return kOverlay && l == K - 1 ? reinterpret_cast<float*>(ops) : ss + l * TR * kLd<TC>;
@@ -103,12 +104,12 @@ __device__ __forceinline__ void load_chunk_rows(V16 (&v)[NV], const OT* src, int
     if (i < n * nv && i / nv < rows_left) v[u] = *reinterpret_cast<const V16*>(src + (i / nv) * ld + (i % nv) * 8);
   }
 }
-template <int NV, typename OT, int TC>
+template <int NV, typename OT, int TR>
 __device__ __forceinline__ void store_chunk_rows(OT* dst, const V16 (&v)[NV], int n, int nv) {
 #pragma unroll
   for (int u = 0; u < NV; ++u) {
     const int i = threadIdx.x + u * kThreads;
-    if (i < n * nv) *reinterpret_cast<V16*>(dst + (i / nv) * kLda<TC> + (i % nv) * 8) = v[u];
+    if (i < n * nv) *reinterpret_cast<V16*>(dst + (i / nv) * kLda<TR> + (i % nv) * 8) = v[u];
   }
 }
 
@@ -121,8 +122,8 @@ template <typename OT, int TR, int TC> struct Chunk {
     load_chunk_rows(b, static_cast<const OT*>(p.d) + c0 * p.ldd + k0, p.ldd, p.C - c0, TC, kc / 8);
   }
   __device__ __forceinline__ void store(Smem<OT, TR, TC>& sm, int s, int kc) const {
-    store_chunk_rows<NA, OT, TC>(sm.stage(s, 0), a, TR, kc / 8);
-    store_chunk_rows<NB, OT, TC>(sm.stage(s, 1), b, TC, kc / 8);
+    store_chunk_rows<NA, OT, TR>(sm.stage(s, 0), a, TR, kc / 8);
+    store_chunk_rows<NB, OT, TR>(sm.stage(s, 1), b, TC, kc / 8);
   }
 };
 
@@ -142,9 +143,9 @@ template <typename OT, int TR, int TC> struct Acc {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, OT, wmma::row_major> a[FX];
       wmma::fragment<wmma::matrix_b, 16, 16, 16, OT, wmma::col_major> b[FY];
 #pragma unroll
-      for (int x = 0; x < FX; ++x) wmma::load_matrix_sync(a[x], sm.stage(s, 0) + (wr * WR + x * 16) * kLda<TC> + kk, kLda<TC>);
+      for (int x = 0; x < FX; ++x) wmma::load_matrix_sync(a[x], sm.stage(s, 0) + (wr * WR + x * 16) * kLda<TR> + kk, kLda<TR>);
 #pragma unroll
-      for (int y = 0; y < FY; ++y) wmma::load_matrix_sync(b[y], sm.stage(s, 1) + (wc * WC + y * 16) * kLda<TC> + kk, kLda<TC>);
+      for (int y = 0; y < FY; ++y) wmma::load_matrix_sync(b[y], sm.stage(s, 1) + (wc * WC + y * 16) * kLda<TR> + kk, kLda<TR>);
 #pragma unroll
       for (int x = 0; x < FX; ++x)
 #pragma unroll
@@ -445,7 +446,7 @@ __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
     const int64_t c0 = tile * TC;
     load_cols(p, sm, c0, BWD);
     acc.zero();
-    int k0 = 0, l = 0, kc = min(kKch<TC>, p.seg[1]), s = 0;
+    int k0 = 0, l = 0, kc = min(kKch<TR>, p.seg[1]), s = 0;
     ch.load(p, row0, c0, k0, kc);
     ch.store(sm, 0, kc);
     __syncthreads();
@@ -454,7 +455,7 @@ __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
       const bool lend = kn == p.seg[l + 1];
       const int ln = lend ? l + 1 : l;
       const bool more = ln < K;
-      const int kcn = more ? min(kKch<TC>, p.seg[ln + 1] - kn) : 0;
+      const int kcn = more ? min(kKch<TR>, p.seg[ln + 1] - kn) : 0;
       if (more) ch.load(p, row0, c0, kn, kcn);
       acc.mma(sm, s, kc);
       if (lend) {
