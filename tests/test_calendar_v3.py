@@ -83,23 +83,6 @@ def test_twice_torch_error(dtype, sizes, dim, gpu, spy):
         assert set(spy.ops) == V3_OPS
 
 
-@pytest.mark.parametrize("sms,per_sm", [(1, 1), (1, 2), (58, None), (108, None), (132, None)])
-def test_grid_at_sm_counts(sms, per_sm, gpu, spy, monkeypatch):
-    # the grid is min(64-row tiles, _CTAS_PER_SM_V3 x SMs) persistent CTAs: one SM with 1 or 2 CTAs walks all 33
-    # tiles (the next tile's loads overlap each tile, across level boundaries in the backward); at 58 / 108 / 132
-    # SMs every tile has its own CTA
-    import tempokern._ops.common as common
-    from tempokern._ops import calendar as cal
-    monkeypatch.setattr(common, "sm_count", lambda device: sms)
-    if per_sm is not None:
-        monkeypatch.setattr(cal, "_CTAS_PER_SM_V3", per_sm)
-    xs = make_logits(2087, [12, 32, 9], dtype=torch.float32, device=gpu, seed=sms)
-    check_context(xs, 40, 0.6, dict(atol=2e-6, rtol=1e-5), dict(atol=1e-5, rtol=1e-4))
-    assert cal._max_ctas(xs[0], "context_fwd", "v3") == max(1, (per_sm or cal._CTAS_PER_SM_V3) * sms)
-    if gpu.type == "cpu":
-        assert set(spy.ops) == V3_OPS
-
-
 def test_non_finite_logits_match_torch(gpu, spy):
     # -inf masks classes; NaN, +inf and an all -inf row give NaN as in torch (the max skips NaN, the sum keeps it)
     xs = make_logits(70, [12, 5], dtype=torch.float32, device=gpu, seed=3)
@@ -268,20 +251,33 @@ def test_scalar_twice_torch_error(dtype, gpu, spy):
         assert set(spy.ops) == V3_SCALAR
 
 
-@pytest.mark.parametrize("sms,per_sm", [(1, 1), (1, 3), (58, None), (132, None)])
-def test_scalar_grid_at_sm_counts(sms, per_sm, gpu, spy, monkeypatch):
-    # grid min(row groups / 8 warps, _CTAS_PER_SM_V3_SCALAR x SMs) CTAs of 8 warps: one SM with 1 CTA walks 261
-    # groups of 8 rows in its 8 warps (the next group's loads overlap each group)
+# the grid: context min(64-row tiles, _CTAS_PER_SM_V3 x SMs) persistent CTAs, one SM with 1 or 2 CTAs walking all 33
+# tiles (the next tile's loads overlap each tile, across level boundaries in the backward); scalar min(row groups /
+# 8 warps, _CTAS_PER_SM_V3_SCALAR x SMs) CTAs of 8 warps, one SM with 1 CTA walking 261 groups of 8 rows (the next
+# group's loads overlap each group); at 58 / 108 / 132 SMs every tile has its own CTA
+GRID_OPS = {  # op: (its CTAs-per-SM constant, kernel, launched ops, seed offset, the check against the reference)
+    "context": ("_CTAS_PER_SM_V3", "context_fwd", V3_OPS, 0,
+                lambda xs: check_context(xs, 40, 0.6, dict(atol=2e-6, rtol=1e-5), dict(atol=1e-5, rtol=1e-4))),
+    "scalar": ("_CTAS_PER_SM_V3_SCALAR", "scalar_fwd", V3_SCALAR, 1,
+               lambda xs: check_scalar(xs, 0.6, dict(atol=2e-6, rtol=1e-5), dict(atol=1e-5, rtol=1e-4))),
+}
+
+
+@pytest.mark.parametrize("op,sms,per_sm", [("context", 1, 1), ("context", 1, 2), ("context", 58, None),
+                                           ("context", 108, None), ("context", 132, None), ("scalar", 1, 1),
+                                           ("scalar", 1, 3), ("scalar", 58, None), ("scalar", 132, None)])
+def test_grid_at_sm_counts(op, sms, per_sm, gpu, spy, monkeypatch):
     import tempokern._ops.common as common
     from tempokern._ops import calendar as cal
+    const, kernel, ops, seed, check = GRID_OPS[op]
     monkeypatch.setattr(common, "sm_count", lambda device: sms)
     if per_sm is not None:
-        monkeypatch.setattr(cal, "_CTAS_PER_SM_V3_SCALAR", per_sm)
-    xs = make_logits(2087, [12, 32, 9], dtype=torch.float32, device=gpu, seed=sms + 1)
-    check_scalar(xs, 0.6, dict(atol=2e-6, rtol=1e-5), dict(atol=1e-5, rtol=1e-4))
-    assert cal._max_ctas(xs[0], "scalar_fwd", "v3") == max(1, (per_sm or cal._CTAS_PER_SM_V3_SCALAR) * sms)
+        monkeypatch.setattr(cal, const, per_sm)
+    xs = make_logits(2087, [12, 32, 9], dtype=torch.float32, device=gpu, seed=sms + seed)
+    check(xs)
+    assert cal._max_ctas(xs[0], kernel, "v3") == max(1, (per_sm or getattr(cal, const)) * sms)
     if gpu.type == "cpu":
-        assert set(spy.ops) == V3_SCALAR
+        assert set(spy.ops) == ops
 
 
 def test_scalar_non_finite_and_fallbacks(gpu, spy):

@@ -78,28 +78,34 @@ __device__ __forceinline__ void load_logits(S (&x)[kPerLane], const CalendarLeve
   for (int k = 0; k < kPerLane; ++k) x[k] = (in && q + 4 * k < L.n) ? src[q + 4 * k] : S(0.0f);
 }
 
-// The row's softmax over its 4 lanes' classes: e[k] = exp(x_k / tau - m) and 1 / sum (max by fmaxf, which skips
-// NaN; a NaN logit still makes the sum NaN, as torch.softmax gives a NaN row).
-template <typename S>
-__device__ __forceinline__ float row_softmax(const S (&x)[kPerLane], int n, int q, float inv_tau,
-                                             float (&e)[kPerLane]) {
+// The row's exponentials over its 4 lanes' classes, in place: z[k] = exp(z_k - m) (0 outside the level), m the
+// row's max; returns the row's sum. The max is fmaxf's, which skips NaN; a NaN logit still makes the sum NaN, as
+// torch.softmax gives a NaN row.
+__device__ __forceinline__ float row_exp(float (&z)[kPerLane], int n, int q) {
   float m = -INFINITY;
 #pragma unroll
-  for (int k = 0; k < kPerLane; ++k) {
-    e[k] = to_acc(x[k]) * inv_tau;
-    if (q + 4 * k < n) m = max(m, e[k]);
-  }
+  for (int k = 0; k < kPerLane; ++k)
+    if (q + 4 * k < n) m = max(m, z[k]);
   m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
   m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
   float s = 0.0f;
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
-    e[k] = (q + 4 * k < n) ? exp(e[k] - m) : 0.0f;
-    s += e[k];
+    z[k] = (q + 4 * k < n) ? exp(z[k] - m) : 0.0f;
+    s += z[k];
   }
   s += __shfl_xor_sync(0xffffffffu, s, 1);
   s += __shfl_xor_sync(0xffffffffu, s, 2);
-  return 1.0f / s;
+  return s;
+}
+
+// The row's softmax: e[k] = exp(x_k / tau - m) and 1 / sum.
+template <typename S>
+__device__ __forceinline__ float row_softmax(const S (&x)[kPerLane], int n, int q, float inv_tau,
+                                             float (&e)[kPerLane]) {
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) e[k] = to_acc(x[k]) * inv_tau;
+  return 1.0f / row_exp(e, n, q);
 }
 
 template <typename S, int NL>
@@ -356,22 +362,10 @@ __global__ void __launch_bounds__(kThreads, BWD ? kMinCtasScalar - 1 : kMinCtasS
     for (int l = 0; l < NL; ++l) {
       const CalendarLevel& L = p.levels[l];
       const int n = (int)L.n;
-      float m = -INFINITY;
+      const float sum = row_exp(xs[l], n, q);
+      float t = 0.0f;
 #pragma unroll
-      for (int k = 0; k < kPerLane; ++k)
-        if (q + 4 * k < n) m = max(m, xs[l][k]);
-      m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      float sum = 0.0f, t = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kPerLane; ++k) {
-        const float ex = (q + 4 * k < n) ? exp(xs[l][k] - m) : 0.0f;
-        xs[l][k] = ex;
-        sum += ex;
-        t += (float)(q + 4 * k) * ex;
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      for (int k = 0; k < kPerLane; ++k) t += (float)(q + 4 * k) * xs[l][k];
       t += __shfl_xor_sync(0xffffffffu, t, 1);
       t += __shfl_xor_sync(0xffffffffu, t, 2);
       const float E = t / sum;

@@ -129,12 +129,12 @@ def _context_variant(kernel: str, logits, dim: int, grad: "torch.Tensor | None" 
     except that v3 takes only float32 / float16 / bfloat16 levels of <= 32 classes with dim a multiple of 4 in
     4..128, and (backward) an upstream gradient with unit column stride and 16-byte aligned rows; other calls run
     FALLBACK's kernel."""
+    if not on_cuda_path(logits[0]):
+        return "v1"  # the CPU kernels (one per op and direction; 8 levels per launch as before v3)
     v = variant(kernel)
-    if v != "v3" or not on_cuda_path(logits[0]):
+    if v != "v3":
         return v
-    x0 = logits[0]
-    ok = (x0.dtype in (torch.float32, torch.float16, torch.bfloat16) and 4 <= dim <= _V3_MAX_DIM and dim % 4 == 0
-          and all(x.shape[1] <= _V3_MAX_CLASSES for x in logits))
+    ok = _v3_levels(logits) and 4 <= dim <= _V3_MAX_DIM and dim % 4 == 0
     if ok and grad is not None:
         vec = 4 * grad.element_size()
         ok = grad.stride(1) == 1 and (grad.stride(0) * grad.element_size()) % vec == 0 and grad.data_ptr() % vec == 0
@@ -144,15 +144,23 @@ def _context_variant(kernel: str, logits, dim: int, grad: "torch.Tensor | None" 
 def _scalar_variant(kernel: str, logits) -> str:
     """The variant a calendar_scalar kernel ("scalar_fwd" / "scalar_bwd") runs: variant(kernel), except that v3
     takes only float32 / float16 / bfloat16 levels of <= 32 classes (others run FALLBACK's kernel)."""
+    if not on_cuda_path(logits[0]):
+        return "v1"  # the CPU kernels (one per op and direction; 8 levels per launch as before v3)
     v = variant(kernel)
-    if v != "v3" or not on_cuda_path(logits[0]):
+    if v != "v3":
         return v
-    ok = logits[0].dtype in (torch.float32, torch.float16, torch.bfloat16) and all(
+    return v if _v3_levels(logits) else FALLBACK[kernel]
+
+
+def _v3_levels(logits) -> bool:
+    """Whether the v3 kernels take these levels: float32 / float16 / bfloat16, each of <= 32 classes."""
+    return logits[0].dtype in (torch.float32, torch.float16, torch.bfloat16) and all(
         x.shape[1] <= _V3_MAX_CLASSES for x in logits)
-    return v if ok else FALLBACK[kernel]
 
 
-def _chunks(n: int, size: int = _MAX_LEVELS):
+def _chunks(n: int, v: str = "v1"):
+    """The launches of n levels by a kernel of variant v: v3 takes 3 levels per launch, the others 8."""
+    size = _V3_MAX_LEVELS if v == "v3" else _MAX_LEVELS
     return [range(i, min(n, i + size)) for i in range(0, n, size)]
 
 
@@ -194,7 +202,7 @@ def _calendar_scalar(logits: List[torch.Tensor], tau: float) -> torch.Tensor:
     dev, stream = launch_args(x0)
     levels = _level_args(logits)
     v = _scalar_variant("scalar_fwd", logits)
-    for k, idx in enumerate(_chunks(len(levels), _V3_MAX_LEVELS if v == "v3" else _MAX_LEVELS)):
+    for k, idx in enumerate(_chunks(len(levels), v)):
         kernels().calendar_launch(_op("scalar_fwd", x0, v), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
                                   [levels[i] for i in idx], ptr(out), 0, 0, 0, k > 0, 1,
                                   _max_ctas(x0, "scalar_fwd", v))
@@ -215,7 +223,7 @@ def _calendar_scalar_backward(grad: torch.Tensor, logits: List[torch.Tensor], ta
     dev, stream = launch_args(x0)
     levels = _level_args(logits, grads)
     v = _scalar_variant("scalar_bwd", logits)
-    for idx in _chunks(len(levels), _V3_MAX_LEVELS if v == "v3" else _MAX_LEVELS):
+    for idx in _chunks(len(levels), v):
         kernels().calendar_launch(_op("scalar_bwd", x0, v), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
                                   [levels[i] for i in idx], 0, ptr(grad), 0, 0, False, 1,
                                   _max_ctas(x0, "scalar_bwd", v))
@@ -266,7 +274,7 @@ def _calendar_context(logits: List[torch.Tensor], dim: int, tau: float) -> torch
     layout = "cuda_fwd" if on_cuda_path(x0) else "cpu"
     tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device, layout) for x in logits]
     levels = _level_args(logits, tables=tables, dim=dim)
-    for idx in _chunks(L, _V3_MAX_LEVELS if v == "v3" else _MAX_LEVELS):
+    for idx in _chunks(L, v):
         kernels().calendar_launch(_op("context_fwd", x0, v), dev, stream, dtype_code(x0), B, 1.0 / tau,
                                   [levels[i] for i in idx], ptr(out), 0, out.stride(0), dim, False, 1,
                                   _max_ctas(x0, "context_fwd", v))
@@ -296,7 +304,7 @@ def _calendar_context_backward(grad: torch.Tensor, logits: List[torch.Tensor], d
     layout = ("cuda_fwd" if v == "v3" else "cuda_bwd") if on_cuda_path(x0) else "cpu"
     tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device, layout) for x in logits]
     levels = _level_args(logits, grads, tables, dim)
-    for idx in _chunks(len(logits), _V3_MAX_LEVELS if v == "v3" else _MAX_LEVELS):
+    for idx in _chunks(len(logits), v):
         kernels().calendar_launch(_op("context_bwd", x0, v), dev, stream, dtype_code(x0), B, 1.0 / tau,
                                   [levels[i] for i in idx], 0, ptr(grad), grad.stride(0), dim, False, grad.stride(1),
                                   _max_ctas(x0, "context_bwd", v))

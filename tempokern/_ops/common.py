@@ -10,6 +10,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from .. import _C
+from ..reference.offset_bias import cache_put
 
 # Must match csrc/common/types.h::DType.
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -198,8 +199,5 @@ def device_constant(values, dtype: torch.dtype, like: torch.Tensor) -> torch.Ten
     t = _CONSTANTS.get(key)
     if t is None:
         with torch.inference_mode(False), torch.no_grad():  # usable by autograd even if first made in inference
-            t = torch.tensor(values, dtype=dtype).to(like.device)
-        while len(_CONSTANTS) >= _CONSTANTS_MAX:
-            _CONSTANTS.pop(next(iter(_CONSTANTS)))
-        _CONSTANTS[key] = t
+            t = cache_put(_CONSTANTS, key, torch.tensor(values, dtype=dtype).to(like.device), _CONSTANTS_MAX)
     return t

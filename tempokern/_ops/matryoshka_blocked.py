@@ -432,6 +432,10 @@ class _Fused:
         if self.tc and self.R < c.Bq and self.R > self.tr and not block:
             self.R = self.R // self.tr * self.tr  # whole tiles per launch
 
+    def row_blocks(self, r: int) -> int:
+        """CUDA row blocks of the tensor-core kernels over r rows (their column partials' leading size)."""
+        return -(-r // self.tr)
+
     def blocks(self):
         for i0 in range(0, self.c.Bq, self.R):
             yield i0, min(self.c.Bq, i0 + self.R)
@@ -791,7 +795,7 @@ def _tc_splits(F, r: int):
     """(nsplit, tiles_per_split): column splits so that the grid has TC_BLOCKS_PER_SM x SMs CUDA blocks where
     the tiles allow it."""
     ntiles = -(-F.c.Bd // F.tcl)
-    nrb = -(-r // F.tr)
+    nrb = F.row_blocks(r)
     want = max(1, -(-TC_BLOCKS_PER_SM * sm_count(F.c.q.device) // nrb))
     nsplit = max(1, min(ntiles, want))
     tps = -(-ntiles // nsplit)
@@ -826,7 +830,7 @@ def _tc_forward(F, coef, row_weight, col_weight, gif: bool, bias):
         r = i1 - i0
         splits = _tc_splits(F, r)
         row_part = torch.empty(K, r, splits[0], 2, dtype=acc, device=dev)
-        col_part = torch.empty(K, -(-r // F.tr), c.Bd, 2, dtype=acc, device=dev) if cols else None
+        col_part = torch.empty(K, F.row_blocks(r), c.Bd, 2, dtype=acc, device=dev) if cols else None
         _tc_launch(F, "fwd", i0, i1, K, splits, row_part=row_part, col_part=col_part)
         c_all, c_pos = _merge_block_stats(row_stats, i0, i1, row_part, col_part, c_all, c_pos)
         if gif:
@@ -855,10 +859,10 @@ def _tc_backward_block(F, i0, i1, rw, cw, row_stats, col_stats, gr: _Grads, co=N
     splits = _tc_splits(F, r)
     Ho = torch.empty(top, r, c.Bd, dtype=F.half, device=dev)
     drp = torch.empty(top, r, splits[0], dtype=acc, device=dev)
-    dkp = torch.empty(top, -(-r // F.tr), c.Bd, dtype=acc, device=dev)
+    dkp = torch.empty(top, F.row_blocks(r), c.Bd, dtype=acc, device=dev)
     tab = {}
     if F.tab is not None:  # the table bias's gradient partials (float64 histogram: per CUDA block or one)
-        P, nrb = F.tab[2].numel(), -(-r // F.tr)
+        P, nrb = F.tab[2].numel(), F.row_blocks(r)
         tab = dict(hist=torch.zeros(splits[0] * nrb if F.tab[3] else 1, P, dtype=torch.float64, device=dev),
                    duq_part=torch.empty(r, splits[0], dtype=acc, device=dev),
                    dud_part=torch.empty(nrb, c.Bd, dtype=acc, device=dev))

@@ -15,9 +15,10 @@ TABLE_RANGE = 1.0
 CACHE_MAX = 16
 
 
-def cache_put(cache: dict, key, value):
-    """Insert into a bounded module-level cache (evicting the oldest entries) and return the value."""
-    while len(cache) >= CACHE_MAX:
+def cache_put(cache: dict, key, value, limit: int = CACHE_MAX):
+    """Insert into a bounded module-level cache (at most `limit` entries, evicting the oldest) and return the
+    value."""
+    while len(cache) >= limit:
         cache.pop(next(iter(cache)))
     cache[key] = value
     return value
