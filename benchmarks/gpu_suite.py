@@ -758,8 +758,7 @@ def calendar_agree(inp, impls):
     want = with_grads(calendar_call(getattr(ref(), inp["op"]), i64), l64, names, inp["gout"].double(), "out")
     res = {}
     for impl in impls:
-        fn = getattr(tk(), inp["op"]) if impl in ("tempokern", "tempokern_cal_v1", "tempokern_cal_v2",
-                                                          "tempokern_cal_pair9") else getattr(ref(), inp["op"])
+        fn = getattr(tk() if impl == "tempokern" or impl.startswith("tempokern_cal_") else ref(), inp["op"])
         li = [_leaf(t) for t in inp["logits"]]
         call = lambda: with_grads(calendar_call(fn, dict(inp, logits=li)), li, names, inp["gout"], "out")  # noqa: E731
         got = run_as(impl, call)
@@ -779,7 +778,7 @@ def calendar_cases(sizes, dev, bandwidth, compile_fn) -> List[Case]:
         # (auto: v3 both ways, not yet timed)
         steps["tempokern_cal_v1"] = variant_step("tempokern_cal_v1", steps["tempokern"])
         steps["tempokern_cal_v2"] = variant_step("tempokern_cal_v2", steps["tempokern"])
-        if op == "calendar_context":  # the scalar op's pair9 is its default
+        if op == "calendar_context":  # the scalar op's pair9 is v1: the tempokern_cal_v1 column
             steps["tempokern_cal_pair9"] = variant_step("tempokern_cal_pair9", steps["tempokern"])
         nbytes = rows * 4 * (3 * n + 2 * out_w)   # fwd: logits in, out; bwd: logits + gout in, grads out
 
