@@ -153,3 +153,17 @@ def shared_data(rel: str) -> str:
             f"shared data file {rel!r} not found in any of {roots} (required because "
             "TEMPOKERN_REQUIRE_DATA is set; point TEMPOKERN_SHARED_DATA at the shared/data folder)")
     return os.path.join(os.sep, "nonexistent-shared-data", rel)
+
+
+def by_thread_order(cuda_emu, run, seeds=(0, 1, 2)):
+    """run() on the CUDA emulator under each seeded thread order (its outputs, one entry per seed)."""
+    from tempokern._ops.common import cuda_emulator
+    outs = []
+    try:
+        for s in seeds:
+            cuda_emu.emu_set_seed(s)
+            with cuda_emulator(cuda_emu):
+                outs.append(run())
+    finally:
+        cuda_emu.emu_set_seed(0)
+    return outs

@@ -339,7 +339,7 @@ def test_cuda_grid_stride_at_sm_counts(sms, per_sm, dtype, gpu, monkeypatch):
     # levels of 1, 12 and 33 classes and dim 40.
     import tempokern._ops.common as common
     from tempokern._ops import calendar as cal
-    monkeypatch.setenv("TEMPOKERN_CALENDAR", "v1")  # v1's tiles; v2's grid: tests/test_calendar_v2.py
+    # (the tile kernels: the scalar op and the context backward; the context forward's grid: test_calendar_cuda.py)
     seen = []
     real = common.sm_count
 

@@ -1,15 +1,16 @@
-"""The v3 CUDA calendar kernels (csrc/calendar/calendar_v3_cuda.cu; the default for float32 / float16 / bfloat16
-calls with levels of <= 32 classes, and for calendar_context dim a multiple of 4 up to 128) against
-tempokern.reference on the CUDA emulator (and a GPU): outputs and every gradient, the 2x-torch rule in each dtype, partial and several tiles
-per CTA at the SM counts of an L4 / A100 / H100 and one SM, thread-order independence, non-finite logits, strided
-logits, and which calls fall back to the v1 / v2 kernels."""
+"""The candidate v3 CUDA calendar kernels (csrc/calendar/calendar_v3_cuda.cu, TEMPOKERN_EXPERIMENTAL=calendar_v3:
+float32 / float16 / bfloat16 calls with levels of <= 32 classes, and for calendar_context dim a multiple of 4 up to
+128) against tempokern.reference on the CUDA emulator (and a GPU): outputs and every gradient, the 2x-torch rule
+in each dtype, partial and several tiles per CTA at the SM counts of an L4 / A100 / H100 and one SM, thread-order
+independence, non-finite logits, strided logits, and which calls fall back to the default kernels."""
 import pytest
 import torch
 
 import tempokern
 from tempokern import reference as ref
-from test_calendar_v2 import LaunchSpy, assert_within_twice_torch, make_logits
-from test_multipos_v3 import by_thread_order
+from tempokern._ops import dispatch
+from conftest import by_thread_order
+from test_calendar_cuda import LaunchSpy, assert_within_twice_torch, make_logits
 
 V3_OPS = {"context_fwd_v3", "context_bwd_v3"}
 V3_SCALAR = {"scalar_fwd_v3", "scalar_bwd_v3"}
@@ -18,10 +19,10 @@ V3_SCALAR = {"scalar_fwd_v3", "scalar_bwd_v3"}
 @pytest.fixture
 def spy(monkeypatch):
     from tempokern._ops import calendar as cal
-    monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
     s = LaunchSpy(cal.kernels)
     monkeypatch.setattr(cal, "kernels", s)
-    return s
+    with dispatch.use("calendar_v3"):
+        yield s
 
 
 def check_context(xs, dim, tau, tol, gtol, w_dtype=None):
@@ -42,7 +43,7 @@ SHAPES = [  # (B, level sizes, dim)
     (1, [12, 32, 12], 64),       # one row of a 64-row tile
     (64, [1], 4),                # one full tile, a level of one class, the smallest dim
     (65, [17, 3], 36),           # two tiles (the second one row), an odd level of > 16 classes (4-row products)
-    (300, [12, 32, 12], 64),     # the issue-14 shape, 5 tiles, the last partial
+    (300, [12, 32, 12], 64),     # 1M-row benchmark levels, 5 tiles, the last partial
     (203, [32, 32, 32, 7], 128), # 4 levels: two launches (3 + 1), the largest dim
     (130, [16, 2, 5], 68),       # levels of <= 16 classes (2-row products), dim not a multiple of 16
 ]
@@ -62,7 +63,7 @@ def test_float32_against_reference(B, sizes, dim, gpu, spy):
 def test_twice_torch_error(dtype, sizes, dim, gpu, spy):
     # error of the output and of every gradient vs float64 at most twice plain torch's own error in that dtype
     # (the reference formula evaluated in the dtype): RMS without slack, max error with the +1e-6 of
-    # test_calendar_v2.py
+    # test_calendar_cuda.py
     B, tau = 203, 0.6
     xs = make_logits(B, sizes, dtype=dtype, device=gpu, seed=7)
     x64 = [x.detach().double().requires_grad_() for x in xs]
@@ -123,14 +124,14 @@ def test_strided_logits(gpu, spy):
 @pytest.mark.parametrize("case", ["float64", "33 classes", "dim 30", "dim 132", "broadcast gradient",
                                   "transposed gradient"])
 def test_fallbacks(case, gpu, spy):
-    # calls v3 does not take run the session-9 pair (forward v2, backward v1), with the same results
+    # calls v3 does not take run the default kernels (warp-cooperative forward, thread-per-row backward), with the same results
     dtype = torch.float64 if case == "float64" else torch.float32
     sizes = [12, 33] if case == "33 classes" else [12, 32]
     dim = {"dim 30": 30, "dim 132": 132}.get(case, 64)
     xs = make_logits(90, sizes, dtype=dtype, device=gpu, seed=4)
     x64 = [x.detach().double().requires_grad_() for x in xs]
     got, want = tempokern.calendar_context(xs, dim, 0.7), ref.calendar_context(x64, dim, 0.7)
-    tol = dict(atol=1e-9, rtol=0) if dtype == torch.float64 else dict(atol=5e-5, rtol=1e-4)  # (v1's float32 grads)
+    tol = dict(atol=1e-9, rtol=0) if dtype == torch.float64 else dict(atol=5e-5, rtol=1e-4)  # (the tile kernel's float32 grads)
     torch.testing.assert_close(got.double(), want, **tol)
     if case == "broadcast gradient":
         ga, gb = torch.autograd.grad(got.sum(), xs), torch.autograd.grad(want.sum(), x64)
@@ -145,7 +146,7 @@ def test_fallbacks(case, gpu, spy):
         torch.testing.assert_close(a.double(), b, **tol)
     if gpu.type == "cpu":
         gradient_only = case in ("broadcast gradient", "transposed gradient")
-        assert set(spy.ops) == ({"context_fwd_v3", "context_bwd"} if gradient_only else {"context_fwd_v2", "context_bwd"})
+        assert set(spy.ops) == ({"context_fwd_v3", "context_bwd"} if gradient_only else {"context_fwd", "context_bwd"})
 
 
 @pytest.mark.emu
@@ -170,10 +171,11 @@ def test_thread_orders(cuda_emu, monkeypatch):
 
 
 def _one_sm(monkeypatch):
-    """The default variant on one emulated SM (every CTA walks several tiles), its launches recorded."""
+    """The candidate on one emulated SM (every CTA walks several tiles), its launches recorded (enabled through
+    TEMPOKERN_EXPERIMENTAL, as a user enables it)."""
     import tempokern._ops.common as common
     from tempokern._ops import calendar as cal
-    monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
+    monkeypatch.setenv("TEMPOKERN_EXPERIMENTAL", "calendar_v3")
     monkeypatch.setattr(common, "sm_count", lambda device: 1)
     spy = LaunchSpy(cal.kernels)
     monkeypatch.setattr(cal, "kernels", spy)
@@ -282,7 +284,7 @@ def test_grid_at_sm_counts(op, sms, per_sm, gpu, spy, monkeypatch):
 
 def test_scalar_non_finite_and_fallbacks(gpu, spy):
     # -inf masks classes; NaN, +inf and an all -inf row give NaN as in torch; float64 and a level of 33 classes run
-    # the v1 kernels
+    # the default kernels
     xs = make_logits(70, [12, 5], dtype=torch.float32, device=gpu, seed=5)
     with torch.no_grad():
         xs[0][0, :8] = float("-inf")

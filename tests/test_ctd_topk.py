@@ -468,9 +468,9 @@ def _force_small_blocks(monkeypatch, sms=132, block_bytes=None, qblock=None):
     """Small score blocks, slices and query blocks, so that several chunks, slices, query blocks and the
     merges run on test-sized inputs; sm_count as on another GPU."""
     import tempokern._ops.ctd_topk as ops
-    # these tests are about the cuBLAS + select_block and scan_rows kernels: Q <= 16 would take the serve
-    # kernels by default (tested in test_ctd_topk_serve.py)
-    monkeypatch.setenv("TEMPOKERN_TOPK_SERVE", "0")
+    # these tests are about the cuBLAS + select_block and scan_rows kernels: Q <= 4 would take the serve
+    # kernels (tested in test_ctd_topk_serve.py); scan_rows takes Q <= 4 where a serve tile does not fit
+    monkeypatch.setattr(ops, "_SERVE_MAX_Q", 0)
     monkeypatch.setattr(ops, "sm_count", lambda device: sms)
     monkeypatch.setattr(ops, "_MIN_CHUNK", 64)
     monkeypatch.setattr(ops, "_MIN_SLICE", 32)

@@ -24,7 +24,6 @@ def paths(monkeypatch):
         return real_old(*a, **k)
     monkeypatch.setattr(ops, "_serve_topk", serve)
     monkeypatch.setattr(ops, "_cuda_topk", old)
-    monkeypatch.delenv("TEMPOKERN_TOPK_SERVE", raising=False)
     monkeypatch.setattr(ops, "_SERVE_MAX_Q", ops._SERVE_KERNEL_MAX_Q)  # the kernels' whole range (dispatch: 4)
     return seen
 
@@ -201,7 +200,7 @@ def test_serve_thread_order_does_not_matter(gpu, paths, monkeypatch, request):
     assert paths == ["serve"] * 3
 
 
-def test_old_path_stays_selectable_and_large_q_keeps_it(gpu, paths, monkeypatch):
+def test_large_q_and_wide_rows_keep_the_other_kernels(gpu, paths, monkeypatch):
     small_geometry(monkeypatch)
     torch.manual_seed(3)
     N, H = 600, 16
@@ -209,16 +208,12 @@ def test_old_path_stays_selectable_and_large_q_keeps_it(gpu, paths, monkeypatch)
     bias = bias_for("exact", 17, N, torch.float32, gpu, seed=4)
     check_against_reference(q, g, 5, atol=4e-4, bias=bias)          # Q = 17: the old path
     assert paths == ["old"]
-    monkeypatch.setenv("TEMPOKERN_TOPK_SERVE", "0")
     b2 = (bias[0][:2],) + bias[1:]
-    check_against_reference(q[:2], g, 5, atol=4e-4, bias=b2)        # Q = 2 on the measured path
-    assert paths == ["old", "old"]
-    monkeypatch.setenv("TEMPOKERN_TOPK_SERVE", "1")
+    check_against_reference(q[:2], g, 5, atol=4e-4, bias=b2)        # Q = 2: serve
+    assert paths == ["old", "serve"]
+    monkeypatch.setattr(ops, "_SERVE_SMEM", 0)                      # a serve tile that does not fit: scan_rows
     check_against_reference(q[:2], g, 5, atol=4e-4, bias=b2)
-    assert paths == ["old", "old", "serve"]
-    monkeypatch.setenv("TEMPOKERN_TOPK_SERVE", "yes")
-    with pytest.raises(ValueError, match="TEMPOKERN_TOPK_SERVE"):
-        tempokern.ctd_topk(q[:2], g, 5)
+    assert paths == ["old", "serve", "old"]
 
 
 def test_default_dispatch_crossover(gpu, paths, monkeypatch):

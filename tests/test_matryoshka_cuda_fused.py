@@ -1,17 +1,18 @@
 """The fused CUDA path of tempokern.matryoshka_infonce (csrc/matryoshka_infonce/matryoshka_block_cuda.cu, one
-launch per level around torch's segment products; TEMPOKERN_MRL_CUDA=fused; the default, levels, takes them
-for calls with a bias or B != B') on the CUDA
+launch per level around torch's segment products: the default for calls with a bias or B != B'; the tests send
+square bias-free calls here too, which the levels path takes by default) on the CUDA
 emulator, against tempokern.reference.matryoshka_infonce: float64 parity of the loss, the levels and every
 gradient (q, d, extra_neg, the seven bias inputs) with several row blocks and partial column tiles, the grid at
 132 / 108 / 58 SMs, three thread orders, the 2x-torch rule in float32 / bfloat16 / float16, one level equal to
-multipos_infonce on the same path, zero weights, symmetric, bias table and exact, and the switch to the torch
-path (TEMPOKERN_MRL_CUDA=torch, which launches none of these kernels)."""
+multipos_infonce on the same path, zero weights, symmetric, bias table and exact, and agreement with the blocked
+torch path (the CPU bias path, which launches none of these kernels)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import tempokern
 import tempokern._ops.matryoshka_blocked as mb
+import tempokern._ops.matryoshka_infonce as mi
 import tempokern._ops.multipos_blocked as mpb
 from tempokern._ops.matryoshka_infonce import force_blocked
 from tempokern.reference import matryoshka_infonce as ref
@@ -22,9 +23,9 @@ from test_matryoshka_infonce import assert_parity, make, make_bias, run_both, ru
 @pytest.fixture
 def launches(monkeypatch):
     """The fused kernel launches of the test: (op, first row of the block, level, positive block, dtype of the
-    rounded gradient coefficients Ho or None, levels of a "bwd_all" launch or 0). Selects the fused kernels
-    (TEMPOKERN_MRL_CUDA=fused; the default, levels, sends bias-free square calls through multipos_infonce)."""
-    monkeypatch.setenv("TEMPOKERN_MRL_CUDA", "fused")
+    rounded gradient coefficients Ho or None, levels of a "bwd_all" launch or 0). Sends every call to the fused
+    kernels (the default sends bias-free square calls through the levels path's multipos_infonce)."""
+    monkeypatch.setattr(mi, "_per_level", lambda *a, **k: False)
     calls = []
     real = mb._Fused.launch
 
@@ -42,20 +43,8 @@ def on_device(gpu, q, d, neg, sp, bias=None):
     return mv(q), mv(d), mv(neg), sp, None if bias is None else tuple(t.to(gpu) for t in bias)
 
 
-def test_switch_default_and_validation(monkeypatch):
-    monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
-    assert mb.cuda_variant() == "tc"
-    monkeypatch.setenv("TEMPOKERN_MRL_CUDA", "levels")
-    assert mb.cuda_variant() == "levels"
-    monkeypatch.setenv("TEMPOKERN_MRL_CUDA", "fused")
-    assert mb.cuda_variant() == "fused"
-    monkeypatch.setenv("TEMPOKERN_MRL_CUDA", " Torch ")
-    assert mb.cuda_variant() == "torch"
-    monkeypatch.setenv("TEMPOKERN_MRL_CUDA", "cutlass")
-    with pytest.raises(ValueError, match="TEMPOKERN_MRL_CUDA"):
-        mb.cuda_variant()
+def test_plain_cpu_never_takes_the_fused_kernels():
     # plain CPU tensors never take the fused kernels (CPU bias= keeps the torch blocked path)
-    monkeypatch.delenv("TEMPOKERN_MRL_CUDA")
     assert not mb.use_fused(torch.zeros(3, 2), 3)
 
 
@@ -129,7 +118,6 @@ def test_fused_does_not_depend_on_thread_order(cuda_emu, monkeypatch, bias_mode)
     # every thread reaches each barrier in a seeded random order: a missing __syncthreads around the shared
     # row partials would change the result
     from tempokern._ops.common import cuda_emulator
-    monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
     outs = []
     with cuda_emulator(cuda_emu):
         try:
@@ -242,15 +230,19 @@ def test_fused_bias_matches_reference_float64(gpu, launches, table, B, Bd, N, sp
         assert any(c[0].startswith("bwd") for c in launches)
 
 
-def test_torch_variant_runs_no_fused_kernel_and_agrees(gpu, launches, monkeypatch):
-    # TEMPOKERN_MRL_CUDA=torch: the blocked torch path (the CUDA path before the fused kernels), same results
+def test_agrees_with_the_blocked_torch_path(gpu, launches):
+    # the blocked torch path (plain CPU, which launches none of the fused kernels): same results
+    from tempokern._ops.common import cuda_emulator
     q, d, neg, sp, bias = on_device(gpu, *make(50, 20, N=5, spans="random", seed=61), make_bias(50, 50, seed=62))
     fused = run_both_bias(q, d, neg, sp, (5, 20), bias, temperature=0.1, symmetric=True)[0]
     n = len(launches)
     assert n > 0 or gpu.type != "cpu"
-    monkeypatch.setenv("TEMPOKERN_MRL_CUDA", "torch")
-    plain = run_both_bias(q, d, neg, sp, (5, 20), bias, temperature=0.1, symmetric=True)[0]
+    cpu = on_device("cpu", q, d, neg, sp, bias)
+    with cuda_emulator(None), force_blocked(16):
+        plain = run_both_bias(*cpu[:4], (5, 20), cpu[4], temperature=0.1, symmetric=True)[0]
     assert len(launches) == n
+    dev = fused[0].device
+    plain = (plain[0].to(dev), plain[1].to(dev), [g.to(dev) for g in plain[2]])
     assert_parity(fused, plain, 1e-10)
 
 

@@ -268,7 +268,7 @@ def test_opcheck(row_w, col_w, want_grad):
     rho, kap, kn = (inverse_prefix_norms(x, dims) for x in (q, d, neg))
     args = (q.requires_grad_(), d.requires_grad_(), neg.requires_grad_(), rho.requires_grad_(),
             kap.requires_grad_(), kn.requires_grad_(), ids, ids, ids, ids, None, [0, 4, 12], [1.0, 0.5], 10.0, row_w,
-            col_w, 0, False, want_grad)
+            col_w, 0, False, False, want_grad)
     torch.library.opcheck(torch.ops.tempokern.matryoshka_infonce.default, args)
 
 
@@ -634,7 +634,7 @@ def test_bias_opcheck_and_gradcheck(table):
     bk = tuple(None if t is None else t.clone().requires_grad_() for t in bk)
     args = (q.requires_grad_(), d.requires_grad_(), neg.requires_grad_(), rho.requires_grad_(),
             kap.requires_grad_(), kn.requires_grad_(), ids, ids, ids, ids, None, *bk, [0, 4, 12], [1.0, 0.5], 10.0,
-            0.5, 0.5, 0, False)
+            0.5, 0.5, 0, False, False)
     torch.library.opcheck(torch.ops.tempokern.matryoshka_infonce_bias.default, args)
     if table:  # the table mode's gradients: parity with the reference's interpolant above
         return

@@ -1,4 +1,4 @@
-"""tempokern.matryoshka_infonce's default CUDA execution (TEMPOKERN_MRL_CUDA=levels): for calls without a bias
+"""tempokern.matryoshka_infonce's default CUDA execution (the levels path, tempokern/_ops/dispatch.py): for calls without a bias
 and with B == B', one fused multipos_infonce per level on the truncated, normalised embeddings (the reference's
 loop with tempokern's blocked CUDA loss per level); other calls take the fused Matryoshka kernels. Checked on
 the CUDA emulator (and a GPU where there is one) against tempokern.reference.matryoshka_infonce: float64
@@ -18,7 +18,6 @@ from test_matryoshka_infonce import make, make_bias, run_both
 @pytest.fixture
 def paths(monkeypatch):
     """Counts multipos_infonce calls made by the levels path and fused-kernel launches."""
-    monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
     seen = {"levels": 0, "fused": 0}
     real_mp, real_launch = mpi.multipos_infonce, mb._Fused.launch
 
@@ -83,14 +82,6 @@ def test_calls_the_levels_path_cannot_take_go_to_the_fused_kernels(gpu, paths):
     q2, d2, _, _ = dev(gpu, *make(20, 50, Bd=35, N=0, spans=None, seed=6))
     tempokern.matryoshka_infonce(q2, d2, (8, 50), temperature=0.1)
     assert paths["levels"] == 0 and paths["fused"] > n
-
-
-def test_switch_to_fused_kernels(gpu, paths, monkeypatch):
-    monkeypatch.setenv("TEMPOKERN_MRL_CUDA", "fused")
-    q, d, neg, sp = dev(gpu, *make(30, 50, N=0, spans=None, seed=7))
-    got = tempokern.matryoshka_infonce(q, d, (8, 50), temperature=0.1)
-    torch.testing.assert_close(got.cpu(), ref(q, d, (8, 50), temperature=0.1).cpu(), rtol=0, atol=1e-9)
-    assert paths["levels"] == 0 and paths["fused"] > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,6 +1,6 @@
-"""The tensor-core CUDA path of tempokern.matryoshka_infonce (csrc/matryoshka_infonce/matryoshka_tc_cuda.cu,
-TEMPOKERN_MRL_CUDA=tc, the default for bfloat16 embeddings without a bias or extra negatives whose dims are
-multiples of 16) on the CUDA emulator (and a GPU where there is one), against tempokern.reference:
+"""The candidate tensor-core CUDA path of tempokern.matryoshka_infonce (csrc/matryoshka_infonce/matryoshka_tc_cuda.cu,
+TEMPOKERN_EXPERIMENTAL=mrl_tc: bfloat16 embeddings without a bias or extra negatives whose dims are multiples
+of 16) on the CUDA emulator (and a GPU where there is one), against tempokern.reference:
 
 - the forward (loss, levels) against the float64 reference on the same bfloat16 values: the products are exact
   and summed in float32, so the loss agrees to float32 rounding (rtol 2e-6), with partial row and column
@@ -23,20 +23,19 @@ import tempokern._ops.multipos_infonce as mpi
 from tempokern._ops.matryoshka_infonce import force_blocked
 from tempokern.reference import matryoshka_infonce as ref
 
+from tempokern._ops import dispatch
+from conftest import by_thread_order
 from test_matryoshka_infonce import make, make_bias, run_both
-from test_multipos_v3 import by_thread_order
+from test_multipos_tc import force_tile
 
 
 @pytest.fixture(params=["64x64", "128x64", "128x128"])
 def tc(monkeypatch, request):
-    """The default variant, with every tensor-core launch recorded: (op, i0, i1, K, outputs) and the levels
-    path's multipos_infonce calls; each test with the three tiles (TEMPOKERN_MRL_TC_TILE; the larger ones
-    wherever the shared memory holds the backward's K score tiles, else the next smaller)."""
-    monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
-    monkeypatch.setenv("TEMPOKERN_MRL_TC_TILE", request.param)
-    # the levels path's per-level multipos_infonce calls keep the blocked path here (with the default
-    # TEMPOKERN_MPB_TC=1 their bf16 levels would be one-level tensor-core launches: tests/test_multipos_tc.py)
-    monkeypatch.setenv("TEMPOKERN_MPB_TC", "0")
+    """The mrl_tc candidate enabled, with every tensor-core launch recorded: (op, i0, i1, K, outputs) and the
+    levels path's multipos_infonce calls; each test with the three tiles (the larger ones wherever the shared
+    memory holds the backward's K score tiles, else the next smaller). mpb_tc stays off: the levels path's
+    per-level multipos_infonce calls keep the blocked path (tests/test_multipos_tc.py has those)."""
+    force_tile(monkeypatch, request.param)
     rec = {"launches": [], "levels": 0}
     real, real_mp = mb._tc_launch, mpi.multipos_infonce
 
@@ -49,7 +48,8 @@ def tc(monkeypatch, request):
         return real_mp(*a, **k)
     monkeypatch.setattr(mb, "_tc_launch", spy)
     monkeypatch.setattr(mpi, "multipos_infonce", mp)
-    yield rec
+    with dispatch.use("mrl_tc"):
+        yield rec
     tiles = {(x[5].tr, x[5].tcl) for x in rec["launches"]}
     if request.param == "64x64":
         assert tiles <= {(64, 64)}
@@ -186,8 +186,8 @@ def test_grid_at_other_sm_counts(gpu, tc, monkeypatch, sms):
 def test_does_not_depend_on_thread_order(cuda_emu, monkeypatch, tile):
     # seeded thread orders: a missing barrier around the shared score tiles, the operand stages (which the
     # backward's top-level tile overlays at 64 rows) or the column vectors would change the results
-    monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
-    monkeypatch.setenv("TEMPOKERN_MRL_TC_TILE", tile)
+    force_tile(monkeypatch, tile)
+    monkeypatch.setenv("TEMPOKERN_EXPERIMENTAL", "mrl_tc")
 
     def run():
         q, d, sp = bf16_inputs("cpu", 70, 64, spans="random", seed=5)
@@ -223,7 +223,7 @@ def test_levels_up_to_the_top_weighted_one_and_zero_weights(gpu, tc):
         assert [x[0] for x in tc["launches"]] == ["fwd"]
 
 
-@pytest.mark.parametrize("case", ["float32", "dims", "extra_neg", "bias", "variant"])
+@pytest.mark.parametrize("case", ["float32", "dims", "extra_neg", "bias", "not enabled"])
 def test_calls_the_tensor_cores_do_not_take(gpu, tc, monkeypatch, case):
     q, d, sp = bf16_inputs(gpu, 40, 64, spans="random", seed=11)
     dims, kw = DIMS, {}
@@ -235,9 +235,8 @@ def test_calls_the_tensor_cores_do_not_take(gpu, tc, monkeypatch, case):
         kw["extra_neg"] = d[:7].clone()
     elif case == "bias":
         kw["bias"] = tuple(t.to(gpu) for t in make_bias(40, 40, dtype=torch.float32))
-    else:
-        monkeypatch.setenv("TEMPOKERN_MRL_CUDA", "levels")
-    loss = tempokern.matryoshka_infonce(q, d, dims, temperature=0.1, **sp, **kw)
+    with dispatch.use() if case == "not enabled" else dispatch.use("mrl_tc"):
+        loss = tempokern.matryoshka_infonce(q, d, dims, temperature=0.1, **sp, **kw)
     assert torch.isfinite(loss)
     if gpu.type == "cpu":
         assert not tc["launches"]
@@ -294,7 +293,8 @@ def test_kernel_rejects_what_it_cannot_run(cuda_emu):
 
 @pytest.mark.parametrize("row_w,col_w", [(0.5, 0.5), (1.0, 0.0)])
 def test_opcheck_on_the_tensor_core_path(cuda_emu, tc, row_w, col_w):
-    # the op with bf16_operands=True (float32 inputs holding bf16 values, as matryoshka_partial passes them)
+    # the op with bf16_operands=True (float32 inputs holding bf16 values, as matryoshka_partial passes them) and
+    # tensor_cores=True (the candidate allowed)
     from tempokern._ops.common import cuda_emulator
     from tempokern._ops.matryoshka_infonce import inverse_prefix_norms
     q, d, _ = bf16_inputs("cpu", 40, 32, seed=21)
@@ -303,7 +303,7 @@ def test_opcheck_on_the_tensor_core_path(cuda_emu, tc, row_w, col_w):
     dims = [16, 32]
     rho, kap = (inverse_prefix_norms(x, dims) for x in (q, d))
     args = (q.requires_grad_(), d.requires_grad_(), None, rho.requires_grad_(), kap.requires_grad_(), None, ids,
-            ids, ids, ids, None, [0, 16, 32], [1.0, 0.5], 10.0, row_w, col_w, 0, True, True)
+            ids, ids, ids, None, [0, 16, 32], [1.0, 0.5], 10.0, row_w, col_w, 0, True, True, True)
     with cuda_emulator(cuda_emu):
         torch.library.opcheck(torch.ops.tempokern.matryoshka_infonce.default, args)
     assert tc["launches"]

@@ -1,4 +1,4 @@
-"""multipos_infonce's tensor-core path (TEMPOKERN_MPB_TC=1, the default): bfloat16 CUDA calls without a bias,
+"""multipos_infonce's candidate tensor-core path (TEMPOKERN_EXPERIMENTAL=mpb_tc): bfloat16 CUDA calls without a bias,
 extra negatives or return_hardest, with a multiple of 16 features, run the one-level tensor-core kernels of
 csrc/matryoshka_infonce/matryoshka_tc_cuda.cu (normalize=False). On the CUDA emulator (and a GPU where there is
 one) against tempokern.reference: the forward to float32 rounding on the same bfloat16 values (rtol 2e-6), the
@@ -10,19 +10,36 @@ import torch
 import tempokern
 import tempokern._ops.matryoshka_blocked as mb
 import tempokern._ops.multipos_blocked as mpb
+from tempokern._ops import dispatch
 from tempokern._ops.multipos_infonce import multipos_infonce_partial
 from tempokern.reference import multipos_infonce as ref
 from tempokern.reference.multipos_infonce import multipos_infonce_partial as ref_partial
 
 
+def force_tile(monkeypatch, name: str) -> None:
+    """Makes the tensor-core kernels run the tile `name` ("128x64", "64x64"; "auto": the product's rule) where the
+    device's shared memory allows it, else the next smaller one: the kernels take every tile, the product picks
+    one by a fixed rule (mb.tc_tile), and these tests run the others too."""
+    if name == "auto":
+        return
+    order = [(128, 128), (128, 64), (64, 64)]
+    want = tuple(int(v) for v in name.split("x"))
+
+    def tile(K, table, hist_points, optin):
+        k = mb.kernels()
+        for tr, tcl in order[order.index(want):]:
+            if k.mrl_tc_smem_bytes(K, True, table, hist_points, tr, tcl) <= optin:
+                return tr, tcl
+        return 64, 64
+    monkeypatch.setattr(mb, "tc_tile", tile)
+
+
 @pytest.fixture(params=["auto", "128x64", "64x64"])
 def paths(monkeypatch, request):
-    """Counts the tensor-core launches and the blocked path's kernel launches; each test with the default tile
-    rule (TEMPOKERN_MRL_TC_TILE=auto: 128 x 128 for one-level calls without a table bias, 64 x 64 with one, where
-    the 128-row tiles would leave room for one block per SM) and with 128 x 64 and 64 x 64 tiles."""
-    monkeypatch.delenv("TEMPOKERN_MPB_TC", raising=False)
-    monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
-    monkeypatch.setenv("TEMPOKERN_MRL_TC_TILE", request.param)
+    """Counts the tensor-core launches and the blocked path's kernel launches, with the candidates enabled; each
+    test with the tile rule (128 x 128 for one-level calls without a table bias, 64 x 64 with one, where the
+    128-row tiles would leave room for one block per SM) and with 128 x 64 and 64 x 64 tiles."""
+    force_tile(monkeypatch, request.param)
     seen = {"tc": 0, "blocked": 0, "rows": set()}
     real_tc, real_bl = mb._tc_launch, mpb._Launcher.launch
 
@@ -36,7 +53,8 @@ def paths(monkeypatch, request):
         return real_bl(*a, **k)
     monkeypatch.setattr(mb, "_tc_launch", tc)
     monkeypatch.setattr(mpb._Launcher, "launch", bl)
-    yield seen
+    with dispatch.use("mpb_tc", "mrl_tc"):
+        yield seen
     if seen["tc"]:  # one-level calls (K = 1; the Matryoshka calls here have K = 2)
         if request.param == "auto":  # two blocks per SM: 128 x 128 (K = 1) and 128 x 64 (K = 2) without a table
             # bias (97 and 105 KB of the emulated H100's 227), at most 128 x 64 with one (its gradient tile and
@@ -130,15 +148,11 @@ def test_calls_that_keep_the_blocked_path(gpu, paths, monkeypatch, case):
                       torch.randn(1, device=gpu), torch.tensor(1.0, device=gpu))  # the exact MLP bias
     elif case == "hardest":
         kw["return_hardest"] = True
-    elif case == "switch":
-        monkeypatch.setenv("TEMPOKERN_MPB_TC", "0")
-    out = tempokern.multipos_infonce(q, d, *sp, temperature=0.1, **kw)
+    with dispatch.use() if case == "switch" else dispatch.use("mpb_tc"):  # "switch": the candidate not enabled
+        out = tempokern.multipos_infonce(q, d, *sp, temperature=0.1, **kw)
     assert torch.isfinite(out[0] if isinstance(out, tuple) else out)
     if gpu.type == "cpu":
         assert paths["tc"] == 0 and paths["blocked"] > 0
-    monkeypatch.setenv("TEMPOKERN_MPB_TC", "2")
-    with pytest.raises(ValueError, match="TEMPOKERN_MPB_TC"):
-        tempokern.multipos_infonce(q, d, *sp, temperature=0.1)
 
 
 def test_under_torch_compile_fullgraph(gpu, paths):

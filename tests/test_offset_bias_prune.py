@@ -1,10 +1,10 @@
-"""With TEMPOKERN_OB_PRUNE=1 (the default since the H100 timed it on 2026-11-23) the CUDA offset-bias kernels skip the hidden units proved always off and merge the always-on ones into one
+"""The CUDA offset-bias kernels skip the hidden units proved always off and merge the always-on ones into one
 linear unit (as the CPU kernels do), with the classification, the unit order and the count of evaluated units
 kept on the device (no host sync): tempokern/_ops/offset_bias.py::_device_units, `active_units` in
 csrc/offset_bias/offset_bias_cuda.cu. Checked against tempokern.reference in float64 (output and all seven
-gradients), with poisoned weights in the slots the kernels must not read, and against the default
-(TEMPOKERN_OB_PRUNE=0: every unit evaluated); the merged unit is evaluated in float64, so that the exact-bias
-loss's d/d scale keeps the float32 2x-torch rule (test_merged_unit_keeps_the_two_x_rule)."""
+gradients) and with poisoned weights in the slots the kernels must not read; the merged unit is evaluated in
+float64, so that the exact-bias loss's d/d scale keeps the float32 2x-torch rule
+(test_merged_unit_keeps_the_two_x_rule)."""
 import pytest
 import torch
 
@@ -47,7 +47,6 @@ CASES = [(9, 8, 3, 3), (32, 32, 10, 12), (17, 33, 0, 0), (12, 7, 12, 0), (12, 7,
 
 @pytest.mark.parametrize("hidden,D,n_on,n_off", CASES)
 def test_pruned_kernels_match_reference_float64(gpu, monkeypatch, hidden, D, n_on, n_off):
-    monkeypatch.setenv("TEMPOKERN_OB_PRUNE", "1")
     params = weights(hidden, D, n_on, n_off, seed=hidden + D)
     g = torch.Generator().manual_seed(3)
     uq = torch.rand(37, generator=g, dtype=torch.float64) * 1.6 - 0.3   # deltas beyond +-1: the clamp too
@@ -67,7 +66,6 @@ def test_pruned_kernels_match_reference_float64(gpu, monkeypatch, hidden, D, n_o
 def test_unevaluated_slots_are_not_read(gpu, monkeypatch):
     # slots past the device count get b1 = +inf, w2 = 1: read by the forward they make the output infinite,
     # by the backward they give the always-off units a gradient; neither may happen
-    monkeypatch.setenv("TEMPOKERN_OB_PRUNE", "1")
     params = weights(16, 12, 5, 6, seed=5)
     real = ob._device_units
 
@@ -92,31 +90,6 @@ def test_unevaluated_slots_are_not_read(gpu, monkeypatch):
     assert off.any() and (got[3][off] == 0).all() and (got[5][0, off] == 0).all()   # d w1, d w2 of off units
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_switch_off_gives_the_same_numbers(gpu, monkeypatch, dtype):
-    params = [t.to(dtype) for t in weights(32, 32, 8, 8, seed=7)]
-    g = torch.Generator().manual_seed(8)
-    uq, ud = torch.rand(40, generator=g).to(dtype), torch.rand(65, generator=g).to(dtype)
-    gout = torch.randn(40, 65, generator=g).to(dtype)
-    monkeypatch.setenv("TEMPOKERN_OB_PRUNE", "0")
-    assert not ob.prune_cuda()
-    *_, nact, mapping, _ = ob._prepared(*[t.to(gpu) for t in (uq, ud, *params)])
-    assert nact is None and mapping is None
-    full = run(gpu, uq, ud, params, gout)
-    monkeypatch.setenv("TEMPOKERN_OB_PRUNE", "1")
-    pruned = run(gpu, uq, ud, params, gout)
-    tol = 1e-12 if dtype == torch.float64 else 2e-5
-    for name, a, b in zip(("out",) + NAMES, pruned, full):
-        scale = max(1.0, b.abs().max().item())
-        assert (a - b).abs().max().item() <= tol * scale, name
-    monkeypatch.setenv("TEMPOKERN_OB_PRUNE", "yes")
-    with pytest.raises(ValueError, match="TEMPOKERN_OB_PRUNE"):
-        ob.prune_cuda()
-    monkeypatch.delenv("TEMPOKERN_OB_PRUNE")
-    assert ob.prune_cuda()           # the default (timed on the H100: 2.3x faster exact-bias loss)
-    run(gpu, uq, ud, params, gout)   # a kernel runs in every emulator test
-
-
 def test_n_active_is_rejected_on_the_cpu_kernels():
     from tempokern._ops.common import kernels
     n = torch.ones(1, dtype=torch.int32)
@@ -129,17 +102,13 @@ def test_merged_unit_keeps_the_two_x_rule(gpu, monkeypatch):
     # the draw that kept merging opt-in (seed 11 of test_multipos_blocked's exact-bias 2x-rule test at B = 96:
     # all five units merge or drop, so the merged linear unit carries the whole MLP): d/d scale with the
     # uncentred float32 merged unit was 3.3e-5 against torch's 9.6e-6 (bound 2 x 9.6e-6 + sqrt(pairs) eps =
-    # 3.05e-5) and 1.4e-5 without merging. The centred unit must keep the rule on that draw and be no worse than
-    # evaluating every unit, and the bias itself no further from float64 than torch float32's own formula.
+    # 3.05e-5) and 1.4e-5 without merging. The centred unit must keep the rule on that draw, and the bias itself
+    # be no further from float64 than torch float32's own formula.
     from test_multipos_blocked import _two_x_errors
     from test_multipos_infonce import make
     eps = torch.finfo(torch.float32).eps
-    monkeypatch.setenv("TEMPOKERN_OB_PRUNE", "0")
-    full, _ = _two_x_errors(gpu, torch.float32, "exact", 11, B=96)
-    monkeypatch.setenv("TEMPOKERN_OB_PRUNE", "1")
     fused, plain = _two_x_errors(gpu, torch.float32, "exact", 11, B=96)
     assert fused[10] <= 2 * plain[10] + 96 * eps, (fused[10], plain[10])
-    assert fused[10] <= 2 * full[10] + 96 * eps, (fused[10], full[10])
     q, d, sp, neg, b = make(96, 32, N=9, bias=True, dtype=torch.float64, seed=11, u_lo=0.0, u_hi=1.0)
     on, off = ob._unit_classes(b[2], b[3])
     assert bool((on | off).all())

@@ -57,17 +57,8 @@ TK_BIND(calendar) {
             run_on(device, [&] { calendar_context_fwd_cpu(p); }, [&] { TK_CUDA_ONLY(calendar_context_fwd_cuda(p, device, stream)); });
           else if (op == "context_bwd")
             run_on(device, [&] { calendar_context_bwd_cpu(p); }, [&] { TK_CUDA_ONLY(calendar_context_bwd_cuda(p, device, stream)); });
-          // *_v2: the warp-cooperative CUDA kernels (the CPU kernels are the same for both)
-          else if (op == "scalar_fwd_v2")
-            run_on(device, [&] { calendar_scalar_fwd_cpu(p); }, [&] { TK_CUDA_ONLY(calendar_scalar_fwd_cuda_v2(p, device, stream)); });
-          else if (op == "scalar_bwd_v2")
-            run_on(device, [&] { calendar_scalar_bwd_cpu(p); }, [&] { TK_CUDA_ONLY(calendar_scalar_bwd_cuda_v2(p, device, stream)); });
-          else if (op == "context_fwd_v2")
-            run_on(device, [&] { calendar_context_fwd_cpu(p); }, [&] { TK_CUDA_ONLY(calendar_context_fwd_cuda_v2(p, device, stream)); });
-          else if (op == "context_bwd_v2")
-            run_on(device, [&] { calendar_context_bwd_cpu(p); }, [&] { TK_CUDA_ONLY(calendar_context_bwd_cuda_v2(p, device, stream)); });
-          // *_v3: row tiles through a register prefetch pipeline (calendar_v3_cuda.cu; CUDA only, the CPU kernels
-          // are the same for every variant)
+          // *_v3: the candidate kernels (row tiles through a register prefetch pipeline, calendar_v3_cuda.cu;
+          // opt-in, tempokern/_ops/dispatch.py); the CPU kernels are the same for both
           else if (op == "scalar_fwd_v3")
             run_on(device, [&] { calendar_scalar_fwd_cpu(p); }, [&] { TK_CUDA_ONLY(calendar_scalar_fwd_cuda_v3(p, device, stream)); });
           else if (op == "scalar_bwd_v3")

@@ -45,13 +45,9 @@ void calendar_scalar_fwd_cuda(const CalendarParams& p, int device, uintptr_t str
 void calendar_scalar_bwd_cuda(const CalendarParams& p, int device, uintptr_t stream);
 void calendar_context_fwd_cuda(const CalendarParams& p, int device, uintptr_t stream);
 void calendar_context_bwd_cuda(const CalendarParams& p, int device, uintptr_t stream);
-// v2 (default): warp-cooperative rows, no CTA barriers; max_ctas caps the grid of 256-thread CTAs.
-void calendar_scalar_fwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream);
-void calendar_scalar_bwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream);
-void calendar_context_fwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream);
-void calendar_context_bwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream);
-// v3 (calendar_v3_cuda.cu): float32 / float16 / bfloat16, 1-3 levels of <= 32 classes (context: dim a multiple of
-// 4, <= 128)
+// The measured defaults above: scalar both ways and the context backward thread-per-row, the context forward
+// warp-cooperative (calendar_cuda.cu). The candidate v3 kernels (calendar_v3_cuda.cu, opt-in): float32 / float16 /
+// bfloat16, 1-3 levels of <= 32 classes (context: dim a multiple of 4, <= 128)
 void calendar_scalar_fwd_cuda_v3(const CalendarParams& p, int device, uintptr_t stream);
 void calendar_scalar_bwd_cuda_v3(const CalendarParams& p, int device, uintptr_t stream);
 void calendar_context_fwd_cuda_v3(const CalendarParams& p, int device, uintptr_t stream);

@@ -169,62 +169,6 @@ __device__ __forceinline__ void axpy32(A (&acc)[kCW], A w, const A* T, int width
   }
 }
 
-template <typename S, typename A>
-__global__ void __launch_bounds__(Rows<A>::value) context_fwd_kernel(CalendarParams p) {
-  constexpr int R = Rows<A>::value;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  A* xs = reinterpret_cast<A*>(smem_raw);  // logits chunk (then probabilities when a level is one chunk)
-  A* os = xs + R * kLd;                    // output tile
-  const int t = threadIdx.x;
-  const A inv_tau = (A)p.inv_tau;
-  const int64_t D = p.dim, Dp = round32(D);
-  const int64_t ntiles = (p.B + R - 1) / R;
-  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-    const int64_t b0 = tile * R;
-    const int rows = (int)min64(p.B - b0, R);
-    const bool active = t < rows;
-    for (int l = 0; l < p.num_levels; ++l) {
-      const auto& L = p.levels[l];
-      const S* x = static_cast<const S*>(L.logits) + b0 * L.row_stride;
-      const A* tab = static_cast<const A*>(L.table);  // (n, Dp)
-      A m, s, e;
-      level_stats<R, false>(xs, x, L.row_stride, L.n, rows, inv_tau, active, m, s, e);
-      const A inv_s = A(1) / s;
-      const bool one_chunk = L.n <= kCW;
-      A* xr = xs + t * kLd;
-      if (one_chunk && active)
-        for (int c = 0; c < L.n; ++c) xr[c] = exp(xr[c] - m) * inv_s;
-      S* o = static_cast<S*>(p.out) + b0 * p.out_row_stride + L.out_col;
-      for (int64_t j0 = 0; j0 < D; j0 += kCW) {
-        const int jw = (int)min64(D - j0, kCW);
-        A acc[kCW];
-#pragma unroll
-        for (int q = 0; q < kCW; ++q) acc[q] = 0;
-        for (int64_t c0 = 0; c0 < L.n; c0 += kCW) {
-          const int cw = (int)min64(L.n - c0, kCW);
-          if (!one_chunk) {
-            __syncthreads();
-            load_tile<R>(xs, x + c0, L.row_stride, 1, rows, cw, inv_tau);
-            __syncthreads();
-          }
-          if (active)
-            for (int c = 0; c < cw; ++c) {
-              const A pc = one_chunk ? xr[c] : exp(xr[c] - m) * inv_s;
-              axpy32(acc, pc, tab + (c0 + c) * Dp + j0, jw);
-            }
-        }
-        if (active) {
-#pragma unroll
-          for (int q = 0; q < kCW; ++q) os[t * kLd + q] = acc[q];
-        }
-        __syncthreads();
-        store_tile<R>(o + j0, p.out_row_stride, os, rows, jw);
-        __syncthreads();  // os is rewritten by the next column block
-      }
-    }
-  }
-}
-
 // acc[c] = <g_row, TT[:, c0 + c]> for c < 32 (classes beyond cw come out 0: the table is zero-padded).
 // Block-uniform: stages the gradient tile in chunks of 32 columns.
 template <int R, typename S, typename A>
@@ -336,36 +280,30 @@ void launch_tiles(const CalendarParams& p, int device, uintptr_t stream, int til
 }
 
 
-// ---- v2: warp-cooperative rows (default; TEMPOKERN_CALENDAR=v1 selects the kernels above) ----------------------
+// ---- the forward of calendar_context: warp-cooperative rows ---------------------------------------------------
 //
-// A warp owns a group of R rows (GroupRows: context 8, 4 in double; scalar 4, 2 in double) and walks groups
-// grid-stride (CTAs of kW2 warps, no __syncthreads anywhere: warps share nothing, each has its own small shared
-// tile guarded by __syncwarp). Counts per row and registers: docs/calendar.md. Per level:
+// A warp owns a group of R rows (GroupRows: 8, 4 in double) and walks groups grid-stride (CTAs of kW2 warps, no
+// __syncthreads anywhere: warps share nothing, each has its own small shared tile guarded by __syncwarp). Counts
+// per row and registers: docs/calendar.md. Per level:
 // - Statistics with lane = class (chunks of 32 classes): the R rows' logits of a chunk are loaded together
 //   (R independent loads per lane in flight; the next level's first chunk is issued before this level's
 //   arithmetic), per-lane online max / sum, then warp butterflies (max, then rescaled sums).
-// - context forward: probabilities written once per row into the warp's tile P[R][32]; lanes then own output
-//   columns (j0 + 32 k + lane, k < kCPL), every table value T[c, col] is loaded once per group and reused for the
-//   R rows from a register, probabilities read as 4-wide broadcasts; output stored straight from registers,
-//   one 128-byte coalesced store per row and 32 columns.
-// - context backward: lane = class again: dp_c = <g_r, T[c]> with the group's upstream-gradient columns staged in
-//   the warp's tile G[R][32 kCPL] (coalesced loads, read back as 4-wide broadcasts) and the transposed table
-//   column TT[j, c] loaded once per group (coalesced across lanes); dot = sum_c p_c dp_c by a warp butterfly,
-//   d logit_c = p_c (dp_c - dot) / tau stored by lane c. Levels of more than 32 classes: two passes (dot, then
-//   the gradients, dp recomputed).
-// - scalar: lane = class, forward u += w E[c], backward d logit_c = g w p_c (c - E[c]) / tau: no shared memory.
+// - Probabilities written once per row into the warp's tile P[R][32]; lanes then own output columns
+//   (j0 + 32 k + lane, k < kCPL), every table value T[c, col] is loaded once per group and reused for the R rows
+//   from a register, probabilities read as 4-wide broadcasts; output stored straight from registers, one
+//   128-byte coalesced store per row and 32 columns.
+// The thread-per-row kernels above run the scalar op both ways and the context backward: each measured faster
+// on the H100 than its warp-cooperative twin (docs/calendar.md).
 namespace v2 {
 constexpr int kW2 = 8;    // warps per CTA
 constexpr int kCPL = 2;   // output columns per lane per column block (64 columns)
 constexpr int kJB = 32 * kCPL;
 // Resident CTAs per SM the register allocation must allow (ptxas caps registers at 65,536 / (256 x this)):
-// 4 -> 64 registers (32 warps per SM), 3 -> 80 (24 warps); see docs/calendar.md for the ptxas report.
-constexpr int kMinCtasScalar = 4;
+// 2 -> 128 registers; see docs/calendar.md for the ptxas report.
 constexpr int kMinCtasContext = 2;
-// Rows per warp group: the context kernels reuse every table value for R rows (8; 4 in float64, twice the
-// registers per value); the scalar kernels have no table and keep 4 rows (2 in float64) within 64 registers.
-template <typename A, bool Scalar> struct GroupRows {
-  static constexpr int value = Scalar ? (sizeof(A) == 8 ? 2 : 4) : (sizeof(A) == 8 ? 4 : 8);
+// Rows per warp group: every table value is reused for R rows (8; 4 in float64, twice the registers per value).
+template <typename A> struct GroupRows {
+  static constexpr int value = sizeof(A) == 8 ? 4 : 8;
 };
 
 // xv[r] = logits[r][c0 + lane] / tau (or -inf outside the level / the batch): R loads issued together.
@@ -474,76 +412,9 @@ __device__ __forceinline__ void group_range(int64_t B, int64_t& first, int64_t& 
   step = (int64_t)gridDim.x * kW2;
 }
 
-template <typename S, typename A, bool Bwd>
-__global__ void __launch_bounds__(kW2 * 32, kMinCtasScalar) scalar_kernel(CalendarParams p) {
-  constexpr int R = GroupRows<A, true>::value;
-  const int lane = threadIdx.x & 31;
-  A* out = static_cast<A*>(p.out);
-  const A* grad_out = static_cast<const A*>(p.grad_out);
-  const A inv_tau = (A)p.inv_tau;
-  int64_t g0, gstep, ngroups;
-  group_range<R, A>(p.B, g0, gstep, ngroups);
-  for (int64_t grp = g0; grp < ngroups; grp += gstep) {
-    const int64_t b0 = grp * R;
-    const int rows = (int)min64(p.B - b0, R);
-    A g[R], u[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      g[r] = (Bwd && r < rows) ? grad_out[b0 + r] : A(0);
-      u[r] = 0;
-    }
-    A xa[R];
-    {
-      const auto& L = p.levels[0];
-      load_chunk(xa, static_cast<const S*>(L.logits) + b0 * L.row_stride, L.row_stride, L.n, rows, 0, inv_tau);
-    }
-    for (int l = 0; l < p.num_levels; ++l) {
-      const auto& L = p.levels[l];
-      const S* x = static_cast<const S*>(L.logits) + b0 * L.row_stride;
-      A xb[R];  // the next level's first chunk, in flight during this level's arithmetic
-      if (l + 1 < p.num_levels) {
-        const auto& N = p.levels[l + 1];
-        load_chunk(xb, static_cast<const S*>(N.logits) + b0 * N.row_stride, N.row_stride, N.n, rows, 0, inv_tau);
-      }
-      A m[R], s[R], e[R];
-      level_stats<true>(xa, x, L.row_stride, L.n, rows, inv_tau, m, s, e);
-      if (!Bwd) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) u[r] += (A)L.weight * (e[r] / s[r]);
-      } else {
-        S* gl = static_cast<S*>(L.grad_logits) + b0 * L.n;
-        A k[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          k[r] = g[r] * (A)L.weight * inv_tau / s[r];
-          e[r] = e[r] / s[r];
-        }
-        for (int64_t c0 = 0; c0 < L.n; c0 += 32) {
-          if (c0 > 0) load_chunk(xa, x, L.row_stride, L.n, rows, c0, inv_tau);
-          const int64_t c = c0 + lane;
-          if (c < L.n) {
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-              if (r < rows) gl[r * L.n + c] = from_acc<S>(k[r] * exp(xa[r] - m[r]) * ((A)c - e[r]));
-          }
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) xa[r] = xb[r];
-    }
-    if (!Bwd && lane < rows) {  // lane r stores row r (u is warp-uniform per row)
-      A ur = 0;
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        if (r == lane) ur = u[r];
-      out[b0 + lane] = p.accumulate ? out[b0 + lane] + ur : ur;
-    }
-  }
-}
-
 template <typename S, typename A>
 __global__ void __launch_bounds__(kW2 * 32, kMinCtasContext) context_fwd_kernel(CalendarParams p) {
-  constexpr int R = GroupRows<A, false>::value;
+  constexpr int R = GroupRows<A>::value;
   __shared__ __align__(32) A Psh[kW2][R][32];
   const int lane = threadIdx.x & 31;
   A (*P)[32] = Psh[threadIdx.x >> 5];
@@ -622,133 +493,14 @@ __global__ void __launch_bounds__(kW2 * 32, kMinCtasContext) context_fwd_kernel(
   }
 }
 
-// dp[r] = <g_r, TT[:, c0 + c]> for the group's rows, c = lane % (32 / ways); the gradient columns go through the
-// warp's tile G. ways = 2 or 4 (levels of at most 16 or 8 classes): the lanes beyond the level's classes are put to
-// work, lane part h = lane / (32 / ways) takes the 4-column blocks j4 = 4 h (mod 4 ways) (their broadcast
-// addresses are 16 bytes apart: different banks), and the parts are summed by log2(ways) butterflies, so the
-// broadcasts, table loads and FMA per row are divided by ways. Every lane ends with its class's full dp.
-template <int R, typename S, typename A>
-__device__ __forceinline__ void group_dp(A (&dp)[R], A (*G)[kJB], const S* go, int64_t grs, int64_t gcs,
-                                         const A* __restrict__ tabT, int64_t D, int64_t Np, int64_t c0, int rows,
-                                         int ways) {
-  const int lane = threadIdx.x & 31;
-  const int width = 32 / ways, h = lane / width;
-#pragma unroll
-  for (int r = 0; r < R; ++r) dp[r] = 0;
-  for (int64_t j0 = 0; j0 < D; j0 += kJB) {
-    const int jw = (int)min64(D - j0, kJB);
-    S raw[R][kCPL];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int k = 0; k < kCPL; ++k)
-        if (r < rows && 32 * k + lane < jw) raw[r][k] = go[r * grs + (j0 + 32 * k + lane) * gcs];
-    __syncwarp();  // the previous block's broadcasts are done
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int k = 0; k < kCPL; ++k)
-        G[r][32 * k + lane] = (r < rows && 32 * k + lane < jw) ? to_acc(raw[r][k]) : A(0);
-    __syncwarp();
-    const A* t0 = tabT + j0 * Np + c0 + (lane & (width - 1));
-    for (int j4 = 4 * h; j4 < jw; j4 += 4 * ways) {
-      A t[4];  // 4 columns of this lane's class, loaded once for the R rows
-#pragma unroll
-      for (int i = 0; i < 4; ++i) t[i] = j4 + i < jw ? t0[(j4 + i) * Np] : A(0);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const Vec4<A> gv = *reinterpret_cast<const Vec4<A>*>(&G[r][j4]);  // zero beyond jw
-#pragma unroll
-        for (int i = 0; i < 4; ++i) dp[r] += gv.v[i] * t[i];
-      }
-    }
-  }
-  for (int o = 16; o >= width; o >>= 1) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) dp[r] += __shfl_xor_sync(0xffffffffu, dp[r], o);
-  }
-}
-
-template <typename S, typename A>
-__global__ void __launch_bounds__(kW2 * 32, kMinCtasContext) context_bwd_kernel(CalendarParams p) {
-  constexpr int R = GroupRows<A, false>::value;
-  __shared__ __align__(32) A Gsh[kW2][R][kJB];
-  const int lane = threadIdx.x & 31;
-  A (*G)[kJB] = Gsh[threadIdx.x >> 5];
-  const A inv_tau = (A)p.inv_tau;
-  const int64_t D = p.dim, gcs = p.grad_col_stride, grs = p.out_row_stride;
-  int64_t g0, gstep, ngroups;
-  group_range<R, A>(p.B, g0, gstep, ngroups);
-  for (int64_t grp = g0; grp < ngroups; grp += gstep) {
-    const int64_t b0 = grp * R;
-    const int rows = (int)min64(p.B - b0, R);
-    A xa[R];
-    {
-      const auto& L = p.levels[0];
-      load_chunk(xa, static_cast<const S*>(L.logits) + b0 * L.row_stride, L.row_stride, L.n, rows, 0, inv_tau);
-    }
-    for (int l = 0; l < p.num_levels; ++l) {
-      const auto& L = p.levels[l];
-      const S* x = static_cast<const S*>(L.logits) + b0 * L.row_stride;
-      const S* go = static_cast<const S*>(p.grad_out) + b0 * grs + L.out_col * gcs;
-      const A* tabT = static_cast<const A*>(L.table);  // (D, Np)
-      const int64_t Np = round32(L.n);
-      S* gl = static_cast<S*>(L.grad_logits) + b0 * L.n;
-      A xb[R];
-      if (l + 1 < p.num_levels) {
-        const auto& N = p.levels[l + 1];
-        load_chunk(xb, static_cast<const S*>(N.logits) + b0 * N.row_stride, N.row_stride, N.n, rows, 0, inv_tau);
-      }
-      A m[R], s[R], e[R];
-      level_stats<false>(xa, x, L.row_stride, L.n, rows, inv_tau, m, s, e);
-#pragma unroll
-      for (int r = 0; r < R; ++r) s[r] = A(1) / s[r];
-      A dot[R], dp[R], pr[R];
-      if (L.n <= 32) {  // one chunk, in registers: one pass
-        group_dp<R>(dp, G, go, grs, gcs, tabT, D, Np, 0, rows, L.n <= 8 ? 4 : L.n <= 16 ? 2 : 1);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          pr[r] = lane < L.n ? exp(xa[r] - m[r]) * s[r] : A(0);
-          dot[r] = pr[r] * dp[r];
-        }
-        warp_allreduce(dot, SumOp<A>());
-        if (lane < L.n) {
-#pragma unroll
-          for (int r = 0; r < R; ++r)
-            if (r < rows) gl[r * L.n + lane] = from_acc<S>(pr[r] * (dp[r] - dot[r]) * inv_tau);
-        }
-      } else {  // several chunks: dot = sum_c p_c dp_c first, then the gradients (dp recomputed)
-#pragma unroll
-        for (int r = 0; r < R; ++r) dot[r] = 0;
-        for (int pass = 0; pass < 2; ++pass) {
-          for (int64_t c0 = 0; c0 < L.n; c0 += 32) {
-            if (pass == 1 || c0 > 0) load_chunk(xa, x, L.row_stride, L.n, rows, c0, inv_tau);
-            group_dp<R>(dp, G, go, grs, gcs, tabT, D, Np, c0, rows, 1);
-            const bool in = c0 + lane < L.n;
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-              pr[r] = in ? exp(xa[r] - m[r]) * s[r] : A(0);
-              if (pass == 0) dot[r] += pr[r] * dp[r];
-              else if (in && r < rows) gl[r * L.n + c0 + lane] = from_acc<S>(pr[r] * (dp[r] - dot[r]) * inv_tau);
-            }
-          }
-          if (pass == 0) warp_allreduce(dot, SumOp<A>());
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) xa[r] = xb[r];
-    }
-  }
-}
-
-template <bool Scalar, typename Fn>
+template <typename Fn>
 void launch_groups(const CalendarParams& p, int device, uintptr_t stream, Fn&& launch) {
   if (p.B == 0) return;
   set_device(device);
   dispatch_device_float(p.dtype, [&](auto t) {
     using S = decltype(t);
     using A = decltype(to_acc(S{}));
-    constexpr int R = GroupRows<A, Scalar>::value;
+    constexpr int R = GroupRows<A>::value;
     const int64_t ctas = ((p.B + R - 1) / R + kW2 - 1) / kW2;
     const int64_t cap = p.max_ctas > 0 ? p.max_ctas : ctas;
     const unsigned grid = (unsigned)std::min<int64_t>(std::min<int64_t>(ctas, cap), 1 << 30);
@@ -771,8 +523,8 @@ void calendar_scalar_bwd_cuda(const CalendarParams& p, int device, uintptr_t str
   });
 }
 void calendar_context_fwd_cuda(const CalendarParams& p, int device, uintptr_t stream) {
-  launch_tiles(p, device, stream, 2, [&](auto s, auto a, dim3 g, dim3 b, size_t sm, cudaStream_t st) {
-    context_fwd_kernel<decltype(s), decltype(a)><<<g, b, sm, st>>>(p);
+  v2::launch_groups(p, device, stream, [&](auto s, auto a, dim3 g, dim3 b, cudaStream_t st) {
+    v2::context_fwd_kernel<decltype(s), decltype(a)><<<g, b, 0, st>>>(p);
   });
 }
 void calendar_context_bwd_cuda(const CalendarParams& p, int device, uintptr_t stream) {
@@ -781,27 +533,4 @@ void calendar_context_bwd_cuda(const CalendarParams& p, int device, uintptr_t st
   });
 }
 
-}  // namespace tk
-
-namespace tk {
-void calendar_scalar_fwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream) {
-  v2::launch_groups<true>(p, device, stream, [&](auto s, auto a, dim3 g, dim3 b, cudaStream_t st) {
-    v2::scalar_kernel<decltype(s), decltype(a), false><<<g, b, 0, st>>>(p);
-  });
-}
-void calendar_scalar_bwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream) {
-  v2::launch_groups<true>(p, device, stream, [&](auto s, auto a, dim3 g, dim3 b, cudaStream_t st) {
-    v2::scalar_kernel<decltype(s), decltype(a), true><<<g, b, 0, st>>>(p);
-  });
-}
-void calendar_context_fwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream) {
-  v2::launch_groups<false>(p, device, stream, [&](auto s, auto a, dim3 g, dim3 b, cudaStream_t st) {
-    v2::context_fwd_kernel<decltype(s), decltype(a)><<<g, b, 0, st>>>(p);
-  });
-}
-void calendar_context_bwd_cuda_v2(const CalendarParams& p, int device, uintptr_t stream) {
-  v2::launch_groups<false>(p, device, stream, [&](auto s, auto a, dim3 g, dim3 b, cudaStream_t st) {
-    v2::context_bwd_kernel<decltype(s), decltype(a)><<<g, b, 0, st>>>(p);
-  });
-}
 }  // namespace tk

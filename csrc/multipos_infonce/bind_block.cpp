@@ -54,24 +54,16 @@ TK_BIND(multipos_block) {
         [](const std::string& op, int device, uintptr_t stream, const std::vector<int>& dtypes,
            const std::vector<int64_t>& sizes, const std::vector<double>& scalars, const Ptrs& ptrs) {
           const MultiposBlockParams p = make(dtypes, sizes, scalars, ptrs);
-          if (op == "fwd" || op == "fwd2" || op == "fwd3") {  // v2 / v3 statistics kernels on CUDA (one CPU kernel)
+          if (op == "fwd") {
             if (!p.row_part || (p.cols && !p.col_part)) fail("multipos_block_launch: forward needs its partial outputs");
-            run_on(device, [&] { multipos_block_fwd_cpu(p); }, [&] {
-              TK_CUDA_ONLY(op == "fwd2" ? multipos_block_fwd2_cuda(p, device, stream)
-                                        : op == "fwd3" ? multipos_block_fwd3_cuda(p, device, stream)
-                                                       : multipos_block_fwd_cuda(p, device, stream));
-            });
-          } else if (op == "bwd" || op == "bwd3") {  // v3 gradient kernel on CUDA (one CPU kernel)
+            run_on(device, [&] { multipos_block_fwd_cpu(p); }, [&] { TK_CUDA_ONLY(multipos_block_fwd_cuda(p, device, stream)); });
+          } else if (op == "bwd") {
             if (!p.dS || (p.gr != 0.0 && !p.row_lse) || (p.cols && p.gc != 0.0 && !p.col_lse))
               fail("multipos_block_launch: backward needs dS and the statistics");
             if (p.bias_mode == 1 && (!p.duq_part || !p.dud_part || !p.hist || p.nhist < 1))
               fail("multipos_block_launch: table backward needs its partial outputs");
             if (p.bias_mode == 2 && !p.G) fail("multipos_block_launch: dense backward needs G");
-            run_on(device, [&] { multipos_block_bwd_cpu(p); },
-                   [&] {
-                     TK_CUDA_ONLY(op == "bwd3" ? multipos_block_bwd3_cuda(p, device, stream)
-                                               : multipos_block_bwd_cuda(p, device, stream));
-                   });
+            run_on(device, [&] { multipos_block_bwd_cpu(p); }, [&] { TK_CUDA_ONLY(multipos_block_bwd_cuda(p, device, stream)); });
           } else {
             fail("unknown multipos_block op '" + op + "'");
           }

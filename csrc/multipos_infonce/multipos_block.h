@@ -79,7 +79,7 @@ struct MultiposBlockParams {
   int64_t nhist = 0;              // rows of hist: the CUDA grid size (nct * nrt), CPU: nrt
 };
 
-// ---- the glue around the passes (TEMPOKERN_MPB_GLUE=fused, the default; "torch" keeps the torch ops) ----
+// ---- the glue around the passes: prep, finalize, table gradient ----
 //
 // prep (one launch per step, before the passes): from the int64 span bounds, the int32 bounds the passes
 // compare (shifted by the minimum of all bounds when max - min < 2^31 - 1, else each bound's rank = the count
@@ -122,7 +122,7 @@ struct MultiposFinParams {
 // table-bias gradient glue (one launch per row block, after its gradient pass): du_q[i0 + t] = sum over the
 // nct column tiles of duq_part[t, :]; dud_acc (float64, Bd) = (first ? 0 : dud_acc) + sum over the nrt row
 // tiles of dud_part[:, j] (in float64); on the last launch du_d = dud_acc and dtable[k] = sum over the nhist
-// rows of hist[:, k], both in the accumulation dtype (the torch glue's sums, in one launch).
+// rows of hist[:, k], both in the accumulation dtype (in one launch).
 struct MultiposTableGradParams {
   DType adtype = DType::F32;
   int64_t Bq = 0, Bd = 0, i0 = 0, R = 0, nct = 1, nrt = 1, P = 0, nhist = 1;
@@ -149,11 +149,7 @@ void multipos_block_fwd_cpu(const MultiposBlockParams& p);
 void multipos_block_bwd_cpu(const MultiposBlockParams& p);
 #ifdef TK_WITH_CUDA
 void multipos_block_fwd_cuda(const MultiposBlockParams& p, int device, uintptr_t stream);
-// statistics pass v2 (same outputs, shared-memory tile, one reduction per row per 1024 columns)
-void multipos_block_fwd2_cuda(const MultiposBlockParams& p, int device, uintptr_t stream);
-void multipos_block_fwd3_cuda(const MultiposBlockParams& p, int device, uintptr_t stream);
 void multipos_block_bwd_cuda(const MultiposBlockParams& p, int device, uintptr_t stream);
-void multipos_block_bwd3_cuda(const MultiposBlockParams& p, int device, uintptr_t stream);  // v3 (opt-in)
 #endif
 
 }  // namespace tk

@@ -177,7 +177,7 @@ void multipos_block_bwd_cpu(const MultiposBlockParams& p) {
   else bwd<float>(p);
 }
 
-// ---- glue twins (TEMPOKERN_MPB_GLUE=fused on CPU): the same outputs as the CUDA prep / fin kernels ----
+// ---- glue twins (CPU): the same outputs as the CUDA prep / fin kernels ----
 
 void multipos_block_prep_cpu(const MultiposPrepParams& p) {
   const int64_t Bq = p.Bq, Bd = p.Bd;

@@ -113,7 +113,7 @@ __device__ __forceinline__ A wdot(const A* W, int KP, const A (&s)[KMAX], const 
   return h0 + h1;
 }
 
-// The merged always-on units (hidden-unit merging, TEMPOKERN_OB_PRUNE: slots 0 and 1 hold the float64 merged
+// The merged always-on units (hidden-unit merging: slots 0 and 1 hold the float64 merged
 // weights as hi + lo, w2 = 1) evaluated as one linear unit, centred: Python folds the cos weights' value at
 // delta = 0 into the bias (b = b_lin + sum_k w_cos_k, hi + lo), and the unit sums w_sin_k s_k + w_cos_k (c_k - 1)
 // before adding it. The uncentred float32 sum carried the large, nearly constant cos part of every pair (cos ~ 1

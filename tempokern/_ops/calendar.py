@@ -7,10 +7,10 @@ from typing import List, Sequence
 
 import torch
 
-from . import common
+from . import common, dispatch
 from ..reference.calendar import fourier_table as _ref_fourier_table
 from ..reference.calendar import level_weights
-from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, env_choice,
+from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code,
                      kernels, launch_args, on_cuda_path, ptr, rows_contiguous)
 
 _MAX_LEVELS = 8  # csrc/calendar/calendar.h::kMaxCalendarLevels
@@ -20,23 +20,20 @@ _CW = 32  # csrc/calendar/calendar_cuda.cu::kCW: CUDA tables are zero-padded to 
 # H100 (5 in the backward), so the last wave's tail is short; a small fixed multiple (8 x SMs) would leave
 # 1.3 waves and up to half the card idle at the end. At least 2 x SMs whenever there are that many tiles.
 _CTAS_PER_SM = 64
-# v2 (default): CTAs of 8 warps, a warp per group of R rows (context 8, 4 in float64; scalar 4, 2 in float64),
+# The context forward (warp-cooperative rows): CTAs of 8 warps, a warp per group of 8 rows (4 in float64),
 # grid-stride over the groups; the grid is min(groups / 8, 8 x SM count): at 1M rows 1,056 CTAs on an H100, every
-# warp walking ~16 groups (context), so all warps do the same work and there is no tail wave; >= 2 x SMs whenever
-# there are 16 x 8 x R rows or more. 8 per SM also covers the 2 (context, 128 registers) or 4 (scalar, 64) CTAs
-# resident per SM.
-_CTAS_PER_SM_V2 = 8
-# v3 (calendar_context only, csrc/calendar/calendar_v3_cuda.cu): persistent CTAs of 256 threads walking 64-row tiles,
-# 2 resident per SM (<= 128 registers, <= 93 KB shared memory); a grid of 2 x SMs gives every CTA the same number of
-# tiles (+-1: 62 at 1M rows on an H100), and each CTA's next tile is in flight while it computes the current one.
+# warp walking ~16 groups, so all warps do the same work and there is no tail wave.
+_CTAS_PER_SM_GROUPS = 8
+# The candidate v3 calendar_context (csrc/calendar/calendar_v3_cuda.cu): persistent CTAs of 256 threads walking
+# 64-row tiles, 2 resident per SM (<= 128 registers, <= 93 KB shared memory); a grid of 2 x SMs gives every CTA the
+# same number of tiles (+-1), and each CTA's next tile is in flight while it computes the current one.
 _CTAS_PER_SM_V3 = 2
-# v3 calendar_scalar: CTAs of 8 warps, a warp per group of 8 rows (4 lanes per row), no shared memory; 3 resident
-# per SM (the forward's <= 85 registers; the backward fits 2), grid-stride with the next group's loads in flight
+# The candidate v3 calendar_scalar: CTAs of 8 warps, a warp per group of 8 rows (4 lanes per row), no shared
+# memory; 3 resident per SM, grid-stride with the next group's loads in flight
 _CTAS_PER_SM_V3_SCALAR = 3
 _V3_MAX_LEVELS = 3   # levels per v3 launch (the forward holds every level's logits of its next tile in registers)
 _V3_MAX_CLASSES = 32
 _V3_MAX_DIM = 128
-VARIANTS = ("v1", "v2", "v3")
 _TABLE_CACHE_SIZE = 32  # Fourier tables kept (least recently used dropped): bounded, pins little memory
 _tables: "collections.OrderedDict" = collections.OrderedDict()
 
@@ -76,80 +73,49 @@ def _table(n: int, dim: int, dtype: torch.dtype, device: torch.device, layout: s
     return t
 
 
-#: The kernel each op's forward / backward runs on CUDA when TEMPOKERN_CALENDAR is unset or "auto". Measured on the
-#: H100 (tools/gpu_probe7.py's kernel profiles, 2026-11-23, float32, 1M rows, levels 12x32x12, dim 64): context
-#: forward v2 0.88 ms vs v1 1.31 ms, context backward v1 1.15 ms vs v2 1.51 ms; scalar v1 both ways (fwd+bwd
-#: 1.03 ms vs v2 1.26 ms in the suite). v3 (session 11) is the default by count, NOT timed: its tiles / row groups
-#: keep the next reads in flight (docs/calendar.md, "v3"; predicted context ~0.45 + 0.55 ms against the
-#: 0.88 + 1.15 ms measured, scalar near its 0.24 ms floor against ~0.9 ms). Calls v3 does not take (float64, a
-#: level of more than 32 classes; context: dim not a multiple of 4 or above 128, a broadcast or unaligned upstream
-#: gradient) run FALLBACK's kernel, the session-9 default. Suite columns tempokern_cal_v1 / _v2 / _pair9 time the
-#: alternatives; if v3 loses on the card, set the entries back to FALLBACK's.
-DEFAULT_VARIANT = {"context_fwd": "v3", "context_bwd": "v3", "scalar_fwd": "v3", "scalar_bwd": "v3"}
-FALLBACK = {"context_fwd": "v2", "context_bwd": "v1", "scalar_fwd": "v1", "scalar_bwd": "v1"}
-_OPS = ("context", "scalar")
+#: The kernels each op runs on CUDA by default (tempokern/_ops/dispatch.py holds the evidence): the context
+#: forward on warp-cooperative rows ("groups"), the context backward and the scalar op both ways on thread-per-row
+#: tiles ("tiles"). The candidate "v3" (TEMPOKERN_EXPERIMENTAL=calendar_v3) takes the calls _v3_takes admits.
+DEFAULT_KERNEL = {"context_fwd": "groups", "context_bwd": "tiles", "scalar_fwd": "tiles", "scalar_bwd": "tiles"}
 
 
-def variant(op: str = "context") -> str:
-    """The CUDA kernel of ``op``: a kernel ("context_fwd", "context_bwd", "scalar_fwd", "scalar_bwd") or an op
-    ("context", "scalar": its forward). TEMPOKERN_CALENDAR=v2 (warp-cooperative rows, csrc/calendar/calendar_cuda.cu
-    namespace v2), v1 (thread per row through shared tiles, the kernels first measured on 2026-11-22) or auto
-    (unset: DEFAULT_VARIANT, the faster one per op and direction as measured). Same outputs; the CPU kernels are
-    the same for every choice."""
-    key = op + "_fwd" if op in _OPS else op
-    if key not in DEFAULT_VARIANT:
-        raise ValueError(f"op must be one of {_OPS + tuple(DEFAULT_VARIANT)}, got {op!r}")
-    v = env_choice("TEMPOKERN_CALENDAR", VARIANTS + ("auto", "pair9"), "auto")
-    if v == "pair9":  # session 9's default (context forward v2, backward v1; scalar v1), a suite column
-        return FALLBACK[key]
-    return DEFAULT_VARIANT[key] if v == "auto" else v
-
-
-def _op(name: str, x: torch.Tensor, v: "str | None" = None) -> str:
-    """The kernel name for calendar_launch: name (the v1 / CPU kernel) or name + "_v2" / "_v3"; v: the variant
-    (default variant(name))."""
-    if not on_cuda_path(x):
-        return name
-    v = variant(name) if v is None else v
-    return name if v == "v1" else name + "_" + v
-
-
-def _max_ctas(x: torch.Tensor, op: str, v: "str | None" = None) -> int:
-    """The grid cap of the kernel (or op's forward) `op` on the CUDA path (0: the CPU kernels)."""
-    if not on_cuda_path(x):
-        return 0
-    v = variant(op) if v is None else v
-    per_sm = {"v1": _CTAS_PER_SM, "v2": _CTAS_PER_SM_V2,
-              "v3": _CTAS_PER_SM_V3_SCALAR if op.startswith("scalar") else _CTAS_PER_SM_V3}[v]
-    return max(1, per_sm * common.sm_count(x.device))
-
-
-def _context_variant(kernel: str, logits, dim: int, grad: "torch.Tensor | None" = None) -> str:
-    """The variant a calendar_context kernel ("context_fwd" / "context_bwd") runs for these inputs: variant(kernel),
-    except that v3 takes only float32 / float16 / bfloat16 levels of <= 32 classes with dim a multiple of 4 in
-    4..128, and (backward) an upstream gradient with unit column stride and 16-byte aligned rows; other calls run
-    FALLBACK's kernel."""
+def _kernel(kernel: str, logits, dim: int = 0, grad: "torch.Tensor | None" = None) -> str:
+    """The CUDA kernel ("groups", "tiles" or "v3") of ``kernel`` ("context_fwd", "context_bwd", "scalar_fwd",
+    "scalar_bwd") for these inputs: v3 where the calendar_v3 candidate is enabled and takes them, else the
+    default; "cpu" off the CUDA path."""
     if not on_cuda_path(logits[0]):
-        return "v1"  # the CPU kernels (one per op and direction; 8 levels per launch as before v3)
-    v = variant(kernel)
-    if v != "v3":
-        return v
-    ok = _v3_levels(logits) and 4 <= dim <= _V3_MAX_DIM and dim % 4 == 0
+        return "cpu"
+    if dispatch.enabled("calendar_v3") and _v3_takes(kernel, logits, dim, grad):
+        return "v3"
+    return DEFAULT_KERNEL[kernel]
+
+
+def _v3_takes(kernel: str, logits, dim: int, grad) -> bool:
+    """Whether the v3 kernels take the call: float32 / float16 / bfloat16 levels of <= 32 classes; context: dim a
+    multiple of 4 in 4..128 and (backward) an upstream gradient with unit column stride and 16-byte aligned rows."""
+    if not _v3_levels(logits):
+        return False
+    if kernel.startswith("scalar"):
+        return True
+    ok = 4 <= dim <= _V3_MAX_DIM and dim % 4 == 0
     if ok and grad is not None:
         vec = 4 * grad.element_size()
         ok = grad.stride(1) == 1 and (grad.stride(0) * grad.element_size()) % vec == 0 and grad.data_ptr() % vec == 0
-    return v if ok else FALLBACK[kernel]
+    return ok
 
 
-def _scalar_variant(kernel: str, logits) -> str:
-    """The variant a calendar_scalar kernel ("scalar_fwd" / "scalar_bwd") runs: variant(kernel), except that v3
-    takes only float32 / float16 / bfloat16 levels of <= 32 classes (others run FALLBACK's kernel)."""
-    if not on_cuda_path(logits[0]):
-        return "v1"  # the CPU kernels (one per op and direction; 8 levels per launch as before v3)
-    v = variant(kernel)
-    if v != "v3":
-        return v
-    return v if _v3_levels(logits) else FALLBACK[kernel]
+def _op(kernel: str, k: str) -> str:
+    """calendar_launch's op name: the default kernels (and the CPU ones) under the kernel's name, v3 suffixed."""
+    return kernel + "_v3" if k == "v3" else kernel
+
+
+def _max_ctas(x: torch.Tensor, kernel: str, k: str) -> int:
+    """The grid cap of kernel k (0: the CPU kernels)."""
+    if k == "cpu":
+        return 0
+    per_sm = {"tiles": _CTAS_PER_SM, "groups": _CTAS_PER_SM_GROUPS,
+              "v3": _CTAS_PER_SM_V3_SCALAR if kernel.startswith("scalar") else _CTAS_PER_SM_V3}[k]
+    return max(1, per_sm * common.sm_count(x.device))
 
 
 def _v3_levels(logits) -> bool:
@@ -158,9 +124,9 @@ def _v3_levels(logits) -> bool:
         x.shape[1] <= _V3_MAX_CLASSES for x in logits)
 
 
-def _chunks(n: int, v: str = "v1"):
-    """The launches of n levels by a kernel of variant v: v3 takes 3 levels per launch, the others 8."""
-    size = _V3_MAX_LEVELS if v == "v3" else _MAX_LEVELS
+def _chunks(n: int, k: str = "tiles"):
+    """The launches of n levels by kernel k: v3 takes 3 levels per launch, the others 8."""
+    size = _V3_MAX_LEVELS if k == "v3" else _MAX_LEVELS
     return [range(i, min(n, i + size)) for i in range(0, n, size)]
 
 
@@ -201,9 +167,9 @@ def _calendar_scalar(logits: List[torch.Tensor], tau: float) -> torch.Tensor:
     out = torch.empty(x0.shape[0], dtype=_acc_dtype(x0.dtype), device=x0.device)
     dev, stream = launch_args(x0)
     levels = _level_args(logits)
-    v = _scalar_variant("scalar_fwd", logits)
+    v = _kernel("scalar_fwd", logits)
     for k, idx in enumerate(_chunks(len(levels), v)):
-        kernels().calendar_launch(_op("scalar_fwd", x0, v), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
+        kernels().calendar_launch(_op("scalar_fwd", v), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
                                   [levels[i] for i in idx], ptr(out), 0, 0, 0, k > 0, 1,
                                   _max_ctas(x0, "scalar_fwd", v))
     return out
@@ -222,9 +188,9 @@ def _calendar_scalar_backward(grad: torch.Tensor, logits: List[torch.Tensor], ta
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in logits]
     dev, stream = launch_args(x0)
     levels = _level_args(logits, grads)
-    v = _scalar_variant("scalar_bwd", logits)
+    v = _kernel("scalar_bwd", logits)
     for idx in _chunks(len(levels), v):
-        kernels().calendar_launch(_op("scalar_bwd", x0, v), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
+        kernels().calendar_launch(_op("scalar_bwd", v), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
                                   [levels[i] for i in idx], 0, ptr(grad), 0, 0, False, 1,
                                   _max_ctas(x0, "scalar_bwd", v))
     return grads
@@ -270,12 +236,12 @@ def _calendar_context(logits: List[torch.Tensor], dim: int, tau: float) -> torch
     if dim == 0 or B == 0:
         return out
     dev, stream = launch_args(x0)
-    v = _context_variant("context_fwd", logits, dim)
+    v = _kernel("context_fwd", logits, dim)
     layout = "cuda_fwd" if on_cuda_path(x0) else "cpu"
     tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device, layout) for x in logits]
     levels = _level_args(logits, tables=tables, dim=dim)
     for idx in _chunks(L, v):
-        kernels().calendar_launch(_op("context_fwd", x0, v), dev, stream, dtype_code(x0), B, 1.0 / tau,
+        kernels().calendar_launch(_op("context_fwd", v), dev, stream, dtype_code(x0), B, 1.0 / tau,
                                   [levels[i] for i in idx], ptr(out), 0, out.stride(0), dim, False, 1,
                                   _max_ctas(x0, "context_fwd", v))
     return out
@@ -299,13 +265,13 @@ def _calendar_context_backward(grad: torch.Tensor, logits: List[torch.Tensor], d
         return [g.zero_() for g in grads]
     grad = grad.to(x0.dtype)  # read through its strides: a broadcast gradient (from .sum()) is not copied
     dev, stream = launch_args(x0)
-    v = _context_variant("context_bwd", logits, dim, grad)
-    # v1 / v2 read the transposed table; v3 the forward's layout (rows of classes, 16-byte loads along dim)
+    v = _kernel("context_bwd", logits, dim, grad)
+    # the tile kernel reads the transposed table; v3 the forward's layout (rows of classes, 16-byte loads along dim)
     layout = ("cuda_fwd" if v == "v3" else "cuda_bwd") if on_cuda_path(x0) else "cpu"
     tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device, layout) for x in logits]
     levels = _level_args(logits, grads, tables, dim)
     for idx in _chunks(len(logits), v):
-        kernels().calendar_launch(_op("context_bwd", x0, v), dev, stream, dtype_code(x0), B, 1.0 / tau,
+        kernels().calendar_launch(_op("context_bwd", v), dev, stream, dtype_code(x0), B, 1.0 / tau,
                                   [levels[i] for i in idx], 0, ptr(grad), grad.stride(0), dim, False, grad.stride(1),
                                   _max_ctas(x0, "context_bwd", v))
     return grads

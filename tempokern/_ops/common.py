@@ -19,15 +19,6 @@ FLOAT_DTYPES = tuple(DTYPE_CODES)
 _checks = os.environ.get("TEMPOKERN_CHECK", "0") not in ("", "0", "false", "False")
 
 
-def env_choice(name: str, choices: Sequence[str], default: str) -> str:
-    """A kernel-variant switch read from the environment variable ``name``: stripped, lower-cased, unset or
-    empty = ``default``; any value not in ``choices`` is a ValueError naming the variable."""
-    v = os.environ.get(name, default).strip().lower() or default
-    if v not in choices:
-        raise ValueError(f"{name} must be one of {tuple(choices)}, got {v!r}")
-    return v
-
-
 def set_debug_checks(enabled: bool) -> None:
     """Turn finite-value checks on or off (also: environment TEMPOKERN_CHECK=1).
 

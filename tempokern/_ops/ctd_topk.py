@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -31,12 +30,12 @@ _WS_ENTRIES = 1 << 22       # scan workspace entries (Q * slices * cap), at most
 _SEL_WARPS, _SCAN_WARPS = 4, 8  # warps per CTA of the two kernels (ctd_topk_cuda.cu)
 _SEL_CTAS_PER_SM = 16       # select grid: 16 CTAs x 4 warps per SM (full occupancy: loads in flight)
 _SCAN_CTAS_PER_SM = 4       # scan grid: 4 CTAs x 8 warps per SM
-# Serve path (Q <= _SERVE_MAX_Q; ctd_topk_cuda_serve): no host sync, no torch op on the data; the previous
-# path (scan_rows for Q <= 4, cuBLAS + select_block above) stays selectable with TEMPOKERN_TOPK_SERVE=0.
-# The serve kernels take 1 to _SERVE_KERNEL_MAX_Q queries; dispatch sends them Q <= _SERVE_MAX_Q, the measured
-# crossover on the H100 (2026-11-23, N = 1M, bf16, k = 10; tools/gpu_probe7.py): serve vs the previous path,
-# no bias / exact bias, ms: Q 1 0.74 / 1.21 vs 1.23 / 2.88, Q 4 0.93 / 2.86 vs 3.98 / 6.63, Q 8 2.94 / 6.14 vs
-# 1.10 / 4.52 (cuBLAS + select from Q = 5 on), Q 16 3.37 / 9.21 vs 1.30 / 5.37.
+# Serve path (Q <= _SERVE_MAX_Q; ctd_topk_cuda_serve): no host sync, no torch op on the data. The serve kernels
+# take 1 to _SERVE_KERNEL_MAX_Q queries; dispatch sends them Q <= _SERVE_MAX_Q, the measured crossover on the H100
+# (N = 1M, bf16, k = 10; benchmarks/results/gpu.csv, case "... sweep"): serve vs the scan / select kernels, no bias
+# / exact bias, ms: Q 1 0.74 / 1.21 vs 1.23 / 2.88, Q 4 0.93 / 2.86 vs 3.98 / 6.63, Q 8 2.94 / 6.14 vs 1.10 /
+# 4.52 (cuBLAS + select from Q = 5 on), Q 16 3.37 / 9.21 vs 1.30 / 5.37. Queries whose serve tile does not fit
+# its shared memory (a wide H) take scan_rows (Q <= 4) as before.
 _SERVE_KERNEL_MAX_Q = 16
 _SERVE_MAX_Q = 4
 _SERVE_WARPS = 8            # warps per CTA of serve_scan
@@ -274,15 +273,6 @@ def _host_scalar(value: float, t: Optional[torch.Tensor]) -> float:
     return value if t is None else float(t.reshape(()).item())   # a host sync where t is on a GPU
 
 
-def serve_mode() -> bool:
-    """TEMPOKERN_TOPK_SERVE: "1" (default) runs Q <= _SERVE_MAX_Q (4) through the serve kernels, "0" through the path
-    measured on the H100 on 2026-11-22 (scan_rows for Q <= 4, cuBLAS + select_block above)."""
-    v = os.environ.get("TEMPOKERN_TOPK_SERVE", "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"TEMPOKERN_TOPK_SERVE must be 0 or 1, got {v!r}")
-    return v == "1"
-
-
 def _serve_qm(Q: int) -> int:
     return 1 if Q == 1 else 4 if Q <= 4 else 16
 
@@ -298,7 +288,7 @@ def _serve_smem(Q: int, H: int, dtype: torch.dtype) -> int:
 def serve_path(q: torch.Tensor, k: int) -> bool:
     """Whether ctd_topk on the CUDA path takes the serve kernels for these queries."""
     Q, H = q.shape
-    return 1 <= Q <= min(_SERVE_MAX_Q, _SERVE_KERNEL_MAX_Q) and serve_mode() and _serve_smem(Q, H, q.dtype) <= _SERVE_SMEM
+    return 1 <= Q <= min(_SERVE_MAX_Q, _SERVE_KERNEL_MAX_Q) and _serve_smem(Q, H, q.dtype) <= _SERVE_SMEM
 
 
 def _dev_scalar(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -1,7 +1,8 @@
 """Blocked Matryoshka InfoNCE: the CUDA execution of tempokern.matryoshka_infonce and the CPU execution with a
-bias. Two executions: the torch path below (CPU bias=, force_blocked() on CPU, and CUDA with
-TEMPOKERN_MRL_CUDA=torch) and the fused path at the end of this file (CUDA and the emulator by default:
-cuBLAS segment products around the kernels of csrc/matryoshka_infonce/matryoshka_block_cuda.cu).
+bias. Two executions: the torch path below (CPU bias=, force_blocked() on CPU) and the fused path at the end of
+this file (CUDA and the emulator: cuBLAS segment products around the kernels of
+csrc/matryoshka_infonce/matryoshka_block_cuda.cu, or the candidate tensor-core kernels of matryoshka_tc_cuda.cu
+where TEMPOKERN_EXPERIMENTAL enables them, tempokern/_ops/dispatch.py).
 
 The torch path: Rows are processed in blocks of R anchors against all candidates; per block the K
 segment products are accumulated into one float32 block with ``addmm`` (cuBLAS on CUDA), snapshot after
@@ -28,7 +29,7 @@ from typing import List, Sequence
 
 import torch
 
-from .common import DTYPE_CODES, device_constant, env_choice, kernels, launch_args, on_cuda_path, ptr, sm_count
+from .common import DTYPE_CODES, device_constant, kernels, launch_args, on_cuda_path, ptr, sm_count
 from .multipos_blocked import _SIZE, _addmm_into, _mm, _mm_out_f32, block_rows, none_flags, prep_spans, spans32, tiling
 
 
@@ -138,13 +139,14 @@ def _finish_levels(c, row_stats, col_stats, c_all, c_pos, cols: bool, coef, row_
 
 def blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg: Sequence[int],
                     coef: Sequence[float], inv_temp: float, row_weight: float, col_weight: float, diag_offset: int,
-                    block: int = 0, bias=None, want_grad: bool = False, known_half=None) -> List[torch.Tensor]:
+                    block: int = 0, bias=None, want_grad: bool = False, known_half=None,
+                    tensor_cores: bool = False) -> List[torch.Tensor]:
     """[loss, levels, row_stats, col_stats]; want_grad (the fused path without a column term only, see
     fused_forward): then also the gradients for a unit upstream gradient of the loss. known_half: the half
     dtype whose values the float32 q, d (and extra_neg) hold, when the caller knows it (see _Fused)."""
     if use_fused(q, d.shape[0]):
         return fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
-                             row_weight, col_weight, diag_offset, block, bias, want_grad, known_half)
+                             row_weight, col_weight, diag_offset, block, bias, want_grad, known_half, tensor_cores)
     c = _Ctx(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
              col_weight, diag_offset, block, bias)
     K, dev, acc = c.K, q.device, c.acc
@@ -172,12 +174,13 @@ def blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row
 
 def blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none,
                      seg: Sequence[int], inv_temp: float, row_weight: float, col_weight: float, diag_offset: int,
-                     block: int = 0, bias=None, known_half=None) -> List[torch.Tensor]:
+                     block: int = 0, bias=None, known_half=None, tensor_cores: bool = False) -> List[torch.Tensor]:
     """[dq, dd, dneg, drho, dkap, dkneg] (empty where absent), then with a bias the float64 gradients of its
     eight inputs [du_q, du_d, dtable, dw1, db1, dw2, db2, dscale] (empty where absent)."""
     if use_fused(q, d.shape[0]):
         return fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
-                              row_none, seg, inv_temp, row_weight, col_weight, diag_offset, block, bias, known_half)
+                              row_none, seg, inv_temp, row_weight, col_weight, diag_offset, block, bias, known_half,
+                              tensor_cores)
     c = _Ctx(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
              col_weight, diag_offset, block, bias)
     K, acc = c.K, c.acc
@@ -252,57 +255,27 @@ def blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kne
 # Memory: forward R (C + N) accumulation values (+ the bias block), backward (K + 1) R (C + N) (+ 2 R C with a
 # bias), plus O(K R C / 1024 + K C R / TR) partials; never B x C unless one block holds it.
 
-MRL_VARIANTS = ("tc", "levels", "fused", "torch")
-
-
-def cuda_variant() -> str:
-    """The CUDA execution of matryoshka_infonce: TEMPOKERN_MRL_CUDA=tc (default: the tensor-core kernels of
-    matryoshka_tc_cuda.cu, for bfloat16 embeddings without a bias or extra negatives whose dims are multiples
-    of 16; other calls take "levels"), levels (one fused multipos_infonce per level on the truncated,
-    normalised embeddings, for calls without a bias and with B == B'; the others take the fused kernels: 6.8 ms
-    at B = 8,192 on the H100, 2026-11-23), fused (the per-level fused kernels of matryoshka_block_cuda.cu:
-    13.1 ms) or torch (the blocked torch element-wise path above: 47.2 ms)."""
-    return env_choice("TEMPOKERN_MRL_CUDA", MRL_VARIANTS, "tc")
-
-
-TC_TILES = ("auto", "64x64", "128x64", "128x128")
-_TC_TILE_SHAPES = {"64x64": (64, 64), "128x64": (128, 64), "128x128": (128, 128)}
-
-
-def tc_tile_choice() -> str:
-    """TEMPOKERN_MRL_TC_TILE: the tensor-core kernels' tile (rows x columns per CUDA block of 4 warps). auto
-    (default): for calls of <= 2 levels (the CTD loss: K = 1) the largest of 128x128, 128x64, 64x64 whose backward
-    leaves room for two blocks per SM (half the device's opt-in shared memory), else 64x64; a named tile: that one
-    where the shared memory allows, else the next smaller. Per pair and pass the tiles move 48 / 36 / 24 bytes of
-    L2 operands (the binding term at B = 65,536) and do 16 / 21 / 32 mma flops per shared-memory operand byte
-    (docs/multipos_infonce.md, "tensor-core"); the backward keeps K float32 score tiles (17 / 34 / 68 KB each)."""
-    return env_choice("TEMPOKERN_MRL_TC_TILE", TC_TILES, "auto")
-
-
 def tc_tile(K: int, table: bool, hist_points: int, optin: int):
     """(rows, columns) of the tensor-core tile for a call of K levels (table: with the table bias, whose
     histogram of hist_points floats stays in shared memory where it fits) on a device with `optin` bytes of
-    shared memory per block: tc_tile_choice()'s rule."""
-    k = kernels()
-    choice = tc_tile_choice()
-    order = [(128, 128), (128, 64), (64, 64)]
-    if choice == "auto":
-        if K > 2:
-            return 64, 64
-        for tr, tcl in order:
-            if k.mrl_tc_smem_bytes(K, True, table, hist_points, tr, tcl) <= optin // 2:
-                return tr, tcl
+    shared memory per block: for calls of <= 2 levels (the CTD loss: K = 1) the largest of 128x128, 128x64,
+    64x64 whose backward leaves room for two blocks per SM (half the opt-in shared memory), else 64x64. Per pair
+    and pass the tiles move 48 / 36 / 24 bytes of L2 operands and do 16 / 21 / 32 mma flops per shared-memory
+    operand byte (docs/multipos_infonce.md, "Tensor-core kernels"); the backward keeps K float32 score tiles
+    (17 / 34 / 68 KB each)."""
+    if K > 2:
         return 64, 64
-    for tr, tcl in order[order.index(_TC_TILE_SHAPES[choice]):]:
-        if k.mrl_tc_smem_bytes(K, True, table, hist_points, tr, tcl) <= optin:
+    k = kernels()
+    for tr, tcl in ((128, 128), (128, 64), (64, 64)):
+        if k.mrl_tc_smem_bytes(K, True, table, hist_points, tr, tcl) <= optin // 2:
             return tr, tcl
     return 64, 64
 
 
 def use_fused(t, Bd: int) -> bool:
-    """Whether a call on tensor (or device) t with Bd candidates runs the fused kernels (tensor-core or per-level):
-    CUDA (or emulated CUDA) with a variant other than torch, and a candidate."""
-    return on_cuda_path(t) and Bd > 0 and cuda_variant() in ("tc", "levels", "fused")
+    """Whether a call on tensor (or device) t with Bd candidates runs the fused kernels (the per-level fused
+    kernels or the tensor-core candidate): CUDA (or emulated CUDA) and a candidate."""
+    return on_cuda_path(t) and Bd > 0
 
 
 _TC_LEVELS: dict = {}
@@ -326,12 +299,12 @@ def _tc_levels(cuda: bool, dev: int) -> int:
 
 
 def tc_eligible(half, H: int, seg: Sequence[int], N: int, bias_mode, t) -> bool:
-    """Whether the tensor-core kernels take a call: the tc variant, bfloat16 operands (half), no extra negatives,
+    """Whether the tensor-core kernels can take a call (the caller decides whether they may): bfloat16 operands (half), no extra negatives,
     no bias or the table bias (bias_mode None / "table"; "exact" never), rows of a multiple of 8 features
     (16-byte loads), level boundaries increasing multiples of 16, and the backward's shared memory within the
     device's (tc_max_levels(t) levels without a bias)."""
     K = len(seg) - 1
-    if not (cuda_variant() == "tc" and half == torch.bfloat16 and N == 0 and bias_mode in (None, "table")
+    if not (half == torch.bfloat16 and N == 0 and bias_mode in (None, "table")
             and H % 8 == 0 and 1 <= K and all(b > a and b % 16 == 0 for a, b in zip(seg, seg[1:]))):
         return False
     if bias_mode is None:
@@ -376,7 +349,7 @@ class _Fused:
     """Shared set-up of the fused forward and backward."""
 
     def __init__(self, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp,
-                 row_weight, col_weight, diag_offset, block, bias, backward, known_half=None):
+                 row_weight, col_weight, diag_offset, block, bias, backward, known_half=None, tensor_cores=False):
         # int32 spans and fallback flags: multipos's prep kernel (one launch; torch's sorts took 0.37 ms at
         # B = 8,192 on the H100), or torch where there is no row or no column
         if q.shape[0] and d.shape[0]:
@@ -412,7 +385,7 @@ class _Fused:
         per_elem = asz * ((c.K + 1) if backward else 1) + (2 * c.K if backward and self.half is not None else 0) + \
             (2 * asz if bias is not None else 0)
         bias_mode = None if bias is None else ("table" if bias[2] is not None else "exact")
-        self.tc = tc_eligible(self.half, c.q.shape[1], c.seg, c.N, bias_mode, q)
+        self.tc = bool(tensor_cores) and tc_eligible(self.half, c.q.shape[1], c.seg, c.N, bias_mode, q)
         self.tab = None  # the table bias of the tensor-core path: (u_q, u_d, table) float32, hist in shared memory
         self.tr, self.tcl = 64, 64  # the tensor-core tile: rows, columns per CUDA block (tc_tile)
         if self.tc:
@@ -689,14 +662,14 @@ def _forward_state(F, coef, row_weight, col_weight, gif: bool, bias):
 
 def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
                   row_weight, col_weight, diag_offset, block=0, bias=None, want_grad=False,
-                  known_half=None) -> List[torch.Tensor]:
+                  known_half=None, tensor_cores=False) -> List[torch.Tensor]:
     """[loss, levels, row_stats, col_stats], then with want_grad (only without a column term: a block's row
     statistics are then final after its own pass) the gradients for a unit upstream gradient of the loss,
     [dq, dd, dneg, drho, dkap, dkneg]: the block's snapshots are kept for its backward launches, which saves
     the backward's recomputed products (6 instead of 8 B C H flops)."""
     gif = bool(want_grad) and col_weight == 0.0
     F = _Fused(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
-               col_weight, diag_offset, block, bias, backward=gif, known_half=known_half)
+               col_weight, diag_offset, block, bias, backward=gif, known_half=known_half, tensor_cores=tensor_cores)
     if F.tc:
         return _tc_forward(F, coef, row_weight, col_weight, gif, bias)
     c = F.c
@@ -744,9 +717,10 @@ def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_n
 
 def fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none,
                    seg, inv_temp, row_weight, col_weight, diag_offset, block=0, bias=None,
-                   known_half=None) -> List[torch.Tensor]:
+                   known_half=None, tensor_cores=False) -> List[torch.Tensor]:
     F = _Fused(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
-               col_weight, diag_offset, block, bias, backward=True, known_half=known_half)
+               col_weight, diag_offset, block, bias, backward=True, known_half=known_half,
+               tensor_cores=tensor_cores)
     c = F.c
     grads = _Grads(F, bias)
     cols = col_weight != 0.0

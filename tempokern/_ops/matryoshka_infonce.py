@@ -19,7 +19,8 @@ import torch
 
 from .common import (check_finite, check_positive, check_same_device, check_tensor, device_constant, dtype_code,
                      kernels, launch_args, on_cuda_path, ptr)
-from .matryoshka_blocked import blocked_backward, blocked_forward, cuda_variant, tc_call, use_fused
+from . import dispatch
+from .matryoshka_blocked import blocked_backward, blocked_forward, tc_call, use_fused
 from ..reference.offset_bias import offset_bias_table
 from .multipos_infonce import _BIAS_NAMES, _check_span, _span_bounds, check_table_points, validate_bias
 
@@ -90,7 +91,8 @@ def _gif(want_grad: bool, col_weight: float, K: int, Bd: int, N: int, itemsize: 
 def _mat(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor], rho: torch.Tensor, kap: torch.Tensor,
          kneg: Optional[torch.Tensor], q_lo: torch.Tensor, q_hi: torch.Tensor, d_lo: torch.Tensor, d_hi: torch.Tensor,
          row_none: Optional[torch.Tensor], seg: List[int], coef: List[float], inv_temp: float, row_weight: float,
-         col_weight: float, diag_offset: int, bf16_operands: bool, want_grad: bool) -> List[torch.Tensor]:
+         col_weight: float, diag_offset: int, bf16_operands: bool, tensor_cores: bool,
+         want_grad: bool) -> List[torch.Tensor]:
     K = len(seg) - 1
     acc = q.dtype
     N = 0 if extra_neg is None else extra_neg.shape[0]
@@ -98,7 +100,7 @@ def _mat(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor], rh
         gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), q.device)
         out = blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
                               row_weight, col_weight, diag_offset, _block_rows(), want_grad=gif,
-                              known_half=torch.bfloat16 if bf16_operands else None)
+                              known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
         return out if gif else out + [q.new_empty(0) for _ in range(6)]
     loss = torch.zeros((), dtype=acc, device=q.device)
     levels = torch.zeros(K, dtype=acc, device=q.device)
@@ -118,7 +120,7 @@ def _mat(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor], rh
 
 @_mat.register_fake
 def _(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp, row_weight, col_weight,
-      diag_offset, bf16_operands, want_grad):
+      diag_offset, bf16_operands, tensor_cores, want_grad):
     K = len(seg) - 1
     N = 0 if extra_neg is None else extra_neg.shape[0]
     out = [q.new_empty(()), q.new_empty((K,)), q.new_empty((K, 3, q.shape[0])), q.new_empty((K, 3, d.shape[0]))]
@@ -133,11 +135,12 @@ def _mat_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: torch
                   d: torch.Tensor, extra_neg: Optional[torch.Tensor], rho: torch.Tensor, kap: torch.Tensor,
                   kneg: Optional[torch.Tensor], q_lo: torch.Tensor, q_hi: torch.Tensor, d_lo: torch.Tensor,
                   d_hi: torch.Tensor, row_none: Optional[torch.Tensor], seg: List[int], inv_temp: float,
-                  row_weight: float, col_weight: float, diag_offset: int, bf16_operands: bool) -> List[torch.Tensor]:
+                  row_weight: float, col_weight: float, diag_offset: int, bf16_operands: bool,
+                  tensor_cores: bool) -> List[torch.Tensor]:
     if _blocked(q):
         return blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
                                 row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(),
-                                known_half=torch.bfloat16 if bf16_operands else None)
+                                known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
     coef = [float(c) for c in lcoef.detach().to("cpu", torch.float64).tolist()]
     z = lambda t: None if t is None else torch.zeros(t.shape, dtype=q.dtype, device=q.device)  # noqa: E731
     dq, dd, dneg, drho, dkap, dkneg = z(q), z(d), z(extra_neg), z(rho), z(kap), z(kneg)
@@ -153,7 +156,7 @@ def _mat_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: torch
 
 @_mat_backward.register_fake
 def _(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp,
-      row_weight, col_weight, diag_offset, bf16_operands):
+      row_weight, col_weight, diag_offset, bf16_operands, tensor_cores):
     return [torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(d, memory_format=torch.contiguous_format),
             q.new_empty(0) if extra_neg is None else torch.empty_like(extra_neg, memory_format=torch.contiguous_format),
@@ -226,7 +229,7 @@ def _mat_bias(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor
               u_d: torch.Tensor, table: Optional[torch.Tensor], w1: Optional[torch.Tensor],
               b1: Optional[torch.Tensor], w2: Optional[torch.Tensor], b2: Optional[torch.Tensor],
               scale: Optional[torch.Tensor], seg: List[int], coef: List[float], inv_temp: float, row_weight: float,
-              col_weight: float, diag_offset: int, bf16_operands: bool) -> List[torch.Tensor]:
+              col_weight: float, diag_offset: int, bf16_operands: bool, tensor_cores: bool) -> List[torch.Tensor]:
     """matryoshka_infonce with offset_bias's per-pair bias added to every level's logits: [loss, levels,
     row_stats, col_stats] by the blocked path. table (points,) given: the table mode (w1..scale None);
     else the exact MLP (w1..scale). bf16_operands: q, d and extra_neg hold bfloat16 values (the caller's
@@ -234,12 +237,12 @@ def _mat_bias(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor
     return blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
                            row_weight, col_weight, diag_offset, _block_rows(),
                            bias=(u_q, u_d, table, w1, b1, w2, b2, scale),
-                           known_half=torch.bfloat16 if bf16_operands else None)
+                           known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
 
 
 @_mat_bias.register_fake
 def _(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, u_q, u_d, table, w1, b1, w2, b2, scale, seg,
-      coef, inv_temp, row_weight, col_weight, diag_offset, bf16_operands):
+      coef, inv_temp, row_weight, col_weight, diag_offset, bf16_operands, tensor_cores):
     K = len(seg) - 1
     return [q.new_empty(()), q.new_empty((K,)), q.new_empty((K, 3, q.shape[0])), q.new_empty((K, 3, d.shape[0]))]
 
@@ -252,18 +255,18 @@ def _mat_bias_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: 
                        table: Optional[torch.Tensor], w1: Optional[torch.Tensor], b1: Optional[torch.Tensor],
                        w2: Optional[torch.Tensor], b2: Optional[torch.Tensor], scale: Optional[torch.Tensor],
                        seg: List[int], inv_temp: float, row_weight: float, col_weight: float,
-                       diag_offset: int, bf16_operands: bool) -> List[torch.Tensor]:
+                       diag_offset: int, bf16_operands: bool, tensor_cores: bool) -> List[torch.Tensor]:
     """[dq, dd, dneg, drho, dkap, dkneg] in the accumulation dtype, then [du_q, du_d, dtable, dw1, db1, dw2,
     db2, dscale] in float64 (empty where absent)."""
     return blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
                             row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(),
                             bias=(u_q, u_d, table, w1, b1, w2, b2, scale),
-                            known_half=torch.bfloat16 if bf16_operands else None)
+                            known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
 
 
 @_mat_bias_backward.register_fake
 def _(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, u_q, u_d, table,
-      w1, b1, w2, b2, scale, seg, inv_temp, row_weight, col_weight, diag_offset, bf16_operands):
+      w1, b1, w2, b2, scale, seg, inv_temp, row_weight, col_weight, diag_offset, bf16_operands, tensor_cores):
     out = [q.new_empty(q.shape), q.new_empty(d.shape), q.new_empty(0) if extra_neg is None else q.new_empty(
         extra_neg.shape), q.new_empty(rho.shape), q.new_empty(kap.shape),
         q.new_empty(0) if kneg is None else q.new_empty(kneg.shape)]
@@ -389,12 +392,16 @@ def _id_spans(n: int, start: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
 def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weights: Sequence[float], *,
                        temperature: float, extra_neg=None, row_weight: float = 1.0, col_weight: float = 0.0,
                        diag_offset: int = 0, row_none: Optional[torch.Tensor] = None, normalize: bool = True,
-                       bias=None, bias_table_points: Optional[int] = None):
+                       bias=None, bias_table_points: Optional[int] = None, tensor_cores: Optional[bool] = None):
     """The kernel entry on validated inputs (dims ascending): q (Bq, H) vs d (Bd, H), int64 span bounds,
     per-level loss = row_weight * mean row loss + col_weight * mean column loss (diagonal fallback at
     column i + diag_offset). bias: None or the validated 7-tuple (u_q, u_d, w1, b1, w2, b2, scale), with
     ``bias_table_points`` for the table mode; it runs the blocked path on every device.
+    ``tensor_cores``: whether the candidate tensor-core kernels may take the call (they still check that it is
+    theirs); None: TEMPOKERN_EXPERIMENTAL's mrl_tc (tempokern/_ops/dispatch.py).
     Returns (loss = sum_l weights_l level_l, levels (K,))."""
+    if tensor_cores is None:
+        tensor_cores = dispatch.enabled("mrl_tc")
     acc = _acc(q.dtype)
     qk, dk = _operand(q.to(acc)), _operand(d.to(acc))
     nk = None if extra_neg is None else _operand(extra_neg.to(acc))
@@ -421,12 +428,13 @@ def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weight
             bk = (u_q.contiguous(), u_d.contiguous(), None, w1, b1, w2, b2, scale)
         out = torch.ops.tempokern.matryoshka_infonce_bias(
             qk, dk, nk, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, *bk, seg, [float(w) for w in weights],
-            1.0 / temperature, float(row_weight), float(col_weight), int(diag_offset), bf16)
+            1.0 / temperature, float(row_weight), float(col_weight), int(diag_offset), bf16, bool(tensor_cores))
         return out[0], out[1]
     want = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qk, dk, nk, rho, kap, kneg))
     out = torch.ops.tempokern.matryoshka_infonce(
         qk, dk, nk, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, [float(w) for w in weights],
-        1.0 / temperature, float(row_weight), float(col_weight), int(diag_offset), bf16, bool(want))
+        1.0 / temperature, float(row_weight), float(col_weight), int(diag_offset), bf16, bool(tensor_cores),
+        bool(want))
     return out[0], out[1]
 
 
@@ -519,11 +527,11 @@ def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *,
 
 
 def _per_level(q, d, bias, dims, extra_neg) -> bool:
-    """The levels path (TEMPOKERN_MRL_CUDA=levels, and the default tc for calls the tensor-core kernels do not
-    take): no bias (a bias would be evaluated once per level), a square batch (multipos_infonce's), a row."""
-    v = cuda_variant()
-    return (bias is None and on_cuda_path(q) and v in ("levels", "tc") and q.shape[0] == d.shape[0]
-            and q.shape[0] > 0 and not (v == "tc" and tc_call(q, d, dims, extra_neg, bias)))
+    """The levels path (the CUDA default where it applies, tempokern/_ops/dispatch.py): no bias (a bias would be
+    evaluated once per level), a square batch (multipos_infonce's), a row, and not a call the enabled mrl_tc
+    candidate takes."""
+    return (bias is None and on_cuda_path(q) and q.shape[0] == d.shape[0] and q.shape[0] > 0
+            and not (dispatch.enabled("mrl_tc") and tc_call(q, d, dims, extra_neg, bias)))
 
 
 def _levels_path(q, d, dims, weights, temperature, extra_neg, symmetric, q_span, d_span, normalize, want_levels):

@@ -16,11 +16,10 @@ for the exact bias block and its gradient), O((B + N) H) for the gradients; neve
 holds it within the budget. The loss's gradient with respect to its output scale is linear, so the
 gradients are computed for d loss = 1 and scaled in backward.
 
-Glue (TEMPOKERN_MPB_GLUE, see glue_variant()): "fused" (default) runs one prep kernel (int32 spans, fallback
-flags) per step, one finalize kernel per row block (row / column statistics, hardest negative, loss) and, for
-the table bias, one tgrad kernel per row block, with every small array in one workspace allocation: 4 kernel
-launches and 8 launching torch ops per fwd+bwd step without bias (one block), against 2 kernels and 48 ops for
-"torch" (the glue measured on the H100). Counts: tests/test_multipos_launches.py, docs/DEVELOPING.md.
+Glue: one prep kernel (int32 spans, fallback flags) per step, one finalize kernel per row block (row /
+column statistics, hardest negative, loss) and, for the table bias, one tgrad kernel per row block, with every
+small array in one workspace allocation: 4 kernel launches and 8 launching torch ops per fwd+bwd step without
+bias (one block). Counts: tests/test_multipos_launches.py.
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ from typing import List, Optional
 
 import torch
 
-from .common import DTYPE_CODES, env_choice, kernels, launch_args, on_cuda_path, ptr, sm_count
+from .common import DTYPE_CODES, kernels, launch_args, on_cuda_path, ptr, sm_count
 
 TILE_COLS = 1024  # columns per CUDA block of the fused passes (256 threads x 4)
 _out_dtype_ok: dict = {}
@@ -105,53 +104,6 @@ def spans32(q_lo, q_hi, d_lo, d_hi):
     else:  # ranks (number of smaller bounds): order-preserving, and no device synchronisation on CUDA
         out = torch.searchsorted(torch.sort(allb).values, allb).to(torch.int32)
     return tuple(t.contiguous() for t in torch.split(out, [q_lo.numel(), q_hi.numel(), d_lo.numel(), d_hi.numel()]))
-
-
-STATS_VARIANTS = ("v1", "v2", "v3")
-
-
-def stats_variant() -> str:
-    """The CUDA statistics kernel of the forward pass: TEMPOKERN_MPB_STATS=v1 (default, the kernel measured on
-    the H100: threads own columns, a warp reduction per row per 4 columns) or v2 (a shared-memory tile, a
-    warp per row, one reduction per row per 1024 columns; measured within 5% of v1) or v3 (v1's reductions with
-    4 consecutive columns per thread, vector loads, the next batch's loads in flight, no per-element validity
-    branches: docs/multipos_infonce.md; float accumulation, float64 runs v1; not yet timed on a GPU). Same
-    outputs."""
-    return env_choice("TEMPOKERN_MPB_STATS", STATS_VARIANTS, "v1")
-
-
-GRAD_VARIANTS = ("v1", "v3")
-
-
-def grad_variant() -> str:
-    """The CUDA gradient kernel of the backward pass: TEMPOKERN_MPB_GRAD=v1 (default, the kernel measured on the
-    H100: threads own columns 256 apart, one 4-byte load and one store per column per row) or v3 (the layout of
-    the v3 statistics kernel: 4 consecutive columns per thread, vector loads of S and vector stores of dS, the
-    next batch's loads in flight, no per-element validity branches; the same arithmetic, so the same numbers;
-    float accumulation, float64 runs v1; not yet timed on a GPU). Same outputs."""
-    return env_choice("TEMPOKERN_MPB_GRAD", GRAD_VARIANTS, "v1")
-
-
-SCORES_VARIANTS = ("f32", "half")
-
-
-def scores_variant() -> str:
-    """The dtype of the cuBLAS score blocks for fp16 / bf16 operands on CUDA: TEMPOKERN_MPB_SCORES=f32
-    (default: cuBLAS's float32 accumulator kept, ``mm(..., out_dtype=float32)``) or half (the operands' dtype,
-    rounded as torch's own ``q @ d.T`` is: half the bytes written by each score product and read by the fused
-    passes, 4 of the 22 bytes per pair of a step become 2 of 14). Float32 / float64 operands are unaffected."""
-    return env_choice("TEMPOKERN_MPB_SCORES", SCORES_VARIANTS, "f32")
-
-
-GLUE_VARIANTS = ("fused", "torch")
-
-
-def glue_variant() -> str:
-    """The glue around the fused passes: TEMPOKERN_MPB_GLUE=fused (default: one prep kernel for the span
-    ranks and fallback flags, one finalize kernel per row block for the statistics merge, the hardest negative
-    and the loss, one workspace allocation) or torch (the torch ops measured on the H100 in the first GPU
-    session: sort / searchsorted / logsumexp / loss assembly, ~50 more ops per step). Same numbers."""
-    return env_choice("TEMPOKERN_MPB_GLUE", GLUE_VARIANTS, "fused")
 
 
 class _Workspace:
@@ -297,20 +249,14 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         q32, d32 = q.to(acc), d.to(acc)
     bias_mode = 1 if table is not None else (2 if exact is not None else 0)
     cols = col_weight != 0.0
-    fused = glue_variant() == "fused" and Bq > 0 and Bd > 0
-    ws = None
-    if not fused:
-        spans = spans32(q_lo, q_hi, d_lo, d_hi)
-        flags = none_flags(*spans)
-
-    # half-precision score blocks (TEMPOKERN_MPB_SCORES=half): the product rounded to the operands' dtype
-    half_scores = cuda_path and q.dtype in (torch.float16, torch.bfloat16) and scores_variant() == "half"
+    if Bq == 0 or Bd == 0:
+        return _empty_pairs(q, d, extra_neg, acc, inv_temp, row_weight, col_weight, want_grad, want_hardest, exact,
+                            table)
 
     def scores(a_rows, b):  # (R, H) x (C, H) -> (R, C)
-        if cuda_path and q.device.type == "cpu":  # the emulator: a float32 product, rounded like cuBLAS's output
-            S = torch.mm(a_rows.to(acc), b.to(acc).t())
-            return S.to(q.dtype) if half_scores else S
-        return torch.mm(a_rows, b.t()) if half_scores else _mm(a_rows, b.t())
+        if cuda_path and q.device.type == "cpu":  # the emulator: a float32 product, as cuBLAS's output
+            return torch.mm(a_rows.to(acc), b.to(acc).t())
+        return _mm(a_rows, b.t())
 
     def prod(a, b):  # gradient products, float32 output for half operands where torch can
         if q.device.type == "cpu":
@@ -323,46 +269,45 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         else:
             _addmm_into(c, a, b)
 
-    sdtype = acc if not half_scores and (q.device.type == "cpu" or q.dtype == acc or _mm_out_f32(q.device)) \
-        else q.dtype
+    sdtype = acc if (q.device.type == "cpu" or q.dtype == acc or _mm_out_f32(q.device)) else q.dtype
     odtype = q.dtype if cuda_path else acc
     per_elem = _SIZE[sdtype] + _SIZE[odtype] + (2 * _SIZE[acc] if bias_mode == 2 else 0)
     R = block_rows(Bq, Bd, N, per_elem, q.device, requested_rows)
-    blocks = [(i0, min(R, Bq - i0)) for i0 in range(0, Bq, R)] if Bq else []
-    if fused:  # one workspace; the prep kernel writes the int32 spans and the fallback flags
-        asz = _SIZE[acc]
-        tls = {r: (tiling(r, Bd, q.device), tiling(r, N, q.device) if N else (1, 0, 1)) for _, r in blocks}
-        ws = _Workspace()
-        ws.add("spans", 4 * 2 * (Bq + Bd))
-        ws.add("flags", Bq + Bd)
-        ws.add("counter", 4)
-        ws.add("row_lse", 2 * Bq * asz)
-        ws.add("col_lse", 2 * Bd * asz)
-        ws.add("row_part", max(r * (tS[1] + tE[1]) * 2 for r, (tS, tE) in tls.items()) * asz)
-        if cols:
-            ws.add("col_part", max(tS[2] for tS, _ in tls.values()) * Bd * 2 * asz)
-        if want_hardest:
-            ws.add("hard_val", max(r * tS[1] for r, (tS, _) in tls.items()) * asz)
-            ws.add("hard_idx", max(r * tS[1] for r, (tS, _) in tls.items()) * 8)
-        nzero = 0
-        if bias_mode == 1 and want_grad:  # the table gradient's histogram (zeroed by prep) and partials
-            nh_t = max(1, max(tS[1] * tS[2] for tS, _ in tls.values()))
-            nzero = nh_t * table.numel()
-            ws.add("hist", nzero * 8)
-            ws.add("dud_acc", Bd * 8)
-            ws.add("duq_part", max(r * tS[1] for r, (tS, _) in tls.items()) * asz)
-            ws.add("dud_part", max(tS[2] for tS, _ in tls.values()) * Bd * asz)
-        ws.alloc(q.device)
-        dev, stream = launch_args(q)
-        b64 = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
-               for t in (q_lo, q_hi, d_lo, d_hi)]
-        kernels().multipos_block_prep(dev, stream, [Bq, Bd, diag_offset, nzero],
-                                      dict(q_lo=ptr(b64[0]), q_hi=ptr(b64[1]), d_lo=ptr(b64[2]), d_hi=ptr(b64[3]),
-                                           spans32=ws["spans"], row_none=ws["flags"], col_none=ws["flags"] + Bq,
-                                           counter=ws["counter"], zero=ws["hist"] if nzero else 0))
-        sp0 = ws["spans"]
-        spans = (sp0, sp0 + 4 * Bq, sp0 + 8 * Bq, sp0 + 8 * Bq + 4 * Bd)
-        flags = (ws["flags"], ws["flags"] + Bq)
+    blocks = [(i0, min(R, Bq - i0)) for i0 in range(0, Bq, R)]
+    # one workspace; the prep kernel writes the int32 spans and the fallback flags
+    asz = _SIZE[acc]
+    tls = {r: (tiling(r, Bd, q.device), tiling(r, N, q.device) if N else (1, 0, 1)) for _, r in blocks}
+    ws = _Workspace()
+    ws.add("spans", 4 * 2 * (Bq + Bd))
+    ws.add("flags", Bq + Bd)
+    ws.add("counter", 4)
+    ws.add("row_lse", 2 * Bq * asz)
+    ws.add("col_lse", 2 * Bd * asz)
+    ws.add("row_part", max(r * (tS[1] + tE[1]) * 2 for r, (tS, tE) in tls.items()) * asz)
+    if cols:
+        ws.add("col_part", max(tS[2] for tS, _ in tls.values()) * Bd * 2 * asz)
+    if want_hardest:
+        ws.add("hard_val", max(r * tS[1] for r, (tS, _) in tls.items()) * asz)
+        ws.add("hard_idx", max(r * tS[1] for r, (tS, _) in tls.items()) * 8)
+    nzero = 0
+    if bias_mode == 1 and want_grad:  # the table gradient's histogram (zeroed by prep) and partials
+        nh_t = max(1, max(tS[1] * tS[2] for tS, _ in tls.values()))
+        nzero = nh_t * table.numel()
+        ws.add("hist", nzero * 8)
+        ws.add("dud_acc", Bd * 8)
+        ws.add("duq_part", max(r * tS[1] for r, (tS, _) in tls.items()) * asz)
+        ws.add("dud_part", max(tS[2] for tS, _ in tls.values()) * Bd * asz)
+    ws.alloc(q.device)
+    dev, stream = launch_args(q)
+    b64 = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+           for t in (q_lo, q_hi, d_lo, d_hi)]
+    kernels().multipos_block_prep(dev, stream, [Bq, Bd, diag_offset, nzero],
+                                  dict(q_lo=ptr(b64[0]), q_hi=ptr(b64[1]), d_lo=ptr(b64[2]), d_hi=ptr(b64[3]),
+                                       spans32=ws["spans"], row_none=ws["flags"], col_none=ws["flags"] + Bq,
+                                       counter=ws["counter"], zero=ws["hist"] if nzero else 0))
+    sp0 = ws["spans"]
+    spans = (sp0, sp0 + 4 * Bq, sp0 + 8 * Bq, sp0 + 8 * Bq + 4 * Bd)
+    flags = (ws["flags"], ws["flags"] + Bq)
     if row_none is not None:  # the caller knows more documents than this call's (CTDLoss's gathered column pass)
         flags = (row_none, flags[1])
     L = _Launcher(q, acc, odtype, inv_temp, diag_offset, spans, flags, u_q, u_d, table)
@@ -376,87 +321,34 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     keep = None
     hardest = torch.empty(Bq, dtype=torch.int64, device=q.device) if want_hardest else None
     single = len(blocks) == 1
-    fwd_op = {"v1": "fwd", "v2": "fwd2", "v3": "fwd3"}[stats_variant()]
-    bwd_op = {"v1": "bwd", "v3": "bwd3"}[grad_variant()]
-    if fused:
-        loss = torch.empty((), dtype=acc, device=q.device)
-        row_lse, col_lse = ws["row_lse"], ws["col_lse"]
-        for b, (i0, r) in enumerate(blocks):
-            qb = q[i0:i0 + r]
-            S = scores(qb, d)
-            tS, tE = tls[r]
-            nslots = tS[1] + tE[1]
-            dense = dense_block(i0, r) if bias_mode == 2 else None
-            hv = hi = None
-            if want_hardest:
-                hv, hi = ws["hard_val"], ws["hard_idx"]
-            L.launch(fwd_op, S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS,
-                     nslots=nslots, slot0=0, row_part=ws["row_part"], col_part=ws["col_part"] if cols else None,
-                     hard_val=hv, hard_idx=hi)
-            E = None
-            if N:
-                E = scores(qb, extra_neg)
-                L.launch(fwd_op, E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, nslots=nslots,
-                         slot0=tS[1], row_part=ws["row_part"])
-            kernels().multipos_block_fin(
-                L.dev, L.stream, L.ad, [Bq, Bd, i0, r, nslots, tS[2], tS[1], int(cols), int(b == 0),
-                                        int(b == len(blocks) - 1)], [float(row_weight), float(col_weight)],
-                dict(row_part=ws["row_part"], col_part=ws["col_part"] if cols else 0, row_lse=row_lse,
-                     col_lse=col_lse, hard_val=hv or 0, hard_idx=hi or 0,
-                     hardest=0 if hardest is None else ptr(hardest), loss=ptr(loss), counter=ws["counter"]))
-            if single:
-                keep = (S, E, dense)
-            del S, E, dense
-        blocks_fwd = []
-    else:
-        blocks_fwd = blocks
-        row_lse = torch.empty(2, Bq, dtype=acc, device=q.device) if not single else None
-        col_lse = torch.full((Bd, 2), -math.inf, dtype=acc, device=q.device) if not single or Bd == 0 or not cols \
-            else None
-    for i0, r in blocks_fwd:
+    loss = torch.empty((), dtype=acc, device=q.device)
+    row_lse, col_lse = ws["row_lse"], ws["col_lse"]
+    for b, (i0, r) in enumerate(blocks):
         qb = q[i0:i0 + r]
         S = scores(qb, d)
-        tS = tiling(r, Bd, q.device)
-        tE = tiling(r, N, q.device) if N else (1, 0, 1)
+        tS, tE = tls[r]
         nslots = tS[1] + tE[1]
-        row_part = torch.empty(r, nslots, 2, dtype=acc, device=q.device)
-        col_part = torch.empty(tS[2], Bd, 2, dtype=acc, device=q.device) if cols else None
         dense = dense_block(i0, r) if bias_mode == 2 else None
         hv = hi = None
         if want_hardest:
-            hv = torch.empty(r, tS[1], dtype=acc, device=q.device)
-            hi = torch.empty(r, tS[1], dtype=torch.int64, device=q.device)
-        L.launch(fwd_op, S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS, nslots=nslots,
-                 slot0=0, row_part=row_part, col_part=col_part, hard_val=hv, hard_idx=hi)
-        if want_hardest:
-            hardest[i0:i0 + r] = merge_hardest(hv, hi)
+            hv, hi = ws["hard_val"], ws["hard_idx"]
+        L.launch("fwd", S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS,
+                 nslots=nslots, slot0=0, row_part=ws["row_part"], col_part=ws["col_part"] if cols else None,
+                 hard_val=hv, hard_idx=hi)
         E = None
         if N:
             E = scores(qb, extra_neg)
-            L.launch(fwd_op, E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, nslots=nslots, slot0=tS[1],
-                     row_part=row_part)
+            L.launch("fwd", E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, nslots=nslots,
+                     slot0=tS[1], row_part=ws["row_part"])
+        kernels().multipos_block_fin(
+            L.dev, L.stream, L.ad, [Bq, Bd, i0, r, nslots, tS[2], tS[1], int(cols), int(b == 0),
+                                    int(b == len(blocks) - 1)], [float(row_weight), float(col_weight)],
+            dict(row_part=ws["row_part"], col_part=ws["col_part"] if cols else 0, row_lse=row_lse,
+                 col_lse=col_lse, hard_val=hv or 0, hard_idx=hi or 0,
+                 hardest=0 if hardest is None else ptr(hardest), loss=ptr(loss), counter=ws["counter"]))
         if single:
-            row_lse = torch.logsumexp(row_part, dim=1).t().contiguous()
-            if cols:
-                col_lse = torch.logsumexp(col_part, dim=0)
             keep = (S, E, dense)
-        else:
-            row_lse[:, i0:i0 + r] = torch.logsumexp(row_part, dim=1).t()
-            if cols:
-                col_lse = torch.logaddexp(col_lse, torch.logsumexp(col_part, dim=0))
         del S, E, dense
-    if not fused:
-        if row_lse is None:  # no rows
-            row_lse = torch.empty(2, 0, dtype=acc, device=q.device)
-        col_lse = col_lse.t().contiguous()
-
-        tot = None  # sums in float64
-        if row_weight != 0.0:
-            tot = (row_lse[0] - row_lse[1]).double().mean() * row_weight
-        if cols:
-            tc = (col_lse[0] - col_lse[1]).double().mean() * col_weight
-            tot = tc if tot is None else tot + tc
-        loss = torch.zeros((), dtype=acc, device=q.device) if tot is None else tot.to(acc)
     if not want_grad:
         return [loss] + [None] * 11 + [hardest]
 
@@ -467,18 +359,13 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     dq = torch.empty(Bq, H, dtype=gdt, device=q.device) if not single else None
     dd = torch.zeros(Bd, H, dtype=gdt, device=q.device) if not single else None
     dneg = torch.zeros(N, H, dtype=gdt, device=q.device) if N and not single else None
-    du_q = du_d = dtable = hist = None
-    tgrad = fused and bias_mode == 1  # the table gradient's sums in one kernel per block (multipos_block_tgrad)
+    du_q = du_d = dtable = None
+    tgrad = bias_mode == 1  # the table gradient's sums in one kernel per block (multipos_block_tgrad)
     if tgrad:
         du_q = torch.empty(Bq, dtype=acc, device=q.device)
         du_d = torch.empty(Bd, dtype=acc, device=q.device)
         dtable = torch.empty(table.numel(), dtype=acc, device=q.device)
         nh = nh_t
-    elif bias_mode == 1:
-        du_q = torch.empty(Bq, dtype=acc, device=q.device)
-        du_d = torch.zeros(Bd, dtype=torch.float64, device=q.device)
-        nh = max(1, max(tiling(r, Bd, q.device)[1] * tiling(r, Bd, q.device)[2] for _, r in blocks)) if blocks else 1
-        hist = torch.zeros(nh, table.numel(), dtype=torch.float64, device=q.device)
     ex = None
     if bias_mode == 2:
         ex = [torch.zeros(Bq, dtype=torch.float64, device=q.device), torch.zeros(Bd, dtype=torch.float64, device=q.device)]
@@ -499,10 +386,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         outs = dict(row_lse=row_lse, col_lse=col_lse if cols else None, G=G)
         if tgrad:
             outs.update(duq_part=ws["duq_part"], dud_part=ws["dud_part"], hist=ws["hist"])
-        elif bias_mode == 1:
-            outs.update(duq_part=torch.empty(r, tS[1], dtype=acc, device=q.device),
-                        dud_part=torch.empty(tS[2], Bd, dtype=acc, device=q.device), hist=hist)
-        L.launch(bwd_op, S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS, gr=gr, gc=gc,
+        L.launch("bwd", S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS, gr=gr, gc=gc,
                  dS=dS, nhist=nh if bias_mode == 1 else 0, **outs)
         if tgrad:
             kernels().multipos_block_tgrad(
@@ -517,9 +401,6 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         else:
             dq[i0:i0 + r] = prod(dS, dops)
             prod_into(dd, dS.t(), qbo)
-        if bias_mode == 1 and not tgrad:
-            du_q[i0:i0 + r] = outs["duq_part"].sum(1)
-            du_d += outs["dud_part"].double().sum(0)
         if bias_mode == 2:
             g7 = torch.ops.tempokern.offset_bias_backward(G, u_q[i0:i0 + r], u_d, w1, b1, w2, b2, scale)
             ex[0][i0:i0 + r] += g7[0].double()
@@ -529,7 +410,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         if N:
             tE = tiling(r, N, q.device)
             dE = torch.empty(r, N, dtype=odtype, device=q.device)
-            L.launch(bwd_op, E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, gr=gr, gc=0.0, dS=dE,
+            L.launch("bwd", E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, gr=gr, gc=0.0, dS=dE,
                      row_lse=row_lse)
             negops = extra_neg if not (cuda_path and q.device.type == "cpu") else extra_neg.to(acc)
             prod_into(dq[i0:i0 + r], dE, negops)
@@ -540,17 +421,46 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
             del dE
         del E
         keep = None
-    if bias_mode == 1 and not tgrad:
-        dtable = hist.sum(0).to(acc)  # float64 totals, returned in the table's dtype
-        du_d = du_d.to(acc)
     dexact = [None] * 5
     if ex is not None:
         du_q, du_d, dexact = ex[0], ex[1], ex[2:]
-    if not blocks:
-        dq, dd = q.new_zeros(Bq, H, dtype=acc), q.new_zeros(Bd, H, dtype=acc)
-        dneg = q.new_zeros(N, H, dtype=acc) if N else None
     return [loss, dq.to(acc), dd.to(acc), None if dneg is None else dneg.to(acc), du_q, du_d, dtable, *dexact,
             hardest]
+
+
+def _empty_pairs(q, d, extra_neg, acc, inv_temp, row_weight, col_weight, want_grad, want_hardest, exact, table):
+    """blocked_loss's result when there is no row or no column: every in-batch log-sum-exp is over an empty set
+    (-inf), so a row's loss is -inf - -inf = NaN (or +inf when extra negatives give it a denominator) and the
+    mean over no rows is NaN, as the reference computes it; the gradients are zero (no pair)."""
+    Bq, H = q.shape
+    Bd = d.shape[0]
+    N = 0 if extra_neg is None else extra_neg.shape[0]
+    ninf = torch.full((Bq,), -math.inf, dtype=acc, device=q.device)
+    row_all = ninf
+    if N and Bq:
+        row_all = torch.logsumexp(torch.mm(q.to(acc), extra_neg.to(acc).t()) * inv_temp, dim=1)
+    tot = None
+    if row_weight != 0.0:
+        tot = (row_all - ninf).double().mean() * row_weight
+    if col_weight != 0.0:
+        tc = torch.full((Bd,), math.nan, dtype=torch.float64, device=q.device).mean() * col_weight
+        tot = tc if tot is None else tot + tc
+    loss = torch.zeros((), dtype=acc, device=q.device) if tot is None else tot.to(acc)
+    hardest = torch.full((Bq,), -1, dtype=torch.int64, device=q.device) if want_hardest else None
+    if not want_grad:
+        return [loss] + [None] * 11 + [hardest]
+    z = lambda *shape, dt=acc: torch.zeros(*shape, dtype=dt, device=q.device)  # noqa: E731
+    out = [loss, z(Bq, H), z(Bd, H), z(N, H) if N else None]
+    if table is not None:
+        out += [z(Bq), z(Bd), z(table.numel())]
+    else:
+        out += [None, None, None]
+    if exact is not None:
+        out[4:6] = [z(Bq, dt=torch.float64), z(Bd, dt=torch.float64)]
+        out += [torch.zeros(t.shape, dtype=torch.float64, device=q.device) for t in exact]
+    else:
+        out += [None] * 5
+    return out + [hardest]
 
 
 def merge_hardest(val: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
+from . import dispatch
 from .multipos_blocked import blocked_loss
 from .offset_bias import interval_bounds
-from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, env_choice, kernels,
+from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, kernels,
                      launch_args, on_cuda_path, ptr)
 
 _BIAS_NAMES = ("u_q", "u_d", "w1", "b1", "w2", "b2", "scale")
@@ -442,18 +443,11 @@ def check_table_points(points, bias) -> Optional[int]:
     return points
 
 
-def tensor_core_variant() -> str:
-    """TEMPOKERN_MPB_TC: "1" (default) sends bfloat16 CUDA calls without a bias or with the table bias, without
-    extra negatives or return_hardest, with a multiple of 16 features, to the tensor-core kernels of
-    matryoshka_tc_cuda.cu (one level, normalize=False: the same loss, docs/multipos_infonce.md, "Tensor-core
-    path"); "0" keeps the blocked path (cuBLAS score blocks + fused passes, measured on the H100 on 2026-11-23)."""
-    return env_choice("TEMPOKERN_MPB_TC", ("1", "0"), "1")
-
-
 def _tensor_core_call(q, d, bias, extra_neg, return_hardest: bool, table_points) -> bool:
-    """tc_call for one level of H features (which also rules out extra negatives, the exact bias and H not a
-    multiple of 16), with the switch, a row and no return_hardest."""
-    if return_hardest or tensor_core_variant() != "1" or q.shape[0] == 0:
+    """Whether the candidate tensor-core kernels take this call (TEMPOKERN_EXPERIMENTAL=mpb_tc, see
+    tempokern/_ops/dispatch.py): tc_call for one level of H features (which also rules out extra negatives, the
+    exact bias and H not a multiple of 16), a row and no return_hardest."""
+    if return_hardest or q.shape[0] == 0 or not dispatch.enabled("mpb_tc"):
         return False
     from .matryoshka_blocked import tc_call
     return tc_call(q, d, [q.shape[1]], extra_neg, bias, table_points)
@@ -478,7 +472,7 @@ def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float
         return matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, [q.shape[1]], [1.0], temperature=temperature,
                                   row_weight=row_weight, col_weight=col_weight, diag_offset=diag_offset,
                                   row_none=row_none, normalize=False, bias=bias,
-                                  bias_table_points=bias_table_points)[0]
+                                  bias_table_points=bias_table_points, tensor_cores=True)[0]
     if on_cuda_path(q) or bias_table_points is not None:
         return blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias,
                                 extra_neg=extra_neg, row_weight=row_weight, col_weight=col_weight,

@@ -9,7 +9,7 @@ from typing import List, Tuple
 import torch
 
 from ..reference.offset_bias import bias_frequencies, cache_put, offset_bias_table, offset_features
-from .common import (check_finite, check_same_device, check_tensor, dtype_code, env_choice, kernels, launch_args,
+from .common import (check_finite, check_same_device, check_tensor, dtype_code, kernels, launch_args,
                      on_cuda_path, ptr, sm_count)
 
 # The classification grids per (D, device), in a bounded module-level cache (issue 13 item 20; the frequency
@@ -135,7 +135,7 @@ def _prepared(u_q, u_d, w1, b1, w2, b2, scale):
     base = (c(u_q), c(u_d), c(b2).reshape(1), c(scale).reshape(1), _frequencies(w1.shape[1], acc, u_q.device))
     mapping = None
     kw1, kb1, kw2, nlin, nact = w1a, b1a, w2a, 0, None
-    if on_cuda_path(u_q) and prune_cuda():
+    if on_cuda_path(u_q):  # merged units: fwd+bwd 38.0 -> 16.5 ms at 8,192^2 pairs on the H100 (dispatch.py)
         kw1, kb1, kw2, nact, mapping = _device_units(w1a, b1a, w2a, w1, b1, acc)
         nlin = N_LINEAR_SLOTS
     elif not on_cuda_path(u_q):
@@ -153,17 +153,6 @@ def _prepared(u_q, u_d, w1, b1, w2, b2, scale):
             nlin = 1  # (an all-zero linear unit when nothing is always on: harmless, keeps hidden >= 1)
             mapping = (on_idx, mix)
     return base[0], base[1], kw1, kb1, kw2, base[2], base[3], base[4], nlin, nact, mapping, (w1a, b1a, w2a)
-
-
-def prune_cuda() -> bool:
-    """TEMPOKERN_OB_PRUNE: "1" (default) lets the CUDA kernels skip the hidden units proved always off and
-    merge the always-on ones into one linear unit evaluated in float64 (as the CPU kernels merge them); "0"
-    evaluates every unit. Measured on the H100 (2026-11-23, benchmarks/results/gpu-2026-11-23-0856-*): the
-    exact-bias fwd+bwd at 8,192^2 pairs 38.7 -> 15.8 ms, the exact-bias loss at B = 8,192 40.6 -> 17.6 ms (init
-    weights). The float64 linear unit also makes d/d scale more accurate than without merging (the float32
-    2x-rule draw that kept merging opt-in: 3.3e-5 with a float32 merged unit, 1.4e-5 without merging, 2.4e-6
-    now, torch 9.6e-6): docs/offset_bias.md, "Hidden-unit merging (CUDA)"."""
-    return env_choice("TEMPOKERN_OB_PRUNE", ("0", "1"), "1") == "1"
 
 
 # ---- forward -----------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
-"""The CUDA calendar kernels v1 and v2 (TEMPOKERN_CALENDAR=v2 warp-cooperative rows; v1 the thread-per-row kernels
-measured on the H100; v3, the calendar_context default, has tests/test_calendar_v3.py), against tempokern.reference on the CUDA emulator (and a GPU)."""
+"""The default CUDA calendar kernels (tempokern/_ops/dispatch.py: the context forward on warp-cooperative rows, the
+context backward and the scalar op on thread-per-row tiles) against tempokern.reference on the CUDA emulator (and
+a GPU); the candidate v3 kernels have tests/test_calendar_v3.py."""
 import pytest
 import torch
 
 import tempokern
 from tempokern import reference as ref
+from tempokern._ops import dispatch
 
-VARIANTS = ["v1", "v2"]
+DEFAULT_OPS = {"scalar_fwd", "scalar_bwd", "context_fwd", "context_bwd"}
 
 
 def make_logits(B, sizes, dtype=torch.float64, device="cpu", scale=3.0, seed=0):
@@ -56,42 +58,23 @@ SHAPES = [  # (B, level sizes, dim)
 ]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("B,sizes,dim", SHAPES)
-def test_float64_parity(variant, B, sizes, dim, gpu, monkeypatch, spy):
-    # float64: fused outputs and every gradient within 1e-9 of the reference, each variant's kernels
-    monkeypatch.setenv("TEMPOKERN_CALENDAR", variant)
-    xs = make_logits(B, sizes, device=gpu)
-    for fused, plain in both_ops(dim, 0.7):
-        got, want = fused(xs), plain(xs)
-        assert got.dtype == torch.float64 and got.shape == want.shape
-        torch.testing.assert_close(got, want, atol=1e-9, rtol=0)
-        w = torch.randn_like(want)
-        for g, r in zip(torch.autograd.grad((got * w).sum(), xs), torch.autograd.grad((want * w).sum(), xs)):
-            torch.testing.assert_close(g, r, atol=1e-9, rtol=0)
-    want_ops = {"scalar_fwd", "scalar_bwd", "context_fwd", "context_bwd"}
-    if variant == "v2":
-        want_ops = {o + "_v2" for o in want_ops}
-    assert set(spy.ops) == want_ops
-
-
-@pytest.mark.parametrize("B,sizes,dim", SHAPES[1:])
-def test_pair9_mixes_directions(B, sizes, dim, gpu, monkeypatch, spy):
-    # TEMPOKERN_CALENDAR=pair9 (session 9's default, and v3's fallback): context forward v2 with context backward
-    # v1 (the faster measured kernel per direction on the H100), scalar v1; float64 outputs and every gradient
-    # within 1e-9 of the reference, float32 within float32 tolerance
-    monkeypatch.setenv("TEMPOKERN_CALENDAR", "pair9")
+def test_parity(B, sizes, dim, gpu, spy):
+    # float64 outputs and every gradient within 1e-9 of the reference, float32 within float32 tolerance; every
+    # call on the default kernels (float64 and float32 alike, with or without candidates named)
     for dtype, tol in ((torch.float64, dict(atol=1e-9, rtol=0)), (torch.float32, dict(atol=1e-5, rtol=1e-4))):
         xs = make_logits(B, sizes, dtype=dtype, device=gpu, seed=B)
         x64 = [x.detach().double().requires_grad_() for x in xs]
         for fused, plain in both_ops(dim, 0.7):
             got, want = fused(xs), plain(x64)
+            assert got.dtype == dtype and got.shape == want.shape
             torch.testing.assert_close(got.double(), want, **tol)
             w = torch.randn_like(want)
             for g, r in zip(torch.autograd.grad((got.double() * w).sum(), xs),
                             torch.autograd.grad((want * w).sum(), x64)):
                 torch.testing.assert_close(g.double(), r, **tol)
-    assert set(spy.ops) == {"scalar_fwd", "scalar_bwd", "context_fwd_v2", "context_bwd"}
+    if gpu.type == "cpu":
+        assert set(spy.ops) == DEFAULT_OPS
 
 
 def assert_within_twice_torch(a, b, c):
@@ -103,15 +86,13 @@ def assert_within_twice_torch(a, b, c):
     assert d1.abs().max().item() <= 2 * d2.abs().max().item() + 1e-6
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_twice_torch_error(variant, dtype, gpu, monkeypatch):
+def test_twice_torch_error(dtype, gpu):
     # lower precision: error of the output and of every gradient vs float64 at most twice plain torch's own
     # error in that dtype (plain torch: the reference formula evaluated in the dtype). Root-mean-square errors, no
     # slack (the maximum of a few thousand float32 rounding errors is too noisy for a 2x bound on one seed: the
     # CPU kernel's max error on one float32 gradient here is 2.3x torch's, its RMS error 1.7x); the max error
     # with the project's +1e-6 slack as in test_calendar_ops.py
-    monkeypatch.setenv("TEMPOKERN_CALENDAR", variant)
     B, sizes, dim, tau = 203, [12, 32, 12, 45], 36, 0.6
     xs = make_logits(B, sizes, dtype=dtype, device=gpu, seed=3)
     x64 = [x.detach().double().requires_grad_() for x in xs]
@@ -142,17 +123,15 @@ def test_twice_torch_error(variant, dtype, gpu, monkeypatch):
 
 
 @pytest.mark.parametrize("sms,per_sm", [(1, 2), (58, None), (108, None), (132, None)])
-def test_v2_grid_at_sm_counts(sms, per_sm, gpu, monkeypatch):
-    # v2's grid is min(row groups / 8 warps, _CTAS_PER_SM_V2 x SMs) CTAs of 8 warps. One SM and 2 CTAs per SM:
-    # 16 warps walk 130 groups of 8 rows (context; 260 of 4 rows for the scalar op and float64 context, 519 of 2
-    # for the float64 scalar op), every warp loops; at 58 / 108 / 132 SMs with the real factor, 17 to 65 CTAs,
-    # the last partial.
+def test_context_forward_grid_at_sm_counts(sms, per_sm, gpu, monkeypatch):
+    # the context forward's grid is min(row groups / 8 warps, _CTAS_PER_SM_GROUPS x SMs) CTAs of 8 warps. One SM
+    # and 2 CTAs per SM: 16 warps walk 130 groups of 8 rows (260 of 4 rows in float64), every warp loops; at 58 /
+    # 108 / 132 SMs with the real factor, 17 to 65 CTAs, the last partial.
     import tempokern._ops.common as common
     from tempokern._ops import calendar as cal
-    monkeypatch.setenv("TEMPOKERN_CALENDAR", "v2")
     monkeypatch.setattr(common, "sm_count", lambda device: sms)
     if per_sm is not None:
-        monkeypatch.setattr(cal, "_CTAS_PER_SM_V2", per_sm)
+        monkeypatch.setattr(cal, "_CTAS_PER_SM_GROUPS", per_sm)
     B, sizes, dim = 1037, [1, 12, 33], 40
     for dtype in (torch.float32, torch.float64):
         xs = make_logits(B, sizes, dtype=dtype, device=gpu, seed=sms)
@@ -165,21 +144,19 @@ def test_v2_grid_at_sm_counts(sms, per_sm, gpu, monkeypatch):
             w = torch.randn_like(want)
             for g, r in zip(torch.autograd.grad((got.double() * w).sum(), xs), torch.autograd.grad((want * w).sum(), x64)):
                 torch.testing.assert_close(g.double(), r, **gtol)
-    assert cal._max_ctas(xs[0], "context") == cal._max_ctas(xs[0], "scalar") == max(1, (per_sm or cal._CTAS_PER_SM_V2) * sms)
+    assert cal._max_ctas(xs[0], "context_fwd", "groups") == max(1, (per_sm or cal._CTAS_PER_SM_GROUPS) * sms)
 
 
 @pytest.mark.emu
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_thread_orders(variant, cuda_emu, monkeypatch):
+def test_thread_orders(cuda_emu, monkeypatch):
     # three seeded thread orders of the emulator: every result bitwise equal (a missing __syncwarp around the
-    # warps' shared tiles, or a missing __syncthreads in v1, changes results). Multi-chunk levels, odd dim,
-    # column blocks, strided (broadcast) upstream gradient, grid-stride (1 SM, 2 CTAs).
+    # warps' shared tiles, or a missing __syncthreads in the tile kernels, changes results). Multi-chunk levels,
+    # odd dim, column blocks, strided (broadcast) upstream gradient, grid-stride (1 SM, 2 CTAs).
     import tempokern._ops.common as common
     from tempokern._ops.common import cuda_emulator
     from tempokern._ops import calendar as cal
-    monkeypatch.setenv("TEMPOKERN_CALENDAR", variant)
     monkeypatch.setattr(common, "sm_count", lambda device: 1)
-    monkeypatch.setattr(cal, "_CTAS_PER_SM_V2", 2)
+    monkeypatch.setattr(cal, "_CTAS_PER_SM_GROUPS", 2)
     monkeypatch.setattr(cal, "_CTAS_PER_SM", 2)
     g = torch.Generator().manual_seed(5)
 
@@ -205,37 +182,38 @@ def test_thread_orders(variant, cuda_emu, monkeypatch):
                 cuda_emu.emu_set_seed(s)
                 g.manual_seed(5)
                 for i, (a, b) in enumerate(zip(base, run())):
-                    assert torch.equal(a, b), (variant, s, i)
+                    assert torch.equal(a, b), (s, i)
     finally:
         cuda_emu.emu_set_seed(0)
 
 
-def test_variant_switch(monkeypatch):
+def test_kernel_choice(gpu, monkeypatch):
+    # the default kernel per op and direction, the candidate only where it is enabled and takes the call, the CPU
+    # kernels off the CUDA path
     from tempokern._ops import calendar as cal
-    monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
-    # unset / auto: v3 everywhere (by count, untimed); an op name means its forward
-    kernels = ("context_fwd", "context_bwd", "scalar_fwd", "scalar_bwd")
-    assert [cal.variant(k) for k in kernels] == ["v3", "v3", "v3", "v3"]
-    assert (cal.variant("context"), cal.variant("scalar")) == ("v3", "v3")
-    monkeypatch.setenv("TEMPOKERN_CALENDAR", " Auto ")
-    assert [cal.variant(k) for k in kernels] == ["v3", "v3", "v3", "v3"]
-    for v in ("v1", "V2", " v1 ", "v3"):
-        monkeypatch.setenv("TEMPOKERN_CALENDAR", v)
-        assert {cal.variant(k) for k in ("context", "scalar", *kernels)} == {v.strip().lower()}
-    monkeypatch.setenv("TEMPOKERN_CALENDAR", "pair9")  # session 9's default
-    assert [cal.variant(k) for k in kernels] == ["v2", "v1", "v1", "v1"]
-    monkeypatch.setenv("TEMPOKERN_CALENDAR", "v4")
-    with pytest.raises(ValueError, match="TEMPOKERN_CALENDAR"):
-        cal.variant()
-    monkeypatch.delenv("TEMPOKERN_CALENDAR")
-    with pytest.raises(ValueError, match="op"):
-        cal.variant("softmax")
-    assert cal._op("scalar_fwd", torch.zeros(1)) == "scalar_fwd"   # CPU tensors: the CPU kernel names
+    x32 = make_logits(4, [3, 5], dtype=torch.float32, device=gpu)
+    x64 = make_logits(4, [3, 5], dtype=torch.float64, device=gpu)
+    monkeypatch.delenv("TEMPOKERN_EXPERIMENTAL", raising=False)
+    want = {"context_fwd": "groups", "context_bwd": "tiles", "scalar_fwd": "tiles", "scalar_bwd": "tiles"}
+    for k, v in want.items():
+        assert cal._kernel(k, x32, 64) == v
+    with dispatch.use("calendar_v3"):
+        for k in want:
+            assert cal._kernel(k, x32, 64) == "v3"
+            assert cal._kernel(k, x64, 64) == want[k]  # float64: not v3's
+    monkeypatch.setenv("TEMPOKERN_EXPERIMENTAL", "calendar_v3")
+    assert cal._kernel("context_fwd", x32, 64) == "v3"
 
 
-def test_bad_variant_raises_on_the_cuda_path(gpu, monkeypatch):
-    monkeypatch.setenv("TEMPOKERN_CALENDAR", "fast")
+def test_cpu_kernels_off_the_cuda_path():
+    from tempokern._ops import calendar as cal
+    with dispatch.use("calendar_v3"):
+        assert cal._kernel("scalar_fwd", [torch.zeros(2, 3)]) == "cpu"
+
+
+def test_bad_experimental_name_raises(gpu, monkeypatch):
+    monkeypatch.setenv("TEMPOKERN_EXPERIMENTAL", "calendar_v9")
     from conftest import expect_no_kernel
     expect_no_kernel()
-    with pytest.raises(ValueError, match="TEMPOKERN_CALENDAR"):
+    with pytest.raises(ValueError, match="TEMPOKERN_EXPERIMENTAL.*calendar_v9"):
         tempokern.calendar_context(make_logits(4, [3], device=gpu), 8)
