@@ -11,7 +11,7 @@ import torch
 TABLE_RANGE = 1.0
 
 
-#: Module-level caches are bounded (issue 13 item 20): at most CACHE_MAX entries each, the oldest goes first.
+#: Module-level caches are bounded: at most CACHE_MAX entries each, the oldest goes first.
 CACHE_MAX = 16
 
 
