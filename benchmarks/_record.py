@@ -1,5 +1,5 @@
 """Long-format benchmark rows (provider, op, size, ms, MB, device, date, version),
-appended to benchmarks/results/<file>.csv so README tables come from real runs."""
+appended to benchmarks/results/<file>.csv so the tables in docs/ come from real runs."""
 from __future__ import annotations
 
 import csv

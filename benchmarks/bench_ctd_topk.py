@@ -1,7 +1,7 @@
 """Fused CTD top-k vs the eager baseline (chunked matmul + reference bias + torch.topk), same run.
 
 Run: python -m pytest benchmarks/bench_ctd_topk.py --benchmark-columns=median,min,max
-CPU: Q=256, N=200,000, H=768, k=10 (issue 5). The semantic scan is 2*Q*N*H = 78.6 GFLOP; the exact
+CPU: Q=256, N=200,000, H=768, k=10. The semantic scan is 2*Q*N*H = 78.6 GFLOP; the exact
 bias's first layer adds 2*Q*N*hidden*2K = 105 GFLOP when every pair is evaluated.
 Bias cases: "none", "exact" (trained-looking MLP, scale 0.1: the kernel's bound prunes most pairs),
 "exact-worst" (queries scaled down so the bias decides the ranking and nothing can be pruned),
@@ -44,7 +44,7 @@ def _bias(kind, u_q, u_g, w1, b1, w2, b2, device):
         return None
     if kind in ("exact", "exact-worst"):
         return (u_q, u_g, w1, b1, w2, b2, scale)
-    # the table issue 3's OffsetBias.table() builds: 1025 samples over delta in [-1, 1]
+    # the kind of table OffsetBias.table() builds: 1025 samples over delta in [-1, 1]
     d = torch.linspace(-1, 1, 1025, dtype=torch.float64, device=device)
     vals = offset_bias(torch.zeros(1, dtype=torch.float64, device=device), d, w1.double(), b1.double(),
                        w2.double(), b2.double(), torch.tensor(0.1, dtype=torch.float64, device=device))[0]
@@ -107,7 +107,7 @@ def _cuda_time(fn, reps=10):
 
 CUDA_CASES = [(1024, "none"), (1024, "exact"), (1024, "exact-worst"), (1024, "table"),
               (1, "none"), (1, "exact"), (1, "table"), (16, "none"), (16, "exact")]
-# Targets (issue 14, H100, bf16, H = 768, k = 10, N = 1M): Q 1024 none <= 9 ms, exact <= 40 ms, table <= 12 ms;
+# Cases on a GPU (bf16, H = 768, k = 10, N = 1M), time goals: Q 1024 none <= 9 ms, exact <= 40 ms, table <= 12 ms;
 # Q 1 exact <= 1.2 ms. Floors: Q 1024: cuBLAS q @ g.T (2.4 ms measured) + one read of the 4 GB fp32 score
 # blocks (~1.3 ms at 3 TB/s); Q 1: one read of the 1.5 GB gallery (~0.5 ms).
 

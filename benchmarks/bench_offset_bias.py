@@ -340,7 +340,7 @@ if __name__ == "__main__":
 # ---- summary ---------------------------------------------------------------------------------------------
 
 def test_zz_summary():
-    """Ratios from this run (needs the CPU benchmarks above to have run in the same session)."""
+    """Ratios from this run (needs the CPU benchmarks above to have run in the same pytest run)."""
     if ("fwd_bwd", "reference", "random") not in RESULTS:
         pytest.skip("run the whole file: the ratios come from the benchmarks above")
     r_ms, r_mb = RESULTS[("fwd_bwd", "reference", "random")]

@@ -1,13 +1,13 @@
-"""The README's English comparison table, generated from a committed suite result.
+"""The English comparison table of docs/benchmark-english.md, generated from a committed suite result.
 
     # after `tempokern benchmark --suite english --out RUN` (the full run, 3 seeds):
     python benchmarks/make_english_table.py --import RUN/results.json     # -> benchmarks/results/english-<date>.json
-    python benchmarks/make_english_table.py --write                       # newest english-*.json -> README table
+    python benchmarks/make_english_table.py --write                       # newest english-*.json -> the doc's table
 
 --import keeps everything of results.json except the per-query arrays (they stay in the run's own
 folder; the committed file holds the means, per-seed means and intervals, the paired intervals
 against minilm_ft, the per-dim curves and the setup: command, machine, date). --write replaces the
-text between `<!-- english-table:start -->` and `<!-- english-table:end -->` in README.md; without
+text between `<!-- english-table:start -->` and `<!-- english-table:end -->` in docs/benchmark-english.md; without
 --write the table is printed."""
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- english-table:start -->", "<!-- english-table:end -->"
+DOC = ROOT / "docs" / "benchmark-english.md"
 BASELINE = "minilm_ft"
 #: the split each set's headline row is read on (the others are in the run's results.md)
 HEADLINE = {"A": ["test_date", "test_year"], "B": ["test_date", "test_masked"], "C": ["test_date", "test_year"]}
@@ -46,7 +47,9 @@ def _delta(cell):
 
 def table(res: dict, source: str) -> str:
     st = res["setup"]
-    lines = [f"From `{source}`: `{st.get('command') or 'tempokern benchmark --suite english'}`, {st['date']}, "
+    # the run's own output folder is a path on the machine that ran it: shown as RUN
+    command = re.sub(r"(--out)[ =]\S+", r"\1 RUN", st.get("command") or "tempokern benchmark --suite english")
+    lines = [f"From `{source}`: `{command}`, {st['date']}, "
              f"{st['machine']}, device {st['device']}, seeds {st['seeds']}, {st.get('seconds', '?')} s in all. "
              f"Mean over seeds [95% bootstrap interval over queries]; Δ = paired difference to `{BASELINE}` "
              "(\"better\"/\"worse\" only where the interval excludes 0); time-wrong = share of queries whose top "
@@ -103,7 +106,7 @@ def main(argv=None):
     ap.add_argument("--note", help="with --import: a sentence on what the run is (e.g. partial)")
     ap.add_argument("--tag", help="with --import: a name suffix (english-<date>-<tag>.json)")
     ap.add_argument("--source", help="the english-*.json to read (default: the newest)")
-    ap.add_argument("--write", action="store_true", help="replace the table in README.md")
+    ap.add_argument("--write", action="store_true", help="replace the table in docs/benchmark-english.md")
     a = ap.parse_args(argv)
     if a.imp:
         src_written = do_import(Path(a.imp), a.note, a.tag)
@@ -115,13 +118,12 @@ def main(argv=None):
     if not a.write:
         print(text)
         return
-    readme = ROOT / "README.md"
-    body = readme.read_text()
+    body = DOC.read_text()
     if START not in body or END not in body:
-        sys.exit(f"README.md has no {START} ... {END} block")
+        sys.exit(f"{DOC.relative_to(ROOT)} has no {START} ... {END} block")
     body = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: f"{START}\n{text}{END}", body, flags=re.S)
-    readme.write_text(body)
-    print(f"README.md table updated from {src}")
+    DOC.write_text(body)
+    print(f"{DOC.relative_to(ROOT)} table updated from {src}")
 
 
 if __name__ == "__main__":

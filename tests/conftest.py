@@ -11,7 +11,7 @@ def cuda_ok() -> bool:
 
 
 # "emu": CPU tensors through the shipped CUDA kernels on the CPU emulator (tools/cuda_emu), so the CUDA
-# code runs in every test session, GPU or not. TEMPOKERN_TEST_EMU=0 leaves it out.
+# code runs in every test run, GPU or not. TEMPOKERN_TEST_EMU=0 leaves it out.
 _EMU = os.environ.get("TEMPOKERN_TEST_EMU", "1") not in ("0", "", "false")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + (["emu"] if _EMU else [])
 

@@ -1,4 +1,4 @@
-"""bias=(u_q, u_d, module): the fused ops accept the OffsetBias module users hold (issue 13, item 24).
+"""bias=(u_q, u_d, module): the fused ops accept the OffsetBias module users hold.
 
 Checked against tempokern.reference (plain PyTorch) given the module's parameters as the 7-tuple, forward and
 every gradient in float64; the gradients must land on the module's own parameters."""

@@ -64,7 +64,7 @@ def test_train_eval_index_search(trained, tmp_path, capsys):
             assert 0.0 <= r[k] <= 1.0
     assert (tmp_path / "eval.md").read_text().startswith("| name |")
     assert table["scorer"] == "ctd" and table["mode"] == "neg1_ne1_dq1"
-    # the reference's protocol: encoder-only scoring, pure no_event queries kept (issue 13 item 4)
+    # the reference's protocol: encoder-only scoring, pure no_event queries kept
     res2 = tmp_path / "eval_enc.json"
     assert main(["eval", "--model", str(trained / "best"), "--dataset", "zztj", "--split", "test", "--scorer", "encoder",
                  "--keep-no-event-queries", "--out", str(res2)]) == 0
@@ -190,7 +190,7 @@ def test_train_and_eval_on_chunqiutr_format(tmp_path, capsys):
     assert "does not fit" in capsys.readouterr().err
 
 
-# ---- issue 13 items 25-27: usage errors, --help, readable outputs ----------------------------------
+# ---- usage errors, --help, readable outputs ---------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--epochs", "-3", "--out", "{tmp}/demo"], "--epochs must be >= 1"),

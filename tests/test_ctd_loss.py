@@ -172,7 +172,7 @@ def _run_workers(tmp_path, script_text, world, *args):
 
 
 # Random spans, symmetric: some rows need the diagonal fallback, and the reference's column fallback is the
-# row-fallback mask transposed (issue 13 item 2). The gathered column pass sees q_all x d_local only, so CTDLoss
+# row-fallback mask transposed. The gathered column pass sees q_all x d_local only, so CTDLoss
 # passes which queries overlap no document on any rank (multipos_infonce_partial's row_none).
 
 
@@ -184,7 +184,7 @@ def test_gather_two_gloo_processes(tmp_path, symmetric, sizes, paired):
     """gather_mode="tempokern": each rank's loss and gradients are its rows/columns of the single-process
     reference on the concatenated batch (other ranks' tensors detached), and the mean over ranks is the
     single-process loss. With random spans some rows need the diagonal fallback; the column fallback of
-    the reference is the row-fallback mask transposed (issue 13 item 2)."""
+    the reference is the row-fallback mask transposed."""
     world = len(sizes)
     for rc, out in _run_workers(tmp_path, WORKER, world, "1" if symmetric else "0", ",".join(map(str, sizes)),
                                 "tempokern", "1" if paired else "0"):

@@ -302,7 +302,7 @@ def test_zztj_reign_aligned_splits(zz):
         zz.with_calendar(Calendar.chunqiu())
 
 
-# ---- issue 13 item 8: Zizhi Tongjian records without a month -------------------------------------
+# ---- Zizhi Tongjian records without a month ----------------------------------------------------
 
 def test_zztj_records_without_a_month_are_read_as_the_reference_keys_them(tmp_path):
     """Fails on a030c41 (`lunar_month must be 1..12 ... got 0 / '无月'`): rows dated to a year only are

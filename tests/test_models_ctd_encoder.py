@@ -182,7 +182,7 @@ def test_bad_arguments(ds):
 def test_to_index_and_search_finds_the_record_itself(ds, tmp_path):
     m = tiny_model(ds).eval()
     recs = ds.records[:20]
-    # Fails on a030c41, which silently replaced the records' string ids by positions (issue 13 item 18)
+    # string ids must not be silently replaced by positions
     with pytest.raises(ValueError, match="not an int"):
         m.to_index(recs)
     index = m.to_index(recs, ids=range(20))
@@ -212,7 +212,7 @@ def test_backbone_from_a_local_path(ds, tmp_path):
     assert torch.equal(a, b)
 
 
-# ---- issue 13 item 19: atomic, durable checkpoints ---------------------------------------------------
+# ---- atomic, durable checkpoints ---------------------------------------------------
 
 def test_save_encoder_never_leaves_no_checkpoint(ds, tmp_path, monkeypatch):
     """Fails on a030c41: save_encoder renamed the old checkpoint away before moving the new one in, so a

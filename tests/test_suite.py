@@ -326,7 +326,7 @@ def test_quick_suite_end_to_end(tmp_path, tiny_backbone):
     assert (tmp_path / "plot_setB.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["setup"]["command"] == "test" and saved["results"]["B"] == res["results"]["B"]
-    # the README table generator reads the same results (per-query arrays dropped on import)
+    # the English table generator (docs/benchmark-english.md) reads the same results (per-query arrays dropped on import)
     import importlib.util
     from pathlib import Path
     spec = importlib.util.spec_from_file_location("make_english_table",

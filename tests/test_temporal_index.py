@@ -20,7 +20,7 @@ needs_faiss = pytest.mark.skipif(not HAVE_FAISS, reason="faiss is not installed"
 
 
 class FakeOffsetBias(torch.nn.Module):
-    """Shaped like tempokern.nn.OffsetBias (issue 3): .mlp = Linear, ReLU, Linear; .scale."""
+    """Shaped like tempokern.nn.OffsetBias: .mlp = Linear, ReLU, Linear; .scale."""
 
     def __init__(self, features=32, hidden=32, scale=0.8):
         super().__init__()

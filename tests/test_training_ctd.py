@@ -186,7 +186,7 @@ def test_cuda_mixed_precision_training(ds, amp):
     assert 0.0 <= table["all"]["R@1"] <= 1.0
 
 
-# ---- issue 13 item 1: hard negatives stay inside the training split's months ----------------------
+# ---- hard negatives stay inside the training split's months ----------------------
 
 def _reference_pick(local, all_train, pos, pool, rng):
     """ChunQiuTR's ChunqiuTrainDataset._sample_negative_sids + the collator's random.choice, as written
@@ -302,7 +302,7 @@ def test_fit_draws_each_epoch_once_and_counts_steps_without_drawing(ds, monkeypa
     assert res.steps == 2 * tr.num_batches()
 
 
-# ---- issue 13 item 5: the reference's training defaults -----------------------------------------
+# ---- the reference's training defaults -----------------------------------------
 
 def test_defaults_follow_the_reference(ds):
     """Fails on a030c41 (uniform smoothing, every (query, gold) pair): the reference trains with
@@ -341,7 +341,7 @@ def test_default_time_loss_is_neighbour_smoothing_mean_over_levels(ds):
     assert torch.allclose(lt, torch.stack(per_level).mean(), atol=1e-5)
 
 
-# ---- issue 13 item 4: the reference's evaluation protocol -----------------------------------------
+# ---- the reference's evaluation protocol -----------------------------------------
 
 def test_encoder_scorer_is_the_backbone_alone(ds):
     """scorer="encoder": the backbone's pooled vector, L2-normalised (no context, no bias), as the
@@ -407,7 +407,7 @@ def test_checkpoint_selection_follows_the_reference_by_default(ds, monkeypatch):
         TrainConfig(gather_mode="x").validate()
 
 
-# ---- issue 13 item 7: leap months in chronological order on u --------------------------------------
+# ---- leap months in chronological order on u --------------------------------------
 
 def test_leap_month_targets_put_u_in_chronological_order():
     """Fails on a030c41: the heads' target for an intercalary month was the month level's 13th slot, so the

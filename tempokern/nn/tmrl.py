@@ -3,9 +3,8 @@ Information Retrieval"): the temporal projector and pooling (Eq. 9), the tempora
 the local self-distillation (Eq. 11), the structural (CKA) self-distillation (Eqs. 12-14) and the total
 objective (Eq. 15) with the Matryoshka InfoNCE term on ``tempokern.matryoshka_infonce``.
 
-Design notes: ``/work/shared/design/tmrl-re3.md`` §2.1 (T4-T9), §2.2 (A3-A6), §2.3 K2. Everything here is
-plain torch (the costs are O(B*n*t) for L_Temp, O(N*k*m) per level for L_Dist after one O(N^2*d) teacher
-top-k, O(N*d*m) or O(N^2*m) per level for L_CKA); the Matryoshka InfoNCE term is the fused op."""
+Everything here is plain torch (the costs are O(B*n*t) for L_Temp, O(N*k*m) per level for L_Dist after one
+O(N^2*d) teacher top-k, O(N*d*m) or O(N^2*m) per level for L_CKA); the Matryoshka InfoNCE term is the fused op."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, Union

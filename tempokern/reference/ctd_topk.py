@@ -23,7 +23,7 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def offset_bias(u_q, u_g, w1, b1, w2, b2, scale) -> torch.Tensor:
-    """The exact relative-offset bias (Q, N), in float32 at least (issue 3's reference is the spec)."""
+    """The exact relative-offset bias (Q, N), in float32 at least (the same formula as reference.offset_bias)."""
     dt = torch.float64 if torch.float64 in (u_q.dtype, w1.dtype) else torch.float32
     return _offset_bias(u_q.to(dt), u_g.to(dt), w1.to(dt), b1.to(dt), w2.to(dt).reshape(1, -1),
                         torch.as_tensor(b2).to(dt).reshape(1), torch.as_tensor(scale).to(dt).reshape(()))
@@ -40,7 +40,7 @@ def table_values(table) -> torch.Tensor:
 
 def table_bias(u_q, u_g, table) -> torch.Tensor:
     """Bias by linear interpolation in P samples at delta = -1 + 2 i / (P - 1),
-    delta = clamp(u_g - u_q, -1, 1) (issue 3's offset_bias_lookup, in float32 at least)."""
+    delta = clamp(u_g - u_q, -1, 1) (offset_bias_lookup's formula, in float32 at least)."""
     dt = torch.float64 if u_q.dtype == torch.float64 else torch.float32
     return offset_bias_lookup(u_q.to(dt), u_g.to(dt), table_values(table).to(u_q.device))
 

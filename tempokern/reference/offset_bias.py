@@ -11,7 +11,7 @@ import torch
 TABLE_RANGE = 1.0
 
 
-#: Module-level caches are bounded (issue 13 item 20): at most CACHE_MAX entries each, the oldest goes first.
+#: Module-level caches are bounded: at most CACHE_MAX entries each, the oldest goes first.
 CACHE_MAX = 16
 
 
@@ -39,7 +39,7 @@ def bias_frequencies(D: int, dtype: torch.dtype = torch.float32, device=None) ->
         dev = torch.device("cuda", torch.cuda.current_device())
     # Computed once on the CPU (the same numbers on every device) and cached per (K, dtype, device): a fresh
     # copy per call would be a host-to-device copy from pageable memory, which waits for the stream, i.e. one
-    # host sync per training step in the bias modes (measured on the H100, 2026-11-23). Callers must not
+    # host sync per training step in the bias modes (measured on the H100). Callers must not
     # modify the returned tensor.
     key = (K, dtype, dev)
     f = _FREQ_CACHE.get(key)
