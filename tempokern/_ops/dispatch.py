@@ -177,14 +177,38 @@ def paths_markdown() -> str:
     return "\n".join(out)
 
 
-def render_into(text: str, begin: str = "<!-- paths-table:begin -->", end: str = "<!-- paths-table:end -->",
-                table: Optional[str] = None) -> str:
-    """``text`` with the part between the markers replaced by the generated table (markers kept)."""
-    i, j = text.find(begin), text.find(end)
-    if i < 0 or j < i:
-        raise ValueError(f"markers {begin!r} / {end!r} not found")
-    table = paths_markdown() if table is None else table
-    return text[:i + len(begin)] + "\n" + table + "\n" + text[j:]
+def summary_markdown() -> str:
+    """One row per op: its CUDA default path(s) and its candidate, if any (the README's table)."""
+    ops = []
+    for p in DEFAULTS:
+        if p.device == "cuda" and p.op not in ops:
+            ops.append(p.op)
+    out = [f"| op | CUDA default (measured) | candidate (`{ENV}=`) |", "|---|---|---|"]
+    for op in ops:
+        names = " / ".join(p.name for p in DEFAULTS if p.op == op and p.device == "cuda")
+        cands = ", ".join(f"`{c.name}`" for c in CANDIDATES if op in c.ops) or "none"
+        out.append(f"| {op} | {names} | {cands} |")
+    return "\n".join(out)
+
+
+#: marker name -> table generator
+TABLES = {"paths-table": paths_markdown, "paths-summary": summary_markdown}
+
+
+def render_into(text: str) -> str:
+    """``text`` with the part between each pair of markers ``<!-- NAME:begin -->`` / ``<!-- NAME:end -->`` (NAME in
+    TABLES) replaced by the generated table, markers kept. A file without any marker pair is a ValueError."""
+    found = False
+    for name, make in TABLES.items():
+        begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+        i, j = text.find(begin), text.find(end)
+        if i < 0 or j < i:
+            continue
+        found = True
+        text = text[:i + len(begin)] + "\n" + make() + "\n" + text[j:]
+    if not found:
+        raise ValueError(f"no table markers ({', '.join(TABLES)}) found")
+    return text
 
 
 def _main(argv: Iterable[str]) -> int:
