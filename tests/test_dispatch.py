@@ -107,3 +107,24 @@ def test_table_command_rewrites_a_file(tmp_path):
     assert "old" not in out and "mpb_tc" in out and out.startswith("a\n") and out.endswith("b\n")
     with pytest.raises(ValueError, match="markers"):
         dispatch.render_into("no markers here")
+
+
+def test_trace_constant_marks_as_torch_does():
+    # tempokern marks its trace-constant queries itself (importing torch._dynamo at import time costs seconds);
+    # torch's own decorator must still mean the same attribute
+    from tempokern._util import trace_constant
+
+    def f():
+        return 1
+
+    def g():
+        return 1
+    assert getattr(torch.compiler.assume_constant_result(f), "_dynamo_marked_constant", False)
+    assert trace_constant(g)._dynamo_marked_constant is True
+
+
+def test_import_does_not_load_dynamo():
+    from conftest import run_python
+    res = run_python("import sys, tempokern; print('torch._dynamo' in sys.modules)")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False", res.stdout

@@ -10,7 +10,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from .. import _C
-from ..reference.offset_bias import cache_put
+from .._util import cache_put, trace_constant
 
 # Must match csrc/common/types.h::DType.
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -54,14 +54,7 @@ _emulated: contextvars.ContextVar = contextvars.ContextVar("tempokern_cuda_emula
 EMULATED_SM_COUNT = 132
 
 
-def _constant(fn):
-    """torch.compile treats fn's result as a constant of the trace (dynamo cannot trace ContextVar.get; the
-    emulator switch never changes inside a compiled region)."""
-    mark = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
-    return mark(fn) if mark is not None else fn
-
-
-@_constant
+@trace_constant  # (dynamo cannot trace ContextVar.get; the emulator switch never changes inside a compiled region)
 def _emulating() -> bool:
     return _emulated.get() is not None
 

@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import FrozenSet, Iterable, Iterator, Optional, Tuple
 
+from .._util import trace_constant
+
 ENV = "TEMPOKERN_EXPERIMENTAL"
 GPU_CSV = "benchmarks/results/gpu.csv"
 
@@ -132,14 +134,7 @@ def experimental() -> FrozenSet[str]:
     return _parse(os.environ.get(ENV, ""))
 
 
-def _constant(fn):
-    """torch.compile records fn's result as a constant of the trace (dynamo cannot trace ContextVar.get): the
-    enabled candidates are fixed for a compiled region, as the environment is read when it is traced."""
-    import torch
-    return torch.compiler.assume_constant_result(fn)
-
-
-@_constant
+@trace_constant  # fixed for a compiled region: the environment is read when it is traced
 def enabled(name: str) -> bool:
     """Whether candidate ``name`` is enabled (a name not in the table is a programming error)."""
     if name not in NAMES:

@@ -29,6 +29,7 @@ from typing import List, Sequence
 
 import torch
 
+from .._util import trace_constant
 from .common import DTYPE_CODES, device_constant, kernels, launch_args, on_cuda_path, ptr, sm_count
 from .multipos_blocked import _SIZE, _addmm_into, _mm, _mm_out_f32, block_rows, none_flags, prep_spans, spans32, tiling
 
@@ -288,7 +289,7 @@ def tc_max_levels(t: torch.Tensor) -> int:
     return _tc_levels(t.device.type == "cuda", dev)
 
 
-@torch.compiler.assume_constant_result
+@trace_constant
 def _tc_levels(cuda: bool, dev: int) -> int:
     """A device query torch.compile records as a constant (it cannot trace the extension's function)."""
     if not cuda:  # the emulator: its opt-in limit can change between tests
@@ -313,7 +314,7 @@ def tc_eligible(half, H: int, seg: Sequence[int], N: int, bias_mode, t) -> bool:
     return _tc_table_fits(t.device.type == "cuda", dev, K)
 
 
-@torch.compiler.assume_constant_result
+@trace_constant
 def _tc_table_fits(cuda: bool, dev: int, K: int) -> bool:
     """Whether K levels with a table bias (its histogram in global memory at least) fit the device."""
     k = kernels()

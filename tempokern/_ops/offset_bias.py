@@ -8,7 +8,8 @@ from typing import List, Tuple
 
 import torch
 
-from ..reference.offset_bias import bias_frequencies, cache_put, offset_bias_table, offset_features
+from .._util import cache_put
+from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
 from .common import (check_finite, check_same_device, check_tensor, dtype_code, kernels, launch_args,
                      on_cuda_path, ptr, sm_count)
 

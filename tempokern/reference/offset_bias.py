@@ -11,17 +11,7 @@ import torch
 TABLE_RANGE = 1.0
 
 
-#: Module-level caches are bounded: at most CACHE_MAX entries each, the oldest goes first.
-CACHE_MAX = 16
-
-
-def cache_put(cache: dict, key, value, limit: int = CACHE_MAX):
-    """Insert into a bounded module-level cache (at most `limit` entries, evicting the oldest) and return the
-    value."""
-    while len(cache) >= limit:
-        cache.pop(next(iter(cache)))
-    cache[key] = value
-    return value
+from .._util import CACHE_MAX, cache_put  # noqa: F401  (bounded module-level caches)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
