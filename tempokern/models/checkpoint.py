@@ -154,21 +154,28 @@ def _checkpoint_files(root: Path):
     return sorted(out)
 
 
-def write_manifest(root) -> dict:
-    """Write ``checksums.json`` (atomically) into the checkpoint directory `root`: SHA-256 and size of
-    every other file under it. Returns the ``files`` table."""
+def write_manifest(root, *, atomic: bool = True) -> dict:
+    """Write ``checksums.json`` into the checkpoint directory `root`: SHA-256 and size of every other
+    file under it. atomic=False writes it in place (for a directory not yet swapped into place, which
+    becomes visible as a whole). Returns the ``files`` table."""
     root = Path(root)
     files = {rel: {"sha256": _sha256(root / rel), "size": (root / rel).stat().st_size}
              for rel in _checkpoint_files(root)}
-    atomic_write(root / MANIFEST_FILE, json.dumps({"format": MANIFEST_FORMAT, "version": 1, "algorithm": "sha256",
-                                                   "files": files}, indent=1, sort_keys=True))
+    text = json.dumps({"format": MANIFEST_FORMAT, "version": 1, "algorithm": "sha256", "files": files},
+                      indent=1, sort_keys=True)
+    if atomic:
+        atomic_write(root / MANIFEST_FILE, text)
+    else:
+        (root / MANIFEST_FILE).write_text(text, encoding="utf-8")
     return files
 
 
-def verify_checkpoint(path, *, allow_missing_manifest: bool = False):
+def verify_checkpoint(path, *, allow_missing_manifest: bool = False, unread=()):
     """Check every file of the checkpoint directory `path` against its ``checksums.json`` before any of
     them is read: a listed file that is missing or differs, or a file that is not listed, raises
-    :class:`CheckpointError` naming the file. Returns ``{relative path: sha256}``.
+    :class:`CheckpointError` naming the file. Files named in `unread` (ones the caller does not read,
+    e.g. an optional projector) must be listed but are not hashed. Returns ``{relative path: sha256}``
+    of the files checked.
 
     A directory without ``checksums.json`` (saved by a tempokern that wrote none) raises too, unless
     ``allow_missing_manifest=True``: then it loads with a warning, only the weights' checksums in its
@@ -198,12 +205,14 @@ def verify_checkpoint(path, *, allow_missing_manifest: bool = False):
         if not isinstance(info, dict) or Path(rel).is_absolute() or ".." in parts or not parts:
             raise CheckpointError(f"{man}: invalid entry {rel!r}")
         f = path / rel
+        if Path(rel).as_posix() in unread:
+            continue
         if not f.is_file():
             raise CheckpointError(f"{f} is missing (listed in {man})")
         if f.stat().st_size != info.get("size") or _sha256(f) != info.get("sha256"):
             raise CheckpointError(f"{f} does not match its checksum in {man} (modified, truncated or corrupted)")
         digests[Path(rel).as_posix()] = info["sha256"]
-    extra = [rel for rel in _checkpoint_files(path) if rel not in digests]
+    extra = [rel for rel in _checkpoint_files(path) if rel not in files]
     if extra:
         raise CheckpointError(f"{path / extra[0]} is not listed in {man} (a file added after saving)")
     return digests
@@ -225,8 +234,9 @@ def write_extra_files(tmp: Path, extra_files) -> None:
 
 
 def finish_checkpoint(tmp: Path, path: Path) -> None:
-    """Seal the checkpoint built in `tmp` (manifest, fsync) and swap it into place at `path`."""
-    write_manifest(tmp)
+    """Seal the checkpoint built in `tmp` (manifest, fsync) and swap it into place at `path`: the
+    directory appears whole, so the manifest inside it is written atomically with it."""
+    write_manifest(tmp, atomic=False)
     fsync_tree(tmp)
     replace_dir(tmp, path)
 
@@ -308,10 +318,8 @@ def load_encoder(path, calendar: Any = None, *, map_location="cpu", allow_missin
 
     path = Path(path)
     recover_dir(path)
-    if not path.is_dir() or not (path / CONFIG_FILE).exists():
-        read_config(path)   # the "not a saved CTDEncoder" error
+    meta = read_config(path)   # format and version first: a newer format is said as such
     digests = verify_checkpoint(path, allow_missing_manifest=allow_missing_manifest)
-    meta = read_config(path)
     weights = path / WEIGHTS_FILE
     if not weights.exists():
         raise FileNotFoundError(f"{weights} is missing")

@@ -421,7 +421,6 @@ class Re3Encoder(nn.Module):
         cfg_file = path / CONFIG_FILE
         if not cfg_file.exists():
             raise FileNotFoundError(f"{path} is not a saved Re3Encoder (no {CONFIG_FILE})")
-        digests = verify_checkpoint(path, allow_missing_manifest=allow_missing_manifest)
         try:
             meta = json.loads(cfg_file.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -432,6 +431,7 @@ class Re3Encoder(nn.Module):
             raise ValueError(f"{cfg_file}: format {meta.get('format')!r} version {meta.get('version')!r}, expected "
                              f"{FORMAT!r} version {VERSION}")
         require_keys(meta, cfg_file, (("encoder", dict), ("backbone", dict)))
+        digests = verify_checkpoint(path, allow_missing_manifest=allow_missing_manifest)
         if meta["backbone"].get("kind") not in ("path", "embedded"):
             raise CheckpointError(f"{cfg_file}: unknown backbone kind {meta['backbone'].get('kind')!r}")
         tfile = path / TIME_FILE

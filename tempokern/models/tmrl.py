@@ -407,10 +407,10 @@ def load_tmrl(path, *, map_location="cpu", projector: bool = True, allow_missing
     from .checkpoint import CheckpointError, file_digest, recover_dir, verify_checkpoint
     path = Path(path)
     recover_dir(path)
-    if not path.is_dir() or not (path / CONFIG_FILE).exists():
-        read_tmrl_config(path)   # the "not a saved TMRLEncoder" error
-    digests = verify_checkpoint(path, allow_missing_manifest=allow_missing_manifest)
-    meta = read_tmrl_config(path)
+    meta = read_tmrl_config(path)   # format and version first: a newer format is said as such
+    # projector=False does not read the projector, so it is not hashed either
+    digests = verify_checkpoint(path, allow_missing_manifest=allow_missing_manifest,
+                                unread=() if projector else (PROJECTOR_FILE,))
     enc = dict(meta["encoder"])
     mode, settings = enc.pop("lora_mode"), enc.pop("lora")
     if mode == "lora":
