@@ -24,13 +24,13 @@ class CLIError(Exception):
 # ---- config files ------------------------------------------------------------------------------------
 
 def decode_utf8(data: bytes, path) -> str:
-    """`data` (the bytes of file `path`) as text; invalid UTF-8 is a CLIError naming file:line."""
+    """`data` (the bytes of file `path`) as text; invalid UTF-8 is a ValueError naming file:line."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
         col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        raise CLIError(f"{path}:{line}: not valid UTF-8 (byte 0x{data[e.start]:02x} at column {col})") from None
+        raise ValueError(f"{path}:{line}: not valid UTF-8 (byte 0x{data[e.start]:02x} at column {col})") from None
 
 
 def read_config(path) -> dict:
@@ -331,7 +331,7 @@ def _flag(dest: str) -> str:
 
 
 def _kind_name(t) -> str:
-    return {int: "an int", float: "a number", str: "a string", bool: "true or false"}.get(t, "a value")
+    return {int: "an int", float: "a number", str: "a string", None: "a string", bool: "true or false"}.get(t, "a value")
 
 
 def _config_value(sub, key: str, v, path):
