@@ -412,7 +412,7 @@ RANGES = {
     "mine_negatives": (1, True, None, False), "recency_k": (1, True, None, False), "dim": (1, True, None, False),
     "k": (1, True, None, False), "hidden": (1, True, None, False), "repeat": (1, True, None, False),
     "threads": (1, True, None, False), "bootstrap": (1, True, None, False), "dims": (1, True, None, False),
-    "sizes": (1, True, None, False), "seeds": (0, True, None, False),
+    "seeds": (0, True, None, False),   # --sizes: its own check (bench)
 }
 
 
