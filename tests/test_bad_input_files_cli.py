@@ -271,6 +271,8 @@ CASES = [
     ("queries-not-utf8", queries_not_utf8, 1, "q.txt:2: not valid UTF-8"),
     ("data-not-utf8", data_not_utf8, 1, "bad.jsonl:2: not valid UTF-8"),
     ("beir-empty-folder", empty_beir, 1, "corpus.jsonl holds no usable documents"),
+    ("beir-folder-without-files", lambda c: ["eval", "--model", str(c.saved / "ctd"), "--data", str(c.tmp),
+                                             "--format", "beir"], 1, "corpus.jsonl does not exist (a BEIR set is"),
 ]
 
 

@@ -128,6 +128,10 @@ def load_beir(folder: Optional[str] = None, *, corpus: Optional[str] = None, que
         qrels = qrels or os.path.join(folder, "qrels", f"{split}.tsv")
     if not (corpus and queries and qrels):
         raise ValueError("give a folder, or all of corpus=, queries= and qrels= paths")
+    for f in (corpus, queries, qrels):
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"{f} does not exist (a BEIR set is corpus.jsonl, queries.jsonl and "
+                                    "qrels/<split>.tsv)")
     report = LoadReport()
     raw_docs: List[Tuple[str, int, Dict[str, Any], Any]] = []
     raw_qs: List[Tuple[str, int, Dict[str, Any], Any]] = []
