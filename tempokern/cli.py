@@ -583,6 +583,9 @@ def check_calendar(name: str, ds) -> None:
 
 def build_model(args, ds):
     from .models import CTDEncoder, build_char_tokenizer, tiny_bert
+    if ds.calendar is None:
+        raise ValueError(f"dataset {ds.name!r} has no calendar (none of its records or queries has a time field, "
+                         "e.g. 'time', 'date' or 'start'/'end'), and a CTD model needs one")
     if args.backbone == "tiny":
         texts = [r.text for r in ds.records] + [q.text for q in ds.queries]
         tok = build_char_tokenizer(texts)

@@ -201,10 +201,20 @@ def data_not_utf8(c):
     return ["train", "--data", str(c.tmp / "bad.jsonl"), "--out", str(c.tmp / "run"), *TINY]
 
 
-def empty_beir(c):
-    for n in ("corpus.jsonl", "queries.jsonl", "qrels/test.tsv"):
-        c.write(f"beir/{n}", "")
-    return ["eval", "--model", str(c.saved / "ctd"), "--data", str(c.tmp / "beir"), "--format", "beir"]
+def empty_beir(*command):
+    def run(c):
+        for n in ("corpus.jsonl", "queries.jsonl", "qrels/test.tsv"):
+            c.write(f"beir/{n}", "")
+        return [x.replace("{tmp}", str(c.tmp)).replace("{ctd}", str(c.saved / "ctd")) for x in command] + [
+            "--data", str(c.tmp / "beir"), "--format", "beir"]
+    return run
+
+
+def untimed_beir(c):
+    c.write("beir/corpus.jsonl", "\n".join(json.dumps({"_id": f"d{i}", "text": f"doc {i}"}) for i in range(4)))
+    c.write("beir/queries.jsonl", json.dumps({"_id": "q0", "text": "which doc"}))
+    c.write("beir/qrels/test.tsv", "q0\td1\t1\n")
+    return ["train", "--data", str(c.tmp / "beir"), "--format", "beir", "--out", str(c.tmp / "run"), *TINY]
 
 
 OUT = ["--out", "{tmp}/run"]
@@ -270,7 +280,9 @@ CASES = [
      "x.idx.records.json: 'ids' must be a list with one entry per indexed record (2)"),
     ("queries-not-utf8", queries_not_utf8, 1, "q.txt:2: not valid UTF-8"),
     ("data-not-utf8", data_not_utf8, 1, "bad.jsonl:2: not valid UTF-8"),
-    ("beir-empty-folder", empty_beir, 1, "corpus.jsonl holds no usable documents"),
+    ("beir-empty-folder-eval", empty_beir("eval", "--model", "{ctd}"), 1, "corpus.jsonl holds no usable documents"),
+    ("beir-empty-folder-train", empty_beir("train", *OUT, *TINY), 1, "corpus.jsonl holds no usable documents"),
+    ("beir-untimed-train-ctd", untimed_beir, 1, "dataset 'beir' has no calendar"),
     ("beir-folder-without-files", lambda c: ["eval", "--model", str(c.saved / "ctd"), "--data", str(c.tmp),
                                              "--format", "beir"], 1, "corpus.jsonl does not exist (a BEIR set is"),
 ]
