@@ -339,7 +339,7 @@ def _config_value(sub, key: str, v, path):
     (an int for int flags, a number for float flags, a string, a list for multi-value flags, true/false
     for switches), the choices, and null only where the flag's default is unset. CLIError otherwise."""
     actions = [a for a in sub._actions if a.dest == key]
-    flag, where = _flag(key), f"{path}: {_flag(key)}"
+    where = f"{path}: {_flag(key)}"
     if any(isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction))
            for a in actions):
         if not isinstance(v, bool):

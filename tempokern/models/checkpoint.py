@@ -135,7 +135,8 @@ def check_save_target(path: Path) -> None:
     if not os.path.lexists(path):
         return
     if path.is_symlink() or not path.is_dir():
-        raise FileExistsError(f"cannot save a checkpoint to {path}: it exists and is not a directory "
+        kind = "a symbolic link" if path.is_symlink() else "not a directory"
+        raise FileExistsError(f"cannot save a checkpoint to {path}: it exists and is {kind} "
                               "(a checkpoint is a directory; pick another path or remove the file)")
     if any(path.iterdir()) and not any((path / m).is_file() for m in CHECKPOINT_MARKERS):
         raise FileExistsError(f"cannot save a checkpoint to {path}: it is a non-empty directory that is not a "
