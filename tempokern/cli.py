@@ -23,11 +23,27 @@ class CLIError(Exception):
 
 # ---- config files ------------------------------------------------------------------------------------
 
+def decode_utf8(data: bytes, path) -> str:
+    """`data` (the bytes of file `path`) as text; invalid UTF-8 is a ValueError naming file:line."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8 (byte 0x{data[e.start]:02x} at column {col})") from None
+
+
 def read_config(path) -> dict:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"config file {p} does not exist")
-    text = p.read_text(encoding="utf-8")
+    if not p.is_file():
+        raise CLIError(f"--config {p} is not a file (give a JSON or TOML file)")
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise CLIError(f"cannot read config file {p}: {e.strerror or e}") from None
+    text = decode_utf8(data, p)
     if p.suffix.lower() == ".toml":
         try:
             import tomllib
@@ -303,9 +319,122 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         unknown = sorted(set(cfg) - known - {"command"})
         if unknown:
             raise CLIError(f"{args.config}: unknown option(s) {unknown} for `tempokern {args.command}`")
+        cfg.pop("command", None)
+        cfg = {k: _config_value(sub, k, v, args.config) for k, v in cfg.items()}
         sub.set_defaults(**cfg)
         args = parser.parse_args(argv)
     return args
+
+
+def _flag(dest: str) -> str:
+    return f"-{dest}" if len(dest) == 1 else f"--{dest.replace('_', '-')}"
+
+
+def _kind_name(t) -> str:
+    return {int: "an int", float: "a number", str: "a string", None: "a string", bool: "true or false"}.get(t, "a value")
+
+
+def _config_value(sub, key: str, v, path):
+    """A config file's value for option `key`, checked (and converted) as the flag would be: the type
+    (an int for int flags, a number for float flags, a string, a list for multi-value flags, true/false
+    for switches), the choices, and null only where the flag's default is unset. CLIError otherwise."""
+    actions = [a for a in sub._actions if a.dest == key]
+    where = f"{path}: {_flag(key)}"
+    if any(isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction))
+           for a in actions):
+        if not isinstance(v, bool):
+            raise CLIError(f"{where} must be true or false, got {v!r}")
+        return v
+    a = actions[0]
+    if v is None:
+        if a.default is None:
+            return None
+        raise CLIError(f"{where} must be set (its default is {a.default!r}), got null")
+    many = a.nargs in ("+", "*") or isinstance(a, argparse._AppendAction)
+
+    def one(x):
+        t = a.type
+        if t in (int, float):
+            if isinstance(x, str):      # "3" works as on the command line
+                try:
+                    return t(x)
+                except ValueError:
+                    raise CLIError(f"{where} must be {_kind_name(t)}{' list' if many else ''}, got {v!r}") from None
+            ok = isinstance(x, int) and not isinstance(x, bool) if t is int else \
+                isinstance(x, (int, float)) and not isinstance(x, bool)
+            if not ok:
+                raise CLIError(f"{where} must be {_kind_name(t)}{' list' if many else ''}, got {v!r}")
+            return t(x)
+        if t is None:
+            if not isinstance(x, str):
+                raise CLIError(f"{where} must be a string{' list' if many else ''}, got {v!r}")
+        elif isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool)):
+            try:
+                x = t(str(x))     # the flag's own parser (e.g. --pairs-per-query, --seeds)
+            except (argparse.ArgumentTypeError, ValueError) as e:
+                raise CLIError(f"{where}: {e}") from None
+            return x
+        else:
+            raise CLIError(f"{where} must be a string, got {v!r}")
+        if a.choices is not None and x not in a.choices:
+            raise CLIError(f"{where} must be one of {', '.join(map(str, a.choices))}, got {x!r}")
+        return x
+
+    if many:
+        if not isinstance(v, list):
+            raise CLIError(f"{where} must be a list, got {v!r}")
+        if a.nargs == "+" and not v:
+            raise CLIError(f"{where} must be a non-empty list")
+        return [one(x) for x in v]
+    if a.type in (_str_list, _int_list) and isinstance(v, list):   # a list where the flag takes "a,b,c"
+        return one(",".join(str(x) for x in v))
+    if isinstance(v, (list, dict)):
+        raise CLIError(f"{where} must be {_kind_name(a.type) if a.type in (int, float, None) else 'a single value'}, "
+                       f"got {v!r}")
+    return one(v)
+
+
+#: (lower bound, lower bound included, upper bound or None, upper bound included) of numeric options;
+#: every float option is also finite. Checked for every command that has the option.
+RANGES = {
+    "lr": (0, False, None, False), "temporal_lr": (0, False, None, False), "weight_decay": (0, True, None, False),
+    "warmup_ratio": (0, True, 1, False), "temperature": (0, False, None, False), "lambda_time": (0, True, None, False),
+    "label_smoothing": (0, True, 1, False), "alpha": (0, True, None, False), "beta": (0, True, None, False),
+    "gamma": (0, True, None, False), "lora_alpha": (0, False, None, False), "lora_dropout": (0, True, 1, False),
+    "margin": (0, True, None, False), "lambda_hard": (0, True, None, False), "lambda_tw": (0, True, None, False),
+    "epochs": (1, True, None, False), "batch_size": (2, True, None, False), "grad_accum": (1, True, None, False),
+    "max_steps": (1, True, None, False), "synth_seed": (0, True, None, False), "ctx_dim": (1, True, None, False),
+    "bias_features": (1, True, None, False), "bias_hidden": (1, True, None, False),
+    "max_length": (1, True, None, False), "tiny_hidden": (1, True, None, False), "tiny_layers": (1, True, None, False),
+    "t": (1, True, None, False), "distill_k": (1, True, None, False), "num_hard_negatives": (0, True, None, False),
+    "negative_queries": (0, True, None, False), "lora_r": (1, True, None, False),
+    "mini_batch_size": (1, True, None, False), "max_rows": (1, True, None, False),
+    "mine_negatives": (1, True, None, False), "recency_k": (1, True, None, False), "dim": (1, True, None, False),
+    "k": (1, True, None, False), "hidden": (1, True, None, False), "repeat": (1, True, None, False),
+    "threads": (1, True, None, False), "bootstrap": (1, True, None, False), "dims": (1, True, None, False),
+    "seeds": (0, True, None, False),   # --sizes: its own check (bench)
+}
+
+
+def _check_numbers(args) -> None:
+    """Every numeric option is finite and in its range (RANGES); lists element-wise."""
+    import math
+    for dest, v in vars(args).items():
+        vals = v if isinstance(v, list) else [v]
+        if not vals or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vals):
+            continue
+        flag = _flag(dest)
+        for x in vals:
+            if isinstance(x, float) and not math.isfinite(x):
+                raise CLIError(f"{flag} must be a finite number, got {v}")
+        if dest not in RANGES:
+            continue
+        lo, lo_in, hi, hi_in = RANGES[dest]
+        for x in vals:
+            if not (x >= lo if lo_in else x > lo):
+                raise CLIError(f"{flag} must be {'>=' if lo_in else '>'} {lo}, got {v}")
+            if hi is not None and not (x <= hi if hi_in else x < hi):
+                raise CLIError(f"{flag} must be in [{lo}, {hi}{']' if hi_in else ')'}, got {v}")
 
 
 def _need(args, *names):
@@ -315,7 +444,12 @@ def _need(args, *names):
 
 
 def _check_device(dev) -> None:
-    if not dev or not str(dev).startswith("cuda"):
+    import re
+    if dev is None:
+        return
+    if not isinstance(dev, str) or not re.fullmatch(r"cpu|cuda(:[0-9]+)?", dev):
+        raise CLIError(f"--device must be cpu, cuda or cuda:N, got {dev!r}")
+    if not dev.startswith("cuda"):
         return
     import torch
     if torch.version.cuda is None:
@@ -323,6 +457,8 @@ def _check_device(dev) -> None:
                        "CUDA build of torch, or use --device cpu")
     if not torch.cuda.is_available():
         raise CLIError(f"--device {dev}: no CUDA device is visible (torch.cuda.is_available() is False)")
+    if ":" in dev and int(dev.split(":")[1]) >= torch.cuda.device_count():
+        raise CLIError(f"--device {dev}: only {torch.cuda.device_count()} CUDA device(s) are visible")
 
 
 def _positive(args, *names, minimum=1):
@@ -336,6 +472,18 @@ def _positive(args, *names, minimum=1):
 def validate_args(args) -> None:
     """Usage checks of every command, before any data is loaded or any folder is created (exit 2)."""
     cmd = args.command
+    _check_numbers(args)
+    _check_device(getattr(args, "device", None))
+    if cmd == "train" and args.resume and args.out:
+        state = Path(args.out) / "last" / "trainer_state.pt"
+        if not state.is_file():
+            raise CLIError(f"cannot resume: {state} does not exist (--resume continues a run in --out)")
+    if cmd == "eval" and args.dims is not None:
+        from .models.tmrl import is_tmrl_dir
+        if any(b <= a for a, b in zip(args.dims, args.dims[1:])):
+            raise CLIError(f"--dims must be increasing, got {args.dims}")
+        if getattr(args, "method", "ctd") == "re3" or (args.model and not is_tmrl_dir(args.model)):
+            raise CLIError(f"--dims applies to TMRL models (trained with --method tmrl) only; {args.model} is not one")
     if cmd in ("train", "eval") and getattr(args, "method", "ctd") == "re3":
         return _validate_re3(args)
     if cmd in ("demo", "benchmark"):
@@ -435,6 +583,9 @@ def check_calendar(name: str, ds) -> None:
 
 def build_model(args, ds):
     from .models import CTDEncoder, build_char_tokenizer, tiny_bert
+    if ds.calendar is None:
+        raise ValueError(f"dataset {ds.name!r} has no calendar (none of its records or queries has a time field, "
+                         "e.g. 'time', 'date' or 'start'/'end'), and a CTD model needs one")
     if args.backbone == "tiny":
         texts = [r.text for r in ds.records] + [q.text for q in ds.queries]
         tok = build_char_tokenizer(texts)
@@ -605,7 +756,9 @@ def cmd_search(args) -> int:
         qp = Path(args.queries)
         if not qp.exists():
             raise FileNotFoundError(f"queries file {qp} does not exist")
-        queries += [l.strip() for l in qp.read_text(encoding="utf-8").splitlines() if l.strip()]
+        if not qp.is_file():
+            raise CLIError(f"--queries {qp} is not a file")
+        queries += [l.strip() for l in decode_utf8(qp.read_bytes(), qp).splitlines() if l.strip()]
     if not queries:
         raise CLIError("give at least one --query TEXT or --queries FILE")
     ip = Path(args.index)
@@ -616,7 +769,7 @@ def cmd_search(args) -> int:
     names = None
     side = Path(str(ip) + ".records.json")
     if side.exists():
-        names = json.loads(side.read_text())
+        names = read_sidecar(side, len(index))
     ids, scores = model.search(index, queries, k=min(args.k, len(index)))
     rf = None
     if getattr(args, "recency", "none") != "none":
@@ -649,6 +802,34 @@ def cmd_search(args) -> int:
             for x in reasons:
                 print(f"  recency: {x}")
     return 0
+
+
+def read_sidecar(side: Path, count: int) -> dict:
+    """The PATH.records.json `tempokern index` writes next to an index: a JSON object whose ids/texts
+    (and optional published, facts, fact_dates) lists have one entry per indexed record."""
+    try:
+        names = json.loads(decode_utf8(side.read_bytes(), side))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{side}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(names, dict):
+        raise ValueError(f"{side}: expected a JSON object with 'ids' and 'texts' lists, got {type(names).__name__}")
+    for key in ("ids", "texts", "published", "facts", "fact_dates"):
+        v = names.get(key)
+        if v is None and key not in ("ids", "texts"):
+            continue
+        if not isinstance(v, list) or len(v) != count:
+            got = f"{len(v)} entries" if isinstance(v, list) else type(v).__name__
+            raise ValueError(f"{side}: {key!r} must be a list with one entry per indexed record ({count}), got {got}")
+    if not all(isinstance(t, str) for t in names["texts"]):
+        raise ValueError(f"{side}: 'texts' must hold strings")
+    import datetime as _dt
+    for i, d in enumerate(names.get("published") or []):
+        try:
+            if d is not None:
+                _dt.date.fromisoformat(d)
+        except (TypeError, ValueError):
+            raise ValueError(f"{side}: published[{i}] must be an ISO date or null, got {d!r}") from None
+    return names
 
 
 def _recency_hits(rf, query, hits, names):
@@ -910,28 +1091,35 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "index": cmd_index, "search": 
             "demo": cmd_demo, "benchmark": cmd_benchmark}
 
 
+def _usage_error(prefix: str, e: BaseException) -> int:
+    """One line on stderr (the traceback first with TEMPOKERN_DEBUG=1); exit status 2."""
+    if os.environ.get("TEMPOKERN_DEBUG"):
+        import traceback
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+    msg = str(e) if isinstance(e, (CLIError, FileNotFoundError, ValueError)) else f"{type(e).__name__}: {e}"
+    print(f"{prefix}: error: {msg}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = parse_args(argv)
     except SystemExit as e:   # argparse: --help (0) or a usage error (2), already printed
         return int(e.code or 0)
-    except (CLIError, FileNotFoundError, ValueError) as e:
-        print(f"tempokern: error: {e}", file=sys.stderr)
-        return 2
+    except (CLIError, OSError, ValueError) as e:   # the --config file: missing, unreadable, malformed
+        return _usage_error("tempokern", e)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         validate_args(args)
     except CLIError as e:
-        print(f"tempokern {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _usage_error(f"tempokern {args.command}", e)
     out = getattr(args, "out", None)
     out_existed = out is None or os.path.exists(out)
     try:
         return COMMANDS[args.command](args)
-    except CLIError as e:   # a usage error found while running (e.g. --resume without a run)
+    except CLIError as e:   # a usage error found while running (e.g. a --split the data lacks)
         _drop_empty(out, out_existed)
-        print(f"tempokern {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _usage_error(f"tempokern {args.command}", e)
     except KeyboardInterrupt:
         print("tempokern: interrupted", file=sys.stderr)
         return 130

@@ -177,8 +177,14 @@ def read_jsonl(path: str, report: LoadReport, on_error: str) -> Iterator[Tuple[i
     non-object lines raise :class:`DataFormatError` or are skipped into ``report``."""
     _check_on_error(on_error)
     report.files.append(str(path))
-    with open(path, "r", encoding="utf-8") as f:
-        for ln, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for ln, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                report.rows_read += 1
+                handle(DataFormatError(str(path), ln, utf8_reason(raw, e)), report, on_error)
+                continue
             if not line.strip():
                 continue
             report.rows_read += 1
@@ -193,6 +199,24 @@ def read_jsonl(path: str, report: LoadReport, on_error: str) -> Iterator[Tuple[i
                        report, on_error)
                 continue
             yield ln, obj
+
+
+def utf8_reason(line: bytes, e: UnicodeDecodeError) -> str:
+    """What is wrong with a line that is not UTF-8 (for a DataFormatError)."""
+    return f"not valid UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})"
+
+
+def read_utf8(path) -> str:
+    """A whole text file; invalid UTF-8 raises :class:`DataFormatError` naming file:line."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        start = data.rfind(b"\n", 0, e.start) + 1
+        line = data[start:data.find(b"\n", e.start) if b"\n" in data[e.start:] else len(data)]
+        e2 = UnicodeDecodeError(e.encoding, line, e.start - start, e.end - start, e.reason)
+        raise DataFormatError(str(path), data[:e.start].count(b"\n") + 1, utf8_reason(line, e2)) from None
 
 
 def _check_on_error(on_error: str) -> None:

@@ -17,7 +17,8 @@ import re
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..calendar import Calendar
-from .base import DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle, read_jsonl
+from .base import (DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle, read_jsonl,
+                   utf8_reason)
 
 __all__ = ["load_beir", "parse_published"]
 
@@ -84,11 +85,16 @@ def _time_fields(obj: Dict[str, Any]) -> Optional[Tuple[Tuple[int, ...], Tuple[i
 def _read_qrels(path: str, report: LoadReport, on_error: str) -> Dict[str, Dict[str, int]]:
     report.files.append(path)
     out: Dict[str, Dict[str, int]] = {}
-    with open(path, "r", encoding="utf-8") as f:
-        for ln, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for ln, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                handle(DataFormatError(path, ln, utf8_reason(raw, e)), report, on_error)
+                continue
             if not line.strip():
                 continue
-            parts = line.rstrip("\n").split("\t")
+            parts = line.rstrip("\r\n").split("\t")
             if ln == 1 and parts[0].strip().lower() in ("query-id", "qid", "query_id"):
                 continue
             report.rows_read += 1
@@ -122,6 +128,10 @@ def load_beir(folder: Optional[str] = None, *, corpus: Optional[str] = None, que
         qrels = qrels or os.path.join(folder, "qrels", f"{split}.tsv")
     if not (corpus and queries and qrels):
         raise ValueError("give a folder, or all of corpus=, queries= and qrels= paths")
+    for f in (corpus, queries, qrels):
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"{f} does not exist (a BEIR set is corpus.jsonl, queries.jsonl and "
+                                    "qrels/<split>.tsv)")
     report = LoadReport()
     raw_docs: List[Tuple[str, int, Dict[str, Any], Any]] = []
     raw_qs: List[Tuple[str, int, Dict[str, Any], Any]] = []
@@ -154,6 +164,10 @@ def load_beir(folder: Optional[str] = None, *, corpus: Optional[str] = None, que
             if t is not None:
                 years += [t[0][0], t[1][0]]
             sink.append((str(path), ln, obj, t))
+    if not raw_docs:
+        raise ValueError(f"{corpus} holds no usable documents (a BEIR set needs corpus.jsonl rows with '_id' and 'text')")
+    if not raw_qs:
+        raise ValueError(f"{queries} holds no usable queries (a BEIR set needs queries.jsonl rows with '_id' and 'text')")
     cal = calendar
     if cal is None and years:
         cal = Calendar.gregorian(min(years), max(years))

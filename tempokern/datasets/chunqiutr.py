@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..calendar import Calendar, Interval
 from .base import (QUERY_FAMILIES, RECORD_TYPES, DataFormatError, LoadReport, Query, Record, RetrievalDataset,
-                   _check_on_error, handle, read_jsonl, with_split)
+                   _check_on_error, handle, read_jsonl, read_utf8, with_split)
 
 __all__ = ["load_chunqiutr", "load_chunqiutr_release", "gold_from_interval", "POS_SOURCES"]
 
@@ -177,8 +177,7 @@ def load_chunqiutr_release(meta_path: str, queries_path: str, *, calendar: Optio
     report = LoadReport(files=[str(meta_path)])
     mp = str(meta_path)
     try:
-        with open(meta_path, "r", encoding="utf-8") as f:
-            meta = json.load(f)
+        meta = json.loads(read_utf8(meta_path))
     except json.JSONDecodeError as e:
         raise DataFormatError(mp, e.lineno, f"invalid JSON ({e.msg})") from None
     tmap = meta.get("time_mapping") if isinstance(meta, dict) else None

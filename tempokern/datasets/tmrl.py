@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .base import DataFormatError, LoadReport, _check_on_error, handle, read_jsonl
+from .base import DataFormatError, LoadReport, _check_on_error, handle, read_jsonl, read_utf8
 
 __all__ = ["TMRLRow", "TMRLData", "load_temporal_contrastive", "load_tevatron_jsonl", "rows_from_synth",
            "rows_from_train_rows", "mine_hard_negatives", "QUERY_TYPES", "ALLEN_RELATIONS", "Spans"]
@@ -154,8 +154,7 @@ def _list(obj: dict, key: str, what: str, required: bool = True) -> list:
 
 def _iter_json_objects(path: str, report: LoadReport, on_error: str) -> Iterator[Tuple[int, Dict[str, Any]]]:
     """(line, object) of a JSON array file or a jsonl file (detected from the first character)."""
-    with open(path, "r", encoding="utf-8") as f:
-        text = f.read()
+    text = read_utf8(path)
     head = text.lstrip()
     if not head.startswith("["):
         yield from read_jsonl(path, report, on_error)

@@ -1,5 +1,9 @@
 """Saving/loading CTDEncoder (safetensors + JSON, atomic, checksummed) and importing the
-temporal modules of ChunQiuTR CTD checkpoints."""
+temporal modules of ChunQiuTR CTD checkpoints.
+
+Every checkpoint directory (CTD, TMRL, Re3) carries ``checksums.json``: the SHA-256 and size of
+every other file in it (config, weights, tokenizer, trainer state), written last inside the
+temporary directory that is swapped into place. Loading verifies it before any file is read."""
 from __future__ import annotations
 
 import hashlib
@@ -17,6 +21,14 @@ VERSION = 1
 CONFIG_FILE = "tempokern_encoder.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_DIR = "tokenizer"
+MANIFEST_FILE = "checksums.json"
+MANIFEST_FORMAT = "tempokern-checksums"
+#: the config file that marks a directory as a tempokern checkpoint, per model kind
+CHECKPOINT_MARKERS = (CONFIG_FILE, "tempokern_tmrl.json", "tempokern_re3.json", MANIFEST_FILE)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory whose files do not match its checksum manifest, or that lacks one."""
 
 
 def _sha256(path: Path) -> str:
@@ -88,6 +100,8 @@ def replace_dir(tmp: Path, path: Path) -> None:
     old one moves to `.{name}.old` first and :func:`recover_dir` restores it if a crash came between
     the two renames."""
     parent = path.parent
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} exists and is not a directory; refusing to replace it")
     if path.exists() and _exchange(tmp, path):
         fsync_path(parent)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -113,15 +127,142 @@ def recover_dir(path: Path) -> None:
         fsync_path(path.parent)
 
 
-def save_encoder(model, path) -> None:
-    """Write a directory: model.safetensors, tempokern_encoder.json (config + checksum) and the
-    tokenizer. Built in a temporary sibling directory, fsynced, then swapped into place atomically
-    (:func:`replace_dir`), so a crash leaves the previous checkpoint or the new one under `path`,
-    never none and never a half-written one."""
+def check_save_target(path: Path) -> None:
+    """Refuse to save a checkpoint onto anything but a missing path, an empty directory or an existing
+    tempokern checkpoint directory (one holding a checkpoint config or a checksum manifest): a regular
+    file or another directory's contents are never moved aside."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink() or not path.is_dir():
+        kind = "a symbolic link" if path.is_symlink() else "not a directory"
+        raise FileExistsError(f"cannot save a checkpoint to {path}: it exists and is {kind} "
+                              "(a checkpoint is a directory; pick another path or remove the file)")
+    if any(path.iterdir()) and not any((path / m).is_file() for m in CHECKPOINT_MARKERS):
+        raise FileExistsError(f"cannot save a checkpoint to {path}: it is a non-empty directory that is not a "
+                              f"tempokern checkpoint (no {' / '.join(CHECKPOINT_MARKERS)}); pick an empty or new path")
+
+
+def _checkpoint_files(root: Path):
+    """Relative POSIX paths of every file under root, the manifest excluded, sorted."""
+    out = []
+    for d, dirs, files in os.walk(str(root)):
+        dirs.sort()
+        for f in files:
+            rel = Path(d, f).relative_to(root).as_posix()
+            if rel != MANIFEST_FILE:
+                out.append(rel)
+    return sorted(out)
+
+
+def write_manifest(root, *, atomic: bool = True) -> dict:
+    """Write ``checksums.json`` into the checkpoint directory `root`: SHA-256 and size of every other
+    file under it. atomic=False writes it in place (for a directory not yet swapped into place, which
+    becomes visible as a whole). Returns the ``files`` table."""
+    root = Path(root)
+    files = {rel: {"sha256": _sha256(root / rel), "size": (root / rel).stat().st_size}
+             for rel in _checkpoint_files(root)}
+    text = json.dumps({"format": MANIFEST_FORMAT, "version": 1, "algorithm": "sha256", "files": files},
+                      indent=1, sort_keys=True)
+    if atomic:
+        atomic_write(root / MANIFEST_FILE, text)
+    else:
+        (root / MANIFEST_FILE).write_text(text, encoding="utf-8")
+    return files
+
+
+def verify_checkpoint(path, *, allow_missing_manifest: bool = False, unread=()):
+    """Check every file of the checkpoint directory `path` against its ``checksums.json`` before any of
+    them is read: a listed file that is missing or differs, or a file that is not listed, raises
+    :class:`CheckpointError` naming the file. Files named in `unread` (ones the caller does not read,
+    e.g. an optional projector) must be listed but are not hashed. Returns ``{relative path: sha256}``
+    of the files checked.
+
+    A directory without ``checksums.json`` (saved by a tempokern that wrote none) raises too, unless
+    ``allow_missing_manifest=True``: then it loads with a warning, only the weights' checksums in its
+    config are checked, and None is returned; saving it again adds the manifest."""
+    path = Path(path)
+    man = path / MANIFEST_FILE
+    if not man.exists():
+        if allow_missing_manifest:
+            import warnings
+            warnings.warn(f"{path} has no {MANIFEST_FILE}: its config and tokenizer are not verified "
+                          "(allow_missing_manifest=True); save it again to add the manifest", stacklevel=3)
+            return None
+        raise CheckpointError(f"{man} is missing: the checkpoint's config and tokenizer cannot be verified (a "
+                              "checkpoint saved before checksum manifests, or a damaged one); load it with "
+                              "allow_missing_manifest=True to accept it unverified, then save it again")
+    try:
+        meta = json.loads(man.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{man} is not valid JSON: {e}") from None
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+        raise CheckpointError(f"{man} is not a tempokern checksum manifest (format {MANIFEST_FORMAT!r} with a "
+                              "'files' table)")
+    digests = {}
+    for rel, info in files.items():
+        parts = Path(rel).parts
+        if not isinstance(info, dict) or Path(rel).is_absolute() or ".." in parts or not parts:
+            raise CheckpointError(f"{man}: invalid entry {rel!r}")
+        f = path / rel
+        if Path(rel).as_posix() in unread:
+            continue
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing (listed in {man})")
+        if f.stat().st_size != info.get("size") or _sha256(f) != info.get("sha256"):
+            raise CheckpointError(f"{f} does not match its checksum in {man} (modified, truncated or corrupted)")
+        digests[Path(rel).as_posix()] = info["sha256"]
+    extra = [rel for rel in _checkpoint_files(path) if rel not in files]
+    if extra:
+        raise CheckpointError(f"{path / extra[0]} is not listed in {man} (a file added after saving)")
+    return digests
+
+
+def file_digest(root: Path, rel: str, digests) -> str:
+    """SHA-256 of root/rel: from a verified manifest's table when there is one, else computed."""
+    if digests is not None and rel in digests:
+        return digests[rel]
+    return _sha256(Path(root) / rel)
+
+
+def write_extra_files(tmp: Path, extra_files) -> None:
+    """Write ``{relative name: bytes}`` into a checkpoint being built (e.g. a trainer state)."""
+    for name, data in (extra_files or {}).items():
+        target = tmp / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
+def finish_checkpoint(tmp: Path, path: Path) -> None:
+    """Seal the checkpoint built in `tmp` (manifest, fsync) and swap it into place at `path`: the
+    directory appears whole, so the manifest inside it is written atomically with it."""
+    write_manifest(tmp, atomic=False)
+    fsync_tree(tmp)
+    replace_dir(tmp, path)
+
+
+def require_keys(meta: dict, cfg_file: Path, keys) -> None:
+    """A checkpoint config lacking an entry, or holding one of the wrong kind, is named with its file."""
+    for key, kind in keys:
+        if key not in meta:
+            raise CheckpointError(f"{cfg_file} has no {key!r} entry (not a complete checkpoint config)")
+        if not isinstance(meta[key], kind):
+            raise CheckpointError(f"{cfg_file}: {key!r} must be a JSON {'object' if kind is dict else kind.__name__}, "
+                                  f"got {type(meta[key]).__name__}")
+
+
+def save_encoder(model, path, *, extra_files=None) -> None:
+    """Write a directory: model.safetensors, tempokern_encoder.json (config + checksum), the
+    tokenizer, `extra_files` ({name: bytes}) and checksums.json over all of them. Built in a temporary
+    sibling directory, fsynced, then swapped into place atomically (:func:`replace_dir`), so a crash
+    leaves the previous checkpoint or the new one under `path`, never none and never a half-written
+    one. `path` must be new, an empty directory or a checkpoint directory (FileExistsError otherwise)."""
     from safetensors.torch import save_model
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     recover_dir(path)
+    check_save_target(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         save_model(model, str(tmp / WEIGHTS_FILE))
@@ -133,8 +274,8 @@ def save_encoder(model, path) -> None:
             "weights_sha256": _sha256(tmp / WEIGHTS_FILE),
         }
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1, ensure_ascii=False, default=str))
-        fsync_tree(tmp)
-        replace_dir(tmp, path)
+        write_extra_files(tmp, extra_files)
+        finish_checkpoint(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -148,20 +289,28 @@ def read_config(path) -> dict:
         raise FileNotFoundError(f"{path} is not a saved CTDEncoder (no {CONFIG_FILE}); "
                                 "save one with CTDEncoder.save(dir) or `tempokern train`")
     try:
-        meta = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+        meta = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{cfg_file} must hold a JSON object")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{cfg_file} has format {meta.get('format')!r}, expected {FORMAT!r}")
     if meta.get("version") != VERSION:
         raise ValueError(f"{cfg_file} has format version {meta.get('version')!r}; this tempokern reads "
                          f"version {VERSION}")
+    require_keys(meta, cfg_file, (("encoder", dict), ("backbone_config", dict)))
+    if not isinstance(meta["encoder"].get("levels"), list):
+        raise CheckpointError(f"{cfg_file}: 'encoder' has no 'levels' list")
+    if not isinstance(meta["backbone_config"].get("model_type"), str):
+        raise CheckpointError(f"{cfg_file}: 'backbone_config' has no 'model_type' string")
     return meta
 
 
-def load_encoder(path, calendar: Any = None, *, map_location="cpu"):
+def load_encoder(path, calendar: Any = None, *, map_location="cpu", allow_missing_manifest: bool = False):
     """Rebuild a CTDEncoder saved by save_encoder; the backbone comes from its stored config, so
-    no model hub is contacted. The weights' checksum is verified before anything is loaded."""
+    no model hub is contacted. Every file is checked against checksums.json before anything is read
+    (:func:`verify_checkpoint`; allow_missing_manifest=True accepts a checkpoint saved without one)."""
     from safetensors.torch import load_model
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
@@ -169,16 +318,21 @@ def load_encoder(path, calendar: Any = None, *, map_location="cpu"):
     from .levels import LevelSpec, calendar_levels
 
     path = Path(path)
-    meta = read_config(path)
+    recover_dir(path)
+    meta = read_config(path)   # format and version first: a newer format is said as such
+    digests = verify_checkpoint(path, allow_missing_manifest=allow_missing_manifest)
     weights = path / WEIGHTS_FILE
     if not weights.exists():
         raise FileNotFoundError(f"{weights} is missing")
-    digest = _sha256(weights)
+    digest = file_digest(path, WEIGHTS_FILE, digests)
     if digest != meta.get("weights_sha256"):
         raise ValueError(f"{weights} does not match the checksum in {CONFIG_FILE} (file truncated or "
                          "corrupted)")
     enc = dict(meta["encoder"])
-    levels = [tuple(l) for l in enc.pop("levels")]
+    try:
+        levels = [tuple(l) for l in enc.pop("levels")]
+    except TypeError:
+        raise CheckpointError(f"{path / CONFIG_FILE}: 'encoder.levels' must be a list of [name, size] pairs") from None
     kind = enc.pop("calendar", "custom")
     backbone_name = enc.pop("backbone_name", "")
     if calendar is None:
@@ -187,12 +341,16 @@ def load_encoder(path, calendar: Any = None, *, map_location="cpu"):
         raise ValueError(f"calendar levels {calendar_levels(calendar)} differ from the saved model's {levels}")
     bcfg = dict(meta["backbone_config"])
     model_type = bcfg.pop("model_type")
-    config = AutoConfig.for_model(model_type, **bcfg)
-    backbone = AutoModel.from_config(config)
-    tok = None
-    if (path / TOKENIZER_DIR).exists():
-        tok = AutoTokenizer.from_pretrained(str(path / TOKENIZER_DIR))
-    model = CTDEncoder(backbone, calendar, tokenizer=tok, **enc)
+    try:
+        config = AutoConfig.for_model(model_type, **bcfg)
+        backbone = AutoModel.from_config(config)
+        tok = None
+        if (path / TOKENIZER_DIR).exists():
+            tok = AutoTokenizer.from_pretrained(str(path / TOKENIZER_DIR))
+        model = CTDEncoder(backbone, calendar, tokenizer=tok, **enc)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise CheckpointError(f"{path / CONFIG_FILE}: the model cannot be rebuilt from this config: "
+                              f"{type(e).__name__}: {e}") from None
     model.backbone_name = backbone_name
     missing, unexpected = load_model(model, str(weights), strict=False, device=str(map_location))
     # AutoModel.from_config adds submodules the saved backbone was built without (BERT's pooler):

@@ -209,14 +209,20 @@ class CTDEncoder(nn.Module):
                             temperature=self.temperature, **kw)
 
     # ---- persistence (tempokern/models/checkpoint.py) -----------------------------------------
-    def save(self, path) -> None:
+    def save(self, path, *, extra_files=None) -> None:
+        """A checkpoint directory (tempokern/models/checkpoint.py:save_encoder); extra_files
+        ({name: bytes}) are stored in it under the same checksum manifest."""
         from .checkpoint import save_encoder
-        save_encoder(self, path)
+        save_encoder(self, path, extra_files=extra_files)
 
     @classmethod
-    def load(cls, path, calendar: Any = None, *, map_location="cpu") -> "CTDEncoder":
+    def load(cls, path, calendar: Any = None, *, map_location="cpu",
+             allow_missing_manifest: bool = False) -> "CTDEncoder":
+        """Every file is verified against the checkpoint's checksums.json first; allow_missing_manifest=True
+        accepts a checkpoint saved without one (with a warning)."""
         from .checkpoint import load_encoder
-        return load_encoder(path, calendar=calendar, map_location=map_location)
+        return load_encoder(path, calendar=calendar, map_location=map_location,
+                            allow_missing_manifest=allow_missing_manifest)
 
     def load_chunqiu_state_dict(self, state_dict, *, include_backbone: bool = False) -> dict:
         from .checkpoint import load_chunqiu_ctd

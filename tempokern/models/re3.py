@@ -367,13 +367,15 @@ class Re3Encoder(nn.Module):
         ``time_modules.safetensors``. The frozen backbone is referenced by its directory and checksum
         (not copied) when it was loaded from a directory and is untouched; otherwise (built in memory, or
         LoRA-tuned: merged) its weights, config and tokenizer are stored too. ``embed_backbone=True``
-        forces a copy."""
+        forces a copy. ``checksums.json`` covers every file written; `path` must be new, an empty
+        directory or a checkpoint directory (FileExistsError otherwise)."""
         from safetensors.torch import save_file
 
-        from .checkpoint import fsync_tree, recover_dir, replace_dir
+        from .checkpoint import check_save_target, finish_checkpoint, recover_dir
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         recover_dir(path)
+        check_save_target(path)
         if embed_backbone is None:
             embed_backbone = self.backbone_path is None or self.lora_config is not None \
                 or not Path(self.backbone_path).is_dir()
@@ -399,78 +401,89 @@ class Re3Encoder(nn.Module):
                     self._backbone_sha = backbone_checksum(self.backbone_path)
                 meta["backbone"] = {"kind": "path", "path": self.backbone_path, "sha256": self._backbone_sha}
             (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1, ensure_ascii=False, default=str))
-            fsync_tree(tmp)
-            replace_dir(tmp, path)
+            finish_checkpoint(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
     @classmethod
-    def load(cls, path, *, backbone_path: Optional[str] = None, map_location="cpu") -> "Re3Encoder":
-        """Rebuild a saved Re3Encoder; every checksum is verified before weights are used. A referenced
-        backbone is loaded from its recorded directory (or ``backbone_path``, e.g. after moving it) and must
-        match the recorded checksum."""
+    def load(cls, path, *, backbone_path: Optional[str] = None, map_location="cpu",
+             allow_missing_manifest: bool = False) -> "Re3Encoder":
+        """Rebuild a saved Re3Encoder; every file is verified against checksums.json before anything is
+        read (allow_missing_manifest=True accepts a checkpoint saved without one, with a warning). A
+        referenced backbone is loaded from its recorded directory (or ``backbone_path``, e.g. after moving
+        it) and must match the recorded checksum."""
         from safetensors.torch import load_file
 
-        from .checkpoint import recover_dir
+        from .checkpoint import CheckpointError, file_digest, recover_dir, require_keys, verify_checkpoint
         path = Path(path)
         recover_dir(path)
         cfg_file = path / CONFIG_FILE
         if not cfg_file.exists():
             raise FileNotFoundError(f"{path} is not a saved Re3Encoder (no {CONFIG_FILE})")
         try:
-            meta = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
+            meta = json.loads(cfg_file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{cfg_file} must hold a JSON object")
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise ValueError(f"{cfg_file}: format {meta.get('format')!r} version {meta.get('version')!r}, expected "
                              f"{FORMAT!r} version {VERSION}")
+        require_keys(meta, cfg_file, (("encoder", dict), ("backbone", dict)))
+        digests = verify_checkpoint(path, allow_missing_manifest=allow_missing_manifest)
+        if meta["backbone"].get("kind") not in ("path", "embedded"):
+            raise CheckpointError(f"{cfg_file}: unknown backbone kind {meta['backbone'].get('kind')!r}")
         tfile = path / TIME_FILE
         if not tfile.exists():
             raise FileNotFoundError(f"{tfile} is missing")
-        if _sha256_file(tfile) != meta.get("time_sha256"):
+        if file_digest(path, TIME_FILE, digests) != meta.get("time_sha256"):
             raise ValueError(f"{tfile} does not match the checksum in {CONFIG_FILE} (truncated or corrupted)")
-        enc = dict(meta["encoder"])
-        enc.pop("lora", None)
-        enc.pop("freeze_backbone", None)
-        b = meta["backbone"]
-        if b["kind"] == "path":
-            src = backbone_path or b["path"]
-            if not Path(src).is_dir():
-                raise FileNotFoundError(f"the backbone this Re3Encoder references, {src}, is not a directory; "
-                                        "pass backbone_path= where it lives now")
-            digest = backbone_checksum(src)
-            if digest != b["sha256"]:
-                raise ValueError(f"backbone at {src} does not match the checksum the Re3Encoder was saved with "
-                                 "(a different or modified model)")
-            model = cls(src, **enc)
-            model._backbone_sha = digest
-        elif b["kind"] == "embedded":
-            from transformers import AutoConfig, AutoModel, AutoTokenizer
-            bfile = path / BACKBONE_FILE
-            if not bfile.exists():
-                raise FileNotFoundError(f"{bfile} is missing")
-            if _sha256_file(bfile) != b["sha256"]:
-                raise ValueError(f"{bfile} does not match the checksum in {CONFIG_FILE} (truncated or corrupted)")
-            bcfg = dict(b["config"])
-            config = AutoConfig.for_model(bcfg.pop("model_type"), **bcfg)
-            backbone = AutoModel.from_config(config)
-            bsd = load_file(str(bfile))
-            missing, unexpected = backbone.load_state_dict(bsd, strict=False)
-            # AutoModel.from_config may add children the saved model was built without (BERT's pooler)
-            for child in {k.split(".")[0] for k in missing}:
-                names = [f"{child}.{n}" for n, _ in getattr(backbone, child).named_parameters()]
-                if names and all(n in missing for n in names) and not any(k.startswith(child + ".") for k in bsd):
-                    setattr(backbone, child, None)
-                    missing = [k for k in missing if k not in names]
-            if missing or unexpected:
-                raise ValueError(f"{bfile} does not fit its config: missing {sorted(missing)[:8]}, unexpected "
-                                 f"{sorted(unexpected)[:8]}")
-            tok = AutoTokenizer.from_pretrained(str(path / TOKENIZER_DIR)) if (path / TOKENIZER_DIR).exists() else None
-            model = cls(backbone, tokenizer=tok, **enc)
-            model.backbone_path = b.get("source")
-        else:
-            raise ValueError(f"{cfg_file}: unknown backbone kind {b['kind']!r}")
+        try:
+            enc = dict(meta["encoder"])
+            enc.pop("lora", None)
+            enc.pop("freeze_backbone", None)
+            b = meta["backbone"]
+            if b["kind"] == "path":
+                src = backbone_path or b["path"]
+                if not Path(src).is_dir():
+                    raise FileNotFoundError(f"the backbone this Re3Encoder references, {src}, is not a directory; "
+                                            "pass backbone_path= where it lives now")
+                digest = backbone_checksum(src)
+                if digest != b["sha256"]:
+                    raise ValueError(f"backbone at {src} does not match the checksum the Re3Encoder was saved with "
+                                     "(a different or modified model)")
+                model = cls(src, **enc)
+                model._backbone_sha = digest
+            elif b["kind"] == "embedded":
+                from transformers import AutoConfig, AutoModel, AutoTokenizer
+                bfile = path / BACKBONE_FILE
+                if not bfile.exists():
+                    raise FileNotFoundError(f"{bfile} is missing")
+                if file_digest(path, BACKBONE_FILE, digests) != b.get("sha256"):
+                    raise ValueError(f"{bfile} does not match the checksum in {CONFIG_FILE} (truncated or corrupted)")
+                bcfg = dict(b["config"])
+                config = AutoConfig.for_model(bcfg.pop("model_type"), **bcfg)
+                backbone = AutoModel.from_config(config)
+                bsd = load_file(str(bfile))
+                missing, unexpected = backbone.load_state_dict(bsd, strict=False)
+                # AutoModel.from_config may add children the saved model was built without (BERT's pooler)
+                for child in {k.split(".")[0] for k in missing}:
+                    names = [f"{child}.{n}" for n, _ in getattr(backbone, child).named_parameters()]
+                    if names and all(n in missing for n in names) and not any(k.startswith(child + ".") for k in bsd):
+                        setattr(backbone, child, None)
+                        missing = [k for k in missing if k not in names]
+                if missing or unexpected:
+                    raise ValueError(f"{bfile} does not fit its config: missing {sorted(missing)[:8]}, unexpected "
+                                     f"{sorted(unexpected)[:8]}")
+                tok = AutoTokenizer.from_pretrained(str(path / TOKENIZER_DIR)) if (path / TOKENIZER_DIR).exists() else None
+                model = cls(backbone, tokenizer=tok, **enc)
+                model.backbone_path = b.get("source")
+            else:
+                raise ValueError(f"{cfg_file}: unknown backbone kind {b['kind']!r}")
+        except (TypeError, KeyError, AttributeError) as e:
+            raise CheckpointError(f"{cfg_file}: the model cannot be rebuilt from this config: "
+                                  f"{type(e).__name__}: {e}") from None
         sd = load_file(str(tfile))
         own = {**model.time_embed.state_dict(prefix="time_embed."), **model.film.state_dict(prefix="film.")}
         if set(sd) != set(own):

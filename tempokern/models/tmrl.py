@@ -315,15 +315,18 @@ class TMRLEncoder(nn.Module):
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
 
     # ---- persistence --------------------------------------------------------------------------------
-    def save(self, path) -> None:
+    def save(self, path, *, extra_files=None) -> None:
         """A directory: backbone.safetensors (with the LoRA weights, unmerged), projector.safetensors,
-        tempokern_tmrl.json (config, backbone config, LoRA settings, SHA-256 of both weight files) and
-        the tokenizer; written in a temporary sibling and swapped in atomically."""
+        tempokern_tmrl.json (config, backbone config, LoRA settings, SHA-256 of both weight files), the
+        tokenizer, `extra_files` ({name: bytes}) and checksums.json over every file; written in a
+        temporary sibling and swapped in atomically. `path` must be new, an empty directory or a
+        checkpoint directory (FileExistsError otherwise)."""
         from safetensors.torch import save_model
-        from .checkpoint import _sha256, fsync_tree, recover_dir, replace_dir
+        from .checkpoint import _sha256, check_save_target, finish_checkpoint, recover_dir, write_extra_files
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         recover_dir(path)
+        check_save_target(path)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
             save_model(self.backbone, str(tmp / BACKBONE_FILE))
@@ -337,19 +340,22 @@ class TMRLEncoder(nn.Module):
                     "backbone_config": self.backbone_config.to_dict(), "sha256": sums,
                     "dtype": str(next(self.backbone.parameters()).dtype).replace("torch.", "")}
             (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1, ensure_ascii=False, default=str))
-            fsync_tree(tmp)
-            replace_dir(tmp, path)
+            write_extra_files(tmp, extra_files)
+            finish_checkpoint(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
     @classmethod
-    def load(cls, path, *, map_location="cpu", projector: bool = True) -> "TMRLEncoder":
+    def load(cls, path, *, map_location="cpu", projector: bool = True,
+             allow_missing_manifest: bool = False) -> "TMRLEncoder":
         """Rebuild a TMRLEncoder written by :meth:`save` (no model hub: the backbone comes from its stored
-        config). Checksums are verified first. projector=False skips the projector (inference; a saved
-        model without one loads either way). A LoRA (unmerged) model needs peft: ImportError with the
-        install hint otherwise."""
-        return load_tmrl(path, map_location=map_location, projector=projector)
+        config). Every file is verified against checksums.json first (allow_missing_manifest=True accepts
+        a checkpoint saved without one, with a warning). projector=False skips the projector (inference;
+        a saved model without one loads either way). A LoRA (unmerged) model needs peft: ImportError with
+        the install hint otherwise."""
+        return load_tmrl(path, map_location=map_location, projector=projector,
+                         allow_missing_manifest=allow_missing_manifest)
 
 
 def read_tmrl_config(path) -> dict:
@@ -360,14 +366,23 @@ def read_tmrl_config(path) -> dict:
     if not path.is_dir() or not cfg_file.exists():
         raise FileNotFoundError(f"{path} is not a saved TMRLEncoder (no {CONFIG_FILE})")
     try:
-        meta = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+        meta = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+    from .checkpoint import CheckpointError, require_keys
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{cfg_file} must hold a JSON object")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{cfg_file} has format {meta.get('format')!r}, expected {FORMAT!r}")
     if meta.get("version") != VERSION:
         raise ValueError(f"{cfg_file} has format version {meta.get('version')!r}; this tempokern reads "
                          f"version {VERSION}")
+    require_keys(meta, cfg_file, (("encoder", dict), ("backbone_config", dict), ("sha256", dict)))
+    for key in ("lora_mode", "lora"):
+        if key not in meta["encoder"]:
+            raise CheckpointError(f"{cfg_file}: 'encoder' has no {key!r} entry")
+    if not isinstance(meta["backbone_config"].get("model_type"), str):
+        raise CheckpointError(f"{cfg_file}: 'backbone_config' has no 'model_type' string")
     return meta
 
 
@@ -384,14 +399,18 @@ def _drop_absent_children(model: nn.Module, saved: set) -> None:
             setattr(model, name, None)
 
 
-def load_tmrl(path, *, map_location="cpu", projector: bool = True) -> TMRLEncoder:
+def load_tmrl(path, *, map_location="cpu", projector: bool = True, allow_missing_manifest: bool = False) -> TMRLEncoder:
     from safetensors import safe_open
     from safetensors.torch import load_model
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    from .checkpoint import _sha256
+    from .checkpoint import CheckpointError, file_digest, recover_dir, verify_checkpoint
     path = Path(path)
-    meta = read_tmrl_config(path)
+    recover_dir(path)
+    meta = read_tmrl_config(path)   # format and version first: a newer format is said as such
+    # projector=False does not read the projector, so it is not hashed either
+    digests = verify_checkpoint(path, allow_missing_manifest=allow_missing_manifest,
+                                unread=() if projector else (PROJECTOR_FILE,))
     enc = dict(meta["encoder"])
     mode, settings = enc.pop("lora_mode"), enc.pop("lora")
     if mode == "lora":
@@ -401,27 +420,31 @@ def load_tmrl(path, *, map_location="cpu", projector: bool = True) -> TMRLEncode
     for f in files:
         if not (path / f).exists():
             raise FileNotFoundError(f"{path / f} is missing")
-        if _sha256(path / f) != sums.get(f):
+        if file_digest(path, f, digests) != sums.get(f):
             raise ValueError(f"{path / f} does not match the checksum in {CONFIG_FILE} (file truncated or corrupted)")
-    bcfg = dict(meta["backbone_config"])
-    model_type = bcfg.pop("model_type")
-    config = AutoConfig.for_model(model_type, **bcfg)
-    base = AutoModel.from_config(config)
-    dtype = getattr(torch, meta.get("dtype", "float32"), torch.float32)
-    base = base.to(dtype)
-    with safe_open(str(path / BACKBONE_FILE), framework="pt") as f:
-        saved = set(f.keys())
-    if mode == "lora":
-        base_names = {k[len("base_model.model."):].replace(".base_layer.", ".")
-                      for k in saved if k.startswith("base_model.model.") and ".lora_" not in k}
-    else:
-        base_names = saved
-    _drop_absent_children(base, base_names)
-    tok = AutoTokenizer.from_pretrained(str(path / TOKENIZER_DIR)) if (path / TOKENIZER_DIR).exists() else None
-    backbone_name = enc.pop("backbone_name", "")
-    has_proj = PROJECTOR_FILE in sums
-    lora = settings if mode == "lora" else ("full" if mode == "full" else False)
-    model = TMRLEncoder(base, tokenizer=tok, lora=lora, projector=projector and has_proj, **enc)
+    try:
+        bcfg = dict(meta["backbone_config"])
+        model_type = bcfg.pop("model_type")
+        config = AutoConfig.for_model(model_type, **bcfg)
+        base = AutoModel.from_config(config)
+        dtype = getattr(torch, meta.get("dtype", "float32"), torch.float32)
+        base = base.to(dtype)
+        with safe_open(str(path / BACKBONE_FILE), framework="pt") as f:
+            saved = set(f.keys())
+        if mode == "lora":
+            base_names = {k[len("base_model.model."):].replace(".base_layer.", ".")
+                          for k in saved if k.startswith("base_model.model.") and ".lora_" not in k}
+        else:
+            base_names = saved
+        _drop_absent_children(base, base_names)
+        tok = AutoTokenizer.from_pretrained(str(path / TOKENIZER_DIR)) if (path / TOKENIZER_DIR).exists() else None
+        backbone_name = enc.pop("backbone_name", "")
+        has_proj = PROJECTOR_FILE in sums
+        lora = settings if mode == "lora" else ("full" if mode == "full" else False)
+        model = TMRLEncoder(base, tokenizer=tok, lora=lora, projector=projector and has_proj, **enc)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise CheckpointError(f"{path / CONFIG_FILE}: the model cannot be rebuilt from this config: "
+                              f"{type(e).__name__}: {e}") from None
     if mode == "merged":
         model.lora_mode = "merged"
     model.backbone_name = backbone_name

@@ -172,13 +172,29 @@ class TemporalIndex:
         """Reads an index written by save(); a truncated, corrupted or other-version file raises
         IndexFormatError (a ValueError) and nothing is returned. device/backend override the saved ones."""
         meta, ids, u, emb = read(path)
+        where = f"'{path}' has invalid metadata"
+        if not isinstance(meta, dict):
+            raise IndexFormatError(f"{where}: expected a JSON object")
+        raw_opts = meta.get("options", {})
+        if not isinstance(raw_opts, dict):
+            raise IndexFormatError(f"{where}: 'options' must be an object, got {raw_opts!r}")
+        saved_device = meta.get("device", "cpu")
+        if device is None:
+            if not isinstance(saved_device, str):
+                raise IndexFormatError(f"{where}: 'device' must be a string, got {saved_device!r}")
+            try:
+                device = torch.device(saved_device)
+            except (RuntimeError, ValueError, TypeError):
+                raise IndexFormatError(f"{where}: 'device' {saved_device!r} is not a device name") from None
+        if backend is None and meta.get("backend") not in BACKENDS:
+            raise IndexFormatError(f"{where}: 'backend' must be one of {BACKENDS}, got {meta.get('backend')!r}")
         try:
-            opts = {k: int(v) for k, v in meta.get("options", {}).items()
-                    if k in ("nlist", "nprobe", "hnsw_m", "ef_search")}
-            out = cls(meta["dim"], backend=backend or meta["backend"], device=device or meta.get("device", "cpu"),
-                      dtype=emb.dtype, **opts)
+            opts = {k: int(v) for k, v in raw_opts.items() if k in ("nlist", "nprobe", "hnsw_m", "ef_search")}
+            out = cls(meta["dim"], backend=backend or meta["backend"], device=device, dtype=emb.dtype, **opts)
         except (KeyError, TypeError) as e:
-            raise IndexFormatError(f"'{path}' has invalid metadata: {e}") from None
+            raise IndexFormatError(f"{where}: {e}") from None
+        except ValueError as e:       # e.g. an out-of-range option, or a CUDA device this machine lacks
+            raise IndexFormatError(f"'{path}' cannot be loaded: {e}") from None
         if ids.numel() and torch.unique(ids).shape[0] != ids.shape[0]:
             raise IndexFormatError(f"'{path}' holds duplicate ids")
         out._ids, out._u, out._emb = ids.to(out.device), u.to(out.device), emb.to(out.device)

@@ -505,15 +505,14 @@ class TMRLTrainer:
 
     # ---- state ----------------------------------------------------------------------------------------
     def _save_state(self, where: Path, opt, sched, scaler, epoch, step, history):
-        from ..models.checkpoint import atomic_write
-        self.model.save(where)
         state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                  "scaler": scaler.state_dict() if scaler is not None else None, "epoch": epoch, "step": step,
                  "history": history, "config": asdict(self.cfg), "torch_rng": torch.get_rng_state(),
                  "py_rng": random.getstate()}
         buf = io.BytesIO()
         torch.save(state, buf)
-        atomic_write(where / "trainer_state.pt", buf.getvalue())
+        # the trainer state goes into the checkpoint directory itself, under its checksum manifest
+        self.model.save(where, extra_files={"trainer_state.pt": buf.getvalue()})
 
     def _load_weights(self, where: Path):
         from safetensors.torch import load_model
@@ -556,6 +555,8 @@ class TMRLTrainer:
             last = self.out / "last"
             if not (last / "trainer_state.pt").exists():
                 raise FileNotFoundError(f"cannot resume: {last / 'trainer_state.pt'} does not exist")
+            from ..models.checkpoint import verify_checkpoint
+            verify_checkpoint(last)   # weights and trainer state as saved
             self._load_weights(last)
             st = torch.load(last / "trainer_state.pt", map_location="cpu", weights_only=False)
             opt.load_state_dict(st["optimizer"])

@@ -271,16 +271,15 @@ class Trainer:
 
     # ---- state --------------------------------------------------------------------------------
     def _save_state(self, where: Path, opt, sched, scaler, epoch, step, best, best_epoch, history):
-        self.model.save(where)
         state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                  "scaler": scaler.state_dict() if scaler is not None else None, "epoch": epoch, "step": step,
                  "best": best, "best_epoch": best_epoch, "history": history, "config": asdict(self.cfg),
                  "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
         import io
-        from ..models.checkpoint import atomic_write
         buf = io.BytesIO()
         torch.save(state, buf)
-        atomic_write(where / "trainer_state.pt", buf.getvalue())
+        # the trainer state goes into the checkpoint directory itself, under its checksum manifest
+        self.model.save(where, extra_files={"trainer_state.pt": buf.getvalue()})
 
     def _sync_params(self):
         if self.world > 1:
@@ -319,6 +318,8 @@ class Trainer:
             last = self._require_out() / "last"
             if not (last / "trainer_state.pt").exists():
                 raise FileNotFoundError(f"cannot resume: {last / 'trainer_state.pt'} does not exist")
+            from ..models.checkpoint import verify_checkpoint
+            verify_checkpoint(last)   # weights and trainer state as saved
             _load_weights(model, last, self.device)
             st = torch.load(last / "trainer_state.pt", map_location="cpu", weights_only=False)
             opt.load_state_dict(st["optimizer"])
