@@ -1,6 +1,11 @@
 """Small helpers shared across tempokern's layers (no tempokern imports here, so every module can use them)."""
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 CACHE_MAX = 16  # module-level caches hold at most this many entries, the oldest goes first
 
 
@@ -20,3 +25,91 @@ def trace_constant(fn):
     still sets the same attribute."""
     fn._dynamo_marked_constant = True
     return fn
+
+
+# ---- durable, atomic file system updates ----------------------------------------------------------------
+
+def fsync_path(path) -> None:
+    """fsync a file or a directory (a directory's fsync makes renames inside it durable)."""
+    fd = os.open(str(path), os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    except OSError:   # some file systems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root) -> None:
+    """fsync every file and directory under root (bottom-up), then root."""
+    for d, _, files in os.walk(str(root), topdown=False):
+        for f in files:
+            fsync_path(os.path.join(d, f))
+        fsync_path(d)
+
+
+def atomic_write(path, data, *, encoding: str = "utf-8") -> None:
+    """Write text or bytes to `path` atomically and durably: a temporary file in the same directory,
+    fsync, rename over `path`, fsync the directory. A crash leaves the old file or the new one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=f".{path.name}.tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode(encoding) if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_path(path.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directory entries (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    if not hasattr(os, "uname") or os.uname().sysname != "Linux":
+        return False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    rc = fn(AT_FDCWD, os.fsencode(str(a)), AT_FDCWD, os.fsencode(str(b)), RENAME_EXCHANGE)
+    return rc == 0
+
+
+def replace_dir(tmp: Path, path: Path) -> None:
+    """Put the complete directory `tmp` at `path`. With an existing `path`: an atomic swap where the
+    OS has one (Linux renameat2), so `path` always holds the old or the new checkpoint; elsewhere the
+    old one moves to `.{name}.old` first and :func:`recover_dir` restores it if a crash came between
+    the two renames."""
+    parent = path.parent
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} exists and is not a directory; refusing to replace it")
+    if path.exists() and _exchange(tmp, path):
+        fsync_path(parent)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    old = parent / f".{path.name}.old"
+    if path.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(path, old)
+        fsync_path(parent)
+    os.replace(tmp, path)
+    fsync_path(parent)
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_dir(path: Path) -> None:
+    """After a crash inside :func:`replace_dir`'s fallback: `path` is missing and `.{name}.old` holds
+    the previous checkpoint; put it back."""
+    old = path.parent / f".{path.name}.old"
+    if not path.exists() and old.is_dir():
+        os.replace(old, path)
+        fsync_path(path.parent)

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 from typing import List, Optional
+from ._util import atomic_write
 
 CALENDARS = ("auto", "reign", "chunqiu", "gregorian")
 #: `tempokern train --method` values (each method adds its own)
@@ -1083,7 +1084,6 @@ def cmd_eval_tmrl(args) -> int:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    from .models.checkpoint import atomic_write
     atomic_write(path, text)
 
 

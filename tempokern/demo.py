@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .training.evaluate import METRIC_KEYS, evaluate_model, markdown_table
+from ._util import atomic_write, fsync_path
 
 ALL_VARIANTS = ("baseline", "multipos", "bias", "context", "full")
 QUICK_VARIANTS = ("baseline", "full")
@@ -86,7 +87,6 @@ def _plot(rows: List[dict], timing: dict, path: Path) -> Optional[str]:
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp, dpi=110)
-    from .models.checkpoint import fsync_path
     fsync_path(tmp)
     os.replace(tmp, path)
     fsync_path(path.parent)
@@ -95,7 +95,6 @@ def _plot(rows: List[dict], timing: dict, path: Path) -> Optional[str]:
 
 
 def _write(path: Path, text: str) -> None:
-    from .models.checkpoint import atomic_write
     atomic_write(path, text)
 
 

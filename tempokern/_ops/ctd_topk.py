@@ -11,6 +11,7 @@ import torch
 from ..reference.ctd_topk import table_values
 from ..reference.offset_bias import bias_frequencies
 from .. import _C
+from .offset_bias import bias_params, offset_bias, offset_bias_lookup
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code,
                      kernels, launch_args, on_cuda_path, ptr, rows_contiguous, scalar_value, sm_count)
 
@@ -373,7 +374,6 @@ def parse_bias(bias, Q: int, N: int, acc: torch.dtype, device, keep_device_scala
     if len(bias) == 3 and isinstance(bias[2], torch.nn.Module):
         if not (hasattr(bias[2], "mlp") and hasattr(bias[2], "scale")):
             raise TypeError(f"{forms}; got a 3-tuple whose third item is a {type(bias[2]).__name__} module")
-        from ..nn.offset_bias import bias_params  # the exact bias of the module's current weights
         bias = (bias[0], bias[1], *bias_params(bias[2]))
     u_q = _vector("bias u_q", bias[0], Q, "one calendar position per query")
     u_g = _vector("bias u_g", bias[1], N, "one calendar position per gallery row")
@@ -512,7 +512,6 @@ def _cuda_unsupported(k: int, mode: int, w1) -> bool:
 def _chunked_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, ex):
     """Gallery-chunked torch path (CUDA with k > _CUDA_MAX_K or an MLP with 2K > 64): O(Q (k + chunk))
     memory; the bias comes from the fused offset_bias / offset_bias_lookup ops."""
-    from .offset_bias import offset_bias, offset_bias_lookup
     acc = _acc_dtype(q.dtype)
     Q, N = q.shape[0], g.shape[0]
     width = w1.shape[0] + w1.shape[1] if mode == _BIAS_EXACT else 1

@@ -17,7 +17,7 @@ import torch
 from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
 from . import dispatch
 from .multipos_blocked import blocked_loss
-from .offset_bias import interval_bounds
+from .offset_bias import bias_params, interval_bounds
 from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, kernels,
                      launch_args, on_cuda_path, ptr)
 
@@ -383,7 +383,6 @@ def validate_bias(bias, Bq: int, Bd: int):
             hint = (" (a BiasTable is the inference table of ctd_topk and TemporalIndex.search; "
                     "the loss needs the module)") if what == "BiasTable" else ""
             raise TypeError(f"{_BIAS_FORMS}; got a 3-tuple whose third item is a {what}{hint}")
-        from ..nn.offset_bias import bias_params
         bias = (bias[0], bias[1], *bias_params(m))
     if isinstance(bias, torch.Tensor) or not isinstance(bias, (tuple, list)) or len(bias) != 7:
         got = type(bias).__name__ + (f" of length {len(bias)}" if isinstance(bias, (tuple, list)) else "")

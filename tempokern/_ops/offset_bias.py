@@ -156,6 +156,13 @@ def _prepared(u_q, u_d, w1, b1, w2, b2, scale):
     return base[0], base[1], kw1, kb1, kw2, base[2], base[3], base[4], nlin, nact, mapping, (w1a, b1a, w2a)
 
 
+def bias_params(module) -> Tuple[torch.Tensor, ...]:
+    """(w1, b1, w2, b2, scale) of an OffsetBias, in the order the fused ops take them. Duck-typed: any module
+    with ``mlp[0]``/``mlp[2]`` Linear layers and a ``scale`` works (CTDLoss and TemporalIndex accept those)."""
+    l1, l2 = module.mlp[0], module.mlp[2]
+    return l1.weight, l1.bias, l2.weight, l2.bias, module.scale
+
+
 # ---- forward -----------------------------------------------------------------------------------
 
 @torch.library.custom_op("tempokern::offset_bias", mutates_args=())

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from .._ops.calendar import calendar_context, calendar_scalar
 from ..nn import OffsetBias
 from ..search import TemporalIndex
+from .checkpoint import load_chunqiu_ctd, load_encoder, save_encoder
 from .levels import LevelSpec, calendar_levels, calendar_name
 
 POOLINGS = ("cls", "mean", "last")
@@ -212,7 +213,6 @@ class CTDEncoder(nn.Module):
     def save(self, path, *, extra_files=None) -> None:
         """A checkpoint directory (tempokern/models/checkpoint.py:save_encoder); extra_files
         ({name: bytes}) are stored in it under the same checksum manifest."""
-        from .checkpoint import save_encoder
         save_encoder(self, path, extra_files=extra_files)
 
     @classmethod
@@ -220,12 +220,10 @@ class CTDEncoder(nn.Module):
              allow_missing_manifest: bool = False) -> "CTDEncoder":
         """Every file is verified against the checkpoint's checksums.json first; allow_missing_manifest=True
         accepts a checkpoint saved without one (with a warning)."""
-        from .checkpoint import load_encoder
         return load_encoder(path, calendar=calendar, map_location=map_location,
-                            allow_missing_manifest=allow_missing_manifest)
+                            allow_missing_manifest=allow_missing_manifest, cls=cls)
 
     def load_chunqiu_state_dict(self, state_dict, *, include_backbone: bool = False) -> dict:
-        from .checkpoint import load_chunqiu_ctd
         return load_chunqiu_ctd(self, state_dict, include_backbone=include_backbone)
 
 

@@ -19,6 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 from typing import Dict, Optional
+from .._util import atomic_write, fsync_path, fsync_tree, replace_dir
 
 __all__ = ["minilm_path", "minilm_zip_path", "default_cache_dir", "resolve_backbone", "default_pooling",
            "MINILM_NAME", "MINILM_HINT", "BACKBONE_ALIASES"]
@@ -92,7 +93,6 @@ def _valid(target: Path, zip_sha: Optional[str] = None) -> bool:
 
 
 def _extract(zip_path: Path, target: Path, zip_sha: str) -> None:
-    from .checkpoint import fsync_path, fsync_tree, replace_dir
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=str(parent), prefix=f".{target.name}.tmp-"))
@@ -108,7 +108,6 @@ def _extract(zip_path: Path, target: Path, zip_sha: str) -> None:
         if "config.json" not in meta["files"]:
             raise ValueError(f"{zip_path} holds no config.json: not a transformers model directory")
         fsync_tree(tmp)
-        from .checkpoint import atomic_write
         atomic_write(tmp / MARKER, json.dumps(meta, indent=1, sort_keys=True))
         replace_dir(tmp, target)   # atomic swap when a stale directory is there
         fsync_path(parent)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..nn.film import FiLM, TimeEmbedding
 from ..text.time import TimeTuple, parse_time
 from .encoder import POOLINGS, _field, pool
+from .checkpoint import CheckpointError, check_save_target, file_digest, finish_checkpoint, recover_dir, require_keys, verify_checkpoint
 
 DOC_TIMES = ("content", "published", "content_or_published")
 ROLES = ("query", "document")
@@ -371,7 +372,6 @@ class Re3Encoder(nn.Module):
         directory or a checkpoint directory (FileExistsError otherwise)."""
         from safetensors.torch import save_file
 
-        from .checkpoint import check_save_target, finish_checkpoint, recover_dir
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         recover_dir(path)
@@ -415,7 +415,6 @@ class Re3Encoder(nn.Module):
         it) and must match the recorded checksum."""
         from safetensors.torch import load_file
 
-        from .checkpoint import CheckpointError, file_digest, recover_dir, require_keys, verify_checkpoint
         path = Path(path)
         recover_dir(path)
         cfg_file = path / CONFIG_FILE

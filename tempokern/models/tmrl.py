@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .encoder import POOLINGS, _field, pool
+from .checkpoint import CheckpointError, _sha256, check_save_target, file_digest, finish_checkpoint, recover_dir, require_keys, verify_checkpoint, write_extra_files
 
 FORMAT = "tempokern-tmrl-encoder"
 VERSION = 1
@@ -322,7 +323,6 @@ class TMRLEncoder(nn.Module):
         temporary sibling and swapped in atomically. `path` must be new, an empty directory or a
         checkpoint directory (FileExistsError otherwise)."""
         from safetensors.torch import save_model
-        from .checkpoint import _sha256, check_save_target, finish_checkpoint, recover_dir, write_extra_files
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         recover_dir(path)
@@ -359,7 +359,6 @@ class TMRLEncoder(nn.Module):
 
 
 def read_tmrl_config(path) -> dict:
-    from .checkpoint import recover_dir
     path = Path(path)
     recover_dir(path)
     cfg_file = path / CONFIG_FILE
@@ -369,7 +368,6 @@ def read_tmrl_config(path) -> dict:
         meta = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
-    from .checkpoint import CheckpointError, require_keys
     if not isinstance(meta, dict):
         raise CheckpointError(f"{cfg_file} must hold a JSON object")
     if meta.get("format") != FORMAT:
@@ -404,7 +402,6 @@ def load_tmrl(path, *, map_location="cpu", projector: bool = True, allow_missing
     from safetensors.torch import load_model
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    from .checkpoint import CheckpointError, file_digest, recover_dir, verify_checkpoint
     path = Path(path)
     recover_dir(path)
     meta = read_tmrl_config(path)   # format and version first: a newer format is said as such

@@ -6,7 +6,7 @@ from typing import Tuple
 import torch
 from torch import nn
 
-from .._ops.offset_bias import check_table_points, offset_bias, offset_bias_lookup
+from .._ops.offset_bias import bias_params, check_table_points, offset_bias, offset_bias_lookup  # noqa: F401
 from ..reference.offset_bias import offset_bias_table_values
 
 #: Default table size (16 KiB of float32). Worst absolute error vs the exact op, measured over 200 randomly
@@ -65,13 +65,6 @@ class BiasTable:
 
     def __repr__(self) -> str:
         return f"BiasTable(points={self.points}, device={self.device})"
-
-
-def bias_params(module: nn.Module) -> Tuple[torch.Tensor, ...]:
-    """(w1, b1, w2, b2, scale) of an OffsetBias, in the order the fused ops take them. Duck-typed: any module
-    with ``mlp[0]``/``mlp[2]`` Linear layers and a ``scale`` works (CTDLoss and TemporalIndex accept those)."""
-    l1, l2 = module.mlp[0], module.mlp[2]
-    return l1.weight, l1.bias, l2.weight, l2.bias, module.scale
 
 
 class OffsetBias(nn.Module):

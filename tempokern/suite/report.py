@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .metrics import METRICS, paired_bootstrap_ci, summarize
+from .._util import atomic_write, fsync_path
 
 __all__ = ["build_results", "write_report", "markdown", "PAIRED_BASELINE", "PAIRED_METRICS", "TABLE_METRICS"]
 
@@ -233,7 +234,6 @@ def _plot(res: dict, out: Path) -> List[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    from ..models.checkpoint import fsync_path
     files = []
 
     def save(fig, path):
@@ -301,7 +301,6 @@ def _plot(res: dict, out: Path) -> List[str]:
 
 
 def write_report(res: dict, out, *, plots: bool = True) -> dict:
-    from ..models.checkpoint import atomic_write
     out = Path(out)
     files = {"json": str(out / "results.json"), "markdown": str(out / "results.md")}
     files["plots"] = _plot(res, out) if plots else []

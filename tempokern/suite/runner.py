@@ -21,6 +21,7 @@ import numpy as np
 
 from .metrics import METRICS, spearman, split_metrics, strip_spans
 from .registry import SETS, Budget, Method, MethodOutput, SuiteContext, missing_needs, registered
+from .._util import atomic_write
 
 __all__ = ["load_methods", "run_suite", "unit_path", "read_unit", "UNIT_VERSION", "QUICK_SETS", "DEFAULT_SEEDS",
            "retention_sample"]
@@ -70,7 +71,6 @@ def _jsonable(x):
 
 
 def write_unit(path: Path, payload: dict) -> None:
-    from ..models.checkpoint import atomic_write
     payload = _jsonable(payload)
     doc = {"version": UNIT_VERSION, "payload": payload, "sha256": _checksum(payload)}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -307,7 +307,6 @@ def _reference_sims(out: Path, s: str, backbone_path: str, budget: Budget, dev, 
     model, tok = load_backbone(backbone_path, dev)
     sims = pair_similarities(lambda t: encode_texts(model, tok, list(t), max_length=budget.max_length,
                                                     batch_size=budget.eval_batch_size, device=dev), texts, pairs)
-    from ..models.checkpoint import atomic_write
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps({"key": key, "sims": sims}))
     log(f"[suite] set {s}: zero-shot similarities of {len(pairs)} retention pairs computed")

@@ -22,6 +22,7 @@ import torch
 
 from ..text.time import TimeTuple
 from .trainer import _linear_warmup, _progress
+from .._util import atomic_write
 
 VARIANTS: Dict[str, dict] = {
     "base": dict(train=False, lora=False, use_time=True, margins=False),
@@ -188,7 +189,6 @@ def _default_loss(cfg: Re3Config):
 
 
 def _save_bytes(path: Path, obj) -> None:
-    from ..models.checkpoint import atomic_write
     buf = io.BytesIO()
     torch.save(obj, buf)
     atomic_write(path, buf.getvalue())

@@ -33,6 +33,7 @@ import torch
 from ..datasets.tmrl import TMRLData, TMRLRow
 from .trainer import (Trainer, _amp_setup, _linear_warmup, _progress, dist_info, init_distributed_from_env,
                       seed_everything)
+from ..models.checkpoint import verify_checkpoint
 
 __all__ = ["TMRLConfig", "TMRLTrainer", "TMRLResult", "TMRL_VARIANTS", "train_tmrl", "variant_weights", "runs_by_dim",
            "evaluate_dims"]
@@ -555,7 +556,6 @@ class TMRLTrainer:
             last = self.out / "last"
             if not (last / "trainer_state.pt").exists():
                 raise FileNotFoundError(f"cannot resume: {last / 'trainer_state.pt'} does not exist")
-            from ..models.checkpoint import verify_checkpoint
             verify_checkpoint(last)   # weights and trainer state as saved
             self._load_weights(last)
             st = torch.load(last / "trainer_state.pt", map_location="cpu", weights_only=False)

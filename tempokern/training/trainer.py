@@ -25,6 +25,7 @@ from .data import (HardNegatives, gold_indices, num_training_pairs, record_label
                    training_pairs)
 from .evaluate import evaluate_model
 from .losses import calendar_ce
+from ..models.checkpoint import verify_checkpoint
 
 VARIANTS: Dict[str, dict] = {
     # name: (multi-positive loss, offset bias, calendar context, calendar CE)
@@ -318,7 +319,6 @@ class Trainer:
             last = self._require_out() / "last"
             if not (last / "trainer_state.pt").exists():
                 raise FileNotFoundError(f"cannot resume: {last / 'trainer_state.pt'} does not exist")
-            from ..models.checkpoint import verify_checkpoint
             verify_checkpoint(last)   # weights and trainer state as saved
             _load_weights(model, last, self.device)
             st = torch.load(last / "trainer_state.pt", map_location="cpu", weights_only=False)

@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ...calendar import Calendar, Interval
 from ..base import Query, Record, RetrievalDataset
+from ..._util import atomic_write
 
 #: bump when the generated content changes (part of the cache key and of info)
 GENERATOR_VERSION = 1
@@ -269,7 +270,6 @@ def cache_file(root: Path, name: str, seed: int, size: str) -> Path:
 
 def write_cache(path: Path, payload: Dict[str, Any], digest: str) -> None:
     """One file: a header line ``{"format", "sha256"}`` and the canonical payload; written atomically."""
-    from ...models.checkpoint import atomic_write
     path.parent.mkdir(parents=True, exist_ok=True)
     head = json.dumps({"format": CACHE_FORMAT, "version": GENERATOR_VERSION, "sha256": digest}).encode("utf-8")
     atomic_write(path, head + b"\n" + canonical(payload))
