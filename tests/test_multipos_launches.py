@@ -83,9 +83,9 @@ def count_step(emu, B: int, mode: str, *, block_rows: int = 0, N: int = 0, symme
     return total, v, a, launch, k, c.ops
 
 
-# upper bounds of the fused glue (default): (B, block_rows, mode) -> (launching aten ops, tempokern launches)
+# upper bounds of the blocked path's glue kernels: (B, block_rows, mode) -> (launching aten ops, tempokern launches)
 # B = 300 is one block; block_rows = 128 gives three blocks.
-BOUNDS = {  # = the counts of 2026-11-23 (float32, emulator); torch glue for comparison in docs/DEVELOPING.md
+BOUNDS = {  # = the counts of 2026-11-23 (float32, emulator); the table in docs/multipos_infonce.md
     (300, 0, "none"): (8, 4),
     (300, 0, "table"): (55, 5),
     (300, 0, "exact"): (60, 6),
