@@ -90,7 +90,7 @@ def test_no_kernel_switch_variables_remain():
     assert not hits, hits
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/kernels.md"])
+@pytest.mark.parametrize("doc", ["docs/kernels.md"])
 def test_generated_tables_are_current(doc):
     text = (ROOT / doc).read_text(encoding="utf-8")
     assert dispatch.render_into(text) == text, (

@@ -55,7 +55,7 @@ def test_one_quickstart_per_method():
 def test_length_and_markers():
     lines = README.splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines (at most 200)"
-    for name in ("perf-table", "paths-summary"):
+    for name in ("perf-table",):
         b, e = README.find(f"<!-- {name}:begin -->"), README.find(f"<!-- {name}:end -->")
         assert 0 <= b < e, f"README.md lacks the {name} begin/end markers in order"
         assert README.count(f"<!-- {name}:begin -->") == 1 and README.count(f"<!-- {name}:end -->") == 1
