@@ -753,8 +753,12 @@ def _tmrl_args(p):
                    help="lora: LoRA adapters (peft; default for pretrained backbones); none: frozen backbone; "
                         "full: full fine-tuning (default for the tiny backbone)")
     g.add_argument("--lora-r", type=int, default=4, help="LoRA rank (default 4)")
-    g.add_argument("--lora-alpha", type=float, default=4.0,
-                   help="LoRA alpha (default 4: the paper's 'scaling factor 4' read as alpha; 16 = scaling 4)")
+    g.add_argument("--lora-alpha", type=float, default=None,
+                   help="LoRA alpha (default 4 x rank: peft scaling alpha/r = 4, the paper's 'scaling factor 4'; "
+                        "--lora-alpha 4 at rank 4 is scaling 1)")
+    g.add_argument("--aux-scale", default="mean", choices=["mean", "literal"],
+                   help="scaling of L_Dist / L_CKA: mean (default; L_Dist averaged over its neighbour pairs) or "
+                        "literal (Eq. 11 summed over the pairs, as printed)")
     g.add_argument("--lora-dropout", type=float, default=0.1, help="LoRA dropout (default 0.1)")
     g.add_argument("--cache-embeddings", action="store_true",
                    help="GradCache: embed without a graph, loss on the cached embeddings, re-embed mini-batches")
@@ -865,7 +869,7 @@ def cmd_train_tmrl(args) -> int:
                      hard_negatives=args.num_hard_negatives, negative_queries=args.negative_queries,
                      epochs=args.epochs, warmup_ratio=args.warmup_ratio, grad_accum=args.grad_accum,
                      lora=model.lora_mode, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                     lora_dropout=args.lora_dropout, mrl_anchor=args.mrl_anchor,
+                     lora_dropout=args.lora_dropout, mrl_anchor=args.mrl_anchor, aux_scale=args.aux_scale,
                      cache_embeddings=args.cache_embeddings,
                      mini_batch_size=args.mini_batch_size, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
                      progress=args.progress).validate()
@@ -1056,7 +1060,7 @@ def cmd_train_re3(args) -> int:
                     lambda_hard=args.lambda_hard, lambda_tw=args.lambda_tw, lr=args.lr, batch_size=args.batch_size,
                     epochs=args.epochs, tw_in_nce=args.tw_in_nce, warmup_ratio=args.warmup_ratio,
                     weight_decay=args.weight_decay, seed=args.seed, max_steps=args.max_steps, lora_r=args.lora_r,
-                    lora_alpha=getattr(args, "lora_alpha", 64), lora_dropout=getattr(args, "lora_dropout", 0.1),
+                    lora_alpha=(64 if getattr(args, "lora_alpha", None) is None else args.lora_alpha), lora_dropout=getattr(args, "lora_dropout", 0.1),
                     progress=args.progress).validate()
     torch.manual_seed(args.seed)
     bb, tok, pool_default = _re3_backbone(args)
