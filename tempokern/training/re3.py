@@ -196,7 +196,8 @@ def fit_time_parser(model, texts: Sequence[str], *, times=None, pub=None, role: 
     """Fit a ``Re3Encoder(time_parser="learned")``'s parser heads (the paper's learned parser, Re³ §3.2) on
     silver labels: ``times`` (the data's time fields: TimeTuple / date / ISO string / None per text) where
     given, else the rule parser on the text (relative dates against ``pub``). The backbone stays frozen:
-    its [CLS] states are computed once and the heads train on them (calendar CE + presence BCE, AdamW).
+    its [CLS] states are computed once, the heads' input standardisation is fitted to them
+    (``TimeParserHeads.set_feature_stats``) and the heads train on them (calendar CE + presence BCE, AdamW).
     Sets ``model.parser_fitted``. Returns ``{"texts", "epochs", "loss", "train_exact"}`` (the share of
     training texts whose predicted (year, month, day, mask) equals the label)."""
     from ..models.re3 import resolve_times
@@ -213,6 +214,7 @@ def fit_time_parser(model, texts: Sequence[str], *, times=None, pub=None, role: 
     h = model.cls_states(texts, batch_size=batch_size).detach()
     heads = model.parser
     heads.to(h.device).float().train()
+    heads.set_feature_stats(h)
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
     loss = torch.zeros(())
