@@ -196,3 +196,19 @@ def test_time_less_queries_score_with_the_base_relevance():
     assert any(abs(film["n1"][d] - base["n1"][d]) > 1e-4 for d in base["n1"])   # the fallback matters here
     with pytest.raises(ValueError, match="no_time"):
         re3_runs(m, ds, ["test"], no_time="zero")
+
+
+def test_cli_options_reach_the_saved_model(tmp_path, capsys):
+    import json
+    from tempokern.cli import main
+    out = tmp_path / "run"
+    rc = main(["train", "--method", "re3", "--dataset", "zztj", "--out", str(out), "--re3-variant", "base",
+               "--time-parser", "learned", "--ranges", "start", "--multi-time", "--max-length", "24",
+               "--tiny-hidden", "16", "--tiny-layers", "1", "--no-progress", "--splits", "val"])
+    assert rc == 0
+    enc = json.loads((out / "model" / "tempokern_re3.json").read_text())["encoder"]
+    assert enc["time_parser"] == "learned" and enc["parser_fitted"] and enc["ranges"] == "start"
+    assert enc["multi_time"] is True
+    capsys.readouterr()
+    assert main(["eval", "--method", "re3", "--dataset", "zztj", "--model", str(out), "--split", "val",
+                 "--no-time", "film"]) == 0
