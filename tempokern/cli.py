@@ -1069,7 +1069,8 @@ def cmd_train_re3(args) -> int:
                     lambda_hard=args.lambda_hard, lambda_tw=args.lambda_tw, lr=args.lr, batch_size=args.batch_size,
                     epochs=args.epochs, tw_in_nce=args.tw_in_nce, warmup_ratio=args.warmup_ratio,
                     weight_decay=args.weight_decay, seed=args.seed, max_steps=args.max_steps, lora_r=args.lora_r,
-                    lora_alpha=(64 if getattr(args, "lora_alpha", None) is None else args.lora_alpha), lora_dropout=getattr(args, "lora_dropout", 0.1),
+                    lora_alpha=(64 if getattr(args, "lora_alpha", None) is None else args.lora_alpha),
+                    lora_dropout=getattr(args, "lora_dropout", 0.1),
                     progress=args.progress).validate()
     torch.manual_seed(args.seed)
     bb, tok, pool_default = _re3_backbone(args)

@@ -550,8 +550,9 @@ def find_times(text: str, *, ref=None, season_months: bool = False) -> List[Time
     that parses), each as a :class:`TimeSpan`. Ranges are intervals: ``2010-2015``, ``from 1999 to 2003``,
     ``between 2010 and 2015``, ``March 2014 - June 2015``, ``March 3-5, 2014``, ``3 to 5 March 2014``,
     ``from March 3 to April 5, 2014`` give ``start`` and ``end`` (a part one end lacks is taken from the
-    other: ``from 5 May to 7 June 2015`` starts on 5 May 2015); a decade (``the 1990s``) is its ten years. Relative expressions are resolved against
-    ``ref``; without it they are left out. :func:`parse_time` is the first one's ``start``."""
+    other: ``from 5 May to 7 June 2015`` starts on 5 May 2015); a decade (``the 1990s``) is its ten years.
+    Relative expressions are resolved against ``ref``; without it they are left out. :func:`parse_time`
+    agrees with the first span's ``start`` on every part it observes."""
     if not isinstance(text, str):
         raise TypeError(f"text: expected str, got {type(text).__name__}")
     ref = _check_ref(ref)

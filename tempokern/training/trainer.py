@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..nn import CTDLoss
-from .data import (HardNegatives, QueryNegatives, gold_indices, num_training_pairs, record_labels, record_span, train_units,
-                   training_pairs)
+from .data import (HardNegatives, QueryNegatives, gold_indices, num_training_pairs, record_labels, record_span,
+                   train_units, training_pairs)
 from .evaluate import evaluate_model
 from .losses import calendar_ce
 
