@@ -212,3 +212,19 @@ def test_cli_options_reach_the_saved_model(tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", "--method", "re3", "--dataset", "zztj", "--model", str(out), "--split", "val",
                  "--no-time", "film"]) == 0
+
+
+def test_search_falls_back_to_the_base_index_for_time_less_queries():
+    recs = [{"id": i, "text": f"{e} sales on {d} March 2014 were {i} units .", "published": dt.date(2014, 3, d)}
+            for i, (e, d) in enumerate([("acme", 3), ("bolt", 5), ("core", 9), ("acme", 12)])]
+    texts = ["how many acme sales on 3 March 2014 ?", "how many acme sales ?"]
+    m = _tiny_re3([r["text"] for r in recs] + texts)
+    index, base = m.to_index(recs), m.to_base_index(recs)
+    ids, scores = m.search(index, texts, k=4, base_index=base)
+    ids0, scores0 = m.search(index, texts, k=4)
+    bq = m.base_embeddings(texts[1:])
+    g = m.base_embeddings([r["text"] for r in recs])
+    ref = (bq @ g.t())[0] / m.temperature
+    assert torch.equal(ids[0], ids0[0]) and torch.equal(scores[0], scores0[0])
+    torch.testing.assert_close(scores[1], ref[ids[1]], rtol=1e-5, atol=1e-5)
+    assert torch.equal(ids[1], torch.argsort(ref, descending=True))

@@ -550,10 +550,34 @@ class Re3Encoder(nn.Module):
         index.add(ids, emb, torch.zeros(len(texts)))
         return index
 
-    def search(self, index, texts: Sequence[str], k: int = 10, *, times=None, pub=None, **kw):
-        """Encode queries and return ``index.search`` (ids (Q, k), scores (Q, k) = ⟨q, d⟩ / temperature)."""
+    def to_base_index(self, records: Sequence[Any], *, backend: str = "exact", batch_size: int = 64,
+                      ids: Optional[Sequence[int]] = None, **index_kwargs):
+        """A :class:`tempokern.search.TemporalIndex` of the documents' base embeddings (``normalize(e_sem)``,
+        no time modules), for :meth:`search`'s ``base_index``: queries without a time are scored there."""
+        from ..search import TemporalIndex
+        texts = [_field(r, "text") for r in records]
+        if ids is None:
+            ids = [_field(r, "id", None) for r in records]
+        ids = torch.as_tensor(list(ids), dtype=torch.int64)
+        index = TemporalIndex(self.hidden_size, backend=backend, **index_kwargs)
+        index.add(ids, self.base_embeddings(texts, batch_size=batch_size), torch.zeros(len(texts)))
+        return index
+
+    def search(self, index, texts: Sequence[str], k: int = 10, *, times=None, pub=None, base_index=None, **kw):
+        """Encode queries and return ``index.search`` (ids (Q, k), scores (Q, k) = ⟨q, d⟩ / temperature).
+        ``base_index`` (from :meth:`to_base_index` on the same documents): queries without an observed time
+        are searched there with their base embeddings, i.e. scored by the base relevance score."""
         q = self.encode(texts, times=times, pub=pub, role="query")
-        return index.search(q, torch.zeros(q.shape[0]), k, temperature=self.temperature, **kw)
+        ids, scores = index.search(q, torch.zeros(q.shape[0]), k, temperature=self.temperature, **kw)
+        if base_index is not None:
+            rows = [i for i, h in enumerate(self.has_time(texts, times=times, pub=pub, role="query")) if not h]
+            if rows:
+                qb = self.base_embeddings([texts[i] for i in rows])
+                bi, bs = base_index.search(qb, torch.zeros(len(rows)), k, temperature=self.temperature, **kw)
+                ids, scores = ids.clone(), scores.clone()
+                r = torch.tensor(rows)
+                ids[r], scores[r] = bi.to(ids.dtype), bs.to(scores.dtype)
+        return ids, scores
 
     # ---- persistence --------------------------------------------------------------------------------------
     def save(self, path, *, embed_backbone: Optional[bool] = None) -> None:
