@@ -228,3 +228,22 @@ def test_search_falls_back_to_the_base_index_for_time_less_queries():
     assert torch.equal(ids[0], ids0[0]) and torch.equal(scores[0], scores0[0])
     torch.testing.assert_close(scores[1], ref[ids[1]], rtol=1e-5, atol=1e-5)
     assert torch.equal(ids[1], torch.argsort(ref, descending=True))
+
+
+def test_multi_time_training_uses_the_time_closest_to_the_query():
+    from tempokern.training.re3 import Re3Example, best_matching
+    assert best_matching([(P(2012), P(2012)), (P(2015, 5, 5), P(2015, 5, 5))], [(P(2015, 5), P(2015, 5))]) \
+        == [(P(2015, 5, 5), P(2015, 5, 5))]
+    assert best_matching([(P(2012), P(2012)), (P(2015), P(2015))], []) == [(P(2012), P(2012))]
+    docs = {"a": "Acme reported sales in 2012 and again on 5 May 2015.", "b": "Bolt reported sales in 2013."}
+    ex = [Re3Example("Acme sales on 5 May 2015?", "a", "b"), Re3Example("Acme sales in 2012?", "a"),
+          Re3Example("Bolt sales in 2013?", "b")]
+    m = _tiny_re3(list(docs.values()) + [e.query for e in ex], multi_time=True)
+    tr = Re3Trainer(m, docs, ex, Re3Config(variant="film", epochs=1, batch_size=3, progress=False),
+                    log=lambda *a: None)
+    tr._prepare()
+    (pv, pm, _, _), (tv, _, _, _) = tr.ex_times
+    assert pv[:, 0].tolist() == [2015, 2012, 2013] and pv[0, 1:3].tolist() == [5, 5]
+    assert tv[0, 0].item() == 2013
+    res = tr.fit()
+    assert res.steps == 1 and res.final_loss is not None

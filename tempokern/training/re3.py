@@ -175,6 +175,12 @@ def examples_from_dataset(dataset, split: str = "train") -> List[Re3Example]:
     return out
 
 
+def _as_given_all(g):
+    """A document's own time field as every interval it names (None: not given)."""
+    from ..models.re3 import _as_intervals
+    return None if g is None else _as_intervals(g, "document time")
+
+
 def _resolve_batch(model, texts, refs, given, role):
     """Per text, the first time interval ``[(start, end)]`` (``[]``: none): the data's own time field where
     given (a TimeTuple / date or a (start, end) pair), else the rule parser (``model.ranges``, ``doc_time``).
@@ -188,6 +194,27 @@ def _resolve_batch(model, texts, refs, given, role):
         for i, r in zip(todo, rs):
             out[i] = r
     return out
+
+
+def _time_distance(a: TimeTuple, b: TimeTuple) -> float:
+    """How far two times are, in days, over the parts both observe (0 when they share none)."""
+    d = 0.0
+    for k, (x, y, w) in enumerate(((a.year, b.year, 365.25), (a.month, b.month, 30.44), (a.day, b.day, 1.0))):
+        if a.mask[k] and b.mask[k]:
+            d += abs(x - y) * w
+    return d
+
+
+def best_matching(doc_intervals, query_interval):
+    """The interval of ``doc_intervals`` closest to ``query_interval`` (start to start, then end to end;
+    the first one on a tie, and when the query has no time): the time a multi-time document is trained with,
+    as it is scored by its best-matching time."""
+    if not doc_intervals:
+        return []
+    if not query_interval:
+        return doc_intervals[:1]
+    qs, qe = query_interval[0]
+    return [min(doc_intervals, key=lambda iv: (_time_distance(iv[0], qs), _time_distance(iv[1], qe)))]
 
 
 def fit_time_parser(model, texts: Sequence[str], *, times=None, pub=None, role: str = "document",
@@ -302,7 +329,31 @@ class Re3Trainer:
         self.dv, self.dm, self.dve, self.dme = interval_batch(dtimes)
         self.qv, self.qm, self.qve, self.qme = interval_batch(qtimes)
         years = [t.year for ivs in dtimes + qtimes for iv in ivs for t in iv if t.mask[0]]
+        # multi-time (an extension): a document is trained with its time closest to the query's (per example,
+        # for the positive and the time-wrong negative), as it is scored by its best-matching time
+        self.ex_times = None
+        if getattr(m, "multi_time", False):
+            from ..models.re3 import resolve_intervals
+            every = [_as_given_all(self.docs[d].time) for d in doc_ids]
+            todo = [i for i, g in enumerate(every) if g is None]
+            if todo:
+                rs = resolve_intervals([dtexts[i] for i in todo], pub=[self.docs[doc_ids[i]].published for i in todo],
+                                       role="document", doc_time=m.doc_time, ranges=m.ranges, every=True)
+                for i, r in zip(todo, rs):
+                    every[i] = r
+            pos = [best_matching(every[self.doc_row[e.positive]], q) for e, q in zip(ex, qtimes)]
+            tw = [best_matching(every[self.doc_row[e.tw_negative]], q) if e.tw_negative is not None else []
+                  for e, q in zip(ex, qtimes)]
+            self.ex_times = (interval_batch(pos), interval_batch(tw))
+            years += [t.year for ivs in every for iv in ivs for t in iv if t.mask[0]]
         return years
+
+    def _doc_times(self, rows: torch.Tensor, idx: torch.Tensor, which: int, dev):
+        """(values, mask, end values, end mask) of the documents ``rows`` for the examples ``idx``: the
+        document's first time, or (multi-time) its time closest to the example's query."""
+        if self.ex_times is not None:
+            return tuple(t[idx].to(dev) for t in self.ex_times[which])
+        return tuple(t[rows].to(dev) for t in (self.dv, self.dm, self.dve, self.dme))
 
     def _encode_cache(self):
         m, cfg = self.model, self.cfg
@@ -339,13 +390,12 @@ class Re3Trainer:
             d_sem = m.semantic([self.dtexts[i] for i in pos.tolist()], grad=True)
             t_sem = m.semantic([self.dtexts[i] for i in tw.tolist()], grad=True) if any(has_tw) else None
         q = m.fuse(q_sem, self.qv[idx].to(dev), self.qm[idx].to(dev), self.qve[idx].to(dev), self.qme[idx].to(dev))
-        d = m.fuse(d_sem, self.dv[pos].to(dev), self.dm[pos].to(dev), self.dve[pos].to(dev), self.dme[pos].to(dev))
+        d = m.fuse(d_sem, *self._doc_times(pos, idx, 0, dev))
         lh, lt = self.cfg.loss_weights()
         d_tw = None
         need_tw = (lt > 0 or self.cfg.tw_in_nce) and any(has_tw)
         if need_tw:
-            d_tw = m.fuse(t_sem, self.dv[tw].to(dev), self.dm[tw].to(dev), self.dve[tw].to(dev),
-                          self.dme[tw].to(dev))
+            d_tw = m.fuse(t_sem, *self._doc_times(tw, idx, 1, dev))
         doc_ids = pos.to(dev)
         extra = None
         if need_tw and not all(has_tw):
