@@ -215,8 +215,8 @@ class Re3Encoder(nn.Module):
     unchanged); ``"start"`` — a range is its start. ``multi_time`` (an extension, not in the paper, which
     predicts one time per text): a document is represented by one vector per temporal expression
     (:meth:`encode_multi`) and scored by its best-matching one (:meth:`score_multi`, the maximum over its
-    vectors); a document without a time has one (time-less) vector. Queries keep one time. Training uses
-    each text's first expression."""
+    vectors); a document without a time has one (time-less) vector. Queries keep one time. The Re3
+    trainer trains a multi-time document with its time closest to the example's query (else its first)."""
 
     def __init__(self, backbone: Any, *, pooling: str = "cls", freeze_backbone: bool = True, lora: Any = None,
                  time_parser: str = "rules", doc_time: str = "content", tokenizer: Any = None,
