@@ -337,8 +337,9 @@ class Re3Trainer:
             every = [_as_given_all(self.docs[d].time) for d in doc_ids]
             todo = [i for i, g in enumerate(every) if g is None]
             if todo:
-                rs = resolve_intervals([dtexts[i] for i in todo], pub=[self.docs[doc_ids[i]].published for i in todo],
-                                       role="document", doc_time=m.doc_time, ranges=m.ranges, every=True)
+                rs = resolve_intervals([dtexts[i] for i in todo],
+                                       pub=[self.docs[doc_ids[i]].published for i in todo], role="document",
+                                       doc_time=m.doc_time, ranges=m.ranges, every=True)
                 for i, r in zip(todo, rs):
                     every[i] = r
             pos = [best_matching(every[self.doc_row[e.positive]], q) for e, q in zip(ex, qtimes)]
