@@ -935,8 +935,12 @@ def _tmrl_args(p):
                    help="lora: LoRA adapters (peft; default for pretrained backbones); none: frozen backbone; "
                         "full: full fine-tuning (default for the tiny backbone)")
     g.add_argument("--lora-r", type=int, default=4, help="LoRA rank (default 4)")
-    g.add_argument("--lora-alpha", type=float, default=4.0,
-                   help="LoRA alpha (default 4: the paper's 'scaling factor 4' read as alpha; 16 = scaling 4)")
+    g.add_argument("--lora-alpha", type=float, default=None,
+                   help="LoRA alpha (default 4 x rank: peft scaling alpha/r = 4, the paper's 'scaling factor 4'; "
+                        "--lora-alpha 4 at rank 4 is scaling 1)")
+    g.add_argument("--aux-scale", default="mean", choices=["mean", "literal"],
+                   help="scaling of L_Dist / L_CKA: mean (default; L_Dist averaged over its neighbour pairs) or "
+                        "literal (Eq. 11 summed over the pairs, as printed)")
     g.add_argument("--lora-dropout", type=float, default=0.1, help="LoRA dropout (default 0.1)")
     g.add_argument("--cache-embeddings", action="store_true",
                    help="GradCache: embed without a graph, loss on the cached embeddings, re-embed mini-batches")
@@ -1047,7 +1051,7 @@ def cmd_train_tmrl(args) -> int:
                      hard_negatives=args.num_hard_negatives, negative_queries=args.negative_queries,
                      epochs=args.epochs, warmup_ratio=args.warmup_ratio, grad_accum=args.grad_accum,
                      lora=model.lora_mode, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                     lora_dropout=args.lora_dropout, mrl_anchor=args.mrl_anchor,
+                     lora_dropout=args.lora_dropout, mrl_anchor=args.mrl_anchor, aux_scale=args.aux_scale,
                      cache_embeddings=args.cache_embeddings,
                      mini_batch_size=args.mini_batch_size, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
                      progress=args.progress).validate()
@@ -1153,10 +1157,19 @@ def _re3_args(p, *, train: bool) -> None:
         g.add_argument("--tw-in-nce", action="store_true", help="time-wrong negatives also join the InfoNCE denominator")
         g.add_argument("--doc-time", default="content", choices=["content", "published", "content_or_published"],
                        help="which time a document's FiLM uses (default content: parsed from its text)")
+        g.add_argument("--time-parser", default="rules", choices=["rules", "learned"],
+                       help="rules (default) or learned: the paper's parser heads on [CLS], fitted first on the "
+                            "training texts' silver labels")
+        g.add_argument("--ranges", default="interval", choices=["interval", "start"],
+                       help="a date range is its interval (default: mean of the ends' time embeddings) or its start")
+        g.add_argument("--multi-time", action="store_true",
+                       help="extension: one vector per date of a document, scored by the best match")
         if "--lora-r" not in p._option_string_actions:   # shared with --method tmrl's LoRA flags
             g.add_argument("--lora-r", type=int, default=16, help="LoRA rank for --re3-variant lora")
     g.add_argument("--splits", default=None,
                    help="comma-separated query splits to evaluate (default: every split but train)")
+    g.add_argument("--no-time", default="base", choices=["base", "film"],
+                   help="queries without a time: scored by the base relevance score (default) or by FiLM")
     if not train:
         g.add_argument("--base", action="store_true", help="score with the base retriever (no time modules)")
 
@@ -1216,9 +1229,9 @@ def _re3_splits(args, ds, *, exclude_train: bool = True):
     return sorted({q.split for q in ds.queries if q.split and (q.split != "train" or not exclude_train)})
 
 
-def _re3_table(ds, model, splits, *, base=False, runs=None):
+def _re3_table(ds, model, splits, *, base=False, runs=None, no_time="base"):
     from .training.re3 import re3_eval, re3_runs
-    rows = re3_eval(ds, runs if runs is not None else re3_runs(model, ds, splits, base=base))
+    rows = re3_eval(ds, runs if runs is not None else re3_runs(model, ds, splits, base=base, no_time=no_time))
     keys = ["R@1", "R@5", "MRR", "err_time_wrong", "err_entity_wrong", "err_attribute_wrong", "err_other",
             "num_queries"]
     lines = ["| split | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
@@ -1244,7 +1257,8 @@ def cmd_train_re3(args) -> int:
                     lambda_hard=args.lambda_hard, lambda_tw=args.lambda_tw, lr=args.lr, batch_size=args.batch_size,
                     epochs=args.epochs, tw_in_nce=args.tw_in_nce, warmup_ratio=args.warmup_ratio,
                     weight_decay=args.weight_decay, seed=args.seed, max_steps=args.max_steps, lora_r=args.lora_r,
-                    lora_alpha=getattr(args, "lora_alpha", 64), lora_dropout=getattr(args, "lora_dropout", 0.1),
+                    lora_alpha=(64 if getattr(args, "lora_alpha", None) is None else args.lora_alpha),
+                    lora_dropout=getattr(args, "lora_dropout", 0.1),
                     progress=args.progress).validate()
     torch.manual_seed(args.seed)
     bb, tok, pool_default = _re3_backbone(args)
@@ -1254,14 +1268,15 @@ def cmd_train_re3(args) -> int:
         bb = tiny_bert(len(tok), hidden=args.tiny_hidden, layers=args.tiny_layers,
                        max_position=max(args.max_length, 64), seed=args.seed)
     model = build_re3_model(bb, cfg, tokenizer=tok, pooling=args.pooling or pool_default,
-                            max_length=args.max_length, doc_time=args.doc_time)
+                            max_length=args.max_length, doc_time=args.doc_time, time_parser=args.time_parser,
+                            ranges=args.ranges, multi_time=args.multi_time)
     if args.device:
         model.to(args.device)
     t0 = _time.time()
     res = train_re3(model, docs_from_dataset(ds), examples, cfg, out, resume=args.resume,
                     log=lambda m: print(m, file=sys.stderr))
     splits = _re3_splits(args, ds)
-    rows, md = _re3_table(ds, model, splits) if splits else ({}, "")
+    rows, md = _re3_table(ds, model, splits, no_time=args.no_time) if splits else ({}, "")
     if md:
         print(md, file=sys.stderr)
     summary = {"method": "re3", "variant": cfg.variant, "steps": res.steps, "examples": res.num_examples,
@@ -1284,7 +1299,7 @@ def cmd_eval_re3(args) -> int:
         args.splits = args.split        # --split names one split of this dataset
     splits = _re3_splits(args, ds)
     from .training.re3 import re3_runs
-    runs = re3_runs(model, ds, splits, base=args.base)
+    runs = re3_runs(model, ds, splits, base=args.base, no_time=args.no_time)
     rows, md = _re3_table(ds, model, splits, base=args.base, runs=runs)
     payload = {"method": "re3", "base": args.base, "rows": rows}
     if getattr(args, "recency", "none") != "none":      # the recency filter on the encoder's top-k (docs/re3.md)

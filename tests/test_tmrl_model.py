@@ -127,8 +127,15 @@ def test_bad_construction(rows):
 def test_lora_defaults_and_frozen_modes(rows):
     pytest.importorskip("peft")
     m = tiny_encoder(rows, lora=None)
-    assert m.lora_mode == "lora" and m.lora_settings == dict(r=4, lora_alpha=4, lora_dropout=0.1,
+    assert m.lora_mode == "lora" and m.lora_settings == dict(r=4, lora_alpha=16, lora_dropout=0.1,
                                                              target_modules="all-linear")
+    # the paper's "scaling factor 4" (TMRL §A.2) is peft's scaling lora_alpha / r on every adapter
+    scalings = [mod.scaling["default"] for mod in m.base_model.modules() if hasattr(mod, "lora_A")]
+    assert scalings and all(sc == 4.0 for sc in scalings)
+    # another rank keeps the scaling; an explicit lora_alpha is used as given (4 at r 4 = scaling 1)
+    assert tiny_encoder(rows, lora={"r": 8}).lora_settings["lora_alpha"] == 32
+    one = tiny_encoder(rows, lora={"lora_alpha": 4})
+    assert {mod.scaling["default"] for mod in one.base_model.modules() if hasattr(mod, "lora_A")} == {1.0}
     names = [n for n, _ in m.trainable_parameters()]
     assert names and all("lora_" in n or n.startswith("projector.") for n in names)
     assert any(n.startswith("projector.") for n in names)

@@ -502,7 +502,7 @@ def test_passage_anchor_step_loss_is_eq3_5_on_the_rows(rows):
         qc[i, 0], valid[i, 0] = emb(odd[ri].query, "query"), True
         for k, j in enumerate(nq):
             qc[i, 1 + k], valid[i, 1 + k] = emb(odd[ri].negative_queries[j], "query"), True
-    ref, levels = mrl_literal_passage(P, qc, tr.dims, tr.cfg.temperature, valid=valid)
+    ref, levels = mrl_literal_passage(P, qc, tr.dims, tr.temperature, valid=valid)
     torch.testing.assert_close(loss, ref, rtol=1e-9, atol=1e-9)
     for mm, lv in zip(tr.dims, levels):
         assert abs(float(parts[f"mrl@{mm}"]) - float(lv)) < 1e-5

@@ -21,11 +21,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..nn.film import FiLM, TimeEmbedding
-from ..text.time import TimeTuple, parse_time
+from ..text.time import TimeTuple, find_times, parse_time
 from .encoder import POOLINGS, _field, pool
 from .checkpoint import CheckpointError, check_save_target, file_digest, finish_checkpoint, recover_dir, require_keys, verify_checkpoint
 
 DOC_TIMES = ("content", "published", "content_or_published")
+TIME_PARSERS = ("rules", "learned")
+RANGES = ("interval", "start")
 ROLES = ("query", "document")
 FORMAT = "tempokern-re3-encoder"
 VERSION = 1
@@ -118,6 +120,80 @@ def resolve_times(texts: Sequence[str], *, times=None, pub=None, role: str = "qu
     return out
 
 
+def _as_time(x, what: str) -> Optional[TimeTuple]:
+    if x is None or isinstance(x, TimeTuple):
+        return x
+    return TimeTuple.from_date(_as_date(x, what))
+
+
+def _as_intervals(x, what: str) -> List[Tuple[TimeTuple, TimeTuple]]:
+    """An explicit time entry as a list of (start, end): None -> []; a TimeTuple / date / ISO string -> one
+    point; a (start, end) tuple -> one interval; a list of those -> several."""
+    if x is None:
+        return []
+    if isinstance(x, tuple) and len(x) == 2 and not isinstance(x, TimeTuple):
+        a, b = _as_time(x[0], what), _as_time(x[1], what)
+        if a is None or a.is_empty:
+            return []
+        return [(a, b if b is not None and not b.is_empty else a)]
+    if isinstance(x, list):
+        return [iv for i, y in enumerate(x) for iv in _as_intervals(y, f"{what}[{i}]")]
+    t = _as_time(x, what)
+    return [] if t is None or t.is_empty else [(t, t)]
+
+
+def resolve_intervals(texts: Sequence[str], *, times=None, pub=None, role: str = "query",
+                      doc_time: str = "content", ranges: str = "interval", every: bool = False,
+                      ) -> List[List[Tuple[TimeTuple, TimeTuple]]]:
+    """Per text, its times as ``(start, end)`` intervals (``[]``: no time). Parsed with
+    :func:`tempokern.text.find_times` (relative dates against ``pub[i]``): a range is its interval
+    (``ranges="interval"``) or its start (``ranges="start"``); ``every=False`` keeps the first expression
+    (Re³'s one time per text), ``every=True`` every expression (the multi-time extension). ``doc_time`` as
+    in :func:`resolve_times`. ``times`` given: per text a TimeTuple / date / ISO string / None, a
+    ``(start, end)`` pair, or a list of those (used as they are)."""
+    n = len(texts)
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if doc_time not in DOC_TIMES:
+        raise ValueError(f"doc_time must be one of {DOC_TIMES}, got {doc_time!r}")
+    if ranges not in RANGES:
+        raise ValueError(f"ranges must be one of {RANGES}, got {ranges!r}")
+    if pub is not None:
+        pub = list(pub)
+        if len(pub) != n:
+            raise ValueError(f"pub: expected {n} dates (one per text), got {len(pub)}")
+        pub = [_as_date(p, f"pub[{i}]") for i, p in enumerate(pub)]
+    if times is not None:
+        times = list(times)
+        if len(times) != n:
+            raise ValueError(f"times: expected {n} entries (one per text), got {len(times)}")
+        out = [_as_intervals(t, f"times[{i}]") for i, t in enumerate(times)]
+    else:
+        out = []
+        for i, text in enumerate(texts):
+            ref = pub[i] if pub is not None else None
+            if role == "document" and doc_time == "published":
+                out.append([(TimeTuple.from_date(ref),) * 2] if ref is not None else [])
+                continue
+            ivs = [(sp.start, sp.end) for sp in find_times(text, ref=ref)]
+            if not ivs and role == "document" and doc_time == "content_or_published" and ref is not None:
+                ivs = [(TimeTuple.from_date(ref),) * 2]
+            out.append(ivs)
+    if ranges == "start":
+        out = [[(a, a) for a, _ in ivs] for ivs in out]
+    return out if every else [ivs[:1] for ivs in out]
+
+
+def interval_batch(intervals: Sequence[Sequence[Tuple[TimeTuple, TimeTuple]]], device=None):
+    """``(values, mask, end_values, end_mask)`` of the first interval of each entry (an empty entry: all
+    masked), for :meth:`Re3Encoder.fuse`."""
+    starts = [ivs[0][0] if ivs else None for ivs in intervals]
+    ends = [ivs[0][1] if ivs else None for ivs in intervals]
+    v, m = TimeTuple.batch(starts, device=device)
+    ve, me = TimeTuple.batch(ends, device=device)
+    return v, m, ve, me
+
+
 class Re3Encoder(nn.Module):
     """Re³ dual encoder (shared for queries and documents).
 
@@ -127,20 +203,37 @@ class Re3Encoder(nn.Module):
     embeddings can be cached (:meth:`semantic`). ``lora``: a ``peft.LoraConfig`` or a dict of its
     arguments (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``); wraps the backbone with
     peft (imported only then) — the paper's LoRA baseline. ``use_time=False`` turns the time path off
-    (every time masked: the encoder is the backbone; the LoRA baseline). ``time_parser``: ``"rules"``
-    (the rule parser) — times can also be given explicitly to :meth:`encode`. ``doc_time``: B10."""
+    (every time masked: the encoder is the backbone; the LoRA baseline). ``doc_time``: B10.
+
+    ``time_parser``: ``"rules"`` (:func:`tempokern.text.find_times`) or ``"learned"`` (the paper's learned
+    parser, §3.2: :class:`tempokern.models.time_heads.TimeParserHeads` on the backbone's [CLS] hidden state,
+    year classes ``parser_years`` = (first, last); fitted by
+    :func:`tempokern.training.re3.fit_time_parser` on silver labels, or by the Re3 trainer before the time
+    modules; saved and loaded with the checkpoint). Times can also be given explicitly to :meth:`encode`.
+
+    ``ranges``: ``"interval"`` (default) — a range (``2010-2015``, ``March 3-5, 2014``) is its interval, and
+    its time embedding is the mean of its two ends' (``e_time = (E(start) + E(end)) / 2``; a single date is
+    unchanged); ``"start"`` — a range is its start. ``multi_time`` (an extension, not in the paper, which
+    predicts one time per text): a document is represented by one vector per temporal expression
+    (:meth:`encode_multi`) and scored by its best-matching one (:meth:`score_multi`, the maximum over its
+    vectors); a document without a time has one (time-less) vector. Queries keep one time. The Re3
+    trainer trains a multi-time document with its time closest to the example's query (else its first)."""
 
     def __init__(self, backbone: Any, *, pooling: str = "cls", freeze_backbone: bool = True, lora: Any = None,
                  time_parser: str = "rules", doc_time: str = "content", tokenizer: Any = None,
                  max_length: int = 128, year_mean: float = 2000.0, year_std: float = 10.0,
-                 film_hidden: Optional[int] = None, use_time: bool = True, temperature: float = 0.05):
+                 film_hidden: Optional[int] = None, use_time: bool = True, temperature: float = 0.05,
+                 parser_years: Tuple[int, int] = (1900, 2100), ranges: str = "interval", multi_time: bool = False,
+                 parser_fitted: bool = False):
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         if doc_time not in DOC_TIMES:
             raise ValueError(f"doc_time must be one of {DOC_TIMES}, got {doc_time!r}")
-        if time_parser not in ("rules",):
-            raise ValueError(f"time_parser must be 'rules', got {time_parser!r}")
+        if time_parser not in TIME_PARSERS:
+            raise ValueError(f"time_parser must be one of {TIME_PARSERS}, got {time_parser!r}")
+        if ranges not in RANGES:
+            raise ValueError(f"ranges must be one of {RANGES}, got {ranges!r}")
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
         if not temperature > 0:
@@ -172,6 +265,13 @@ class Re3Encoder(nn.Module):
             self.backbone.eval()
         self.time_embed = TimeEmbedding(H, year_mean=year_mean, year_std=year_std)
         self.film = FiLM(H, hidden=film_hidden)
+        self.ranges, self.multi_time = ranges, bool(multi_time)
+        self.parser = None
+        self.parser_fitted = bool(parser_fitted)
+        if time_parser == "learned":
+            from .time_heads import TimeParserHeads
+            y0, y1 = (int(y) for y in parser_years)
+            self.parser = TimeParserHeads(H, first_year=y0, last_year=y1)
         self._backbone_sha = None
         self._sem_cache = None
 
@@ -212,6 +312,7 @@ class Re3Encoder(nn.Module):
         return self.film.alpha.device
 
     def time_parameters(self) -> List[nn.Parameter]:
+        """The time embedding's and FiLM's parameters (the parser heads train separately)."""
         return list(self.time_embed.parameters()) + list(self.film.parameters())
 
     def config_dict(self) -> dict:
@@ -219,6 +320,9 @@ class Re3Encoder(nn.Module):
                 "max_length": self.max_length, "temperature": self.temperature, "use_time": self.use_time,
                 "film_hidden": self.film.hidden, "freeze_backbone": self.freeze_backbone,
                 "year_mean": float(self.time_embed.year_mean), "year_std": float(self.time_embed.year_std),
+                "ranges": self.ranges, "multi_time": self.multi_time,
+                **({"parser_years": [self.parser.first_year, self.parser.last_year],
+                    "parser_fitted": self.parser_fitted} if self.parser is not None else {}),
                 "lora": self.lora_config}
 
     # ---- tensors ------------------------------------------------------------------------------------------
@@ -228,12 +332,18 @@ class Re3Encoder(nn.Module):
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return pool(hidden, attention_mask, self.pooling)
 
-    def fuse(self, e_sem: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def fuse(self, e_sem: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+             end_values: Optional[torch.Tensor] = None, end_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``e_final`` (B, H) from cached/computed ``e_sem`` and the batched times (see
-        ``TimeTuple.batch``). With ``use_time=False`` the times are ignored (all masked)."""
+        ``TimeTuple.batch``). ``end_values`` / ``end_mask``: the ends of intervals (``ranges="interval"``):
+        ``e_time = (E(start) + E(end)) / 2`` (exactly ``E(start)`` where the end equals the start). With
+        ``use_time=False`` the times are ignored (all masked)."""
         if not self.use_time:
             mask = torch.zeros_like(mask)
+            end_mask = None if end_mask is None else torch.zeros_like(end_mask)
         e_time = self.time_embed(values, mask)
+        if end_values is not None:
+            e_time = (e_time + self.time_embed(end_values, end_mask)) / 2
         return self.film(e_sem, e_time.to(e_sem.dtype))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, values: torch.Tensor,
@@ -301,9 +411,63 @@ class Re3Encoder(nn.Module):
         return torch.stack([src[t] for t in texts]).to(dev, dtype)
 
     def times(self, texts: Sequence[str], *, times=None, pub=None, role: str = "query"):
-        """Batched ``(values (N, 4), mask (N, 4))`` for texts (see :func:`resolve_times`)."""
-        tt = resolve_times(texts, times=times, pub=pub, role=role, doc_time=self.doc_time)
-        return TimeTuple.batch(tt, device=self.device)
+        """Batched ``(values (N, 4), mask (N, 4))`` of each text's first time's start (see
+        :meth:`intervals`)."""
+        v, m, _, _ = interval_batch(self.intervals(texts, times=times, pub=pub, role=role), device=self.device)
+        return v, m
+
+    def intervals(self, texts: Sequence[str], *, times=None, pub=None, role: str = "query",
+                  every: bool = False, batch_size: int = 64) -> List[List[Tuple[TimeTuple, TimeTuple]]]:
+        """Per text, its times as ``(start, end)`` intervals: explicit ``times``, else the rule parser
+        (:func:`resolve_intervals`, with this encoder's ``doc_time`` and ``ranges``) or the learned parser
+        (one point per text from :meth:`parse_learned`; ``doc_time="published"`` / ``"content_or_published"``
+        use ``pub`` as with the rules). ``every``: every expression (multi-time), else the first."""
+        if times is not None or self.time_parser == "rules":
+            return resolve_intervals(texts, times=times, pub=pub, role=role, doc_time=self.doc_time,
+                                     ranges=self.ranges, every=every)
+        n = len(texts)
+        pubs = [None] * n if pub is None else [_as_date(p, f"pub[{i}]") for i, p in enumerate(pub)]
+        if len(pubs) != n:
+            raise ValueError(f"pub: expected {n} dates (one per text), got {len(pubs)}")
+        if role == "document" and self.doc_time == "published":
+            return [[(TimeTuple.from_date(p),) * 2] if p is not None else [] for p in pubs]
+        pred = self.parse_learned(texts, batch_size=batch_size)
+        out = []
+        for t, p in zip(pred, pubs):
+            if t.is_empty and role == "document" and self.doc_time == "content_or_published" and p is not None:
+                t = TimeTuple.from_date(p)
+            out.append([] if t.is_empty else [(t, t)])
+        return out
+
+    @torch.no_grad()
+    def cls_states(self, texts: Sequence[str], *, batch_size: int = 64) -> torch.Tensor:
+        """The backbone's [CLS] (first-token) hidden state per text (N, H): the learned parser's input."""
+        outs = []
+        was = self.backbone.training
+        self.backbone.eval()
+        try:
+            for i in range(0, len(texts), batch_size):
+                enc = {k: v.to(self.device) for k, v in self.tokenize(list(texts[i:i + batch_size])).items()}
+                out = self.backbone(**enc)
+                hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+                outs.append(hidden[:, 0].float())
+        finally:
+            self.backbone.train(was)
+        return torch.cat(outs) if outs else torch.empty(0, self.hidden_size, device=self.device)
+
+    @torch.no_grad()
+    def parse_learned(self, texts: Sequence[str], *, batch_size: int = 64) -> List[TimeTuple]:
+        """The learned parser's time per text (:meth:`TimeParserHeads.predict` on :meth:`cls_states`)."""
+        if self.parser is None:
+            raise ValueError("this Re3Encoder has no learned parser (build it with time_parser='learned')")
+        if not texts:
+            return []
+        h = self.cls_states(texts, batch_size=batch_size)
+        return self.parser.predict(h.to(self.parser.presence.weight.dtype))
+
+    def has_time(self, texts: Sequence[str], *, times=None, pub=None, role: str = "query") -> List[bool]:
+        """Whether each text has an observed time (what :meth:`encode` conditions on)."""
+        return [bool(ivs) and self.use_time for ivs in self.intervals(texts, times=times, pub=pub, role=role)]
 
     @torch.no_grad()
     def encode(self, texts: Sequence[str], *, times=None, pub=None, role: str = "query",
@@ -315,11 +479,41 @@ class Re3Encoder(nn.Module):
         was = self.training
         self.eval()
         try:
-            values, mask = self.times(texts, times=times, pub=pub, role=role)
+            ivs = self.intervals(texts, times=times, pub=pub, role=role, batch_size=batch_size)
+            v, m, ve, me = interval_batch(ivs, device=self.device)
             e_sem = self.semantic(texts, batch_size=batch_size)
-            return self.fuse(e_sem, values, mask).float().cpu()
+            return self.fuse(e_sem, v, m, ve, me).float().cpu()
         finally:
             self.train(was)
+
+    @torch.no_grad()
+    def encode_multi(self, texts: Sequence[str], *, times=None, pub=None, role: str = "document",
+                     batch_size: int = 64) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The multi-time extension: ``(emb (M, H), owner (M,) int64)`` — one ``e_final`` per (text, time
+        expression) with its interval, and one time-less vector for a text without a time; ``owner[k]`` is
+        the text of row k. Score with :meth:`score_multi`."""
+        if isinstance(texts, str):
+            raise TypeError("texts must be a list of strings")
+        was = self.training
+        self.eval()
+        try:
+            ivs = self.intervals(texts, times=times, pub=pub, role=role, every=True, batch_size=batch_size)
+            e_sem = self.semantic(texts, batch_size=batch_size)
+            owner = torch.tensor([i for i, x in enumerate(ivs) for _ in range(max(1, len(x)))], dtype=torch.int64)
+            flat = [[iv] for x in ivs for iv in (x if x else [None])]
+            flat = [[] if f == [None] else f for f in flat]
+            v, m, ve, me = interval_batch(flat, device=self.device)
+            emb = self.fuse(e_sem[owner.to(e_sem.device)], v, m, ve, me).float().cpu()
+            return emb, owner
+        finally:
+            self.train(was)
+
+    @staticmethod
+    def score_multi(q: torch.Tensor, emb: torch.Tensor, owner: torch.Tensor, n: int) -> torch.Tensor:
+        """``(Q, n)`` scores: each document's best-matching vector, ``max_{k: owner[k] = j} <q, emb[k]>``."""
+        s = q.float() @ emb.float().t()                                   # (Q, M)
+        out = s.new_full((q.shape[0], n), float("-inf"))
+        return out.scatter_reduce(1, owner.to(s.device).unsqueeze(0).expand_as(s), s, reduce="amax")
 
     @torch.no_grad()
     def base_embeddings(self, texts: Sequence[str], *, batch_size: int = 64) -> torch.Tensor:
@@ -357,10 +551,34 @@ class Re3Encoder(nn.Module):
         index.add(ids, emb, torch.zeros(len(texts)))
         return index
 
-    def search(self, index, texts: Sequence[str], k: int = 10, *, times=None, pub=None, **kw):
-        """Encode queries and return ``index.search`` (ids (Q, k), scores (Q, k) = ⟨q, d⟩ / temperature)."""
+    def to_base_index(self, records: Sequence[Any], *, backend: str = "exact", batch_size: int = 64,
+                      ids: Optional[Sequence[int]] = None, **index_kwargs):
+        """A :class:`tempokern.search.TemporalIndex` of the documents' base embeddings (``normalize(e_sem)``,
+        no time modules), for :meth:`search`'s ``base_index``: queries without a time are scored there."""
+        from ..search import TemporalIndex
+        texts = [_field(r, "text") for r in records]
+        if ids is None:
+            ids = [_field(r, "id", None) for r in records]
+        ids = torch.as_tensor(list(ids), dtype=torch.int64)
+        index = TemporalIndex(self.hidden_size, backend=backend, **index_kwargs)
+        index.add(ids, self.base_embeddings(texts, batch_size=batch_size), torch.zeros(len(texts)))
+        return index
+
+    def search(self, index, texts: Sequence[str], k: int = 10, *, times=None, pub=None, base_index=None, **kw):
+        """Encode queries and return ``index.search`` (ids (Q, k), scores (Q, k) = ⟨q, d⟩ / temperature).
+        ``base_index`` (from :meth:`to_base_index` on the same documents): queries without an observed time
+        are searched there with their base embeddings, i.e. scored by the base relevance score."""
         q = self.encode(texts, times=times, pub=pub, role="query")
-        return index.search(q, torch.zeros(q.shape[0]), k, temperature=self.temperature, **kw)
+        ids, scores = index.search(q, torch.zeros(q.shape[0]), k, temperature=self.temperature, **kw)
+        if base_index is not None:
+            rows = [i for i, h in enumerate(self.has_time(texts, times=times, pub=pub, role="query")) if not h]
+            if rows:
+                qb = self.base_embeddings([texts[i] for i in rows])
+                bi, bs = base_index.search(qb, torch.zeros(len(rows)), k, temperature=self.temperature, **kw)
+                ids, scores = ids.clone(), scores.clone()
+                r = torch.tensor(rows)
+                ids[r], scores[r] = bi.to(ids.dtype), bs.to(scores.dtype)
+        return ids, scores
 
     # ---- persistence --------------------------------------------------------------------------------------
     def save(self, path, *, embed_backbone: Optional[bool] = None) -> None:
@@ -381,9 +599,7 @@ class Re3Encoder(nn.Module):
                 or not Path(self.backbone_path).is_dir()
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
-            sd = {k: v.detach().cpu().contiguous() for k, v in
-                  list(self.time_embed.state_dict(prefix="time_embed.").items())
-                  + list(self.film.state_dict(prefix="film.").items())}
+            sd = {k: v.detach().cpu().contiguous() for k, v in self._time_state().items()}
             save_file(sd, str(tmp / TIME_FILE))
             meta = {"format": FORMAT, "version": VERSION, "encoder": self.config_dict(),
                     "time_sha256": _sha256_file(tmp / TIME_FILE)}
@@ -405,6 +621,13 @@ class Re3Encoder(nn.Module):
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+    def _time_state(self) -> dict:
+        """The saved time modules: time embedding, FiLM and (time_parser="learned") the parser heads."""
+        sd = {**self.time_embed.state_dict(prefix="time_embed."), **self.film.state_dict(prefix="film.")}
+        if self.parser is not None:
+            sd.update(self.parser.state_dict(prefix="parser."))
+        return sd
 
     @classmethod
     def load(cls, path, *, backbone_path: Optional[str] = None, map_location="cpu",
@@ -484,13 +707,16 @@ class Re3Encoder(nn.Module):
             raise CheckpointError(f"{cfg_file}: the model cannot be rebuilt from this config: "
                                   f"{type(e).__name__}: {e}") from None
         sd = load_file(str(tfile))
-        own = {**model.time_embed.state_dict(prefix="time_embed."), **model.film.state_dict(prefix="film.")}
+        own = model._time_state()
         if set(sd) != set(own):
             raise ValueError(f"{tfile} does not fit the time modules: missing {sorted(set(own) - set(sd))[:8]}, "
                              f"unexpected {sorted(set(sd) - set(own))[:8]}")
         model.time_embed.load_state_dict({k[len("time_embed."):]: v for k, v in sd.items() if k.startswith("time_embed.")})
         model.film.load_state_dict({k[len("film."):]: v for k, v in sd.items() if k.startswith("film.")})
+        if model.parser is not None:
+            model.parser.load_state_dict({k[len("parser."):]: v for k, v in sd.items() if k.startswith("parser.")})
         return model.to(map_location)
 
 
-__all__ = ["Re3Encoder", "resolve_times", "backbone_checksum", "DOC_TIMES"]
+__all__ = ["Re3Encoder", "resolve_times", "resolve_intervals", "interval_batch", "backbone_checksum", "DOC_TIMES",
+           "TIME_PARSERS", "RANGES"]

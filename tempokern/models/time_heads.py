@@ -2,8 +2,9 @@
 
 Parallel linear heads give year / month / day-of-month logits from ``h_CLS`` (any (B, H) pooled vector), plus
 one presence logit per part. Trained with ``calendar_ce`` (absent parts labelled ``IGNORE = -1``) and a binary
-cross-entropy on presence; labels come from generation metadata or from the rule parser. Optional: the rule
-parser (:func:`tempokern.text.parse_time`) is the default and the tested path of the encoder.
+cross-entropy on presence; labels come from generation metadata or from the rule parser. Used by
+``Re3Encoder(time_parser="learned")`` on the backbone's [CLS] state (fitted by
+``tempokern.training.re3.fit_time_parser``); the rule parser is the encoder's default.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ class TimeParserHeads(nn.Module):
     ``forward(h (B, H)) -> (logits [year (B, n_y), month (B, 12), day (B, 31)], presence (B, 3))``;
     :meth:`labels` turns TimeTuples into ``(labels (B, 3) int64 with IGNORE, present (B, 3) float)``;
     :meth:`loss` = calendar CE + BCE on presence; :meth:`predict` -> TimeTuples (a part is observed when its
-    presence probability exceeds ``threshold``; an impossible day is masked)."""
+    presence probability exceeds ``threshold``; an impossible day is masked). The inputs are standardised
+    per feature by buffers that :meth:`set_feature_stats` fits (identity until then)."""
 
     def __init__(self, hidden: int, calendar=None, *, first_year: Optional[int] = None,
                  last_year: Optional[int] = None):
@@ -41,11 +43,24 @@ class TimeParserHeads(nn.Module):
         self.heads = nn.ModuleList([nn.Linear(hidden, self.last_year - self.first_year + 1), nn.Linear(hidden, 12),
                                     nn.Linear(hidden, 31)])
         self.presence = nn.Linear(hidden, 3)
+        # per-feature standardisation of h (identity until set_feature_stats): a frozen backbone's [CLS]
+        # states can vary little across texts around a large common offset
+        self.register_buffer("h_mean", torch.zeros(hidden))
+        self.register_buffer("h_std", torch.ones(hidden))
+
+    @torch.no_grad()
+    def set_feature_stats(self, h: torch.Tensor, eps: float = 1e-6) -> "TimeParserHeads":
+        """Standardise the inputs by the mean and std (floored at ``eps``) of the training states ``h``
+        (buffers, saved with the state dict)."""
+        self.h_mean.copy_(h.float().mean(0))
+        self.h_std.copy_(h.float().std(0, unbiased=False).clamp_min(eps))
+        return self
 
     def forward(self, h: torch.Tensor) -> Tuple[List[torch.Tensor], torch.Tensor]:
         if not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[1] != self.hidden:
             raise ValueError(f"h must be a (B, {self.hidden}) tensor, got "
                              f"{tuple(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__}")
+        h = (h - self.h_mean.to(h.dtype)) / self.h_std.to(h.dtype)
         return [head(h) for head in self.heads], self.presence(h)
 
     def labels(self, times: Sequence[Optional[TimeTuple]], device=None):

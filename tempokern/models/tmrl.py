@@ -26,9 +26,10 @@ PROJECTOR_FILE = "projector.safetensors"
 TOKENIZER_DIR = "tokenizer"
 SIDES = ("query", "passage")
 
-#: LoRA defaults of TMRL §A.2 (A7): rank 4, "scaling factor 4" read as lora_alpha = 4 (peft scaling
-#: alpha / r = 1); the other reading (scaling alpha / r = 4) is lora_alpha = 16 — one flag.
-LORA_DEFAULTS = dict(r=4, lora_alpha=4, lora_dropout=0.1, target_modules="all-linear")
+#: LoRA defaults of TMRL §A.2 (A7): rank 4, "scaling factor 4" as peft's scaling lora_alpha / r = 4, so
+#: lora_alpha = 16; the other reading (lora_alpha = 4, scaling 1) is ``lora={"lora_alpha": 4}``.
+LORA_SCALING = 4
+LORA_DEFAULTS = dict(r=4, lora_alpha=16, lora_dropout=0.1, target_modules="all-linear")
 _LORA_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "bias", "modules_to_save")
 PEFT_HINT = "LoRA needs the optional 'peft' package: pip install 'tempokern[peft]' (or pip install peft)"
 
@@ -56,6 +57,8 @@ def _lora_dict(lora: Any) -> dict:
         if unknown:
             raise ValueError(f"lora: unknown LoRA option(s) {unknown}; known: {list(_LORA_FIELDS)}")
         d = {**LORA_DEFAULTS, **{k: v for k, v in lora.items() if k != "task_type"}}
+        if lora.get("lora_alpha") is None and "r" in lora:   # keep the paper's scaling 4 at any rank
+            d["lora_alpha"] = LORA_SCALING * d["r"] if isinstance(d["r"], int) else d["r"]
     else:
         d = {k: getattr(lora, k) for k in _LORA_FIELDS if hasattr(lora, k)}
     tm = d.get("target_modules")
@@ -101,10 +104,12 @@ class TMRLEncoder(nn.Module):
     backbone: a model name/path (AutoModel/AutoTokenizer) or a built PreTrainedModel (pass tokenizer=).
     pooling: "cls" | "mean" | "last" (:func:`tempokern.models.encoder.pool`); with "cls" the [CLS] token is a
     temporal token of every text (T4). dims: the nested prefix sizes (default: the full size only); t: the
-    temporal-subspace size (None: no projector). lora: None = the TMRL default LoRA (r 4, lora_alpha 4,
+    temporal-subspace size (None: no projector). lora: None = the TMRL default LoRA (r 4, lora_alpha 16,
     dropout 0.1, all linear layers; needs peft), a dict of LoRA options or a ``peft.LoraConfig``,
     False = frozen backbone (only the projector trains), "full" = full fine-tuning. A7: the paper's
-    "scaling factor 4" is read as lora_alpha = 4; ``lora={"lora_alpha": 16}`` is the other reading.
+    "scaling factor 4" is peft's scaling lora_alpha / r = 4 (lora_alpha 16 at r 4);
+    ``lora={"lora_alpha": 4}`` is the other reading (scaling 1). temperature: the backbone's InfoNCE τ
+    (TMRL Table 5: 0.05 for contriever / nomic, 0.02 for gte / bge / gte1.5 / bge-m3); the trainer reads it.
     query_prefix / passage_prefix: prepended to the texts of each side (Table 5).
     projector: build the TemporalProjector (P: h -> W2 LN(act(W1 h + b1)) + b2, act and LN eps from the
     backbone's config, A3) when t is given."""

@@ -96,6 +96,14 @@ def _bool_tensor(name: str, t, shape) -> torch.Tensor:
     return t
 
 
+def _check_valid(qc_valid, shape) -> torch.Tensor:
+    """A (B, 1+n) validity mask of candidate slots; column 0 (each row's positive) must be True."""
+    _bool_tensor("qc_valid", qc_valid, shape)
+    if shape[1] and not bool(qc_valid[:, 0].all()):
+        raise ValueError("qc_valid[:, 0] must be True: column 0 holds each passage's positive query")
+    return qc_valid
+
+
 def _same_device(**tensors) -> None:
     devs = {k: v.device for k, v in tensors.items() if v is not None}
     if len(set(devs.values())) > 1:
@@ -199,10 +207,13 @@ class TemporalSubspaceLoss(nn.Module):
     * ``L^p``: anchor p_emb[i, :t], candidates qc_T[i, j]; a candidate with ``qc_has = False`` has logit -inf;
       rows whose positive query has no temporal token (``qc_has[i, 0] = False``) are dropped.
 
-    Each term is the mean over its kept rows (0 with the graph kept when none is). ``p_has`` / ``qc_has`` may be
-    None (all True). Computed in float32 with autocast off for half inputs (float64 for float64). A row's loss
-    is computed as ``logsumexp_j (z_j - z_0)``, so a group of identical
-    candidates gives exactly ``log(1 + n)``."""
+    ``qc_valid`` (B, 1+n) bool, optional: which candidate slots are real (False = padding, e.g. the repeats
+    that fill a row with fewer than n negative queries); a padded slot's logit is -inf in both directions, so
+    a row's loss is the one over its own distinct candidates (a repeated negative would count twice).
+    Column 0 must be True. Each term is the mean over its kept rows (0 with the graph kept when none is).
+    ``p_has`` / ``qc_has`` / ``qc_valid`` may be None (all True). Computed in float32 with autocast off for
+    half inputs (float64 for float64). A row's loss is computed as ``logsumexp_j (z_j - z_0)``, so a group of
+    identical candidates gives exactly ``log(1 + n)``."""
 
     def __init__(self, t: int, temperature: float):
         super().__init__()
@@ -212,10 +223,10 @@ class TemporalSubspaceLoss(nn.Module):
     def extra_repr(self) -> str:
         return f"t={self.t}, temperature={self.temperature}"
 
-    def forward(self, p_emb, p_T, p_has, qc_emb, qc_T, qc_has) -> torch.Tensor:
-        return self.terms(p_emb, p_T, p_has, qc_emb, qc_T, qc_has)[0]
+    def forward(self, p_emb, p_T, p_has, qc_emb, qc_T, qc_has, qc_valid=None) -> torch.Tensor:
+        return self.terms(p_emb, p_T, p_has, qc_emb, qc_T, qc_has, qc_valid)[0]
 
-    def terms(self, p_emb, p_T, p_has, qc_emb, qc_T, qc_has):
+    def terms(self, p_emb, p_T, p_has, qc_emb, qc_T, qc_has, qc_valid=None):
         """``(L^q + L^p, L^q, L^p)``."""
         t = self.t
         _float_tensor("p_emb", p_emb, 2)
@@ -237,12 +248,14 @@ class TemporalSubspaceLoss(nn.Module):
             _bool_tensor("p_has", p_has, (B,))
         qc_has = torch.ones(B, n1, dtype=torch.bool, device=p_emb.device) if qc_has is None else \
             _bool_tensor("qc_has", qc_has, (B, n1))
-        _same_device(p_emb=p_emb, p_T=p_T, p_has=p_has, qc_emb=qc_emb, qc_T=qc_T, qc_has=qc_has)
+        if qc_valid is not None:
+            _check_valid(qc_valid, (B, n1))
+        _same_device(p_emb=p_emb, p_T=p_T, p_has=p_has, qc_emb=qc_emb, qc_T=qc_T, qc_has=qc_has, qc_valid=qc_valid)
         wd = _work_dtype(p_emb)
         with torch.autocast(p_emb.device.type, enabled=False):
-            return self._terms(p_emb.to(wd), p_T.to(wd), p_has, qc_emb.to(wd), qc_T.to(wd), qc_has)
+            return self._terms(p_emb.to(wd), p_T.to(wd), p_has, qc_emb.to(wd), qc_T.to(wd), qc_has, qc_valid)
 
-    def _terms(self, p_emb, p_T, p_has, qc_emb, qc_T, qc_has):
+    def _terms(self, p_emb, p_T, p_has, qc_emb, qc_T, qc_has, qc_valid=None):
         t, inv_tau = self.t, 1.0 / self.temperature
 
         # Entries that are masked out never enter the arithmetic (torch.where to zeros: whatever they hold,
@@ -251,6 +264,8 @@ class TemporalSubspaceLoss(nn.Module):
         a = F.normalize(torch.where(p_has.unsqueeze(1), p_T, torch.zeros_like(p_T)), dim=-1)      # (B, t)
         c = F.normalize(qc_emb[..., :t], dim=-1)                                                   # (B, 1+n, t)
         z = torch.einsum("bt,bnt->bn", a, c) * inv_tau
+        if qc_valid is not None:
+            z = z.masked_fill(~qc_valid, float("-inf"))
         loss_q = _masked_row_mean(torch.logsumexp(z - z[:, :1], dim=1), p_has)
 
         # L^p: the passage's first t dims against the queries' projected temporal tokens
@@ -260,6 +275,8 @@ class TemporalSubspaceLoss(nn.Module):
         c = F.normalize(torch.where(qc_has.unsqueeze(2), qc_T, torch.zeros_like(qc_T)), dim=-1)
         z = torch.einsum("bt,bnt->bn", a, c) * inv_tau
         cand = qc_has | ~keep_p.unsqueeze(1)          # a dropped row keeps its (zero) logits: finite, unused
+        if qc_valid is not None:
+            cand = cand & qc_valid
         z = z.masked_fill(~cand, float("-inf"))
         loss_p = _masked_row_mean(torch.logsumexp(z - z[:, :1], dim=1), keep_p)
         return loss_q + loss_p, loss_q, loss_p
@@ -300,10 +317,20 @@ class MatryoshkaDistillLoss(nn.Module):
     top-k runs on the N x N full-dim cosine matrix in row blocks of ``block`` rows (no gradient; memory
     O(block*N)); the student similarities are the N*k_eff gathered prefix cosines per level, all levels from
     one (N, k, max m) gather and one batched product with a 0/1 prefix matrix (no N x N matrix per level).
-    N = 1 gives 0 (graph kept). Computed in float32 for half inputs, float64 for float64."""
+    N = 1 gives 0 (graph kept). Computed in float32 for half inputs, float64 for float64.
 
-    def __init__(self, dims: Sequence[int], k: int = 10, detach_teacher: bool = True, block: int = 1024):
+    ``reduction``: ``"mean"`` (default, A5: the mean over the N*k_eff pairs of each level, summed over levels) or
+    ``"sum"`` (Eq. 11 literally: the sum over every pair i, j in N_i and every level — N*k_eff times the mean
+    form, so its weight beta acts at the paper's scale)."""
+
+    REDUCTIONS = ("mean", "sum")
+
+    def __init__(self, dims: Sequence[int], k: int = 10, detach_teacher: bool = True, block: int = 1024,
+                 reduction: str = "mean"):
         super().__init__()
+        if reduction not in self.REDUCTIONS:
+            raise ValueError(f"reduction must be one of {self.REDUCTIONS}, got {reduction!r}")
+        self.reduction = reduction
         self.dims = _check_dims(dims)
         self.k = _positive_int("k", k)
         if not isinstance(detach_teacher, bool):
@@ -312,7 +339,7 @@ class MatryoshkaDistillLoss(nn.Module):
         self.block = _positive_int("block", block)
 
     def extra_repr(self) -> str:
-        return f"dims={self.dims}, k={self.k}, detach_teacher={self.detach_teacher}"
+        return f"dims={self.dims}, k={self.k}, detach_teacher={self.detach_teacher}, reduction={self.reduction!r}"
 
     @torch.no_grad()
     def neighbours(self, xn: torch.Tensor, k: int):
@@ -343,6 +370,8 @@ class MatryoshkaDistillLoss(nn.Module):
             sims = _pair_prefix_cosines(xw, idx, levels)                # (N, k, L)
             teacher = tv if self.detach_teacher else sims[..., -1]
             diff = (teacher.unsqueeze(-1) - sims[..., :len(students)]).abs()
+            if self.reduction == "sum":
+                return diff.sum()
             return diff.mean(dim=(0, 1)).sum()
 
 
@@ -433,9 +462,16 @@ class TMRLLoss(nn.Module):
     denominators of every anchor), through the same fused ``matryoshka_infonce`` (all levels in one pass).
     qc is then required even when alpha == 0; neg_p takes no part in L_MRL (it still joins X of
     L_Dist / L_CKA when given); spans swap roles (anchor spans = d_span, candidate spans = q_span).
-    ``qc_valid`` (B, 1+n) bool, optional: which negative-query slots are real (False = padding, e.g. a row
-    with fewer than n negatives); padded slots are left out of the passage-anchored denominators (a
-    duplicated negative would count twice). Column 0 must be True. Ignored by the query reading.
+    ``qc_valid`` (B, 1+n) bool, optional: which negative-query slots are real (False = padding, e.g. the
+    repeats that fill a row with fewer than n negative queries). Padded slots are left out everywhere: of
+    L_Temp's candidates (both directions), of the passage-anchored L_MRL's denominators and of X in
+    L_Dist / L_CKA — a batch with repeats gives the loss of the same batch without them. Column 0 must be
+    True.
+
+    ``aux_scale``: how L_Dist and L_CKA are scaled. ``"mean"`` (default, design notes A5): L_Dist is the mean
+    over the N*k_eff neighbour pairs of each level, summed over levels. ``"literal"``: Eq. 11 as printed, the
+    sum over every pair and level (N*k_eff times the mean form; at beta = 0.1 it is no longer a small
+    fraction of the gradient). L_CKA (Eq. 14, a sum over levels of 1 - CKA) is the same in both.
 
     ``forward(q, p, neg_p=None, *, p_T=None, p_has=None, qc=None, qc_T=None, qc_has=None, qc_valid=None,
     q_span=None, d_span=None) -> (loss, parts)``; parts: detached tensors "mrl" (the weighted sum), "mrl@<m>"
@@ -446,14 +482,18 @@ class TMRLLoss(nn.Module):
 
     #: the two readings of A1 (design notes §2.2): which side anchors L_MRL
     MRL_ANCHORS = ("query", "passage")
+    #: the scalings of L_Dist / L_CKA: A5's mean over pairs, or Eq. 11's sum as printed
+    AUX_SCALES = ("mean", "literal")
 
     def __init__(self, dims: Sequence[int], t: int, *, alpha: float, beta: float = 0.1, gamma: float = 0.1,
                  temperature: float = 0.05, weights: Optional[Sequence[float]] = None, k: int = 10,
-                 detach_teacher: bool = True, mrl_anchor: str = "query"):
+                 detach_teacher: bool = True, mrl_anchor: str = "query", aux_scale: str = "mean"):
         super().__init__()
         if mrl_anchor not in self.MRL_ANCHORS:
             raise ValueError(f"mrl_anchor must be one of {self.MRL_ANCHORS}, got {mrl_anchor!r}")
-        self.mrl_anchor = mrl_anchor
+        if aux_scale not in self.AUX_SCALES:
+            raise ValueError(f"aux_scale must be one of {self.AUX_SCALES}, got {aux_scale!r}")
+        self.mrl_anchor, self.aux_scale = mrl_anchor, aux_scale
         self.dims = _check_dims(dims)
         if weights is not None:
             if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
@@ -469,12 +509,14 @@ class TMRLLoss(nn.Module):
         self.alpha, self.beta, self.gamma = _nonneg("alpha", alpha), _nonneg("beta", beta), _nonneg("gamma", gamma)
         self.temperature = check_positive("temperature", temperature)
         self.temporal = TemporalSubspaceLoss(self.t, self.temperature)
-        self.distill = MatryoshkaDistillLoss(self.dims, k=k, detach_teacher=detach_teacher)
+        self.distill = MatryoshkaDistillLoss(self.dims, k=k, detach_teacher=detach_teacher,
+                                             reduction="sum" if aux_scale == "literal" else "mean")
         self.cka = MatryoshkaCKALoss(self.dims)
 
     def extra_repr(self) -> str:
         return (f"dims={self.dims}, t={self.t}, alpha={self.alpha}, beta={self.beta}, gamma={self.gamma}, "
-                f"temperature={self.temperature}, weights={self.weights}, mrl_anchor={self.mrl_anchor!r}")
+                f"temperature={self.temperature}, weights={self.weights}, mrl_anchor={self.mrl_anchor!r}, "
+                f"aux_scale={self.aux_scale!r}")
 
     def _passage_candidates(self, p, qc, qc_valid):
         """(positive queries (B, d), negative queries (N, d) or None) of the passage-anchored L_MRL."""
@@ -487,11 +529,6 @@ class TMRLLoss(nn.Module):
         pos = qc[:, 0]
         negs = qc[:, 1:]
         if qc_valid is not None:
-            _bool_tensor("qc_valid", qc_valid, qc.shape[:2])
-            if qc_valid.device != qc.device:
-                raise ValueError(f"qc_valid must be on qc's device {qc.device}, got {qc_valid.device}")
-            if not bool(qc_valid[:, 0].all()):
-                raise ValueError("qc_valid[:, 0] must be True: column 0 holds each passage's positive query")
             negs = negs[qc_valid[:, 1:]]                 # (N, d), row-major: row 0's negatives first
         negs = negs.reshape(-1, qc.shape[-1])
         return pos, (negs if negs.shape[0] else None)
@@ -502,6 +539,13 @@ class TMRLLoss(nn.Module):
         _float_tensor("p", p, 2)
         if neg_p is not None:
             _float_tensor("neg_p", neg_p, 2)
+        if qc_valid is not None:
+            if qc is None:
+                raise ValueError("qc_valid was given without qc")
+            _float_tensor("qc", qc, 3)
+            _check_valid(qc_valid, tuple(qc.shape[:2]))
+            if qc_valid.device != qc.device:
+                raise ValueError(f"qc_valid must be on qc's device {qc.device}, got {qc_valid.device}")
         use_temp = self.alpha != 0 and p_T is not None
         if use_temp and (qc is None or qc_T is None):
             raise ValueError("p_T was given (alpha > 0) but qc and qc_T, the passages' positive and negative "
@@ -520,7 +564,7 @@ class TMRLLoss(nn.Module):
         loss = mrl
         temp = dist = cka = zero
         if use_temp:
-            temp = self.temporal(p, p_T, p_has, qc, qc_T, qc_has)
+            temp = self.temporal(p, p_T, p_has, qc, qc_T, qc_has, qc_valid)
             loss = loss + self.alpha * temp
         if self.beta != 0 or self.gamma != 0:
             parts = [q, p]
@@ -530,7 +574,8 @@ class TMRLLoss(nn.Module):
                 _float_tensor("qc", qc, 3)
                 if qc.shape[-1] != q.shape[-1]:
                     raise ValueError(f"qc must end in the embedding size {q.shape[-1]}, got {tuple(qc.shape)}")
-                parts.append(qc[:, 1:].reshape(-1, qc.shape[-1]))
+                negq = qc[:, 1:] if qc_valid is None else qc[:, 1:][qc_valid[:, 1:]]   # repeats left out
+                parts.append(negq.reshape(-1, qc.shape[-1]))
             x = torch.cat([t.to(q.dtype) for t in parts], dim=0)
             if self.beta != 0:
                 dist = self.distill(x)

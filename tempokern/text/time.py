@@ -26,7 +26,8 @@ Covered: every surface form of :data:`tempokern.text.dates.DATE_FORMATS` and mor
   month``, ``last/this/next year``. Without ``ref`` a relative expression is not resolved: it is skipped
   when a resolvable expression follows it, and if none does the result is the empty tuple (mask 0);
 - ranges (``March 3-5, 2014``, ``3 to 5 March 2014``, ``from March 3 to April 5, 2014``, ``2010-2015``)
-  give their start; two separate dates: the first wins.
+  give their start; two separate dates: the first wins. :func:`find_times` gives every expression of a
+  text, ranges as intervals (start and end).
 
 An impossible day (``29 February 2023``, ``02/30/2014``) keeps year and month and masks the day (B4).
 """
@@ -35,7 +36,7 @@ from __future__ import annotations
 import datetime as _dt
 import re
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 from .dates import MONTHS, NUMBER_WORDS, ORDINAL_WORDS, SEASONS, WEEKDAYS
 
@@ -504,6 +505,87 @@ def find_time(text: str, *, ref=None, season_months: bool = False):
     return _parse_rules(text, _check_ref(ref), {"season_months": bool(season_months)}, with_span=True)
 
 
+class TimeSpan(NamedTuple):
+    """One temporal expression of a text: ``start`` and ``end`` (equal for a single date; a range such as
+    ``2010-2015`` or ``March 3-5, 2014`` has its two ends) and the character ``span`` it covers."""
+    start: TimeTuple
+    end: TimeTuple
+    span: Tuple[int, int]
+
+    @property
+    def is_range(self) -> bool:
+        return self.start != self.end
+
+
+_RANGE_GAP = re.compile(_RANGE_SEP)
+_BETWEEN_BEFORE = re.compile(r"(?i:\bbetween\s+)$")
+_FROM_BEFORE = re.compile(r"(?i:\b(?:from|between)\s+)$")
+
+
+def _fill(a: TimeTuple, b: TimeTuple) -> TimeTuple:
+    """``a`` with the year (and month, when a has a day but no month) it lacks taken from ``b``."""
+    if a.is_empty or b.is_empty:
+        return a
+    y = a.year if a.mask[0] else (b.year if b.mask[0] else None)
+    m = a.month if a.mask[1] else (b.month if (a.mask[2] and b.mask[1]) else None)
+    d = a.day if a.mask[2] else None
+    try:
+        return TimeTuple.partial(y, m, d)
+    except ValueError:
+        return a
+
+
+def _in_rule_end(m, start: TimeTuple) -> TimeTuple:
+    """The end of a range written inside one rule's match (``March 3-5, 2014``, ``3 to 5 March 2014``,
+    ``March 3 to April 5, 2014``): its ``day2`` / ``mon2`` groups; ``start`` when the match has none."""
+    gd = m.groupdict()
+    if not gd.get("day2"):
+        return start
+    mon = _month_of(gd["mon2"]) if gd.get("mon2") else start.month
+    return _day_tuple(start.year, mon, int(gd["day2"]))
+
+
+def find_times(text: str, *, ref=None, season_months: bool = False) -> List[TimeSpan]:
+    """Every temporal expression of ``text`` in reading order (non-overlapping; at one position the longest
+    that parses), each as a :class:`TimeSpan`. Ranges are intervals: ``2010-2015``, ``from 1999 to 2003``,
+    ``between 2010 and 2015``, ``March 2014 - June 2015``, ``March 3-5, 2014``, ``3 to 5 March 2014``,
+    ``from March 3 to April 5, 2014`` give ``start`` and ``end`` (a part one end lacks is taken from the
+    other: ``from 5 May to 7 June 2015`` starts on 5 May 2015); a decade (``the 1990s``) is its ten years.
+    Relative expressions are resolved against ``ref``; without it they are left out. :func:`parse_time`
+    agrees with the first span's ``start`` on every part it observes."""
+    if not isinstance(text, str):
+        raise TypeError(f"text: expected str, got {type(text).__name__}")
+    ref = _check_ref(ref)
+    opts = {"season_months": bool(season_months)}
+    out: List[TimeSpan] = []
+    cursor = 0
+    for st, _, _, m, fn in _candidates(text):
+        if st < cursor:
+            continue
+        r = fn(m, text, ref, opts)
+        if r is None or r is _UNRESOLVED or r.is_empty:
+            continue
+        start, end, e = r, _in_rule_end(m, r), m.end()
+        if fn is _decade:                       # "the 1990s": 1990-1999 (parse_time reads its middle year)
+            start, end = TimeTuple.partial(r.year - 5), TimeTuple.partial(r.year + 4)
+        elif end == start:
+            # a range across two expressions: "<E1> - <E2>", "from <E1> to <E2>", "between <E1> and <E2>"
+            g = _RANGE_GAP.match(text, e)
+            if g is not None and g.end() > e:
+                sep = g.group(0).strip().lower()
+                ok = sep != "and" or _BETWEEN_BEFORE.search(text[:st]) is not None
+                if sep in ("to", "until", "till", "through", "thru") and not _FROM_BEFORE.search(text[:st]):
+                    ok = ok and bool(re.match(r"\s*[12][0-9]{3}\b|\s*[A-Z]", text[g.end():]))
+                if ok:
+                    r2, sp2 = _parse_rules(text[g.end():], ref, opts, with_span=True)
+                    if r2 is not None and not r2.is_empty and sp2[0] == 0:
+                        end, e = _fill(r2, start), g.end() + sp2[1]
+                        start = _fill(start, r2)
+        out.append(TimeSpan(start, end, (st, e)))
+        cursor = e
+    return out
+
+
 def parse_times(texts: Sequence[str], *, refs=None, season_months: bool = False) -> List[Optional[TimeTuple]]:
     """:func:`parse_time` over a list; ``refs`` None or one reference date (or None) per text."""
     if refs is None:
@@ -513,4 +595,4 @@ def parse_times(texts: Sequence[str], *, refs=None, season_months: bool = False)
     return [parse_time(t, ref=r, season_months=season_months) for t, r in zip(texts, refs)]
 
 
-__all__ = ["TimeTuple", "parse_time", "parse_times", "find_time"]
+__all__ = ["TimeTuple", "TimeSpan", "parse_time", "parse_times", "find_time", "find_times"]

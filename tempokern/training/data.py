@@ -13,6 +13,8 @@ SYNTH_SPLITS = ("test_template", "test_date", "test_year", "test_masked", "timel
 #: `load_dataset(dataset=...)` names of the offline English sets -> load_synth names
 SYNTH_DATASETS = {"synth-a": "A", "synth-b": "B", "synth-c": "C"}
 FORMATS = ("zztj", "chunqiutr", "chunqiutr-release")
+#: where the CTD trainer's hard negatives come from (TrainConfig.hard_negative_source)
+NEGATIVE_SOURCES = ("auto", "query", "group", "months")
 
 
 def check_split(split: str, dataset=None, *, allow_all: bool = True) -> str:
@@ -327,3 +329,72 @@ class HardNegatives:
         if s is None:
             s = self._all_set_cache = set(self.all)
         return s
+
+
+class QueryNegatives:
+    """Hard negatives the data provides per training query, for the CTD trainer
+    (``TrainConfig.hard_negative_source``); ChunQiuTR trains on negatives of the same record group / page
+    as the positive when its data has them.
+
+    * ``"query"``: the record ids in ``query.meta["negatives"]`` (a list, e.g. the other entries of the
+      positive's page; written by a loader or by hand);
+    * ``"group"``: the records that share the value of ``record.meta[group_key]`` (default ``"group"``,
+      e.g. a page or chapter id) with one of the query's gold records;
+    * ``"auto"``: the query's own list when it has one, else its gold records' group.
+
+    A query's gold records are never its negatives; an id in ``meta["negatives"]`` that is not a record of the
+    dataset raises a ValueError naming the query. :meth:`pick` draws one candidate uniformly (never the pair's
+    positive); :meth:`has` says whether a query has any candidate (the trainer falls back to the month sampler
+    for the others under ``"auto"``)."""
+
+    def __init__(self, dataset, split: str = "train", *, source: str = "auto", group_key: str = "group"):
+        if source not in ("auto", "query", "group"):
+            raise ValueError(f"source must be one of 'auto', 'query', 'group', got {source!r}")
+        rid = {r.id: i for i, r in enumerate(dataset.records)}
+        by_group: Dict[object, List[int]] = {}
+        if source in ("auto", "group"):
+            for i, r in enumerate(dataset.records):
+                g = (r.meta or {}).get(group_key)
+                if g is not None:
+                    by_group.setdefault(g, []).append(i)
+        self.cands: Dict[int, List[int]] = {}
+        for qi, q in enumerate(dataset.queries):
+            if q.split != split:
+                continue
+            gold = {rid[d] for d, rel in q.gold.items() if rel > 0 and d in rid}
+            out: List[int] = []
+            given = (q.meta or {}).get("negatives") if source in ("auto", "query") else None
+            if given is not None:
+                if isinstance(given, (str, bytes)) or not hasattr(given, "__iter__"):
+                    raise ValueError(f"query {q.id!r}: meta['negatives'] must be a list of record ids, "
+                                     f"got {type(given).__name__}")
+                for d in given:
+                    if d not in rid:
+                        raise ValueError(f"query {q.id!r}: meta['negatives'] names record {d!r}, which is not in "
+                                         f"dataset {dataset.name!r}")
+                    out.append(rid[d])
+            if not out and source in ("auto", "group"):
+                for gi in sorted(gold):
+                    g = (dataset.records[gi].meta or {}).get(group_key)
+                    out.extend(by_group.get(g, ()) if g is not None else ())
+            seen, uniq = set(), []
+            for i in out:
+                if i not in gold and i not in seen:
+                    seen.add(i)
+                    uniq.append(i)
+            if uniq:
+                self.cands[qi] = uniq
+
+    def __bool__(self) -> bool:
+        return bool(self.cands)
+
+    def __len__(self) -> int:
+        return len(self.cands)
+
+    def has(self, qi: int) -> bool:
+        return qi in self.cands
+
+    def pick(self, qi: int, pos: int, rng) -> Optional[int]:
+        """One candidate of query ``qi`` (never ``pos``), uniformly; None when it has none."""
+        c = [i for i in self.cands.get(qi, ()) if i != pos]
+        return c[rng.randrange(len(c))] if c else None

@@ -60,17 +60,21 @@ class Re3Config:
     lora_alpha: int = 64
     lora_dropout: float = 0.1
     progress: bool = True
+    # time_parser="learned": the parser heads are fitted first (fit_time_parser) on the training texts'
+    # silver labels (the data's time fields, else the rule parser) when the model's are not fitted yet
+    parser_epochs: int = 30
+    parser_lr: float = 1e-2
 
     def validate(self) -> "Re3Config":
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown Re3 variant {self.variant!r}: expected one of {', '.join(VARIANTS)}")
-        for name in ("epochs", "batch_size", "encode_batch_size", "lora_r"):
+        for name in ("epochs", "batch_size", "encode_batch_size", "lora_r", "parser_epochs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "epochs" else 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.batch_size < 2:
             raise ValueError("batch_size must be >= 2 (in-batch negatives)")
-        for name in ("temperature",):
+        for name in ("temperature", "parser_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.lr is not None and not self.lr > 0:
@@ -172,12 +176,90 @@ def examples_from_dataset(dataset, split: str = "train") -> List[Re3Example]:
     return out
 
 
+def _as_given_all(g):
+    """A document's own time field as every interval it names (None: not given)."""
+    from ..models.re3 import _as_intervals
+    return None if g is None else _as_intervals(g, "document time")
+
+
 def _resolve_batch(model, texts, refs, given, role):
+    """Per text, the first time interval ``[(start, end)]`` (``[]``: none): the data's own time field where
+    given (a TimeTuple / date or a (start, end) pair), else the rule parser (``model.ranges``, ``doc_time``).
+    Training labels always come from the data or the rules, also for a learned-parser model."""
+    from ..models.re3 import _as_intervals, resolve_intervals
+    out = [None if g is None else _as_intervals(g, f"time of {t[:40]!r}")[:1] for g, t in zip(given, texts)]
+    todo = [i for i, g in enumerate(out) if g is None]
+    if todo:
+        rs = resolve_intervals([texts[i] for i in todo], pub=[refs[i] for i in todo], role=role,
+                               doc_time=model.doc_time, ranges=getattr(model, "ranges", "interval"))
+        for i, r in zip(todo, rs):
+            out[i] = r
+    return out
+
+
+def _time_distance(a: TimeTuple, b: TimeTuple) -> float:
+    """How far two times are, in days, over the parts both observe (0 when they share none)."""
+    d = 0.0
+    for k, (x, y, w) in enumerate(((a.year, b.year, 365.25), (a.month, b.month, 30.44), (a.day, b.day, 1.0))):
+        if a.mask[k] and b.mask[k]:
+            d += abs(x - y) * w
+    return d
+
+
+def best_matching(doc_intervals, query_interval):
+    """The interval of ``doc_intervals`` closest to ``query_interval`` (start to start, then end to end;
+    the first one on a tie, and when the query has no time): the time a multi-time document is trained with,
+    as it is scored by its best-matching time."""
+    if not doc_intervals:
+        return []
+    if not query_interval:
+        return doc_intervals[:1]
+    qs, qe = query_interval[0]
+    return [min(doc_intervals, key=lambda iv: (_time_distance(iv[0], qs), _time_distance(iv[1], qe)))]
+
+
+def fit_time_parser(model, texts: Sequence[str], *, times=None, pub=None, role: str = "document",
+                    epochs: int = 30, lr: float = 1e-2, batch_size: int = 64, seed: int = 0,
+                    log: Callable = print) -> dict:
+    """Fit a ``Re3Encoder(time_parser="learned")``'s parser heads (the paper's learned parser, Re³ §3.2) on
+    silver labels: ``times`` (the data's time fields: TimeTuple / date / ISO string / None per text) where
+    given, else the rule parser on the text (relative dates against ``pub``). The backbone stays frozen:
+    its [CLS] states are computed once, the heads' input standardisation is fitted to them
+    (``TimeParserHeads.set_feature_stats``) and the heads train on them (calendar CE + presence BCE, AdamW).
+    Sets ``model.parser_fitted``. Returns ``{"texts", "epochs", "loss", "train_exact"}`` (the share of
+    training texts whose predicted (year, month, day, mask) equals the label)."""
     from ..models.re3 import resolve_times
-    if all(g is not None for g in given):
-        return list(given)
-    tt = resolve_times(texts, pub=refs, role=role, doc_time=model.doc_time)
-    return [g if g is not None else t for g, t in zip(given, tt)]
+    if model.parser is None:
+        raise ValueError("fit_time_parser needs a Re3Encoder built with time_parser='learned'")
+    texts = list(texts)
+    if not texts:
+        raise ValueError("fit_time_parser: no text")
+    labels = resolve_times(texts, times=times, pub=pub, role=role, doc_time="content")
+    if times is not None:   # a text without a given time falls back to the rule parser
+        rule = resolve_times(texts, pub=pub, role=role, doc_time="content")
+        labels = [t if t is not None else r for t, r in zip(labels, rule)]
+    labels = [t if t is not None else TimeTuple() for t in labels]
+    h = model.cls_states(texts, batch_size=batch_size).detach()
+    heads = model.parser
+    heads.to(h.device).float().train()
+    heads.set_feature_stats(h)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
+    loss = torch.zeros(())
+    for ep in range(epochs):
+        perm = torch.randperm(len(texts), generator=g)
+        for i in range(0, len(texts), batch_size):
+            idx = perm[i:i + batch_size]
+            loss = heads.loss(h[idx.to(h.device)], [labels[j] for j in idx.tolist()])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    heads.eval()
+    pred = heads.predict(h)
+    exact = sum(p == t for p, t in zip(pred, labels)) / len(texts)
+    model.parser_fitted = True
+    log(f"re3: learned time parser fitted on {len(texts)} texts, {epochs} epochs, train exact match {exact:.3f}")
+    return {"texts": len(texts), "epochs": epochs, "loss": float(loss.detach()), "train_exact": exact}
 
 
 # ---- trainer -------------------------------------------------------------------------------------------------
@@ -235,16 +317,44 @@ class Re3Trainer:
         m, ex = self.model, self.examples
         doc_ids = sorted({e.positive for e in ex} | {e.tw_negative for e in ex if e.tw_negative is not None}, key=str)
         self.doc_row = {d: i for i, d in enumerate(doc_ids)}
+        from ..models.re3 import interval_batch
         dtexts = [self.docs[d].text for d in doc_ids]
         dtimes = _resolve_batch(m, dtexts, [self.docs[d].published for d in doc_ids],
                                 [self.docs[d].time for d in doc_ids], "document")
         qtexts = [e.query for e in ex]
         qtimes = _resolve_batch(m, qtexts, [e.query_ref for e in ex], [e.query_time for e in ex], "query")
         self.dtexts, self.qtexts = dtexts, qtexts
-        self.dv, self.dm = TimeTuple.batch(dtimes)
-        self.qv, self.qm = TimeTuple.batch(qtimes)
-        years = [t.year for t in dtimes + qtimes if t is not None and t.mask[0]]
+        self.dtimes, self.qtimes = dtimes, qtimes
+        # (start, end) of each text's first interval: the ends enter e_time with ranges="interval"
+        self.dv, self.dm, self.dve, self.dme = interval_batch(dtimes)
+        self.qv, self.qm, self.qve, self.qme = interval_batch(qtimes)
+        years = [t.year for ivs in dtimes + qtimes for iv in ivs for t in iv if t.mask[0]]
+        # multi-time (an extension): a document is trained with its time closest to the query's (per example,
+        # for the positive and the time-wrong negative), as it is scored by its best-matching time
+        self.ex_times = None
+        if getattr(m, "multi_time", False):
+            from ..models.re3 import resolve_intervals
+            every = [_as_given_all(self.docs[d].time) for d in doc_ids]
+            todo = [i for i, g in enumerate(every) if g is None]
+            if todo:
+                rs = resolve_intervals([dtexts[i] for i in todo],
+                                       pub=[self.docs[doc_ids[i]].published for i in todo], role="document",
+                                       doc_time=m.doc_time, ranges=m.ranges, every=True)
+                for i, r in zip(todo, rs):
+                    every[i] = r
+            pos = [best_matching(every[self.doc_row[e.positive]], q) for e, q in zip(ex, qtimes)]
+            tw = [best_matching(every[self.doc_row[e.tw_negative]], q) if e.tw_negative is not None else []
+                  for e, q in zip(ex, qtimes)]
+            self.ex_times = (interval_batch(pos), interval_batch(tw))
+            years += [t.year for ivs in every for iv in ivs for t in iv if t.mask[0]]
         return years
+
+    def _doc_times(self, rows: torch.Tensor, idx: torch.Tensor, which: int, dev):
+        """(values, mask, end values, end mask) of the documents ``rows`` for the examples ``idx``: the
+        document's first time, or (multi-time) its time closest to the example's query."""
+        if self.ex_times is not None:
+            return tuple(t[idx].to(dev) for t in self.ex_times[which])
+        return tuple(t[rows].to(dev) for t in (self.dv, self.dm, self.dve, self.dme))
 
     def _encode_cache(self):
         m, cfg = self.model, self.cfg
@@ -280,13 +390,13 @@ class Re3Trainer:
             q_sem = m.semantic([self.qtexts[i] for i in idx.tolist()], grad=True)
             d_sem = m.semantic([self.dtexts[i] for i in pos.tolist()], grad=True)
             t_sem = m.semantic([self.dtexts[i] for i in tw.tolist()], grad=True) if any(has_tw) else None
-        q = m.fuse(q_sem, self.qv[idx].to(dev), self.qm[idx].to(dev))
-        d = m.fuse(d_sem, self.dv[pos].to(dev), self.dm[pos].to(dev))
+        q = m.fuse(q_sem, self.qv[idx].to(dev), self.qm[idx].to(dev), self.qve[idx].to(dev), self.qme[idx].to(dev))
+        d = m.fuse(d_sem, *self._doc_times(pos, idx, 0, dev))
         lh, lt = self.cfg.loss_weights()
         d_tw = None
         need_tw = (lt > 0 or self.cfg.tw_in_nce) and any(has_tw)
         if need_tw:
-            d_tw = m.fuse(t_sem, self.dv[tw].to(dev), self.dm[tw].to(dev))
+            d_tw = m.fuse(t_sem, *self._doc_times(tw, idx, 1, dev))
         doc_ids = pos.to(dev)
         extra = None
         if need_tw and not all(has_tw):
@@ -310,6 +420,12 @@ class Re3Trainer:
         torch.manual_seed(cfg.seed)
         t_start = time.time()
         years = self._prepare()
+        if getattr(m, "parser", None) is not None and not m.parser_fitted and not resume:
+            # the learned parser first, on the training texts' silver labels (the times just resolved)
+            texts = self.dtexts + self.qtexts
+            times = [ivs[0][0] if ivs else None for ivs in self.dtimes + self.qtimes]
+            fit_time_parser(m, texts, times=times, epochs=cfg.parser_epochs, lr=cfg.parser_lr,
+                            batch_size=cfg.encode_batch_size, seed=cfg.seed, log=self.log)
         if not self.variant["train"]:
             if cfg.fit_year_stats and years:
                 m.time_embed.set_year_stats(years)
@@ -461,18 +577,39 @@ def _error_kind(top: Mapping, gold: Mapping) -> str:
     return "other"
 
 
+#: what a query without an observed time is scored with (re3_runs(no_time=...))
+NO_TIME = ("base", "film")
+
+
 @torch.no_grad()
 def re3_runs(model, dataset, splits: Sequence[str], *, depth: int = 100, batch_size: int = 64,
-             gallery_emb: Optional[torch.Tensor] = None, base: bool = False) -> Dict[str, Dict[str, Dict[str, float]]]:
+             gallery_emb: Optional[torch.Tensor] = None, base: bool = False,
+             no_time: str = "base") -> Dict[str, Dict[str, Dict[str, float]]]:
     """``{split: {qid: {doc id: score}}}`` (top ``depth`` over the whole gallery, exact ``ctd_topk``).
     Documents are encoded as ``role="document"`` with their ``published`` dates; queries with
-    ``meta["query_time"]`` as the reference date. ``base=True``: the base retriever (no time modules)."""
+    ``meta["query_time"]`` as the reference date. ``base=True``: the base retriever (no time modules).
+
+    ``no_time``: how a query without an observed time is scored. ``"base"`` (default): with the base
+    relevance score, ``<normalize(e_sem(q)), normalize(e_sem(d))>`` over the gallery's base embeddings, so
+    such a query ranks exactly as with the frozen base retriever (a time-less query carries no time signal
+    for the FiLM-modulated gallery to use, and would otherwise be scored against time-shifted document
+    vectors). ``"film"``: its (time-less) ``e_final`` against the time-conditioned gallery.
+    ``model.multi_time`` (the multi-time extension): each document scores by its best-matching time
+    vector (:meth:`Re3Encoder.score_multi`; ``gallery_emb`` is then ignored)."""
     from .. import ctd_topk
+    if no_time not in NO_TIME:
+        raise ValueError(f"no_time must be one of {NO_TIME}, got {no_time!r}")
     recs = dataset.records
-    if gallery_emb is None:
-        texts = [r.text for r in recs]
-        gallery_emb = (model.base_embeddings(texts, batch_size=batch_size) if base else
-                       model.encode(texts, pub=[r.published for r in recs], role="document", batch_size=batch_size))
+    texts_g = [r.text for r in recs]
+    pub_g = [r.published for r in recs]
+    multi = bool(getattr(model, "multi_time", False)) and not base
+    g_multi = None
+    if multi:
+        g_multi = model.encode_multi(texts_g, pub=pub_g, role="document", batch_size=batch_size)
+    elif gallery_emb is None:
+        gallery_emb = (model.base_embeddings(texts_g, batch_size=batch_size) if base else
+                       model.encode(texts_g, pub=pub_g, role="document", batch_size=batch_size))
+    g_base = None
     k = min(depth, len(recs))
     runs = {}
     for split in splits:
@@ -481,10 +618,25 @@ def re3_runs(model, dataset, splits: Sequence[str], *, depth: int = 100, batch_s
             runs[split] = {}
             continue
         texts = [q.text for q in qs]
-        qe = (model.base_embeddings(texts, batch_size=batch_size) if base else
-              model.encode(texts, pub=[(q.meta or {}).get("query_time") for q in qs], role="query",
-                           batch_size=batch_size))
-        vals, idx = ctd_topk(qe, gallery_emb, k)
+        pubs = [(q.meta or {}).get("query_time") for q in qs]
+        if base:
+            qe = model.base_embeddings(texts, batch_size=batch_size)
+            vals, idx = ctd_topk(qe, gallery_emb, k)
+        else:
+            qe = model.encode(texts, pub=pubs, role="query", batch_size=batch_size)
+            if multi:
+                vals, idx = model.score_multi(qe, *g_multi, len(recs)).topk(k, dim=1)
+            else:
+                vals, idx = ctd_topk(qe, gallery_emb, k)
+            timeless = [i for i, h in enumerate(model.has_time(texts, pub=pubs, role="query")) if not h]
+            if no_time == "base" and timeless:
+                if g_base is None:
+                    g_base = model.base_embeddings(texts_g, batch_size=batch_size)
+                qb = model.base_embeddings([texts[i] for i in timeless], batch_size=batch_size)
+                bv, bi = ctd_topk(qb, g_base, k)
+                vals, idx = vals.clone(), idx.clone()
+                rows = torch.tensor(timeless)
+                vals[rows], idx[rows] = bv.to(vals.dtype), bi.to(idx.dtype)
         runs[split] = {q.id: {recs[j].id: float(s) for s, j in zip(vr.tolist(), ir.tolist()) if j >= 0}
                        for q, vr, ir in zip(qs, vals, idx)}
     return runs
@@ -524,4 +676,4 @@ def re3_eval(dataset, runs: Mapping[str, Mapping[str, Mapping[str, float]]]) -> 
 
 __all__ = ["Re3Config", "Re3Example", "Re3Doc", "Re3Result", "Re3Trainer", "VARIANTS", "train_re3",
            "build_re3_model", "examples_from_synth", "examples_from_dataset", "docs_from_dataset", "re3_runs",
-           "re3_eval"]
+           "re3_eval", "fit_time_parser", "NO_TIME"]

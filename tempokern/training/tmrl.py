@@ -44,6 +44,10 @@ AMP_MODES = ("auto", "off", "bf16", "fp16")
 LORA_MODES = ("lora", "none", "full")
 #: A1's two readings: which side anchors L_MRL
 MRL_ANCHORS = ("query", "passage")
+#: scalings of L_Dist / L_CKA (tempokern.nn.TMRLLoss): A5's mean over pairs, or Eq. 11 as printed
+AUX_SCALES = ("mean", "literal")
+#: the paper's LoRA "scaling factor 4" (§A.2) as peft's lora_alpha / r
+LORA_SCALING = 4.0
 
 
 @dataclass
@@ -55,7 +59,17 @@ class TMRLConfig:
     with mini-batches of mini_batch_size texts. mrl_anchor: "query" (A1's default: query anchors against
     the in-batch positives + hard-negative passages) or "passage" (A1's other reading: passage anchors
     against the in-batch positive queries + every negative query of the batch; every row needs at least
-    one negative query, negative_queries >= 1, and hard-negative passages are not encoded)."""
+    one negative query, negative_queries >= 1, and hard-negative passages are not encoded).
+
+    temperature: None (default) = the model's own (``TMRLEncoder.temperature``, the backbone's τ of TMRL
+    Table 5: 0.05 or 0.02). lora_alpha: None (default) = 4 x lora_r, peft scaling lora_alpha / r = 4, the
+    paper's "scaling factor 4" (§A.2; 16 at r = 4); a number is passed to peft as it is (4 = scaling 1,
+    the other reading of A7). aux_scale: "mean" (A5: L_Dist averaged over its neighbour pairs) or "literal"
+    (Eq. 11 summed over the pairs, as printed), see ``tempokern.nn.TMRLLoss``.
+
+    Rows with fewer negative queries than the batch's largest count are filled with repeats of their own
+    (the batch is a tensor); the repeats are masked out of every loss term (``TMRLLoss(qc_valid=...)``),
+    so they neither count twice in L_Temp nor enter L_Dist / L_CKA as duplicate rows."""
     variant: str = "tmrl"
     dims: Optional[Tuple[int, ...]] = None
     t: Optional[int] = None
@@ -64,7 +78,8 @@ class TMRLConfig:
     gamma: float = 0.1
     distill_k: int = 10
     detach_teacher: bool = True
-    temperature: float = 0.05
+    temperature: Optional[float] = None
+    aux_scale: str = "mean"
     lr: float = 1e-4
     weight_decay: float = 0.01
     batch_size: int = 256
@@ -76,7 +91,7 @@ class TMRLConfig:
     max_grad_norm: float = 1.0
     lora: str = "lora"
     lora_r: int = 4
-    lora_alpha: float = 4.0
+    lora_alpha: Optional[float] = None
     lora_dropout: float = 0.1
     mrl_anchor: str = "query"
     cache_embeddings: bool = False
@@ -94,6 +109,8 @@ class TMRLConfig:
             raise ValueError(f"amp must be one of {AMP_MODES}, got {self.amp!r}")
         if self.lora not in LORA_MODES:
             raise ValueError(f"lora must be one of {LORA_MODES}, got {self.lora!r}")
+        if self.aux_scale not in AUX_SCALES:
+            raise ValueError(f"aux_scale must be one of {AUX_SCALES}, got {self.aux_scale!r}")
         if self.mrl_anchor not in MRL_ANCHORS:
             raise ValueError(f"mrl_anchor must be one of {MRL_ANCHORS}, got {self.mrl_anchor!r}")
         if self.dims is not None:
@@ -120,6 +137,8 @@ class TMRLConfig:
             raise ValueError("batch_size must be >= 2 (in-batch negatives)")
         for name in ("lr", "temperature", "lora_alpha"):
             v = getattr(self, name)
+            if v is None and name != "lr":
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
         for name in ("alpha", "beta", "gamma", "weight_decay", "max_grad_norm"):
@@ -150,8 +169,22 @@ class TMRLConfig:
             return False
         if self.lora == "full":
             return "full"
-        return {"r": self.lora_r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
+        return {"r": self.lora_r, "lora_alpha": self.effective_lora_alpha, "lora_dropout": self.lora_dropout,
                 "target_modules": "all-linear"}
+
+    @property
+    def effective_lora_alpha(self) -> float:
+        """peft's lora_alpha: the given one, else LORA_SCALING x lora_r (scaling lora_alpha / r = 4)."""
+        return float(self.lora_alpha) if self.lora_alpha is not None else LORA_SCALING * self.lora_r
+
+    def effective_temperature(self, model) -> float:
+        """The InfoNCE temperature: the given one, else the model's (``model.temperature``)."""
+        if self.temperature is not None:
+            return float(self.temperature)
+        tau = getattr(model, "temperature", None)
+        if tau is None:
+            raise ValueError("TMRLConfig.temperature is None and the model has no temperature attribute")
+        return float(tau)
 
 
 def variant_weights(cfg: TMRLConfig, model) -> Tuple[Tuple[int, ...], int, float, float, float]:
@@ -232,6 +265,8 @@ class TMRLTrainer:
         if model.tokenizer is None:
             raise ValueError("the model needs a tokenizer to train (TMRLEncoder(..., tokenizer=...))")
         self.dims, self.t, self.alpha, self.beta, self.gamma = variant_weights(self.cfg, model)
+        #: the InfoNCE temperature of every term: the config's, else the encoder's (TMRL Table 5)
+        self.temperature = self.cfg.effective_temperature(model)
         if len(self.rows) < 2 * self.world and self.cfg.variant != "zero_shot":
             raise ValueError(f"{len(self.rows)} training rows; need at least {2 * self.world}")
         self.passage_anchor = self.cfg.mrl_anchor == "passage" and self.cfg.variant != "zero_shot"
@@ -244,9 +279,9 @@ class TMRLTrainer:
         if loss_fn is None and self.cfg.variant != "zero_shot":
             from ..nn import TMRLLoss
             loss_fn = TMRLLoss(self.dims, self.t if self.t is not None else self.dims[0], alpha=self.alpha,
-                               beta=self.beta, gamma=self.gamma, temperature=self.cfg.temperature,
+                               beta=self.beta, gamma=self.gamma, temperature=self.temperature,
                                k=self.cfg.distill_k, detach_teacher=self.cfg.detach_teacher,
-                               mrl_anchor=self.cfg.mrl_anchor)
+                               mrl_anchor=self.cfg.mrl_anchor, aux_scale=self.cfg.aux_scale)
         self.loss_fn = loss_fn
         self.last_diagnostics: Optional[dict] = None
         #: also measure the exact ratio on the backbone's trainable parameters (LoRA adapters; not the
@@ -381,6 +416,10 @@ class TMRLTrainer:
             kw.update(qc=qc, qc_valid=valid.reshape(B, 1 + n))
         if self.alpha > 0 and x_t is not None:
             qc = torch.cat([q.unsqueeze(1), emb[s:s + B * n].reshape(B, n, d)], dim=1)
+            # repeats (a row with fewer than n negative queries) and placeholders (a row with none) are
+            # masked out of every term: L_Temp's candidates and X of L_Dist / L_CKA
+            valid = torch.tensor([[True] + v for v in layout["nq_valid"]], dtype=torch.bool, device=emb.device)
+            kw["qc_valid"] = valid.reshape(B, 1 + n)
             qc_t = torch.cat([x_t[:B].unsqueeze(1), x_t[s:s + B * n].reshape(B, n, -1)], dim=1)
             qc_has = torch.cat([has[:B].unsqueeze(1), has[s:s + B * n].reshape(B, n)], dim=1)
             ok = torch.tensor(layout["row_ok"], device=emb.device)

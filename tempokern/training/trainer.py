@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..nn import CTDLoss
-from .data import (HardNegatives, gold_indices, num_training_pairs, record_labels, record_span, train_units,
-                   training_pairs)
+from .data import (HardNegatives, QueryNegatives, gold_indices, num_training_pairs, record_labels, record_span,
+                   train_units, training_pairs)
 from .evaluate import evaluate_model
 from .losses import calendar_ce
 from ..models.checkpoint import verify_checkpoint
@@ -55,6 +55,11 @@ class TrainConfig:
     neighbor_smoothing: bool = True          # ChunQiuTR's --time_label_smoothing (False: uniform smoothing)
     hard_negatives: bool = True
     hard_negative_pool: int = 16             # ChunQiuTR's num_negatives: the pool one negative is drawn from
+    # where a pair's hard negative comes from (tempokern.training.data.QueryNegatives): "auto" (the query's
+    # own list, else records of its gold's group, else the month sampler), "query" (meta["negatives"] only),
+    # "group" (records sharing the gold's meta[hard_negative_group_key] only), "months" (ChunQiuTR's sampler)
+    hard_negative_source: str = "auto"
+    hard_negative_group_key: str = "group"
     pairs_per_query: Optional[int] = 1       # gold records drawn per query and epoch (1: ChunQiuTR; None: all)
     amp: str = "auto"
     seed: int = 0
@@ -82,6 +87,10 @@ class TrainConfig:
             raise ValueError(f"gather_mode must be one of {GATHER_MODES}, got {self.gather_mode!r}")
         if self.amp not in AMP_MODES:
             raise ValueError(f"amp must be one of {AMP_MODES}, got {self.amp!r}")
+        from .data import NEGATIVE_SOURCES
+        if self.hard_negative_source not in NEGATIVE_SOURCES:
+            raise ValueError(f"hard_negative_source must be one of {NEGATIVE_SOURCES}, "
+                             f"got {self.hard_negative_source!r}")
         if self.pairs_per_query is not None and (isinstance(self.pairs_per_query, bool)
                                                  or not isinstance(self.pairs_per_query, int)
                                                  or self.pairs_per_query < 1):
@@ -207,8 +216,12 @@ class Trainer:
         self.spans = [record_span(r, i) for i, r in enumerate(dataset.records)]
         self.labels = [record_labels(dataset, r) for r in dataset.records]
         # hard negatives only from the training split's months (no val/test month leaks into training)
+        src = config.hard_negative_source
         self.negs = (HardNegatives(dataset, train_units(dataset, "train"), config.hard_negative_pool)
-                     if config.hard_negatives else None)
+                     if config.hard_negatives and src in ("auto", "months") else None)
+        # per-query hard negatives the data provides (a query's meta["negatives"], or its gold's group)
+        self.qnegs = (QueryNegatives(dataset, "train", source=src, group_key=config.hard_negative_group_key)
+                      if config.hard_negatives and src != "months" else None)
         self.has_val = any(q.split == config.eval_split for q in dataset.queries)
 
     # ---- batches ------------------------------------------------------------------------------
@@ -234,11 +247,21 @@ class Trainer:
             per = len(b) // self.world
             mine = b[self.rank * per:(self.rank + 1) * per]
             negs = None
-            if self.negs:
+            if self.negs or self.qnegs:
                 nrng = random.Random(self.cfg.seed * 7919 + epoch * 104729 + bi)
-                negs = [n for n in (self.negs.pick(qi, di, nrng) for qi, di in mine) if n is not None] or None
+                negs = [n for n in (self._pick_negative(qi, di, nrng) for qi, di in mine) if n is not None] or None
             out.append((mine, negs, bi * self.cfg.batch_size * self.world + self.rank * per))
         return out
+
+    def _pick_negative(self, qi: int, di: int, rng) -> Optional[int]:
+        """One hard negative (record index) for the pair (query qi, positive di): from the data's own
+        per-query / same-group candidates when the query has any (QueryNegatives), else ChunQiuTR's
+        month sampler (HardNegatives), per ``hard_negative_source``."""
+        if self.qnegs is not None and self.qnegs.has(qi):
+            return self.qnegs.pick(qi, di, rng)
+        if self.negs:
+            return self.negs.pick(qi, di, rng)
+        return None
 
     def _loss(self, batch, negs, offset, loss_fn):
         cfg, model, dev = self.cfg, self.model, self.device

@@ -2,10 +2,10 @@
 ``tmrl_noaux`` (MRL + α L_Temp) and ``tmrl`` (all terms), each with per-dim runs, on sets A and B.
 
 Recipe (A9, all-MiniLM-L6-v2, d = 384): mean pooling, dims (32, 64, 128, 256, 384), t = 32, α = 0.25,
-β = γ = 0.1, τ = 0.05, LoRA r 4 / lora_alpha 4 / dropout 0.1 on every linear layer, 2 hard negatives and
-2 negative queries per row, the suite budget's rows / epochs / max_length / batch size, and a LoRA
-learning rate of 10× the budget's full-fine-tuning rate (5e-4 at the default 5e-5: the rate of the
-LoRA-MRL run measured in the design notes §2.5). LoRA is merged before encoding."""
+β = γ = 0.1, τ = 0.05, LoRA r 4 / lora_alpha 16 (peft scaling 4, TMRL §A.2) / dropout 0.1 on every
+linear layer, 2 hard negatives and 2 negative queries per row, the suite budget's rows / epochs / max_length /
+batch size, and a LoRA learning rate of 10× the budget's full-fine-tuning rate (5e-4 at the default 5e-5:
+the rate of the LoRA-MRL run measured in the design notes §2.5). LoRA is merged before encoding."""
 from __future__ import annotations
 
 from ..registry import Method, MethodOutput, register
