@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..nn.calendar_ce import calendar_ce
 from ..text.time import TimeTuple
 
 IGNORE = -1
@@ -79,7 +80,6 @@ class TimeParserHeads(nn.Module):
 
     def loss(self, h: torch.Tensor, times: Sequence[Optional[TimeTuple]], *, smoothing: float = 0.0,
              presence_weight: float = 1.0) -> torch.Tensor:
-        from ..training.losses import calendar_ce
         if len(times) != h.shape[0]:
             raise ValueError(f"times: expected {h.shape[0]} entries (one per row of h), got {len(times)}")
         logits, pres = self(h)

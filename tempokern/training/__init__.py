@@ -2,7 +2,7 @@
 from .data import (add_window_queries, block_split_of_rank, load_dataset, training_pairs, with_block_splits,
                    zztj_demo_dataset)
 from .evaluate import METRIC_KEYS, evaluate_model, markdown_table
-from .losses import calendar_ce
+from ..nn.calendar_ce import calendar_ce
 from .trainer import VARIANTS, TrainConfig, Trainer, TrainResult, apply_variant, train
 
 __all__ = ["TrainConfig", "Trainer", "TrainResult", "VARIANTS", "train", "apply_variant", "evaluate_model",

@@ -24,7 +24,7 @@ from ..nn import CTDLoss
 from .data import (HardNegatives, QueryNegatives, gold_indices, num_training_pairs, record_labels, record_span,
                    train_units, training_pairs)
 from .evaluate import evaluate_model
-from .losses import calendar_ce
+from ..nn.calendar_ce import calendar_ce
 from ..models.checkpoint import verify_checkpoint
 
 VARIANTS: Dict[str, dict] = {
