@@ -95,6 +95,9 @@ def test_decide_wins_loses_mixed_and_the_checks(decide):
     assert out.count("tests passed, memcheck passed, racecheck passed, synccheck passed") == 3
     out = "\n".join(decide.decide(old + new, dict(ok, racecheck="1")))
     assert "mpb_tc: WINS on all 2 cases but its checks did not all pass" in out and "racecheck FAILED (exit 1)" in out
+    err = dict(row("d1", "tempokern:mpb_tc", "multipos_infonce", "a", 0), metric="err_vs_torch", value="3.0")
+    out = "\n".join(decide.decide(old + [err] + new, ok))   # above the 2x rule: not a default either
+    assert "mpb_tc: WINS on all 2 cases but its error is 3.00x eager torch's" in out
     out = "\n".join(decide.decide(new[:4], {}))
     assert "mrl_tc: NOT MEASURED" in out and "tests not run" in out
 

@@ -13,7 +13,8 @@ case of that run where both were timed. Prints one line per candidate:
 
 followed by the times, and whether the CUDA tests and the compute-sanitizer runs passed, read from the status
 file (lines "name=exit status", written by gpu_check.sh). A candidate whose tests or sanitizer runs failed is
-never made the default, whatever its times. Exit status 0 (the decision is the output, not the status).
+never made the default, whatever its times, nor is one whose largest err_vs_torch (its error over eager
+torch's in the same dtype) is above 2. Exit status 0 (the decision is the output, not the status).
 """
 from __future__ import annotations
 
@@ -64,6 +65,18 @@ def times(rows: List[dict]) -> Dict[Tuple[str, str, str], Dict[str, float]]:
     return out
 
 
+def worst_err(rows: List[dict], impl: str) -> Optional[float]:
+    """The largest err_vs_torch (abs error over eager torch's in the same dtype) of column `impl` in the run."""
+    vals = []
+    for r in rows:
+        if r["impl"] == impl and r["metric"] == "err_vs_torch" and r["value"] not in ("", None):
+            try:
+                vals.append(float(r["value"]))
+            except ValueError:
+                pass
+    return max(vals) if vals else None
+
+
 def read_status(path: Optional[str]) -> Dict[str, str]:
     status: Dict[str, str] = {}
     if path and Path(path).exists():
@@ -108,12 +121,18 @@ def decide(rows: List[dict], status: Dict[str, str]) -> List[str]:
         detail = "; ".join(f"{op} {case} {b}: {cand:.3f} vs {default:.3f} ms"
                            for (op, case, b), default, cand in cases)
         n = len(cases)
+        err = worst_err(run, impl)
+        accurate = err is None or err <= 2.0
         if n == 0:
             verdict = "NOT MEASURED (no case with both the default and the candidate timed) -> run the check again"
         elif len(wins) == n:
-            verdict = (f"WINS on all {n} cases -> make it the default and delete the {c.against} path"
-                       if checks_ok else
-                       f"WINS on all {n} cases but its checks did not all pass -> fix it before it can be the default")
+            if not checks_ok:
+                verdict = f"WINS on all {n} cases but its checks did not all pass -> fix it before it can be the default"
+            elif not accurate:
+                verdict = (f"WINS on all {n} cases but its error is {err:.2f}x eager torch's (the 2x rule) -> fix it "
+                           "before it can be the default")
+            else:
+                verdict = f"WINS on all {n} cases -> make it the default and delete the {c.against} path"
         elif not wins:
             verdict = f"LOSES on all {n} cases -> delete it"
         else:
@@ -124,6 +143,8 @@ def decide(rows: List[dict], status: Dict[str, str]) -> List[str]:
         if detail:
             lines.append(f"    {detail}")
         lines.append(f"    checks: {checks}")
+        if err is not None:
+            lines.append(f"    accuracy: largest err_vs_torch {err:.2f} (<= 2: the 2x rule)")
     return lines
 
 
