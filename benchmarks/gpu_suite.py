@@ -969,6 +969,8 @@ class Suite:
             commit += "+dirty" if dirty else ""
         except (OSError, subprocess.SubprocessError):
             commit = "unknown"
+        if os.environ.get("TEMPOKERN_GIT_COMMIT"):   # a copy of the checkout without its .git
+            commit = os.environ["TEMPOKERN_GIT_COMMIT"]
         if self.dev.type == "cuda":
             name = torch.cuda.get_device_name(self.dev)
         elif self.args.device == "emu":

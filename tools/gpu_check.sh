@@ -47,6 +47,11 @@ if [ "$DRY" = "1" ]; then
   exit $FAILED
 fi
 
+# the commit the rows name: git's, else TEMPOKERN_GIT_COMMIT (a copy of the checkout without .git)
+if [ -z "${TEMPOKERN_GIT_COMMIT:-}" ] && ! git rev-parse HEAD > /dev/null 2>&1; then
+  log "no git repository here and TEMPOKERN_GIT_COMMIT unset: the rows name commit 'unknown'"
+fi
+
 # (a) build for the visible GPU's architecture only
 ARCH="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')"
 nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader > "$OUTDIR/device.txt" 2>&1

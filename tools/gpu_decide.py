@@ -99,6 +99,9 @@ def checks_line(status: Dict[str, str]) -> Tuple[str, bool]:
         elif v.startswith("skipped"):
             parts.append(f"{name} {v}")
             ok = False
+        elif v == "124":
+            parts.append(f"{name} TIMED OUT")
+            ok = False
         else:
             parts.append(f"{name} FAILED (exit {v})")
             ok = False
