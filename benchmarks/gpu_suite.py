@@ -1,20 +1,25 @@
 #!/usr/bin/env python
-"""One command for GPU numbers (issue 14 item 6): tempokern vs eager torch, torch.compile of the reference and
-the bare matmul yardstick, on the sizes of issue 14's Targets table.
+"""One command for GPU numbers: each op's default path and candidates (tempokern._ops.dispatch) against eager
+torch, torch.compile of the reference and the bare matmul yardstick.
 
-    python benchmarks/gpu_suite.py --out DIR                  # full suite, one GPU, < 8 minutes on an H100
-    python benchmarks/gpu_suite.py --out DIR --quick          # small sizes: smoke test of the whole suite
-    python benchmarks/gpu_suite.py --out DIR --only 'multipos_infonce/no bias'
+    python benchmarks/gpu_suite.py                            # full suite, one GPU, < 8 minutes on an H100
+    python benchmarks/gpu_suite.py --quick                    # small sizes: smoke test of the whole suite
+    python benchmarks/gpu_suite.py --only 'multipos_infonce/no bias' --csv /tmp/gpu.csv --md /tmp/gpu.md
+    python benchmarks/gpu_suite.py --device emu --csv /tmp/emu.csv   # tiny sizes on the CUDA emulator
 
 Builds nothing: it imports the tempokern that is there (the in-place build of this checkout if
 tempokern/_C*.so exists, else the installed package) and stops with a clear message if that build has no
-CUDA kernels. Writes DIR/gpu-<date>-<device>.csv (long format, one row per (op, case, size, impl, metric),
-written as it goes, so a killed run keeps its rows) and DIR/gpu-<date>-<device>.md (the tables, with issue
-14's Targets next to the measured numbers).
+CUDA kernels. Appends to one long-format CSV (--csv, default benchmarks/results/gpu.csv; columns
+date, device, commit, op, case, B, impl, metric, value, note; one row per (op, case, B, impl, metric),
+written as it goes, so a killed run keeps its rows); --md PATH also writes the tables as Markdown.
 
-impl: tempokern (the fused op), eager (tempokern.reference or the plain formula a user writes), eager_chunked
-(the same over gallery chunks, ctd_topk), compile (torch.compile(reference, dynamic=False), compiled once per
-shape), matmul (the bare q @ d.T / q @ g.T yardstick). metric: time_ms (CUDA events around one step, median of
+impl: the columns come from the dispatch table. tempokern: the op's default path (TEMPOKERN_EXPERIMENTAL
+empty during its calls); tempokern:<name>: the same op with candidate <name> enabled (TEMPOKERN_EXPERIMENTAL=<name>
+during its calls), one column per candidate whose ops include the case's op; eager (tempokern.reference or the
+plain formula a user writes), eager_chunked (the same over gallery chunks, ctd_topk), compile
+(torch.compile(reference, dynamic=False), compiled once per shape), matmul (the bare q @ d.T / q @ g.T
+yardstick), single (matryoshka_infonce: one level at the full dim through multipos_infonce, the yardstick).
+metric: time_ms (CUDA events around one step, median of
 the timed runs after one warm-up, inputs rotated through several copies when one copy fits in L2),
 time_ms_pipelined (CUDA, steps under 50 ms: up to 30 steps back to back between two events, no synchronize
 between them, per step: what a training loop that does not read the loss every step sees),
@@ -22,14 +27,16 @@ extra_peak_mb (torch.cuda.max_memory_allocated above what was allocated before t
 compile_s (first call of a compiled function), floor_ms (the lower bound from the flop/byte count, see each
 case), agreement_abs:<q> / agreement_rel:<q> (max |impl - float64 reference| and that over max |reference|,
 for the loss/output and every gradient, on the same inputs; a random sub-batch where the float64 reference
-would not fit, said in the note), agreement (the largest agreement_rel), err_vs_torch:<q> (tempokern's abs
-error over eager torch's in the same dtype: the 2x rule wants <= 2), topk_index_match (fraction of top-k
-indices equal to the float64 reference's), status (ok / out of memory / unsupported: why / skipped: why /
-error: what). --device cpu runs tiny sizes on the CPU kernels: it exists for tests/test_gpu_suite.py only.
+would not fit, said in the note), agreement (the largest agreement_rel), err_vs_torch:<q> (a tempokern
+column's abs error over eager torch's in the same dtype: the 2x rule wants <= 2), topk_index_match (fraction
+of top-k indices equal to the float64 reference's), status (ok / out of memory / unsupported: why / skipped:
+why / error: what). --device cpu runs tiny sizes on the CPU kernels and --device emu tiny sizes on the CUDA
+kernels through the CPU emulator (tools/cuda_emu): both exist for tests and tools/gpu_check.sh --dry.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime as _dt
 import gc
@@ -53,45 +60,45 @@ if list(REPO.joinpath("tempokern").glob("_C*.so")) and str(REPO) not in sys.path
 
 import torch  # noqa: E402
 
-FIELDS = ["date", "device", "git_commit", "command", "torch", "tempokern", "op", "case", "size", "impl", "metric",
-          "value", "note"]
-IMPLS = ("tempokern", "tempokern_mpb_blocked", "tempokern_tc64", "tempokern_tc128x64", "tempokern_stats_v2", "tempokern_stats_v3", "tempokern_grad_v3", "tempokern_v3", "tempokern_glue_torch", "tempokern_prev", "tempokern_mrl_torch",
-         "tempokern_mrl_fused", "tempokern_mrl_levels", "tempokern_cal_v1", "tempokern_cal_v2", "tempokern_cal_pair9", "tempokern_ob_full", "tempokern_half_scores", "eager", "eager_chunked", "compile", "matmul", "single")  # single: matryoshka_infonce's
-# one-level yardstick
-# tempokern_tc64: the multipos loss (no bias, table bias) with TEMPOKERN_MRL_TC_TILE=64x64: the tensor-core kernels with
-# 64 x 64 tiles (4 warps of 32 x 32), as built in session 10; "tempokern" runs one-level calls without a table bias on
-# 128 x 128 tiles since session 11 (2x the mma work per shared-memory byte, half the L2 operand bytes per pair);
-# tempokern_tc128x64: TEMPOKERN_MRL_TC_TILE=128x64, the middle size; none of them timed yet
-# tempokern_mpb_blocked: the multipos loss without a bias or with the table bias with TEMPOKERN_MPB_TC=0 (the blocked
-# path: cuBLAS score blocks + fused passes, the default measured on the H100 on 2026-11-23: 1.77 / 2.99 ms at
-# B = 8,192); "tempokern" is the default since session 10 for those bf16 calls: the one-level tensor-core kernels,
-# not yet timed
-# tempokern_half_scores: the multipos loss (no bias, table bias) with TEMPOKERN_MPB_SCORES=half (the score blocks in
-# the operands' dtype, as torch's q @ d.T: half the score bytes; opt-in, not yet measured)
-# tempokern_ob_full: offset_bias (exact) and the exact-bias loss with TEMPOKERN_OB_PRUNE=0 (every hidden unit
-# evaluated: the kernels' default until 2026-11-23; "tempokern" merges / skips the units the bias never switches)
-# tempokern_cal_v1: calendar_scalar / calendar_context with TEMPOKERN_CALENDAR=v1 (the thread-per-row kernels measured
-# on the H100 on 2026-11-22); tempokern_cal_v2: TEMPOKERN_CALENDAR=v2 (the warp-cooperative kernels both ways, the
-# context op's default until session 9); tempokern_cal_pair9: TEMPOKERN_CALENDAR=pair9 (context forward v2 + backward
-# v1, the default of sessions 9-10, predicted ~2.47 ms); "tempokern" is auto: v3 both ways for both ops (session 11,
-# the prefetching row tiles / groups, not yet timed; the scalar op's previous default is tempokern_cal_v1)
-# tempokern_prev: ctd_topk at Q <= 16 with TEMPOKERN_TOPK_SERVE=0 (the path measured on the H100 on 2026-11-22;
-# "tempokern" is the serve kernels, default, not yet measured)
-# tempokern_mrl_fused: matryoshka_infonce with TEMPOKERN_MRL_CUDA=fused (the fused per-level kernels, 13.1 ms at
-# B = 8,192 on the H100 on 2026-11-23); tempokern_mrl_levels: TEMPOKERN_MRL_CUDA=levels (one fused multipos_infonce
-# per level: the default measured at 6.8 ms that day); "tempokern" is the default since session 10, tc (the
-# tensor-core kernels of matryoshka_tc_cuda.cu for bf16 calls), not yet measured
-# tempokern_mrl_torch: matryoshka_infonce with TEMPOKERN_MRL_CUDA=torch (the blocked torch path, the CUDA path
-# before the fused kernels; "tempokern" is the default fused kernels of matryoshka_block_cuda.cu; neither measured
-# on a GPU yet)
-# tempokern_stats_v3: the multipos loss with TEMPOKERN_MPB_STATS=v3 (vector loads, the next batch in flight, no
-# per-element validity branches; opt-in, not yet timed); tempokern_grad_v3: with TEMPOKERN_MPB_GRAD=v3 (the
-# gradient kernel on the same layout: vector loads of S and vector stores of dS; opt-in, not yet timed);
-# tempokern_v3: both switches
-# tempokern_stats_v2: the multipos loss with TEMPOKERN_MPB_STATS=v2 (the second-design statistics kernel, opt-in
-# until measured; "tempokern" is the default v1); --mpb-stats v1 leaves it out. tempokern_glue_torch: the same loss
-# with TEMPOKERN_MPB_GLUE=torch (the torch glue ops measured in the first GPU session, before the fused prep /
-# finalize kernels became the default): its time against "tempokern" is the launch overhead saved
+from tempokern._ops import dispatch  # noqa: E402
+
+FIELDS = ["date", "device", "commit", "op", "case", "B", "impl", "metric", "value", "note"]
+DEFAULT_CSV = REPO / dispatch.GPU_CSV
+BASELINES = ("eager", "eager_chunked", "compile", "matmul", "single")   # single: matryoshka_infonce's yardstick
+
+
+def op_name(op: str) -> str:
+    """The suite's op name of a dispatch-table op ("multipos_infonce / CTDLoss" -> "multipos_infonce")."""
+    return op.split(" / ")[0].strip()
+
+
+def candidates_for(op: str) -> List[str]:
+    """The candidates (dispatch.CANDIDATES) whose ops include the suite op `op`, in table order."""
+    return [c.name for c in dispatch.CANDIDATES if op in {op_name(o) for o in c.ops}]
+
+
+def candidate_impl(name: str) -> str:
+    return f"tempokern:{name}"
+
+
+#: Every impl column, in table order: the default, one per candidate, the baselines.
+IMPLS = ("tempokern",) + tuple(candidate_impl(c.name) for c in dispatch.CANDIDATES) + BASELINES
+
+
+def impl_env(impl: str) -> Optional[dict]:
+    """The environment of a tempokern column's calls: the default runs with no candidate enabled,
+    tempokern:<name> with exactly candidate <name>; None for the baselines."""
+    if impl == "tempokern":
+        return {dispatch.ENV: ""}
+    if impl.startswith("tempokern:"):
+        return {dispatch.ENV: impl.split(":", 1)[1]}
+    return None
+
+
+def is_tempokern(impl: str) -> bool:
+    return impl == "tempokern" or impl.startswith("tempokern:")
+
+
 H, HIDDEN, D_FEAT, TEMPERATURE, TABLE_POINTS, MONTHS = 768, 32, 32, 0.05, 4097, 2030
 COMPILE_RESERVE_S = 60   # no torch.compile case starts with less of the time budget left
 
@@ -333,7 +340,7 @@ def loss_call(fn, inp, *, check_keyword: bool):
     if inp["mode"] == "table":
         if check_keyword and not accepts(fn, "bias_table_points"):
             raise Unsupported(f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', fn)} has no "
-                              "bias_table_points keyword (the table mode of issue 14 item 2 is not in this build)")
+                              "bias_table_points keyword (no table mode in this build)")
         kw["bias_table_points"] = TABLE_POINTS
     return fn(inp["q"], inp["d"], inp["q_span"], inp["d_span"], **kw)
 
@@ -348,38 +355,9 @@ def loss_step(fn_get, check_keyword=True):
     return build
 
 
-#: The variant columns: the tempokern op with one kernel-variant switch set during its calls (the comments above).
-#: The multipos columns of the blocked path's kernels also switch the tensor-core path off (TEMPOKERN_MPB_TC=0),
-#: which would otherwise take their bf16 no-bias calls.
-VARIANT_ENV = {
-    "tempokern_mpb_blocked": {"TEMPOKERN_MPB_TC": "0"},
-    "tempokern_tc64": {"TEMPOKERN_MRL_TC_TILE": "64x64"},
-    "tempokern_tc128x64": {"TEMPOKERN_MRL_TC_TILE": "128x64"},
-    "tempokern_stats_v2": {"TEMPOKERN_MPB_STATS": "v2", "TEMPOKERN_MPB_TC": "0"},
-    "tempokern_stats_v3": {"TEMPOKERN_MPB_STATS": "v3", "TEMPOKERN_MPB_TC": "0"},
-    "tempokern_grad_v3": {"TEMPOKERN_MPB_GRAD": "v3", "TEMPOKERN_MPB_TC": "0"},
-    "tempokern_v3": {"TEMPOKERN_MPB_STATS": "v3", "TEMPOKERN_MPB_GRAD": "v3", "TEMPOKERN_MPB_TC": "0"},
-    "tempokern_glue_torch": {"TEMPOKERN_MPB_GLUE": "torch", "TEMPOKERN_MPB_TC": "0"},
-    "tempokern_prev": {"TEMPOKERN_TOPK_SERVE": "0"},
-    "tempokern_mrl_torch": {"TEMPOKERN_MRL_CUDA": "torch"},
-    "tempokern_mrl_fused": {"TEMPOKERN_MRL_CUDA": "fused"},
-    "tempokern_mrl_levels": {"TEMPOKERN_MRL_CUDA": "levels"},
-    "tempokern_cal_v1": {"TEMPOKERN_CALENDAR": "v1"},
-    "tempokern_cal_v2": {"TEMPOKERN_CALENDAR": "v2"},
-    "tempokern_cal_pair9": {"TEMPOKERN_CALENDAR": "pair9"},
-    "tempokern_ob_full": {"TEMPOKERN_OB_PRUNE": "0"},
-    "tempokern_half_scores": {"TEMPOKERN_MPB_SCORES": "half", "TEMPOKERN_MPB_TC": "0"},
-}
-
-
-def variant_step(impl: str, build):
-    """The step of `build` as the variant column `impl` (its switch set during each call)."""
-    return with_env(build, VARIANT_ENV[impl])
-
-
 def run_as(impl: str, call):
-    """call() with the switch of the variant column `impl` set (plain call() for any other impl)."""
-    env = VARIANT_ENV.get(impl)
+    """call() in the environment of column `impl` (impl_env; a plain call() for a baseline)."""
+    env = impl_env(impl)
     return with_env(lambda _: call, env)(None)() if env else call()
 
 
@@ -456,7 +434,7 @@ def loss_agree(max_rows: int, seed: int):
         want = with_grads(loss_call(ref().multipos_infonce, i64, check_keyword=False), i64["leaves"], i64["names"])
         res = {}
         for impl in impls:
-            fused = impl.startswith("tempokern")
+            fused = is_tempokern(impl)
             fn = tk().multipos_infonce if fused else ref().multipos_infonce
             i = subset(inp, slice(None), inp["q"].device)
             call = lambda: with_grads(loss_call(fn, i, check_keyword=fused), i["leaves"], i["names"])  # noqa: E731
@@ -466,7 +444,7 @@ def loss_agree(max_rows: int, seed: int):
     return agree
 
 
-def loss_cases(sizes, dev, dtype, seed, compile_fn, stats_v2: bool = True) -> List[Case]:
+def loss_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
     cases = []
     bpp = {None: {"eager": 19.4, "compile": 6.7}, "table": {"eager": 80.0, "compile": 11.0},
            "exact": {"eager": 550.0, "compile": 292.0}}   # bytes per (q, d) pair: H100 report, bf16 (table: estimate)
@@ -482,27 +460,6 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn, stats_v2: bool = True) -> Li
                 "eager": loss_step(lambda: ref().multipos_infonce, check_keyword=False),
                 "compile": loss_step(lambda: compile_fn(ref().multipos_infonce), check_keyword=False),
             }
-            if stats_v2 and mode != "exact":  # the variant column: the same op with the v2 statistics kernel
-                steps["tempokern_stats_v2"] = variant_step("tempokern_stats_v2",
-                                                           loss_step(lambda: tk().multipos_infonce))
-            if mode != "exact":  # the blocked path (cuBLAS score blocks + fused passes) beside the tensor-core default
-                steps["tempokern_mpb_blocked"] = variant_step("tempokern_mpb_blocked",
-                                                              loss_step(lambda: tk().multipos_infonce))
-                # and the tensor-core kernels with session 10's 64 x 64 tiles and with 128 x 64 beside the default
-                for impl in ("tempokern_tc64", "tempokern_tc128x64"):
-                    steps[impl] = variant_step(impl, loss_step(lambda: tk().multipos_infonce))
-            if mode != "exact":  # the variant columns of the v3 statistics / gradient kernels (opt-in, not yet timed)
-                for impl in ("tempokern_stats_v3", "tempokern_grad_v3", "tempokern_v3"):
-                    steps[impl] = variant_step(impl, loss_step(lambda: tk().multipos_infonce))
-            if mode != "exact":  # the variant column of the score dtype: half-precision score blocks
-                steps["tempokern_half_scores"] = variant_step("tempokern_half_scores",
-                                                              loss_step(lambda: tk().multipos_infonce))
-            if mode == "exact":  # the variant column of the bias kernels: every hidden unit (TEMPOKERN_OB_PRUNE=0)
-                steps["tempokern_ob_full"] = variant_step("tempokern_ob_full",
-                                                           loss_step(lambda: tk().multipos_infonce))
-            # the variant column of the glue: the torch ops around the passes instead of the prep / fin kernels
-            steps["tempokern_glue_torch"] = variant_step("tempokern_glue_torch",
-                                                         loss_step(lambda: tk().multipos_infonce))
             cases.append(Case(
                 "multipos_infonce", label, f"B={B}",
                 make=(lambda s, B=B, mode=mode: loss_inputs(B, dev, dtype, s, mode)), steps=steps,
@@ -515,10 +472,9 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn, stats_v2: bool = True) -> Li
     return cases
 
 
-# matryoshka_infonce (issue 16 item 1) ------------------------------------------------------------------------
+# matryoshka_infonce ------------------------------------------------------------------------------------
 
 MAT_DIMS = (64, 128, 256, 512, 768)
-MAT_IMPLS = ("tempokern", "tempokern_mrl_torch", "tempokern_mrl_fused", "tempokern_mrl_levels")
 
 
 def mat_inputs(B, dev, dtype, seed):
@@ -534,7 +490,7 @@ def mat_step(impl, compile_fn=None):
     compile (torch.compile of that loop)."""
     def build(inp):
         q, d = inp["q"], inp["d"]
-        if impl in MAT_IMPLS:  # env variable set by with_env
+        if is_tempokern(impl):  # the candidate columns: TEMPOKERN_EXPERIMENTAL set by with_env
             f = lambda: tk().matryoshka_infonce(q, d, MAT_DIMS, temperature=TEMPERATURE)  # noqa: E731
         elif impl == "single":
             ids = torch.arange(q.shape[0], device=q.device)
@@ -563,7 +519,7 @@ def mat_agree(max_rows: int, seed: int):
                           ["q", "d"])
         res = {}
         for impl in impls:
-            if impl not in MAT_IMPLS + ("eager",):
+            if not (is_tempokern(impl) or impl == "eager"):
                 continue
             a, b = _leaf(q.clone()), _leaf(d.clone())
             fn = ref().matryoshka_infonce if impl == "eager" else tk().matryoshka_infonce
@@ -578,8 +534,6 @@ def matryoshka_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
     for B in sizes.get("matryoshka", []):
         steps = {impl: mat_step(impl, compile_fn) for impl in ("tempokern", "single", "eager", "compile")}
         steps["matmul"] = lambda inp: row_blocks_mm(inp["q"].detach(), inp["d"].detach())
-        for v in MAT_IMPLS[1:]:
-            steps[v] = variant_step(v, mat_step(v))
         cases.append(Case(
             "matryoshka_infonce", "dims 64..768", f"B={B}", make=(lambda s, B=B: mat_inputs(B, dev, dtype, s)),
             steps=steps, agree=mat_agree(sizes["agree_rows"], seed),
@@ -683,7 +637,7 @@ def topk_agree(max_q: int, max_n: int, seed: int):
         wv, wi = ref().ctd_topk(sub["q"].double(), sub["g"].double(), inp["k"], temperature=TEMPERATURE, bias=b64)
         res = {}
         for impl in impls:
-            if impl in ("tempokern", "tempokern_prev"):
+            if is_tempokern(impl):
                 v, i = run_as(impl, lambda: tk().ctd_topk(sub["q"], sub["g"], inp["k"], temperature=TEMPERATURE,
                                                           bias=sub["bias"]))
             else:
@@ -710,8 +664,6 @@ def topk_cases(sizes, dev, dtype, seed, bandwidth) -> List[Case]:
             "eager": lambda inp: lambda: topk_eager(inp),
             "eager_chunked": lambda inp, chunk=chunk: lambda: topk_chunked(inp, chunk),
         }
-        if Qc <= 16:   # the serve kernels (default) and the path they replaced, side by side
-            steps["tempokern_prev"] = variant_step("tempokern_prev", steps["tempokern"])
 
         def floor(ms, Qc=Qc, Nc=Nc):
             gal = Nc * H * 2 / bandwidth * 1e3 if bandwidth else math.nan
@@ -758,7 +710,7 @@ def calendar_agree(inp, impls):
     want = with_grads(calendar_call(getattr(ref(), inp["op"]), i64), l64, names, inp["gout"].double(), "out")
     res = {}
     for impl in impls:
-        fn = getattr(tk() if impl == "tempokern" or impl.startswith("tempokern_cal_") else ref(), inp["op"])
+        fn = getattr(tk() if is_tempokern(impl) else ref(), inp["op"])
         li = [_leaf(t) for t in inp["logits"]]
         call = lambda: with_grads(calendar_call(fn, dict(inp, logits=li)), li, names, inp["gout"], "out")  # noqa: E731
         got = run_as(impl, call)
@@ -774,12 +726,6 @@ def calendar_cases(sizes, dev, bandwidth, compile_fn) -> List[Case]:
         steps = {"tempokern": calendar_step(lambda op=op: getattr(tk(), op)),
                  "eager": calendar_step(lambda op=op: getattr(ref(), op)),
                  "compile": calendar_step(lambda op=op: compile_fn(getattr(ref(), op)))}
-        # the variant columns: v1 and v2 in both directions, and (context) session 9's pair, beside the default
-        # (auto: v3 both ways, not yet timed)
-        steps["tempokern_cal_v1"] = variant_step("tempokern_cal_v1", steps["tempokern"])
-        steps["tempokern_cal_v2"] = variant_step("tempokern_cal_v2", steps["tempokern"])
-        if op == "calendar_context":  # the scalar op's pair9 is v1: the tempokern_cal_v1 column
-            steps["tempokern_cal_pair9"] = variant_step("tempokern_cal_pair9", steps["tempokern"])
         nbytes = rows * 4 * (3 * n + 2 * out_w)   # fwd: logits in, out; bwd: logits + gout in, grads out
 
         def floor(ms, nbytes=nbytes):
@@ -808,7 +754,7 @@ def bias_call(fn, inp, tempokern_op: bool):
         return fn(*inp["leaves"])
     if tempokern_op:
         if not accepts(fn, "table_points"):
-            raise Unsupported("tempokern.offset_bias has no table_points keyword (issue 14 item 2 not in this build)")
+            raise Unsupported("tempokern.offset_bias has no table_points keyword in this build")
         return fn(*inp["leaves"], table_points=TABLE_POINTS)
     return ref().offset_bias_tabulated(*inp["leaves"], TABLE_POINTS)
 
@@ -848,7 +794,7 @@ def bias_agree(max_rows: int, seed: int, backward: bool):
         res = {}
         for impl in impls:
             li = [_leaf(t) for t in inp["leaves"]]
-            fused = impl.startswith("tempokern")
+            fused = is_tempokern(impl)
             fn = tk().offset_bias if fused else ref().offset_bias
 
             def call(fn=fn, li=li, fused=fused):
@@ -876,15 +822,13 @@ def bias_cases(sizes, dev, seed, bandwidth) -> List[Case]:
             cases.append(Case("offset_bias", label + " float32", f"{B}x{B}",
                               make=(lambda s, table=table: bias_inputs(B, dev, s, table)),
                               steps={"tempokern": bias_step("tempokern", backward),
-                                     "eager": bias_step("eager", backward),
-                                     **({} if table else {"tempokern_ob_full": variant_step(
-                                         "tempokern_ob_full", bias_step("tempokern", backward))})},
+                                     "eager": bias_step("eager", backward)},
                               agree=bias_agree(sizes["agree_bias"], seed, backward),
                               mem_bytes={"eager": per_pair * B * B}, floor=floor))
     return cases
 
 
-# Re3Loss (issue 17 item 1) ---------------------------------------------------------------------------------------
+# Re3Loss ---------------------------------------------------------------------------------------------------
 
 def re3_inputs(B, dev, dtype, seed):
     """Unit rows, each document a noisy copy of its query and each time-wrong negative a noisy copy of the
@@ -955,7 +899,7 @@ def re3_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
 # ---- sizes -----------------------------------------------------------------------------------------------------
 
 def suite_sizes(device: str, quick: bool) -> dict:
-    if device == "cpu":   # tests only: tiny, seconds
+    if device in ("cpu", "emu"):   # tests and gpu_check.sh --dry: tiny, seconds
         return dict(loss=[48, 96], loss_table=[48], loss_exact=[48], agree_rows=64, agree_rows_exact=64, matryoshka=[48],
                     topk=(8, 3000), topk_small_q=[1], agree_q=4, agree_n=1000, calendar=300, bias=80, agree_bias=50)
     if quick:
@@ -969,29 +913,24 @@ def suite_sizes(device: str, quick: bool) -> dict:
                 calendar=1 << 20, bias=8192, agree_bias=2048)
 
 
-# ---- targets (issue 14) ----------------------------------------------------------------------------------------
+# ---- targets ---------------------------------------------------------------------------------------------------
 
-# (label, op, case, size, target ms, target extra MB or None, today, note)
+# (label, op, case, B, target ms, target extra MB or None, note): H100 80GB, bf16, H = 768, D = hidden = 32
 TARGETS = [
-    ("loss, no bias, B = 8,192", "multipos_infonce", "no bias", "B=8192", 1.5, None, "134.7 ms", "compile: 2.17"),
-    ("loss, no bias, B = 65,536", "multipos_infonce", "no bias", "B=65536", 60.0, 2048.0, "7,315 ms",
-     "compile: 139 ms, 28.7 GB"),
-    ("loss, no bias, B = 262,144", "multipos_infonce", "no bias", "B=262144", 1100.0, None, "-",
-     "compile: out of memory"),
-    ("loss, table bias, B = 8,192", "multipos_infonce", f"table bias ({TABLE_POINTS})", "B=8192", 3.0, None,
-     "2,584 ms (exact)", ""),
-    ("loss, table bias, B = 65,536", "multipos_infonce", f"table bias ({TABLE_POINTS})", "B=65536", 90.0, None,
-     "-", ""),
-    ("loss, exact bias, B = 8,192", "multipos_infonce", "exact bias", "B=8192", 20.0, None, "2,584 ms",
-     "compile: 80 ms"),
-    ("ctd_topk Q 1,024 x N 1M, none", "ctd_topk", "no bias", "Q=1024 N=1000000 k=10", 9.0, None, "63 ms",
+    ("loss, no bias, B = 8,192", "multipos_infonce", "no bias", "B=8192", 1.5, None, "compile: 2.17"),
+    ("loss, no bias, B = 65,536", "multipos_infonce", "no bias", "B=65536", 60.0, 2048.0, "compile: 139 ms, 28.7 GB"),
+    ("loss, no bias, B = 262,144", "multipos_infonce", "no bias", "B=262144", 1100.0, None, "compile: out of memory"),
+    ("loss, table bias, B = 8,192", "multipos_infonce", f"table bias ({TABLE_POINTS})", "B=8192", 3.0, None, ""),
+    ("loss, table bias, B = 65,536", "multipos_infonce", f"table bias ({TABLE_POINTS})", "B=65536", 90.0, None, ""),
+    ("loss, exact bias, B = 8,192", "multipos_infonce", "exact bias", "B=8192", 20.0, None, "compile: 80 ms"),
+    ("ctd_topk Q 1,024 x N 1M, none", "ctd_topk", "no bias", "Q=1024 N=1000000 k=10", 9.0, None,
      "(q @ g.T).topk: 9.7 ms, 2 GB"),
-    ("ctd_topk Q 1,024 x N 1M, exact", "ctd_topk", "exact bias", "Q=1024 N=1000000 k=10", 40.0, None, "506 ms", ""),
+    ("ctd_topk Q 1,024 x N 1M, exact", "ctd_topk", "exact bias", "Q=1024 N=1000000 k=10", 40.0, None, ""),
     ("ctd_topk Q 1,024 x N 1M, table", "ctd_topk", f"table bias ({TABLE_POINTS})", "Q=1024 N=1000000 k=10", 12.0,
-     None, "69 ms", ""),
-    ("ctd_topk Q 1 x N 1M, exact", "ctd_topk", "exact bias", "Q=1 N=1000000 k=10", 1.2, None, "8.9 ms", ""),
+     None, ""),
+    ("ctd_topk Q 1 x N 1M, exact", "ctd_topk", "exact bias", "Q=1 N=1000000 k=10", 1.2, None, ""),
     ("calendar_context fwd+bwd 1M rows dim 64 f32", "calendar_context", f"fwd+bwd float32 dim {CAL_DIM}",
-     "rows=1048576 levels=12x32x12", 2.0, None, "36 ms", "eager: 5.0"),
+     "rows=1048576 levels=12x32x12", 2.0, None, "eager: 5.0"),
 ]
 
 
@@ -1000,19 +939,24 @@ TARGETS = [
 class Suite:
     def __init__(self, args, argv):
         self.args = args
-        self.dev = torch.device(args.device)
+        self.dev = torch.device("cpu" if args.device == "emu" else args.device)
         self.t0 = time.perf_counter()
         self.rows: List[dict] = []
         self.measured: Dict[Tuple[str, str], Tuple[int, float]] = {}   # (op/case series, impl) -> (index, ms)
         self.meta = self._meta(argv)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        slug = re.sub(r"[^A-Za-z0-9]+", "-", self.meta["device"]).strip("-").lower()[:40]
-        stem = f"{'gpu' if self.dev.type == 'cuda' else 'cpu'}-{_dt.datetime.now():%Y-%m-%d-%H%M}-{slug}"
-        self.csv_path, self.md_path = out / f"{stem}.csv", out / f"{stem}.md"
-        self._csv = open(self.csv_path, "w", newline="")
+        self.csv_path = Path(args.csv)
+        self.md_path = Path(args.md) if args.md else None
+        self.csv_path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.csv_path.exists() or self.csv_path.stat().st_size == 0
+        if not new:   # appending: the file must have this suite's columns
+            with open(self.csv_path, newline="") as f:
+                header = next(csv.reader(f), [])
+            if header != FIELDS:
+                die(f"gpu_suite: {self.csv_path} has the columns {header}, not {FIELDS}: pass another --csv")
+        self._csv = open(self.csv_path, "a", newline="")
         self._writer = csv.DictWriter(self._csv, fieldnames=FIELDS)
-        self._writer.writeheader()
+        if new:
+            self._writer.writeheader()
         self._csv.flush()
 
     def _meta(self, argv):
@@ -1025,20 +969,25 @@ class Suite:
             commit += "+dirty" if dirty else ""
         except (OSError, subprocess.SubprocessError):
             commit = "unknown"
+        if os.environ.get("TEMPOKERN_GIT_COMMIT"):   # a copy of the checkout without its .git
+            commit = os.environ["TEMPOKERN_GIT_COMMIT"]
         if self.dev.type == "cuda":
             name = torch.cuda.get_device_name(self.dev)
+        elif self.args.device == "emu":
+            name = f"cuda emulator on cpu x{os.cpu_count()}"
         else:
             name = f"cpu x{os.cpu_count()} (torch threads {torch.get_num_threads()})"
         return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "device": name,
-                "git_commit": commit, "command": " ".join(shlex.quote(a) for a in ["python"] + list(argv)),
+                "commit": commit, "command": " ".join(shlex.quote(a) for a in ["python"] + list(argv)),
                 "torch": torch.__version__, "tempokern": tkm.__version__}
 
     # -- rows
     def emit(self, case: Case, impl: str, metric: str, value, note: str = "") -> None:
         if isinstance(value, float):
             value = f"{value:.6g}"
-        row = dict(self.meta, op=case.op, case=case.case, size=case.size, impl=impl, metric=metric, value=value,
-                   note=note)
+        row = {"date": self.meta["date"], "device": self.meta["device"], "commit": self.meta["commit"],
+               "op": case.op, "case": case.case, "B": case.size, "impl": impl, "metric": metric, "value": value,
+               "note": note}
         self.rows.append(row)
         self._writer.writerow(row)
         self._csv.flush()
@@ -1079,7 +1028,9 @@ class Suite:
             return None
         status = None
         try:
-            fns = [case.steps[impl](s) for s in sets]
+            env = impl_env(impl)
+            build = with_env(case.steps[impl], env) if env else case.steps[impl]
+            fns = [build(s) for s in sets]
             t = time_step(fns, self.dev, self.args.repeats, self.args.measure_s)
             del fns
         except Unsupported as e:
@@ -1146,8 +1097,8 @@ class Suite:
             if not math.isnan(fl):
                 self.emit(case, "tempokern", "floor_ms", fl, how)
         if agreement and case.agree:
-            self.agreement(case, sets[0], [i for i in ("tempokern", *VARIANT_ENV, "eager")
-                                           if i in impls and i in case.steps])
+            self.agreement(case, sets[0], [i for i in impls if (is_tempokern(i) or i == "eager")
+                                           and i in case.steps])
         del sets
         free_memory(self.dev)
 
@@ -1181,7 +1132,7 @@ class Suite:
                     worst, worst_q = v[1], qn
             self.emit(case, impl, "agreement", worst, f"largest agreement_rel ({worst_q}) vs float64"
                       + (f"; {note}" if note else ""))
-        for fused in ("tempokern", *VARIANT_ENV):
+        for fused in [i for i in res if is_tempokern(i)]:
             if fused not in res or "eager" not in res:
                 continue
             worst, worst_q = 0.0, ""
@@ -1222,12 +1173,25 @@ class Suite:
         return bw
 
 
+def decision_keys(sizes) -> set:
+    """(op, case, B) of the cases that decide the candidates: the CTD loss without a bias and with the table
+    bias at the first two sizes (8,192 and 65,536 on a GPU), Matryoshka at the first size, both calendar ops,
+    Re3Loss."""
+    keys = {("multipos_infonce", "no bias", f"B={b}") for b in sizes["loss"][:2]}
+    keys |= {("multipos_infonce", f"table bias ({TABLE_POINTS})", f"B={b}") for b in sizes["loss_table"][:2]}
+    keys |= {("matryoshka_infonce", "dims 64..768", f"B={b}") for b in sizes["matryoshka"][:1]}
+    rows = f"rows={sizes['calendar']} levels=12x32x12"
+    keys |= {("calendar_context", f"fwd+bwd float32 dim {CAL_DIM}", rows), ("calendar_scalar", "fwd+bwd float32", rows)}
+    keys.add(("re3_loss", "Re3Loss (nce + hard + tw)", f"B={sizes['loss'][0]}"))
+    return keys
+
+
 def build_cases(args, dev, bandwidth, compile_fn) -> List[Tuple[Case, int]]:
     sizes = suite_sizes(args.device, args.quick)
     dtype = torch.bfloat16
     series: List[List[Case]] = []
     cur: List[Case] = []
-    for c in loss_cases(sizes, dev, dtype, args.seed, compile_fn, stats_v2=args.mpb_stats != "v1"):
+    for c in loss_cases(sizes, dev, dtype, args.seed, compile_fn):
         if cur and cur[-1].case != c.case:
             series.append(cur)
             cur = []
@@ -1238,11 +1202,21 @@ def build_cases(args, dev, bandwidth, compile_fn) -> List[Tuple[Case, int]]:
     series += [[c] for c in calendar_cases(sizes, dev, bandwidth, compile_fn)]
     series += [[c] for c in bias_cases(sizes, dev, args.seed, bandwidth)]
     series += [[c] for c in re3_cases(sizes, dev, dtype, args.seed, compile_fn)]
+    for s in series:   # the candidate columns: the default's step with each candidate of the op enabled
+        for c in s:
+            if "tempokern" in c.steps:
+                steps = {}
+                for impl, step in c.steps.items():
+                    steps[impl] = step
+                    if impl == "tempokern":
+                        steps.update((candidate_impl(n), step) for n in candidates_for(c.op))
+                c.steps = steps
     pat = re.compile(args.only, re.I) if args.only else None
+    keep = decision_keys(sizes) if getattr(args, "decision", False) else None
     out = []
     for s in series:
         for pos, c in enumerate(s):
-            if pat is None or pat.search(c.key):
+            if (pat is None or pat.search(c.key)) and (keep is None or (c.op, c.case, c.size) in keep):
                 out.append((c, pos))
     return out
 
@@ -1267,7 +1241,7 @@ def tables(rows: List[dict], meta: dict, bandwidth: float) -> str:
     by: Dict[tuple, Dict[str, dict]] = {}
     order: List[tuple] = []
     for r in rows:
-        key = (r["op"], r["case"], r["size"])
+        key = (r["op"], r["case"], r["B"])
         if key not in by:
             by[key] = {}
             order.append(key)
@@ -1277,7 +1251,7 @@ def tables(rows: List[dict], meta: dict, bandwidth: float) -> str:
             by[key][r["impl"]][r["metric"] + "_what"] = m.group(1) if m and r["value"] != "" else ""
 
     lines = [f"# tempokern GPU suite: {meta['device']}", "",
-             f"date {meta['date']}, commit {meta['git_commit']}, torch {meta['torch']}, tempokern {meta['tempokern']}",
+             f"date {meta['date']}, commit {meta['commit']}, torch {meta['torch']}, tempokern {meta['tempokern']}",
              f"command: `{meta['command']}`", ""]
     if bandwidth:
         lines += [f"Device-to-device copy bandwidth (read + write, 1 GiB): {bandwidth / 1e9:.0f} GB/s.", ""]
@@ -1301,11 +1275,11 @@ def tables(rows: List[dict], meta: dict, bandwidth: float) -> str:
                              f"{' (' + m['err_vs_torch_what'] + ')' if m.get('err_vs_torch_what') else ''} | "
                              f"{m.get('status', '')} |")
         lines.append("")
-    lines += ["## Targets (issue 14; H100 80GB, bf16, H = 768, D = hidden = 32, fwd+bwd)", "",
-              "| case | today (a030c41) | target | tempokern ms | extra MB | met | floor ms | compile ms | eager ms "
+    lines += ["## Targets (the default path; H100 80GB, bf16, H = 768, D = hidden = 32, fwd+bwd)", "",
+              "| case | target | tempokern ms | extra MB | met | floor ms | compile ms | eager ms "
               "| err_vs_torch | tempokern / compile ms pipelined |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for label, op, case, size, tms, tmb, today, note in TARGETS:
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for label, op, case, size, tms, tmb, note in TARGETS:
         m = by.get((op, case, size), {})
         t = m.get("tempokern", {})
         ms = t.get("time_ms")
@@ -1315,7 +1289,7 @@ def tables(rows: List[dict], meta: dict, bandwidth: float) -> str:
             ok = float(ms) <= tms and (tmb is None or float(t.get("extra_peak_mb") or 0) <= tmb)
             met = "yes" if ok else "no"
         target = f"<= {tms:g} ms" + (f", <= {tmb / 1024:g} GB extra" if tmb else "") + (f" ({note})" if note else "")
-        lines.append(f"| {label} | {today} | {target} | {_fmt(ms or '')} | {_fmt(t.get('extra_peak_mb', ''), 1)} | "
+        lines.append(f"| {label} | {target} | {_fmt(ms or '')} | {_fmt(t.get('extra_peak_mb', ''), 1)} | "
                      f"{met} | {_fmt(t.get('floor_ms', ''))} | {_fmt(m.get('compile', {}).get('time_ms', ''))} | "
                      f"{_fmt(m.get('eager', {}).get('time_ms', '') or m.get('eager', {}).get('status', ''))} | "
                      f"{_fmt(t.get('err_vs_torch', ''), 2)} | {_fmt(t.get('time_ms_pipelined', '')) or '-'} / "
@@ -1325,14 +1299,21 @@ def tables(rows: List[dict], meta: dict, bandwidth: float) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", required=True, help="folder for the CSV and markdown (created)")
-    p.add_argument("--only", default=None, help="regex over 'op/case/size', e.g. 'multipos_infonce/no bias' or "
+    p.add_argument("--csv", default=str(DEFAULT_CSV),
+                   help=f"the long-format CSV the rows are appended to (default {dispatch.GPU_CSV}; created with its "
+                   "header when missing)")
+    p.add_argument("--md", default=None, help="also write this run's tables as Markdown to this file")
+    p.add_argument("--only", default=None, help="regex over 'op/case/B', e.g. 'multipos_infonce/no bias' or "
                    "'ctd_topk|calendar'")
+    p.add_argument("--decision", action="store_true",
+                   help="only the cases that decide the candidates (CTD loss no bias and table bias at the first two "
+                   "sizes, Matryoshka at the first, the calendar ops, Re3Loss)")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the whole suite")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 10, --device cpu "
                    "2; fewer when one step is slow, see --measure-s)")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="cuda (default); cpu: tiny sizes on the CPU kernels, for tests/test_gpu_suite.py only")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu", "emu"],
+                   help="cuda (default); cpu: tiny sizes on the CPU kernels; emu: tiny sizes on the CUDA kernels\n"
+                   "through the CPU emulator (tools/cuda_emu). cpu and emu exist for tests and gpu_check.sh --dry")
     p.add_argument("--measure-s", type=float, default=None,
                    help="at most about this many seconds of timed runs per measurement (default 3, --device cpu 0.2)")
     p.add_argument("--max-step-s", type=float, default=20.0,
@@ -1344,11 +1325,8 @@ def parse_args(argv):
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend (default inductor; the CPU tests use aot_eager)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mpb-stats", default="both", choices=["both", "v1"],
-                   help="both (default): the multipos loss cases also run with TEMPOKERN_MPB_STATS=v2 (impl "
-                        "tempokern_stats_v2, the unmeasured second statistics kernel); v1: the default kernel only")
     args = p.parse_args(argv)
-    cpu = args.device == "cpu"
+    cpu = args.device != "cuda"
     args.repeats = (2 if cpu else 10) if args.repeats is None else args.repeats
     args.measure_s = (0.2 if cpu else 3.0) if args.measure_s is None else args.measure_s
     if args.repeats < 1:
@@ -1383,7 +1361,19 @@ def check_build(device: str) -> None:
         die(f"gpu_suite: tempokern's CUDA runtime is unavailable: {info['cuda_runtime_message']}")
 
 
-def main(argv=None) -> Tuple[Path, Path]:
+def emulator():
+    """The context in which CPU tensors run the CUDA kernels on the CPU emulator (tools/cuda_emu: its _C module
+    is built on first use and cached under build/cuda_emu/)."""
+    sys.path.insert(0, str(REPO / "tools" / "cuda_emu"))
+    try:
+        import build as emu_build
+    finally:
+        sys.path.pop(0)
+    from tempokern._ops.common import cuda_emulator
+    return cuda_emulator(emu_build.load())
+
+
+def main(argv=None) -> Tuple[Path, Optional[Path]]:
     prog = sys.argv[0] if argv is None else "benchmarks/gpu_suite.py"
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -1402,27 +1392,32 @@ def main(argv=None) -> Tuple[Path, Path]:
         re.compile(args.only or "")
     except re.error as e:
         die(f"gpu_suite: --only {args.only!r} is not a regular expression ({e})")
-    if not build_cases(args, torch.device(args.device), 0.0, compile_fn):   # cheap: cases build inputs lazily
+    if not build_cases(args, torch.device("cpu" if args.device == "emu" else args.device), 0.0, compile_fn):   # cheap: cases build inputs lazily
         die(f"gpu_suite: --only {args.only!r} matches no case")
+    emu = emulator() if args.device == "emu" else contextlib.nullcontext()
     suite = Suite(args, [prog] + argv)
     import tempokern
     suite.log(f"tempokern {tempokern.__version__} from {Path(tempokern.__file__).parent} on {suite.meta['device']}; "
-              f"commit {suite.meta['git_commit']}; writing {suite.csv_path}")
+              f"commit {suite.meta['commit']}; appending to {suite.csv_path}")
     bw = suite.bandwidth()
     cases = build_cases(args, suite.dev, bw, compile_fn)
     try:
-        # everything but torch.compile first (compilation is the slow part), then the compile baselines
-        for case, pos in cases:
-            suite.run_case(case, pos, [i for i in IMPLS if i != "compile"], agreement=True)
-        for case, pos in cases:
-            if "compile" in case.steps:
-                suite.run_case(case, pos, ["compile"], agreement=False)
+        with emu:
+            # everything but torch.compile first (compilation is the slow part), then the compile baselines
+            for case, pos in cases:
+                suite.run_case(case, pos, [i for i in IMPLS if i != "compile"], agreement=True)
+            for case, pos in cases:
+                if "compile" in case.steps:
+                    suite.run_case(case, pos, ["compile"], agreement=False)
     finally:   # an interrupted run still gets its tables (the CSV is written row by row)
         suite._csv.close()
         text = tables(suite.rows, suite.meta, bw)
-        suite.md_path.write_text(text)
+        if suite.md_path is not None:
+            suite.md_path.parent.mkdir(parents=True, exist_ok=True)
+            suite.md_path.write_text(text)
     print("\n" + text, flush=True)
-    suite.log(f"wrote {suite.csv_path} and {suite.md_path}")
+    suite.log(f"appended {len(suite.rows)} rows to {suite.csv_path}"
+              + (f"; wrote {suite.md_path}" if suite.md_path is not None else ""))
     return suite.csv_path, suite.md_path
 
 

@@ -48,6 +48,7 @@ def table(rows) -> str:
 
 
 if __name__ == "__main__":
-    paths = [Path(a) for a in sys.argv[1:]] or sorted(RESULTS.glob("*.csv"))
+    # the per-op CPU files (gpu.csv, the GPU suite's long-format rows, has its own tables: gpu_suite.py --md)
+    paths = [Path(a) for a in sys.argv[1:]] or sorted(p for p in RESULTS.glob("*.csv") if p.name != "gpu.csv")
     for p in paths:  # one table per file: each op's benchmark names its own providers
         print(f"#### {p.name}\n\n{table(load([p]))}\n")

@@ -31,8 +31,8 @@ def suite():
 
 
 def run(suite, tmp_path, *extra):
-    csv_path, md_path = suite.main(["--device", "cpu", "--out", str(tmp_path), "--repeats", "1",
-                                    "--measure-s", "0", *extra])
+    csv_path, md_path = suite.main(["--device", "cpu", "--csv", str(tmp_path / "gpu.csv"), "--md",
+                                    str(tmp_path / "gpu.md"), "--repeats", "1", "--measure-s", "0", *extra])
     with open(csv_path, newline="") as f:
         rows = list(csv.DictReader(f))
     return rows, md_path.read_text()
@@ -40,7 +40,7 @@ def run(suite, tmp_path, *extra):
 
 def pick(rows, op=None, case=None, size=None, impl=None, metric=None):
     return [r for r in rows if (op is None or r["op"] == op) and (case is None or r["case"] == case)
-            and (size is None or r["size"] == size) and (impl is None or r["impl"] == impl)
+            and (size is None or r["B"] == size) and (impl is None or r["impl"] == impl)
             and (metric is None or r["metric"] == metric)]
 
 
@@ -56,10 +56,10 @@ def test_end_to_end_csv_agreement_and_tables(suite, tmp_path):
     assert rows and list(rows[0]) == suite.FIELDS
     assert {r["impl"] for r in rows} <= set(suite.IMPLS)
     for r in rows:   # run metadata on every row
-        assert r["device"] and r["date"] and r["git_commit"] and r["torch"] == torch.__version__
-        assert r["tempokern"] == tempokern.__version__ and "gpu_suite.py" in r["command"]
-    # one row per (op, case, size, impl, metric)
-    keys = [(r["op"], r["case"], r["size"], r["impl"], r["metric"]) for r in rows]
+        assert r["device"] and r["date"] and r["commit"]
+    assert len({(r["date"], r["device"], r["commit"]) for r in rows}) == 1
+    # one row per (op, case, B, impl, metric)
+    keys = [(r["op"], r["case"], r["B"], r["impl"], r["metric"]) for r in rows]
     assert len(keys) == len(set(keys))
     loss = dict(op="multipos_infonce", case="no bias", size="B=48")
     for impl in ("tempokern", "eager", "compile", "matmul"):
@@ -108,7 +108,7 @@ def test_agreement_is_computed_not_assumed(suite, tmp_path, monkeypatch):
 
 
 def test_unsupported_keyword_is_a_row_not_a_crash(suite, tmp_path, monkeypatch):
-    """A multipos_infonce without bias_table_points (the build before issue 14 item 2 lands) and an
+    """A multipos_infonce without bias_table_points (a build without the table mode) and an
     offset_bias without table_points: status 'unsupported: ...'; eager and the rest still run."""
     real = tempokern.multipos_infonce
 
@@ -197,21 +197,21 @@ def test_cuda_mode_without_a_cuda_build_is_a_clear_error(suite, tmp_path, capsys
     if torch.cuda.is_available() and tempokern.build_info()["cuda_compiled"]:
         pytest.skip("this machine can run the GPU suite")
     with pytest.raises(SystemExit) as e:
-        suite.main(["--out", str(tmp_path / "out")])
+        suite.main(["--csv", str(tmp_path / "out" / "gpu.csv")])
     assert e.value.code == 2
     msg = capsys.readouterr().err
     assert msg.startswith("gpu_suite:") and "CUDA" in msg
     assert not (tmp_path / "out").exists()   # nothing written before the check
     with pytest.raises(SystemExit) as e:
-        suite.main(["--device", "cpu", "--out", str(tmp_path / "out"), "--only", "no-such-op"])
+        suite.main(["--device", "cpu", "--csv", str(tmp_path / "out" / "gpu.csv"), "--only", "no-such-op"])
     assert e.value.code == 2 and "matches no case" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
 def test_targets_name_cases_of_the_full_suite(suite):
-    """Every row of issue 14's Targets table matches a case of the full-size (GPU) suite, so the table can
+    """Every row of the Targets table matches a case of the full-size (GPU) suite, so the table can
     say met or not (building the cases allocates nothing)."""
-    args = suite.parse_args(["--out", "unused"])
+    args = suite.parse_args([])
     keys = {(c.op, c.case, c.size) for c, _ in suite.build_cases(args, torch.device("cuda"), 3e12, lambda f: f)}
     for label, op, case, size, *_ in suite.TARGETS:
         assert (op, case, size) in keys, label
@@ -272,8 +272,9 @@ def test_cuda_bookkeeping_with_a_fake_device(suite, tmp_path, monkeypatch):
     assert len(calls) == 1 + 4 + suite.PIPELINE_STEPS and fake.syncs - syncs == 2 + 2 * 4 + 2
     slow = suite.time_step([lambda: __import__("time").sleep(0.06)], dev, repeats=2, budget_s=60)
     assert slow.pipelined_ms is None and slow.pipelined_runs == 0   # over PIPELINE_MAX_MS: single steps only
-    s = suite.Suite(suite.parse_args(["--out", str(tmp_path)]), ["benchmarks/gpu_suite.py", "--out", str(tmp_path)])
-    assert s.meta["device"] == "Fake GPU" and s.csv_path.name.startswith("gpu-") and "fake-gpu" in s.csv_path.name
+    out = str(tmp_path / "gpu.csv")
+    s = suite.Suite(suite.parse_args(["--csv", out]), ["benchmarks/gpu_suite.py", "--csv", out])
+    assert s.meta["device"] == "Fake GPU" and str(s.csv_path) == out and s.md_path is None
     case = suite.Case("op", "c", "n", make=lambda seed: {"x": torch.empty(30 << 20, dtype=torch.uint8)},
                       steps={}, mem_bytes={"eager": 100 << 30, "compile": 1 << 30})
     why = s.skip_reason(case, "eager", 0)
@@ -290,51 +291,65 @@ def test_cuda_bookkeeping_with_a_fake_device(suite, tmp_path, monkeypatch):
     s._csv.close()
 
 
-def test_stats_v2_variant_column(suite, tmp_path, monkeypatch):
-    """The loss cases also run with TEMPOKERN_MPB_STATS=v2 (impl tempokern_stats_v2: time, agreement and the
-    2x ratio), the variable set during those calls only; --mpb-stats v1 leaves the variant out."""
+def test_candidate_columns_come_from_the_dispatch_table(suite, tmp_path, monkeypatch):
+    """The tempokern columns of a case are the default ("tempokern") and "tempokern:<name>" for every candidate of
+    tempokern._ops.dispatch.CANDIDATES whose ops include the case's op; TEMPOKERN_EXPERIMENTAL names the candidate
+    during its calls only, and is empty during the default's."""
+    from tempokern._ops import dispatch
+    assert suite.IMPLS[0] == "tempokern"
+    assert [i for i in suite.IMPLS if i.startswith("tempokern:")] == [f"tempokern:{c.name}" for c in dispatch.CANDIDATES]
+    for op in ("multipos_infonce", "matryoshka_infonce", "calendar_context", "calendar_scalar", "ctd_topk",
+               "offset_bias", "re3_loss"):
+        want = [c.name for c in dispatch.CANDIDATES if op in {o.split(" / ")[0] for o in c.ops}]
+        assert suite.candidates_for(op) == want
+    args = suite.parse_args([])
+    for c, _ in suite.build_cases(args, torch.device("cuda"), 3e12, lambda f: f):
+        cols = [i for i in c.steps if i.startswith("tempokern:")]
+        assert cols == [f"tempokern:{n}" for n in suite.candidates_for(c.op)], c.key
+    assert not suite.candidates_for("ctd_topk") and suite.candidates_for("calendar_scalar") == ["calendar_v3"]
+
     seen = []
-    real = tempokern.multipos_infonce
+    real = tempokern.calendar_scalar
 
     def spy(*a, **k):
-        seen.append(os.environ.get("TEMPOKERN_MPB_STATS"))
+        seen.append(os.environ.get(dispatch.ENV))
         return real(*a, **k)
 
-    monkeypatch.delenv("TEMPOKERN_MPB_STATS", raising=False)
-    monkeypatch.setattr(tempokern, "multipos_infonce", spy)
-    rows, md = run(suite, tmp_path / "both", "--no-compile", "--only", r"multipos_infonce/no bias/B=48")
-    loss = dict(op="multipos_infonce", case="no bias", size="B=48")
-    assert one(rows, **loss, impl="tempokern_stats_v2", metric="status")["value"] == "ok"
-    assert float(one(rows, **loss, impl="tempokern_stats_v2", metric="time_ms")["value"]) > 0
-    assert math.isfinite(float(one(rows, **loss, impl="tempokern_stats_v2", metric="err_vs_torch")["value"]))
-    assert "tempokern_stats_v2" in md
-    assert "v2" in seen and None in seen          # the variant's calls, and the default's
-    assert one(rows, **loss, impl="tempokern_stats_v3", metric="status")["value"] == "ok"  # v3 likewise
-    assert math.isfinite(float(one(rows, **loss, impl="tempokern_stats_v3", metric="err_vs_torch")["value"]))
-    assert "v3" in seen
-    assert "TEMPOKERN_MPB_STATS" not in os.environ  # restored after each call
-    rows, _ = run(suite, tmp_path / "v1", "--no-compile", "--mpb-stats", "v1", "--only", r"multipos_infonce/no bias/B=48")
-    assert not pick(rows, impl="tempokern_stats_v2")
+    monkeypatch.setenv(dispatch.ENV, "mpb_tc")   # the environment of the caller does not leak into a column
+    monkeypatch.setattr(tempokern, "calendar_scalar", spy)
+    rows, md = run(suite, tmp_path, "--no-compile", "--only", "calendar_scalar")
+    impls = {r["impl"] for r in rows}
+    assert impls == {"tempokern", "tempokern:calendar_v3", "eager", "compile"}
+    for impl in ("tempokern", "tempokern:calendar_v3"):
+        assert one(rows, impl=impl, metric="status")["value"] == "ok"
+        assert math.isfinite(float(one(rows, impl=impl, metric="err_vs_torch")["value"]))
+    assert "tempokern:calendar_v3" in md
+    assert set(seen) == {"", "calendar_v3"}
+    assert os.environ[dispatch.ENV] == "mpb_tc"   # restored after each call
 
 
-def test_matryoshka_torch_variant_column(suite, tmp_path, monkeypatch):
-    """The matryoshka case also runs with TEMPOKERN_MRL_CUDA=torch (impl tempokern_mrl_torch: the blocked torch
-    path, the CUDA path before the fused kernels; "tempokern" is the default fused kernels): time, agreement and
-    the 2x ratio, the variable set during those calls only."""
-    seen = []
-    real = tempokern.matryoshka_infonce
+def test_rows_are_appended_to_one_csv(suite, tmp_path):
+    """Two runs append to the same file under one header; a file with other columns is refused."""
+    run(suite, tmp_path, "--no-compile", "--only", "calendar_scalar")
+    rows, _ = run(suite, tmp_path, "--no-compile", "--only", "calendar_context")
+    text = (tmp_path / "gpu.csv").read_text().splitlines()
+    assert text[0] == ",".join(suite.FIELDS) and text.count(text[0]) == 1
+    assert {r["op"] for r in rows} == {"calendar_scalar", "calendar_context"}
+    (tmp_path / "old.csv").write_text("date,device,git_commit,size\n")
+    with pytest.raises(SystemExit) as e:
+        suite.main(["--device", "cpu", "--csv", str(tmp_path / "old.csv"), "--only", "calendar_scalar"])
+    assert e.value.code == 2
 
-    def spy(*a, **k):
-        seen.append(os.environ.get("TEMPOKERN_MRL_CUDA"))
-        return real(*a, **k)
 
-    monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
-    monkeypatch.setattr(tempokern, "matryoshka_infonce", spy)
-    rows, md = run(suite, tmp_path, "--no-compile", "--only", r"matryoshka_infonce/dims 64..768/B=48")
-    key = dict(op="matryoshka_infonce", case="dims 64..768", size="B=48")
-    assert one(rows, **key, impl="tempokern_mrl_torch", metric="status")["value"] == "ok"
-    assert float(one(rows, **key, impl="tempokern_mrl_torch", metric="time_ms")["value"]) > 0
-    assert math.isfinite(float(one(rows, **key, impl="tempokern_mrl_torch", metric="err_vs_torch")["value"]))
-    assert "tempokern_mrl_torch" in md
-    assert "torch" in seen and None in seen        # the variant's calls, and the default's
-    assert "TEMPOKERN_MRL_CUDA" not in os.environ  # restored after each call
+def test_decision_cases(suite):
+    """--decision keeps the cases that decide the candidates: the CTD loss without a bias and with the table
+    bias at B = 8,192 and 65,536, Matryoshka at 8,192, both calendar ops at 1M rows, Re3Loss at 8,192."""
+    args = suite.parse_args(["--decision"])
+    keys = {(c.op, c.case, c.size) for c, _ in suite.build_cases(args, torch.device("cuda"), 3e12, lambda f: f)}
+    assert keys == {("multipos_infonce", "no bias", "B=8192"), ("multipos_infonce", "no bias", "B=65536"),
+                    ("multipos_infonce", "table bias (4097)", "B=8192"),
+                    ("multipos_infonce", "table bias (4097)", "B=65536"),
+                    ("matryoshka_infonce", "dims 64..768", "B=8192"),
+                    ("calendar_context", "fwd+bwd float32 dim 64", "rows=1048576 levels=12x32x12"),
+                    ("calendar_scalar", "fwd+bwd float32", "rows=1048576 levels=12x32x12"),
+                    ("re3_loss", "Re3Loss (nce + hard + tw)", "B=8192")}

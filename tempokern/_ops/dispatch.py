@@ -58,34 +58,41 @@ DEFAULTS: Tuple[Path, ...] = (
     Path("multipos_infonce / CTDLoss", "cuda", "blocked",
          "every call: cuBLAS score blocks (float32 output) + the fused statistics / gradient passes",
          "tempokern/_ops/multipos_blocked.py + csrc/multipos_infonce/multipos_block_cuda.cu",
-         _GPU + "op=multipos_infonce, impl=tempokern:blocked (B=8192, 65536, 262144; no / table / exact bias)"),
+         _GPU + "op=multipos_infonce; case=no bias; B=B=8192; impl=tempokern:blocked (1.77 ms; also B=65536, 262144, "
+         "the table and the exact bias)"),
     Path("matryoshka_infonce / TMRLLoss", "cpu", "fused", "every call",
          "csrc/matryoshka_infonce/matryoshka_infonce_cpu.cpp", "benchmarks/results/matryoshka_infonce.csv"),
     Path("matryoshka_infonce / TMRLLoss", "cuda", "levels",
          "no bias and as many candidates as anchors: one blocked multipos_infonce per level",
          "tempokern/_ops/matryoshka_infonce.py (_levels_path)",
-         _GPU + "op=matryoshka_infonce, impl=tempokern:levels (6.8 ms vs fused 13.1 ms, B=8192)"),
+         _GPU + "op=matryoshka_infonce; case=dims 64..768; B=B=8192; impl=tempokern:levels (6.8 ms vs "
+         "tempokern:fused 13.1 ms)"),
     Path("matryoshka_infonce / TMRLLoss", "cuda", "fused",
          "a bias, or a different number of candidates than anchors (the only CUDA path for these)",
          "tempokern/_ops/matryoshka_blocked.py + csrc/matryoshka_infonce/matryoshka_block_cuda.cu",
-         _GPU + "op=matryoshka_infonce, impl=tempokern:fused (13.1 ms vs the element-wise torch blocks 47.2 ms)"),
+         _GPU + "op=matryoshka_infonce; case=dims 64..768; B=B=8192; impl=tempokern:fused (13.1 ms vs the element-wise "
+         "torch blocks, deleted:torch_blocks, 47.2 ms)"),
     Path("calendar_context", "cuda", "v2 forward + v1 backward",
          "every call: warp-cooperative rows forward, thread-per-row tiles backward",
          "csrc/calendar/calendar_cuda.cu",
-         _GPU + "op=calendar_context, metric=kernel_ms (forward v2 0.88 vs v1 1.31 ms; backward v1 1.15 vs v2 "
-         "1.51 ms, 1M rows)"),
+         _GPU + "op=calendar_context; case=fwd kernel float32 dim 64; B=rows=1048576 levels=12x32x12; "
+         "impl=tempokern:v2; metric=kernel_ms (forward v2 0.88 vs deleted:v1 1.31 ms; case bwd kernel float32 dim "
+         "64: backward tempokern:v1 1.15 vs deleted:v2 1.51 ms)"),
     Path("calendar_scalar", "cuda", "v1", "every call: thread-per-row tiles", "csrc/calendar/calendar_cuda.cu",
-         _GPU + "op=calendar_scalar, impl=tempokern:v1 (0.84 vs v2 1.03 ms fwd+bwd, 1M rows)"),
+         _GPU + "op=calendar_scalar; case=fwd+bwd float32; B=rows=1048576 levels=12x32x12; impl=tempokern:v1 "
+         "(0.84 vs deleted:v2 1.03 ms)"),
     Path("ctd_topk", "cuda", "serve", "1 to 4 queries: one scan over the gallery, no host synchronisation",
          "csrc/ctd_topk/ctd_topk_cuda.cu (serve kernels)",
-         _GPU + "op=ctd_topk, B=1, impl=tempokern:serve (1.12 vs 2.22 ms, exact bias, N=1M)"),
+         _GPU + "op=ctd_topk; case=exact bias; B=Q=1 N=1000000 k=10; impl=tempokern:serve (1.12 vs deleted:scan "
+         "2.22 ms; the sweep rows, case ... sweep, B=Q=1 to Q=4: serve faster at every Q)"),
     Path("ctd_topk", "cuda", "select", "5 or more queries: cuBLAS score tiles + the fused select",
          "csrc/ctd_topk/ctd_topk_cuda.cu (select kernels)",
-         _GPU + "op=ctd_topk, B=16 / 1024, impl=tempokern:select (Q=16: 4.41 vs serve 4.41 ms; Q >= 5 measured "
-         "faster on select)"),
+         _GPU + "op=ctd_topk; case=no bias N=1000000 k=10 bf16 sweep; B=Q=8; impl=tempokern:select (1.10 vs "
+         "candidate-range:serve 2.94 ms; Q=16 and the exact bias likewise; Q=1024: case no bias, 6.80 ms)"),
     Path("offset_bias", "cuda", "pruned", "exact MLP: hidden units proved always off skipped, always-on units "
          "merged into one float64 linear unit", "csrc/offset_bias/offset_bias_cuda.cu",
-         _GPU + "op=offset_bias, impl=tempokern:pruned (16.5 vs every unit 38.0 ms fwd+bwd, 8192^2 pairs)"),
+         _GPU + "op=offset_bias; case=exact fwd+bwd float32; B=8192x8192; impl=tempokern:pruned (16.5 vs "
+         "deleted:every_unit 38.0 ms)"),
 )
 
 CANDIDATES: Tuple[Candidate, ...] = (

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The GPU check: build, CUDA tests, compute-sanitizer, the decision cases of the suite, and the decision per
+# candidate of tempokern/_ops/dispatch.py. One H100, at most 8 minutes including the build. docs/gpu-check.md.
+#
+#   bash tools/gpu_check.sh OUT          # on the GPU machine; logs under OUT, rows appended to benchmarks/results/gpu.csv
+#   bash tools/gpu_check.sh --dry [OUT]  # no GPU: the suite's decision cases on the CUDA emulator, tiny sizes,
+#                                        # into OUT/gpu.csv, and the decision on them (< 3 minutes)
+#
+# OUT defaults to $OUT, else a new temporary folder. Nothing but benchmarks/results/gpu.csv is written in the
+# checkout. The exit status is 0 when every step ran and passed, 1 otherwise; the decision is printed either way.
+set -u
+
+DRY=0
+if [ "${1:-}" = "--dry" ]; then DRY=1; shift; fi
+OUTDIR="${1:-${OUT:-}}"
+[ -n "$OUTDIR" ] || OUTDIR="$(mktemp -d)"
+mkdir -p "$OUTDIR"
+OUTDIR="$(cd "$OUTDIR" && pwd)"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+STATUS="$OUTDIR/status"
+: > "$STATUS"
+START=$SECONDS
+LIMIT="${GPU_CHECK_LIMIT_S:-470}"   # the whole check, build included: 8 minutes less a margin
+FAILED=0
+
+log() { echo "[gpu_check $((SECONDS - START))s] $*"; }
+left() { echo $((LIMIT - (SECONDS - START))); }
+# cap CAP RESERVE: a step's timeout: CAP seconds, or what is left of the limit less RESERVE (at least 10)
+cap() { local l=$(( $(left) - $2 )); [ "$l" -lt "$1" ] && echo $(( l > 10 ? l : 10 )) || echo "$1"; }
+record() {   # record NAME EXIT_STATUS
+  echo "$1=$2" >> "$STATUS"
+  if [ "$2" = "0" ]; then log "$1 passed"; else log "$1 FAILED (exit $2; log: $OUTDIR/$1.log)"; FAILED=1; fi
+}
+
+if [ "$DRY" = "1" ]; then
+  log "dry run: no build, no CUDA tests, no compute-sanitizer; the suite on the CUDA emulator; output in $OUTDIR"
+  for step in tests memcheck racecheck synccheck; do echo "$step=skipped (dry run)" >> "$STATUS"; done
+  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" benchmarks/gpu_suite.py --device emu --decision \
+    --csv "$OUTDIR/gpu.csv" --md "$OUTDIR/gpu_suite.md" --repeats 1 --measure-s 0 --no-compile \
+    > "$OUTDIR/suite.log" 2>&1
+  rc=$?
+  record suite $rc
+  [ $rc -eq 0 ] || tail -20 "$OUTDIR/suite.log"
+  "$PY" tools/gpu_decide.py --csv "$OUTDIR/gpu.csv" --status "$STATUS" | tee "$OUTDIR/decision.txt"
+  exit $FAILED
+fi
+
+# the commit the rows name: git's, else TEMPOKERN_GIT_COMMIT (a copy of the checkout without .git)
+if [ -z "${TEMPOKERN_GIT_COMMIT:-}" ] && ! git rev-parse HEAD > /dev/null 2>&1; then
+  log "no git repository here and TEMPOKERN_GIT_COMMIT unset: the rows name commit 'unknown'"
+fi
+
+# (a) build for the visible GPU's architecture only
+ARCH="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')"
+nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader > "$OUTDIR/device.txt" 2>&1
+log "device $(cat "$OUTDIR/device.txt"); building for sm_$ARCH"
+TEMPOKERN_CUDA=ON TEMPOKERN_CUDA_ARCHS="$ARCH" timeout "$(cap 240 200)" \
+  "$PY" -m pip install --no-build-isolation --no-deps . > "$OUTDIR/build.log" 2>&1
+rc=$?
+record build $rc
+if [ $rc -ne 0 ]; then
+  tail -30 "$OUTDIR/build.log"
+  "$PY" tools/gpu_decide.py --csv benchmarks/results/gpu.csv --status "$STATUS" | tee "$OUTDIR/decision.txt"
+  exit 1
+fi
+# from here on the installed tempokern, not the source tree (PYTHONSAFEPATH: the working folder is not on sys.path)
+export PYTHONSAFEPATH=1
+"$PY" -c "import tempokern, json; print(json.dumps(tempokern.build_info()))" > "$OUTDIR/build_info.json" 2>&1
+
+# (b) the CUDA tests
+timeout "$(cap 150 200)" "$PY" -m pytest -m cuda tests -q -x -p no:cacheprovider > "$OUTDIR/tests.log" 2>&1
+record tests $?
+tail -3 "$OUTDIR/tests.log"
+
+# (c) compute-sanitizer on small calls of every default and candidate kernel
+SAN="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)"
+if [ -z "$SAN" ]; then
+  log "compute-sanitizer not found"
+  for step in memcheck racecheck synccheck; do echo "$step=127" >> "$STATUS"; done
+  FAILED=1
+else
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(cap 90 150)" "$SAN" --tool memcheck --error-exitcode 99 \
+    "$PY" tools/gpu_sanitize_case.py > "$OUTDIR/memcheck.log" 2>&1
+  record memcheck $?
+  SAN_SMALL=1 timeout "$(cap 75 130)" "$SAN" --tool racecheck --racecheck-report hazard --error-exitcode 99 \
+    "$PY" tools/gpu_sanitize_case.py > "$OUTDIR/racecheck.log" 2>&1
+  record racecheck $?
+  SAN_SMALL=1 timeout "$(cap 60 110)" "$SAN" --tool synccheck --error-exitcode 99 \
+    "$PY" tools/gpu_sanitize_case.py > "$OUTDIR/synccheck.log" 2>&1
+  record synccheck $?
+fi
+
+# (d) the decision cases: default vs candidates vs eager vs torch.compile, appended to benchmarks/results/gpu.csv
+BUDGET=$(( $(left) - 40 ))
+[ "$BUDGET" -gt 30 ] || BUDGET=30
+log "suite: decision cases, budget ${BUDGET}s"
+timeout $((BUDGET + 30)) "$PY" benchmarks/gpu_suite.py --decision --budget-s "$BUDGET" \
+  --md "$OUTDIR/gpu_suite.md" > "$OUTDIR/suite.log" 2>&1
+rc=$?
+record suite $rc
+[ $rc -eq 0 ] || tail -20 "$OUTDIR/suite.log"
+cp benchmarks/results/gpu.csv "$OUTDIR/gpu.csv"
+
+# (e) the decision per candidate
+"$PY" tools/gpu_decide.py --csv benchmarks/results/gpu.csv --status "$STATUS" | tee "$OUTDIR/decision.txt"
+log "done in $((SECONDS - START))s; logs in $OUTDIR"
+exit $FAILED
