@@ -191,6 +191,8 @@ def test_kernel_choice(gpu, monkeypatch):
     # the default kernel per op and direction, the candidate only where it is enabled and takes the call, the CPU
     # kernels off the CUDA path
     from tempokern._ops import calendar as cal
+    from conftest import expect_no_kernel
+    expect_no_kernel()
     x32 = make_logits(4, [3, 5], dtype=torch.float32, device=gpu)
     x64 = make_logits(4, [3, 5], dtype=torch.float64, device=gpu)
     monkeypatch.delenv("TEMPOKERN_EXPERIMENTAL", raising=False)
