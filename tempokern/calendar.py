@@ -369,7 +369,7 @@ class Calendar:
         return (self._rank_of_flat >= 0).reshape(self._sizes)
 
     def valid_children(self, prefix: KeyLike = ()) -> List[int]:
-        """Indices at level ``len(prefix)`` that lead to at least one real unit under ``prefix``
+        """Indices at level ``len(prefix)`` that reach at least one real unit under ``prefix``
         (use it to mask a per-level classifier for uneven levels)."""
         comps = [] if (isinstance(prefix, (tuple, list)) and len(prefix) == 0) else self._components(prefix, True)
         if len(comps) >= self.num_levels:

@@ -13,7 +13,7 @@ from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_
 from .common import (check_finite, check_same_device, check_tensor, dtype_code, kernels, launch_args,
                      on_cuda_path, ptr, sm_count)
 
-# The classification grids per (D, device), in a bounded module-level cache (issue 13 item 20; the frequency
+# The classification grids per (D, device), in a bounded module-level cache (the frequency
 # vectors are cached by reference.bias_frequencies itself).
 
 

@@ -1,12 +1,12 @@
 """Set C — versioned Seattle forecasts (for the recency filter).
 
 For each sampled target day of ``seattle-weather.csv`` (2012-2015) and metric, **synthetic** forecast
-versions are published 1-7 days before the day (a seeded subset of 3-7 lead times, always including
+versions are published 1-7 days before the day (a seeded subset of 3-7 ahead times, always including
 1 day), each value drawn around the observed value with noise whose spread shrinks as the publication
-date nears (temperatures: normal noise of 0.5 °C per day of lead; precipitation: a multiplicative
-log-normal error of 0.15 per day of lead), and the **observed** record (the real value) is the latest
+date nears (temperatures: normal noise of 0.5 °C per day ahead; precipitation: a multiplicative
+log-normal error of 0.15 per day ahead), and the **observed** record (the real value) is the latest
 version, published on the day itself. ``meta["version"]`` numbers the versions of a (day, metric) in
-publication order (1 = oldest); ``meta["lead_days"]`` is the lead (0 = observed).
+publication order (1 = oldest); ``meta["lead_days"]`` is the ahead (0 = observed).
 
 Queries: *Type A* (``kind="explicit"``) name the target date ("What is the latest forecast high
 temperature for Seattle on March 3, 2014?"); gold = the latest version (the observed record);
@@ -59,10 +59,10 @@ QUERY_B = {10: "What is the latest forecast {metric} for Seattle {date}?",
 QUERY_B_FORMATS = ("tomorrow", "next_weekday")
 
 
-def _forecast(rng, metric: str, observed: float, lead: int) -> float:
+def _forecast(rng, metric: str, observed: float, ahead: int) -> float:
     if metric == "temp_max":
-        return round(observed + rng.gauss(0.0, 0.5 * lead), 1)
-    return round(max(0.0, (observed + 0.5) * math.exp(rng.gauss(0.0, 0.15 * lead)) - 0.5), 1)
+        return round(observed + rng.gauss(0.0, 0.5 * ahead), 1)
+    return round(max(0.0, (observed + 0.5) * math.exp(rng.gauss(0.0, 0.15 * ahead)) - 0.5), 1)
 
 
 def generate(seed: int, size: str, caps: Dict[str, Optional[int]]) -> Tuple[Builder, dict]:
@@ -91,13 +91,13 @@ def generate(seed: int, size: str, caps: Dict[str, Optional[int]]) -> Tuple[Buil
             obs = float(row[metric])
             leads = sorted({1} | set(vrng.sample(range(2, 8), vrng.randint(2, 6))), reverse=True)
             ids = []
-            for v, lead in enumerate(leads + [0], start=1):
-                pub = d - _dt.timedelta(days=lead)
-                value = obs if lead == 0 else _forecast(vrng, metric, obs, lead)
+            for v, ahead in enumerate(leads + [0], start=1):
+                pub = d - _dt.timedelta(days=ahead)
+                value = obs if ahead == 0 else _forecast(vrng, metric, obs, ahead)
                 fmt = trng.choice(DAY_DOC_FORMATS)
                 issued = format_date(pub, trng.choice(("month_d_yyyy", "iso", "d_month_yyyy")))
                 vals = {"metric": noun, "value": f"{value:.1f}", "unit": unit, "issued": issued}
-                if lead == 0:
+                if ahead == 0:
                     tpl = trng.randrange(len(OBSERVED_TEMPLATES))
                     text, spans, _ = render(OBSERVED_TEMPLATES[tpl], fmt, d, vals)
                     tpl += 100
@@ -109,7 +109,7 @@ def generate(seed: int, size: str, caps: Dict[str, Optional[int]]) -> Tuple[Buil
                 b.record(rid, text, spans, interval=Interval(r, r), key=(d.year, d.month, d.day), published=pub,
                          entity="Seattle", attribute=noun, date=d, template=tpl, masked=False,
                          facts=[{"head": "Seattle", "relation": noun, "value": f"{value:.1f} {unit}"}],
-                         version=v, lead_days=lead, observed=lead == 0, split=sp, date_format=fmt)
+                         version=v, lead_days=ahead, observed=ahead == 0, split=sp, date_format=fmt)
                 ids.append(rid)
                 pubs[rid] = pub
             versions[(d, metric)] = ids
@@ -141,8 +141,8 @@ def generate(seed: int, size: str, caps: Dict[str, Optional[int]]) -> Tuple[Buil
                 _row(b, qid, text, ids[-1], ids[:-1], twin, d, metric, versions, split_day, qrng)
             # Type B: "the latest forecast" for a day relative to the query time
             fmt_b = qrng.choice(QUERY_B_FORMATS)
-            lead = 1 if fmt_b == "tomorrow" else qrng.randint(1, 7)
-            qt = d - _dt.timedelta(days=lead)
+            ahead = 1 if fmt_b == "tomorrow" else qrng.randint(1, 7)
+            qt = d - _dt.timedelta(days=ahead)
             assert expressible(d, fmt_b, ref=qt)
             avail = [i for i in ids if pubs[i] <= qt]
             if not avail:
