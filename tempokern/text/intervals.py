@@ -20,6 +20,7 @@ __all__ = ["time_intervals", "hull", "DatePrefix", "DateInterval"]
 DatePrefix = Tuple[int, ...]
 DateInterval = Tuple[DatePrefix, DatePrefix]
 
+_DIGIT = re.compile(r"[0-9]")
 _SHORT_END = re.compile(r"(?<![0-9])(1[0-9]{3}|20[0-9]{2})\s*[-–—]\s*([0-9]{2})(?![0-9])")
 _DECADE = re.compile(r"(?<![0-9])([12][0-9]{2})0'?s")
 _CENTURY = re.compile(r"(?<![0-9])([0-9]{1,2})(?:st|nd|rd|th)[ -]century", re.I)
@@ -95,6 +96,8 @@ def time_intervals(text: str, *, ref=None) -> List[DateInterval]:
     if not isinstance(text, str):
         raise TypeError(f"text: expected str, got {type(text).__name__}")
     out: List[DateInterval] = []
+    if ref is None and not _DIGIT.search(text):   # every expression kept without `ref` holds a digit
+        return out
     for s, e, kind in temporal_spans(text):
         span = text[s:e]
         if kind == "weekday" or (kind == "relative" and ref is None):
