@@ -378,7 +378,7 @@ class TMRLTrainer:
             qc = torch.cat([q.unsqueeze(1), emb[s:s + B * n].reshape(B, n, d)], dim=1)
             valid = torch.tensor([[True] + v for v in layout["nq_valid"]], dtype=torch.bool, device=emb.device)
             kw.update(qc=qc, qc_valid=valid.reshape(B, 1 + n))
-        if self.alpha > 0 and x_t is not None:
+        if self.alpha > 0 and x_t is not None and n > 0:   # n = 0: no row of the batch has a negative query
             qc = torch.cat([q.unsqueeze(1), emb[s:s + B * n].reshape(B, n, d)], dim=1)
             qc_t = torch.cat([x_t[:B].unsqueeze(1), x_t[s:s + B * n].reshape(B, n, -1)], dim=1)
             qc_has = torch.cat([has[:B].unsqueeze(1), has[s:s + B * n].reshape(B, n)], dim=1)
