@@ -1,4 +1,4 @@
-"""`tempokern` command line: train | eval | index | search | bench | demo | benchmark.
+"""`tempokern` command line: train | eval | index | search | bench | demo | benchmark | data.
 
 Every command takes its flags and, optionally, `--config FILE` (JSON or TOML) whose keys are the
 flag names (dashes or underscores); flags given on the command line win over the file. Errors
@@ -180,7 +180,7 @@ def _suite_args(p):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tempokern", description="Temporal retrieval with fused CTD kernels.")
-    sub = p.add_subparsers(dest="command", metavar="{train,eval,index,search,bench,demo,benchmark}")
+    sub = p.add_subparsers(dest="command", metavar="{train,eval,index,search,bench,demo,benchmark,data}")
     sub.required = True
 
     t = sub.add_parser("train", help="fine-tune a CTD encoder (or the semantic baseline)",
@@ -296,6 +296,20 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     bm.add_argument("--device", default=None, help='cpu, cuda or cuda:N (default: cuda when available)')
     bm.add_argument("--no-progress", dest="progress", action="store_false", help='no progress bars')
+
+    da = sub.add_parser("data", help="export a packaged dataset as a BEIR folder",
+                        description="Write a packaged dataset as a BEIR folder (corpus.jsonl, queries.jsonl, "
+                                    "qrels/<split>.tsv, LICENSE) that `train --format beir --data DIR` and "
+                                    "`eval --format beir --data DIR` read (docs/datasets-english.md).")
+    da.add_argument("--config", help='JSON or TOML file of options (flags win)')
+    da.add_argument("name", choices=["timeqa"], help="timeqa: TimeQA's human-annotated pages (BSD 3-Clause)")
+    da.add_argument("--out", required=False, help="folder to write (required)")
+    da.add_argument("--input", default=None, help="a TimeQA JSON file instead of the packaged copy")
+    da.add_argument("--negatives", type=int, default=8,
+                    help="hard negatives per query and kind (same page, BM25) written as neg_page / neg_bm25; "
+                         "0: none (default 8)")
+    da.add_argument("--on-error", default="raise", choices=["raise", "skip"],
+                    help="malformed pages: raise (default) or skip with a file:line report")
     return p
 
 
@@ -350,6 +364,9 @@ def validate_args(args) -> None:
             raise CLIError(f"--seeds must be ints >= 0, got {args.seeds}")
     if cmd == "benchmark":
         _need(args, "out")
+    if cmd == "data":
+        _need(args, "out")
+        _positive(args, "negatives", minimum=0)
     if cmd in ("train", "demo"):
         _positive(args, "epochs", "max_steps", "grad_accum", "threads")
         _positive(args, "batch_size", minimum=2)
@@ -948,8 +965,25 @@ def _atomic_write(path: Path, text: str) -> None:
     atomic_write(path, text)
 
 
+def cmd_data(args) -> int:
+    _need(args, "out")
+    from .datasets.timeqa import export_beir, load_timeqa, timeqa_hard_negatives
+    ds = load_timeqa(args.input, on_error=args.on_error)
+    report_skipped(ds.report)
+    negs = timeqa_hard_negatives(ds, args.negatives) if args.negatives > 0 else None
+    if args.input is None:
+        from .datasets._resources import TIMEQA_LICENSE, read_bytes
+        license_text = read_bytes(TIMEQA_LICENSE).decode("utf-8")
+    else:
+        lic = Path(args.input).parent / "LICENSE"
+        license_text = lic.read_text(encoding="utf-8") if lic.exists() else None
+    counts = export_beir(ds, args.out, negatives=negs, license_text=license_text)
+    print(json.dumps({"out": str(args.out), **counts}))
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "index": cmd_index, "search": cmd_search, "bench": cmd_bench,
-            "demo": cmd_demo, "benchmark": cmd_benchmark}
+            "demo": cmd_demo, "benchmark": cmd_benchmark, "data": cmd_data}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
