@@ -213,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the backbone alone, pooled and L2-normalised, as ChunQiuTR's evaluate.py (enc_only) "
                         "reports the paper's numbers (docs/eval.md)")
     e.add_argument("--out", help="write the table as JSON here (and .md next to it)")
+    e.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress display while encoding (a bar on a terminal, plain lines otherwise)")
     e.add_argument("--dims", nargs="+", type=int, default=None,
                    help="TMRL models: nested dims to evaluate, one row each (default: the model's dims)")
     _recency_args(e, eval_cmd=True)
@@ -226,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     _data_args(i)
     i.add_argument("--backend", default="exact", help='exact | faiss-flat | faiss-ivf | faiss-hnsw (faiss needs pip install .[faiss])')
     i.add_argument("--out", required=False, help="index file to write")
+    i.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress display while encoding (a bar on a terminal, plain lines otherwise)")
     i.add_argument("--dim", type=int, default=None,
                    help="TMRL models: index the first DIM coordinates, L2-normalised (default: all)")
 
@@ -1000,6 +1004,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except CLIError as e:
         print(f"tempokern {args.command}: error: {e}", file=sys.stderr)
         return 2
+    from .models._batching import set_progress
+    set_progress(getattr(args, "progress", True))   # encoding passes of train / eval / index
     out = getattr(args, "out", None)
     out_existed = out is None or os.path.exists(out)
     try:
