@@ -71,6 +71,22 @@ def test_packaged_timeqa_ships_with_its_licence():
         assert json.loads(pathlib.Path(src).read_text(encoding="utf-8")) == pages
 
 
+def test_packaged_timeqa_goes_into_the_wheel():
+    # the wheel takes every file of tempokern/ that .gitignore does not exclude (scikit-build-core,
+    # wheel.packages = ["tempokern"]); the data and its licence must be tracked and not ignored
+    import shutil
+    import subprocess
+    root = pathlib.Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    for name in ("timeqa_human_annotated_train.json.gz", "LICENSE-TimeQA"):
+        rel = f"tempokern/data/{name}"
+        assert subprocess.run(["git", "check-ignore", "-q", rel], cwd=root).returncode == 1, rel
+        assert subprocess.run(["git", "ls-files", "--error-unmatch", rel], cwd=root,
+                              capture_output=True).returncode == 0, rel
+    assert 'wheel.packages = ["tempokern"]' in (root / "pyproject.toml").read_text()
+
+
 def test_timeqa_loader(small_timeqa):
     ds = load_timeqa(small_timeqa)
     pages = _pages(8)
