@@ -34,6 +34,7 @@ def _cache(tmp_path, monkeypatch):
     ("between May 2004 and June 2005", [((2004, 5), (2005, 6))]),
     ("May–June 2019 and 1990-95", [((2019, 5), (2019, 6)), ((1990,), (1995,))]),
     ("in the 1990s", [((1990,), (1999,))]),
+    ("in the 1st century , a 2nd-century-BC tomb", [((1, ), (100,))]),
     ("no date here, only 42 cats", []),
 ])
 def test_time_intervals_reads_every_expression(text, want):

@@ -21,6 +21,7 @@ DatePrefix = Tuple[int, ...]
 DateInterval = Tuple[DatePrefix, DatePrefix]
 
 _DIGIT = re.compile(r"[0-9]")
+_BC_AFTER = re.compile(r"[\s-]*(?:BCE?|B\.C\.)\b")
 _SHORT_END = re.compile(r"(?<![0-9])(1[0-9]{3}|20[0-9]{2})\s*[-–—]\s*([0-9]{2})(?![0-9])")
 _DECADE = re.compile(r"(?<![0-9])([12][0-9]{2})0'?s")
 _CENTURY = re.compile(r"(?<![0-9])([0-9]{1,2})(?:st|nd|rd|th)[ -]century", re.I)
@@ -110,7 +111,8 @@ def time_intervals(text: str, *, ref=None) -> List[DateInterval]:
             continue
         if kind == "century":
             m = _CENTURY.search(span)
-            if m and "bc" not in span.lower():
+            bc = "bc" in span.lower() or _BC_AFTER.match(text, e)
+            if m and not bc:       # centuries BC are left out (the calendars start at year 1)
                 c = int(m.group(1))
                 out.append((((c - 1) * 100 + 1,), (c * 100,)))
             continue
