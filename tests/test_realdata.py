@@ -319,3 +319,19 @@ def test_zztj_reads_null_era_year_from_the_reign_string(tmp_path):
     with pytest.raises(DataFormatError, match=r"zz\.jsonl:5: .*contradicts the reign string"):
         load_zztj(str(p))
     assert load_zztj(str(p), on_error="skip").report.num_skipped == 1
+
+
+def test_ctd_on_a_folder_without_any_time_says_what_it_needs(tmp_path, capsys):
+    b = tiny_beir(tmp_path / "b")
+    rows = [json.loads(l) for l in (b / "corpus.jsonl").read_text().splitlines()]
+    import re
+    undated = lambda t: re.sub(r"[0-9]", "", t)   # noqa: E731
+    _jsonl(b / "corpus.jsonl", [dict(r, text=undated(r["text"])) for r in rows])
+    qs = [json.loads(l) for l in (b / "queries.jsonl").read_text().splitlines()]
+    _jsonl(b / "queries.jsonl", [dict(q, text=undated(q["text"])) for q in qs])
+    assert load_beir(str(b)).calendar is None
+    assert main(["train", "--method", "ctd", "--format", "beir", "--data", str(b), "--out", str(tmp_path / "c"),
+                 *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "--method ctd needs times" in err and "Traceback" not in err
+    assert not (tmp_path / "c").exists()
