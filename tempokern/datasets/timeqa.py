@@ -137,7 +137,12 @@ def _text_times(texts: Sequence[str], data_sha: Optional[str], cache: bool) -> L
                 return [[(tuple(a), tuple(b)) for a, b in ivs] for ivs in got]
         except (OSError, ValueError):
             pass
-    out = [time_intervals(t) for t in texts]
+    from ..models._batching import progress
+    step = 500
+    chunks = [texts[i:i + step] for i in range(0, len(texts), step)]
+    out = []
+    for chunk in progress(chunks, len(chunks), "tagging dates"):   # the command line shows progress
+        out += [time_intervals(t) for t in chunk]
     if path is not None:
         try:
             from ..models.checkpoint import atomic_write
