@@ -162,7 +162,8 @@ def load_timeqa(path: Optional[str] = None, *, on_error: str = "raise", name: st
     """TimeQA's human-annotated pages as a retrieval set (module docstring). ``path``: a TimeQA JSON
     file (``human_annotated_train.json``, or gzipped); default the packaged copy. Malformed pages raise
     :class:`DataFormatError` naming the file and line, or with ``on_error="skip"`` are left out and
-    listed in ``dataset.report``. The text times are cached (``cache``; see :func:`_text_times`): the
+    listed in ``dataset.report`` (a file that is not valid JSON stops the load either way: nothing after the
+    break can be read back reliably). The text times are cached (``cache``; see :func:`_text_times`): the
     first load of a file tags ~17k texts (tens of seconds), later loads read the cache."""
     from ..text.intervals import hull
     _check_on_error(on_error)
@@ -249,7 +250,8 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def timeqa_hard_negatives(dataset, k: int = 4, *, kinds: Sequence[str] = ("page", "bm25")) -> Dict[str, Dict[str, List[str]]]:
+def timeqa_hard_negatives(dataset, k: int = 4, *,
+                          kinds: Sequence[str] = ("page", "bm25")) -> Dict[str, Dict[str, List[str]]]:
     """``{kind: {query id: [record id, ...]}}`` with up to ``k`` per query: ``page`` = the same page's
     other paragraphs that carry a date (the temporal confounders: same entity, other time), then undated
     ones; ``bm25`` = the lexically closest non-gold paragraphs of the whole gallery (bm25s)."""

@@ -11,7 +11,8 @@ from ._resources import ZZTJ_QIJI, data_path
 from .base import (DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle,
                    read_jsonl)
 
-__all__ = ["load_zztj", "load_zztj_sample", "zztj_time_text", "ZZTJ_TEMPLATES", "PAPER_TEMPLATE"]
+__all__ = ["load_zztj", "load_zztj_sample", "zztj_time_text", "parse_reign", "cn_int", "ZZTJ_TEMPLATES",
+           "PAPER_TEMPLATE"]
 
 #: the ChunQiuTR release's pilot template
 PAPER_TEMPLATE = "《资治通鉴·{subset}》在{time}记载了什么？"
@@ -187,6 +188,9 @@ def load_zztj(path: str, *, subset: Optional[str] = None, eras: Optional[Sequenc
       (each era up to the last year seen, in order of first appearance).
     - Span-header rows (``time_meta`` with ``start_ad_year`` and no ``reign``) are not events; they
       are left out and listed in ``report.notes``.
+    - A ``reign`` string that carries the year (``"咸宁四年, 十月"``) gives the era title, the year and,
+      when the row has no month of its own, the month (:func:`parse_reign`); ``era_year`` may then be
+      null, and one that contradicts the string is a data error.
     - ``no_event_records``: add one ``no_event`` record for every calendar month with no row.
     - Queries: one ``point`` query per month key that has records (gold = its records), from
       ``templates`` (used in turn); ``no_event_queries`` also adds one per empty month (gold = its
