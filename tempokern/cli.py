@@ -1,4 +1,4 @@
-"""`tempokern` command line: train | eval | index | search | bench | demo | benchmark.
+"""`tempokern` command line: train | eval | index | search | bench | demo | benchmark | data.
 
 Every command takes its flags and, optionally, `--config FILE` (JSON or TOML) whose keys are the
 flag names (dashes or underscores); flags given on the command line win over the file. Errors
@@ -71,8 +71,9 @@ def read_config(path) -> dict:
 
 def _data_args(p, required=True):
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", choices=["zztj", "synth-a", "synth-b", "synth-c"],
-                   help="packaged dataset (zztj: Zizhi Tongjian Qi annals sample) or an offline English set "
+    g.add_argument("--dataset", choices=["zztj", "timeqa", "synth-a", "synth-b", "synth-c"],
+                   help="packaged dataset (zztj: Zizhi Tongjian Qi annals sample; timeqa: TimeQA's human-annotated "
+                        "pages, real English, split by page into train/dev/test) or an offline English set "
                         "generated at first use (synth-a: holidays QA, synth-b: monthly facts + Seattle days, "
                         "synth-c: versioned Seattle forecasts; docs/datasets-english.md)")
     g.add_argument("--synth-size", default="full", choices=["full", "quick"], help="size of a synth-* set (default full)")
@@ -82,12 +83,17 @@ def _data_args(p, required=True):
                    help="format of --data: zztj (Zizhi Tongjian jsonl), chunqiutr (records jsonl, with "
                         "--data-queries), chunqiutr-release (release meta JSON, with --data-queries), re2 "
                         "(Re²-style jsonl with publication dates and facts, docs/re3.md); beir "
-                        "(a BEIR-style folder); for `train --method tmrl`: tmrl or tevatron")
+                        "(a BEIR-style folder: corpus.jsonl, queries.jsonl, qrels/<split>.tsv; every method trains "
+                        "and evaluates on it, docs/datasets-english.md); timeqa (a TimeQA JSON file); for "
+                        "`train --method tmrl` also tmrl or tevatron")
     g.add_argument("--data-queries", help="queries jsonl for the chunqiutr formats")
     g.add_argument("--split-scheme", default="template", choices=["template", "time"],
                    help="how generated zztj queries are split: by phrasing or by held-out time blocks")
     g.add_argument("--calendar", default="auto",
                    help=f"calendar the data must be keyed by: {', '.join(CALENDARS)} (auto: the data's own)")
+    g.add_argument("--on-error", default="raise", choices=["raise", "skip"],
+                   help="malformed rows: raise (stop at the first, naming file:line; default) or skip (leave them "
+                        "out and print a report of every skipped file:line)")
 
 
 def _model_args(p):
@@ -191,7 +197,7 @@ def _suite_args(p):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tempokern", description="Temporal retrieval with fused CTD kernels.")
-    sub = p.add_subparsers(dest="command", metavar="{train,eval,index,search,bench,demo,benchmark}")
+    sub = p.add_subparsers(dest="command", metavar="{train,eval,index,search,bench,demo,benchmark,data}")
     sub.required = True
 
     t = sub.add_parser("train", help="fine-tune a CTD encoder (or the semantic baseline)",
@@ -224,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the backbone alone, pooled and L2-normalised, as ChunQiuTR's evaluate.py (enc_only) "
                         "reports the paper's numbers (docs/eval.md)")
     e.add_argument("--out", help="write the table as JSON here (and .md next to it)")
+    e.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress display while encoding (a bar on a terminal, plain lines otherwise)")
     e.add_argument("--dims", nargs="+", type=int, default=None,
                    help="TMRL models: nested dims to evaluate, one row each (default: the model's dims)")
     _recency_args(e, eval_cmd=True)
@@ -237,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     _data_args(i)
     i.add_argument("--backend", default="exact", help='exact | faiss-flat | faiss-ivf | faiss-hnsw (faiss needs pip install .[faiss])')
     i.add_argument("--out", required=False, help="index file to write")
+    i.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress display while encoding (a bar on a terminal, plain lines otherwise)")
     i.add_argument("--dim", type=int, default=None,
                    help="TMRL models: index the first DIM coordinates, L2-normalised (default: all)")
 
@@ -307,6 +317,20 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     bm.add_argument("--device", default=None, help='cpu, cuda or cuda:N (default: cuda when available)')
     bm.add_argument("--no-progress", dest="progress", action="store_false", help='no progress bars')
+
+    da = sub.add_parser("data", help="export a packaged dataset as a BEIR folder",
+                        description="Write a packaged dataset as a BEIR folder (corpus.jsonl, queries.jsonl, "
+                                    "qrels/<split>.tsv, LICENSE) that `train --format beir --data DIR` and "
+                                    "`eval --format beir --data DIR` read (docs/datasets-english.md).")
+    da.add_argument("--config", help='JSON or TOML file of options (flags win)')
+    da.add_argument("name", choices=["timeqa"], help="timeqa: TimeQA's human-annotated pages (BSD 3-Clause)")
+    da.add_argument("--out", required=False, help="folder to write (required)")
+    da.add_argument("--input", default=None, help="a TimeQA JSON file instead of the packaged copy")
+    da.add_argument("--negatives", type=int, default=8,
+                    help="hard negatives per query and kind (same page, BM25) written as neg_page / neg_bm25; "
+                         "0: none (default 8)")
+    da.add_argument("--on-error", default="raise", choices=["raise", "skip"],
+                    help="malformed pages: raise (default) or skip with a file:line report")
     return p
 
 
@@ -493,6 +517,9 @@ def validate_args(args) -> None:
             raise CLIError(f"--seeds must be ints >= 0, got {args.seeds}")
     if cmd == "benchmark":
         _need(args, "out")
+    if cmd == "data":
+        _need(args, "out")
+        _positive(args, "negatives", minimum=0)
     if cmd in ("train", "demo"):
         _positive(args, "epochs", "max_steps", "grad_accum", "threads")
         _positive(args, "batch_size", minimum=2)
@@ -554,20 +581,34 @@ def _dataset(args):
         raise CLIError("give --dataset zztj or --data PATH")
     if args.dataset is not None and args.data is not None:
         raise CLIError("give only one of --dataset and --data")
-    if args.format == "beir":   # BEIR-style folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)
+    on_error = getattr(args, "on_error", "raise")
+    if args.dataset == "timeqa" or (args.data is not None and args.format == "timeqa"):
+        from .datasets.timeqa import load_timeqa
+        ds = load_timeqa(args.data, on_error=on_error)
+    elif args.format == "beir":   # BEIR-style folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)
         from .datasets import load_beir
-        return load_beir(args.data, split=getattr(args, "split", "test") if getattr(args, "split", "all") != "all"
-                         else "test")
-    if args.format == "re2" and args.data is not None:   # Re²-style jsonl (tempokern.datasets.load_re2)
+        ds = load_beir(args.data, on_error=on_error)
+    elif args.format == "re2" and args.data is not None:   # Re²-style jsonl (tempokern.datasets.load_re2)
         from .datasets import load_re2
         if not Path(args.data).exists():
             raise FileNotFoundError(f"data file {args.data} does not exist")
-        ds = load_re2(args.data).dataset
+        ds = load_re2(args.data, on_error=on_error).dataset
     else:
         ds = load_dataset(args.dataset, args.data, args.format, split=args.split_scheme, queries=args.data_queries,
-                          synth_size=getattr(args, "synth_size", "full"), synth_seed=getattr(args, "synth_seed", 0))
+                          synth_size=getattr(args, "synth_size", "full"), synth_seed=getattr(args, "synth_seed", 0),
+                          on_error=on_error)
+    report_skipped(ds.report)
     check_calendar(args.calendar, ds)
     return ds
+
+
+def report_skipped(report) -> None:
+    """Every row a loader skipped (``--on-error skip``), one ``file:line: reason`` line each, on stderr."""
+    if report is None or not report.num_skipped:
+        return
+    print(f"tempokern: skipped {report.num_skipped} malformed row(s) (--on-error skip):", file=sys.stderr)
+    for path, line, reason in report.skipped:
+        print(f"  {path}:{line}: {reason}", file=sys.stderr)
 
 
 def check_calendar(name: str, ds) -> None:
@@ -615,6 +656,11 @@ def cmd_train(args) -> int:
         raise FileNotFoundError(f"cannot resume: {Path(args.out) / 'last' / 'trainer_state.pt'} does not exist")
     init_distributed_from_env()
     ds = _dataset(args)
+    if ds.calendar is None:
+        raise CLIError(f"--method ctd needs times on a calendar, and no record or query of {ds.name!r} has a time "
+                       "field (time/date, start/end) or a date in its text")
+    eval_split = "dev" if any(q.split == "dev" for q in ds.queries) and \
+        not any(q.split == "val" for q in ds.queries) else "val"
     lr = args.lr if args.lr is not None else (3e-3 if args.backbone == "tiny" else 2e-5)
     cfg = TrainConfig(variant=args.variant, epochs=args.epochs, batch_size=args.batch_size, lr=lr,
                       temporal_lr=args.temporal_lr, weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio,
@@ -622,7 +668,7 @@ def cmd_train(args) -> int:
                       label_smoothing=args.label_smoothing, neighbor_smoothing=args.neighbor_smoothing,
                       hard_negatives=args.hard_negatives, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
                       progress=args.progress, pairs_per_query=args.pairs_per_query, eval_scorer=args.scorer,
-                      gather_mode=args.gather_mode).validate()
+                      gather_mode=args.gather_mode, eval_split=eval_split).validate()
     from .training.trainer import seed_everything
     seed_everything(args.seed)
     model = build_model(args, ds)
@@ -912,6 +958,8 @@ def _run_benchmark(args, *, quick: bool) -> int:
 # ---- TMRL (--method tmrl; docs/tmrl.md "Encoder and training") ----------------------------------------
 
 TMRL_FORMATS = ("tmrl", "tevatron")
+#: retrieval-set formats whose train split becomes TMRL rows (tempokern.datasets.tmrl.rows_from_dataset)
+TMRL_RETRIEVAL_FORMATS = ("beir", "timeqa")
 TRAIN_METHODS += ("tmrl",)   # --method tmrl: --dataset synth-a|b|c, or --data FILE --format tmrl|tevatron
 
 
@@ -957,10 +1005,10 @@ def _validate_tmrl(args) -> None:
     from .training.tmrl import TMRL_VARIANTS
     if args.variant is not None and args.variant not in TMRL_VARIANTS:
         raise CLIError(f"unknown TMRL variant {args.variant!r}: expected one of {', '.join(TMRL_VARIANTS)}")
-    synth = args.dataset is not None and args.dataset.startswith("synth-")
-    if not synth and (args.dataset is not None or args.format not in TMRL_FORMATS):
-        raise CLIError(f"--method tmrl trains on --dataset synth-a|synth-b|synth-c (their training rows) or on "
-                       f"--data FILE with --format {' or '.join(TMRL_FORMATS)}")
+    synth = args.dataset is not None and (args.dataset.startswith("synth-") or args.dataset == "timeqa")
+    if not synth and (args.dataset is not None or args.format not in TMRL_FORMATS + TMRL_RETRIEVAL_FORMATS):
+        raise CLIError(f"--method tmrl trains on --dataset synth-a|synth-b|synth-c|timeqa (their training rows) or "
+                       f"on --data PATH with --format {' or '.join(TMRL_FORMATS + TMRL_RETRIEVAL_FORMATS)}")
     _positive(args, "t", "distill_k", "lora_r", "mini_batch_size", "max_rows", "mine_negatives")
     _positive(args, "num_hard_negatives", "negative_queries", minimum=0)
     if getattr(args, "mrl_anchor", "query") == "passage" and args.negative_queries < 1:
@@ -988,7 +1036,15 @@ def default_dims(H: int):
 
 
 def _tmrl_rows(args):
-    from .datasets.tmrl import load_temporal_contrastive, load_tevatron_jsonl, rows_from_synth
+    from .datasets.tmrl import (load_temporal_contrastive, load_tevatron_jsonl, mine_negative_queries,
+                                rows_from_dataset, rows_from_synth)
+    if args.dataset == "timeqa" or (args.dataset is None and args.format in TMRL_RETRIEVAL_FORMATS):
+        ds = _dataset(args)     # the train split's (query, gold) pairs; negatives from the data or mined
+        data = rows_from_dataset(ds, "train", hard_negatives=args.num_hard_negatives,
+                                 negative_queries=args.negative_queries)
+        if args.max_rows is not None:
+            data.rows = data.rows[:args.max_rows]
+        return data
     if args.dataset is not None:   # synth-a | synth-b | synth-c: the set's training rows
         from .datasets.synth import load_synth
         from .training.data import SYNTH_DATASETS
@@ -998,12 +1054,19 @@ def _tmrl_rows(args):
     p = Path(args.data)
     if not p.exists():
         raise FileNotFoundError(f"data file {p} does not exist")
-    data = (load_temporal_contrastive if args.format == "tmrl" else load_tevatron_jsonl)(str(p))
+    data = (load_temporal_contrastive if args.format == "tmrl" else load_tevatron_jsonl)(
+        str(p), on_error=getattr(args, "on_error", "raise"))
+    report_skipped(data.report)
     if args.max_rows is not None:
         data.rows = data.rows[:args.max_rows]
     if args.mine_negatives:
         from .datasets.tmrl import mine_hard_negatives
         data = mine_hard_negatives(data, args.mine_negatives)
+    if args.negative_queries > 0 and args.alpha > 0 and not any(r.negative_queries for r in data.rows):
+        # L_Temp contrasts a passage's query with negative queries (same topic, other time)
+        print(f"tempokern train: {p} has no negative queries; mining up to {args.negative_queries} per row from "
+              "the other rows' queries (BM25, other positive passage) for L_Temp", file=sys.stderr)
+        data = mine_negative_queries(data, args.negative_queries)
     return data
 
 
@@ -1091,8 +1154,25 @@ def _atomic_write(path: Path, text: str) -> None:
     atomic_write(path, text)
 
 
+def cmd_data(args) -> int:
+    _need(args, "out")
+    from .datasets.timeqa import export_beir, load_timeqa, timeqa_hard_negatives
+    ds = load_timeqa(args.input, on_error=args.on_error)
+    report_skipped(ds.report)
+    negs = timeqa_hard_negatives(ds, args.negatives) if args.negatives > 0 else None
+    if args.input is None:
+        from .datasets._resources import TIMEQA_LICENSE, read_bytes
+        license_text = read_bytes(TIMEQA_LICENSE).decode("utf-8")
+    else:
+        lic = Path(args.input).parent / "LICENSE"
+        license_text = lic.read_text(encoding="utf-8") if lic.exists() else None
+    counts = export_beir(ds, args.out, negatives=negs, license_text=license_text)
+    print(json.dumps({"out": str(args.out), **counts}))
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "index": cmd_index, "search": cmd_search, "bench": cmd_bench,
-            "demo": cmd_demo, "benchmark": cmd_benchmark}
+            "demo": cmd_demo, "benchmark": cmd_benchmark, "data": cmd_data}
 
 
 def _usage_error(prefix: str, e: BaseException) -> int:
@@ -1117,6 +1197,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         validate_args(args)
     except CLIError as e:
         return _usage_error(f"tempokern {args.command}", e)
+    from .models._batching import set_progress
+    set_progress(getattr(args, "progress", True))   # encoding passes of train / eval / index
     out = getattr(args, "out", None)
     out_existed = out is None or os.path.exists(out)
     try:
@@ -1207,7 +1289,23 @@ def _re3_data(args):
         synth = load_synth(name.split("-", 1)[1].upper(), seed=getattr(args, "synth_seed", 0),
                            size=getattr(args, "synth_size", "full"))
         return synth.dataset, synth
-    return _dataset(args), None
+    return _with_time_wrong(_dataset(args)), None
+
+
+def _with_time_wrong(ds):
+    """Queries without ``meta["time_wrong_twin"]`` take the first of their ``meta["neg_page"]`` (a TimeQA
+    export's same-page paragraphs: same entity, other time) as Re³'s time-wrong negative."""
+    import dataclasses
+    if not any("neg_page" in (q.meta or {}) for q in ds.queries):
+        return ds
+    from .datasets import RetrievalDataset
+    qs = []
+    for q in ds.queries:
+        negs = [d for d in (q.meta or {}).get("neg_page") or () if d in ds]
+        if negs and not q.meta.get("time_wrong_twin"):
+            q = dataclasses.replace(q, meta={**q.meta, "time_wrong_twin": negs[0]})
+        qs.append(q)
+    return RetrievalDataset(ds.name, ds.records, qs, ds.calendar, ds.report)
 
 
 def _re3_backbone(args):

@@ -9,10 +9,13 @@ from typing import Dict
 
 CHUNQIU_SPLITS = "chunqiu_time_splits_by_month_v1.json"
 ZZTJ_QIJI = "zztj_qiji_part.jsonl"
+TIMEQA = "timeqa_human_annotated_train.json.gz"
+TIMEQA_LICENSE = "LICENSE-TimeQA"
 
 _SHA256 = {
     CHUNQIU_SPLITS: "f1bd8ba7aa5a988cf12a853d2e2bd7bfa3d52b592207da7567fee091ba00eed3",
     ZZTJ_QIJI: "5b6d96729cde195dafa2c2c1e136ad83268cf5bd27013a91b688e6275823fb33",
+    TIMEQA: "312a77ea3c63a252ee7a9bbee6aa8ead9ea065df6db917b39c9e17bb179b43fd",
 }
 
 

@@ -35,7 +35,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from .base import DataFormatError, LoadReport, _check_on_error, handle, read_jsonl, read_utf8
 
 __all__ = ["TMRLRow", "TMRLData", "load_temporal_contrastive", "load_tevatron_jsonl", "rows_from_synth",
-           "rows_from_train_rows", "mine_hard_negatives", "QUERY_TYPES", "ALLEN_RELATIONS", "Spans"]
+           "rows_from_train_rows", "mine_hard_negatives", "mine_negative_queries", "rows_from_dataset",
+           "QUERY_TYPES", "ALLEN_RELATIONS", "Spans"]
 
 Spans = Optional[List[Tuple[int, int]]]
 
@@ -388,3 +389,95 @@ def mine_hard_negatives(data, k: int = 4, *, scorer: Any = None, chunk: int = 10
     if isinstance(data, TMRLData):
         return TMRLData(out, data.report, data.name)
     return out
+
+
+def mine_negative_queries(data, k: int = 4, *, group_key: str = "page", tokenizer=None):
+    """Give rows without negative queries up to ``k`` of them from the other rows' queries: first those
+    of the same ``meta[group_key]`` (e.g. the page: same entity, other time), then the lexically closest
+    (BM25 over word tokens, bm25s) — never a query with the row's positive passage, nor the row's own
+    query text. Returns the same container type with new row objects."""
+    import dataclasses
+
+    import numpy as np
+
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    rows = list(data.rows if isinstance(data, TMRLData) else data)
+    texts = list(dict.fromkeys(r.query for r in rows))
+    pos_of: Dict[str, set] = {}
+    for r in rows:
+        pos_of.setdefault(r.query, set()).add(r.positive)
+    by_group: Dict[Any, List[str]] = {}
+    for r in rows:
+        g = r.meta.get(group_key) if isinstance(r.meta, dict) else None
+        if g is not None and r.query not in by_group.setdefault(g, []):
+            by_group[g].append(r.query)
+    todo = [i for i, r in enumerate(rows) if not r.negative_queries]
+    scores = None
+    if todo:
+        from types import SimpleNamespace
+
+        from ..baselines import BM25Scorer
+        from .negatives import word_tokenize
+        scorer = BM25Scorer(tokenizer=tokenizer or word_tokenize)
+        gallery = [SimpleNamespace(id=str(i), text=t) for i, t in enumerate(texts)]
+        scores = np.asarray(scorer([SimpleNamespace(text=rows[i].query) for i in todo], gallery))
+    out = list(rows)
+    for n, i in enumerate(todo):
+        r = rows[i]
+        ok = lambda t: t != r.query and not (pos_of[t] & pos_of[r.query])   # noqa: E731
+        g = r.meta.get(group_key) if isinstance(r.meta, dict) else None
+        picked = [t for t in by_group.get(g, ()) if ok(t)][:k] if g is not None else []
+        if len(picked) < k:
+            order = np.argsort(-scores[n], kind="stable")
+            for j in order:
+                t = texts[int(j)]
+                if len(picked) >= k or scores[n][j] <= 0:
+                    break
+                if ok(t) and t not in picked:
+                    picked.append(t)
+        if picked:
+            out[i] = dataclasses.replace(r, negative_queries=picked, negative_query_spans=None)
+    if isinstance(data, TMRLData):
+        return TMRLData(out, data.report, data.name)
+    return out
+
+
+def rows_from_dataset(ds, split: str = "train", *, hard_negatives: int = 4, negative_queries: int = 4,
+                      name: Optional[str] = None) -> TMRLData:
+    """TMRL rows from a :class:`RetrievalDataset`'s queries of ``split`` (a BEIR folder, TimeQA): one row
+    per (query, gold record); hard-negative passages from the query's ``meta["neg_page"]`` /
+    ``meta["neg_bm25"]`` lists when the data has them, else the same page's other records
+    (``meta["page"]``), else BM25-mined; negative queries: the same page's other questions, else the
+    lexically closest queries with other gold (:func:`mine_negative_queries`)."""
+    from .base import LoadReport
+    from .negatives import bm25_negatives, group_negatives
+    qs = [q for q in ds.queries if q.split == split and any(rel > 0 for rel in q.gold.values())]
+    if not qs:
+        have = sorted({str(q.split) for q in ds.queries})
+        raise ValueError(f"dataset {ds.name!r} has no query with gold records in split {split!r} (splits: {have})")
+    negs: Dict[str, List[str]] = {}
+    for q in qs:
+        ids = [d for key in ("neg_page", "neg_bm25") for d in (q.meta or {}).get(key) or () if d in ds]
+        negs[q.id] = list(dict.fromkeys(ids))
+    if hard_negatives > 0:
+        need = [q for q in qs if not negs[q.id]]
+        if need:
+            page = group_negatives(ds, "page", k=hard_negatives, queries=need)
+            still = [q for q in need if not page.get(q.id)]
+            mined = bm25_negatives(ds, hard_negatives, queries=still) if still else {}
+            for q in need:
+                negs[q.id] = page.get(q.id) or mined.get(q.id, [])
+    rows: List[TMRLRow] = []
+    for q in qs:
+        hn = [ds.record(d).text for d in negs[q.id] if ds.record(d).text.strip()]
+        for d, rel in q.gold.items():
+            if rel <= 0 or d not in ds or not ds.record(d).text.strip():
+                continue
+            rows.append(TMRLRow(q.text, ds.record(d).text, hard_negatives=hn, query_id=q.id,
+                                meta={"page": (q.meta or {}).get("page"), "doc_id": d}))
+    report = LoadReport(files=list(ds.report.files), records=len(ds.records), queries=len(qs))
+    data = TMRLData(rows, report, name or ds.name)
+    if negative_queries > 0:
+        data = mine_negative_queries(data, negative_queries)
+    return data

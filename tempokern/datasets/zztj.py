@@ -3,6 +3,7 @@ point queries (one per month key, classical-Chinese templates, as in ChunQiuTR's
 pilot) and synthesized ``no_event`` records for the months with no entry."""
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..calendar import LEAP_MONTH, Calendar
@@ -10,7 +11,8 @@ from ._resources import ZZTJ_QIJI, data_path
 from .base import (DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle,
                    read_jsonl)
 
-__all__ = ["load_zztj", "load_zztj_sample", "zztj_time_text", "ZZTJ_TEMPLATES", "PAPER_TEMPLATE"]
+__all__ = ["load_zztj", "load_zztj_sample", "zztj_time_text", "parse_reign", "cn_int", "ZZTJ_TEMPLATES",
+           "PAPER_TEMPLATE"]
 
 #: the ChunQiuTR release's pilot template
 PAPER_TEMPLATE = "《资治通鉴·{subset}》在{time}记载了什么？"
@@ -47,6 +49,63 @@ def zztj_time_text(key: Tuple[Any, ...]) -> str:
     return f"{reign}{y}年{m}"
 
 
+_CN_DIGIT = {"〇": 0, "零": 0, "一": 1, "二": 2, "三": 3, "四": 4, "五": 5, "六": 6, "七": 7, "八": 8, "九": 9}
+_REIGN_YEAR = re.compile(r"^\s*(?P<title>.+?)(?P<year>元|[〇零一二三四五六七八九十廿卅百0-9]+)年"
+                         r"(?:[\s,，、]*(?P<month>(?:闰|閏)?(?:正|[一二三四五六七八九十]+|[0-9]+)?月))?\s*$")
+
+
+def cn_int(s: str) -> int:
+    """A Chinese numeral up to the hundreds (or Arabic digits): 十 -> 10, 二十三 -> 23, 廿一 -> 21, 元 -> 1."""
+    s = s.strip()
+    if s.isdigit():
+        return int(s)
+    if s in ("元", "正"):
+        return 1
+    s = s.replace("廿", "二十").replace("卅", "三十")
+    total, cur = 0, 0
+    for ch in s:
+        if ch in _CN_DIGIT:
+            cur = _CN_DIGIT[ch]
+        elif ch == "十":
+            total += (cur or 1) * 10
+            cur = 0
+        elif ch == "百":
+            total += (cur or 1) * 100
+            cur = 0
+        else:
+            raise ValueError(f"not a Chinese numeral: {s!r}")
+    return total + cur
+
+
+def parse_reign(s: str) -> Optional[Tuple[str, int, Optional[str]]]:
+    """``"咸宁四年, 十月"`` -> ``("咸宁", 4, "十月")``, ``"建元元年"`` -> ``("建元", 1, None)``: the era title,
+    the era year and the month label (None when absent) of a reign string that carries its year, as the
+    ChunQiuTR reference keys records; None when the string is an era title alone."""
+    m = _REIGN_YEAR.match(s)
+    if not m:
+        return None
+    try:
+        year = cn_int(m["year"])
+    except ValueError:
+        return None
+    return m["title"].strip(), year, m["month"]
+
+
+def _month_of_label(label: str) -> Optional[int]:
+    """正月 -> 1, 十月 -> 10, 闰月 / 闰十月 -> LEAP_MONTH; None when it names no month."""
+    label = label.strip()
+    if label.startswith(("闰", "閏")):
+        return LEAP_MONTH
+    body = label[:-1] if label.endswith("月") else label
+    if not body:
+        return None
+    try:
+        n = cn_int(body)
+    except ValueError:
+        return None
+    return n if 1 <= n <= 12 else None
+
+
 def _parse_row(path: str, ln: int, obj: Dict[str, Any]):
     """-> ("span", None) for span-header rows, else ("record", fields)."""
     rid = obj.get("id")
@@ -64,10 +123,27 @@ def _parse_row(path: str, ln: int, obj: Dict[str, Any]):
     if not isinstance(reign, str) or not reign.strip():
         raise DataFormatError(path, ln, f"record {rid!r}: time_meta.reign must be a non-empty string, got {reign!r}")
     ey = tm.get("era_year")
-    if isinstance(ey, bool) or not isinstance(ey, int) or ey < 1:
-        raise DataFormatError(path, ln, f"record {rid!r}: time_meta.era_year must be an int >= 1, got {ey!r}")
     lm, label = tm.get("lunar_month"), tm.get("lunar_month_label")
     label = label.strip() if isinstance(label, str) else ""
+    parsed = parse_reign(reign)
+    if parsed is not None:   # "咸宁四年, 十月": the year (and month) are in the reign string
+        title, p_year, p_month = parsed
+        if ey is not None and ey != p_year:
+            raise DataFormatError(path, ln, f"record {rid!r}: time_meta.era_year {ey!r} contradicts the reign "
+                                            f"string {reign!r} (year {p_year})")
+        reign, ey = title, p_year
+        if p_month and (lm is None or lm == 0) and not label:
+            pm = _month_of_label(p_month)
+            if pm is None:
+                raise DataFormatError(path, ln, f"record {rid!r}: no month in {p_month!r} of reign string {reign!r}")
+            if pm == LEAP_MONTH:
+                label = p_month
+            else:
+                lm = pm
+    if isinstance(ey, bool) or not isinstance(ey, int) or ey < 1:
+        raise DataFormatError(path, ln, f"record {rid!r}: time_meta.era_year must be an int >= 1, or null with the "
+                                        f"year in time_meta.reign (e.g. \"咸宁四年, 十月\"), got {ey!r} with reign "
+                                        f"{reign!r}")
     no_month = lm is None or (lm == 0 and not isinstance(lm, bool))
     year_label = None
     if no_month and label.startswith(("闰", "閏")):
@@ -112,6 +188,9 @@ def load_zztj(path: str, *, subset: Optional[str] = None, eras: Optional[Sequenc
       (each era up to the last year seen, in order of first appearance).
     - Span-header rows (``time_meta`` with ``start_ad_year`` and no ``reign``) are not events; they
       are left out and listed in ``report.notes``.
+    - A ``reign`` string that carries the year (``"咸宁四年, 十月"``) gives the era title, the year and,
+      when the row has no month of its own, the month (:func:`parse_reign`); ``era_year`` may then be
+      null, and one that contradicts the string is a data error.
     - ``no_event_records``: add one ``no_event`` record for every calendar month with no row.
     - Queries: one ``point`` query per month key that has records (gold = its records), from
       ``templates`` (used in turn); ``no_event_queries`` also adds one per empty month (gold = its

@@ -154,31 +154,40 @@ class CTDEncoder(nn.Module):
                              return_tensors="pt")
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
-    @torch.no_grad()
-    def encode(self, texts: Sequence[str], *, batch_size: int = 64, device=None, scorer: str = "ctd") -> Encoded:
-        """Embeddings (N, H) float32, u (N,) and per-level logits, in eval mode, in batches.
-        scorer="ctd": the CTD embedding (with the calendar context when use_context); "encoder": the
-        backbone's pooled vector, L2-normalised (ChunQiuTR's encoder-only scoring)."""
+    def encode(self, texts: Sequence[str], *, batch_size: int = 64, device=None, scorer: str = "ctd",
+               progress: Optional[bool] = None) -> Encoded:
+        """Embeddings (N, H) float32, u (N,) and per-level logits, in eval mode under
+        ``torch.inference_mode``, in length-sorted batches each padded to its longest text (results in
+        input order). scorer="ctd": the CTD embedding (with the calendar context when use_context);
+        "encoder": the backbone's pooled vector, L2-normalised (ChunQiuTR's encoder-only scoring).
+        ``progress``: show progress (default: :func:`tempokern.models._batching.set_progress`)."""
+        from ._batching import length_sorted_batches, progress as _progress
         check_scorer(scorer)
+        if isinstance(texts, str):
+            raise TypeError("texts must be a list of strings")
+        texts = list(texts)
         device = torch.device(device) if device is not None else self.device
+        N = len(texts)
+        embs = torch.empty(N, self.hidden_size)
+        us = torch.empty(N)
+        logits = [torch.empty(N, n) for _, n in self.levels]
         was_training = self.training
         self.eval()
-        embs, us, logits = [], [], [[] for _ in self.levels]
+        batches = length_sorted_batches(texts, batch_size)
         try:
-            for i in range(0, len(texts), batch_size):
-                batch = {k: v.to(device) for k, v in self.tokenize(texts[i:i + batch_size]).items()}
-                out = self(**batch)
-                emb = out.emb if scorer == "ctd" else F.normalize(out.base.float(), dim=-1)
-                embs.append(emb.float().cpu())
-                us.append(out.u.float().cpu())
-                for l, x in enumerate(out.logits):
-                    logits[l].append(x.float().cpu())
+            with torch.inference_mode():
+                for idx in _progress(batches, len(batches), "encode", progress):
+                    batch = {k: v.to(device) for k, v in self.tokenize([texts[i] for i in idx]).items()}
+                    out = self(**batch)
+                    emb = out.emb if scorer == "ctd" else F.normalize(out.base.float(), dim=-1)
+                    at = torch.as_tensor(idx)
+                    embs[at] = emb.float().cpu()
+                    us[at] = out.u.float().cpu()
+                    for l, x in enumerate(out.logits):
+                        logits[l][at] = x.float().cpu()
         finally:
             self.train(was_training)
-        if not embs:
-            return Encoded(torch.empty(0, self.hidden_size), torch.empty(0),
-                           [torch.empty(0, n) for _, n in self.levels])
-        return Encoded(torch.cat(embs), torch.cat(us), [torch.cat(x) for x in logits])
+        return Encoded(embs, us, logits)
 
     def to_index(self, records: Sequence[Any], *, backend: str = "exact", batch_size: int = 64,
                  ids: Optional[Sequence[int]] = None, **index_kwargs):

@@ -393,6 +393,9 @@ class Re3Encoder(nn.Module):
         it = range(0, len(todo), batch_size)
         if progress is not None:
             it = progress(it)
+        else:   # the command line's progress setting (tempokern.models._batching.set_progress)
+            from ._batching import progress as _progress
+            it = _progress(it, len(it), "encode")
         with torch.no_grad():
             for i in it:
                 chunk = todo[i:i + batch_size]

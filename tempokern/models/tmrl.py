@@ -253,29 +253,32 @@ class TMRLEncoder(nn.Module):
         tmask = torch.as_tensor(tmask, dtype=torch.bool) & enc["attention_mask"].bool()
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "temporal_mask": tmask}
 
-    @torch.no_grad()
     def encode(self, texts: Sequence[str], *, side: str = "query", dim: Optional[int] = None,
-               batch_size: int = 64, device=None) -> torch.Tensor:
+               batch_size: int = 64, device=None, progress: Optional[bool] = None) -> torch.Tensor:
         """L2-normalised embeddings (N, dim) float32 of the side's prefixed texts, first `dim`
-        coordinates (default: all), in eval mode, in batches."""
+        coordinates (default: all), in eval mode under ``torch.inference_mode``, in length-sorted batches
+        each padded to its longest text (results in input order). ``progress``: show progress (default:
+        :func:`tempokern.models._batching.set_progress`)."""
+        from ._batching import length_sorted_batches, progress as _progress
         dim = self.check_dim(dim)
         self.prefix(side)
         if isinstance(texts, str):
             raise TypeError("texts must be a list of strings")
+        texts = list(texts)
         device = torch.device(device) if device is not None else self.device
+        out = torch.empty(len(texts), dim)
         was_training = self.training
         self.eval()
-        embs = []
+        batches = length_sorted_batches(texts, batch_size)
         try:
-            for i in range(0, len(texts), batch_size):
-                batch = {k: v.to(device) for k, v in self.tokenize(texts[i:i + batch_size], side=side).items()}
-                emb = self(**batch).emb
-                embs.append(F.normalize(emb[:, :dim].float(), dim=-1).cpu())
+            with torch.inference_mode():
+                for idx in _progress(batches, len(batches), f"encode {side}s", progress):
+                    batch = {k: v.to(device) for k, v in self.tokenize([texts[i] for i in idx], side=side).items()}
+                    emb = self(**batch).emb
+                    out[torch.as_tensor(idx)] = F.normalize(emb[:, :dim].float(), dim=-1).cpu()
         finally:
             self.train(was_training)
-        if not embs:
-            return torch.empty(0, dim)
-        return torch.cat(embs)
+        return out
 
     def to_index(self, records: Sequence[Any], *, dim: Optional[int] = None, backend: str = "exact",
                  batch_size: int = 64, ids: Optional[Sequence[int]] = None, **index_kwargs):

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-SPLITS = ("train", "val", "test")
+SPLITS = ("train", "val", "dev", "test")
 #: the held-out rows of the offline English sets (tempokern.datasets.synth)
 SYNTH_SPLITS = ("test_template", "test_date", "test_year", "test_masked", "timeless")
 #: `load_dataset(dataset=...)` names of the offline English sets -> load_synth names
@@ -98,7 +98,7 @@ def with_template_splits(dataset, *, val: int = 2, test: int = 3):
 
 
 def zztj_demo_dataset(path=None, *, templates_per_month: int = 4, no_event_queries: bool = True,
-                      split: str = "template"):
+                      split: str = "template", on_error: str = "raise"):
     """The demo's Zizhi Tongjian set: the loader's records (with synthesized no_event records),
     point queries under `templates_per_month` templates (no_event_queries: also for the empty
     months, gold = their no_event record, as ChunQiuTR trains on them) and window queries over
@@ -107,7 +107,8 @@ def zztj_demo_dataset(path=None, *, templates_per_month: int = 4, no_event_queri
     if split not in SPLIT_SCHEMES:
         raise ValueError(f"unknown split scheme {split!r}: expected one of {', '.join(SPLIT_SCHEMES)}")
     from tempokern.datasets import RetrievalDataset, ZZTJ_TEMPLATES, load_zztj, load_zztj_sample
-    base_load = (lambda **kw: load_zztj(str(path), **kw)) if path is not None else load_zztj_sample
+    base_load = ((lambda **kw: load_zztj(str(path), on_error=on_error, **kw)) if path is not None
+                 else load_zztj_sample)
     load = lambda **kw: base_load(no_event_queries=no_event_queries, **kw)  # noqa: E731
     base = load()
     n = min(templates_per_month, len(ZZTJ_TEMPLATES))
@@ -123,14 +124,15 @@ def zztj_demo_dataset(path=None, *, templates_per_month: int = 4, no_event_queri
 
 def load_dataset(dataset: Optional[str] = None, data: Optional[str] = None, fmt: str = "zztj",
                  split: str = "template", queries: Optional[str] = None, *, synth_size: str = "full",
-                 synth_seed: int = 0):
+                 synth_seed: int = 0, on_error: str = "raise"):
     """`dataset="zztj"`: the packaged sample as the demo uses it; `data=PATH`: a file in format
     `fmt`: "zztj" (Zizhi Tongjian jsonl; queries generated, split by `split`), "chunqiutr"
     (records jsonl + `queries` jsonl, ChunQiuTR format) or "chunqiutr-release" (the release's meta
     JSON + `queries` jsonl); the ChunQiuTR formats take their splits from Calendar.chunqiu().
     `dataset="synth-a" | "synth-b" | "synth-c"`: the offline English sets
     (`tempokern.datasets.synth.load_synth`, generated at first use and cached; `synth_size`,
-    `synth_seed`), with their own splits and calendars."""
+    `synth_seed`), with their own splits and calendars. `on_error`: "raise" or "skip" (malformed rows
+    of a `data` file are left out and listed in the dataset's report)."""
     if (dataset is None) == (data is None):
         raise ValueError("give exactly one of --dataset (zztj) or --data PATH")
     if dataset is not None:
@@ -147,14 +149,14 @@ def load_dataset(dataset: Optional[str] = None, data: Optional[str] = None, fmt:
     if not p.exists():
         raise FileNotFoundError(f"data file {p} does not exist")
     if fmt == "zztj":
-        return zztj_demo_dataset(p, split=split)
+        return zztj_demo_dataset(p, split=split, on_error=on_error)
     if queries is None:
         raise ValueError(f"format {fmt!r} needs the queries file too (--data-queries PATH)")
     if not Path(queries).exists():
         raise FileNotFoundError(f"queries file {queries} does not exist")
     from tempokern.datasets import load_chunqiutr, load_chunqiutr_release
     load = load_chunqiutr if fmt == "chunqiutr" else load_chunqiutr_release
-    return load(str(p), str(queries))
+    return load(str(p), str(queries), on_error=on_error)
 
 
 # ---- what the losses see ------------------------------------------------------------------------

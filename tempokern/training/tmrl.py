@@ -414,7 +414,7 @@ class TMRLTrainer:
             qc = torch.cat([q.unsqueeze(1), emb[s:s + B * n].reshape(B, n, d)], dim=1)
             valid = torch.tensor([[True] + v for v in layout["nq_valid"]], dtype=torch.bool, device=emb.device)
             kw.update(qc=qc, qc_valid=valid.reshape(B, 1 + n))
-        if self.alpha > 0 and x_t is not None:
+        if self.alpha > 0 and x_t is not None and n > 0:   # n = 0: no row of the batch has a negative query
             qc = torch.cat([q.unsqueeze(1), emb[s:s + B * n].reshape(B, n, d)], dim=1)
             # repeats (a row with fewer than n negative queries) and placeholders (a row with none) are
             # masked out of every term: L_Temp's candidates and X of L_Dist / L_CKA
