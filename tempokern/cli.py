@@ -657,7 +657,7 @@ def cmd_train(args) -> int:
     init_distributed_from_env()
     ds = _dataset(args)
     if ds.calendar is None:
-        raise CLIError(f"--method ctd needs times on a calendar, and no record or query of {ds.name!r} has a time "
+        raise ValueError(f"--method ctd needs times on a calendar, and no record or query of {ds.name!r} has a time "
                        "field (time/date, start/end) or a date in its text")
     eval_split = "dev" if any(q.split == "dev" for q in ds.queries) and \
         not any(q.split == "val" for q in ds.queries) else "val"

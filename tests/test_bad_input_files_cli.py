@@ -282,7 +282,7 @@ CASES = [
     ("data-not-utf8", data_not_utf8, 1, "bad.jsonl:2: not valid UTF-8"),
     ("beir-empty-folder-eval", empty_beir("eval", "--model", "{ctd}"), 1, "corpus.jsonl holds no usable documents"),
     ("beir-empty-folder-train", empty_beir("train", *OUT, *TINY), 1, "corpus.jsonl holds no usable documents"),
-    ("beir-untimed-train-ctd", untimed_beir, 1, "dataset 'beir' has no calendar"),
+    ("beir-untimed-train-ctd", untimed_beir, 1, "--method ctd needs times on a calendar"),
     ("beir-folder-without-files", lambda c: ["eval", "--model", str(c.saved / "ctd"), "--data", str(c.tmp),
                                              "--format", "beir"], 1, "corpus.jsonl does not exist (a BEIR set is"),
 ]

@@ -218,6 +218,7 @@ def test_save_encoder_never_leaves_no_checkpoint(ds, tmp_path, monkeypatch):
     """Fails on a030c41: save_encoder renamed the old checkpoint away before moving the new one in, so a
     crash between the two renames left no checkpoint at `path`. Now the swap is atomic (Linux), and on
     the fallback path the old checkpoint is recovered on the next read."""
+    import tempokern._util as fs
     import tempokern.models.checkpoint as ck
     m = tiny_model(ds).eval()
     path = tmp_path / "best"
@@ -226,7 +227,7 @@ def test_save_encoder_never_leaves_no_checkpoint(ds, tmp_path, monkeypatch):
     with torch.no_grad():
         m.ctx_gate.fill_(7.0)
     calls = []
-    real_replace = ck.os.replace
+    real_replace = fs.os.replace
 
     def crash_on_second_rename(a, b):
         calls.append((str(a), str(b)))
@@ -236,14 +237,14 @@ def test_save_encoder_never_leaves_no_checkpoint(ds, tmp_path, monkeypatch):
     # 1) the atomic exchange: `path` holds the new checkpoint, nothing else is renamed
     (tmp_path / "p1").mkdir()
     (tmp_path / "p2").mkdir()
-    has_exchange = ck._exchange(tmp_path / "p1", tmp_path / "p2")
-    monkeypatch.setattr(ck.os, "replace", crash_on_second_rename)
+    has_exchange = fs._exchange(tmp_path / "p1", tmp_path / "p2")
+    monkeypatch.setattr(fs.os, "replace", crash_on_second_rename)
     m.save(path)
     if has_exchange:
         assert calls == []
     assert float(CTDEncoder.load(path).ctx_gate) == 7.0
     # 2) the fallback (no renameat2): a crash after moving the old one away is recovered on load
-    monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(fs, "_exchange", lambda a, b: False)
     with torch.no_grad():
         m.ctx_gate.fill_(9.0)
     calls.clear()

@@ -156,6 +156,10 @@ def load_beir(folder: Optional[str] = None, *, corpus: Optional[str] = None, que
             raise FileNotFoundError(f"BEIR folder {folder} does not exist")
         corpus = corpus or os.path.join(folder, "corpus.jsonl")
         queries = queries or os.path.join(folder, "queries.jsonl")
+        for what, pth in (("corpus", corpus), ("queries", queries)):  # the documents first: the likeliest slip
+            if not os.path.isfile(pth):
+                raise FileNotFoundError(f"{what} file {pth} does not exist (a BEIR set is corpus.jsonl, "
+                                        "queries.jsonl and qrels/<split>.tsv)")
         if qrels is None:
             files = qrels_files(folder)
             if split is not None:
