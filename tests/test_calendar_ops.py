@@ -81,7 +81,7 @@ def test_fourier_table_pinned_values():
         torch.testing.assert_close(fn(3, 6, dtype=torch.float64), want[:, :6], atol=1e-15, rtol=0)
         # half = 1: one frequency, exp(0) = 1 (the max(1, half - 1) guard)
         torch.testing.assert_close(fn(3, 2, dtype=torch.float64), want[:, [0, 3]], atol=1e-15, rtol=0)
-        # dim = 1: ChunQiuTR returns the position column c / (n - 1) (issue 13, item 6)
+        # dim = 1: ChunQiuTR returns the position column c / (n - 1)
         torch.testing.assert_close(fn(5, 1, dtype=torch.float64),
                                    torch.tensor([[0.0], [0.25], [0.5], [0.75], [1.0]], dtype=torch.float64))
         assert torch.equal(fn(1, 1, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64))

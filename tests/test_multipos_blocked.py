@@ -273,7 +273,7 @@ def launch_spy(monkeypatch, name, value, record=lambda op, S: op):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["none", "table", "exact"])
 def test_two_x_torch_rule(device, dtype, mode):
-    # CPU kernel, CUDA emulator and GPU alike (issue 13 item 13: every gradient, every dtype)
+    # CPU kernel, CUDA emulator and GPU alike (every gradient, every dtype)
     assert_two_x_rule(device, dtype, mode)
 
 

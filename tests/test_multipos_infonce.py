@@ -218,7 +218,7 @@ def test_loss_matches_hand_computation():
     row1 = torch.logsumexp(s[1], 0) - s[1, 1]                              # fallback: diagonal
     col0 = torch.logsumexp(s[:, 0], 0) - s[0, 0]                           # column 0: only row 0 overlaps
     # column 1: row 0 overlaps, and row 1's fallback (1, 1) is a positive too: ChunQiuTR's d->q mask is the
-    # row-fallback mask transposed (issue 13 item 2; the old column-only fallback gave s[0, 1] alone)
+    # row-fallback mask transposed (a column-only fallback would give s[0, 1] alone)
     col1 = torch.logsumexp(s[:, 1], 0) - torch.logsumexp(torch.stack([s[0, 1], s[1, 1]]), 0)
     want = ((row0 + row1) / 2 + (col0 + col1) / 2) / 2
     got = tempokern.multipos_infonce(q, d, sp_q, sp_d, temperature=1.0)
@@ -453,7 +453,7 @@ def test_cuda_float64_partial_matches_reference(gpu, Bq, Bd, off, rw, cw):
     from conftest import cpu_kernels
     # CTDLoss(gather=True)'s calls: Bq != Bd, a diagonal offset, one weight zero; float64, strided q rows,
     # bias, extra negatives; the CUDA path and the CPU kernel, each against the plain-torch reference of the
-    # partial loss (issue 13 item 14: no more product code against product code).
+    # partial loss (the reference, not product code against product code).
     from tempokern._ops.multipos_infonce import multipos_infonce_partial
     from tempokern.reference.multipos_infonce import multipos_infonce_partial as ref_partial
     g = torch.Generator().manual_seed(Bq + Bd)
