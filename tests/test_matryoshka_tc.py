@@ -27,6 +27,29 @@ from test_matryoshka_infonce import make, make_bias, run_both
 from test_multipos_v3 import by_thread_order
 
 
+TILE_ORDER = [(128, 128), (128, 64), (64, 64)]
+
+
+def expected_tile(choice: str, K: int, table: bool, hist_points: int, optin: int):
+    """The tile TEMPOKERN_MRL_TC_TILE=choice gives a call of K levels on a device with `optin` bytes of opt-in shared
+    memory per block, from the kernels' shared-memory sizes: auto takes the largest tile whose backward leaves room
+    for two blocks per SM (K <= 2; more levels: 64 x 64), a named tile itself or the next smaller that fits."""
+    k = mb.kernels()
+    size = lambda t: k.mrl_tc_smem_bytes(K, True, table, hist_points, *t)  # noqa: E731
+    if choice == "auto":
+        return next((t for t in TILE_ORDER if size(t) <= optin // 2), (64, 64)) if K <= 2 else (64, 64)
+    named = tuple(int(v) for v in choice.split("x"))
+    return next((t for t in TILE_ORDER[TILE_ORDER.index(named):] if size(t) <= optin), (64, 64))
+
+
+def launch_tile(F):
+    """(tile rows, tile columns, the tile expected_tile's rule gives this launch's call on its device)."""
+    P = 0 if F.tab is None else F.tab[2].numel()
+    hist = P if 0 < P <= mb.TC_HIST_SMEM_POINTS else 0
+    want = expected_tile(mb.tc_tile_choice(), F.c.K, F.tab is not None, hist, mb.kernels().mrl_tc_smem_optin(F.dev))
+    return F.tr, F.tcl, want
+
+
 @pytest.fixture(params=["64x64", "128x64", "128x128"])
 def tc(monkeypatch, request):
     """The default variant, with every tensor-core launch recorded: (op, i0, i1, K, outputs) and the levels
@@ -43,6 +66,7 @@ def tc(monkeypatch, request):
     def spy(F, op, i0, i1, K, splits, **outs):
         real(F, op, i0, i1, K, splits, **outs)
         rec["launches"].append((op, i0, i1, K, splits, F, {k: (None if v is None else v.clone()) for k, v in outs.items()}))
+        rec.setdefault("tiles", []).append(launch_tile(F))
 
     def mp(*a, **k):
         rec["levels"] += 1
@@ -50,11 +74,8 @@ def tc(monkeypatch, request):
     monkeypatch.setattr(mb, "_tc_launch", spy)
     monkeypatch.setattr(mpi, "multipos_infonce", mp)
     yield rec
-    tiles = {(x[5].tr, x[5].tcl) for x in rec["launches"]}
-    if request.param == "64x64":
-        assert tiles <= {(64, 64)}
-    elif any(x[3] <= 2 for x in rec["launches"]) and "TEMPOKERN_EMU_SMEM_OPTIN" not in os.environ:
-        assert tuple(int(v) for v in request.param.split("x")) in tiles
+    for tr, tcl, want in rec.get("tiles", []):  # the device's limits decide (an H100, an A100, sm_86 / sm_89)
+        assert (tr, tcl) == want
 
 
 def bf16_inputs(gpu, B, H, Bd=None, spans=None, seed=0):
@@ -255,8 +276,45 @@ def test_shared_memory_limit_caps_the_levels(cuda_emu, tc, monkeypatch):
         tempokern.matryoshka_infonce(q, d, (16, 32, 48, 64, 80), temperature=0.1, **sp)
         assert len(tc["launches"]) == 1 and tc["levels"] == 5
     monkeypatch.delenv("TEMPOKERN_EMU_SMEM_OPTIN")
+    with cuda_emulator(cuda_emu):  # the emulated arch's own limit again: 8 levels on an H100 or A100, 4 on sm_86
+        optin = mb.kernels().mrl_tc_smem_optin(0)
+        assert mb.tc_max_levels(q) == (8 if optin >= 160 * 1024 else 4)
+
+
+def test_pre_ampere_gpus_take_the_other_paths(cuda_emu, tc, monkeypatch):
+    # sm_75 (a T4): no bf16 wmma; the kernels refuse the device and the calls take the levels path, never raising
+    from tempokern._ops.common import cuda_emulator
+    monkeypatch.setenv("TEMPOKERN_EMU_ARCH", "75")
+    q, d, sp = bf16_inputs("cpu", 40, 64, spans="random", seed=13)
     with cuda_emulator(cuda_emu):
-        assert mb.tc_max_levels(q) == 8
+        assert not mb.tc_supported(q)
+        loss = tempokern.matryoshka_infonce(q, d, DIMS, temperature=0.1, **sp)
+    assert not tc["launches"] and tc["levels"] == len(DIMS)
+    lr = ref(q.double(), d.double(), DIMS, temperature=0.1, **sp)
+    torch.testing.assert_close(loss.double(), lr, rtol=0, atol=2e-2 * lr.abs().item())
+    for arch, ok in (("80", True), ("86", True), ("89", True), ("90", True), ("75", False)):
+        monkeypatch.setenv("TEMPOKERN_EMU_ARCH", arch)
+        with cuda_emulator(cuda_emu):
+            assert mb.tc_supported(q) == ok
+
+
+def test_kernel_refuses_pre_ampere_devices(cuda_emu, monkeypatch):
+    from tempokern._ops.common import cuda_emulator
+    q = torch.zeros(64, 40, dtype=torch.bfloat16)
+    f = torch.zeros(64, dtype=torch.float32)
+    i = torch.zeros(64, dtype=torch.int32)
+    u = torch.zeros(64, dtype=torch.uint8)
+    out = torch.zeros(1, 64, 1, 2)
+    p = {k: t.data_ptr() for k, t in dict(q=q, d=q, rho=f, kap=f, q_lo=i, q_hi=i, d_lo=i, d_hi=i, row_none=u,
+                                          col_none=u, row_part=out).items()}
+    sizes = [64, 64, 0, 64, 40, 40, 64, 64, 0, 0, 1, 1, 0, 64, 64]
+    bf = mb.DTYPE_CODES[torch.bfloat16]
+    monkeypatch.setenv("TEMPOKERN_EMU_ARCH", "75")
+    with cuda_emulator(cuda_emu):
+        with pytest.raises(RuntimeError, match="compute capability 8.0"):
+            mb.kernels().mrl_tc_launch("fwd", 0, 0, bf, sizes, [0, 32], 1.0, p)
+        monkeypatch.setenv("TEMPOKERN_EMU_ARCH", "80")
+        mb.kernels().mrl_tc_launch("fwd", 0, 0, bf, sizes, [0, 32], 1.0, p)  # runs
 
 
 def test_kernel_rejects_what_it_cannot_run(cuda_emu):

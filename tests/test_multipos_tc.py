@@ -14,6 +14,8 @@ from tempokern._ops.multipos_infonce import multipos_infonce_partial
 from tempokern.reference import multipos_infonce as ref
 from tempokern.reference.multipos_infonce import multipos_infonce_partial as ref_partial
 
+from test_matryoshka_tc import launch_tile
+
 
 @pytest.fixture(params=["auto", "128x64", "64x64"])
 def paths(monkeypatch, request):
@@ -28,7 +30,7 @@ def paths(monkeypatch, request):
 
     def tc(F, *a, **k):
         seen["tc"] += 1
-        seen["rows"].add((F.tr, F.tcl, F.tab is not None, F.c.K))
+        seen["rows"].add(launch_tile(F))
         return real_tc(F, *a, **k)
 
     def bl(*a, **k):
@@ -37,15 +39,11 @@ def paths(monkeypatch, request):
     monkeypatch.setattr(mb, "_tc_launch", tc)
     monkeypatch.setattr(mpb._Launcher, "launch", bl)
     yield seen
-    if seen["tc"]:  # one-level calls (K = 1; the Matryoshka calls here have K = 2)
-        if request.param == "auto":  # two blocks per SM: 128 x 128 (K = 1) and 128 x 64 (K = 2) without a table
-            # bias (97 and 105 KB of the emulated H100's 227), at most 128 x 64 with one (its gradient tile and
-            # histogram)
-            for tr, tcl, tab, K in seen["rows"]:
-                assert (tr, tcl) == ((128, 128) if K == 1 else (128, 64)) if not tab else tr * tcl <= 128 * 64
-        else:
-            want = tuple(int(v) for v in request.param.split("x"))
-            assert {(tr, tcl) for tr, tcl, _, _ in seen["rows"]} == {want}
+    # one-level calls (K = 1; the Matryoshka calls here have K = 2): the tile the device's shared memory gives
+    # (test_matryoshka_tc.expected_tile; on an H100 auto takes 128 x 128 at K = 1 and 128 x 64 at K = 2 without a
+    # table bias, 97 and 105 KB of its 227)
+    for tr, tcl, want in seen["rows"]:
+        assert (tr, tcl) == want
 
 
 def inputs(B, H, *, Bd=None, seed=0, dtype=torch.bfloat16):
