@@ -21,6 +21,13 @@
 #include "matryoshka_infonce/matryoshka_tc.h"
 
 namespace tk {
+
+bool mrl_tc_supported_cuda(int device) {
+  int major = 0;
+  TK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major >= 8;
+}
+
 namespace {
 
 using namespace nvcuda;
@@ -581,12 +588,6 @@ template <bool BWD> void launch(const MrlTcParams& p, int device, uintptr_t stre
 
 void mrl_tc_fwd_cuda(const MrlTcParams& p, int device, uintptr_t stream) { launch<false>(p, device, stream); }
 void mrl_tc_bwd_cuda(const MrlTcParams& p, int device, uintptr_t stream) { launch<true>(p, device, stream); }
-
-bool mrl_tc_supported_cuda(int device) {
-  int major = 0;
-  TK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return major >= 8;
-}
 
 int mrl_tc_smem_optin_cuda(int device) {
   int optin = 0;
