@@ -178,9 +178,12 @@ def build(out: Path | None = None, asan: bool = False, jobs: int | None = None, 
         for old in out.parent.iterdir():
             if old != out and old.is_dir() and old.name.endswith("-asan") == asan:
                 shutil.rmtree(old, ignore_errors=True)
-        for old in OBJ_CACHE.glob("*.o"):  # and cached objects no build has used for a day
+        for old in OBJ_CACHE.glob("*.o"):  # and cached objects no build has used for a day, and patched modules
             if time.time() - old.stat().st_mtime > 86400:
                 old.unlink(missing_ok=True)
+        for old in (ROOT / "build" / "cuda_emu_patched").glob("*"):
+            if time.time() - old.stat().st_mtime > 86400:
+                shutil.rmtree(old, ignore_errors=True)
     if not quiet:
         print(f"built {target}")
     return target
@@ -190,7 +193,9 @@ def load(path: Path | None = None):
     """Imports the emulated `_C` (built if needed) without touching sys.modules['tempokern._C'].
     TEMPOKERN_EMU_ASAN=1 loads the AddressSanitizer build (the process must run with LD_PRELOAD=libasan)."""
     path = Path(path) if path else build(asan=os.environ.get("TEMPOKERN_EMU_ASAN") == "1", quiet=True)
-    spec = importlib.util.spec_from_file_location("tempokern_cuda_emu._C", path)
+    # a package name per build directory: CPython reuses an extension already loaded under the same name, so a
+    # patched module (build(patches=...)) loaded beside the default one needs its own
+    spec = importlib.util.spec_from_file_location(f"tempokern_cuda_emu_{path.parent.name.replace('-', '_')}._C", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
