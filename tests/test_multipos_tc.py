@@ -20,8 +20,8 @@ from test_matryoshka_tc import launch_tile
 @pytest.fixture(params=["auto", "128x64", "64x64"])
 def paths(monkeypatch, request):
     """Counts the tensor-core launches and the blocked path's kernel launches; each test with the default tile
-    rule (TEMPOKERN_MRL_TC_TILE=auto: 128 x 128 for one-level calls without a table bias, 64 x 64 with one, where
-    the 128-row tiles would leave room for one block per SM) and with 128 x 64 and 64 x 64 tiles."""
+    rule (TEMPOKERN_MRL_TC_TILE=auto: the largest tile whose backward leaves room for two blocks per SM) and with
+    128 x 64 and 64 x 64 tiles, every launch's tile checked against the rule computed from the device's limits."""
     monkeypatch.delenv("TEMPOKERN_MPB_TC", raising=False)
     monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
     monkeypatch.setenv("TEMPOKERN_MRL_TC_TILE", request.param)
