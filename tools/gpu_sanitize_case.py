@@ -142,8 +142,8 @@ for sym in (False, True):
         torch.autograd.grad(lf, [qb3, db3])
         check(f"multipos tc table={pts} sym={sym}", lf, lr, 1e-4)
 # every tensor-core tile, forward and backward, with the column tiles spread over splits (the default grid) and with
-# one split per row block (TC_BLOCKS_PER_SM = 0: each CUDA block walks every column tile); K = 2 levels, so that the
-# 128-row tiles are taken, and a table bias (K = 1) for the 64 x 64 tile's table path
+# one split per row block (TC_BLOCKS_PER_SM = 0: each CUDA block walks every column tile): K = 2 levels, K = 1 for
+# 128 x 128 (whose 2-level backward exceeds an A100's 163 KB), and the table bias (K = 1, the tile where it fits)
 tc_seen = set()
 _tc_launch = mb._tc_launch
 
@@ -156,12 +156,13 @@ def _spy(F, op, i0, i1, K, splits, **outs):
 mb._tc_launch = _spy
 blocks_per_sm = mb.TC_BLOCKS_PER_SM
 qt, dt = q2.detach().bfloat16(), d2.detach().bfloat16()
-for tile in ("64x64", "128x64", "128x128"):
+tile_dims = {"64x64": (16, 32), "128x64": (16, 32), "128x128": (32,)}
+for tile, dims in tile_dims.items():
     os.environ["TEMPOKERN_MRL_TC_TILE"] = tile
     for mb.TC_BLOCKS_PER_SM in (blocks_per_sm, 0):
         qa, da = qt.clone().requires_grad_(), dt.clone().requires_grad_()
-        lf = tempokern.matryoshka_infonce(qa, da, (16, 32), temperature=0.05, symmetric=True)
-        lr = ref.matryoshka_infonce(qt.double(), dt.double(), (16, 32), temperature=0.05, symmetric=True)
+        lf = tempokern.matryoshka_infonce(qa, da, dims, temperature=0.05, symmetric=True)
+        lr = ref.matryoshka_infonce(qt.double(), dt.double(), dims, temperature=0.05, symmetric=True)
         gf = torch.autograd.grad(lf, [qa, da])
         check(f"matryoshka tc tile={tile} walk={mb.TC_BLOCKS_PER_SM == 0}", lf, lr, 1e-4)
         bb = tuple(t.float() for t in b2)
@@ -172,9 +173,11 @@ for tile in ("64x64", "128x64", "128x128"):
 mb.TC_BLOCKS_PER_SM = blocks_per_sm
 mb._tc_launch = _tc_launch
 os.environ.pop("TEMPOKERN_MRL_TC_TILE")
-if mb.tc_supported(qt):
-    want = {(tr, tcl, op, walk) for tr, tcl in ((64, 64), (128, 64), (128, 128)) for op in ("fwd", "bwd")
-            for walk in (False, True)}
+if mb.tc_supported(qt):  # each tile whose backward fits this device's shared memory
+    optin = mb.kernels().mrl_tc_smem_optin(mb.launch_args(qt)[0])
+    fits = [tuple(int(v) for v in t.split("x")) for t, dims in tile_dims.items()
+            if mb.kernels().mrl_tc_smem_bytes(len(dims), True, False, 0, *(int(v) for v in t.split("x"))) <= optin]
+    want = {(tr, tcl, op, walk) for tr, tcl in fits for op in ("fwd", "bwd") for walk in (False, True)}
     assert want <= tc_seen, f"tensor-core launches missing: {sorted(want - tc_seen)}"
     print(f"tensor-core tiles run: {sorted(tc_seen)}", flush=True)
 NG = 9000 if SMALL else 70000
