@@ -155,15 +155,20 @@ def shared_data(rel: str) -> str:
     return os.path.join(os.sep, "nonexistent-shared-data", rel)
 
 
-def by_thread_order(cuda_emu, run, seeds=(0, 1, 2)):
-    """run() on the CUDA emulator under each seeded thread order (its outputs, one entry per seed)."""
+def by_thread_order(cuda_emu, run, seeds=(0, 1, 2), warp_serial=(0, 1)):
+    """run() on the CUDA emulator under each seeded thread order, then warp-serial (each warp runs alone up to its
+    next __syncthreads, which catches a missing barrier between warps at different positions) last warp first (seed
+    0) and in a seeded warp order: its outputs, one entry per seed of `seeds`, then of `warp_serial`."""
     from tempokern._ops.common import cuda_emulator
     outs = []
     try:
-        for s in seeds:
-            cuda_emu.emu_set_seed(s)
-            with cuda_emulator(cuda_emu):
-                outs.append(run())
+        for serial, ss in ((False, seeds), (True, warp_serial)):
+            cuda_emu.emu_set_warp_serial(serial)
+            for s in ss:
+                cuda_emu.emu_set_seed(s)
+                with cuda_emulator(cuda_emu):
+                    outs.append(run())
     finally:
         cuda_emu.emu_set_seed(0)
+        cuda_emu.emu_set_warp_serial(False)
     return outs

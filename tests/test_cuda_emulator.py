@@ -2,6 +2,7 @@
 kernels must give the same numbers whatever order the emulated threads reach their barriers in (a data
 race between barriers changes results under a shuffled order) and within sm_86's shared memory."""
 import os
+import sys
 
 import pytest
 import torch
@@ -226,3 +227,79 @@ def test_gpu_sanitize_case_runs_on_the_emulator(cuda_emu, monkeypatch):
     with cuda_emulator(cuda_emu):
         exec(compile(src.replace('dev = "cuda"', 'dev = "cpu"'), "gpu_sanitize_case.py", "exec"),
              {"__name__": "__main__"})
+
+
+# ---- warp-serial scheduling: races between warps at different barrier positions ----------------------------
+
+_OVERLAY_BARRIER = ("        if (BWD && Smem<OT, TR, TC>::kOverlay && l == K - 1)\n"
+                    "          __syncthreads();  // every warp is done with the operand stages the tile overlays\n")
+_CAL_FIRST_BARRIER = ("    __syncthreads();  // the previous tile's products are done with P^T (and, the first time, "
+                      "Ts is written)\n")
+_REMOVED = {  # case: (source file, the barrier's lines)
+    "tensor-core overlay": ("csrc/matryoshka_infonce/matryoshka_tc_cuda.cu", _OVERLAY_BARRIER),
+    "calendar v3 forward": ("csrc/calendar/calendar_v3_cuda.cu", _CAL_FIRST_BARRIER),
+}
+
+
+def _removed_barrier_case(case, monkeypatch):
+    """run() for the kernel whose barrier the case removes: the backward of a 64 x 64 tensor-core tile (whose top
+    level's score tile overlays the operand stages), or calendar_context v3 on one SM (each CTA walks 11 tiles,
+    rewriting P^T for the next one)."""
+    import tempokern._ops.common as common
+    if case == "tensor-core overlay":
+        monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
+        monkeypatch.setenv("TEMPOKERN_MRL_TC_TILE", "64x64")
+
+        def run():
+            g = torch.Generator().manual_seed(7)
+            q, d = (torch.randn(70, 64, generator=g).bfloat16().requires_grad_() for _ in range(2))
+            loss = tempokern.matryoshka_infonce(q, d, (16, 32, 64), temperature=0.1, symmetric=True)
+            return [loss.detach(), *torch.autograd.grad(loss, (q, d))]
+        return run
+    monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
+    monkeypatch.setattr(common, "sm_count", lambda device: 1)
+
+    def run():
+        g = torch.Generator().manual_seed(5)
+        xs = [3 * torch.randn(701, n, generator=g) for n in (17, 1, 12)]
+        return [tempokern.calendar_context(xs, 44, 0.7)]
+    return run
+
+
+def _outputs(emu, run, serial, seed=0):
+    emu.emu_set_warp_serial(serial)
+    emu.emu_set_seed(seed)
+    try:
+        with cuda_emulator(emu):
+            return run()
+    finally:
+        emu.emu_set_warp_serial(False)
+        emu.emu_set_seed(0)
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("case", sorted(_REMOVED))
+def test_warp_serial_mode_catches_a_removed_barrier(cuda_emu, monkeypatch, case):
+    # the kernel with the barrier removed (a patched copy of its source, built beside the emulator's module): the
+    # default schedule (warps advance one collective per round) and shuffled thread orders give the right
+    # numbers, so only warp-serial scheduling (each warp alone up to its next __syncthreads) reports the race
+    path, barrier = _REMOVED[case]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, path)) as f:
+        src = f.read()
+    assert src.count(barrier) == 1, "the barrier this test removes moved: update _REMOVED"
+    sys.path.insert(0, os.path.join(root, "tools", "cuda_emu"))
+    try:
+        import build as emu_build
+    finally:
+        sys.path.pop(0)
+    patched = emu_build.load(emu_build.build(patches={path: src.replace(barrier, "")}, quiet=True))
+    run = _removed_barrier_case(case, monkeypatch)
+    want = _outputs(cuda_emu, run, False)
+    assert _same(_outputs(cuda_emu, run, True), want) and _same(_outputs(cuda_emu, run, True, 1), want)
+    assert _same(_outputs(patched, run, False), want)  # missed by the default schedule
+    caught = [not _same(_outputs(patched, run, True, s), want) for s in (0, 1)]
+    assert all(caught), caught

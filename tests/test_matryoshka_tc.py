@@ -9,10 +9,12 @@ of 16) on the CUDA emulator (and a GPU where there is one), against tempokern.re
   inv_temp rho kap g, rounded once to bfloat16), element by element against a float64 computation from the
   kernel's own inputs: within one bfloat16 ulp; its dL/drho and dL/dkap partial sums to float32 rounding;
 - the 2x-torch rule in bfloat16 for the loss, the levels and every gradient;
-- grids at 132 / 108 / 58 / 1 SMs, three thread orders, the levels up to the top weighted one, all weights
-  zero, and which calls fall back (float32, dims not multiples of 16, extra negatives, a bias, more levels than
-  the shared memory holds: sm_86's 99 KB), and the kernel's own checks."""
-import os
+- grids at 132 / 108 / 58 / 1 SMs, three thread orders and two warp-serial orders, the levels up to the top
+  weighted one, all weights zero, and which calls fall back (float32, dims not multiples of 16, extra negatives, a
+  bias, the candidate not enabled, more levels than the shared memory holds: sm_86's 99 KB, a GPU below compute capability 8.0), and the
+  kernel's own checks;
+- every launch's tile against the rule computed from the device's shared-memory limit (expected_tile), so the
+  tests pass on any card: TEMPOKERN_EMU_ARCH=80 / 86 / 90 runs them at the A100's, sm_86's and the H100's limits."""
 
 import pytest
 import torch
@@ -26,7 +28,42 @@ from tempokern.reference import matryoshka_infonce as ref
 from tempokern._ops import dispatch
 from conftest import by_thread_order
 from test_matryoshka_infonce import make, make_bias, run_both
-from test_multipos_tc import force_tile
+
+
+TILE_ORDER = [(128, 128), (128, 64), (64, 64)]
+
+
+def expected_tile(choice: str, K: int, table: bool, hist_points: int, optin: int):
+    """The tile `choice` ("auto": the product's rule, mb.tc_tile; a named tile: force_tile) gives a call of K levels on a device with `optin` bytes of opt-in shared
+    memory per block, from the kernels' shared-memory sizes: auto takes the largest tile whose backward leaves room
+    for two blocks per SM (K <= 2; more levels: 64 x 64), a named tile itself or the next smaller that fits."""
+    k = mb.kernels()
+    size = lambda t: k.mrl_tc_smem_bytes(K, True, table, hist_points, *t)  # noqa: E731
+    if choice == "auto":
+        return next((t for t in TILE_ORDER if size(t) <= optin // 2), (64, 64)) if K <= 2 else (64, 64)
+    named = tuple(int(v) for v in choice.split("x"))
+    return next((t for t in TILE_ORDER[TILE_ORDER.index(named):] if size(t) <= optin), (64, 64))
+
+
+_TILE_CHOICE = ["auto"]  # the tile the current test forces (force_tile)
+
+
+def force_tile(monkeypatch, name: str) -> None:
+    """Makes the tensor-core kernels run the tile `name` ("128x64", "64x64", "128x128"; "auto": the product's rule)
+    where the device's shared memory allows it, else the next smaller one (expected_tile's rule): the kernels take
+    every tile, the product picks one by a fixed rule (mb.tc_tile), and these tests run the others too."""
+    monkeypatch.setitem(_TILE_CHOICE, 0, name)
+    if name != "auto":
+        monkeypatch.setattr(mb, "tc_tile", lambda K, table, hist_points, optin:
+                            expected_tile(name, K, table, hist_points, optin))
+
+
+def launch_tile(F):
+    """(tile rows, tile columns, the tile expected_tile's rule gives this launch's call on its device)."""
+    P = 0 if F.tab is None else F.tab[2].numel()
+    hist = P if 0 < P <= mb.TC_HIST_SMEM_POINTS else 0
+    want = expected_tile(_TILE_CHOICE[0], F.c.K, F.tab is not None, hist, mb.kernels().mrl_tc_smem_optin(F.dev))
+    return F.tr, F.tcl, want
 
 
 @pytest.fixture(params=["64x64", "128x64", "128x128"])
@@ -42,6 +79,7 @@ def tc(monkeypatch, request):
     def spy(F, op, i0, i1, K, splits, **outs):
         real(F, op, i0, i1, K, splits, **outs)
         rec["launches"].append((op, i0, i1, K, splits, F, {k: (None if v is None else v.clone()) for k, v in outs.items()}))
+        rec.setdefault("tiles", []).append(launch_tile(F))
 
     def mp(*a, **k):
         rec["levels"] += 1
@@ -50,11 +88,8 @@ def tc(monkeypatch, request):
     monkeypatch.setattr(mpi, "multipos_infonce", mp)
     with dispatch.use("mrl_tc"):
         yield rec
-    tiles = {(x[5].tr, x[5].tcl) for x in rec["launches"]}
-    if request.param == "64x64":
-        assert tiles <= {(64, 64)}
-    elif any(x[3] <= 2 for x in rec["launches"]) and "TEMPOKERN_EMU_SMEM_OPTIN" not in os.environ:
-        assert tuple(int(v) for v in request.param.split("x")) in tiles
+    for tr, tcl, want in rec.get("tiles", []):  # the device's limits decide (an H100, an A100, sm_86 / sm_89)
+        assert (tr, tcl) == want
 
 
 def bf16_inputs(gpu, B, H, Bd=None, spans=None, seed=0):
@@ -254,8 +289,45 @@ def test_shared_memory_limit_caps_the_levels(cuda_emu, tc, monkeypatch):
         tempokern.matryoshka_infonce(q, d, (16, 32, 48, 64, 80), temperature=0.1, **sp)
         assert len(tc["launches"]) == 1 and tc["levels"] == 5
     monkeypatch.delenv("TEMPOKERN_EMU_SMEM_OPTIN")
+    with cuda_emulator(cuda_emu):  # the emulated arch's own limit again: 8 levels on an H100 or A100, 4 on sm_86
+        optin = mb.kernels().mrl_tc_smem_optin(0)
+        assert mb.tc_max_levels(q) == (8 if optin >= 160 * 1024 else 4)
+
+
+def test_pre_ampere_gpus_take_the_other_paths(cuda_emu, tc, monkeypatch):
+    # sm_75 (a T4): no bf16 wmma; the kernels refuse the device and the calls take the levels path, never raising
+    from tempokern._ops.common import cuda_emulator
+    monkeypatch.setenv("TEMPOKERN_EMU_ARCH", "75")
+    q, d, sp = bf16_inputs("cpu", 40, 64, spans="random", seed=13)
     with cuda_emulator(cuda_emu):
-        assert mb.tc_max_levels(q) == 8
+        assert not mb.tc_supported(q)
+        loss = tempokern.matryoshka_infonce(q, d, DIMS, temperature=0.1, **sp)
+    assert not tc["launches"] and tc["levels"] == len(DIMS)
+    lr = ref(q.double(), d.double(), DIMS, temperature=0.1, **sp)
+    torch.testing.assert_close(loss.double(), lr, rtol=0, atol=2e-2 * lr.abs().item())
+    for arch, ok in (("80", True), ("86", True), ("89", True), ("90", True), ("75", False)):
+        monkeypatch.setenv("TEMPOKERN_EMU_ARCH", arch)
+        with cuda_emulator(cuda_emu):
+            assert mb.tc_supported(q) == ok
+
+
+def test_kernel_refuses_pre_ampere_devices(cuda_emu, monkeypatch):
+    from tempokern._ops.common import cuda_emulator
+    q = torch.zeros(64, 40, dtype=torch.bfloat16)
+    f = torch.zeros(64, dtype=torch.float32)
+    i = torch.zeros(64, dtype=torch.int32)
+    u = torch.zeros(64, dtype=torch.uint8)
+    out = torch.zeros(1, 64, 1, 2)
+    p = {k: t.data_ptr() for k, t in dict(q=q, d=q, rho=f, kap=f, q_lo=i, q_hi=i, d_lo=i, d_hi=i, row_none=u,
+                                          col_none=u, row_part=out).items()}
+    sizes = [64, 64, 0, 64, 40, 40, 64, 64, 0, 0, 1, 1, 0, 64, 64]
+    bf = mb.DTYPE_CODES[torch.bfloat16]
+    monkeypatch.setenv("TEMPOKERN_EMU_ARCH", "75")
+    with cuda_emulator(cuda_emu):
+        with pytest.raises(RuntimeError, match="compute capability 8.0"):
+            mb.kernels().mrl_tc_launch("fwd", 0, 0, bf, sizes, [0, 32], 1.0, p)
+        monkeypatch.setenv("TEMPOKERN_EMU_ARCH", "80")
+        mb.kernels().mrl_tc_launch("fwd", 0, 0, bf, sizes, [0, 32], 1.0, p)  # runs
 
 
 def test_kernel_rejects_what_it_cannot_run(cuda_emu):
@@ -293,8 +365,7 @@ def test_kernel_rejects_what_it_cannot_run(cuda_emu):
 
 @pytest.mark.parametrize("row_w,col_w", [(0.5, 0.5), (1.0, 0.0)])
 def test_opcheck_on_the_tensor_core_path(cuda_emu, tc, row_w, col_w):
-    # the op with bf16_operands=True (float32 inputs holding bf16 values, as matryoshka_partial passes them) and
-    # tensor_cores=True (the candidate allowed)
+    # the op with bf16_operands=True (float32 inputs holding bf16 values, as matryoshka_partial passes them)
     from tempokern._ops.common import cuda_emulator
     from tempokern._ops.matryoshka_infonce import inverse_prefix_norms
     q, d, _ = bf16_inputs("cpu", 40, 32, seed=21)

@@ -10,42 +10,26 @@ import torch
 import tempokern
 import tempokern._ops.matryoshka_blocked as mb
 import tempokern._ops.multipos_blocked as mpb
-from tempokern._ops import dispatch
 from tempokern._ops.multipos_infonce import multipos_infonce_partial
 from tempokern.reference import multipos_infonce as ref
 from tempokern.reference.multipos_infonce import multipos_infonce_partial as ref_partial
 
-
-def force_tile(monkeypatch, name: str) -> None:
-    """Makes the tensor-core kernels run the tile `name` ("128x64", "64x64"; "auto": the product's rule) where the
-    device's shared memory allows it, else the next smaller one: the kernels take every tile, the product picks
-    one by a fixed rule (mb.tc_tile), and these tests run the others too."""
-    if name == "auto":
-        return
-    order = [(128, 128), (128, 64), (64, 64)]
-    want = tuple(int(v) for v in name.split("x"))
-
-    def tile(K, table, hist_points, optin):
-        k = mb.kernels()
-        for tr, tcl in order[order.index(want):]:
-            if k.mrl_tc_smem_bytes(K, True, table, hist_points, tr, tcl) <= optin:
-                return tr, tcl
-        return 64, 64
-    monkeypatch.setattr(mb, "tc_tile", tile)
+from tempokern._ops import dispatch
+from test_matryoshka_tc import force_tile, launch_tile
 
 
 @pytest.fixture(params=["auto", "128x64", "64x64"])
 def paths(monkeypatch, request):
     """Counts the tensor-core launches and the blocked path's kernel launches, with the candidates enabled; each
-    test with the tile rule (128 x 128 for one-level calls without a table bias, 64 x 64 with one, where the
-    128-row tiles would leave room for one block per SM) and with 128 x 64 and 64 x 64 tiles."""
+    test with the tile rule (the largest tile whose backward leaves room for two blocks per SM) and with 128 x 64
+    and 64 x 64 tiles, every launch's tile checked against the rule computed from the device's limits."""
     force_tile(monkeypatch, request.param)
     seen = {"tc": 0, "blocked": 0, "rows": set()}
     real_tc, real_bl = mb._tc_launch, mpb._Launcher.launch
 
     def tc(F, *a, **k):
         seen["tc"] += 1
-        seen["rows"].add((F.tr, F.tcl, F.tab is not None, F.c.K))
+        seen["rows"].add(launch_tile(F))
         return real_tc(F, *a, **k)
 
     def bl(*a, **k):
@@ -55,15 +39,11 @@ def paths(monkeypatch, request):
     monkeypatch.setattr(mpb._Launcher, "launch", bl)
     with dispatch.use("mpb_tc", "mrl_tc"):
         yield seen
-    if seen["tc"]:  # one-level calls (K = 1; the Matryoshka calls here have K = 2)
-        if request.param == "auto":  # two blocks per SM: 128 x 128 (K = 1) and 128 x 64 (K = 2) without a table
-            # bias (97 and 105 KB of the emulated H100's 227), at most 128 x 64 with one (its gradient tile and
-            # histogram)
-            for tr, tcl, tab, K in seen["rows"]:
-                assert (tr, tcl) == ((128, 128) if K == 1 else (128, 64)) if not tab else tr * tcl <= 128 * 64
-        else:
-            want = tuple(int(v) for v in request.param.split("x"))
-            assert {(tr, tcl) for tr, tcl, _, _ in seen["rows"]} == {want}
+    # one-level calls (K = 1; the Matryoshka calls here have K = 2): the tile the device's shared memory gives
+    # (test_matryoshka_tc.expected_tile; on an H100 auto takes 128 x 128 at K = 1 and 128 x 64 at K = 2 without a
+    # table bias, 97 and 105 KB of its 227)
+    for tr, tcl, want in seen["rows"]:
+        assert (tr, tcl) == want
 
 
 def inputs(B, H, *, Bd=None, seed=0, dtype=torch.bfloat16):

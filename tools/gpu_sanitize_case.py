@@ -1,5 +1,5 @@
 """Small calls of every CUDA op, for compute-sanitizer (memcheck / racecheck / synccheck):
-    compute-sanitizer --tool memcheck python3 tools/gpu_sanitize_case.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python3 tools/gpu_sanitize_case.py
 Exits non-zero on a mismatch with the float64 reference (so a sanitizer run also checks the numbers). The calls
 of the default paths run with no candidate enabled; the candidates' calls (tempokern/_ops/dispatch.py) run with
 TEMPOKERN_EXPERIMENTAL naming them (candidate() below)."""
@@ -8,8 +8,23 @@ import os
 
 import torch
 
-import tempokern
-from tempokern import reference as ref
+memcheck needs PyTorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1): with it, tensors are carved out
+of large cached segments, and an overrun past a tensor's end that stays inside its segment is invisible to
+memcheck. The script sets the variable itself (before torch allocates) unless the caller set it.
+
+The tensor-core Matryoshka kernels run with each of their tiles (64 x 64, whose backward's top-level score tile
+overlays the operand stages; 128 x 64; 128 x 128), each also with one CUDA block per row block walking every column
+tile (one column split), and the script checks that those launches happened. The offset bias has a nonzero scale,
+so the bias values it checks are not all zero."""
+import os
+
+os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+
+import torch  # noqa: E402
+
+import tempokern  # noqa: E402
+import tempokern._ops.matryoshka_blocked as mb  # noqa: E402
+from tempokern import reference as ref  # noqa: E402
 
 torch.manual_seed(0)
 dev = "cuda"
@@ -39,6 +54,8 @@ n = torch.randn(7, H, device=dev, dtype=torch.float64, requires_grad=True)
 s = torch.randint(0, 40, (B,), device=dev)
 sp = ((s, s + 1), (torch.randint(0, 40, (B,), device=dev),) * 2)
 ob = tempokern.nn.OffsetBias(features=8, hidden=6).to(dev).double()
+with torch.no_grad():
+    ob.scale.fill_(0.7)  # the module starts at scale 0: every bias value would be 0
 u_q, u_d = torch.rand(B, device=dev, dtype=torch.float64), torch.rand(B, device=dev, dtype=torch.float64)
 b = (u_q, u_d, *tempokern.nn.offset_bias.bias_params(ob))
 for pts in (None, 97):
@@ -54,6 +71,7 @@ for pts in (None, 97):
 qb, db = q.detach().bfloat16().requires_grad_(), d.detach().bfloat16().requires_grad_()
 tempokern.multipos_infonce(qb, db, *sp, temperature=0.1).backward()
 bias32 = tuple(t.float() for t in b)
+assert ref.offset_bias(*b).abs().max().item() > 1e-3, "the offset bias checks need nonzero bias values"
 check("offset_bias exact", tempokern.offset_bias(*bias32), ref.offset_bias(*b), 1e-4)
 logits = [torch.randn(B, k, device=dev) for k in (12, 32, 12)]
 check("calendar_context", tempokern.calendar_context(logits, 16), ref.calendar_context([x.double() for x in logits], 16), 1e-5)
@@ -140,6 +158,62 @@ for sym in (False, True):
                                           bias=None if pts is None else b, bias_table_points=pts, symmetric=sym)
                 torch.autograd.grad(lf, [qb3, db3])
                 check(f"multipos bf16 {names or 'default'} table={pts} sym={sym}", lf, lr, 1e-4)
+# every tensor-core tile, forward and backward, with the column tiles spread over splits (the default grid) and with
+# one split per row block (TC_BLOCKS_PER_SM = 0: each CUDA block walks every column tile): K = 2 levels, K = 1 for
+# 128 x 128 (whose 2-level backward exceeds an A100's 163 KB), and the table bias (K = 1, the tile where it fits)
+tc_seen = set()
+_tc_launch = mb._tc_launch
+
+
+def _spy(F, op, i0, i1, K, splits, **outs):
+    tc_seen.add((F.tr, F.tcl, op, splits[1] > 1))
+    return _tc_launch(F, op, i0, i1, K, splits, **outs)
+
+
+mb._tc_launch = _spy
+blocks_per_sm = mb.TC_BLOCKS_PER_SM
+qt, dt = q2.detach().bfloat16(), d2.detach().bfloat16()
+tile_dims = {"64x64": (16, 32), "128x64": (16, 32), "128x128": (32,)}
+_tc_tile = mb.tc_tile
+
+
+def _forced(name):  # the named tile where the shared memory holds it, else the next smaller (the kernels take any)
+    order = [(128, 128), (128, 64), (64, 64)]
+    want = tuple(int(v) for v in name.split("x"))
+
+    def tile(K, table, hist_points, optin):
+        for t in order[order.index(want):]:
+            if mb.kernels().mrl_tc_smem_bytes(K, True, table, hist_points, *t) <= optin:
+                return t
+        return 64, 64
+    return tile
+
+
+for tile, dims in tile_dims.items():
+    mb.tc_tile = _forced(tile)
+    for mb.TC_BLOCKS_PER_SM in (blocks_per_sm, 0):
+        qa, da = qt.clone().requires_grad_(), dt.clone().requires_grad_()
+        with candidate("mrl_tc,mpb_tc"):
+            lf = tempokern.matryoshka_infonce(qa, da, dims, temperature=0.05, symmetric=True)
+        lr = ref.matryoshka_infonce(qt.double(), dt.double(), dims, temperature=0.05, symmetric=True)
+        gf = torch.autograd.grad(lf, [qa, da])
+        check(f"matryoshka tc tile={tile} walk={mb.TC_BLOCKS_PER_SM == 0}", lf, lr, 1e-4)
+        bb = tuple(t.float() for t in b2)
+        with candidate("mrl_tc,mpb_tc"):
+            lf = tempokern.multipos_infonce(qa, da, *sp2, temperature=0.1, bias=bb, bias_table_points=257)
+        lr = ref.multipos_infonce(qt.double(), dt.double(), *sp2, temperature=0.1, bias=b2, bias_table_points=257)
+        torch.autograd.grad(lf, [qa, da])
+        check(f"multipos tc table tile={tile} walk={mb.TC_BLOCKS_PER_SM == 0}", lf, lr, 1e-4)
+mb.TC_BLOCKS_PER_SM = blocks_per_sm
+mb._tc_launch = _tc_launch
+mb.tc_tile = _tc_tile
+if mb.tc_supported(qt):  # each tile whose backward fits this device's shared memory
+    optin = mb.kernels().mrl_tc_smem_optin(mb.launch_args(qt)[0])
+    fits = [tuple(int(v) for v in t.split("x")) for t, dims in tile_dims.items()
+            if mb.kernels().mrl_tc_smem_bytes(len(dims), True, False, 0, *(int(v) for v in t.split("x"))) <= optin]
+    want = {(tr, tcl, op, walk) for tr, tcl in fits for op in ("fwd", "bwd") for walk in (False, True)}
+    assert want <= tc_seen, f"tensor-core launches missing: {sorted(want - tc_seen)}"
+    print(f"tensor-core tiles run: {sorted(tc_seen)}", flush=True)
 NG = 9000 if SMALL else 70000
 gg = torch.randn(NG, H, device=dev)
 ugg = torch.rand(NG, device=dev)

@@ -132,6 +132,11 @@ TK_BIND(mrl_block) {
     run_on(device, [&] { optin = 0; }, [&] { TK_CUDA_ONLY(optin = mrl_tc_smem_optin_cuda(device)); });
     return optin;
   });
+  m.def("mrl_tc_supported", [](int device) {
+    bool ok = false;
+    run_on(device, [&] { ok = false; }, [&] { TK_CUDA_ONLY(ok = mrl_tc_supported_cuda(device)); });
+    return ok;
+  }, "whether the device runs the bf16 tensor-core kernels (compute capability 8.0 or newer)");
   m.def("mrl_tc_max_levels", [](int device) {
     int K = 0;
     run_on(device, [&] { K = 0; }, [&] { TK_CUDA_ONLY(K = mrl_tc_max_levels_cuda(device)); });

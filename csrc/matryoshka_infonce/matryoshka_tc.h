@@ -116,6 +116,7 @@ void mrl_tc_fwd_cuda(const MrlTcParams& p, int device, uintptr_t stream);
 void mrl_tc_bwd_cuda(const MrlTcParams& p, int device, uintptr_t stream);
 int mrl_tc_max_levels_cuda(int device);  // the most levels whose backward fits the device's shared memory
 int mrl_tc_smem_optin_cuda(int device);  // the device's opt-in shared memory per block
+bool mrl_tc_supported_cuda(int device);  // compute capability >= 8.0 (bf16 wmma); older GPUs take other paths
 #endif
 
 }  // namespace tk

@@ -21,12 +21,27 @@
 #include "matryoshka_infonce/matryoshka_tc.h"
 
 namespace tk {
+
+bool mrl_tc_supported_cuda(int device) {
+  int major = 0;
+  TK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major >= 8;
+}
+
 namespace {
 
 using namespace nvcuda;
 using cuda::ex2f;
 using cuda::lse_of;
 using cuda::ninf;
+
+// bf16 wmma needs sm_80: for older archs (sm_75) the kernel compiles to a trap, and launch() refuses devices
+// below compute capability 8.0 (mrl_tc_supported_cuda; the Python side routes them to the other paths).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define TK_MRL_TC_BF16_MMA 0
+#else
+#define TK_MRL_TC_BF16_MMA 1
+#endif
 
 constexpr int T = kMrlTcTile;  // 64 columns per tile (TR rows: 64 or 128, a template parameter)
 constexpr int kThreads = 128;
@@ -421,6 +436,9 @@ __device__ void bwd_epilogue(const MrlTcParams& p, Smem<OT, TR, TC>& sm, int64_t
 
 template <typename OT, bool BWD, bool TAB, int TR, int TC>
 __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
+#if !TK_MRL_TC_BF16_MMA
+  __trap();
+#else
   constexpr int RPT = kThreads / TR;  // threads per row in the row passes
   extern __shared__ __align__(128) unsigned char mrl_tc_smem[];
   Smem<OT, TR, TC> sm(mrl_tc_smem, p.K, BWD, TAB, p.P);
@@ -501,6 +519,7 @@ __global__ void __launch_bounds__(kThreads) mrl_tc_kernel(const MrlTcParams p) {
       for (int64_t k = tid; k < p.P; k += kThreads) slot[k] = (double)sm.hs[k];
     }
   }
+#endif  // TK_MRL_TC_BF16_MMA
 }
 
 void check(const MrlTcParams& p, bool bwd) {
@@ -539,6 +558,8 @@ template <bool BWD> void launch(const MrlTcParams& p, int device, uintptr_t stre
   check(p, BWD);
   if (p.R == 0 || p.C == 0) return;
   cuda::set_device(device);
+  if (!mrl_tc_supported_cuda(device))
+    throw std::runtime_error("mrl_tc: the bf16 tensor-core kernels need a GPU of compute capability 8.0 or newer");
   const size_t smem =
       mrl_tc_smem_bytes(p.K, BWD, p.table != nullptr, p.table && p.hist_smem ? p.P : 0, p.tile_rows, p.tile_cols);
   int optin = 0;

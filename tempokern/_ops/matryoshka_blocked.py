@@ -299,6 +299,27 @@ def _tc_levels(cuda: bool, dev: int) -> int:
     return _TC_LEVELS[dev]
 
 
+_TC_SUPPORTED: dict = {}
+
+
+def tc_supported(t) -> bool:
+    """Whether t's device runs the bfloat16 tensor-core kernels: compute capability 8.0 or newer (bf16 wmma; the
+    kernels compile to a trap for sm_75 and refuse older devices at launch). The CUDA emulator answers for its
+    configured arch (TEMPOKERN_EMU_ARCH, default 90). Calls on older GPUs (a T4's 7.5) take the other paths."""
+    dev, _ = launch_args(t)
+    return _tc_supported(t.device.type == "cuda", dev)
+
+
+@torch.compiler.assume_constant_result
+def _tc_supported(cuda: bool, dev: int) -> bool:
+    """A device query torch.compile records as a constant (it cannot trace the extension's function)."""
+    if not cuda:  # the emulator: its arch can change between tests
+        return bool(kernels().mrl_tc_supported(dev))
+    if dev not in _TC_SUPPORTED:
+        _TC_SUPPORTED[dev] = bool(kernels().mrl_tc_supported(dev))
+    return _TC_SUPPORTED[dev]
+
+
 def tc_eligible(half, H: int, seg: Sequence[int], N: int, bias_mode, t) -> bool:
     """Whether the tensor-core kernels can take a call (the caller decides whether they may): bfloat16 operands (half), no extra negatives,
     no bias or the table bias (bias_mode None / "table"; "exact" never), rows of a multiple of 8 features
@@ -307,6 +328,8 @@ def tc_eligible(half, H: int, seg: Sequence[int], N: int, bias_mode, t) -> bool:
     K = len(seg) - 1
     if not (half == torch.bfloat16 and N == 0 and bias_mode in (None, "table")
             and H % 8 == 0 and 1 <= K and all(b > a and b % 16 == 0 for a, b in zip(seg, seg[1:]))):
+        return False
+    if not tc_supported(t):
         return False
     if bias_mode is None:
         return K <= tc_max_levels(t)

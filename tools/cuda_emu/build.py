@@ -7,7 +7,9 @@ The result is a `_C` module with the same functions as the real one, for `load()
 
     python tools/cuda_emu/build.py [--out DIR] [--asan]
 
-Output goes to build/cuda_emu/<hash of the sources and flags>[-asan]/, so an unchanged tree is not rebuilt.
+Output goes to build/cuda_emu/<hash of the sources and flags>[-asan]/, so an unchanged tree is not rebuilt; objects
+are cached in build/cuda_emu_obj/ by the hash of their source, every header and the flags, so a change to one .cu
+or .cpp file recompiles that file only (a header change recompiles everything).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -94,11 +97,30 @@ def module_path(out: Path) -> Path:
     return out / ("_C" + importlib.machinery.EXTENSION_SUFFIXES[0])
 
 
-def build(out: Path | None = None, asan: bool = False, jobs: int | None = None, quiet: bool = False) -> Path:
-    """Builds (if needed) and returns the path of the emulated `_C` module."""
+OBJ_CACHE = ROOT / "build" / "cuda_emu_obj"  # objects by hash of (source, every header, flags), shared by builds
+
+
+def _headers_hash() -> bytes:
+    h = hashlib.sha256()
+    for p in sorted(CSRC.rglob("*.h")) + sorted(CSRC.rglob("*.cuh")) + sorted(HERE.rglob("*.h")):
+        h.update(str(p.relative_to(ROOT)).encode())
+        h.update(p.read_bytes())
+    return h.digest()
+
+
+def build(out: Path | None = None, asan: bool = False, jobs: int | None = None, quiet: bool = False,
+          patches: dict | None = None) -> Path:
+    """Builds (if needed) and returns the path of the emulated `_C` module. patches: {path relative to the repository
+    root: text} of .cu files to compile in place of theirs (a separate module under build/cuda_emu_patched/, for
+    tests that check what the emulator reports about a modified kernel); the other files' objects come from the
+    object cache."""
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise SystemExit(f"the CUDA emulator build needs a C++ compiler ({cxx} not found)")
+    patches = {str(k): v for k, v in (patches or {}).items()}
+    if patches and out is None:
+        ph = hashlib.sha256((tree_hash(asan) + repr(sorted(patches.items()))).encode()).hexdigest()[:16]
+        out = ROOT / "build" / "cuda_emu_patched" / (ph + ("-asan" if asan else ""))
     out = out or ROOT / "build" / "cuda_emu" / (tree_hash(asan) + ("-asan" if asan else ""))
     target = module_path(out)
     if target.exists():
@@ -114,19 +136,33 @@ def build(out: Path | None = None, asan: bool = False, jobs: int | None = None, 
         jobs_list.append((p, obj / (str(p.relative_to(CSRC)).replace("/", "__") + ".o"), [shim]))
     for p in cu:
         g = gen / (str(p.relative_to(ROOT)).replace("/", "__") + ".cpp")
-        g.write_text(rewrite_cu(p.read_text(), str(p.relative_to(ROOT))))
+        rel = str(p.relative_to(ROOT))
+        g.write_text(rewrite_cu(patches.pop(rel) if rel in patches else p.read_text(), rel))
         # the rewritten file is compiled as if it sat beside the original, so its quoted includes resolve
         jobs_list.append((g, obj / (g.name + ".o"), [f"-I{p.parent}", shim, "-include", "emu_core.h"]))
+    if patches:
+        raise SystemExit(f"patches name files that are not CUDA sources of the tree: {sorted(patches)}")
     fl = flags(asan)
     for extra in ("emu_runtime.cpp", "emu_bind.cpp"):
         jobs_list.append((HERE / extra, obj / (extra + ".o"), [shim]))
+    heads = _headers_hash()
+    OBJ_CACHE.mkdir(parents=True, exist_ok=True)
 
     def compile_one(job):
         src, o, inc = job
         cmd = [cxx, *fl, *inc, "-c", str(src), "-o", str(o)]
+        key = hashlib.sha256(heads + src.read_bytes() + " ".join([cxx, src.name, *fl, *inc]).encode()).hexdigest()[:24]
+        cached = OBJ_CACHE / (key + ".o")
+        if cached.exists():
+            shutil.copyfile(cached, o)
+            os.utime(cached)
+            return o
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(f"compiling {src} for the CUDA emulator failed:\n{r.stderr[-6000:]}")
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(o, tmp)
+        os.replace(tmp, cached)
         return o
 
     n = jobs or max(1, min(len(jobs_list), os.cpu_count() or 1))
@@ -142,6 +178,12 @@ def build(out: Path | None = None, asan: bool = False, jobs: int | None = None, 
         for old in out.parent.iterdir():
             if old != out and old.is_dir() and old.name.endswith("-asan") == asan:
                 shutil.rmtree(old, ignore_errors=True)
+        for old in OBJ_CACHE.glob("*.o"):  # and cached objects no build has used for a day, and patched modules
+            if time.time() - old.stat().st_mtime > 86400:
+                old.unlink(missing_ok=True)
+        for old in (ROOT / "build" / "cuda_emu_patched").glob("*"):
+            if time.time() - old.stat().st_mtime > 86400:
+                shutil.rmtree(old, ignore_errors=True)
     if not quiet:
         print(f"built {target}")
     return target
@@ -151,7 +193,9 @@ def load(path: Path | None = None):
     """Imports the emulated `_C` (built if needed) without touching sys.modules['tempokern._C'].
     TEMPOKERN_EMU_ASAN=1 loads the AddressSanitizer build (the process must run with LD_PRELOAD=libasan)."""
     path = Path(path) if path else build(asan=os.environ.get("TEMPOKERN_EMU_ASAN") == "1", quiet=True)
-    spec = importlib.util.spec_from_file_location("tempokern_cuda_emu._C", path)
+    # a package name per build directory: CPython reuses an extension already loaded under the same name, so a
+    # patched module (build(patches=...)) loaded beside the default one needs its own
+    spec = importlib.util.spec_from_file_location(f"tempokern_cuda_emu_{path.parent.name.replace('-', '_')}._C", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <map>
 #include <mutex>
@@ -241,6 +242,16 @@ std::atomic<uint64_t> g_seed_value{[] {
 }()};
 uint64_t g_seed() { return g_seed_value.load(); }
 
+// Warp-serial scheduling (TEMPOKERN_EMU_WARP_SERIAL=1 or emu_set_warp_serial(true)): between two __syncthreads each
+// warp runs alone, through all its warp collectives, until every lane is at the next __syncthreads (or has exited),
+// then the next warp: the last warp first (the reverse of the default schedule's index order), or a seeded random
+// order with TEMPOKERN_EMU_SEED. Shared-memory writes a warp makes after a point where a barrier is missing then land
+// before the reads the warps that run after it make in the same interval.
+std::atomic<bool> g_warp_serial_value{[] {
+  const char* e = std::getenv("TEMPOKERN_EMU_WARP_SERIAL");
+  return e && *e && std::strcmp(e, "0") != 0;
+}()};
+
 void run_block(BlockRun& b, const char* name) {
   const int n = (int)b.fibers.size();
   std::vector<int> order(n);
@@ -258,23 +269,36 @@ void run_block(BlockRun& b, const char* name) {
     f.sp = fiber_stack(t_stacks.get(i), kStack);
 #endif
   }
+  auto step = [&](Fiber& f) {  // runs f to its next barrier
+    t_cur = &f;
+#ifdef EMU_UCONTEXT
+    swapcontext(&b.sched, &f.ctx);
+#else
+    emu_switch(&b.sched_sp, f.sp);
+#endif
+    t_cur = nullptr;
+    if (b.error) std::rethrow_exception(b.error);
+  };
+  const bool serial = g_warp_serial_value.load();
+  std::vector<int> worder(b.nwarps);
+  for (int w = 0; w < b.nwarps; ++w) worder[w] = b.nwarps - 1 - w;
   for (;;) {
     // Run every ready fiber to its next barrier (in a seeded random order when TEMPOKERN_EMU_SEED is set,
     // so results that depend on the order threads reach a barrier, that is races, change between seeds).
     if (g_seed()) std::shuffle(order.begin(), order.end(), rng);
-    for (int i : order) {
-      Fiber& f = b.fibers[i];
-      if (f.state != State::Ready) continue;
-      t_cur = &f;
-#ifdef EMU_UCONTEXT
-      swapcontext(&b.sched, &f.ctx);
-#else
-      emu_switch(&b.sched_sp, f.sp);
-#endif
-      t_cur = nullptr;
-      if (b.error) std::rethrow_exception(b.error);
+    if (serial) {  // one warp at a time up to the next __syncthreads (its collectives resolved as it goes)
+      if (g_seed()) std::shuffle(worder.begin(), worder.end(), rng);
+      for (int w : worder) {
+        do {
+          for (int i : order)
+            if (i / 32 == w && b.fibers[i].state == State::Ready) step(b.fibers[i]);
+        } while (resolve_warps(b, name));
+      }
+    } else {
+      for (int i : order)
+        if (b.fibers[i].state == State::Ready) step(b.fibers[i]);
+      if (resolve_warps(b, name)) continue;
     }
-    if (resolve_warps(b, name)) continue;
     int done = 0, at_block = 0;
     for (const Fiber& f : b.fibers) {
       done += f.state == State::Done;
@@ -319,6 +343,7 @@ void device_error(const std::string& what) {
 
 unsigned long long launch_count() { return g_launches.load(); }
 void set_seed(unsigned long long seed) { g_seed_value = seed; }
+void set_warp_serial(bool on) { g_warp_serial_value = on; }
 
 void set_last_error(cudaError_t e, const std::string& msg) {
   g_last = e;
@@ -405,15 +430,36 @@ cudaError_t cudaGetDeviceCount(int* n) {
   *n = 1;
   return cudaSuccess;
 }
+namespace {
+// The emulated device's compute capability (10 major + minor): TEMPOKERN_EMU_ARCH=75|80|86|89|90 (default 90, the
+// H100), read at each query so that tests can change it.
+int emu_arch() {
+  const char* e = std::getenv("TEMPOKERN_EMU_ARCH");
+  const int a = e && *e ? std::atoi(e) : 90;
+  return a >= 50 && a < 200 ? a : 90;
+}
+// Opt-in shared memory per block of that arch: sm_75 64 KB, sm_80 (A100) 163 KB, sm_86 / sm_89 99 KB, sm_90 227 KB.
+int arch_smem_optin(int arch) {
+  switch (arch) {
+    case 75: return 65536;
+    case 80: case 87: return 166912;
+    case 86: case 89: return 101376;
+    default: return arch < 80 ? 65536 : 232448;
+  }
+}
+}  // namespace
+
 cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
   switch (a) {
     case cudaDevAttrMaxThreadsPerBlock: *v = 1024; break;
     case cudaDevAttrMaxSharedMemoryPerBlock: *v = 48 * 1024; break;
     case cudaDevAttrMultiProcessorCount: *v = 132; break;
+    case cudaDevAttrComputeCapabilityMajor: *v = emu_arch() / 10; break;
+    case cudaDevAttrComputeCapabilityMinor: *v = emu_arch() % 10; break;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: {
-      // H100: 227 KB; TEMPOKERN_EMU_SMEM_OPTIN=101376 emulates sm_86/sm_89's 99 KB.
+      // TEMPOKERN_EMU_SMEM_OPTIN (bytes) where set, else the limit of TEMPOKERN_EMU_ARCH (the H100's 227 KB by default).
       const char* e = std::getenv("TEMPOKERN_EMU_SMEM_OPTIN");
-      *v = e ? std::atoi(e) : 232448;
+      *v = e && *e ? std::atoi(e) : arch_smem_optin(emu_arch());
       break;
     }
     default: return cudaErrorInvalidValue;
