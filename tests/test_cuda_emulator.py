@@ -194,7 +194,7 @@ def test_table_histogram_beyond_shared_memory_falls_back_to_global(cuda_emu, sme
 
 
 def test_emulator_switch_is_local_to_the_calling_thread(cuda_emu):
-    # issue 13 item 21: while one thread emulates, CPU ops in another thread keep the CPU kernels
+    # while one thread emulates, CPU ops in another thread keep the CPU kernels
     import threading
 
     from tempokern._ops import common
@@ -216,9 +216,9 @@ def test_emulator_switch_is_local_to_the_calling_thread(cuda_emu):
 
 
 def test_gpu_sanitize_case_runs_on_the_emulator(cuda_emu, monkeypatch):
-    """tools/gpu_sanitize_case.py (what a GPU session runs under compute-sanitizer) with its CUDA device replaced
-    by the emulator: every call it makes runs and agrees with the float64 reference, so the GPU session's
-    sanitizer run does not stop at a bug of the script (session 10: a duplicate Matryoshka dim at SAN_SMALL)."""
+    """tools/gpu_sanitize_case.py (what tools/gpu_check.sh runs under compute-sanitizer) with its CUDA device
+    replaced by the emulator: every call it makes runs and agrees with the float64 reference, so the sanitizer run
+    on a GPU does not stop at a bug of the script (a duplicate Matryoshka dim at SAN_SMALL did once)."""
     monkeypatch.setenv("SAN_SMALL", "1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "tools", "gpu_sanitize_case.py")) as f:
@@ -247,8 +247,9 @@ def _removed_barrier_case(case, monkeypatch):
     rewriting P^T for the next one)."""
     import tempokern._ops.common as common
     if case == "tensor-core overlay":
-        monkeypatch.delenv("TEMPOKERN_MRL_CUDA", raising=False)
-        monkeypatch.setenv("TEMPOKERN_MRL_TC_TILE", "64x64")
+        from test_matryoshka_tc import force_tile
+        force_tile(monkeypatch, "64x64")
+        monkeypatch.setenv("TEMPOKERN_EXPERIMENTAL", "mrl_tc")
 
         def run():
             g = torch.Generator().manual_seed(7)
@@ -256,7 +257,7 @@ def _removed_barrier_case(case, monkeypatch):
             loss = tempokern.matryoshka_infonce(q, d, (16, 32, 64), temperature=0.1, symmetric=True)
             return [loss.detach(), *torch.autograd.grad(loss, (q, d))]
         return run
-    monkeypatch.delenv("TEMPOKERN_CALENDAR", raising=False)
+    monkeypatch.setenv("TEMPOKERN_EXPERIMENTAL", "calendar_v3")
     monkeypatch.setattr(common, "sm_count", lambda device: 1)
 
     def run():
