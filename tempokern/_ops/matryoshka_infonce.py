@@ -17,8 +17,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .common import (check_finite, check_positive, check_same_device, check_tensor, device_constant, dtype_code,
-                     kernels, launch_args, on_cuda_path, ptr)
+from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor,
+                     device_constant, dtype_code, kernels, launch_args, on_cuda_path, ptr)
 from .matryoshka_blocked import blocked_backward, blocked_forward, cuda_variant, tc_call, use_fused
 from ..reference.offset_bias import offset_bias_table
 from .multipos_infonce import _BIAS_NAMES, _check_span, _span_bounds, check_table_points, validate_bias
@@ -450,7 +450,7 @@ def validate(q, d, dims, temperature, weights, extra_neg, symmetric, q_span, d_s
                          f"{q.shape[0]} and {d.shape[0]}")
     if q.shape[0] < 1:
         raise ValueError("q must have at least one row")
-    temperature = check_positive("temperature", temperature)
+    temperature = check_reciprocal("temperature", temperature, acc_dtype(q.dtype))
     dims, weights = check_dims(dims, q.shape[1], weights)
     if extra_neg is not None:
         check_tensor("extra_neg", extra_neg, ndim=2, floating=True)
