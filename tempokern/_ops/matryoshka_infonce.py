@@ -497,6 +497,10 @@ def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *,
     Memory O((B + B' + N) * (H + K)); no B x B' or B x N buffer, forward or backward."""
     temperature, dims, weights = validate(q, d, dims, temperature, weights, extra_neg, symmetric, q_span, d_span,
                                           normalize, return_levels)
+    top = max(dims)
+    if top < q.shape[1]:  # columns past the largest dim are not read (as in the reference: a NaN there stays out)
+        q, d = q[:, :top], d[:, :top]
+        extra_neg = None if extra_neg is None else extra_neg[:, :top]
     if bias is not None:
         bias = validate_bias(bias, q.shape[0], d.shape[0])
         check_same_device(q=q, **{f"bias {n}": t for n, t in zip(_BIAS_NAMES, bias)})
