@@ -62,6 +62,7 @@ class Case:
     match: str = ""                     # ... and a fragment of its message (a regex)
     like: Optional[Callable] = None     # () -> the reference's result (compared with NaN positions)
     emu: bool = False                   # also run on the CUDA emulator
+    cpu: bool = True                    # run on the CPU kernels
 
 
 def _grads(fn, inputs):
@@ -75,6 +76,11 @@ def _grads(fn, inputs):
 
 def _ob(nan):
     inputs = _bias(nan=nan, dtype=torch.float64)
+    return (lambda: _grads(tempokern.offset_bias, inputs), lambda: _grads(ref.offset_bias, inputs))
+
+
+def _ob_empty():
+    inputs = (torch.zeros(0, dtype=torch.float64), *_bias(dtype=torch.float64)[1:])
     return (lambda: _grads(tempokern.offset_bias, inputs), lambda: _grads(ref.offset_bias, inputs))
 
 
@@ -143,6 +149,8 @@ CASES = [
     # NaN in the bias MLP propagates as through torch's relu: forward and every gradient
     Case("offset_bias NaN in w1", *_ob((2, (1, 0)))[:1], like=_ob((2, (1, 0)))[1], emu=True),
     Case("offset_bias NaN in b1", *_ob((3, 2))[:1], like=_ob((3, 2))[1], emu=True),
+    # no query row: the CUDA backward launched an empty grid (a floating-point exception on the emulator)
+    Case("offset_bias Bq=0 backward", *_ob_empty()[:1], like=_ob_empty()[1], emu=True, cpu=False),
     # ctd_topk: NaN scores are outside its contract; with the checks on, a NaN in the MLP is an error
     Case("ctd_topk exact bias, NaN in w1, checks on", _checked(_topk((2, (0, 1)))[0]), ValueError, r"bias w1 .*NaN"),
     Case("ctd_topk exact bias, NaN in b1, checks on", _checked(_topk((3, 4))[0]), ValueError, r"bias b1 .*NaN"),
@@ -227,19 +235,22 @@ def _same(out, want, path="result"):
     torch.testing.assert_close(out, want, equal_nan=True, rtol=1e-5, atol=1e-5, msg=lambda m: f"{path}: {m}")
 
 
-_PARAMS = [pytest.param(c, "cpu", id=c.name) for c in CASES] + [
+_PARAMS = [pytest.param(c, "cpu", id=c.name) for c in CASES if c.cpu] + [
     pytest.param(c, "emu", id=c.name + " [emu]", marks=pytest.mark.emu) for c in CASES if c.emu]
 
 
 @pytest.mark.parametrize("case,dev", _PARAMS)
 def test_bad_input(case, dev, request):
     emu = request.getfixturevalue("cuda_emu") if dev == "emu" else None
+    launches = emu.emu_launch_count() if emu is not None else 0
     with cuda_emulator(emu):
         if case.raises is not None:
             with pytest.raises(case.raises, match=case.match):
                 case.call()
             return
         out = case.call()
+    if emu is not None:
+        assert emu.emu_launch_count() > launches, "the case ran no kernel on the CUDA emulator"
     with cuda_emulator(None):
         want = case.like()
     _same(out, want)

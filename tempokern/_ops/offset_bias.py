@@ -201,6 +201,8 @@ def _offset_bias_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tens
     acc = _acc(out_dt)
     Bq, Bd = u_q.shape[0], u_d.shape[0]
     hidden, D = w1.shape
+    if Bq == 0 or Bd == 0:  # no pair: every gradient is zero (and no kernel grid has a row or column)
+        return [torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (u_q, u_d, w1, b1, w2, b2, scale)]
     uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, nact, mapping, (w1a, b1a, w2a) = _prepared(u_q, u_d, w1, b1, w2, b2,
                                                                                         scale)
     grad = grad.to(out_dt)  # no copy in the usual case; strides (even 0, broadcast) go to the kernel as they are
