@@ -85,6 +85,13 @@ def _ob_empty():
     return (lambda: _grads(tempokern.offset_bias, inputs), lambda: _grads(ref.offset_bias, inputs))
 
 
+def _mp_zero_row_nan():
+    q, d, s = torch.zeros(1, H, dtype=torch.float64), _emb(1, torch.float64, seed=3), _spans(1)
+    d[0, 2] = float("nan")   # 0 * NaN is NaN in torch's product: the loss is NaN
+    return (lambda: tempokern.multipos_infonce(q, d, s, s, temperature=0.1, symmetric=False),
+            lambda: ref.multipos_infonce(q, d, s, s, temperature=0.1, symmetric=False))
+
+
 def _topk(nan, k=3):
     q, g = _emb(B), _emb(B + 2, seed=3)
     bias = _bias(B, B + 2, nan=nan)
@@ -150,6 +157,8 @@ CASES = [
     # NaN in the bias MLP propagates as through torch's relu: forward and every gradient
     Case("offset_bias NaN in w1", *_ob((2, (1, 0)))[:1], like=_ob((2, (1, 0)))[1], emu=True),
     Case("offset_bias NaN in b1", *_ob((3, 2))[:1], like=_ob((3, 2))[1], emu=True),
+    # float64 products keep 0 * NaN = NaN (a zero query row against a NaN document)
+    Case("multipos_infonce float64 zero row x NaN", *_mp_zero_row_nan()[:1], like=_mp_zero_row_nan()[1], emu=True),
     # no query row: the CUDA backward launched an empty grid (a floating-point exception on the emulator)
     Case("offset_bias Bq=0 backward", *_ob_empty()[:1], like=_ob_empty()[1], emu=True, cpu=False, launches=False),
     # ctd_topk: NaN scores are outside its contract; with the checks on, a NaN in the MLP is an error
