@@ -344,8 +344,7 @@ inline void acc_nn(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam
   for (int64_t i = 0; i < M; ++i) {
     double* c = C + i * ldc;
     for (int64_t k = 0; k < K; ++k) {
-      const double a = alpha * A[i * sam + k * sak];
-      if (a == 0.0) continue;
+      const double a = alpha * A[i * sam + k * sak];  // (no skip of a == 0: 0 * NaN is NaN, as in torch's mm)
       const double* b = B + k * ldb;
       for (int64_t j = 0; j < N; ++j) c[j] += a * b[j];
     }

@@ -263,10 +263,10 @@ struct Kernel {
         r20 += b[2] * f0; r21 += b[2] * f1;
       }
       const A w0 = w2v[c0], w1_ = w2v[c0 + 1], w2_ = w2v[c0 + 2];
-      o00 += w0 * (p00 > z ? p00 : z) + w1_ * (p10 > z ? p10 : z) + w2_ * (p20 > z ? p20 : z);
-      o01 += w0 * (p01 > z ? p01 : z) + w1_ * (p11 > z ? p11 : z) + w2_ * (p21 > z ? p21 : z);
-      o10 += w0 * (r00 > z ? r00 : z) + w1_ * (r10 > z ? r10 : z) + w2_ * (r20 > z ? r20 : z);
-      o11 += w0 * (r01 > z ? r01 : z) + w1_ * (r11 > z ? r11 : z) + w2_ * (r21 > z ? r21 : z);
+      o00 += w0 * (p00 <= z ? z : p00) + w1_ * (p10 <= z ? z : p10) + w2_ * (p20 <= z ? z : p20);
+      o01 += w0 * (p01 <= z ? z : p01) + w1_ * (p11 <= z ? z : p11) + w2_ * (p21 <= z ? z : p21);
+      o10 += w0 * (r00 <= z ? z : r00) + w1_ * (r10 <= z ? z : r10) + w2_ * (r20 <= z ? z : r20);
+      o11 += w0 * (r01 <= z ? z : r01) + w1_ * (r11 <= z ? z : r11) + w2_ * (r21 <= z ? z : r21);
     }
     vstore(out0, o00); vstore(out0 + VL, o01);
     vstore(out1, o10); vstore(out1 + VL, o11);
@@ -405,7 +405,7 @@ struct Kernel {
       for (int64_t cc = 0; cc < HB; ++cc) hid[cc] += mr[cc] * f;
     }
     A o = 0;
-    for (int64_t cc = 0; cc < HB; ++cc) o += w2v[cc] * (hid[cc] > A(0) ? hid[cc] : A(0));
+    for (int64_t cc = 0; cc < HB; ++cc) o += w2v[cc] * (hid[cc] <= A(0) ? A(0) : hid[cc]);
     return (A)(p.scale * ((double)o + p.b2));
   }
 

@@ -135,7 +135,7 @@ __device__ __forceinline__ A exact_mlp(const CtdCudaParams& p, int64_t i, A ugv,
       if (kk + 1 < K2) h1 += w[kk + 1] * f[kk + 1];
     }
     const A h = h0 + h1;
-    out += w2[c] * (h > A(0) ? h : A(0));
+    out += w2[c] * (h <= A(0) ? A(0) : h);  // relu as torch's: NaN stays NaN
   }
   return out;
 }

@@ -123,7 +123,7 @@ TK_HD A bias_mlp_hidden_out(const A* w1, int64_t ld_w1, const A* b1, const A* w2
   A y = 0;
   for (int64_t n = 0; n < hidden; ++n) {
     const A h = bias_preact(w1, ld_w1, b1, phi, D, n);
-    if (n < n_linear || h > A(0)) y += w2[n] * h;
+    if (n < n_linear || !(h <= A(0))) y += w2[n] * h;  // NaN passes, as torch's relu
   }
   return y;
 }
@@ -148,7 +148,7 @@ TK_HD A bias_pair_backward(A diff, A g, const A* freqs, int64_t D, int64_t hidde
   A y = 0, dd = 0;
   for (int64_t n = 0; n < hidden; ++n) {
     const A h = bias_preact(w1, ld_w1, b1, phi, D, n);
-    if (!(n < n_linear || h > A(0))) continue;
+    if (!(n < n_linear || !(h <= A(0)))) continue;  // NaN passes (torch's relu gradient)
     y += w2[n] * h;
     A* r = R + n * (D + 1);
     const A* w = w1 + n * ld_w1;

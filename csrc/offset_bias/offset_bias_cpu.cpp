@@ -27,7 +27,8 @@ struct VK {
   static inline V ld(const A* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
   static inline void st(A* p, V v) { std::memcpy(p, &v, sizeof v); }
   static inline V splat(A s) { V v = V{} + s; return v; }
-  static inline V relu(V v) { const V z = V{}; return v > z ? v : z; }
+  // relu as torch's: NaN stays NaN (v <= 0 is false for NaN)
+  static inline V relu(V v) { const V z = V{}; return v <= z ? z : v; }
   static inline A hsum(V v) { A s = 0; for (int k = 0; k < W; ++k) s += v[k]; return s; }
 };
 
@@ -200,8 +201,8 @@ inline void fast_block_bwd(const A* Q, const A* Qd, int K2, int64_t hidden, int6
       for (int r = 0; r < 4; ++r) {
         y0 += w2[n + r] * KK::relu(acc[r][0]);
         y1 += w2[n + r] * KK::relu(acc[r][1]);
-        KK::st(Mbuf + (n + r) * ldm, acc[r][0] > z ? gs0 : z);
-        KK::st(Mbuf + (n + r) * ldm + W, acc[r][1] > z ? gs1 : z);
+        KK::st(Mbuf + (n + r) * ldm, acc[r][0] <= z ? z : gs0);
+        KK::st(Mbuf + (n + r) * ldm + W, acc[r][1] <= z ? z : gs1);
       }
       n += 4;
     } else {
@@ -209,8 +210,8 @@ inline void fast_block_bwd(const A* Q, const A* Qd, int K2, int64_t hidden, int6
       first_layer<A, 1>(Q + n * K2, K2, b1 + n, C, acc);
       y0 += w2[n] * KK::relu(acc[0][0]);
       y1 += w2[n] * KK::relu(acc[0][1]);
-      KK::st(Mbuf + n * ldm, acc[0][0] > z ? gs0 : z);
-      KK::st(Mbuf + n * ldm + W, acc[0][1] > z ? gs1 : z);
+      KK::st(Mbuf + n * ldm, acc[0][0] <= z ? z : gs0);
+      KK::st(Mbuf + n * ldm + W, acc[0][1] <= z ? z : gs1);
       n += 1;
     }
   }

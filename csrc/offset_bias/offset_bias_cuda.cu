@@ -193,7 +193,7 @@ __global__ void fwd_kernel(OffsetBiasParams p, SmemLayout<A> L) {
     A y = lin ? linear_units<A, KMAX>(sm, L, KP, s, c) : A(0);
     for (int64_t n = lin ? kLinearSlots : 0; n < nact; ++n) {
       const A h = sm[L.b1() + n] + wdot<A, KMAX>(sm + L.w() + n * 2 * KP, KP, s, c);
-      if (n < p.n_linear || h > A(0)) y += sm[L.w2() + n] * h;
+      if (n < p.n_linear || !(h <= A(0))) y += sm[L.w2() + n] * h;  // NaN passes, as torch's relu
     }
     if (j < p.Bd) static_cast<S*>(p.out)[i * p.ld_out + j] = from_acc<S>(scale * (y + b2));
     __syncwarp();  // rf is rewritten for the next row
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(256, (KMAX <= 16 && sizeof(A) == 4) ? 2 : 1) b
     A y = lin ? linear_units<A, KMAX>(sm, L, KP, s, c) : A(0);
     for (int64_t n = lin ? kLinearSlots : 0; n < nact; ++n) {
       const A h = sm[L.b1() + n] + wdot<A, KMAX>(sm + L.w() + n * 2 * KP, KP, s, c);
-      const bool on = n < p.n_linear || h > A(0);
+      const bool on = n < p.n_linear || !(h <= A(0));  // NaN passes (torch's relu gradient)
       if (on) y += sm[L.w2() + n] * h;
       sM[n * L.ldb + t] = on ? gs : A(0);
     }

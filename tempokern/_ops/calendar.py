@@ -10,7 +10,7 @@ import torch
 from . import common, dispatch
 from ..reference.calendar import fourier_table as _ref_fourier_table
 from ..reference.calendar import level_weights
-from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code,
+from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code,
                      kernels, launch_args, on_cuda_path, ptr, rows_contiguous)
 
 _MAX_LEVELS = 8  # csrc/calendar/calendar.h::kMaxCalendarLevels
@@ -221,7 +221,7 @@ def calendar_scalar(logits: Sequence[torch.Tensor], tau: float = 1.0) -> torch.T
     ``logits``: L tensors (B, n_l), coarse level first. Returns float32 (float64 for
     float64 input) of shape (B,). See :func:`tempokern.reference.calendar_scalar`."""
     logits = validate_levels(logits)
-    tau = check_positive("tau", tau)
+    tau = check_reciprocal("tau", tau, acc_dtype(logits[0].dtype))
     return torch.ops.tempokern.calendar_scalar(logits, tau)
 
 
@@ -304,7 +304,7 @@ def calendar_context(logits: Sequence[torch.Tensor], dim: int, tau: float = 1.0)
         raise TypeError(f"dim must be an int, got {type(dim).__name__}")
     if dim < 1:
         raise ValueError(f"dim must be >= 1, got {dim}")
-    tau = check_positive("tau", tau)
+    tau = check_reciprocal("tau", tau, acc_dtype(logits[0].dtype))
     return torch.ops.tempokern.calendar_context(logits, dim, tau)
 
 

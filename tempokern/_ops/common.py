@@ -122,7 +122,25 @@ def check_tensor(name: str, t, *, ndim: Optional[int] = None, floating: bool = F
         raise TypeError(f"{name} must have dtype in {tuple(dtypes)}, got {t.dtype}")
     if t.device.type not in ("cpu", "cuda", "meta"):
         raise ValueError(f"{name} must be a CPU or CUDA tensor, got device {t.device}")
+    if integer:
+        check_int64_range(name, t)
     return t
+
+
+def _has_values(t: torch.Tensor) -> bool:
+    """Whether t's values can be read here: a plain tensor (not meta, not a torch.compile fake / functional
+    tensor, whose values a trace does not know)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta"
+
+
+def check_int64_range(name: str, t: torch.Tensor) -> None:
+    """Integer arguments (spans, ids, indices) are used as int64: a uint64 tensor holding a value >= 2^63
+    would wrap to a negative number, so it is a ValueError naming the argument. Reads the values only for
+    uint64 (one device synchronisation there)."""
+    if t.dtype != torch.uint64 or t.numel() == 0 or not _has_values(t):
+        return
+    if bool((t.view(torch.int64) < 0).any()):   # the uint64 values >= 2^63, seen as int64
+        raise ValueError(f"{name} holds a uint64 value >= 2**63, outside the int64 range the op computes in")
 
 
 def check_same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
@@ -151,6 +169,21 @@ def check_positive(name: str, value) -> float:
     if not value > 0 or value != value or value == float("inf"):
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return value
+
+
+def check_reciprocal(name: str, value, acc: torch.dtype) -> float:
+    """A finite number > 0 whose reciprocal the accumulation dtype ``acc`` can hold (a temperature or a
+    softmax tau: the kernels multiply by 1 / value), else a ValueError naming the argument."""
+    v = check_positive(name, value)
+    va = float(torch.tensor(v, dtype=acc))     # what the kernels see
+    if va == 0.0 or not 1.0 / va <= torch.finfo(acc).max:
+        raise ValueError(f"{name} {v!r} is too small: 1 / {name} overflows {acc} (the dtype the op computes in)")
+    return v
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of the ops: float64 for float64 input, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def rows_contiguous(t: torch.Tensor) -> torch.Tensor:

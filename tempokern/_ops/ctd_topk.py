@@ -12,7 +12,7 @@ from ..reference.ctd_topk import table_values
 from ..reference.offset_bias import bias_frequencies
 from .. import _C
 from .offset_bias import bias_params, offset_bias, offset_bias_lookup
-from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code,
+from .common import (check_finite, check_positive, check_reciprocal, check_same_device, check_tensor, dtype_code,
                      kernels, launch_args, on_cuda_path, ptr, rows_contiguous, scalar_value, sm_count)
 
 _BIAS_NONE, _BIAS_EXACT, _BIAS_TABLE = 0, 1, 2
@@ -386,6 +386,8 @@ def parse_bias(bias, Q: int, N: int, acc: torch.dtype, device, keep_device_scala
         devs["bias table"] = values.device
         _same(devs)
         check_finite("bias table", values)
+        check_finite("bias u_q", u_q)
+        check_finite("bias u_g", u_g)
         return (_BIAS_TABLE, u_q.to(acc).contiguous(), u_g.to(acc).contiguous(), None, None, None, 0.0, 0.0,
                 values.to(torch.float32).contiguous())
     w1, b1, w2, b2, scale = bias[2:]
@@ -403,6 +405,10 @@ def parse_bias(bias, Q: int, N: int, acc: torch.dtype, device, keep_device_scala
         if isinstance(t, torch.Tensor):
             devs[name] = t.device
     _same(devs)
+    for name, t in (("bias u_q", u_q), ("bias u_g", u_g), ("bias w1", w1), ("bias b1", b1), ("bias w2", w2),
+                    ("bias b2", b2), ("bias scale", scale)):
+        if isinstance(t, torch.Tensor):
+            check_finite(name, t)
     cv = lambda t: t.detach().to(acc).contiguous()  # noqa: E731
     return (_BIAS_EXACT, cv(u_q), cv(u_g), cv(w1), cv(b1), cv(w2.reshape(-1)), b2v, sv, None)
 
@@ -425,12 +431,7 @@ def _same(devs: dict) -> None:
 
 def check_temperature(temperature, acc: torch.dtype) -> float:
     """A finite temperature > 0 whose reciprocal the accumulation dtype can hold (scores are s / T)."""
-    t = check_positive("temperature", temperature)
-    ta = float(torch.tensor(t, dtype=acc))     # what the kernels see
-    if ta == 0.0 or not 1.0 / ta <= torch.finfo(acc).max:
-        raise ValueError(f"temperature {t!r} is too small: 1 / temperature overflows {acc} (the dtype the "
-                         "scores are computed in)")
-    return t
+    return check_reciprocal("temperature", temperature, acc)
 
 
 def prepare_exclude(exclude, Q: int, device, N: Optional[int] = None) -> Optional[torch.Tensor]:
@@ -486,8 +487,9 @@ def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1
     acc = _acc_dtype(q.dtype)
     temperature = check_temperature(temperature, acc)
     cuda_path = on_cuda_path(q)
+    # meta tensors: b2 / scale stay tensors (their values cannot be read; the fake implementation runs)
     mode, u_q, u_g, w1, b1, w2, b2, scale, table = parse_bias(bias, Q, N, acc, q.device,
-                                                              keep_device_scalars=cuda_path)
+                                                              keep_device_scalars=cuda_path or q.is_meta)
     ex = prepare_exclude(exclude, Q, q.device, N)
     check_finite("q", q)
     check_finite("g", g)

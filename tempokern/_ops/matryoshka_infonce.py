@@ -17,8 +17,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .common import (check_finite, check_positive, check_same_device, check_tensor, device_constant, dtype_code,
-                     kernels, launch_args, on_cuda_path, ptr)
+from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor,
+                     device_constant, dtype_code, kernels, launch_args, on_cuda_path, ptr)
 from . import dispatch
 from .matryoshka_blocked import blocked_backward, blocked_forward, tc_call, use_fused
 from ..reference.offset_bias import offset_bias_table
@@ -458,7 +458,7 @@ def validate(q, d, dims, temperature, weights, extra_neg, symmetric, q_span, d_s
                          f"{q.shape[0]} and {d.shape[0]}")
     if q.shape[0] < 1:
         raise ValueError("q must have at least one row")
-    temperature = check_positive("temperature", temperature)
+    temperature = check_reciprocal("temperature", temperature, acc_dtype(q.dtype))
     dims, weights = check_dims(dims, q.shape[1], weights)
     if extra_neg is not None:
         check_tensor("extra_neg", extra_neg, ndim=2, floating=True)
@@ -505,6 +505,10 @@ def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *,
     Memory O((B + B' + N) * (H + K)); no B x B' or B x N buffer, forward or backward."""
     temperature, dims, weights = validate(q, d, dims, temperature, weights, extra_neg, symmetric, q_span, d_span,
                                           normalize, return_levels)
+    top = max(dims)
+    if top < q.shape[1]:  # columns past the largest dim are not read (as in the reference: a NaN there stays out)
+        q, d = q[:, :top], d[:, :top]
+        extra_neg = None if extra_neg is None else extra_neg[:, :top]
     if bias is not None:
         bias = validate_bias(bias, q.shape[0], d.shape[0])
         check_same_device(q=q, **{f"bias {n}": t for n, t in zip(_BIAS_NAMES, bias)})

@@ -17,9 +17,9 @@ import torch
 from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
 from . import dispatch
 from .multipos_blocked import blocked_loss
-from .offset_bias import bias_params, interval_bounds
-from .common import (check_finite, check_positive, check_same_device, check_tensor, dtype_code, kernels,
-                     launch_args, on_cuda_path, ptr)
+from .offset_bias import MAX_TABLE_POINTS, bias_params, interval_bounds
+from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code,
+                     kernels, launch_args, on_cuda_path, ptr)
 
 _BIAS_NAMES = ("u_q", "u_d", "w1", "b1", "w2", "b2", "scale")
 _GRAD_NAMES = ("dq", "dd", "dneg", "dA", "dCt", "db1", "dw2", "db2", "dscale", "dzc")
@@ -430,13 +430,15 @@ def _sorted_by_u(q, d, q_lo, q_hi, d_lo, d_hi, bias, diag_offset):
 
 
 def check_table_points(points, bias) -> Optional[int]:
-    """Validates ``bias_table_points``: None (exact MLP bias) or an int >= 2, only with a bias."""
+    """Validates ``bias_table_points``: None (exact bias) or an int in [2, MAX_TABLE_POINTS], with a bias."""
     if points is None:
         return None
     if isinstance(points, bool) or not isinstance(points, int):
         raise TypeError(f"bias_table_points must be None or an int, got {type(points).__name__}")
     if points < 2:
         raise ValueError(f"bias_table_points must be >= 2, got {points}")
+    if points > MAX_TABLE_POINTS:
+        raise ValueError(f"bias_table_points must be <= {MAX_TABLE_POINTS} (2**20 + 1), got {points}")
     if bias is None:
         raise ValueError("bias_table_points was given without a bias")
     return points
@@ -464,6 +466,9 @@ def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float
     CUDA (and the table mode anywhere) runs the blocked path; CPU without a table the fused tiled kernel.
     ``return_hardest``: returns ``(loss, hardest)``, hardest (Bq,) int64 the hardest in-batch negative of each
     row (see :func:`multipos_infonce`), in the caller's row and column order (the CPU path's u-sort undone)."""
+    if q.shape[0] == 0 or d.shape[0] == 0:
+        return _empty_batch(q, d, q_lo, q_hi, d_lo, d_hi, temperature, bias, extra_neg, row_weight, col_weight,
+                            diag_offset, row_none, bias_table_points, return_hardest)
     if row_none is not None:
         row_none = row_none.to(torch.uint8).contiguous()
     if _tensor_core_call(q, d, bias, extra_neg, return_hardest, bias_table_points):
@@ -480,7 +485,7 @@ def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float
     acc = _acc(q.dtype)
     extras = (None,) * 4
     pq = col_map = None
-    if bias is not None and q.shape[0] and d.shape[0]:
+    if bias is not None and q.shape[0] and d.shape[0] and not q.is_meta:  # (meta: no values to sort by)
         pq = torch.argsort(bias[0].detach(), stable=True)
         if row_none is not None:  # the same stable permutation _sorted_by_u applies to the rows
             row_none = row_none[pq].contiguous()
@@ -499,6 +504,20 @@ def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float
     return loss, hardest
 
 
+def _empty_batch(q, d, q_lo, q_hi, d_lo, d_hi, temperature, bias, extra_neg, row_weight, col_weight, diag_offset,
+                 row_none, bias_table_points, return_hardest):
+    """No query or no document: the reference's result (a mean over no rows is NaN, as torch's mean of an empty
+    tensor; a zero weight drops its term), in the accumulation dtype, with its (zero-size or zero) gradients.
+    Nothing of size B x B exists, so the plain-torch spec is the implementation here."""
+    from ..reference.multipos_infonce import multipos_infonce_partial as ref_partial
+    out = ref_partial(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias, extra_neg=extra_neg,
+                      row_weight=row_weight, col_weight=col_weight, diag_offset=diag_offset, row_none=row_none,
+                      bias_table_points=bias_table_points, return_hardest=return_hardest)
+    if return_hardest:
+        return out[0].to(_acc(q.dtype)), out[1]
+    return out.to(_acc(q.dtype))
+
+
 def validate(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric, *, square: bool = True):
     check_tensor("q", q, ndim=2, floating=True)
     check_tensor("d", d, ndim=2, floating=True)
@@ -513,7 +532,7 @@ def validate(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric, *, s
         raise ValueError("q and d must have a hidden size >= 1")
     _check_span("q_span", q_span, q.shape[0])
     _check_span("d_span", d_span, d.shape[0])
-    temperature = check_positive("temperature", temperature)
+    temperature = check_reciprocal("temperature", temperature, acc_dtype(q.dtype))
     if extra_neg is not None:
         check_tensor("extra_neg", extra_neg, ndim=2, floating=True)
         if extra_neg.shape[1] != q.shape[1]:

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .._ops.common import check_positive
+from .._ops.common import check_reciprocal
 from .._ops.multipos_blocked import none_flags, spans32
 from .._ops.multipos_infonce import (_span_bounds, check_table_points, multipos_infonce, multipos_infonce_partial,
                                      validate)
@@ -112,7 +112,7 @@ class CTDLoss(torch.nn.Module):
                  symmetric: bool = True, normalize: bool = True, gather: bool = False,
                  gather_mode: str = "tempokern", bias_table_points: Optional[int] = None):
         super().__init__()
-        self.temperature = check_positive("temperature", temperature)
+        self.temperature = check_reciprocal("temperature", temperature, torch.float64)  # forward: its dtype
         if offset_bias is not None and not (hasattr(offset_bias, "mlp") and hasattr(offset_bias, "scale")):
             raise TypeError("offset_bias must be a tempokern.nn.OffsetBias (a module with .mlp and .scale), "
                             f"got {type(offset_bias).__name__}")

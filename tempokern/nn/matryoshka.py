@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._ops.common import check_positive
+from .._ops.common import check_reciprocal
 from .._ops.matryoshka_infonce import _id_spans, check_dims, matryoshka_infonce, matryoshka_partial, validate
 from .._ops.multipos_infonce import _span_bounds
 
@@ -50,7 +50,7 @@ class MatryoshkaInfoNCE(torch.nn.Module):
     def __init__(self, dims: Sequence[int], weights: Optional[Sequence[float]] = None, temperature: float = 0.05,
                  symmetric: bool = False, gather: bool = False):
         super().__init__()
-        self.temperature = check_positive("temperature", temperature)
+        self.temperature = check_reciprocal("temperature", temperature, torch.float64)  # forward: its dtype
         for name, v in (("symmetric", symmetric), ("gather", gather)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")

@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .._ops.common import check_same_device, check_tensor, scalar_value
+from .._ops.common import check_reciprocal, check_same_device, check_tensor, scalar_value
 from .._ops.multipos_blocked import none_flags, spans32
 from .._ops.multipos_infonce import multipos_infonce, multipos_infonce_partial
 
@@ -20,6 +20,8 @@ def _check_float(name: str, value, *, positive: bool = False) -> float:
         raise ValueError(f"{name} must be finite, got {value}")
     if positive and v <= 0:
         raise ValueError(f"{name} must be > 0, got {value}")
+    if positive:
+        check_reciprocal(name, v, torch.float64)   # the forward checks 1 / v against its own dtype
     if not positive and name.startswith("lambda") and v < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return v

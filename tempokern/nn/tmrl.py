@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._ops.common import check_positive, device_constant, scalar_value
+from .._ops.common import check_positive, check_reciprocal, device_constant, scalar_value
 
 __all__ = ["TemporalProjector", "temporal_pool", "TemporalSubspaceLoss", "MatryoshkaDistillLoss",
            "MatryoshkaCKALoss", "TMRLLoss"]
@@ -218,7 +218,7 @@ class TemporalSubspaceLoss(nn.Module):
     def __init__(self, t: int, temperature: float):
         super().__init__()
         self.t = _positive_int("t", t)
-        self.temperature = check_positive("temperature", temperature)
+        self.temperature = check_reciprocal("temperature", temperature, torch.float64)  # forward: its dtype
 
     def extra_repr(self) -> str:
         return f"t={self.t}, temperature={self.temperature}"
@@ -507,7 +507,7 @@ class TMRLLoss(nn.Module):
         if self.t > self.dims[-1]:
             raise ValueError(f"t={t} must be <= the largest dim {self.dims[-1]}")
         self.alpha, self.beta, self.gamma = _nonneg("alpha", alpha), _nonneg("beta", beta), _nonneg("gamma", gamma)
-        self.temperature = check_positive("temperature", temperature)
+        self.temperature = check_reciprocal("temperature", temperature, torch.float64)  # forward: its dtype
         self.temporal = TemporalSubspaceLoss(self.t, self.temperature)
         self.distill = MatryoshkaDistillLoss(self.dims, k=k, detach_teacher=detach_teacher,
                                              reduction="sum" if aux_scale == "literal" else "mean")
