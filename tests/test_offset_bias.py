@@ -581,7 +581,7 @@ def test_cuda_table_mode_long_sums_and_partials(gpu, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
-# ---- float32 accuracy of the reduced gradients (issue 14 item 5): long sums, tight bound ----------------
+# ---- float32 accuracy of the reduced gradients: long sums, tight bound ------------------------------------
 
 def assert_reduced_grads_within_twice_torch(xs):
     """d u_q / d u_d / w1 / b1 / w2 / b2 no further from float64 than twice plain torch float32, plus only
@@ -624,7 +624,7 @@ def test_cuda_grid_sizes(gpu, monkeypatch, sms):
     assert_parity(make(300, 77, 7, 5, lo=-2, hi=3, device=gpu, seed=sms), rtol=1e-9, atol=1e-9)
 
 
-# ---- formulas pinned by hand (issue 13 item 15): independent of tempokern.reference -------------------
+# ---- formulas pinned by hand: independent of tempokern.reference -------------------------------------
 
 def test_frequencies_and_phi_pinned_by_hand():
     import math

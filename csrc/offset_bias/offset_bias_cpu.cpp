@@ -317,7 +317,7 @@ void bwd(const OffsetBiasParams& p) {
     std::vector<A> sq(Kf), cq(Kf), Q((size_t)w.hidden * K2), Qd((size_t)w.hidden * K2), phi(w.D), dphi(w.D);
     std::vector<A> Mbuf((size_t)w.hidden * kChunk * JB), gv(JB);
     std::vector<V> E((size_t)w.hidden * K2), esum(w.hidden);
-    // Hierarchical sums (float32 accuracy, issue 14 item 5): E and esum hold one chunk of kChunk * JB columns
+    // Hierarchical sums (float32 accuracy): E and esum hold one chunk of kChunk * JB columns
     // in A, then go into the row's double totals Ed / esd; the fold with the row's sin/cos runs in double.
     std::vector<double> Ed((size_t)w.hidden * K2), esd(w.hidden), sqd(Kf), cqd(Kf), Rfast((size_t)w.hidden * D1);
     // Per-row sums in A, added row by row into double totals: the weight and scalar gradients are sums

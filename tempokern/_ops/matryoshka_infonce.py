@@ -1,4 +1,4 @@
-"""Single-pass fused Matryoshka InfoNCE (spec: ../shared/design/tmrl-re3.md §2.3 K1): every nested-prefix
+"""Single-pass fused Matryoshka InfoNCE (spec: tempokern.reference.matryoshka_infonce and the TMRL paper): every nested-prefix
 level of the loss from one pass over the feature dimension, at the matmul cost of one level.
 
 The wrapper builds the per-level inverse prefix norms rho (K, B), kap (K, B'), kneg (K, N) with torch

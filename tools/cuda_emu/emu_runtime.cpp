@@ -184,9 +184,9 @@ bool resolve_warps(BlockRun& b, const char* name) {
   for (int w = 0; w < b.nwarps; ++w) {
     const int base = w * 32;
     for (int l = 0; l < 32 && base + l < n; ++l) {
-      Fiber& lead = b.fibers[base + l];
-      if (lead.state != State::AtWarp) continue;
-      const unsigned mask = lead.mask;
+      Fiber& first = b.fibers[base + l];
+      if (first.state != State::AtWarp) continue;
+      const unsigned mask = first.mask;
       if (!(mask >> l & 1u))
         throw std::runtime_error("cuda emulator: kernel " + std::string(name) + ": a lane calls a warp collective "
                                  "whose mask leaves itself out");
@@ -198,10 +198,10 @@ bool resolve_warps(BlockRun& b, const char* name) {
                                    ": warp collective mask names a lane that has exited or does not exist");
         const Fiber& f = b.fibers[base + k];
         if (f.state != State::AtWarp) { all = false; break; }
-        if (f.op != lead.op || f.mask != mask)
+        if (f.op != first.op || f.mask != mask)
           throw std::runtime_error("cuda emulator: kernel " + std::string(name) + " " + where(b) +
                                    ": lanes of one warp wait at different warp collectives (op " +
-                                   std::to_string(f.op) + " vs " + std::to_string(lead.op) + ")");
+                                   std::to_string(f.op) + " vs " + std::to_string(first.op) + ")");
       }
       if (!all) continue;
       uint64_t ballot = 0;
