@@ -1,6 +1,7 @@
 """Small helpers shared across tempokern's layers (no tempokern imports here, so every module can use them)."""
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -16,6 +17,15 @@ def cache_put(cache: dict, key, value, limit: int = CACHE_MAX):
         cache.pop(next(iter(cache)))
     cache[key] = value
     return value
+
+
+def sha256_file(path) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB blocks (checkpoint manifests, packaged data)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def trace_constant(fn):

@@ -172,3 +172,12 @@ def by_thread_order(cuda_emu, run, seeds=(0, 1, 2), warp_serial=(0, 1)):
         cuda_emu.emu_set_seed(0)
         cuda_emu.emu_set_warp_serial(False)
     return outs
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One torch thread for a module's tests (small models: threads only add overhead and run-to-run noise)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -153,8 +153,8 @@ def test_thread_orders(cuda_emu, monkeypatch):
     # warps' shared tiles, or a missing __syncthreads in the tile kernels, changes results). Multi-chunk levels,
     # odd dim, column blocks, strided (broadcast) upstream gradient, grid-stride (1 SM, 2 CTAs).
     import tempokern._ops.common as common
-    from tempokern._ops.common import cuda_emulator
     from tempokern._ops import calendar as cal
+    from conftest import by_thread_order
     monkeypatch.setattr(common, "sm_count", lambda device: 1)
     monkeypatch.setattr(cal, "_CTAS_PER_SM_GROUPS", 2)
     monkeypatch.setattr(cal, "_CTAS_PER_SM", 2)
@@ -173,18 +173,13 @@ def test_thread_orders(cuda_emu, monkeypatch):
             outs += [c, *torch.autograd.grad(c.sum(), xs)]
         return outs
 
-    try:
-        with cuda_emulator(cuda_emu):
-            cuda_emu.emu_set_seed(0)
-            g.manual_seed(5)
-            base = run()
-            for s in (1, 2):
-                cuda_emu.emu_set_seed(s)
-                g.manual_seed(5)
-                for i, (a, b) in enumerate(zip(base, run())):
-                    assert torch.equal(a, b), (s, i)
-    finally:
-        cuda_emu.emu_set_seed(0)
+    def seeded():
+        g.manual_seed(5)
+        return run()
+    outs = by_thread_order(cuda_emu, seeded)   # three thread orders, then two warp-serial orders
+    for s, o in enumerate(outs[1:], 1):
+        for i, (a, b) in enumerate(zip(outs[0], o)):
+            assert torch.equal(a, b), (s, i)
 
 
 def test_kernel_choice(gpu, monkeypatch):

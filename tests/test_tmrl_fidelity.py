@@ -15,12 +15,7 @@ from tempokern.training.tmrl import TMRLConfig, TMRLTrainer
 D64 = torch.float64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one torch thread for the module
 
 
 def eq10_ragged(p_emb, p_T, q_pos, q_pos_T, negs, negs_T, t, tau):

@@ -2,11 +2,7 @@
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python3 tools/gpu_sanitize_case.py
 Exits non-zero on a mismatch with the float64 reference (so a sanitizer run also checks the numbers). The calls
 of the default paths run with no candidate enabled; the candidates' calls (tempokern/_ops/dispatch.py) run with
-TEMPOKERN_EXPERIMENTAL naming them (candidate() below)."""
-import contextlib
-import os
-
-import torch
+TEMPOKERN_EXPERIMENTAL naming them (candidate() below).
 
 memcheck needs PyTorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1): with it, tensors are carved out
 of large cached segments, and an overrun past a tensor's end that stays inside its segment is invisible to
@@ -16,6 +12,7 @@ The tensor-core Matryoshka kernels run with each of their tiles (64 x 64, whose 
 overlays the operand stages; 128 x 64; 128 x 128), each also with one CUDA block per row block walking every column
 tile (one column split), and the script checks that those launches happened. The offset bias has a nonzero scale,
 so the bias values it checks are not all zero."""
+import contextlib
 import os
 
 os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")

@@ -12,7 +12,7 @@ from ..reference.ctd_topk import table_values
 from ..reference.offset_bias import bias_frequencies
 from .. import _C
 from .offset_bias import bias_params, offset_bias, offset_bias_lookup
-from .common import (check_finite, check_positive, check_reciprocal, check_same_device, check_tensor, dtype_code,
+from .common import (check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code,
                      kernels, launch_args, on_cuda_path, ptr, rows_contiguous, scalar_value, sm_count)
 
 _BIAS_NONE, _BIAS_EXACT, _BIAS_TABLE = 0, 1, 2

@@ -17,7 +17,7 @@ import contextlib
 import contextvars
 import os
 from dataclasses import dataclass
-from typing import FrozenSet, Iterable, Iterator, Optional, Tuple
+from typing import FrozenSet, Iterable, Iterator, Tuple
 
 ENV = "TEMPOKERN_EXPERIMENTAL"
 GPU_CSV = "benchmarks/results/gpu.csv"

@@ -26,6 +26,7 @@ import json
 import os
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from .._util import sha256_file
 from ..calendar import Calendar
 from .base import DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle
 
@@ -172,14 +173,14 @@ def load_timeqa(path: Optional[str] = None, *, on_error: str = "raise", name: st
         from ._resources import data_path
         with data_path(TIMEQA_FILE) as p:
             items = list(_items(str(p), report, on_error))
-            data_sha = _sha256(str(p))
+            data_sha = sha256_file(str(p))
         report.files[-1] = f"tempokern/data/{TIMEQA_FILE}"
         src = report.files[-1]
     else:
         if not os.path.exists(path):
             raise FileNotFoundError(f"TimeQA file {path} does not exist")
         items = list(_items(str(path), report, on_error))
-        data_sha = _sha256(str(path))
+        data_sha = sha256_file(str(path))
         src = str(path)
     pages: Dict[str, List[str]] = {}
     rows, seen_index = [], set()
@@ -242,12 +243,6 @@ def load_timeqa(path: Optional[str] = None, *, on_error: str = "raise", name: st
     return RetrievalDataset(name, records, queries, cal, report)
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def timeqa_hard_negatives(dataset, k: int = 4, *,

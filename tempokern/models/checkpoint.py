@@ -6,7 +6,6 @@ every other file in it (config, weights, tokenizer, trainer state), written last
 temporary directory that is swapped into place. Loading verifies it before any file is read."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -16,7 +15,7 @@ from typing import Any, Dict, Mapping
 
 import torch
 
-from .._util import atomic_write, fsync_path, fsync_tree, recover_dir, replace_dir  # noqa: F401  (re-exported)
+from .._util import atomic_write, fsync_path, fsync_tree, recover_dir, replace_dir, sha256_file  # noqa: F401
 from .levels import LevelSpec, calendar_levels
 
 FORMAT = "tempokern-ctd-encoder"
@@ -34,12 +33,6 @@ class CheckpointError(ValueError):
     """A checkpoint directory whose files do not match its checksum manifest, or that lacks one."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_save_target(path: Path) -> None:
@@ -75,7 +68,7 @@ def write_manifest(root, *, atomic: bool = True) -> dict:
     file under it. atomic=False writes it in place (for a directory not yet swapped into place, which
     becomes visible as a whole). Returns the ``files`` table."""
     root = Path(root)
-    files = {rel: {"sha256": _sha256(root / rel), "size": (root / rel).stat().st_size}
+    files = {rel: {"sha256": sha256_file(root / rel), "size": (root / rel).stat().st_size}
              for rel in _checkpoint_files(root)}
     text = json.dumps({"format": MANIFEST_FORMAT, "version": 1, "algorithm": "sha256", "files": files},
                       indent=1, sort_keys=True)
@@ -125,7 +118,7 @@ def verify_checkpoint(path, *, allow_missing_manifest: bool = False, unread=()):
             continue
         if not f.is_file():
             raise CheckpointError(f"{f} is missing (listed in {man})")
-        if f.stat().st_size != info.get("size") or _sha256(f) != info.get("sha256"):
+        if f.stat().st_size != info.get("size") or sha256_file(f) != info.get("sha256"):
             raise CheckpointError(f"{f} does not match its checksum in {man} (modified, truncated or corrupted)")
         digests[Path(rel).as_posix()] = info["sha256"]
     extra = [rel for rel in _checkpoint_files(path) if rel not in files]
@@ -138,7 +131,7 @@ def file_digest(root: Path, rel: str, digests) -> str:
     """SHA-256 of root/rel: from a verified manifest's table when there is one, else computed."""
     if digests is not None and rel in digests:
         return digests[rel]
-    return _sha256(Path(root) / rel)
+    return sha256_file(Path(root) / rel)
 
 
 def write_extra_files(tmp: Path, extra_files) -> None:
@@ -186,7 +179,7 @@ def save_encoder(model, path, *, extra_files=None) -> None:
         meta = {
             "format": FORMAT, "version": VERSION, "encoder": model.config_dict(),
             "backbone_config": model.backbone.config.to_dict(),
-            "weights_sha256": _sha256(tmp / WEIGHTS_FILE),
+            "weights_sha256": sha256_file(tmp / WEIGHTS_FILE),
         }
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1, ensure_ascii=False, default=str))
         write_extra_files(tmp, extra_files)

@@ -12,7 +12,7 @@ from .._ops.calendar import calendar_context, calendar_scalar
 from ..nn import OffsetBias
 from ..search import TemporalIndex
 from .checkpoint import load_chunqiu_ctd, load_encoder, save_encoder
-from .levels import LevelSpec, calendar_levels, calendar_name
+from .levels import LevelSpec, calendar_levels, calendar_name  # noqa: F401  (LevelSpec: part of the API here)
 
 POOLINGS = ("cls", "mean", "last")
 #: how retrieval vectors are scored: "ctd" = the full CTD model (calendar context in the embedding, offset

@@ -10,7 +10,6 @@ written last, and the directory is renamed into place. On reuse the marker is ch
 files (sizes and checksums), so a truncated or tampered cache is re-extracted, never loaded."""
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -19,7 +18,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 from typing import Dict, Optional
-from .._util import atomic_write, fsync_path, fsync_tree, replace_dir
+from .._util import atomic_write, fsync_path, fsync_tree, replace_dir, sha256_file
 
 __all__ = ["minilm_path", "minilm_zip_path", "default_cache_dir", "resolve_backbone", "default_pooling",
            "MINILM_NAME", "MINILM_HINT", "BACKBONE_ALIASES"]
@@ -49,19 +48,13 @@ def minilm_zip_path() -> Path:
     return z
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _files(root: Path) -> Dict[str, Dict[str, object]]:
     out = {}
     for p in sorted(root.rglob("*")):
         if p.is_file() and p.name != MARKER:
-            out[p.relative_to(root).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+            out[p.relative_to(root).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
     return out
 
 
@@ -87,7 +80,7 @@ def _valid(target: Path, zip_sha: Optional[str] = None) -> bool:
         return False
     for rel, info in want.items():
         p = target / rel
-        if p.stat().st_size != info.get("size") or _sha256(p) != info.get("sha256"):
+        if p.stat().st_size != info.get("size") or sha256_file(p) != info.get("sha256"):
             return False
     return True
 
@@ -143,7 +136,7 @@ def _zip_sha(zip_path: Path) -> str:
     key = (str(zip_path), st.st_size, st.st_mtime_ns)
     got = _ZIP_SHA.get(key)
     if got is None:
-        got = _ZIP_SHA[key] = _sha256(zip_path)
+        got = _ZIP_SHA[key] = sha256_file(zip_path)
     return got
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._util import sha256_file
 from ..nn.film import FiLM, TimeEmbedding
 from ..text.time import TimeTuple, find_times, parse_time
 from .encoder import POOLINGS, _field, pool
@@ -38,12 +39,6 @@ TOKENIZER_DIR = "tokenizer"
 _BACKBONE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def backbone_checksum(path) -> str:
@@ -58,7 +53,7 @@ def backbone_checksum(path) -> str:
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())
-        h.update(_sha256_file(f).encode())
+        h.update(sha256_file(f).encode())
     return h.hexdigest()
 
 
@@ -605,13 +600,13 @@ class Re3Encoder(nn.Module):
             sd = {k: v.detach().cpu().contiguous() for k, v in self._time_state().items()}
             save_file(sd, str(tmp / TIME_FILE))
             meta = {"format": FORMAT, "version": VERSION, "encoder": self.config_dict(),
-                    "time_sha256": _sha256_file(tmp / TIME_FILE)}
+                    "time_sha256": sha256_file(tmp / TIME_FILE)}
             if embed_backbone:
                 bb = self._plain_backbone()
                 bsd = {k: v.detach().cpu().contiguous() for k, v in bb.state_dict().items()}
                 save_file(bsd, str(tmp / BACKBONE_FILE))
                 meta["backbone"] = {"kind": "embedded", "config": bb.config.to_dict(),
-                                    "sha256": _sha256_file(tmp / BACKBONE_FILE),
+                                    "sha256": sha256_file(tmp / BACKBONE_FILE),
                                     "lora_merged": self.lora_config is not None, "source": self.backbone_path}
                 if self.tokenizer is not None:
                     self.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))

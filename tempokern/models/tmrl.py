@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .encoder import POOLINGS, _field, pool
-from .checkpoint import CheckpointError, _sha256, check_save_target, file_digest, finish_checkpoint, recover_dir, require_keys, verify_checkpoint, write_extra_files
+from .checkpoint import CheckpointError, check_save_target, file_digest, finish_checkpoint, recover_dir, require_keys, sha256_file, verify_checkpoint, write_extra_files
 
 FORMAT = "tempokern-tmrl-encoder"
 VERSION = 1
@@ -338,10 +338,10 @@ class TMRLEncoder(nn.Module):
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
             save_model(self.backbone, str(tmp / BACKBONE_FILE))
-            sums = {BACKBONE_FILE: _sha256(tmp / BACKBONE_FILE)}
+            sums = {BACKBONE_FILE: sha256_file(tmp / BACKBONE_FILE)}
             if self.projector is not None:
                 save_model(self.projector, str(tmp / PROJECTOR_FILE))
-                sums[PROJECTOR_FILE] = _sha256(tmp / PROJECTOR_FILE)
+                sums[PROJECTOR_FILE] = sha256_file(tmp / PROJECTOR_FILE)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
             meta = {"format": FORMAT, "version": VERSION, "encoder": self.config_dict(),

@@ -2,7 +2,7 @@
 and the calendar cross-entropy on records (label smoothing or neighbour smoothing)."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -1,8 +1,6 @@
 """CTD's relative-offset bias as an nn.Module (training, fused op) and its frozen lookup table (inference)."""
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
 from torch import nn
 
