@@ -45,14 +45,14 @@ def expected_tile(choice: str, K: int, table: bool, hist_points: int, optin: int
     return next((t for t in TILE_ORDER[TILE_ORDER.index(named):] if size(t) <= optin), (64, 64))
 
 
-_TILE_CHOICE = ["auto"]  # the tile the current test forces (force_tile)
+_TILE_CHOICE = {"name": "auto"}  # the tile the current test forces (force_tile)
 
 
 def force_tile(monkeypatch, name: str) -> None:
     """Makes the tensor-core kernels run the tile `name` ("128x64", "64x64", "128x128"; "auto": the product's rule)
     where the device's shared memory allows it, else the next smaller one (expected_tile's rule): the kernels take
     every tile, the product picks one by a fixed rule (mb.tc_tile), and these tests run the others too."""
-    monkeypatch.setitem(_TILE_CHOICE, 0, name)
+    monkeypatch.setitem(_TILE_CHOICE, "name", name)
     if name != "auto":
         monkeypatch.setattr(mb, "tc_tile", lambda K, table, hist_points, optin:
                             expected_tile(name, K, table, hist_points, optin))
@@ -62,7 +62,7 @@ def launch_tile(F):
     """(tile rows, tile columns, the tile expected_tile's rule gives this launch's call on its device)."""
     P = 0 if F.tab is None else F.tab[2].numel()
     hist = P if 0 < P <= mb.TC_HIST_SMEM_POINTS else 0
-    want = expected_tile(_TILE_CHOICE[0], F.c.K, F.tab is not None, hist, mb.kernels().mrl_tc_smem_optin(F.dev))
+    want = expected_tile(_TILE_CHOICE["name"], F.c.K, F.tab is not None, hist, mb.kernels().mrl_tc_smem_optin(F.dev))
     return F.tr, F.tcl, want
 
 

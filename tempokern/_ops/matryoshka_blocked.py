@@ -310,7 +310,7 @@ def tc_supported(t) -> bool:
     return _tc_supported(t.device.type == "cuda", dev)
 
 
-@torch.compiler.assume_constant_result
+@trace_constant
 def _tc_supported(cuda: bool, dev: int) -> bool:
     """A device query torch.compile records as a constant (it cannot trace the extension's function)."""
     if not cuda:  # the emulator: its arch can change between tests
