@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import os
+import struct
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -171,11 +173,19 @@ def check_positive(name: str, value) -> float:
     return value
 
 
+def _as_float32(v: float) -> float:
+    """v rounded to float32 (inf beyond its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return math.inf
+
+
 def check_reciprocal(name: str, value, acc: torch.dtype) -> float:
     """A finite number > 0 whose reciprocal the accumulation dtype ``acc`` can hold (a temperature or a
     softmax tau: the kernels multiply by 1 / value), else a ValueError naming the argument."""
     v = check_positive(name, value)
-    va = float(torch.tensor(v, dtype=acc))     # what the kernels see
+    va = v if acc == torch.float64 else _as_float32(v)     # what the kernels see (no tensor: no host copy)
     if va == 0.0 or not 1.0 / va <= torch.finfo(acc).max:
         raise ValueError(f"{name} {v!r} is too small: 1 / {name} overflows {acc} (the dtype the op computes in)")
     return v
