@@ -37,7 +37,10 @@ record() {   # record NAME EXIT_STATUS
 if [ "$DRY" = "1" ]; then
   log "dry run: no build, no CUDA tests, no compute-sanitizer; the suite on the CUDA emulator; output in $OUTDIR"
   for step in tests memcheck racecheck synccheck; do echo "$step=skipped (dry run)" >> "$STATUS"; done
-  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" benchmarks/gpu_suite.py --device emu --decision \
+  # the in-place developer build where there is one (tools/dev_build.sh), else the installed package
+  PP="${PYTHONPATH:-}"
+  if ls "$ROOT"/tempokern/_C*.so > /dev/null 2>&1; then PP="$ROOT${PP:+:$PP}"; fi
+  PYTHONPATH="$PP" "$PY" benchmarks/gpu_suite.py --device emu --decision \
     --csv "$OUTDIR/gpu.csv" --md "$OUTDIR/gpu_suite.md" --repeats 1 --measure-s 0 --no-compile \
     > "$OUTDIR/suite.log" 2>&1
   rc=$?
