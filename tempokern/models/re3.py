@@ -72,16 +72,9 @@ def _as_date(x, what: str):
     raise TypeError(f"{what}: expected datetime.date, ISO string or None, got {type(x).__name__}")
 
 
-def resolve_times(texts: Sequence[str], *, times=None, pub=None, role: str = "query",
-                  doc_time: str = "content") -> List[Optional[TimeTuple]]:
-    """One ``TimeTuple | None`` per text.
-
-    ``times`` given (a list of ``TimeTuple`` / ``datetime.date`` / ISO string / None): used as they are.
-    Otherwise each text is parsed with :func:`tempokern.text.parse_time`, relative dates resolved against
-    ``pub[i]`` (publication date of a document, query time of a query). For ``role="document"``,
-    ``doc_time`` picks the document time (B10): ``"content"`` (parsed from the text), ``"published"``
-    (``pub`` itself), ``"content_or_published"`` (parsed, else ``pub``)."""
-    n = len(texts)
+def _check_time_args(n: int, role, doc_time, pub, times):
+    """The shared checks of resolve_times / resolve_intervals: role and doc_time among their choices, pub (dates)
+    and times with one entry per text. Returns (pub as dates or None, times as a list or None)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if doc_time not in DOC_TIMES:
@@ -95,6 +88,21 @@ def resolve_times(texts: Sequence[str], *, times=None, pub=None, role: str = "qu
         times = list(times)
         if len(times) != n:
             raise ValueError(f"times: expected {n} entries (one per text), got {len(times)}")
+    return pub, times
+
+
+def resolve_times(texts: Sequence[str], *, times=None, pub=None, role: str = "query",
+                  doc_time: str = "content") -> List[Optional[TimeTuple]]:
+    """One ``TimeTuple | None`` per text.
+
+    ``times`` given (a list of ``TimeTuple`` / ``datetime.date`` / ISO string / None): used as they are.
+    Otherwise each text is parsed with :func:`tempokern.text.parse_time`, relative dates resolved against
+    ``pub[i]`` (publication date of a document, query time of a query). For ``role="document"``,
+    ``doc_time`` picks the document time (B10): ``"content"`` (parsed from the text), ``"published"``
+    (``pub`` itself), ``"content_or_published"`` (parsed, else ``pub``)."""
+    n = len(texts)
+    pub, times = _check_time_args(n, role, doc_time, pub, times)
+    if times is not None:
         out = []
         for i, t in enumerate(times):
             if t is None or isinstance(t, TimeTuple):
@@ -147,21 +155,10 @@ def resolve_intervals(texts: Sequence[str], *, times=None, pub=None, role: str =
     in :func:`resolve_times`. ``times`` given: per text a TimeTuple / date / ISO string / None, a
     ``(start, end)`` pair, or a list of those (used as they are)."""
     n = len(texts)
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    if doc_time not in DOC_TIMES:
-        raise ValueError(f"doc_time must be one of {DOC_TIMES}, got {doc_time!r}")
     if ranges not in RANGES:
         raise ValueError(f"ranges must be one of {RANGES}, got {ranges!r}")
-    if pub is not None:
-        pub = list(pub)
-        if len(pub) != n:
-            raise ValueError(f"pub: expected {n} dates (one per text), got {len(pub)}")
-        pub = [_as_date(p, f"pub[{i}]") for i, p in enumerate(pub)]
+    pub, times = _check_time_args(n, role, doc_time, pub, times)
     if times is not None:
-        times = list(times)
-        if len(times) != n:
-            raise ValueError(f"times: expected {n} entries (one per text), got {len(times)}")
         out = [_as_intervals(t, f"times[{i}]") for i, t in enumerate(times)]
     else:
         out = []
