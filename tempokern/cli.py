@@ -272,22 +272,27 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=3, help='timed repetitions per case, the median is reported (default 3)')
     b.add_argument("--device", default="cpu", help='cpu or cuda (default cpu)')
 
-    d = sub.add_parser("demo", help="the quick English comparison suite (or the Zizhi Tongjian CTD demo)",
-                       description="Default (--suite english): `tempokern benchmark --suite english --quick`: every "
-                                   "registered method trained and evaluated on the quick synthetic English sets with the "
-                                   "MiniLM backbone; writes results.json, results.md and plots to --out. "
-                                   "--suite zztj: the CTD ablation on the packaged Zizhi Tongjian sample with a small "
-                                   "character-level BERT (results.json, results.md, results.png).")
+    d = sub.add_parser("demo", help="the main job: the comparison on TimeQA (real text)",
+                       description="Default (--suite timeqa): `tempokern benchmark --suite timeqa`: BM25, zero-shot, "
+                                   "full and LoRA fine-tuning, CTD, TMRL and Re³ trained on TimeQA's training pages "
+                                   "with one budget and evaluated on its held-out dev pages (MiniLM backbone; 3 seeds, "
+                                   "resumable unit by unit; --quick: a fixed sample of pages, 1 seed, for CI). Writes "
+                                   "results.json, results.md and plots to --out. --suite english: the quick synthetic "
+                                   "English suite; --suite zztj: the CTD ablation on the packaged Zizhi Tongjian sample "
+                                   "with a small character-level BERT (docs/benchmark-english.md).")
     d.add_argument("--config", help='JSON or TOML file of options (flags win)')
-    d.add_argument("--suite", default="english", choices=["english", "zztj"],
-                   help="english (default): the quick comparison suite; zztj: the Zizhi Tongjian CTD demo")
+    d.add_argument("--suite", default="timeqa", choices=["timeqa", "english", "zztj"],
+                   help="timeqa (default): the TimeQA comparison; english: the quick synthetic suite; zztj: the Zizhi "
+                        "Tongjian CTD demo")
     d.add_argument("--out", default="tempokern-demo", help='output folder (default ./tempokern-demo)')
     d.add_argument("--quick", action="store_true",
-                   help="zztj: CI mode (fewer epochs and variants); english: always quick (accepted)")
+                   help="timeqa: a fixed sample of pages, 1 seed, 1 short epoch (CI, a few minutes on 2 cores); "
+                        "zztj: CI mode (fewer epochs and variants); english: always quick (accepted)")
     d.add_argument("--backbone", default=None,
-                   help="english: a transformers model directory (default: the all-MiniLM-L6-v2 wheel's); "
+                   help="timeqa, english: a transformers model directory (default: the all-MiniLM-L6-v2 wheel's); "
                         "zztj: 'tiny' (default), 'minilm' or a transformers model name/path")
     _suite_args(d)
+    d.add_argument("--seeds", type=_int_list, default=None, help="timeqa: training seeds (default 0,1,2; --quick 0)")
     g = d.add_argument_group("zztj demo only")
     g.add_argument("--variants", nargs="*", default=None, help='ablation rows to train: baseline multipos bias context full (default all; --quick: baseline full)')
     g.add_argument("--epochs", type=int, default=None, help='epochs per row (default 10; --quick 3)')
@@ -307,7 +312,15 @@ def build_parser() -> argparse.ArgumentParser:
                                     "arrays), results.md and plots to --out. Resumable: finished (method, set, "
                                     "seed) units in --out are kept (docs/benchmark-english.md).")
     bm.add_argument("--config", help='JSON or TOML file of options (flags win)')
-    bm.add_argument("--suite", default="english", choices=["english"], help="the suite (english)")
+    bm.add_argument("--suite", default=None, choices=["english", "timeqa"],
+                    help="english (default): the synthetic sets; timeqa: TimeQA (docs/benchmark-english.md)")
+    bm.add_argument("--data", default=None,
+                    help="a BEIR folder of your own (qrels/train.tsv to train every row on, the other qrels splits "
+                         "to evaluate): the comparison on your data")
+    bm.add_argument("--eval-split", default="dev", choices=["dev", "test"],
+                    help="timeqa: the held-out pages to evaluate on (default dev)")
+    bm.add_argument("--on-error", default="raise", choices=["raise", "skip"],
+                    help="--data: stop at the first malformed line (raise, default) or skip it and report it")
     bm.add_argument("--quick", action="store_true",
                     help="quick sets, 1 seed, <= 300 training rows, 1 epoch, max_length 48 (CI, < 5 min on 2 cores)")
     bm.add_argument("--out", required=False, help="output folder (required)")
@@ -513,8 +526,6 @@ def validate_args(args) -> None:
         return _validate_re3(args)
     if cmd in ("demo", "benchmark"):
         _positive(args, "bootstrap", "threads")
-        if cmd == "benchmark" and args.seeds is not None and (not args.seeds or any(x < 0 for x in args.seeds)):
-            raise CLIError(f"--seeds must be ints >= 0, got {args.seeds}")
     if cmd == "benchmark":
         _need(args, "out")
     if cmd == "data":
@@ -547,12 +558,23 @@ def validate_args(args) -> None:
         for v in args.variants or ():
             if v not in VARIANTS:
                 raise CLIError(f"unknown variant {v!r}: expected some of {', '.join(VARIANTS)}")
-    if cmd == "demo" and args.suite == "english":
+    if cmd == "demo" and args.suite in ("english", "timeqa"):
         zz = [f"--{n.replace('_', '-')}" for n in ("variants", "epochs", "batch_size", "lr", "max_length")
               if getattr(args, n) is not None]
         if zz:
-            raise CLIError(f"{', '.join(zz)}: only with --suite zztj (the English demo is the quick suite; "
-                           "use `tempokern benchmark` for other budgets)")
+            raise CLIError(f"{', '.join(zz)}: only with --suite zztj (the {args.suite} demo runs its fixed budget; "
+                           "use `tempokern benchmark` with a config for other budgets)")
+    if cmd == "demo" and args.seeds is not None and args.suite != "timeqa":
+        raise CLIError("--seeds: only with --suite timeqa")
+    if cmd in ("demo", "benchmark") and args.seeds is not None and (not args.seeds or any(x < 0 for x in args.seeds)):
+        raise CLIError(f"--seeds must be ints >= 0, got {args.seeds}")
+    if cmd == "benchmark" and args.data is not None:
+        if args.suite not in (None, "data"):
+            raise CLIError(f"--data and --suite {args.suite}: give one (--data runs the comparison on your folder)")
+        if not Path(args.data).is_dir():
+            raise CLIError(f"--data {args.data}: not a folder (a BEIR folder: corpus.jsonl, queries.jsonl, qrels/)")
+        if args.sets is not None:
+            raise CLIError("--sets: not with --data (the folder is the one set)")
     if cmd == "eval":
         _need(args, "model")
     if cmd == "index":
@@ -918,6 +940,8 @@ def cmd_bench(args) -> int:
 def cmd_demo(args) -> int:
     if args.suite == "english":
         return _run_benchmark(args, quick=True)
+    if args.suite == "timeqa":
+        return _run_benchmark(args, quick=args.quick)
     from .demo import run_demo
     backbone = args.backbone or "tiny"
     if backbone == "minilm":
@@ -940,10 +964,13 @@ def _run_benchmark(args, *, quick: bool) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    res = run_suite(args.out, suite=getattr(args, "suite", "english"), quick=quick, sets=args.sets,
+    data = getattr(args, "data", None) if args.command == "benchmark" else None
+    suite = "data" if data is not None else (getattr(args, "suite", None) or "english")
+    res = run_suite(args.out, suite=suite, quick=quick, sets=args.sets,
                     methods=args.methods, seeds=getattr(args, "seeds", None), device=args.device,
                     progress=args.progress, backbone_path=None if args.backbone in (None, "minilm") else args.backbone,
-                    n_resamples=args.bootstrap,
+                    n_resamples=args.bootstrap, data_dir=data, eval_split=getattr(args, "eval_split", "dev"),
+                    on_error=getattr(args, "on_error", "raise"),
                     command="tempokern " + " ".join(getattr(args, "argv", None) or []))
     print(markdown(res))
     print(json.dumps(res["files"]))

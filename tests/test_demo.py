@@ -1,5 +1,5 @@
-"""`tempokern demo`: the quick English comparison suite (the README's main job), and the Zizhi Tongjian
-CTD demo behind `--suite zztj`."""
+"""`tempokern demo`: the TimeQA comparison (the README's main job), the quick English comparison suite
+behind `--suite english`, and the Zizhi Tongjian CTD demo behind `--suite zztj`."""
 import json
 import time
 
@@ -55,13 +55,29 @@ def _fake_synth_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "tempokern.datasets.synth", mod)
 
 
-def test_demo_is_the_quick_english_suite(tmp_path, capsys, monkeypatch, tiny_backbone, one_thread):
-    """`tempokern demo --out DIR` = `tempokern benchmark --suite english --quick --out DIR`."""
+def test_demo_is_the_timeqa_comparison(tmp_path, capsys, tiny_backbone, one_thread):
+    """`tempokern demo --quick --out DIR` = `tempokern benchmark --suite timeqa --quick --out DIR`: TimeQA's
+    quick set (held-out pages ranked over their own paragraphs), the real-data budget."""
+    methods = "bm25_ties_last,minilm_zeroshot"
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--out", str(out), "--backbone", tiny_backbone, "--methods", methods,
+                 "--no-progress", "--bootstrap", "100"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["setup"]["suite"] == "timeqa" and res["setup"]["seeds"] == [0]
+    assert res["setup"]["budget"]["hard_negatives"] == 1
+    info = res["setup"]["set_info"]["timeqa"]
+    assert info["eval_splits"] == ["dev"] and 0 < info["gallery"] < info["records"]
+    assert sorted(res["results"]["timeqa"]["dev"]) == sorted(methods.split(","))
+    assert "# tempokern benchmark --suite timeqa --quick" in capsys.readouterr().out
+
+
+def test_demo_english_is_the_quick_english_suite(tmp_path, capsys, monkeypatch, tiny_backbone, one_thread):
+    """`tempokern demo --suite english --out DIR` = `tempokern benchmark --suite english --quick --out DIR`."""
     _fake_synth_module(monkeypatch)
     methods = "bm25_ties_gold,bm25_ties_last,minilm_zeroshot,minilm_ft"
     out = tmp_path / "demo"
-    assert main(["demo", "--out", str(out), "--backbone", tiny_backbone, "--sets", "B", "--methods", methods,
-                 "--no-progress", "--bootstrap", "100"]) == 0
+    assert main(["demo", "--suite", "english", "--out", str(out), "--backbone", tiny_backbone, "--sets", "B",
+                 "--methods", methods, "--no-progress", "--bootstrap", "100"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["setup"]["quick"] is True and res["setup"]["seeds"] == [0]
     assert res["setup"]["budget"]["max_train_rows"] == 300 and res["setup"]["budget"]["max_length"] == 48

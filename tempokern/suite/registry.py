@@ -41,10 +41,13 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["Method", "MethodOutput", "SuiteContext", "register", "registered", "unregister", "get_method",
-           "missing_needs", "topk_runs", "SETS", "EVAL_SPLITS", "TRAIN_SPLIT", "Budget"]
+           "missing_needs", "topk_runs", "SETS", "SYNTH_SETS", "REAL_SETS", "EVAL_SPLITS", "TRAIN_SPLIT", "Budget"]
 
 #: the synthetic English sets (tempokern.datasets.synth)
-SETS = ("A", "B", "C")
+SYNTH_SETS = ("A", "B", "C")
+#: real data (tempokern.suite.realdata): TimeQA, and a BEIR folder of your own
+REAL_SETS = ("timeqa", "data")
+SETS = SYNTH_SETS + REAL_SETS
 #: query splits a method is evaluated on (those a set has; "train" and "val" are never evaluated)
 EVAL_SPLITS = ("test_template", "test_date", "test_year", "test_masked", "timeless")
 TRAIN_SPLIT = "train"
@@ -174,13 +177,16 @@ class Budget:
     """The training budget every method of one suite run shares (so rows are comparable).
 
     ``max_train_rows``: training rows used (None: all); ``epochs``; ``max_length`` tokens per text;
-    ``batch_size``; ``lr`` for fine-tuning the pretrained backbone."""
+    ``batch_size``; ``lr`` for fine-tuning the pretrained backbone; ``hard_negatives``: None = each
+    method's own recipe (the synthetic suite), an int = every trained row uses exactly that many of each
+    training row's hard negatives (the real-data sets: same data for every row)."""
     max_train_rows: Optional[int] = None
     epochs: int = 1
     max_length: int = 64
     batch_size: int = 32
     lr: float = 5e-5
     eval_batch_size: int = 128
+    hard_negatives: Optional[int] = None
 
     @classmethod
     def quick(cls) -> "Budget":
@@ -189,6 +195,18 @@ class Budget:
     @classmethod
     def full(cls) -> "Budget":
         return cls(max_train_rows=640, epochs=1, max_length=64, batch_size=32, lr=5e-5)
+
+    @classmethod
+    def real(cls, quick: bool) -> "Budget":
+        """The real-data budget (TimeQA, your folder): every training row, 1 hard negative per row (the
+        same page's dated paragraph on TimeQA). Full: 2 epochs, batch 32, 128 tokens (95% of TimeQA's gold
+        paragraphs state the question's year within 126 tokens, 77% within 62); quick (CI): 1 epoch,
+        batch 16, 48 tokens."""
+        if quick:
+            return cls(max_train_rows=None, epochs=1, max_length=48, batch_size=16, lr=5e-5, eval_batch_size=64,
+                       hard_negatives=1)
+        return cls(max_train_rows=None, epochs=2, max_length=128, batch_size=32, lr=5e-5, eval_batch_size=64,
+                   hard_negatives=1)
 
 
 class SuiteContext:
@@ -217,7 +235,10 @@ class SuiteContext:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         have = {q.split for q in self.dataset.queries}
-        self.eval_splits = [s for s in (eval_splits or EVAL_SPLITS) if s in have]
+        self.eval_splits = [s for s in (eval_splits or getattr(synth, "eval_splits", None) or EVAL_SPLITS) if s in have]
+        ids = getattr(synth, "gallery_ids", None)
+        self._gallery = None if ids is None else [self.dataset.record(i) for i in ids]
+        self._eval_dataset = None
         self.depth = max(100, int(depth))
         self.method_name = method_name
         self._log = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -235,8 +256,25 @@ class SuiteContext:
         return _progress(iterable, self._progress_enabled, f"{self.method_name}/{self.set_name} {desc}".strip())
 
     def gallery(self):
-        """The gallery: every record of the set (runs rank over all of them)."""
-        return self.dataset.records
+        """The gallery runs rank over: every record of a synthetic set; the held-out pages' records of
+        TimeQA (``synth.gallery_ids``)."""
+        return self.dataset.records if self._gallery is None else self._gallery
+
+    def eval_dataset(self):
+        """A RetrievalDataset of the gallery and the set's queries (for evaluators that rank over a
+        dataset's records): ``dataset`` itself when the gallery is every record."""
+        if self._gallery is None:
+            return self.dataset
+        if self._eval_dataset is None:
+            from ..datasets import RetrievalDataset
+            self._eval_dataset = RetrievalDataset(f"{self.dataset.name}[gallery]", self._gallery,
+                                                  self.dataset.queries, self.dataset.calendar)
+        return self._eval_dataset
+
+    def rows_hard_negatives(self, recipe: int) -> int:
+        """Hard negatives per training row for a method whose own recipe uses ``recipe``: the budget's
+        ``hard_negatives`` when it sets one (every row the same), else ``recipe``."""
+        return recipe if self.budget.hard_negatives is None else int(self.budget.hard_negatives)
 
     def queries(self, split: str):
         return [q for q in self.dataset.queries if q.split == split]

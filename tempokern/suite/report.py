@@ -26,6 +26,8 @@ SPLIT_TEXT = {
     "test_year": "an unseen year",
     "test_masked": "documents with masked / relative dates resolved through the publication date",
     "timeless": "queries without a time (semantic retention: every document of the entity/attribute is relevant)",
+    "dev": "held-out pages (never trained on), each query ranked over the held-out pages' paragraphs",
+    "test": "the second held-out pages, each query ranked over their paragraphs",
 }
 
 
@@ -135,23 +137,40 @@ def _wall(status: dict, name: str, s: str) -> Optional[float]:
     return float(np.mean(w)) if w else None
 
 
+def _steps(status: dict, name: str, s: str) -> str:
+    """The training steps of a row's units on set ``s`` (one number when every seed took the same)."""
+    v = sorted({i.get("steps") for k, i in (status.get(name, {}).get("info") or {}).items()
+                if k.startswith(f"{s}/") and isinstance(i, dict) and i.get("steps") is not None})
+    return "0" if not v and name in ZERO_STEP else "/".join(str(x) for x in v) if v else "n/a"
+
+
+#: rows that train nothing
+ZERO_STEP = ("bm25_ties_gold", "bm25_ties_last", "minilm_zeroshot")
+
+
 def markdown(res: dict) -> str:
     st = res["setup"]
     b = st["budget"]
-    lines = [f"# tempokern benchmark --suite english{' --quick' if st['quick'] else ''}", "",
+    what = f"--data {st['data_dir']}" if st.get("data_dir") else f"--suite {st.get('suite', 'english')}"
+    hn = b.get("hard_negatives")
+    lines = [f"# tempokern benchmark {what}{' --quick' if st['quick'] else ''}", "",
              f"Date {st['date']}; machine: {st['machine']}; device {st['device']}; total {st.get('seconds', '?')} s; "
              f"1-minute load average {st.get('load_average_1min')}.",
              f"Command: `{st.get('command') or 'n/a'}`.", "",
              f"Backbone `{st['backbone']}` for every dense row. Seeds {st['seeds']} (methods that ignore the seed "
              f"run once). Training budget shared by every trained row: at most "
              f"{b['max_train_rows'] or 'all'} training rows, {b['epochs']} epoch(s), batch {b['batch_size']}, "
-             f"lr {b['lr']}, max_length {b['max_length']} tokens.",
+             f"lr {b['lr']}, max_length {b['max_length']} tokens"
+             + (f", {hn} hard negative(s) per row (the same for every trained row)" if hn is not None else "")
+             + ". The `steps` column gives each row's optimiser steps (the Re³ rows train only their time modules, "
+               "on cached frozen-backbone vectors, so their steps are cheap and not comparable).",
              "Intervals: 95% percentile bootstrap over queries (per-query values averaged over seeds first), "
              f"{st['bootstrap_resamples']} resamples; Δ columns: paired bootstrap of (row - `{PAIRED_BASELINE}`) "
              "on the same queries.", ""]
     for s, info in st.get("set_info", {}).items():
-        lines.append(f"Set {s}: {info['records']} documents, queries per split {info['queries']}, "
-                     f"{info['train_rows']} training rows available.")
+        gal = info.get("gallery", info["records"])
+        lines.append(f"Set {s}: {info['records']} documents ({gal} in the ranked gallery), queries per split "
+                     f"{info['queries']}, {info['train_rows']} training rows available.")
     lines.append("")
     for s, splits in res["results"].items():
         lines.append(f"## Set {s}")
@@ -162,7 +181,7 @@ def markdown(res: dict) -> str:
             n = next(iter(table.values()))["R@1"]["n"]
             lines += [f"### {sp} ({n} queries): {SPLIT_TEXT.get(sp, '')}", ""]
             hdr = ["method"] + list(TABLE_METRICS) + ["top-1 wrong: time / entity / attribute / other",
-                                                        "retention ρ", "s / unit"]
+                                                        "retention ρ", "steps", "s / unit"]
             lines.append("| " + " | ".join(hdr) + " |")
             lines.append("|" + "---|" * len(hdr))
             for name, row in table.items():
@@ -173,6 +192,7 @@ def markdown(res: dict) -> str:
                 cells.append(" / ".join(_f(row[m]["mean"], 2) if row.get(m) else "n/a" for m in ERR_METRICS))
                 r = row.get("retention_spearman")
                 cells.append(_f(r["mean"]) if r else "n/a")
+                cells.append(_steps(res["methods"], name, s))
                 w = _wall(res["methods"], name, s)
                 cells.append(f"{w:.0f}" if w is not None else "n/a")
                 lines.append("| " + " | ".join(cells) + " |")
@@ -222,7 +242,8 @@ def markdown(res: dict) -> str:
     lines += ["", "Metrics (docs/benchmark-english.md): R@k hit rate, MRR@10, nDCG@10 (binary), recall@100; TP@10 / "
               "TR@10 TEMPO temporal precision / relevance with exact interval verdicts; time_swap = share of queries "
               "whose gold outranks its time-wrong twin; top-1 wrong = share of queries whose top document is wrong "
-              "by time only / entity / attribute / other; retention ρ = Spearman between the zero-shot and the "
+              "by time only / entity / attribute / other (TimeQA: time = a paragraph of the query's own page, entity "
+              "= another page); retention ρ = Spearman between the zero-shot and the "
               "row's cosine similarities on random pairs of time-stripped documents (1 = unchanged geometry)."]
     return "\n".join(lines) + "\n"
 

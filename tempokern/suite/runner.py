@@ -20,14 +20,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .metrics import METRICS, spearman, split_metrics, strip_spans
-from .registry import SETS, Budget, Method, MethodOutput, SuiteContext, missing_needs, registered
+from .registry import REAL_SETS, SETS, SYNTH_SETS, Budget, Method, MethodOutput, SuiteContext, missing_needs, registered
 from .._util import atomic_write
 
 __all__ = ["load_methods", "run_suite", "unit_path", "read_unit", "UNIT_VERSION", "QUICK_SETS", "DEFAULT_SEEDS",
            "retention_sample"]
 
 UNIT_VERSION = 1
-QUICK_SETS = ("A", "B", "C")
+QUICK_SETS = SYNTH_SETS
+#: the suites: their sets
+SUITES = {"english": SYNTH_SETS, "timeqa": ("timeqa",), "data": ("data",)}
 DEFAULT_SEEDS = (0, 1, 2)
 #: similarity-preservation proxy: pairs drawn among a fixed pool of documents
 RETENTION = {"quick": (150, 1000), "full": (500, 5000)}   # (documents, pairs)
@@ -156,19 +158,34 @@ def _load() -> Optional[float]:
         return None
 
 
+def _real_loader(suite: str, data_dir: Optional[str], eval_split: str, on_error: str):
+    from .realdata import beir_set, timeqa_set
+
+    def load(name, seed=0, size="full"):
+        if name == "timeqa":
+            return timeqa_set(size, eval_split=eval_split)
+        return beir_set(data_dir, on_error=on_error)
+    return load
+
+
 def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optional[Sequence[str]] = None,
               methods: Optional[Sequence[str]] = None, seeds: Optional[Sequence[int]] = None, device=None,
               progress: bool = True, backbone_path: Optional[str] = None,
               synth_loader: Optional[Callable] = None, budget: Optional[Budget] = None, n_resamples: int = 1000,
               log: Callable[[str], None] = _log_default, command: Optional[str] = None,
-              plots: bool = True) -> dict:
+              plots: bool = True, data_dir: Optional[str] = None, eval_split: str = "dev",
+              on_error: str = "raise") -> dict:
     """Run the suite into ``out`` and return the results dict (also written as results.json).
 
-    ``sets``: names of tempokern.datasets.synth sets (default A, B, C); ``methods``: registered names
-    (default all); ``seeds`` (default 0, 1, 2; ``quick``: 0); ``synth_loader(name, seed=, size=)``
-    (default ``load_synth``) and ``backbone_path`` (default ``minilm_path()``) are for tests."""
-    if suite != "english":
-        raise ValueError(f"unknown suite {suite!r}: expected 'english'")
+    ``suite``: ``english`` (the synthetic sets A, B, C), ``timeqa`` (TimeQA, :mod:`tempokern.suite.realdata`;
+    ``eval_split`` dev or test) or ``data`` (the BEIR folder ``data_dir``); ``sets``: some of the suite's
+    sets (default all); ``methods``: registered names (default every method that runs on the sets);
+    ``seeds`` (default 0, 1, 2; ``quick``: 0); ``synth_loader(name, seed=, size=)`` (default ``load_synth``
+    or the real-data loader) and ``backbone_path`` (default ``minilm_path()``) are for tests."""
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}: expected one of {', '.join(SUITES)}")
+    if suite == "data" and not data_dir and synth_loader is None:
+        raise ValueError("suite 'data' needs data_dir (a BEIR folder)")
     import torch
     t_start = time.time()
     load_start = _load()
@@ -183,17 +200,24 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
         chosen = [by_name[m] for m in methods]
     else:
         chosen = list(all_methods)
-    sets = list(sets) if sets else list(QUICK_SETS if quick else SETS)
-    bad = [s for s in sets if s not in SETS]
+    sets = list(sets) if sets else list(SUITES[suite])
+    bad = [s for s in sets if s not in SUITES[suite]]
     if bad:
-        raise ValueError(f"unknown set(s) {bad}: expected some of {', '.join(SETS)}")
+        raise ValueError(f"unknown set(s) {bad} for suite {suite!r}: expected some of {', '.join(SUITES[suite])}")
     seeds = list(seeds) if seeds is not None else ([0] if quick else list(DEFAULT_SEEDS))
     if not seeds:
         raise ValueError("seeds must not be empty")
-    budget = budget or (Budget.quick() if quick else Budget.full())
+    real = suite != "english"
+    budget = budget or (Budget.real(quick) if real else Budget.quick() if quick else Budget.full())
+    off = [m.name for m in chosen if not any(s in m.sets for s in sets)]
+    if off and methods:
+        raise ValueError(f"method(s) {off} do not run on set(s) {sets}")
+    chosen = [m for m in chosen if any(s in m.sets for s in sets)]
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = "quick" if quick else "full"
-    if synth_loader is None:
+    if synth_loader is None and real:
+        synth_loader = _real_loader(suite, data_dir, eval_split, on_error)
+    elif synth_loader is None:
         from ..datasets.synth import load_synth as synth_loader
     if backbone_path is None:
         from .backbone import backbone_path as _bp
@@ -216,7 +240,7 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
     set_info: Dict[str, dict] = {}
     for s in sets:
         todo = [m for m in chosen if status[m.name]["status"] != "skipped"
-                and s in (m.quick_sets if quick and m.quick_sets and not methods else m.sets)]
+                and s in (m.quick_sets if quick and m.quick_sets and not methods and s in SYNTH_SETS else m.sets)]
         if not todo:
             continue
         t = time.time()
@@ -224,6 +248,8 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
         ds = synth.dataset
         splits = sorted({q.split for q in ds.queries if q.split is not None})
         set_info[s] = {"records": len(ds.records), "queries": {sp: sum(q.split == sp for q in ds.queries) for sp in splits},
+                       "gallery": len(getattr(synth, "gallery_ids", None) or ds.records),
+                       "eval_splits": list(getattr(synth, "eval_splits", None) or []),
                        "train_rows": len(synth.train_rows), "info": _jsonable(dict(getattr(synth, "info", {}) or {})),
                        "load_seconds": round(time.time() - t, 2)}
         r_texts, r_pairs = retention_sample(ds, n_docs, n_pairs)
@@ -231,46 +257,48 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
         config = {"budget": dict(budget.__dict__), "backbone": str(backbone_path), "size": size,
                   "data": (getattr(synth, "info", None) or {}).get("checksum")}
         ref_sims = None
-        for m in todo:
-            for seed in (seeds if m.seeded else [0]):
-                path = unit_path(out, m.name, s, seed)
-                prev = read_unit(path, config)
-                if prev is not None:
-                    log(f"[suite] {m.name} / set {s} / seed {seed}: done earlier ({path}), skipped")
-                    units[(m.name, s, seed)] = prev
-                    continue
-                if path.exists():
-                    log(f"[suite] {m.name} / set {s} / seed {seed}: unit file {path} is corrupt, incomplete or "
-                        "made under other settings (budget, backbone, data): recomputing")
-                if ref_sims is None and r_pairs:
-                    ref_sims = _reference_sims(out, s, backbone_path, budget, dev, r_texts, r_pairs, log)
-                log(f"[suite] {m.name} / set {s} / seed {seed}: running")
-                ctx = SuiteContext(synth=synth, backbone_path=backbone_path, seed=seed, quick=quick,
-                                   work_dir=out / "work" / s / m.name / f"seed{seed}", device=dev, budget=budget,
-                                   log=log, progress_enabled=progress, method_name=m.name)
-                ctx._retention = (r_texts, r_pairs)
-                t0 = time.time()
-                try:
-                    torch.manual_seed(seed)
-                    res = m.run(ctx)
-                    if not isinstance(res, MethodOutput):
-                        raise TypeError(f"{m.name}.run returned {type(res).__name__}, expected MethodOutput")
-                    res.validate(ctx.eval_splits, m.name)
-                    payload = _evaluate(m, s, seed, ctx, res, r_texts, r_pairs, ref_sims)
-                except Exception as e:
-                    msg = f"{type(e).__name__}: {e}"
-                    log(f"[suite] {m.name} / set {s} / seed {seed}: FAILED: {msg}")
-                    if os.environ.get("TEMPOKERN_DEBUG"):
-                        traceback.print_exc()
-                    status[m.name]["errors"][f"{s}/seed{seed}"] = msg
-                    continue
-                payload["wall_seconds"] = round(time.time() - t0, 2)
-                payload["config"] = config
-                write_unit(path, payload)
-                units[(m.name, s, seed)] = read_unit(path, config) or _jsonable(payload)
-                log(f"[suite] {m.name} / set {s} / seed {seed}: done in {payload['wall_seconds']:.0f} s "
-                    + ", ".join(f"{sp} R@1 {np.nanmean(_arrays(payload['splits'][sp])['R@1']):.3f}"
-                                for sp in payload["splits"]))
+        # seed by seed (every method's seed 0 first), so that a run stopped part-way has whole seeds
+        plan = [(m, seed) for seed in seeds for m in todo if m.seeded or seed == seeds[0]]
+        for m, seed in plan:
+            seed = seed if m.seeded else 0
+            path = unit_path(out, m.name, s, seed)
+            prev = read_unit(path, config)
+            if prev is not None:
+                log(f"[suite] {m.name} / set {s} / seed {seed}: done earlier ({path}), skipped")
+                units[(m.name, s, seed)] = prev
+                continue
+            if path.exists():
+                log(f"[suite] {m.name} / set {s} / seed {seed}: unit file {path} is corrupt, incomplete or "
+                    "made under other settings (budget, backbone, data): recomputing")
+            if ref_sims is None and r_pairs:
+                ref_sims = _reference_sims(out, s, backbone_path, budget, dev, r_texts, r_pairs, log)
+            log(f"[suite] {m.name} / set {s} / seed {seed}: running")
+            ctx = SuiteContext(synth=synth, backbone_path=backbone_path, seed=seed, quick=quick,
+                               work_dir=out / "work" / s / m.name / f"seed{seed}", device=dev, budget=budget,
+                               log=log, progress_enabled=progress, method_name=m.name)
+            ctx._retention = (r_texts, r_pairs)
+            t0 = time.time()
+            try:
+                torch.manual_seed(seed)
+                res = m.run(ctx)
+                if not isinstance(res, MethodOutput):
+                    raise TypeError(f"{m.name}.run returned {type(res).__name__}, expected MethodOutput")
+                res.validate(ctx.eval_splits, m.name)
+                payload = _evaluate(m, s, seed, ctx, res, r_texts, r_pairs, ref_sims)
+            except Exception as e:
+                msg = f"{type(e).__name__}: {e}"
+                log(f"[suite] {m.name} / set {s} / seed {seed}: FAILED: {msg}")
+                if os.environ.get("TEMPOKERN_DEBUG"):
+                    traceback.print_exc()
+                status[m.name]["errors"][f"{s}/seed{seed}"] = msg
+                continue
+            payload["wall_seconds"] = round(time.time() - t0, 2)
+            payload["config"] = config
+            write_unit(path, payload)
+            units[(m.name, s, seed)] = read_unit(path, config) or _jsonable(payload)
+            log(f"[suite] {m.name} / set {s} / seed {seed}: done in {payload['wall_seconds']:.0f} s "
+                + ", ".join(f"{sp} R@1 {np.nanmean(_arrays(payload['splits'][sp])['R@1']):.3f}"
+                            for sp in payload["splits"]))
     for m in chosen:
         st = status[m.name]
         if st["status"] == "skipped":
@@ -281,7 +309,7 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
             st["wall_seconds"][f"{s}/seed{seed}"] = units[(name, s, seed)].get("wall_seconds")
             st["info"][f"{s}/seed{seed}"] = units[(name, s, seed)].get("info")   # training diagnostics
     from .report import build_results, write_report
-    setup = {"suite": suite, "quick": quick, "sets": sets, "seeds": seeds, "budget": budget.__dict__,
+    setup = {"suite": suite, "quick": quick, "data_dir": str(data_dir) if data_dir else None, "sets": sets, "seeds": seeds, "budget": budget.__dict__,
              "backbone": str(backbone_path), "device": str(dev), "machine": machine(),
              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": command,
              "load_average_1min": {"start": load_start, "end": _load()},

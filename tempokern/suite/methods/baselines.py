@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from ..backbone import dense_runs, embed_batch, encode_texts, load_backbone
-from ..registry import Method, MethodOutput, register
+from ..registry import REAL_SETS, SYNTH_SETS, Method, MethodOutput, register
 
-ALL_SETS = ("A", "B", "C")
+ALL_SETS = SYNTH_SETS + REAL_SETS
 
 
 # ---- BM25 --------------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def _bm25(gold_first):
     return run
 
 
-register(Method("bm25_ties_gold", "lexical", ALL_SETS, _bm25(True), needs=("bm25s",), seeded=False,
+register(Method("bm25_ties_gold", "lexical", SYNTH_SETS, _bm25(True), needs=("bm25s",), seeded=False,
                 description="BM25 (bm25s, word tokens); tied documents ordered gold first (optimistic bound)"))
 register(Method("bm25_ties_last", "lexical", ALL_SETS, _bm25(False), needs=("bm25s",), seeded=False,
                 description="BM25, tied documents ordered gold last (pessimistic bound)"))
@@ -99,17 +99,27 @@ def finetune_infonce(ctx, model, tok, *, temperature: float = 0.05, warmup_ratio
     """Plain in-batch InfoNCE on ``ctx.train_rows()`` (query, positive document): symmetric
     (query->document and document->query), the batch's other positives as negatives, rows sharing a
     positive document counted as positives of each other (``tempokern.multipos_infonce`` with the
-    document index as the span: no false negatives from duplicates). AdamW, linear warm-up/decay,
-    ``ctx.budget`` epochs / batch size / lr / max_length. Returns an info dict."""
+    document index as the span: no false negatives from duplicates). With a budget that sets
+    ``hard_negatives`` (the real-data sets), each row's first that many hard negatives join the
+    query->document denominators (``extra_neg``; one that is a positive of the batch is left out).
+    AdamW, linear warm-up/decay, ``ctx.budget`` epochs / batch size / lr / max_length. Returns an info
+    dict."""
     from ... import multipos_infonce
     b = ctx.budget
     rows = ctx.train_rows()
     pos = {r.id: i for i, r in enumerate(ctx.dataset.records)}
     qtext = {q.id: q.text for q in ctx.dataset.queries}
-    pairs = [(getattr(r, "query", None) or qtext[r.query_id], pos[r.positive]) for r in rows if r.positive in pos]
+    k_neg = ctx.rows_hard_negatives(0)
+    pairs = [(getattr(r, "query", None) or qtext[r.query_id], pos[r.positive],
+              [pos[d] for d in r.hard_negatives[:k_neg] if d in pos])
+             for r in rows if r.positive in pos]
     torch.manual_seed(ctx.seed)
     rng = random.Random(ctx.seed)
-    n_batches = max(1, len(pairs) // b.batch_size) if len(pairs) >= 2 else 0
+    # batches per epoch as the CTD / TMRL trainers count them (the last, partial batch kept when it has two
+    # rows or more), so that every trained row of a table takes the same number of steps
+    n_batches = max(1, math.ceil(len(pairs) / b.batch_size)) if len(pairs) >= 2 else 0
+    if n_batches > 1 and len(pairs) - (n_batches - 1) * b.batch_size < 2:
+        n_batches -= 1
     total = n_batches * b.epochs
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -127,11 +137,14 @@ def finetune_infonce(ctx, model, tok, *, temperature: float = 0.05, warmup_ratio
         for batch in ctx.progress(batches, f"fine-tune epoch {epoch + 1}/{b.epochs}"):
             texts_q = [pairs[i][0] for i in batch]
             docs = [pairs[i][1] for i in batch]
-            texts_d = [ctx.dataset.records[j].text for j in docs]
+            in_batch = set(docs)
+            negs = [j for i in batch for j in pairs[i][2] if j not in in_batch]   # never a row's positive
+            texts_d = [ctx.dataset.records[j].text for j in docs + negs]
             e = embed_batch(model, tok, texts_q + texts_d, b.max_length, ctx.device)
+            n = len(batch)
             ids = torch.tensor(docs, dtype=torch.int64, device=e.device)
-            loss = multipos_infonce(e[:len(batch)], e[len(batch):], (ids, ids), (ids, ids),
-                                    temperature=temperature, symmetric=True)
+            loss = multipos_infonce(e[:n], e[n:2 * n], (ids, ids), (ids, ids), temperature=temperature,
+                                    symmetric=True, extra_neg=e[2 * n:] if negs else None)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -140,7 +153,7 @@ def finetune_infonce(ctx, model, tok, *, temperature: float = 0.05, warmup_ratio
             step += 1
             losses.append(float(loss.detach()))
     model.eval()
-    return {"train_seconds": round(time.time() - t0, 2), "steps": step, "train_rows": len(pairs),
+    return {"train_seconds": round(time.time() - t0, 2), "steps": step, "train_rows": len(pairs), "hard_negatives": k_neg,
             "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
             "loss_first_5": float(np.mean(losses[:5])) if losses else None,
             "loss_last_5": float(np.mean(losses[-5:])) if losses else None}

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import time
 
-from ..registry import Method, MethodOutput, register
+from dataclasses import replace
+
+from ..registry import REAL_SETS, Method, MethodOutput, register
 
 CTD_VARIANTS = ("baseline", "context", "bias", "full")
 #: learning rate of the randomly initialised calendar heads, context and offset bias (the backbone
@@ -14,10 +16,17 @@ TEMPORAL_LR = 1e-3
 
 
 def _train_subset(ctx):
-    """The set with only the budget's training queries (so no validation pass: the suite evaluates)."""
+    """The set with only the budget's training queries (so no validation pass: the suite evaluates). With a
+    budget that sets ``hard_negatives`` (real data), each query's gold is its training row's positive and
+    its ``meta["negatives"]`` the row's first that many hard negatives: the pairs and negatives every other
+    trained row sees."""
     from ...datasets import RetrievalDataset
-    keep = {r.query_id for r in ctx.train_rows()}
-    qs = [q for q in ctx.dataset.queries if q.split == "train" and q.id in keep]
+    rows = {r.query_id: r for r in ctx.train_rows()}
+    qs = [q for q in ctx.dataset.queries if q.split == "train" and q.id in rows]
+    if ctx.budget.hard_negatives is not None:
+        k = int(ctx.budget.hard_negatives)
+        qs = [replace(q, gold={rows[q.id].positive: 1},
+                      meta={**(q.meta or {}), "negatives": list(rows[q.id].hard_negatives[:k])}) for q in qs]
     return RetrievalDataset(f"{ctx.dataset.name}[suite-train]", ctx.dataset.records, qs, ctx.dataset.calendar)
 
 
@@ -64,12 +73,15 @@ def run_ctd(variant: str):
         b = ctx.budget
         seed_everything(ctx.seed)
         model = CTDEncoder(ctx.backbone_path, ctx.dataset.calendar, pooling="mean", max_length=b.max_length)
+        hn = ctx.budget.hard_negatives is not None and ctx.budget.hard_negatives > 0
         cfg = TrainConfig(variant=variant, epochs=b.epochs, batch_size=b.batch_size, lr=b.lr, temporal_lr=TEMPORAL_LR,
-                          seed=ctx.seed, progress=ctx.progress_enabled, hard_negatives=False)
+                          seed=ctx.seed, progress=ctx.progress_enabled, hard_negatives=hn,
+                          **({"hard_negative_source": "query"} if hn else {}))
         ds = _train_subset(ctx)
         res = train(model, ds, cfg, None, device=ctx.device, log=ctx.log)
         steps = [h for h in res.history if h.get("event") == "step"]
         info = {"train_seconds": round(res.seconds, 2), "steps": res.steps, "train_queries": len(ds.queries),
+                "hard_negatives": int(hn),
                 "first_loss": steps[0]["loss"] if steps else None, "final_loss": res.final_loss,
                 "temporal_lr": TEMPORAL_LR}
         t = time.time()
@@ -101,5 +113,7 @@ _TEXT = {"baseline": "CTD trainer, semantic baseline variant (single-positive In
 
 for _v in CTD_VARIANTS:
     # --quick keeps the two ends of the ablation (as the Zizhi Tongjian demo's --quick does)
-    register(Method(f"ctd_{_v}", "ctd", ("B",), run_ctd(_v), needs=("transformers",), description=_TEXT[_v],
+    # real data: full CTD (the ablation's other rows on set B)
+    register(Method(f"ctd_{_v}", "ctd", ("B",) + (REAL_SETS if _v == "full" else ()), run_ctd(_v),
+                    needs=("transformers",), description=_TEXT[_v],
                     in_quick=_v in ("baseline", "full")))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from ..registry import Method, MethodOutput, register
+from ..registry import REAL_SETS, Method, MethodOutput, register
 
 #: e_sem caches, keyed by (backbone path, max_length): the backbone is frozen, so they never go stale
 _SEM_CACHES: dict = {}
@@ -17,7 +17,7 @@ EPOCHS = {"quick": 10, "full": 10}
 LR = 1e-3
 
 
-def _run(variant: str):
+def _run(variant: str, **model_kw):
     def run(ctx):
         import torch
 
@@ -33,7 +33,7 @@ def _run(variant: str):
         cfg = Re3Config(variant=variant, epochs=EPOCHS["quick" if ctx.quick else "full"],
                         batch_size=max(2, ctx.budget.batch_size), lr=LR, seed=ctx.seed, progress=False)
         torch.manual_seed(ctx.seed)
-        model = build_re3_model(ctx.backbone_path, cfg, pooling="mean", max_length=ctx.budget.max_length)
+        model = build_re3_model(ctx.backbone_path, cfg, pooling="mean", max_length=ctx.budget.max_length, **model_kw)
         model.to(ctx.device)
         key = (str(ctx.backbone_path), ctx.budget.max_length, str(ctx.device))
         model.enable_semantic_cache(_SEM_CACHES.setdefault(key, {}))
@@ -42,11 +42,12 @@ def _run(variant: str):
         res = train_re3(model, docs_from_dataset(ctx.dataset), examples, cfg, ctx.work_dir, resume=resume, log=ctx.log)
         train_s = time.time() - t0
         t1 = time.time()
-        runs = re3_runs(model, ctx.dataset, ctx.eval_splits, depth=ctx.depth, batch_size=ctx.budget.eval_batch_size)
+        runs = re3_runs(model, ctx.eval_dataset(), ctx.eval_splits, depth=ctx.depth,
+                        batch_size=ctx.budget.eval_batch_size)
         info = {"train_seconds": round(train_s, 2), "encode_seconds": round(res.encode_seconds, 2),
                 "fit_seconds": round(res.train_seconds, 2), "eval_seconds": round(time.time() - t1, 2),
                 "steps": res.steps, "examples": res.num_examples, "variant": variant, "epochs": cfg.epochs,
-                "batch_size": cfg.batch_size, "lr": cfg.effective_lr,
+                "batch_size": cfg.batch_size, "lr": cfg.effective_lr, "model": dict(model_kw),
                 "examples_with_time_wrong": sum(e.tw_negative is not None for e in examples),
                 "alpha": float(model.film.alpha.detach()), "final_loss": res.final_loss}
         embed = lambda texts: model.encode(list(texts), role="document")  # noqa: E731
@@ -65,5 +66,15 @@ _DESC = {
     "film_margins": "as re3-film plus the hardest-negative and time-wrong margins (λ_hard = λ_tw = 0.1, δ = 0.1)",
 }
 for _v in ("base", "film", "film_margins"):
-    register(Method(f"re3-{_v}", "re3", ("B", "C"), _run(_v), needs=("transformers",), description=_DESC[_v],
-                    in_quick=_v != "film", quick_sets=("B",)))
+    register(Method(f"re3-{_v}", "re3", ("B", "C") + (REAL_SETS if _v == "film_margins" else ()), _run(_v),
+                    needs=("transformers",), description=_DESC[_v], in_quick=_v != "film", quick_sets=("B",)))
+
+# real text: the two documented options beside the paper's one-time, rule-parsed representation
+register(Method("re3-multi_time", "re3", REAL_SETS, _run("film_margins", multi_time=True), needs=("transformers",),
+                in_quick=False,
+                description="re3-film_margins with multi_time=True (an extension: one time per date expression of a "
+                            "document, scored by its best-matching time)"))
+register(Method("re3-learned", "re3", REAL_SETS, _run("film_margins", time_parser="learned"), needs=("transformers",),
+                in_quick=False,
+                description="re3-film_margins with the paper's learned time parser (heads on [CLS], fitted on silver "
+                            "labels of the rule parser) instead of the rules"))

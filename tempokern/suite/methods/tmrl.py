@@ -8,7 +8,7 @@ batch size, and a LoRA learning rate of 10× the budget's full-fine-tuning rate 
 the rate of the LoRA-MRL run measured in the design notes §2.5). LoRA is merged before encoding."""
 from __future__ import annotations
 
-from ..registry import Method, MethodOutput, register
+from ..registry import REAL_SETS, Method, MethodOutput, register
 
 DIMS_MINILM = (32, 64, 128, 256, 384)
 RECIPE = dict(t=32, alpha=0.25, beta=0.1, gamma=0.1, temperature=0.05, hard_negatives=2, negative_queries=2,
@@ -33,17 +33,19 @@ def _make_run(variant: str):
         cfg = TMRLConfig(variant=variant, t=RECIPE["t"], alpha=RECIPE["alpha"], beta=RECIPE["beta"],
                          gamma=RECIPE["gamma"], temperature=RECIPE["temperature"],
                          lr=b.lr * RECIPE["lora_lr_factor"], batch_size=b.batch_size, epochs=b.epochs,
-                         hard_negatives=RECIPE["hard_negatives"], negative_queries=RECIPE["negative_queries"],
+                         hard_negatives=ctx.rows_hard_negatives(RECIPE["hard_negatives"]),
+                         negative_queries=RECIPE["negative_queries"],
                          seed=ctx.seed, progress=ctx.progress_enabled)
         resume = (ctx.work_dir / "last" / "trainer_state.pt").exists()
         res = train_tmrl(model, data, cfg, ctx.work_dir, resume=resume, device=ctx.device, log=ctx.log)
         model.merge_lora().to(ctx.device)
-        dim_runs = runs_by_dim(model, ctx.dataset, ctx.eval_splits, dims, depth=ctx.depth,
+        dim_runs = runs_by_dim(model, ctx.eval_dataset(), ctx.eval_splits, dims, depth=ctx.depth,
                                batch_size=b.eval_batch_size)
         steps = [h for h in res.history if h.get("event") == "step"]
         last = steps[-1] if steps else {}
         info = {"train_seconds": round(res.seconds, 1), "steps": res.steps, "rows": len(data),
                 "final_loss": res.final_loss, "resumed": resume, "dims": list(dims), **RECIPE,
+                "hard_negatives": cfg.hard_negatives,
                 "lr": cfg.lr, "last_step": steps[-1] if steps else None,
                 # do the auxiliary terms move the model? the last step's parts (unweighted means) and the
                 # gradient diagnostics of its last micro-batch (TMRLTrainer.grad_diagnostics: the weighted
@@ -59,6 +61,7 @@ for _v, _d in (("lora", "LoRA fine-tuning, full-dim InfoNCE only"),
                ("mrl", "LoRA-MRL: Matryoshka InfoNCE over dims 32..384"),
                ("tmrl_noaux", "TMRL without the self-distillation terms (beta = gamma = 0)"),
                ("tmrl", "TMRL: MRL + temporal subspace + distillation + CKA")):
-    # --quick (the CI demo): only the full TMRL row, on set A; the comparison rows run in full runs
-    register(Method(_v, family="tmrl", sets=("A", "B"), run=_make_run(_v), needs=("peft",), description=_d,
-                    in_quick=_v == "tmrl", quick_sets=("A",)))
+    # --quick English runs: only the full TMRL row, on set A; the comparison rows run in full runs. Real data:
+    # LoRA fine-tuning (the paper's strong baseline) and TMRL
+    register(Method(_v, family="tmrl", sets=("A", "B") + (REAL_SETS if _v in ("lora", "tmrl") else ()),
+                    run=_make_run(_v), needs=("peft",), description=_d, in_quick=_v == "tmrl", quick_sets=("A",)))
