@@ -189,7 +189,8 @@ def _int_list(v: str) -> List[int]:
 
 def _suite_args(p):
     g = p.add_argument_group("comparison suite")
-    g.add_argument("--sets", type=_str_list, default=None, help="synthetic sets, e.g. A,B,C (default all)")
+    g.add_argument("--sets", type=_str_list, default=None,
+                   help="synthetic sets: A, B, C and the perturbed B-2date, B-nopub (default: all; --quick A,B,C)")
     g.add_argument("--methods", type=_str_list, default=None,
                    help="registered methods to run, comma-separated (default all; see docs/benchmark-english.md)")
     g.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of the intervals (default 1000)")

@@ -41,13 +41,21 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["Method", "MethodOutput", "SuiteContext", "register", "registered", "unregister", "get_method",
-           "missing_needs", "topk_runs", "SETS", "SYNTH_SETS", "REAL_SETS", "EVAL_SPLITS", "TRAIN_SPLIT", "Budget"]
+           "missing_needs", "topk_runs", "SETS", "SYNTH_SETS", "REAL_SETS", "PERTURBED_SETS", "runs_on", "EVAL_SPLITS", "TRAIN_SPLIT", "Budget"]
 
 #: the synthetic English sets (tempokern.datasets.synth)
 SYNTH_SETS = ("A", "B", "C")
 #: real data (tempokern.suite.realdata): TimeQA, and a BEIR folder of your own
 REAL_SETS = ("timeqa", "data")
-SETS = SYNTH_SETS + REAL_SETS
+#: set B with its documents perturbed (tempokern.datasets.synth.perturb): a second date / no publication date;
+#: a method runs on them when it runs on their base set
+PERTURBED_SETS = ("B-2date", "B-nopub")
+SETS = SYNTH_SETS + PERTURBED_SETS + REAL_SETS
+
+
+def runs_on(method: "Method", set_name: str) -> bool:
+    """Whether ``method`` runs on ``set_name`` (a perturbed set counts as its base set)."""
+    return set_name in method.sets or (set_name in PERTURBED_SETS and set_name.split("-")[0] in method.sets)
 #: query splits a method is evaluated on (those a set has; "train" and "val" are never evaluated)
 EVAL_SPLITS = ("test_template", "test_date", "test_year", "test_masked", "timeless")
 TRAIN_SPLIT = "train"

@@ -20,7 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .metrics import METRICS, spearman, split_metrics, strip_spans
-from .registry import REAL_SETS, SETS, SYNTH_SETS, Budget, Method, MethodOutput, SuiteContext, missing_needs, registered
+from .registry import (PERTURBED_SETS, REAL_SETS, SETS, SYNTH_SETS, Budget, Method, MethodOutput, SuiteContext,
+                       missing_needs, registered, runs_on)
 from .._util import atomic_write
 
 __all__ = ["load_methods", "run_suite", "unit_path", "read_unit", "UNIT_VERSION", "QUICK_SETS", "DEFAULT_SEEDS",
@@ -29,7 +30,7 @@ __all__ = ["load_methods", "run_suite", "unit_path", "read_unit", "UNIT_VERSION"
 UNIT_VERSION = 1
 QUICK_SETS = SYNTH_SETS
 #: the suites: their sets
-SUITES = {"english": SYNTH_SETS, "timeqa": ("timeqa",), "data": ("data",)}
+SUITES = {"english": SYNTH_SETS + PERTURBED_SETS, "timeqa": ("timeqa",), "data": ("data",)}
 DEFAULT_SEEDS = (0, 1, 2)
 #: similarity-preservation proxy: pairs drawn among a fixed pool of documents
 RETENTION = {"quick": (150, 1000), "full": (500, 5000)}   # (documents, pairs)
@@ -200,7 +201,7 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
         chosen = [by_name[m] for m in methods]
     else:
         chosen = list(all_methods)
-    sets = list(sets) if sets else list(SUITES[suite])
+    sets = list(sets) if sets else list(QUICK_SETS if suite == "english" and quick else SUITES[suite])
     bad = [s for s in sets if s not in SUITES[suite]]
     if bad:
         raise ValueError(f"unknown set(s) {bad} for suite {suite!r}: expected some of {', '.join(SUITES[suite])}")
@@ -209,10 +210,10 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
         raise ValueError("seeds must not be empty")
     real = suite != "english"
     budget = budget or (Budget.real(quick) if real else Budget.quick() if quick else Budget.full())
-    off = [m.name for m in chosen if not any(s in m.sets for s in sets)]
+    off = [m.name for m in chosen if not any(runs_on(m, s) for s in sets)]
     if off and methods:
         raise ValueError(f"method(s) {off} do not run on set(s) {sets}")
-    chosen = [m for m in chosen if any(s in m.sets for s in sets)]
+    chosen = [m for m in chosen if any(runs_on(m, s) for s in sets)]
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = "quick" if quick else "full"
     if synth_loader is None and real:
@@ -240,11 +241,16 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
     set_info: Dict[str, dict] = {}
     for s in sets:
         todo = [m for m in chosen if status[m.name]["status"] != "skipped"
-                and s in (m.quick_sets if quick and m.quick_sets and not methods and s in SYNTH_SETS else m.sets)]
+                and (s in m.quick_sets if quick and m.quick_sets and not methods and s in SYNTH_SETS else runs_on(m, s))]
         if not todo:
             continue
         t = time.time()
-        synth = synth_loader(s, seed=0, size=size)
+        if s in PERTURBED_SETS:
+            from ..datasets.synth.perturb import perturb, split_name
+            base, kind = split_name(s)
+            synth = perturb(synth_loader(base, seed=0, size=size), kind)
+        else:
+            synth = synth_loader(s, seed=0, size=size)
         ds = synth.dataset
         splits = sorted({q.split for q in ds.queries if q.split is not None})
         set_info[s] = {"records": len(ds.records), "queries": {sp: sum(q.split == sp for q in ds.queries) for sp in splits},
