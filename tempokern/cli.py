@@ -345,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "0: none (default 8)")
     da.add_argument("--on-error", default="raise", choices=["raise", "skip"],
                     help="malformed pages: raise (default) or skip with a file:line report")
+    da.add_argument("--splits", type=_str_list, default=None,
+                    help="only the pages of these splits, e.g. train,dev or test (default all): a training folder "
+                         "and a held-out folder that share no paragraph")
     return p
 
 
@@ -531,6 +534,10 @@ def validate_args(args) -> None:
         _need(args, "out")
     if cmd == "data":
         _need(args, "out")
+        from .datasets.timeqa import TIMEQA_SPLITS
+        bad = [x for x in (args.splits or ()) if x not in {n for n, _ in TIMEQA_SPLITS}]
+        if bad or (args.splits is not None and not args.splits):
+            raise CLIError(f"--splits must be some of train, dev, test, got {args.splits}")
         _positive(args, "negatives", minimum=0)
     if cmd in ("train", "demo"):
         _positive(args, "epochs", "max_steps", "grad_accum", "threads")
@@ -1187,6 +1194,9 @@ def cmd_data(args) -> int:
     from .datasets.timeqa import export_beir, load_timeqa, timeqa_hard_negatives
     ds = load_timeqa(args.input, on_error=args.on_error)
     report_skipped(ds.report)
+    if args.splits:
+        from .datasets.timeqa import select_splits
+        ds = select_splits(ds, args.splits)
     negs = timeqa_hard_negatives(ds, args.negatives) if args.negatives > 0 else None
     if args.input is None:
         from .datasets._resources import TIMEQA_LICENSE, read_bytes

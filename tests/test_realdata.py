@@ -161,6 +161,30 @@ def test_timeqa_exports_a_beir_folder_that_loads_back(small_timeqa, tmp_path, ca
     assert len(q.meta["neg_page"]) <= 2 and q.meta["page"] == "Newton_D._Baker_House"
 
 
+def test_timeqa_export_by_split_keeps_pages_apart(small_timeqa, tmp_path, capsys):
+    """`data timeqa --splits`: a training folder and a held-out folder with no paragraph in common, each loading
+    back with only its own questions."""
+    ds = load_timeqa(small_timeqa)
+    have = sorted({q.split for q in ds.queries})
+    assert len(have) >= 2, have
+    held = have[-1]
+    rest = [s for s in have if s != held]
+    assert main(["data", "timeqa", "--input", small_timeqa, "--out", str(tmp_path / "a"), "--negatives", "1",
+                 "--splits", ",".join(rest)]) == 0
+    assert main(["data", "timeqa", "--input", small_timeqa, "--out", str(tmp_path / "b"), "--negatives", "1",
+                 "--splits", held]) == 0
+    a, b = load_beir(str(tmp_path / "a")), load_beir(str(tmp_path / "b"))
+    assert not ({r.id for r in a.records} & {r.id for r in b.records})
+    assert {q.split for q in a.queries} == set(rest) and {q.split for q in b.queries} == {held}
+    assert {q.id for q in a.queries} | {q.id for q in b.queries} == {q.id for q in ds.queries}
+    assert all(d in {r.id for r in b.records} for q in b.queries for d in q.gold)
+    assert not (tmp_path / "b" / "qrels" / "train.tsv").exists() or held == "train"
+    capsys.readouterr()
+    assert main(["data", "timeqa", "--out", str(tmp_path / "c"), "--splits", "train,val"]) == 2
+    assert "--splits must be some of train, dev, test" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
 # ---- BEIR folders -----------------------------------------------------------------------------------------
 
 def _jsonl(path, rows):

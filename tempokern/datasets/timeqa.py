@@ -31,7 +31,7 @@ from ..calendar import Calendar
 from .base import DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle
 
 __all__ = ["load_timeqa", "timeqa_page_split", "timeqa_hard_negatives", "export_beir", "TIMEQA_SPLITS",
-           "format_prefix"]
+           "format_prefix", "select_splits"]
 
 TIMEQA_FILE = "timeqa_human_annotated_train.json.gz"
 #: split names and their per-cent shares of the pages
@@ -243,6 +243,19 @@ def load_timeqa(path: Optional[str] = None, *, on_error: str = "raise", name: st
     return RetrievalDataset(name, records, queries, cal, report)
 
 
+
+
+def select_splits(dataset, splits: Sequence[str]) -> RetrievalDataset:
+    """The pages of ``splits`` only: their paragraphs and their questions (a page's split is fixed, so a
+    training folder and a held-out folder written this way share no paragraph)."""
+    known = {s for s, _ in TIMEQA_SPLITS}
+    bad = [s for s in splits if s not in known]
+    if bad or not splits:
+        raise ValueError(f"splits must be some of {', '.join(sorted(known))}, got {list(splits)}")
+    qs = [q for q in dataset.queries if q.split in splits]
+    pages = {(q.meta or {}).get("page") for q in qs}
+    recs = [r for r in dataset.records if (r.meta or {}).get("page") in pages]
+    return RetrievalDataset(f"{dataset.name}[{','.join(splits)}]", recs, qs, dataset.calendar, dataset.report)
 
 
 def timeqa_hard_negatives(dataset, k: int = 4, *,
