@@ -74,6 +74,10 @@ register(Method("re3-multi_time", "re3", REAL_SETS, _run("film_margins", multi_t
                 in_quick=False,
                 description="re3-film_margins with multi_time=True (an extension: one time per date expression of a "
                             "document, scored by its best-matching time)"))
+register(Method("re3-range_start", "re3", REAL_SETS, _run("film_margins", ranges="start"), needs=("transformers",),
+                in_quick=False,
+                description="re3-film_margins with ranges='start' (a range such as 'from 2004 to 2006' read as its "
+                            "start, as a one-point parser does) instead of its interval"))
 register(Method("re3-learned", "re3", REAL_SETS, _run("film_margins", time_parser="learned"), needs=("transformers",),
                 in_quick=False,
                 description="re3-film_margins with the paper's learned time parser (heads on [CLS], fitted on silver "
