@@ -21,7 +21,8 @@ BEGIN, END = "<!-- quality-table:begin -->", "<!-- quality-table:end -->"
 
 #: (row, label) in table order
 ROWS = (("bm25_ties_last", "BM25"), ("minilm_zeroshot", "MiniLM zero-shot"), ("minilm_ft", "full fine-tuning"),
-        ("lora", "LoRA fine-tuning"), ("ctd_full", "CTD"), ("tmrl", "TMRL"), ("re3-film_margins", "Re³"),
+        ("lora", "LoRA fine-tuning"), ("ctd_full", "CTD"), ("tmrl", "TMRL (LoRA)"),
+        ("tmrl_full", "TMRL, full fine-tuning"), ("re3-film_margins", "Re³"),
         ("re3-multi_time", "Re³, one time per date (extension)"), ("re3-range_start", "Re³, ranges read as their start"),
         ("re3-learned", "Re³, learned parser"))
 ZERO = ("bm25_ties_last", "minilm_zeroshot")

@@ -128,7 +128,7 @@ def test_timeqa_quick_set_keeps_pages_apart():
         timeqa_set("quick", eval_split="train")
 
 
-ROWS = ["bm25_ties_last", "minilm_zeroshot", "minilm_ft", "ctd_full", "re3-film_margins"]
+ROWS = ["bm25_ties_last", "minilm_zeroshot", "minilm_ft", "ctd_full", "tmrl_full", "re3-film_margins"]
 
 
 def test_suite_on_your_folder_every_trained_row_same_steps(tmp_path, folder, tiny_backbone):
@@ -143,12 +143,12 @@ def test_suite_on_your_folder_every_trained_row_same_steps(tmp_path, folder, tin
         assert set(res["results"]["data"][sp]) == set(ROWS)
         assert res["results"]["data"][sp]["minilm_ft"]["R@1"]["n"] == 5
     steps = {}
-    for name in ("minilm_ft", "ctd_full"):
+    for name in ("minilm_ft", "ctd_full", "tmrl_full"):
         info = json.loads(unit_path(tmp_path, name, "data", 0).read_text())["payload"]["info"]
         steps[name] = info["steps"]
         assert info["hard_negatives"] == 1
     # 20 rows in batches of 8 (the last batch of 4 kept), 2 epochs, for every trained row
-    assert steps == {"minilm_ft": 6, "ctd_full": 6}
+    assert steps == {"minilm_ft": 6, "ctd_full": 6, "tmrl_full": 6}
     md = (tmp_path / "results.md").read_text()
     assert md.startswith(f"# tempokern benchmark --data {folder}")
     assert "| steps |" in md and "1 hard negative(s) per row" in md
