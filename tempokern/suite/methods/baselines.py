@@ -8,6 +8,7 @@ import time
 import numpy as np
 import torch
 
+from ..._ops.routing import multipos_infonce
 from ..backbone import dense_runs, embed_batch, encode_texts, load_backbone
 from ..registry import Method, MethodOutput, register
 
@@ -101,7 +102,6 @@ def finetune_infonce(ctx, model, tok, *, temperature: float = 0.05, warmup_ratio
     positive document counted as positives of each other (``tempokern.multipos_infonce`` with the
     document index as the span: no false negatives from duplicates). AdamW, linear warm-up/decay,
     ``ctx.budget`` epochs / batch size / lr / max_length. Returns an info dict."""
-    from ... import multipos_infonce
     b = ctx.budget
     rows = ctx.train_rows()
     pos = {r.id: i for i, r in enumerate(ctx.dataset.records)}
