@@ -1,5 +1,5 @@
 """CTD rows on set B (monthly facts, `Calendar.gregorian(..., resolution="month")`): the ablation
-variants baseline / context / bias / full of `tempokern.training.train` (the path `tempokern train`
+variants baseline / context / bias / full of `tempokern.training.train_ctd` (the path `tempokern train`
 runs) with the suite's backbone, mean pooling and the shared budget."""
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def run_ctd(variant: str):
     def run(ctx):
         import torch
         from ...models import CTDEncoder
-        from ...training import TrainConfig, train
+        from ...training import CTDConfig, train_ctd
         from ...training.evaluate import score_topk
         from ...training.trainer import seed_everything
         if ctx.dataset.calendar is None:
@@ -64,10 +64,10 @@ def run_ctd(variant: str):
         b = ctx.budget
         seed_everything(ctx.seed)
         model = CTDEncoder(ctx.backbone_path, ctx.dataset.calendar, pooling="mean", max_length=b.max_length)
-        cfg = TrainConfig(variant=variant, epochs=b.epochs, batch_size=b.batch_size, lr=b.lr, temporal_lr=TEMPORAL_LR,
-                          seed=ctx.seed, progress=ctx.progress_enabled, hard_negatives=False)
+        cfg = CTDConfig(variant=variant, epochs=b.epochs, batch_size=b.batch_size, lr=b.lr, temporal_lr=TEMPORAL_LR,
+                        seed=ctx.seed, progress=ctx.progress_enabled, hard_negatives=False)
         ds = _train_subset(ctx)
-        res = train(model, ds, cfg, None, device=ctx.device, log=ctx.log)
+        res = train_ctd(model, ds, cfg, None, device=ctx.device, log=ctx.log)
         steps = [h for h in res.history if h.get("event") == "step"]
         info = {"train_seconds": round(res.seconds, 2), "steps": res.steps, "train_queries": len(ds.queries),
                 "first_loss": steps[0]["loss"] if steps else None, "final_loss": res.final_loss,
