@@ -95,6 +95,16 @@ def test_checkpoint_round_trip_identical_embeddings(ds, tmp_path):
     assert torch.equal(CTDEncoder.load(tmp_path / "enc").encode(texts).embeddings, before.embeddings)
 
 
+def test_encode_role_keyword(ds):
+    """role="query"|"document", the keyword every tempokern encoder takes: CTD encodes both roles alike."""
+    m = tiny_model(ds, ctx_dim=16, bias_features=8, bias_hidden=8)
+    texts = [r.text for r in ds.records[:4]]
+    q, d = m.encode(texts, role="query"), m.encode(texts, role="document")
+    assert torch.equal(q.embeddings, d.embeddings) and torch.equal(q.u, d.u)
+    with pytest.raises(ValueError, match="role must be one of"):
+        m.encode(texts, role="passage")
+
+
 def test_checkpoint_corruption_and_missing_are_clear_errors(ds, tmp_path):
     m = tiny_model(ds)
     m.save(tmp_path / "enc")
