@@ -70,14 +70,14 @@ def main(argv=None) -> int:
         out = []
         with torch.no_grad():
             for i in range(0, len(texts), BATCH):
-                enc = tm.tokenize(texts[i:i + BATCH], side="passage")
+                enc = tm.tokenize(texts[i:i + BATCH], role="document")
                 out.append(torch.nn.functional.normalize(tm(**enc).emb.float(), dim=-1))
         return torch.cat(out)
 
     run = {
         "sentence-transformers": lambda: torch.as_tensor(st.encode(texts, batch_size=BATCH, normalize_embeddings=True,
                                                                    convert_to_numpy=True)),
-        "tempokern-tmrl": lambda: tm.encode(texts, side="passage", batch_size=BATCH, progress=False),
+        "tempokern-tmrl": lambda: tm.encode(texts, role="document", batch_size=BATCH, progress=False),
         "tempokern-ctd": lambda: ctd.encode(texts, batch_size=BATCH, scorer="encoder", progress=False).embeddings,
     }
     if a.unsorted:

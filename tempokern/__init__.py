@@ -42,9 +42,9 @@ from ._build import build_info
 from ._ops.common import debug_checks_enabled, set_debug_checks
 from ._ops.calendar import calendar_context, calendar_scalar, fourier_table
 from ._ops.offset_bias import offset_bias, offset_bias_lookup
-from ._ops.multipos_infonce import multipos_infonce
+from ._ops.routing import matryoshka_infonce, multipos_infonce
 from ._ops.ctd_topk import ctd_topk
-from ._ops.matryoshka_infonce import matryoshka_infonce, truncate
+from ._ops.matryoshka_infonce import truncate
 from . import reference
 from . import nn
 from . import search

@@ -676,7 +676,7 @@ def build_model(args, ds):
 def cmd_train(args) -> int:
     if getattr(args, "method", "ctd") == "re3":
         return cmd_train_re3(args)
-    from .training import TrainConfig, train
+    from .training import CTDConfig, train_ctd
     from .training.trainer import init_distributed_from_env, dist_info
     _need(args, "out")
     if getattr(args, "method", "ctd") == "tmrl":
@@ -692,17 +692,17 @@ def cmd_train(args) -> int:
     eval_split = "dev" if any(q.split == "dev" for q in ds.queries) and \
         not any(q.split == "val" for q in ds.queries) else "val"
     lr = args.lr if args.lr is not None else (3e-3 if args.backbone == "tiny" else 2e-5)
-    cfg = TrainConfig(variant=args.variant, epochs=args.epochs, batch_size=args.batch_size, lr=lr,
-                      temporal_lr=args.temporal_lr, weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio,
-                      grad_accum=args.grad_accum, temperature=args.temperature, lambda_time=args.lambda_time,
-                      label_smoothing=args.label_smoothing, neighbor_smoothing=args.neighbor_smoothing,
-                      hard_negatives=args.hard_negatives, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
-                      progress=args.progress, pairs_per_query=args.pairs_per_query, eval_scorer=args.scorer,
-                      gather_mode=args.gather_mode, eval_split=eval_split).validate()
+    cfg = CTDConfig(variant=args.variant, epochs=args.epochs, batch_size=args.batch_size, lr=lr,
+                    temporal_lr=args.temporal_lr, weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio,
+                    grad_accum=args.grad_accum, temperature=args.temperature, lambda_time=args.lambda_time,
+                    label_smoothing=args.label_smoothing, neighbor_smoothing=args.neighbor_smoothing,
+                    hard_negatives=args.hard_negatives, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
+                    progress=args.progress, pairs_per_query=args.pairs_per_query, eval_scorer=args.scorer,
+                    gather_mode=args.gather_mode, eval_split=eval_split).validate()
     from .training.trainer import seed_everything
     seed_everything(args.seed)
     model = build_model(args, ds)
-    res = train(model, ds, cfg, args.out, resume=args.resume, device=args.device)
+    res = train_ctd(model, ds, cfg, args.out, resume=args.resume, device=args.device)
     rank, _ = dist_info()
     if rank == 0:
         out = Path(args.out)

@@ -104,7 +104,7 @@ def run_demo(out="tempokern-demo", *, quick: bool = False, backbone: str = "tiny
              seed: int = 0, threads: Optional[int] = None, device=None, progress: bool = True,
              split: str = "template", pairs_per_query: Optional[int] = 3) -> dict:
     from .models import CTDEncoder
-    from .training import TrainConfig, VARIANTS, train, zztj_demo_dataset
+    from .training import CTDConfig, VARIANTS, train_ctd, zztj_demo_dataset
     from .training.trainer import seed_everything
 
     t_start = time.time()
@@ -137,10 +137,10 @@ def run_demo(out="tempokern-demo", *, quick: bool = False, backbone: str = "tiny
     for v in variants:
         seed_everything(seed)
         model = CTDEncoder(make_backbone(), ds.calendar, tokenizer=tok, max_length=max_length, pooling=pooling)
-        cfg = TrainConfig(variant=v, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, progress=progress,
-                          pairs_per_query=pairs_per_query)
+        cfg = CTDConfig(variant=v, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, progress=progress,
+                        pairs_per_query=pairs_per_query)
         t = time.time()
-        res = train(model, ds, cfg, out / "runs" / v, device=dev, log=_log)
+        res = train_ctd(model, ds, cfg, out / "runs" / v, device=dev, log=_log)
         train_s = time.time() - t
         table = evaluate_model(model, ds, "test", **PROTOCOL)
         steps = [h for h in res.history if h.get("event") == "step"]

@@ -44,12 +44,12 @@ def ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        from tempokern.training import TrainConfig, train
+        from tempokern.training import CTDConfig, train_ctd
         ds = small_dataset()
         # different initial weights per rank: the trainer must broadcast rank 0's
         m = no_dropout(tiny_model(ds, seed=rank))
-        cfg = TrainConfig(variant="full", epochs=1, batch_size=8, lr=3e-3, progress=False, seed=0, max_steps=4)
-        res = train(m, ds, cfg, out_dir if rank == 0 else None, log=lambda *a: None)
+        cfg = CTDConfig(variant="full", epochs=1, batch_size=8, lr=3e-3, progress=False, seed=0, max_steps=4)
+        res = train_ctd(m, ds, cfg, out_dir if rank == 0 else None, log=lambda *a: None)
         torch.save({k: v.detach().clone() for k, v in m.state_dict().items()}, os.path.join(out_dir, f"rank{rank}.pt"))
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"steps": res.steps, "losses": [h["loss"] for h in res.history if h["event"] == "step"]}, f)

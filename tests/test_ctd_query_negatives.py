@@ -1,5 +1,5 @@
 """CTD trainer: hard negatives the data provides per query (meta["negatives"]) or per record group
-(records sharing the gold's meta["group"], e.g. one page), TrainConfig.hard_negative_source."""
+(records sharing the gold's meta["group"], e.g. one page), CTDConfig.hard_negative_source."""
 import dataclasses
 
 import pytest
@@ -9,7 +9,7 @@ from _ctd_helpers import small_dataset, tiny_model
 
 from tempokern.datasets import RetrievalDataset
 from tempokern.nn import CTDLoss
-from tempokern.training import TrainConfig, Trainer
+from tempokern.training import CTDConfig, CTDTrainer
 from tempokern.training.data import QueryNegatives
 
 
@@ -34,7 +34,7 @@ def _with_lists(ds, every: int = 2):
 def test_query_lists_are_the_negatives(ds):
     d2, lists = _with_lists(ds)
     m = tiny_model(d2).eval()
-    tr = Trainer(m, d2, TrainConfig(variant="full", batch_size=8, progress=False, hard_negative_source="query"))
+    tr = CTDTrainer(m, d2, CTDConfig(variant="full", batch_size=8, progress=False, hard_negative_source="query"))
     seen = 0
     for batch, negs, _ in tr._epoch_batches(0):
         listed = [(qi, di) for qi, di in batch if d2.queries[qi].id in lists]
@@ -64,7 +64,7 @@ def test_group_negatives_share_the_gold_page(ds):
         gold_pages = {page[g] for g in q.gold}
         assert all(page[recs[i].id] in gold_pages and recs[i].id not in q.gold for i in cands)
     m = tiny_model(d2).eval()
-    tr = Trainer(m, d2, TrainConfig(variant="full", batch_size=8, progress=False, hard_negative_source="group"))
+    tr = CTDTrainer(m, d2, CTDConfig(variant="full", batch_size=8, progress=False, hard_negative_source="group"))
     batch, negs, _ = tr._epoch_batches(0)[0]
     assert negs is not None
     for n in negs:
@@ -76,7 +76,7 @@ def test_auto_falls_back_and_bad_input_is_named(ds):
     qn = QueryNegatives(d2, "train", source="auto")
     assert {d2.queries[qi].id for qi in qn.cands} == set(lists)      # no groups here: only the lists
     with pytest.raises(ValueError, match="hard_negative_source"):
-        TrainConfig(hard_negative_source="page").validate()
+        CTDConfig(hard_negative_source="page").validate()
     q0 = next(q for q in ds.queries if q.split == "train")
     bad = [dataclasses.replace(q0, meta={"negatives": ["no-such-record"]})]
     with pytest.raises(ValueError, match="no-such-record"):

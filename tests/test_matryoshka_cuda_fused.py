@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import tempokern
 import tempokern._ops.matryoshka_blocked as mb
-import tempokern._ops.matryoshka_infonce as mi
+import tempokern._ops.routing as routing
 import tempokern._ops.multipos_blocked as mpb
 from tempokern._ops.matryoshka_infonce import force_blocked
 from tempokern.reference import matryoshka_infonce as ref
@@ -25,7 +25,7 @@ def launches(monkeypatch):
     """The fused kernel launches of the test: (op, first row of the block, level, positive block, dtype of the
     rounded gradient coefficients Ho or None, levels of a "bwd_all" launch or 0). Sends every call to the fused
     kernels (the default sends bias-free square calls through the levels path's multipos_infonce)."""
-    monkeypatch.setattr(mi, "_per_level", lambda *a, **k: False)
+    monkeypatch.setattr(routing, "_per_level", lambda *a, **k: False)
     calls = []
     real = mb._Fused.launch
 

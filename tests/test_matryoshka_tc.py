@@ -21,7 +21,7 @@ import torch
 
 import tempokern
 import tempokern._ops.matryoshka_blocked as mb
-import tempokern._ops.multipos_infonce as mpi
+import tempokern._ops.routing as routing
 from tempokern._ops.matryoshka_infonce import force_blocked
 from tempokern.reference import matryoshka_infonce as ref
 
@@ -74,7 +74,7 @@ def tc(monkeypatch, request):
     per-level multipos_infonce calls keep the blocked path (tests/test_multipos_tc.py has those)."""
     force_tile(monkeypatch, request.param)
     rec = {"launches": [], "levels": 0}
-    real, real_mp = mb._tc_launch, mpi.multipos_infonce
+    real, real_mp = mb._tc_launch, routing.multipos_infonce
 
     def spy(F, op, i0, i1, K, splits, **outs):
         real(F, op, i0, i1, K, splits, **outs)
@@ -85,7 +85,7 @@ def tc(monkeypatch, request):
         rec["levels"] += 1
         return real_mp(*a, **k)
     monkeypatch.setattr(mb, "_tc_launch", spy)
-    monkeypatch.setattr(mpi, "multipos_infonce", mp)
+    monkeypatch.setattr(routing, "multipos_infonce", mp)
     with dispatch.use("mrl_tc"):
         yield rec
     for tr, tcl, want in rec.get("tiles", []):  # the device's limits decide (an H100, an A100, sm_86 / sm_89)

@@ -95,6 +95,16 @@ def test_checkpoint_round_trip_identical_embeddings(ds, tmp_path):
     assert torch.equal(CTDEncoder.load(tmp_path / "enc").encode(texts).embeddings, before.embeddings)
 
 
+def test_encode_role_keyword(ds):
+    """role="query"|"document", the keyword every tempokern encoder takes: CTD encodes both roles alike."""
+    m = tiny_model(ds, ctx_dim=16, bias_features=8, bias_hidden=8)
+    texts = [r.text for r in ds.records[:4]]
+    q, d = m.encode(texts, role="query"), m.encode(texts, role="document")
+    assert torch.equal(q.embeddings, d.embeddings) and torch.equal(q.u, d.u)
+    with pytest.raises(ValueError, match="role must be one of"):
+        m.encode(texts, role="passage")
+
+
 def test_checkpoint_corruption_and_missing_are_clear_errors(ds, tmp_path):
     m = tiny_model(ds)
     m.save(tmp_path / "enc")
@@ -273,12 +283,12 @@ def test_atomic_write_fsyncs(tmp_path, monkeypatch):
 def test_resume_with_missing_weights_raises(ds, tmp_path):
     """Fails on a030c41 (load_model(strict=False) ignored missing keys on resume)."""
     from safetensors.torch import load_file, save_file
-    from tempokern.training import TrainConfig, train
+    from tempokern.training import CTDConfig, train_ctd
     cfg = dict(variant="full", epochs=2, batch_size=16, lr=1e-3, progress=False, seed=0)
-    train(tiny_model(ds), ds, TrainConfig(**cfg, stop_after_epochs=1), tmp_path / "run", log=lambda *a: None)
+    train_ctd(tiny_model(ds), ds, CTDConfig(**cfg, stop_after_epochs=1), tmp_path / "run", log=lambda *a: None)
     w = tmp_path / "run" / "last" / "model.safetensors"
     sd = load_file(str(w))
     sd.pop(next(k for k in sd if k.startswith("offset_bias.")))
     save_file(sd, str(w))
     with pytest.raises(ValueError, match="missing"):
-        train(tiny_model(ds), ds, TrainConfig(**cfg), tmp_path / "run", resume=True, log=lambda *a: None)
+        train_ctd(tiny_model(ds), ds, CTDConfig(**cfg), tmp_path / "run", resume=True, log=lambda *a: None)

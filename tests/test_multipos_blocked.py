@@ -6,7 +6,8 @@ import torch
 
 import tempokern
 import tempokern._ops.multipos_blocked as mpb
-from tempokern._ops.multipos_infonce import _span_bounds, blocked_multipos
+from tempokern._ops.loss_args import span_bounds
+from tempokern._ops.multipos_infonce import blocked_multipos
 from tempokern.reference import multipos_infonce as ref
 from tempokern.reference.offset_bias import offset_bias, offset_bias_tabulated
 
@@ -23,7 +24,7 @@ def run_pair(q, d, sp, neg, b, *, pts=None, temperature=0.1, symmetric=True, blo
     want = both(lambda: ref(q, d, *sp, temperature=temperature, bias=b, extra_neg=neg, symmetric=symmetric,
                             bias_table_points=pts), ins)
     if block_rows:
-        (qlo, qhi), (dlo, dhi) = _span_bounds(sp[0]), _span_bounds(sp[1])
+        (qlo, qhi), (dlo, dhi) = span_bounds(sp[0]), span_bounds(sp[1])
         w = 0.5 if symmetric else 1.0
         got = both(lambda: blocked_multipos(q, d, qlo, qhi, dlo, dhi, temperature=temperature, bias=b, extra_neg=neg,
                                             row_weight=w, col_weight=w if symmetric else 0.0,

@@ -9,7 +9,8 @@ import torch
 
 import tempokern
 import tempokern._ops.multipos_blocked as mpb
-from tempokern._ops.multipos_infonce import _span_bounds, multipos_infonce_partial
+from tempokern._ops.loss_args import span_bounds
+from tempokern._ops.routing import multipos_infonce_partial
 from tempokern.reference import hardest_negatives
 from tempokern.reference import multipos_infonce as ref
 from tempokern.reference.multipos_infonce import multipos_infonce_partial as ref_partial
@@ -40,7 +41,7 @@ def literal_hardest(q, d, q_lo, q_hi, d_lo, d_hi, temperature, bias_block=None, 
 
 
 def ref_hardest(q, d, sp, temperature, b=None, pts=None):
-    (qlo, qhi), (dlo, dhi) = _span_bounds(sp[0]), _span_bounds(sp[1])
+    (qlo, qhi), (dlo, dhi) = span_bounds(sp[0]), span_bounds(sp[1])
     return ref_partial(q.detach(), d.detach(), qlo, qhi, dlo, dhi, temperature=temperature,
                        bias=None if b is None else tuple(x.detach() for x in b), bias_table_points=pts,
                        return_hardest=True)[1]
@@ -74,7 +75,7 @@ def test_cpu_fused_matches_reference(B, H, N, bias, symmetric, spans):
         assert (hard >= 0).all()  # every row of these batches has a negative
         assert hard.max() < B      # never an extra negative
     bb = None if b is None else offset_bias(*(x.detach() for x in b))
-    (qlo, qhi), (dlo, dhi) = _span_bounds(sp[0]), _span_bounds(sp[1])
+    (qlo, qhi), (dlo, dhi) = span_bounds(sp[0]), span_bounds(sp[1])
     assert torch.equal(hard, literal_hardest(q.detach(), d.detach(), qlo, qhi, dlo, dhi, 0.1, bb))
     # gradients still flow through the loss (hardest is an int64 by-product)
     torch.autograd.grad(loss, [q, d])
@@ -113,7 +114,7 @@ def tie_batch(Bq, Bd, H=6, seed=0, device="cpu", dtype=torch.float64):
 
 
 def check_ties(got, q, d, sp, temperature, diag_offset=0):
-    (qlo, qhi), (dlo, dhi) = _span_bounds(sp[0]), _span_bounds(sp[1])
+    (qlo, qhi), (dlo, dhi) = span_bounds(sp[0]), span_bounds(sp[1])
     want = literal_hardest(q.cpu(), d.cpu(), qlo.cpu(), qhi.cpu(), dlo.cpu(), dhi.cpu(), temperature,
                            diag_offset=diag_offset)
     assert torch.equal(got.cpu(), want)
@@ -158,7 +159,7 @@ def test_ties_across_cuda_column_tiles(gpu, monkeypatch, sms):
     # 2,100 columns = 3 column tiles of 1,024: per-tile partial (max, column) merged with the lowest column
     monkeypatch.setattr(mpb, "sm_count", lambda device: sms)
     q, d, qs, ds = tie_batch(9, 2100, seed=sms, device=gpu, dtype=torch.float32)
-    (qlo, qhi), (dlo, dhi) = _span_bounds(qs), _span_bounds(ds)
+    (qlo, qhi), (dlo, dhi) = span_bounds(qs), span_bounds(ds)
     # the maxima sit in the second and third tiles too: duplicate a high-scoring column across tiles
     _, hard = multipos_infonce_partial(q, d, qlo, qhi, dlo, dhi, temperature=0.5, row_weight=1.0,
                                        col_weight=0.0, return_hardest=True)
@@ -191,7 +192,7 @@ def test_device_paths_match_reference(device, mode, symmetric):
 def test_several_row_blocks(gpu, rows):
     from tempokern._ops.multipos_infonce import blocked_multipos
     q, d, sp, neg, b = make(97, 12, N=7, bias=True, device=gpu, seed=rows)
-    (qlo, qhi), (dlo, dhi) = _span_bounds(sp[0]), _span_bounds(sp[1])
+    (qlo, qhi), (dlo, dhi) = span_bounds(sp[0]), span_bounds(sp[1])
     loss, hard = blocked_multipos(q, d, qlo, qhi, dlo, dhi, temperature=0.1, bias=b, extra_neg=neg, row_weight=0.5,
                                   col_weight=0.5, bias_table_points=97, block_rows=rows, return_hardest=True)
     assert torch.equal(hard.cpu(), ref_hardest(q, d, sp, 0.1, b, 97).cpu())
@@ -203,7 +204,7 @@ def test_gathered_shapes(device, path):
     # CTDLoss(gather=True)'s row pass: local queries vs all gathered documents, row i's partner i + offset
     Bq, Bd, off = 23, 61, 17
     q, d, sp, neg, b = make(Bq, 8, N=3, bias=path != "fused", Bd=Bd, device=device, seed=5)
-    (qlo, qhi), (dlo, dhi) = _span_bounds(sp[0]), _span_bounds(sp[1])
+    (qlo, qhi), (dlo, dhi) = span_bounds(sp[0]), span_bounds(sp[1])
     qlo[::3] = 1000  # some rows overlap nothing: their partner column is their positive
     qhi[::3] = 1001
     pts = 33 if path == "table" else None
@@ -239,7 +240,7 @@ def test_temperatures(temperature):
 def test_opcheck_with_hardest():
     from tempokern._ops.multipos_infonce import _sorted_by_u, bias_kernel_inputs, interval_bounds
     q, d, sp, neg, b = make(20, 6, N=4, bias=True, dtype=torch.float32, seed=2)
-    spans = (*_span_bounds(sp[0]), *_span_bounds(sp[1]))
+    spans = (*span_bounds(sp[0]), *span_bounds(sp[1]))
     q, d, *spans, b, diag = _sorted_by_u(q, d, *spans, b, 0)
     q, d = q.detach().requires_grad_(), d.detach().requires_grad_()
     extras = (*interval_bounds(b[2], b[3]), *diag)
@@ -255,7 +256,7 @@ def test_opcheck_with_hardest():
 
 def test_opcheck_blocked_with_hardest():
     q, d, sp, neg, b = make(20, 6, N=4, dtype=torch.float32, seed=2)
-    spans = (*_span_bounds(sp[0]), *_span_bounds(sp[1]))
+    spans = (*span_bounds(sp[0]), *span_bounds(sp[1]))
     args = (q, d, *spans, neg, *(None,) * 8, 10.0, 0.5, 0.5, 0, True, 0, None, True)
     torch.library.opcheck(torch.ops.tempokern.multipos_blocked, args)
 
@@ -292,7 +293,7 @@ def test_cuda_hardest_does_not_depend_on_thread_order(cuda_emu):
     # change with the order in which the emulator runs a block's threads
     from tempokern._ops.common import cuda_emulator
     q, d, qs, ds = tie_batch(40, 1500, seed=4, dtype=torch.float32)
-    (qlo, qhi), (dlo, dhi) = _span_bounds(qs), _span_bounds(ds)
+    (qlo, qhi), (dlo, dhi) = span_bounds(qs), span_bounds(ds)
     outs = []
     try:
         for s in (0, 1, 2):

@@ -127,9 +127,10 @@ def test_gradcheck():
 
 @pytest.mark.parametrize("bias,bounds", [(False, False), (True, False), (True, True)])
 def test_opcheck(bias, bounds):
-    from tempokern._ops.multipos_infonce import _sorted_by_u, _span_bounds, bias_kernel_inputs, interval_bounds
+    from tempokern._ops.loss_args import span_bounds
+    from tempokern._ops.multipos_infonce import _sorted_by_u, bias_kernel_inputs, interval_bounds
     q, d, sp, neg, b = make(20, 6, N=4, bias=bias, dtype=torch.float32, seed=2)
-    spans = (*_span_bounds(sp[0]), *_span_bounds(sp[1]))
+    spans = (*span_bounds(sp[0]), *span_bounds(sp[1]))
     extras = (None,) * 4
     if bounds:  # the CPU path: rows/columns sorted by u, unit bounds and explicit diagonal partners
         q, d, *spans, b, diag = _sorted_by_u(q, d, *spans, b, 0)
@@ -146,10 +147,10 @@ def test_opcheck(bias, bounds):
 @pytest.mark.parametrize("table", [False, True])
 def test_opcheck_blocked(table):
     # the blocked op (every CUDA call, the table mode on CPU): schema, fake tensor, autograd registration
-    from tempokern._ops.multipos_infonce import _span_bounds
+    from tempokern._ops.loss_args import span_bounds
     from tempokern.reference.offset_bias import offset_bias_table
     q, d, sp, neg, b = make(20, 6, N=4, bias=table, dtype=torch.float32, seed=2)
-    spans = (*_span_bounds(sp[0]), *_span_bounds(sp[1]))
+    spans = (*span_bounds(sp[0]), *span_bounds(sp[1]))
     bias = (None,) * 3
     if table:
         tab = offset_bias_table(*b[2:], 33).float().detach().requires_grad_()
@@ -454,7 +455,7 @@ def test_cuda_float64_partial_matches_reference(gpu, Bq, Bd, off, rw, cw):
     # CTDLoss(gather=True)'s calls: Bq != Bd, a diagonal offset, one weight zero; float64, strided q rows,
     # bias, extra negatives; the CUDA path and the CPU kernel, each against the plain-torch reference of the
     # partial loss (the reference, not product code against product code).
-    from tempokern._ops.multipos_infonce import multipos_infonce_partial
+    from tempokern._ops.routing import multipos_infonce_partial
     from tempokern.reference.multipos_infonce import multipos_infonce_partial as ref_partial
     g = torch.Generator().manual_seed(Bq + Bd)
     H, N, hidden, D = 40, 37, 6, 12

@@ -62,10 +62,11 @@ MODES = ("none", "table", "exact")
 
 def count_step(emu, B: int, mode: str, *, block_rows: int = 0, N: int = 0, symmetric: bool = True):
     """(aten ops, views, allocations, launching ops, tempokern kernel launches, Counter) of one fwd+bwd step."""
-    from tempokern._ops.multipos_infonce import _span_bounds, blocked_multipos
+    from tempokern._ops.loss_args import span_bounds
+    from tempokern._ops.multipos_infonce import blocked_multipos
     q, d, sp, neg, b = make(B, 16, N=N, bias=mode != "none", dtype=torch.float32, seed=1)
     pts = 257 if mode == "table" else None
-    (qlo, qhi), (dlo, dhi) = _span_bounds(sp[0]), _span_bounds(sp[1])
+    (qlo, qhi), (dlo, dhi) = span_bounds(sp[0]), span_bounds(sp[1])
     w = 0.5 if symmetric else 1.0
 
     def step():

@@ -10,7 +10,7 @@ import torch
 import tempokern
 import tempokern._ops.matryoshka_blocked as mb
 import tempokern._ops.multipos_blocked as mpb
-from tempokern._ops.multipos_infonce import multipos_infonce_partial
+from tempokern._ops.routing import multipos_infonce_partial
 from tempokern.reference import multipos_infonce as ref
 from tempokern.reference.multipos_infonce import multipos_infonce_partial as ref_partial
 

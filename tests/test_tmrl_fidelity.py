@@ -154,14 +154,14 @@ def test_trainer_step_with_repeats_is_the_loss_without_them(rows):
     _, lay = tr.batch_items(batch)
     assert lay["n"] == 3 and not all(all(v) for v in lay["nq_valid"])
 
-    def enc(text, side):
+    def enc(text, role):
         with torch.no_grad():
-            out = m(**m.tokenize([text], side=side, temporal=True))
+            out = m(**m.tokenize([text], role=role, temporal=True))
         return out.emb[0], out.temporal[0]
 
     qs = [enc(odd[ri].query, "query") for ri, _, _ in batch]
-    ps = [enc(odd[ri].positive, "passage") for ri, _, _ in batch]
-    hn = [enc(odd[ri].hard_negatives[j], "passage")[0] for ri, hs, _ in batch for j in hs]
+    ps = [enc(odd[ri].positive, "document") for ri, _, _ in batch]
+    hn = [enc(odd[ri].hard_negatives[j], "document")[0] for ri, hs, _ in batch for j in hs]
     negs = [[enc(odd[ri].negative_queries[j], "query") for j in nq] for ri, _, nq in batch]
     q, q_T = torch.stack([a for a, _ in qs]), torch.stack([b for _, b in qs])
     p, p_T = torch.stack([a for a, _ in ps]), torch.stack([b for _, b in ps])

@@ -1,4 +1,4 @@
-"""TMRLEncoder: pooling, per-side prefixes, temporal masks, truncated encodings, LoRA merge, save/load, index."""
+"""TMRLEncoder: pooling, per-role prefixes, temporal masks, truncated encodings, LoRA merge, save/load, index."""
 import sys
 
 import pytest
@@ -45,7 +45,7 @@ def _backbone_pool(model, texts, how):
 def test_forward_pools_and_temporal(rows, how):
     m = tiny_encoder(rows, pooling=how, dropout=False).eval()
     texts = [rows[0].query, rows[1].positive, "no time here."]
-    enc = m.tokenize(texts, side="query", temporal=True)
+    enc = m.tokenize(texts, role="query", temporal=True)
     out = m(**enc)
     H = m.hidden_size
     assert out.emb.shape == (3, H) and out.temporal.shape == (3, m.t) and out.has_temporal.dtype == torch.bool
@@ -66,13 +66,13 @@ def test_forward_pools_and_temporal(rows, how):
     assert out2.temporal is None and out2.has_temporal is None
 
 
-def test_prefixes_per_side_and_spans_shift(rows):
+def test_prefixes_per_role_and_spans_shift(rows):
     m = tiny_encoder(rows, dropout=False, query_prefix="query: ", passage_prefix="passage: ").eval()
     plain = tiny_encoder(rows, dropout=False).eval()   # same seed: same weights, no prefixes
     text = rows[0].query
     with torch.no_grad():
-        q = m.encode([text], side="query")
-        p = m.encode([text], side="passage")
+        q = m.encode([text], role="query")
+        p = m.encode([text], role="document")
         want_q = F.normalize(_backbone_pool(plain, ["query: " + text], "cls"), dim=-1)
         want_p = F.normalize(_backbone_pool(plain, ["passage: " + text], "cls"), dim=-1)
     torch.testing.assert_close(q, want_q, rtol=0, atol=1e-6)
@@ -80,15 +80,15 @@ def test_prefixes_per_side_and_spans_shift(rows):
     assert not torch.allclose(q, p)
     # spans are given on the unprefixed text; the mask still marks the year's tokens
     s = text.index("1999")
-    for side in ("query", "passage"):
-        enc = m.tokenize([text], side=side, temporal=True, spans=[[(s, s + 4)]])
+    for role in ("query", "document"):
+        enc = m.tokenize([text], role=role, temporal=True, spans=[[(s, s + 4)]])
         toks = m.tokenizer.convert_ids_to_tokens(enc["input_ids"][0][enc["temporal_mask"][0]].tolist())
         assert "".join(t.replace("##", "") for t in toks if t != "[CLS]") == "1999"
     # data spans override the tagger: [] means no temporal token (besides [CLS])
-    enc = m.tokenize([text], side="query", temporal=True, spans=[[]])
+    enc = m.tokenize([text], role="query", temporal=True, spans=[[]])
     assert enc["temporal_mask"][0].nonzero().flatten().tolist() == [0]
-    with pytest.raises(ValueError, match="side"):
-        m.encode([text], side="document")
+    with pytest.raises(ValueError, match="role must be one of"):
+        m.encode([text], role="passage")
 
 
 def test_encode_truncates_then_normalises(rows):
@@ -97,7 +97,7 @@ def test_encode_truncates_then_normalises(rows):
     with torch.no_grad():
         raw = _backbone_pool(m, texts, "cls")
     for d in (None, 8, 16, 32):
-        got = m.encode(texts, side="passage", dim=d)
+        got = m.encode(texts, role="document", dim=d)
         k = d or m.hidden_size
         assert got.shape == (4, k) and got.dtype == torch.float32
         torch.testing.assert_close(got, F.normalize(raw[:, :k], dim=-1), rtol=0, atol=1e-6)
@@ -155,14 +155,14 @@ def test_lora_merge_gives_the_same_embeddings(rows, dtype, tol):
     m = tiny_encoder(rows, lora=None, dtype=dtype)
     _randomize_lora(m)
     texts = [r.query for r in rows] + [r.positive for r in rows]
-    before = m.encode(texts, side="query").double()
-    enc = m.tokenize(texts, side="query")
+    before = m.encode(texts, role="query").double()
+    enc = m.tokenize(texts, role="query")
     m.eval()
     with torch.no_grad():
         raw_before = m(**enc).emb.double()
     m.merge_lora()
     assert m.lora_mode == "merged" and not any("lora_" in n for n, _ in m.named_parameters())
-    after = m.encode(texts, side="query").double()
+    after = m.encode(texts, role="query").double()
     with torch.no_grad():
         raw_after = m(**enc).emb.double()
     # the update was not zero: the merged model differs from the base model
@@ -176,20 +176,20 @@ def test_save_load_round_trip(rows, tmp_path):
     _randomize_lora(m)
     m.eval()
     texts = [r.query for r in rows[:5]]
-    enc = m.tokenize(texts, side="query", temporal=True)
+    enc = m.tokenize(texts, role="query", temporal=True)
     with torch.no_grad():
         want = m(**enc)
     m.save(tmp_path / "m")
     got_m = type(m).load(tmp_path / "m").eval()
     assert got_m.config_dict() == m.config_dict()
     with torch.no_grad():
-        got = got_m(**got_m.tokenize(texts, side="query", temporal=True))
+        got = got_m(**got_m.tokenize(texts, role="query", temporal=True))
     assert torch.equal(got.emb, want.emb) and torch.equal(got.temporal, want.temporal)
-    assert torch.equal(got_m.encode(texts, side="passage", dim=16), m.encode(texts, side="passage", dim=16))
+    assert torch.equal(got_m.encode(texts, role="document", dim=16), m.encode(texts, role="document", dim=16))
     # the projector is optional at load
     np_m = type(m).load(tmp_path / "m", projector=False)
     assert np_m.projector is None
-    assert torch.equal(np_m.encode(texts, side="query"), m.encode(texts, side="query"))
+    assert torch.equal(np_m.encode(texts, role="query"), m.encode(texts, role="query"))
     # a corrupted weight file is refused
     f = tmp_path / "m" / "projector.safetensors"
     data = bytearray(f.read_bytes())
@@ -239,8 +239,8 @@ def test_to_index_and_search(rows):
         assert index.dim == dim and len(index) == len(rows)
         qs = [r.query for r in rows[:4]]
         ids, scores = m.search(index, qs, k=3, dim=dim)
-        qe = m.encode(qs, side="query", dim=dim)
-        ge = m.encode([r["text"] for r in recs], side="passage", dim=dim)
+        qe = m.encode(qs, role="query", dim=dim)
+        ge = m.encode([r["text"] for r in recs], role="document", dim=dim)
         sims = qe @ ge.T
         want_s, want_i = sims.topk(3, dim=1)
         assert torch.equal(ids[:, 0], want_i[:, 0])

@@ -1,4 +1,4 @@
-"""Trainer end to end on a tiny random backbone: losses, learning, resume, evaluation, variants."""
+"""CTDTrainer end to end on a tiny random backbone: losses, learning, resume, evaluation, variants."""
 import math
 import os
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from _ctd_helpers import small_dataset, tiny_model
 
 from tempokern.nn import CTDLoss
-from tempokern.training import METRIC_KEYS, TrainConfig, Trainer, calendar_ce, evaluate_model, train
+from tempokern.training import METRIC_KEYS, CTDConfig, CTDTrainer, calendar_ce, evaluate_model, train_ctd
 from tempokern.training.data import block_split_of_rank, training_pairs, zztj_demo_dataset
 
 
@@ -71,7 +71,7 @@ def test_demo_dataset_splits_and_pairs():
 def test_baseline_batch_uses_single_positive_loss(ds):
     """The semantic baseline's loss is the in-batch InfoNCE with only the diagonal positive."""
     m = tiny_model(ds).eval()
-    tr = Trainer(m, ds, TrainConfig(variant="baseline", batch_size=8, progress=False))
+    tr = CTDTrainer(m, ds, CTDConfig(variant="baseline", batch_size=8, progress=False))
     (batch, negs, off), *_ = tr._epoch_batches(0)
     loss_fn = CTDLoss(temperature=0.05, normalize=False)
     torch.manual_seed(0)
@@ -90,8 +90,8 @@ def test_baseline_batch_uses_single_positive_loss(ds):
 def test_training_reduces_loss_and_eval_table_complete(ds, tmp_path):
     m = tiny_model(ds)
     # every (query, gold) pair per epoch (pairs_per_query=None): enough steps to see the loss fall
-    cfg = TrainConfig(variant="full", epochs=6, batch_size=16, lr=3e-3, progress=False, seed=0, pairs_per_query=None)
-    res = train(m, ds, cfg, tmp_path / "run", log=lambda *a: None)
+    cfg = CTDConfig(variant="full", epochs=6, batch_size=16, lr=3e-3, progress=False, seed=0, pairs_per_query=None)
+    res = train_ctd(m, ds, cfg, tmp_path / "run", log=lambda *a: None)
     steps = [h["loss"] for h in res.history if h["event"] == "step"]
     assert len(steps) == res.steps >= 12
     assert all(math.isfinite(x) for x in steps)
@@ -113,34 +113,34 @@ def test_training_reduces_loss_and_eval_table_complete(ds, tmp_path):
 def test_resume_continues_exactly(ds, tmp_path):
     from safetensors.torch import load_file
     cfg = dict(variant="full", epochs=2, batch_size=16, lr=3e-3, progress=False, seed=3)
-    train(tiny_model(ds, seed=1), ds, TrainConfig(**cfg), tmp_path / "a", log=lambda *a: None)
-    train(tiny_model(ds, seed=1), ds, TrainConfig(**cfg, stop_after_epochs=1), tmp_path / "b", log=lambda *a: None)
+    train_ctd(tiny_model(ds, seed=1), ds, CTDConfig(**cfg), tmp_path / "a", log=lambda *a: None)
+    train_ctd(tiny_model(ds, seed=1), ds, CTDConfig(**cfg, stop_after_epochs=1), tmp_path / "b", log=lambda *a: None)
     # the resumed run is asked for 2 epochs in total and starts from b/last
-    train(tiny_model(ds, seed=1), ds, TrainConfig(**cfg), tmp_path / "b", resume=True, log=lambda *a: None)
+    train_ctd(tiny_model(ds, seed=1), ds, CTDConfig(**cfg), tmp_path / "b", resume=True, log=lambda *a: None)
     a = load_file(str(tmp_path / "a" / "last" / "model.safetensors"))
     b = load_file(str(tmp_path / "b" / "last" / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
     with pytest.raises(FileNotFoundError, match="resume"):
-        train(tiny_model(ds), ds, TrainConfig(**cfg), tmp_path / "none", resume=True, log=lambda *a: None)
+        train_ctd(tiny_model(ds), ds, CTDConfig(**cfg), tmp_path / "none", resume=True, log=lambda *a: None)
 
 
 def test_seed_reproducible(ds):
-    cfg = TrainConfig(variant="bias", epochs=1, batch_size=16, lr=3e-3, progress=False, seed=5, max_steps=3)
-    r1 = train(tiny_model(ds, seed=2), ds, cfg, log=lambda *a: None)
-    r2 = train(tiny_model(ds, seed=2), ds, cfg, log=lambda *a: None)
+    cfg = CTDConfig(variant="bias", epochs=1, batch_size=16, lr=3e-3, progress=False, seed=5, max_steps=3)
+    r1 = train_ctd(tiny_model(ds, seed=2), ds, cfg, log=lambda *a: None)
+    r2 = train_ctd(tiny_model(ds, seed=2), ds, cfg, log=lambda *a: None)
     assert [h["loss"] for h in r1.history if h["event"] == "step"] == \
            [h["loss"] for h in r2.history if h["event"] == "step"]
 
 
 def test_bad_config(ds):
     with pytest.raises(ValueError, match="variant"):
-        TrainConfig(variant="nope").validate()
+        CTDConfig(variant="nope").validate()
     with pytest.raises(ValueError, match="batch_size"):
-        TrainConfig(batch_size=1).validate()
+        CTDConfig(batch_size=1).validate()
     with pytest.raises(ValueError, match="unknown training option"):
-        TrainConfig.from_dict({"epochz": 3})
+        CTDConfig.from_dict({"epochz": 3})
     with pytest.raises(ValueError, match="split"):
         evaluate_model(tiny_model(ds), ds, "dev")
 
@@ -157,7 +157,7 @@ def test_neg_comment_records_become_extra_negatives(ds):
     qs = [q for q in ds.queries if not set(q.gold) & neg_ids]
     d2 = RetrievalDataset("with-neg", recs, qs, ds.calendar, ds.report)
     m = tiny_model(d2).eval()
-    tr = Trainer(m, d2, TrainConfig(variant="full", batch_size=8, progress=False))
+    tr = CTDTrainer(m, d2, CTDConfig(variant="full", batch_size=8, progress=False))
     (batch, extra, off), *_ = tr._epoch_batches(0)
     assert extra is not None and len(extra) == len(batch)
     assert all(d2.records[n].type == "neg_comment" for n in extra)
@@ -166,7 +166,7 @@ def test_neg_comment_records_become_extra_negatives(ds):
         with_neg = tr._loss(batch, extra, off, loss_fn)[1]
         without = tr._loss(batch, None, off, loss_fn)[1]
     assert float(with_neg) > float(without)      # more negatives in every q->d denominator
-    tr2 = Trainer(m, d2, TrainConfig(variant="full", batch_size=8, progress=False, hard_negatives=False))
+    tr2 = CTDTrainer(m, d2, CTDConfig(variant="full", batch_size=8, progress=False, hard_negatives=False))
     assert tr2._epoch_batches(0)[0][1] is None
 
 
@@ -177,8 +177,8 @@ def test_cuda_mixed_precision_training(ds, amp):
     if amp == "bf16" and not torch.cuda.is_bf16_supported():
         pytest.skip("bf16 not supported on this GPU")
     m = tiny_model(ds)
-    cfg = TrainConfig(variant="full", epochs=2, batch_size=16, lr=3e-3, progress=False, amp=amp, seed=0)
-    res = train(m, ds, cfg, device="cuda", log=lambda *a: None)
+    cfg = CTDConfig(variant="full", epochs=2, batch_size=16, lr=3e-3, progress=False, amp=amp, seed=0)
+    res = train_ctd(m, ds, cfg, device="cuda", log=lambda *a: None)
     losses = [h["loss"] for h in res.history if h["event"] == "step"]
     assert losses and all(math.isfinite(x) for x in losses)
     assert all(p.dtype == torch.float32 and p.device.type == "cuda" for p in m.parameters())
@@ -228,7 +228,7 @@ def test_hard_negatives_never_come_from_val_or_test_months():
     from tempokern.datasets import RetrievalDataset
     d2 = RetrievalDataset("neg-split", keep, d2.queries, d2.calendar, d2.report)
     m = tiny_model(d2).eval()
-    tr = Trainer(m, d2, TrainConfig(variant="full", batch_size=8, progress=False))
+    tr = CTDTrainer(m, d2, CTDConfig(variant="full", batch_size=8, progress=False))
     seen = set()
     for epoch in range(4):
         for batch, negs, _ in tr._epoch_batches(epoch):
@@ -240,7 +240,7 @@ def test_hard_negatives_never_come_from_val_or_test_months():
     assert len(seen) > 1
     # only val/test months have negatives: none is drawn at all
     d3, _ = _time_split_with_negs(val_test_only=True)
-    tr3 = Trainer(tiny_model(d3).eval(), d3, TrainConfig(variant="full", batch_size=8, progress=False))
+    tr3 = CTDTrainer(tiny_model(d3).eval(), d3, CTDConfig(variant="full", batch_size=8, progress=False))
     assert all(negs is None for _, negs, _ in tr3._epoch_batches(0))
 
 
@@ -283,18 +283,18 @@ def test_hard_negative_draw_matches_the_reference_sampler():
 def test_fit_draws_each_epoch_once_and_counts_steps_without_drawing(ds, monkeypatch):
     """Fails on a030c41: fit() built epoch 0's batches an extra time just to count steps."""
     calls = []
-    orig = Trainer._epoch_batches
+    orig = CTDTrainer._epoch_batches
 
     def counting(self, epoch):
         calls.append(epoch)
         return orig(self, epoch)
-    monkeypatch.setattr(Trainer, "_epoch_batches", counting)
+    monkeypatch.setattr(CTDTrainer, "_epoch_batches", counting)
     m = tiny_model(ds)
-    cfg = TrainConfig(variant="multipos", epochs=2, batch_size=8, lr=1e-3, progress=False, eval_every=10)
-    tr = Trainer(m, ds, cfg, log=lambda *a: None)
+    cfg = CTDConfig(variant="multipos", epochs=2, batch_size=8, lr=1e-3, progress=False, eval_every=10)
+    tr = CTDTrainer(m, ds, cfg, log=lambda *a: None)
     for pp in (1, 2, None):
         for bs in (2, 3, 8, 16):
-            t = Trainer(m, ds, TrainConfig(batch_size=bs, pairs_per_query=pp, progress=False))
+            t = CTDTrainer(m, ds, CTDConfig(batch_size=bs, pairs_per_query=pp, progress=False))
             assert t.num_batches() == len(orig(t, 0)), (pp, bs)
     calls.clear()
     res = tr.fit()
@@ -307,9 +307,9 @@ def test_fit_draws_each_epoch_once_and_counts_steps_without_drawing(ds, monkeypa
 def test_defaults_follow_the_reference(ds):
     """Fails on a030c41 (uniform smoothing, every (query, gold) pair): the reference trains with
     neighbour label smoothing and one sampled positive per query per epoch."""
-    cfg = TrainConfig()
+    cfg = CTDConfig()
     assert cfg.neighbor_smoothing is True and cfg.label_smoothing == 0.2 and cfg.pairs_per_query == 1
-    tr = Trainer(tiny_model(ds), ds, TrainConfig(batch_size=4, progress=False))
+    tr = CTDTrainer(tiny_model(ds), ds, CTDConfig(batch_size=4, progress=False))
     pairs = [p for b, _, _ in tr._epoch_batches(0) for p in b]
     train_q = [qi for qi, q in enumerate(ds.queries) if q.split == "train"]
     assert len(pairs) >= len(train_q) - 2 * 4 and len({qi for qi, _ in pairs}) == len(pairs)
@@ -320,14 +320,14 @@ def test_defaults_follow_the_reference(ds):
     e1 = dict(p for b, _, _ in tr._epoch_batches(1) for p in b)
     assert any(e0.get(qi) != e1.get(qi) for qi in multi if qi in e0 and qi in e1)
     with pytest.raises(ValueError, match="pairs_per_query"):
-        TrainConfig(pairs_per_query=0).validate()
+        CTDConfig(pairs_per_query=0).validate()
 
 
 def test_default_time_loss_is_neighbour_smoothing_mean_over_levels(ds):
     """L_time = mean over levels of the neighbour-smoothed CE (the code's average; the paper's formula
     sums), written here with the reference's loop."""
     m = tiny_model(ds).eval()
-    tr = Trainer(m, ds, TrainConfig(variant="bias", batch_size=8, progress=False))
+    tr = CTDTrainer(m, ds, CTDConfig(variant="bias", batch_size=8, progress=False))
     (batch, negs, off), *_ = tr._epoch_batches(0)
     loss_fn = CTDLoss(temperature=0.05, offset_bias=m.offset_bias, normalize=False)
     with torch.no_grad():
@@ -395,16 +395,16 @@ def test_checkpoint_selection_follows_the_reference_by_default(ds, monkeypatch):
         return real(*a, **kw)
     monkeypatch.setattr(trainer_mod, "evaluate_model", spy)
     m = tiny_model(ds)
-    res = train(m, ds, TrainConfig(epochs=1, batch_size=8, lr=1e-3, progress=False, max_steps=2),
-                log=lambda *a: None)
+    res = train_ctd(m, ds, CTDConfig(epochs=1, batch_size=8, lr=1e-3, progress=False, max_steps=2),
+                    log=lambda *a: None)
     assert seen and all(kw["neg"] and kw["ne"] and not kw["drop_no_event"] and kw["scorer"] == "encoder"
                         for kw in seen)
     ev = [h for h in res.history if h["event"] == "eval"]
     assert ev and ev[0]["mode"] == "neg1_ne1_dq0" and ev[0]["scorer"] == "encoder"
     with pytest.raises(ValueError, match="scorer"):
-        TrainConfig(eval_scorer="full").validate()
+        CTDConfig(eval_scorer="full").validate()
     with pytest.raises(ValueError, match="gather_mode"):
-        TrainConfig(gather_mode="x").validate()
+        CTDConfig(gather_mode="x").validate()
 
 
 # ---- leap months in chronological order on u --------------------------------------

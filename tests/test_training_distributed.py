@@ -19,12 +19,12 @@ def test_two_process_gloo_training_keeps_ranks_in_sync_and_is_the_single_process
     r1 = json.loads((tmp_path / "rank1.json").read_text())
 
     from tempokern.nn import CTDLoss
-    from tempokern.training import TrainConfig, Trainer
+    from tempokern.training import CTDConfig, CTDTrainer
     ds = small_dataset()
     # the single-process run on the concatenated batch (2 x 8 pairs), from rank 0's initial weights
     # (the trainer broadcasts them): same epoch order, same first batch
     m = no_dropout(tiny_model(ds, seed=0))
-    tr = Trainer(m, ds, TrainConfig(variant="full", batch_size=16, progress=False, seed=0), log=lambda *a: None)
+    tr = CTDTrainer(m, ds, CTDConfig(variant="full", batch_size=16, progress=False, seed=0), log=lambda *a: None)
     assert r0["steps"] == r1["steps"] == min(4, tr.num_batches())
     assert all(math.isfinite(x) for x in r0["losses"] + r1["losses"])
     # each rank scores its own queries, so the per-rank losses differ while the weights agree

@@ -89,7 +89,7 @@ def test_batch_layout(rows):
     items, lay = tr.batch_items(batches[0])
     B = len(batches[0])
     assert lay["B"] == B and lay["E"] == 2 * B and lay["n"] == 2 and len(items) == 2 * B + 2 * B + 2 * B
-    assert [s for _, s, _, _ in items] == ["query"] * B + ["passage"] * 3 * B + ["query"] * 2 * B
+    assert [s for _, s, _, _ in items] == ["query"] * B + ["document"] * 3 * B + ["query"] * 2 * B
     assert [w for *_, w in items] == [True] * 2 * B + [False] * 2 * B + [True] * 2 * B
     # alpha = 0: negative queries are not encoded and no temporal representation is asked for
     tr0 = TMRLTrainer(m, rows, _cfg(variant="mrl"))
@@ -465,7 +465,7 @@ def test_passage_anchor_batch_layout(rows):
     B = len(batch)
     items, lay = tr.batch_items(batch)
     assert lay["E"] == 0 and lay["n"] == 2 and len(items) == 2 * B + 2 * B
-    assert [s for _, s, _, _ in items] == ["query"] * B + ["passage"] * B + ["query"] * 2 * B
+    assert [s for _, s, _, _ in items] == ["query"] * B + ["document"] * B + ["query"] * 2 * B
     assert not any(w for *_, w in items) and lay["nq_valid"] == [[True, True]] * B
     odd = [TMRLRow("q a 1999", "p 1999", negative_queries=["q a 2003", "q a 2008"]),
            TMRLRow("q b 1999", "p b 1999", negative_queries=["q b 2003"])]
@@ -488,12 +488,12 @@ def test_passage_anchor_step_loss_is_eq3_5_on_the_rows(rows):
     m.train()
     loss, parts = tr.backward_batch(batch)
 
-    def emb(text, side):
+    def emb(text, role):
         with torch.no_grad():
-            return m(**m.tokenize([text], side=side)).emb[0]
+            return m(**m.tokenize([text], role=role)).emb[0]
 
     B = len(batch)
-    P = torch.stack([emb(odd[ri].positive, "passage") for ri, _, _ in batch])
+    P = torch.stack([emb(odd[ri].positive, "document") for ri, _, _ in batch])
     n = max(len(nq) for _, _, nq in batch)
     assert n == 2 and any(len(nq) == 1 for _, _, nq in batch)
     qc = torch.zeros(B, 1 + n, P.shape[1], dtype=torch.float64)

@@ -62,7 +62,7 @@ DEFAULTS: Tuple[Path, ...] = (
          "csrc/matryoshka_infonce/matryoshka_infonce_cpu.cpp", "benchmarks/results/matryoshka_infonce.csv"),
     Path("matryoshka_infonce / TMRLLoss", "cuda", "levels",
          "no bias and as many candidates as anchors: one blocked multipos_infonce per level",
-         "tempokern/_ops/matryoshka_infonce.py (_levels_path)",
+         "tempokern/_ops/routing.py (_levels_path)",
          _GPU + "op=matryoshka_infonce; case=dims 64..768; B=B=8192; impl=tempokern:levels (6.8 ms vs "
          "tempokern:fused 13.1 ms)"),
     Path("matryoshka_infonce / TMRLLoss", "cuda", "fused",

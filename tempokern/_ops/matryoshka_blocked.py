@@ -31,7 +31,8 @@ import torch
 
 from .._util import trace_constant
 from .common import DTYPE_CODES, device_constant, kernels, launch_args, on_cuda_path, ptr, sm_count
-from .multipos_blocked import _SIZE, _addmm_into, _mm, _mm_out_f32, block_rows, none_flags, prep_spans, spans32, tiling
+from .multipos_blocked import (ITEMSIZE, addmm_into, block_rows, mm_acc, mm_out_f32, none_flags, prep_spans, spans32,
+                              tiling)
 
 
 def _none_flags(q_lo, q_hi, d_lo, d_hi):
@@ -399,13 +400,13 @@ class _Fused:
         # bfloat16 (Ho), as multipos_blocked writes dS in the operand dtype.
         # known_half (the op's inputs were bf16 tensors) saves the check's pass and device synchronisation.
         self.half = None
-        if c.acc == torch.float32 and (q.device.type == "cpu" or _mm_out_f32(q.device)):
+        if c.acc == torch.float32 and (q.device.type == "cpu" or mm_out_f32(q.device)):
             self.half = known_half if known_half is not None else _exact_half([c.q, c.d, c.neg])
         cast = (lambda t: None if t is None else t.to(self.half)) if self.half is not None else (lambda t: t)
         self.qo, self.do, self.no = cast(c.q), cast(c.d), cast(c.neg)
         # block bytes per (row, column): forward the running product G; backward the K snapshots, H (bwd per
         # level; bwd_all writes H over the snapshots) and the K bf16 Ho blocks; with a bias its block and Gb
-        asz = _SIZE[c.acc]
+        asz = ITEMSIZE[c.acc]
         per_elem = asz * ((c.K + 1) if backward else 1) + (2 * c.K if backward and self.half is not None else 0) + \
             (2 * asz if bias is not None else 0)
         bias_mode = None if bias is None else ("table" if bias[2] is not None else "exact")
@@ -461,13 +462,13 @@ class _Fused:
                 return
             except (TypeError, RuntimeError, NotImplementedError):
                 out.zero_()
-        _addmm_into(out, a, b.t())
+        addmm_into(out, a, b.t())
 
     def grad_prod(self, Hx, X):
         """Hx @ X in the accumulation dtype (float32 output of half operands on CUDA)."""
         if Hx.device.type == "cpu" or Hx.dtype == self.c.acc:
             return Hx.to(self.c.acc) @ X.to(self.c.acc)
-        return _mm(Hx, X)
+        return mm_acc(Hx, X)
 
     def launch(self, op, G, i0, l, *, pos, tiling_, scale_cols, dense=None, nslots=1, slot0=0, gr=0.0, gc=0.0,
                H=None, accumulate=False, levels=0, **outs):
@@ -597,7 +598,7 @@ _SMEM_ALL = 96 * 1024  # shared memory bwd_all may ask for (sm_86 / sm_89 allow 
 
 def _all_levels(F, K: int) -> bool:
     """Whether K levels fit one bwd_all launch: K x 1,024 dL/dkap sums + 32 x 32 row sums in shared memory."""
-    return 1 <= K <= ALL_LEVELS_MAX and (K + 1) * 1024 * _SIZE[F.c.acc] <= _SMEM_ALL
+    return 1 <= K <= ALL_LEVELS_MAX and (K + 1) * 1024 * ITEMSIZE[F.c.acc] <= _SMEM_ALL
 
 
 def _backward_block_all(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, gr: _Grads):

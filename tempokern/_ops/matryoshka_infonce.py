@@ -20,9 +20,9 @@ import torch
 from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor,
                      device_constant, dtype_code, kernels, launch_args, on_cuda_path, ptr)
 from . import dispatch
-from .matryoshka_blocked import blocked_backward, blocked_forward, tc_call, use_fused
+from .loss_args import check_span
+from .matryoshka_blocked import blocked_backward, blocked_forward, use_fused
 from ..reference.offset_bias import offset_bias_table
-from .multipos_infonce import _BIAS_NAMES, _check_span, _span_bounds, check_table_points, validate_bias
 
 EPS = 1e-12  # F.normalize's clamp of the norm
 
@@ -384,11 +384,6 @@ def inverse_prefix_norms(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
     return ss.clamp_min(EPS * EPS).rsqrt().t().contiguous()
 
 
-def _id_spans(n: int, start: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.arange(start, start + n, dtype=torch.int64, device=device)
-    return ids, ids
-
-
 def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weights: Sequence[float], *,
                        temperature: float, extra_neg=None, row_weight: float = 1.0, col_weight: float = 0.0,
                        diag_offset: int = 0, row_none: Optional[torch.Tensor] = None, normalize: bool = True,
@@ -470,106 +465,14 @@ def validate(q, d, dims, temperature, weights, extra_neg, symmetric, q_span, d_s
         raise ValueError("q_span and d_span go together: give both or neither")
     devs = dict(q=q, d=d, extra_neg=extra_neg)
     if q_span is not None:
-        _check_span("q_span", q_span, q.shape[0])
-        _check_span("d_span", d_span, d.shape[0])
+        check_span("q_span", q_span, q.shape[0])
+        check_span("d_span", d_span, d.shape[0])
         devs.update(q_start=q_span[0], q_end=q_span[1], d_start=d_span[0], d_end=d_span[1])
     check_same_device(**devs)
     for n, t in (("q", q), ("d", d), ("extra_neg", extra_neg)):
         if t is not None:
             check_finite(n, t)
     return temperature, dims, weights
-
-
-def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *, temperature: float,
-                       weights: Optional[Sequence[float]] = None, extra_neg: Optional[torch.Tensor] = None,
-                       symmetric: bool = False, q_span=None, d_span=None, bias=None, normalize: bool = True,
-                       return_levels: bool = False, bias_table_points: Optional[int] = None):
-    """Fused Matryoshka InfoNCE, one pass over the feature dimension for all levels; same semantics as
-    :func:`tempokern.reference.matryoshka_infonce` (the sentence-transformers MatryoshkaLoss loop).
-
-    q (B, H), d (B', H) raw embeddings (B' >= B; B' == B when symmetric); dims: ints in [1, H], any order,
-    unique (sorted ascending with their weights); weights: finite, >= 0, default 1 (a zero weight skips its
-    level: no gradient through it). Per level m the embeddings' first m coordinates are L2-normalised
-    (``normalize=False``: plain prefix dot products) and the logits divided by ``temperature``.
-    Positives: d[i] for q[i], or with q_span/d_span (integer (start, end) pairs) the multi-positive
-    interval overlap of :func:`tempokern.multipos_infonce` (diagonal fallback). extra_neg (N, H) joins the
-    q->d denominators only. symmetric=True: each level is (q->d + d->q) / 2.
-    bias: None, offset_bias's 7-tuple (u_q (B,), u_d (B',), w1, b1, w2, b2, scale) or (u_q, u_d, module) with
-    a :class:`tempokern.nn.OffsetBias`, as :func:`tempokern.multipos_infonce` accepts: the same per-pair bias
-    added to every level's q->d logits (not to extra_neg's), computed once per row block and shared by the
-    K levels; gradients reach all seven inputs (a module's own parameters). ``bias_table_points=N`` (an int
-    >= 2, with a bias): the table mode (the MLP exact at N points of [-1, 1], linearly interpolated). With a
-    bias every device runs the blocked path (blocks of R rows, memory O(R * B')).
-    Returns the 0-d weighted sum of the level losses (float32; float64 for float64 input), or with
-    ``return_levels=True`` ``(loss, levels)`` with the K level losses in ascending-dim order (differentiable).
-    Memory O((B + B' + N) * (H + K)); no B x B' or B x N buffer, forward or backward."""
-    temperature, dims, weights = validate(q, d, dims, temperature, weights, extra_neg, symmetric, q_span, d_span,
-                                          normalize, return_levels)
-    top = max(dims)
-    if top < q.shape[1]:  # columns past the largest dim are not read (as in the reference: a NaN there stays out)
-        q, d = q[:, :top], d[:, :top]
-        extra_neg = None if extra_neg is None else extra_neg[:, :top]
-    if bias is not None:
-        bias = validate_bias(bias, q.shape[0], d.shape[0])
-        check_same_device(q=q, **{f"bias {n}": t for n, t in zip(_BIAS_NAMES, bias)})
-    bias_table_points = check_table_points(bias_table_points, bias)
-    if _per_level(q, d, bias, dims, extra_neg):
-        loss, levels = _levels_path(q, d, dims, weights, temperature, extra_neg, symmetric, q_span, d_span, normalize,
-                                    return_levels)
-        return (loss, levels) if return_levels else loss
-    if q_span is None:
-        q_lo, q_hi = _id_spans(q.shape[0], 0, q.device)
-        d_lo, d_hi = _id_spans(d.shape[0], 0, q.device)
-    else:
-        q_lo, q_hi = _span_bounds(q_span)
-        d_lo, d_hi = _span_bounds(d_span)
-    w = 0.5 if symmetric else 1.0
-    loss, levels = matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims, weights, temperature=temperature,
-                                      extra_neg=extra_neg, row_weight=w, col_weight=w if symmetric else 0.0,
-                                      normalize=normalize, bias=bias, bias_table_points=bias_table_points)
-    return (loss, levels) if return_levels else loss
-
-
-def _per_level(q, d, bias, dims, extra_neg) -> bool:
-    """The levels path (the CUDA default where it applies, tempokern/_ops/dispatch.py): no bias (a bias would be
-    evaluated once per level), a square batch (multipos_infonce's), a row, and not a call the enabled mrl_tc
-    candidate takes."""
-    return (bias is None and on_cuda_path(q) and q.shape[0] == d.shape[0] and q.shape[0] > 0
-            and not (dispatch.enabled("mrl_tc") and tc_call(q, d, dims, extra_neg, bias)))
-
-
-def _levels_path(q, d, dims, weights, temperature, extra_neg, symmetric, q_span, d_span, normalize, want_levels):
-    """The reference's loop (tempokern.reference.matryoshka_infonce) with tempokern's fused multipos_infonce per
-    level: on a GPU each level is the blocked cuBLAS + fused-pass loss the GPU suite measures (no B x B' buffer
-    kept across levels; per level O(block x B')). K single-level losses of width m_k instead of the fused
-    kernels' K per-level score blocks through HBM on every pass (docs/matryoshka_infonce.md, "CUDA: the levels
-    path")."""
-    from .multipos_infonce import multipos_infonce
-    if q_span is None:  # candidate i is row i's positive: spans (i, i) overlap only on the diagonal
-        ids = torch.arange(q.shape[0], device=q.device)
-        q_span = d_span = (ids, ids)
-    order = sorted(range(len(dims)), key=lambda k: dims[k])
-    if normalize:
-        def shrink(x, m):
-            return torch.nn.functional.normalize(x[:, :m], dim=-1)
-    else:
-        def shrink(x, m):
-            return x[:, :m]
-    levels = []
-    for k in order:
-        m, wk = int(dims[k]), float(weights[k])
-        if wk == 0.0 and not want_levels:
-            continue
-        # a zero-weight level is left out of the loss; with return_levels its value (and the gradient of the
-        # returned levels) is still there, as in the reference and the fused kernels
-        lv = multipos_infonce(shrink(q, m), shrink(d, m), q_span, d_span, temperature=temperature,
-                              extra_neg=None if extra_neg is None else shrink(extra_neg, m), symmetric=symmetric)
-        levels.append((wk, lv))
-    live = [wk * lv for wk, lv in levels if wk != 0.0]
-    loss = sum(live[1:], live[0]) if live else q.new_zeros((), dtype=_acc(q.dtype))
-    if not want_levels:
-        return loss, None
-    return loss, torch.stack([lv for _, lv in levels])
 
 
 def truncate(emb: torch.Tensor, m: int) -> torch.Tensor:

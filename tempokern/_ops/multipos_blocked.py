@@ -33,14 +33,14 @@ from .common import DTYPE_CODES, kernels, launch_args, on_cuda_path, ptr, sm_cou
 
 TILE_COLS = 1024  # columns per CUDA block of the fused passes (256 threads x 4)
 _out_dtype_ok: dict = {}
-_SIZE = {torch.float64: 8, torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+ITEMSIZE = {torch.float64: 8, torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _mm_out_f32(device: torch.device) -> bool:
+def mm_out_f32(device: torch.device) -> bool:
     """Whether torch.mm accepts out_dtype=float32 for half operands on this device (torch >= 2.10 on CUDA)."""
     key = str(device)
     ok = _out_dtype_ok.get(key)
@@ -57,7 +57,7 @@ def _mm_out_f32(device: torch.device) -> bool:
 _addmm_ok: dict = {}
 
 
-def _addmm_into(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def addmm_into(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """c += a @ b with c float32 and a, b fp16/bf16 on CUDA: one cuBLAS call accumulating into c where torch
     offers addmm(..., out_dtype=float32, out=c), else a float32 product and an add."""
     key = str(c.device)
@@ -71,13 +71,13 @@ def _addmm_into(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype == c.dtype:
         c.addmm_(a, b)
     else:
-        c += _mm(a, b)
+        c += mm_acc(a, b)
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mm_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for the fused passes: float32 output for fp16/bf16 operands on CUDA when torch can (cuBLAS
     accumulates in float32 either way), the operands' dtype otherwise. CPU operands are float32/float64."""
-    if a.device.type == "cuda" and a.dtype in (torch.float16, torch.bfloat16) and _mm_out_f32(a.device):
+    if a.device.type == "cuda" and a.dtype in (torch.float16, torch.bfloat16) and mm_out_f32(a.device):
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a, b)
 
@@ -256,26 +256,26 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     def scores(a_rows, b):  # (R, H) x (C, H) -> (R, C)
         if cuda_path and q.device.type == "cpu":  # the emulator: a float32 product, as cuBLAS's output
             return torch.mm(a_rows.to(acc), b.to(acc).t())
-        return _mm(a_rows, b.t())
+        return mm_acc(a_rows, b.t())
 
     def prod(a, b):  # gradient products, float32 output for half operands where torch can
         if q.device.type == "cpu":
             return torch.mm(a.to(acc), b.to(acc))
-        return _mm(a, b)
+        return mm_acc(a, b)
 
     def prod_into(c, a, b):  # c += a @ b
         if q.device.type == "cpu":
             c.addmm_(a.to(acc), b.to(acc))
         else:
-            _addmm_into(c, a, b)
+            addmm_into(c, a, b)
 
-    sdtype = acc if (q.device.type == "cpu" or q.dtype == acc or _mm_out_f32(q.device)) else q.dtype
+    sdtype = acc if (q.device.type == "cpu" or q.dtype == acc or mm_out_f32(q.device)) else q.dtype
     odtype = q.dtype if cuda_path else acc
-    per_elem = _SIZE[sdtype] + _SIZE[odtype] + (2 * _SIZE[acc] if bias_mode == 2 else 0)
+    per_elem = ITEMSIZE[sdtype] + ITEMSIZE[odtype] + (2 * ITEMSIZE[acc] if bias_mode == 2 else 0)
     R = block_rows(Bq, Bd, N, per_elem, q.device, requested_rows)
     blocks = [(i0, min(R, Bq - i0)) for i0 in range(0, Bq, R)]
     # one workspace; the prep kernel writes the int32 spans and the fallback flags
-    asz = _SIZE[acc]
+    asz = ITEMSIZE[acc]
     tls = {r: (tiling(r, Bd, q.device), tiling(r, N, q.device) if N else (1, 0, 1)) for _, r in blocks}
     ws = _Workspace()
     ws.add("spans", 4 * 2 * (Bq + Bd))
@@ -355,7 +355,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     gr = row_weight / Bq if Bq else 0.0
     gc = col_weight / Bd if Bd else 0.0
     # gradient accumulators: float32 (float64 for float64) unless half operands must give half products
-    gdt = acc if (q.device.type == "cpu" or q.dtype == acc or _mm_out_f32(q.device)) else q.dtype
+    gdt = acc if (q.device.type == "cpu" or q.dtype == acc or mm_out_f32(q.device)) else q.dtype
     dq = torch.empty(Bq, H, dtype=gdt, device=q.device) if not single else None
     dd = torch.zeros(Bd, H, dtype=gdt, device=q.device) if not single else None
     dneg = torch.zeros(N, H, dtype=gdt, device=q.device) if N and not single else None

@@ -14,14 +14,13 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..reference.multipos_infonce import multipos_infonce_partial as ref_partial
 from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
-from . import dispatch
-from .multipos_blocked import blocked_loss
-from .offset_bias import MAX_TABLE_POINTS, bias_params, interval_bounds
 from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code,
                      kernels, launch_args, on_cuda_path, ptr)
-
-_BIAS_NAMES = ("u_q", "u_d", "w1", "b1", "w2", "b2", "scale")
+from .loss_args import BIAS_NAMES, check_span, validate_bias
+from .multipos_blocked import blocked_loss
+from .offset_bias import interval_bounds
 _GRAD_NAMES = ("dq", "dd", "dneg", "dA", "dCt", "db1", "dw2", "db2", "dscale", "dzc")
 
 
@@ -345,70 +344,6 @@ def bias_kernel_inputs(bias: Sequence[torch.Tensor], acc: torch.dtype):
             scale.to(acc).reshape(()).contiguous(), zc, uq.detach().contiguous(), ud.detach().contiguous())
 
 
-def _check_span(name: str, span, B: int):
-    if isinstance(span, torch.Tensor) or not isinstance(span, (tuple, list)) or len(span) != 2:
-        raise TypeError(f"{name} must be a (start, end) pair of integer tensors of shape ({B},)")
-    for k, t in zip(("start", "end"), span):
-        check_tensor(f"{name} {k}", t, ndim=1, integer=True)
-        if t.shape[0] != B:
-            raise ValueError(f"{name} {k} has length {t.shape[0]}, expected {B} (one span per row)")
-    return span
-
-
-def _span_bounds(span) -> Tuple[torch.Tensor, torch.Tensor]:
-    s, e = (t.to(torch.int64) for t in span)
-    return torch.minimum(s, e).contiguous(), torch.maximum(s, e).contiguous()
-
-
-_BIAS_FORMS = ("bias must be None, (u_q, u_d, module) with module a tempokern.nn.OffsetBias, or the 7-tuple "
-               "(u_q, u_d, w1, b1, w2, b2, scale) of offset_bias")
-
-
-def _is_bias_module(m) -> bool:
-    return isinstance(m, torch.nn.Module) and hasattr(m, "mlp") and hasattr(m, "scale")
-
-
-def validate_bias(bias, Bq: int, Bd: int):
-    """Checks a bias argument and returns it as the 7-tuple (u_q, u_d, w1, b1, w2, b2, scale).
-    ``(u_q, u_d, module)`` with an OffsetBias (or any module with ``mlp[0]``/``mlp[2]`` Linear layers and a
-    ``scale``) becomes ``(u_q, u_d, *bias_params(module))``: the module's own parameters, so gradients reach
-    them. The exact MLP is used; the module's ``table_points`` attribute is not read (pass
-    ``bias_table_points=`` for the table mode)."""
-    if _is_bias_module(bias):
-        raise TypeError(f"{_BIAS_FORMS}; got the module alone: pass bias=(u_q, u_d, module)")
-    if isinstance(bias, (tuple, list)) and len(bias) == 3:
-        m = bias[2]
-        if not _is_bias_module(m):
-            what = type(m).__name__
-            hint = (" (a BiasTable is the inference table of ctd_topk and TemporalIndex.search; "
-                    "the loss needs the module)") if what == "BiasTable" else ""
-            raise TypeError(f"{_BIAS_FORMS}; got a 3-tuple whose third item is a {what}{hint}")
-        bias = (bias[0], bias[1], *bias_params(m))
-    if isinstance(bias, torch.Tensor) or not isinstance(bias, (tuple, list)) or len(bias) != 7:
-        got = type(bias).__name__ + (f" of length {len(bias)}" if isinstance(bias, (tuple, list)) else "")
-        raise TypeError(f"{_BIAS_FORMS}, got {got}")
-    for n, t in zip(_BIAS_NAMES, bias):
-        check_tensor(f"bias {n}", t, floating=True)
-        check_finite(f"bias {n}", t)
-    u_q, u_d, w1, b1, w2, b2, scale = bias
-    if u_q.shape != (Bq,):
-        raise ValueError(f"bias u_q must have shape ({Bq},), got {tuple(u_q.shape)}")
-    if u_d.shape != (Bd,):
-        raise ValueError(f"bias u_d must have shape ({Bd},), got {tuple(u_d.shape)}")
-    if w1.dim() != 2 or w1.shape[0] < 1 or w1.shape[1] < 1:
-        raise ValueError(f"bias w1 must be (hidden, D) with hidden, D >= 1, got shape {tuple(w1.shape)}")
-    hidden = w1.shape[0]
-    if b1.shape != (hidden,):
-        raise ValueError(f"bias b1 must have shape ({hidden},) to match w1, got {tuple(b1.shape)}")
-    if w2.shape != (1, hidden):
-        raise ValueError(f"bias w2 must have shape (1, {hidden}) to match w1, got {tuple(w2.shape)}")
-    if b2.numel() != 1 or b2.dim() > 1:
-        raise ValueError(f"bias b2 must have shape (1,), got {tuple(b2.shape)}")
-    if scale.numel() != 1 or scale.dim() > 1:
-        raise ValueError(f"bias scale must be a scalar tensor, got shape {tuple(scale.shape)}")
-    return tuple(bias)
-
-
 def _sorted_by_u(q, d, q_lo, q_hi, d_lo, d_hi, bias, diag_offset):
     """Rows sorted by u_q and columns by u_d (CPU kernels): a tile then spans a narrow range of
     delta = u_d - u_q, over which the kernel proves most bias units always on or off (see
@@ -429,54 +364,19 @@ def _sorted_by_u(q, d, q_lo, q_hi, d_lo, d_hi, bias, diag_offset):
             bias, (diag_col, diag_row))
 
 
-def check_table_points(points, bias) -> Optional[int]:
-    """Validates ``bias_table_points``: None (exact bias) or an int in [2, MAX_TABLE_POINTS], with a bias."""
-    if points is None:
-        return None
-    if isinstance(points, bool) or not isinstance(points, int):
-        raise TypeError(f"bias_table_points must be None or an int, got {type(points).__name__}")
-    if points < 2:
-        raise ValueError(f"bias_table_points must be >= 2, got {points}")
-    if points > MAX_TABLE_POINTS:
-        raise ValueError(f"bias_table_points must be <= {MAX_TABLE_POINTS} (2**20 + 1), got {points}")
-    if bias is None:
-        raise ValueError("bias_table_points was given without a bias")
-    return points
-
-
-def _tensor_core_call(q, d, bias, extra_neg, return_hardest: bool, table_points) -> bool:
-    """Whether the candidate tensor-core kernels take this call (TEMPOKERN_EXPERIMENTAL=mpb_tc, see
-    tempokern/_ops/dispatch.py): tc_call for one level of H features (which also rules out extra negatives, the
-    exact bias and H not a multiple of 16), a row and no return_hardest."""
-    if return_hardest or q.shape[0] == 0 or not dispatch.enabled("mpb_tc"):
-        return False
-    from .matryoshka_blocked import tc_call
-    return tc_call(q, d, [q.shape[1]], extra_neg, bias, table_points)
-
-
-def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
-                             row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0,
-                             bias_table_points: Optional[int] = None, row_none: Optional[torch.Tensor] = None,
-                             return_hardest: bool = False):
-    """The kernel entry on validated inputs: q (Bq, H) vs d (Bd, H), spans as int64 (lo, hi) bounds,
-    row/column weights (each loss is the mean over its own rows/columns) and the diagonal offset
-    (row i's fallback positive is column i + diag_offset). Used by multipos_infonce and CTDLoss.
-    ``row_none`` (Bq,) bool: rows with no overlapping document anywhere (default: none among these d), which
-    decides the column fallback (CTDLoss's gathered column pass sees only the local documents).
-    CUDA (and the table mode anywhere) runs the blocked path; CPU without a table the fused tiled kernel.
-    ``return_hardest``: returns ``(loss, hardest)``, hardest (Bq,) int64 the hardest in-batch negative of each
-    row (see :func:`multipos_infonce`), in the caller's row and column order (the CPU path's u-sort undone)."""
+def multipos_kernel_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
+                            row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0,
+                            bias_table_points: Optional[int] = None, row_none: Optional[torch.Tensor] = None,
+                            return_hardest: bool = False):
+    """This module's kernels on validated inputs (the arguments and result of
+    :func:`tempokern._ops.routing.multipos_infonce_partial`, which also routes calls to the candidate
+    tensor-core kernels): CUDA (and the table mode anywhere) runs the blocked path; CPU without a table the
+    fused tiled kernel."""
     if q.shape[0] == 0 or d.shape[0] == 0:
         return _empty_batch(q, d, q_lo, q_hi, d_lo, d_hi, temperature, bias, extra_neg, row_weight, col_weight,
                             diag_offset, row_none, bias_table_points, return_hardest)
     if row_none is not None:
         row_none = row_none.to(torch.uint8).contiguous()
-    if _tensor_core_call(q, d, bias, extra_neg, return_hardest, bias_table_points):
-        from .matryoshka_infonce import matryoshka_partial  # (it imports this module)
-        return matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, [q.shape[1]], [1.0], temperature=temperature,
-                                  row_weight=row_weight, col_weight=col_weight, diag_offset=diag_offset,
-                                  row_none=row_none, normalize=False, bias=bias,
-                                  bias_table_points=bias_table_points, tensor_cores=True)[0]
     if on_cuda_path(q) or bias_table_points is not None:
         return blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias,
                                 extra_neg=extra_neg, row_weight=row_weight, col_weight=col_weight,
@@ -509,7 +409,6 @@ def _empty_batch(q, d, q_lo, q_hi, d_lo, d_hi, temperature, bias, extra_neg, row
     """No query or no document: the reference's result (a mean over no rows is NaN, as torch's mean of an empty
     tensor; a zero weight drops its term), in the accumulation dtype, with its (zero-size or zero) gradients.
     Nothing of size B x B exists, so the plain-torch spec is the implementation here."""
-    from ..reference.multipos_infonce import multipos_infonce_partial as ref_partial
     out = ref_partial(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias, extra_neg=extra_neg,
                       row_weight=row_weight, col_weight=col_weight, diag_offset=diag_offset, row_none=row_none,
                       bias_table_points=bias_table_points, return_hardest=return_hardest)
@@ -530,8 +429,8 @@ def validate(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric, *, s
         raise ValueError(f"q and d must have the same batch size, got {q.shape[0]} and {d.shape[0]}")
     if q.shape[1] < 1:
         raise ValueError("q and d must have a hidden size >= 1")
-    _check_span("q_span", q_span, q.shape[0])
-    _check_span("d_span", d_span, d.shape[0])
+    check_span("q_span", q_span, q.shape[0])
+    check_span("d_span", d_span, d.shape[0])
     temperature = check_reciprocal("temperature", temperature, acc_dtype(q.dtype))
     if extra_neg is not None:
         check_tensor("extra_neg", extra_neg, ndim=2, floating=True)
@@ -545,46 +444,9 @@ def validate(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric, *, s
         bias = validate_bias(bias, q.shape[0], d.shape[0])
     devs = dict(q=q, d=d, q_start=q_span[0], q_end=q_span[1], d_start=d_span[0], d_end=d_span[1], extra_neg=extra_neg)
     if bias is not None:
-        devs.update({f"bias {n}": t for n, t in zip(_BIAS_NAMES, bias)})
+        devs.update({f"bias {n}": t for n, t in zip(BIAS_NAMES, bias)})
     check_same_device(**devs)
     for n, t in (("q", q), ("d", d), ("extra_neg", extra_neg)):
         if t is not None:
             check_finite(n, t)
     return temperature, bias
-
-
-def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temperature: float,
-                     bias: Optional[Sequence[torch.Tensor]] = None, extra_neg: Optional[torch.Tensor] = None,
-                     symmetric: bool = True, bias_table_points: Optional[int] = None,
-                     return_hardest: bool = False):
-    """Fused multi-positive interval-overlap InfoNCE; same semantics as
-    :func:`tempokern.reference.multipos_infonce`.
-
-    CPU (no table): one tiled kernel, memory O((B + N) * H + B * hidden * D). CUDA: cuBLAS score blocks
-    and fused passes around them (tempokern/_ops/multipos_blocked.py), memory O(R * (B + N)) for blocks of
-    R rows (the whole batch when it fits in 1 GiB). ``bias_table_points=N`` (with a bias): the table mode,
-    the MLP evaluated exactly at N points of [-1, 1] and linearly interpolated (gradients exact for the
-    interpolant; 4097 recommended, see docs/multipos_infonce.md); None: the exact MLP per pair.
-
-    q, d (B, H) used as given; q_span = (q_start, q_end), d_span = (d_start, d_end) integer (B,) tensors
-    (closed intervals, either order); bias None or offset_bias's (u_q, u_d, w1, b1, w2, b2, scale);
-    extra_neg (N, H) joins the q->d denominators only. Returns a 0-d float32 tensor (float64 for
-    float64 input); gradients flow to q, d, extra_neg and all seven bias inputs.
-
-    ``return_hardest=True`` returns ``(loss, hardest_col)``: hardest_col (B,) int64, for each row i the column
-    j among the B in-batch documents (never extra_neg) that is not a positive of row i (no span overlap, and
-    not the diagonal when the row falls back to it) with the largest logit s_ij = q_i . d_j / temperature +
-    bias_ij (the logit the softmax sees), the lowest j among exact ties, -1 when the row has no negative;
-    spec: :func:`tempokern.reference.hardest_negatives`. A by-product of the forward pass (O(B) extra
-    state, no extra product); not differentiable."""
-    if not isinstance(return_hardest, bool):
-        raise TypeError(f"return_hardest must be a bool, got {type(return_hardest).__name__}")
-    temperature, bias = validate(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric)
-    bias_table_points = check_table_points(bias_table_points, bias)
-    q_lo, q_hi = _span_bounds(q_span)
-    d_lo, d_hi = _span_bounds(d_span)
-    w = 0.5 if symmetric else 1.0
-    return multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias,
-                                    extra_neg=extra_neg, row_weight=w, col_weight=w if symmetric else 0.0,
-                                    diag_offset=0, bias_table_points=bias_table_points,
-                                    return_hardest=return_hardest)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..calendar import LEAP_MONTH, Calendar
+from ..calendar import LEAP_MONTH, Calendar, Interval
+
 from ._resources import ZZTJ_QIJI, data_path
 from .base import (DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle,
                    read_jsonl)
@@ -338,7 +339,6 @@ def load_zztj(path: str, *, subset: Optional[str] = None, eras: Optional[Sequenc
 
 
 def _iv(r: int):
-    from ..calendar import Interval
     return Interval(r, r)
 
 

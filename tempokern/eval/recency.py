@@ -21,7 +21,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .metrics import rank_documents, validate_run
+from .metrics import rank_documents, re3_metrics, validate_run
+from ..rerank.recency import Candidate, MetadataExtractor, RecencyFilter, RuleExtractor, default_equal, fact_key
 
 __all__ = ["apply_recency", "filtered_run", "evidence_lists", "recency_metrics", "compare_evidence",
            "version_truth", "count_tokens", "recency_report", "make_filter", "EXTRACTORS"]
@@ -34,7 +35,6 @@ def make_filter(extractor: str, *, policy: str = "conflict", mode: str = "filter
                 aliases=None):
     """A :class:`RecencyFilter` by name: ``"rule"`` (:class:`RuleExtractor`, ``aliases`` added to its table)
     or ``"metadata"`` (:class:`MetadataExtractor`); ``"none"`` gives None."""
-    from ..rerank.recency import MetadataExtractor, RecencyFilter, RuleExtractor
     if extractor not in EXTRACTORS:
         raise ValueError(f"unknown recency extractor {extractor!r}: expected one of {', '.join(EXTRACTORS)}")
     if extractor == "none":
@@ -56,7 +56,6 @@ def apply_recency(run: Mapping[str, Mapping[str, float]], records, rfilter, quer
     """``{qid: FilterResult}``: ``rfilter`` applied to the top ``k`` of each query of ``run`` (ranked by
     :func:`rank_documents`); ``records``: a RetrievalDataset, ``{id: Record}`` or a list of records;
     ``queries``: ``{qid: text}``."""
-    from ..rerank.recency import Candidate
     validate_run(run)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
@@ -125,7 +124,6 @@ def recency_metrics(evidence: Mapping[str, Sequence[str]], *, outdated: Collecti
     ``outdated``: ids of outdated versions; ``latest``: ``{qid: ids of the latest version(s)}``;
     ``gold_value``: ``{qid: value}`` with ``doc_value(qid, doc_id) -> value or None``; ``texts``: ``{id:
     text}`` for token counts. Metrics whose inputs are not given are left out."""
-    from ..rerank.recency import default_equal
     eq = values_equal or default_equal
     out: Dict[str, float] = {"queries": float(len(evidence))}
     n = max(len(evidence), 1)
@@ -175,7 +173,6 @@ def version_truth(dataset, qualifiers: Sequence[str] = ("date",)) -> Dict[str, A
     "doc_value": fn(qid, doc_id)}``: a query's latest versions are its gold records (rel > 0) with the
     latest date among them; its gold value is ``meta["answer"]`` when given, else the value its latest gold
     record states; a document's value for a query is its value for the key of the query's gold fact."""
-    from ..rerank.recency import fact_key
     groups: Dict[Tuple[str, str], List[Any]] = {}
     facts_of: Dict[str, Dict[Tuple[str, str], Optional[str]]] = {}
     for r in dataset.records:
@@ -223,7 +220,6 @@ def recency_report(run: Mapping[str, Mapping[str, float]], dataset, rfilter, *, 
     failed and nothing was filtered) and the first ``max_reasons`` recorded reasons. ``results``: the
     :func:`apply_recency` results of this run when already computed (then ``rfilter`` is only named)."""
     import warnings
-    from .metrics import re3_metrics
     qtext = {q.id: q.text for q in dataset.queries if q.id in run}
     missing = [qid for qid in run if qid not in qtext]
     if missing:

@@ -29,6 +29,8 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from .._ops.routing import matryoshka_infonce
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["MatryoshkaLoss", "FusedMatryoshkaLoss"]
@@ -133,8 +135,6 @@ class FusedMatryoshkaLoss(nn.Module):
         return list(idx)
 
     def compute_loss_from_embeddings(self, embeddings: list, labels: Any = None) -> torch.Tensor:
-        from .. import matryoshka_infonce
-
         if len(embeddings) < 2:
             raise ValueError(f"expected at least 2 columns (anchor, positive[, negatives...]), got {len(embeddings)}")
         q, d = embeddings[0], embeddings[1]

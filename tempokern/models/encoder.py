@@ -9,8 +9,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._ops.calendar import calendar_context, calendar_scalar
+
 from ..nn import OffsetBias
 from ..search import TemporalIndex
+from ._batching import length_sorted_batches, progress as _progress
 from .checkpoint import load_chunqiu_ctd, load_encoder, save_encoder
 from .levels import LevelSpec, calendar_levels, calendar_name  # noqa: F401  (LevelSpec: part of the API here)
 
@@ -21,10 +23,20 @@ POOLINGS = ("cls", "mean", "last")
 SCORERS = ("ctd", "encoder")
 
 
+#: what a text is to the encoders' ``encode(..., role=)`` (CTDEncoder, TMRLEncoder, Re3Encoder)
+ROLES = ("query", "document")
+
+
 def check_scorer(scorer: str) -> str:
     if scorer not in SCORERS:
         raise ValueError(f"scorer must be one of {SCORERS}, got {scorer!r}")
     return scorer
+
+
+def check_role(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return role
 
 
 class CTDOutput(NamedTuple):
@@ -154,14 +166,16 @@ class CTDEncoder(nn.Module):
                              return_tensors="pt")
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
-    def encode(self, texts: Sequence[str], *, batch_size: int = 64, device=None, scorer: str = "ctd",
-               progress: Optional[bool] = None) -> Encoded:
+    def encode(self, texts: Sequence[str], *, role: str = "query", batch_size: int = 64, device=None,
+               scorer: str = "ctd", progress: Optional[bool] = None) -> Encoded:
         """Embeddings (N, H) float32, u (N,) and per-level logits, in eval mode under
         ``torch.inference_mode``, in length-sorted batches each padded to its longest text (results in
-        input order). scorer="ctd": the CTD embedding (with the calendar context when use_context);
+        input order). ``role``: "query" | "document", the keyword of every tempokern encoder; CTD encodes
+        both roles with the same tower and no prefix, so the two give the same vectors.
+        scorer="ctd": the CTD embedding (with the calendar context when use_context);
         "encoder": the backbone's pooled vector, L2-normalised (ChunQiuTR's encoder-only scoring).
         ``progress``: show progress (default: :func:`tempokern.models._batching.set_progress`)."""
-        from ._batching import length_sorted_batches, progress as _progress
+        check_role(role)
         check_scorer(scorer)
         if isinstance(texts, str):
             raise TypeError("texts must be a list of strings")

@@ -22,14 +22,16 @@ import torch.nn.functional as F
 
 from .._util import sha256_file
 from ..nn.film import FiLM, TimeEmbedding
+from ..search import TemporalIndex
 from ..text.time import TimeTuple, find_times, parse_time
-from .encoder import POOLINGS, _field, pool
+from .time_heads import TimeParserHeads
+from .encoder import POOLINGS, ROLES, _field, check_role, pool  # noqa: F401  (ROLES: part of the API here)
+from ._batching import progress as _progress
 from .checkpoint import CheckpointError, check_save_target, file_digest, finish_checkpoint, recover_dir, require_keys, verify_checkpoint
 
 DOC_TIMES = ("content", "published", "content_or_published")
 TIME_PARSERS = ("rules", "learned")
 RANGES = ("interval", "start")
-ROLES = ("query", "document")
 FORMAT = "tempokern-re3-encoder"
 VERSION = 1
 CONFIG_FILE = "tempokern_re3.json"
@@ -75,8 +77,7 @@ def _as_date(x, what: str):
 def _check_time_args(n: int, role, doc_time, pub, times):
     """The shared checks of resolve_times / resolve_intervals: role and doc_time among their choices, pub (dates)
     and times with one entry per text. Returns (pub as dates or None, times as a list or None)."""
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    check_role(role)
     if doc_time not in DOC_TIMES:
         raise ValueError(f"doc_time must be one of {DOC_TIMES}, got {doc_time!r}")
     if pub is not None:
@@ -261,7 +262,6 @@ class Re3Encoder(nn.Module):
         self.parser = None
         self.parser_fitted = bool(parser_fitted)
         if time_parser == "learned":
-            from .time_heads import TimeParserHeads
             y0, y1 = (int(y) for y in parser_years)
             self.parser = TimeParserHeads(H, first_year=y0, last_year=y1)
         self._backbone_sha = None
@@ -386,7 +386,6 @@ class Re3Encoder(nn.Module):
         if progress is not None:
             it = progress(it)
         else:   # the command line's progress setting (tempokern.models._batching.set_progress)
-            from ._batching import progress as _progress
             it = _progress(it, len(it), "encode")
         with torch.no_grad():
             for i in it:
@@ -528,7 +527,6 @@ class Re3Encoder(nn.Module):
         """Encode documents (dicts/objects with ``text``, optional ``published`` and an int ``id``, or pass
         ``ids=``) as ``role="document"`` into a :class:`tempokern.search.TemporalIndex` (plain inner
         product; the calendar positions are unused zeros)."""
-        from ..search import TemporalIndex
         texts = [_field(r, "text") for r in records]
         pub = [_field(r, "published", None) for r in records]
         if ids is None:
@@ -550,7 +548,6 @@ class Re3Encoder(nn.Module):
                       ids: Optional[Sequence[int]] = None, **index_kwargs):
         """A :class:`tempokern.search.TemporalIndex` of the documents' base embeddings (``normalize(e_sem)``,
         no time modules), for :meth:`search`'s ``base_index``: queries without a time are scored there."""
-        from ..search import TemporalIndex
         texts = [_field(r, "text") for r in records]
         if ids is None:
             ids = [_field(r, "id", None) for r in records]

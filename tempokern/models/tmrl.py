@@ -15,7 +15,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .encoder import POOLINGS, _field, pool
+from ..nn import TemporalProjector, temporal_pool
+from ..search import TemporalIndex
+from ..text import temporal_spans, temporal_token_mask
+from ._batching import length_sorted_batches, progress as _progress
+from .encoder import POOLINGS, ROLES, _field, check_role, pool
 from .checkpoint import CheckpointError, check_save_target, file_digest, finish_checkpoint, recover_dir, require_keys, sha256_file, verify_checkpoint, write_extra_files
 
 FORMAT = "tempokern-tmrl-encoder"
@@ -24,7 +28,6 @@ CONFIG_FILE = "tempokern_tmrl.json"
 BACKBONE_FILE = "backbone.safetensors"
 PROJECTOR_FILE = "projector.safetensors"
 TOKENIZER_DIR = "tokenizer"
-SIDES = ("query", "passage")
 
 #: LoRA defaults of TMRL §A.2 (A7): rank 4, "scaling factor 4" as peft's scaling lora_alpha / r = 4, so
 #: lora_alpha = 16; the other reading (lora_alpha = 4, scaling 1) is ``lora={"lora_alpha": 4}``.
@@ -110,7 +113,7 @@ class TMRLEncoder(nn.Module):
     "scaling factor 4" is peft's scaling lora_alpha / r = 4 (lora_alpha 16 at r 4);
     ``lora={"lora_alpha": 4}`` is the other reading (scaling 1). temperature: the backbone's InfoNCE τ
     (TMRL Table 5: 0.05 for contriever / nomic, 0.02 for gte / bge / gte1.5 / bge-m3); the trainer reads it.
-    query_prefix / passage_prefix: prepended to the texts of each side (Table 5).
+    query_prefix / passage_prefix: prepended to the texts of each role, "query" and "document" (Table 5).
     projector: build the TemporalProjector (P: h -> W2 LN(act(W1 h + b1)) + b2, act and LN eps from the
     backbone's config, A3) when t is given."""
 
@@ -166,7 +169,6 @@ class TMRLEncoder(nn.Module):
         self.backbone = backbone
         self.projector = None
         if projector and self.t is not None:
-            from ..nn import TemporalProjector
             cfg = self.backbone_config
             act = getattr(cfg, "hidden_act", "gelu")
             self.projector = TemporalProjector(H, self.t, act=act if isinstance(act, str) else "gelu",
@@ -191,10 +193,10 @@ class TMRLEncoder(nn.Module):
             return self.backbone.get_base_model()
         return self.backbone
 
-    def prefix(self, side: str) -> str:
-        if side not in SIDES:
-            raise ValueError(f"side must be one of {SIDES}, got {side!r}")
-        return self.query_prefix if side == "query" else self.passage_prefix
+    def prefix(self, role: str) -> str:
+        """The prefix of a role's texts: ``query_prefix`` for "query", ``passage_prefix`` for "document"."""
+        check_role(role)
+        return self.query_prefix if role == "query" else self.passage_prefix
 
     def check_dim(self, dim: Optional[int]) -> int:
         if dim is None:
@@ -214,14 +216,13 @@ class TMRLEncoder(nn.Module):
         if temporal_mask.shape != attention_mask.shape:
             raise ValueError(f"temporal_mask must have shape {tuple(attention_mask.shape)}, "
                              f"got {tuple(temporal_mask.shape)}")
-        from ..nn import temporal_pool
         x_t, has = temporal_pool(hidden, temporal_mask.bool() & attention_mask.bool(), self.projector)
         return TMRLOutput(emb, x_t, has)
 
     # ---- text API -----------------------------------------------------------------------------------
-    def tokenize(self, texts: Sequence[str], *, side: str = "query", temporal: bool = False,
+    def tokenize(self, texts: Sequence[str], *, role: str = "query", temporal: bool = False,
                  spans: Optional[Sequence[Optional[Sequence[Tuple[int, int]]]]] = None) -> dict:
-        """Token ids and attention mask of the side's prefixed texts; with temporal=True also the (B, L)
+        """Token ids and attention mask of the role's prefixed texts; with temporal=True also the (B, L)
         temporal-token mask from character spans (per text: a list of (start, end) in the unprefixed
         text, or None to run the rule tagger ``tempokern.text.temporal_spans``)."""
         if self.tokenizer is None:
@@ -229,7 +230,7 @@ class TMRLEncoder(nn.Module):
                              "from a PreTrainedModel")
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise TypeError("texts must be a list of strings")
-        pre = self.prefix(side)
+        pre = self.prefix(role)
         full = [pre + t for t in texts]
         if not temporal:
             enc = self.tokenizer(full, padding=True, truncation=True, max_length=self.max_length,
@@ -241,7 +242,6 @@ class TMRLEncoder(nn.Module):
             spans = [None] * len(texts)
         if len(spans) != len(texts):
             raise ValueError(f"spans has {len(spans)} entries for {len(texts)} texts")
-        from ..text import temporal_spans, temporal_token_mask
         shifted = []
         for t, s in zip(texts, spans):
             if s is None:
@@ -253,15 +253,14 @@ class TMRLEncoder(nn.Module):
         tmask = torch.as_tensor(tmask, dtype=torch.bool) & enc["attention_mask"].bool()
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "temporal_mask": tmask}
 
-    def encode(self, texts: Sequence[str], *, side: str = "query", dim: Optional[int] = None,
+    def encode(self, texts: Sequence[str], *, role: str = "query", dim: Optional[int] = None,
                batch_size: int = 64, device=None, progress: Optional[bool] = None) -> torch.Tensor:
-        """L2-normalised embeddings (N, dim) float32 of the side's prefixed texts, first `dim`
+        """L2-normalised embeddings (N, dim) float32 of the role's prefixed texts, first `dim`
         coordinates (default: all), in eval mode under ``torch.inference_mode``, in length-sorted batches
         each padded to its longest text (results in input order). ``progress``: show progress (default:
         :func:`tempokern.models._batching.set_progress`)."""
-        from ._batching import length_sorted_batches, progress as _progress
         dim = self.check_dim(dim)
-        self.prefix(side)
+        self.prefix(role)
         if isinstance(texts, str):
             raise TypeError("texts must be a list of strings")
         texts = list(texts)
@@ -272,8 +271,8 @@ class TMRLEncoder(nn.Module):
         batches = length_sorted_batches(texts, batch_size)
         try:
             with torch.inference_mode():
-                for idx in _progress(batches, len(batches), f"encode {side}s", progress):
-                    batch = {k: v.to(device) for k, v in self.tokenize([texts[i] for i in idx], side=side).items()}
+                for idx in _progress(batches, len(batches), f"encode {role}s", progress):
+                    batch = {k: v.to(device) for k, v in self.tokenize([texts[i] for i in idx], role=role).items()}
                     emb = self(**batch).emb
                     out[torch.as_tensor(idx)] = F.normalize(emb[:, :dim].float(), dim=-1).cpu()
         finally:
@@ -283,9 +282,8 @@ class TMRLEncoder(nn.Module):
     def to_index(self, records: Sequence[Any], *, dim: Optional[int] = None, backend: str = "exact",
                  batch_size: int = 64, ids: Optional[Sequence[int]] = None, **index_kwargs):
         """Encode records (dicts or objects with `text`, and an int `id` unless `ids=` is given) as
-        passages, truncated to `dim` and normalised, into a TemporalIndex (inner product = cosine;
+        documents, truncated to `dim` and normalised, into a TemporalIndex (inner product = cosine;
         u = 0, no bias)."""
-        from ..search import TemporalIndex
         dim = self.check_dim(dim)
         texts = [_field(r, "text") for r in records]
         if ids is None:
@@ -298,7 +296,7 @@ class TMRLEncoder(nn.Module):
         ids = torch.as_tensor(list(ids), dtype=torch.int64)
         if ids.numel() != len(texts):
             raise ValueError(f"ids has {ids.numel()} entries for {len(texts)} records")
-        emb = self.encode(texts, side="passage", dim=dim, batch_size=batch_size)
+        emb = self.encode(texts, role="document", dim=dim, batch_size=batch_size)
         index = TemporalIndex(dim, backend=backend, **index_kwargs)
         index.add(ids, emb, torch.zeros(len(texts)))
         return index
@@ -308,7 +306,7 @@ class TMRLEncoder(nn.Module):
         dim = self.check_dim(dim if dim is not None else index.dim)
         if index.dim != dim:
             raise ValueError(f"the index holds {index.dim}-dim embeddings, dim is {dim}")
-        q = self.encode(texts, side="query", dim=dim)
+        q = self.encode(texts, role="query", dim=dim)
         return index.search(q, torch.zeros(q.shape[0]), k, **kw)
 
     # ---- LoRA ---------------------------------------------------------------------------------------

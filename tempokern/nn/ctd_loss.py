@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 from .._ops.common import check_reciprocal
 from .._ops.multipos_blocked import none_flags, spans32
-from .._ops.multipos_infonce import (_span_bounds, check_table_points, multipos_infonce, multipos_infonce_partial,
-                                     validate)
+from .._ops.loss_args import check_bias_table_points, span_bounds
+from .._ops.multipos_infonce import validate
+from .._ops.routing import multipos_infonce, multipos_infonce_partial
 from .._ops.offset_bias import offset_bias as _offset_bias
 from .offset_bias import bias_params
 
@@ -127,7 +128,7 @@ class CTDLoss(torch.nn.Module):
         if bias_table_points is not None:
             if offset_bias is None:
                 raise ValueError("bias_table_points needs an offset_bias")
-            check_table_points(bias_table_points, ())
+            check_bias_table_points(bias_table_points, ())
             if gather and gather_mode == "chunqiutr":
                 raise ValueError("bias_table_points is not available with gather_mode='chunqiutr' (plain torch)")
         self.bias_table_points = bias_table_points
@@ -169,8 +170,8 @@ class CTDLoss(torch.nn.Module):
         start, total = sum(sizes[:rank]), sum(sizes)
         if total == 0:
             raise ValueError("gather=True: every rank has an empty batch")
-        q_lo, q_hi = _span_bounds(q_span)
-        d_lo, d_hi = _span_bounds(d_span)
+        q_lo, q_hi = span_bounds(q_span)
+        d_lo, d_hi = span_bounds(d_span)
         g = lambda x: _gather(x, rank, world, group, sizes)  # noqa: E731
         d_all, d_lo_all, d_hi_all = g(d), g(d_lo), g(d_hi)
         neg_all = None if extra_neg is None else _gather(extra_neg, rank, world, group, [m[2] for m in meta])
@@ -205,8 +206,8 @@ class CTDLoss(torch.nn.Module):
             return torch.cat(parts, dim=0)
 
         B, dev = q.shape[0], q.device
-        q_lo, q_hi = _span_bounds(q_span)
-        d_lo, d_hi = _span_bounds(d_span)
+        q_lo, q_hi = span_bounds(q_span)
+        d_lo, d_hi = span_bounds(d_span)
         q_all, d_all = gather_detached(q), gather_detached(d)
         gallery = d_all if extra_neg is None else torch.cat([d_all, gather_detached(extra_neg)], dim=0)
         q_lo_all, q_hi_all = gather_detached(q_lo), gather_detached(q_hi)

@@ -7,8 +7,9 @@ from typing import Optional, Sequence
 import torch
 
 from .._ops.common import check_reciprocal
-from .._ops.matryoshka_infonce import _id_spans, check_dims, matryoshka_infonce, matryoshka_partial, validate
-from .._ops.multipos_infonce import _span_bounds
+from .._ops.loss_args import id_spans, span_bounds
+from .._ops.matryoshka_infonce import check_dims, matryoshka_partial, validate
+from .._ops.routing import matryoshka_infonce
 
 
 def _row_none(q_lo, q_hi, d_lo, d_hi) -> torch.Tensor:
@@ -90,11 +91,11 @@ class MatryoshkaInfoNCE(torch.nn.Module):
         sizes = [m[0] for m in meta]
         start, total = sum(sizes[:rank]), sum(sizes)
         if q_span is None:
-            q_lo, q_hi = _id_spans(q.shape[0], start, q.device)
-            d_lo, d_hi = _id_spans(d.shape[0], start, q.device)
+            q_lo, q_hi = id_spans(q.shape[0], start, q.device)
+            d_lo, d_hi = id_spans(d.shape[0], start, q.device)
         else:
-            q_lo, q_hi = _span_bounds(q_span)
-            d_lo, d_hi = _span_bounds(d_span)
+            q_lo, q_hi = span_bounds(q_span)
+            d_lo, d_hi = span_bounds(d_span)
         g = lambda x: _all_gather_rows(x, sizes, rank, world)  # noqa: E731
         d_all, d_lo_all, d_hi_all = g(d), g(d_lo), g(d_hi)
         neg_all = None if extra_neg is None else _all_gather_rows(extra_neg, [m[2] for m in meta], rank, world)

@@ -11,7 +11,8 @@ import torch
 
 from .._ops.common import check_reciprocal, check_same_device, check_tensor, scalar_value
 from .._ops.multipos_blocked import none_flags, spans32
-from .._ops.multipos_infonce import multipos_infonce, multipos_infonce_partial
+from .._ops.routing import multipos_infonce, multipos_infonce_partial
+from .ctd_loss import _gather, _sizes
 
 
 def _check_float(name: str, value, *, positive: bool = False) -> float:
@@ -149,7 +150,6 @@ class Re3Loss(torch.nn.Module):
         return total, parts
 
     def _gathered(self, q, d, d_tw, doc_ids):
-        from .ctd_loss import _gather, _sizes
         dist = torch.distributed
         group, rank, world = None, dist.get_rank(), dist.get_world_size()
         B = q.shape[0]

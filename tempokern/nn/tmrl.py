@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._ops.common import check_positive, check_reciprocal, device_constant, scalar_value
+from .._ops.routing import matryoshka_infonce
 
 __all__ = ["TemporalProjector", "temporal_pool", "TemporalSubspaceLoss", "MatryoshkaDistillLoss",
            "MatryoshkaCKALoss", "TMRLLoss"]
@@ -550,8 +551,6 @@ class TMRLLoss(nn.Module):
         if use_temp and (qc is None or qc_T is None):
             raise ValueError("p_T was given (alpha > 0) but qc and qc_T, the passages' positive and negative "
                              "queries and their temporal tokens, are missing")
-        from .. import matryoshka_infonce
-
         w = None if self.weights is None else list(self.weights)
         if self.mrl_anchor == "passage":
             pos_q, neg_q = self._passage_candidates(p, qc, qc_valid)

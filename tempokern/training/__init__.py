@@ -3,9 +3,9 @@ from .data import (add_window_queries, block_split_of_rank, load_dataset, traini
                    zztj_demo_dataset)
 from .evaluate import METRIC_KEYS, evaluate_model, markdown_table
 from ..nn.calendar_ce import calendar_ce
-from .trainer import VARIANTS, TrainConfig, Trainer, TrainResult, apply_variant, train
+from .trainer import VARIANTS, CTDConfig, CTDTrainer, CTDResult, apply_variant, train_ctd
 
-__all__ = ["TrainConfig", "Trainer", "TrainResult", "VARIANTS", "train", "apply_variant", "evaluate_model",
+__all__ = ["CTDConfig", "CTDTrainer", "CTDResult", "VARIANTS", "train_ctd", "apply_variant", "evaluate_model",
            "markdown_table", "METRIC_KEYS", "calendar_ce", "load_dataset", "zztj_demo_dataset",
            "with_block_splits", "add_window_queries", "block_split_of_rank", "training_pairs"]
 from .tmrl import TMRL_VARIANTS, TMRLConfig, TMRLResult, TMRLTrainer, evaluate_dims, runs_by_dim, train_tmrl

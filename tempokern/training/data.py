@@ -7,13 +7,17 @@ import dataclasses
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..calendar import LEAP_MONTH, Interval
+from ..datasets import (ZZTJ_TEMPLATES, Query, RetrievalDataset, load_chunqiutr, load_chunqiutr_release, load_synth,
+                        load_zztj, load_zztj_sample, zztj_time_text)
+
 SPLITS = ("train", "val", "dev", "test")
 #: the held-out rows of the offline English sets (tempokern.datasets.synth)
 SYNTH_SPLITS = ("test_template", "test_date", "test_year", "test_masked", "timeless")
 #: `load_dataset(dataset=...)` names of the offline English sets -> load_synth names
 SYNTH_DATASETS = {"synth-a": "A", "synth-b": "B", "synth-c": "C"}
 FORMATS = ("zztj", "chunqiutr", "chunqiutr-release")
-#: where the CTD trainer's hard negatives come from (TrainConfig.hard_negative_source)
+#: where the CTD trainer's hard negatives come from (CTDConfig.hard_negative_source)
 NEGATIVE_SOURCES = ("auto", "query", "group", "months")
 
 
@@ -43,7 +47,6 @@ def block_split_of_rank(rank: int, block: int = 3, period: int = 6, val: int = 2
 def with_block_splits(dataset, *, block: int = 3, period: int = 6, val: int = 2, test: int = 5):
     """A copy whose queries without a split get one from `block_split_of_rank`
     (a query whose interval crosses splits is marked "mixed" and used by no split)."""
-    from tempokern.datasets import RetrievalDataset
     qs = []
     for q in dataset.queries:
         if q.split is None and q.interval is not None:
@@ -61,14 +64,12 @@ def add_window_queries(dataset, *, block: int = 3, templates: Sequence[str] = WI
                        time_text=None):
     """Window-family queries over consecutive `block`-unit intervals of the rank axis that hold
     event records, one per template (meta["template_index"]); gold = those records."""
-    from tempokern.datasets import Query, RetrievalDataset
     cal = dataset.calendar
     if time_text is None:
-        from tempokern.datasets import zztj_time_text as time_text
+        time_text = zztj_time_text
     events = [r for r in dataset.records if r.type == "event" and r.interval is not None]
     qs = list(dataset.queries)
     for start in range(0, cal.num_units, block):
-        from tempokern.calendar import Interval
         iv = Interval(start, min(cal.num_units, start + block) - 1)
         gold = {r.id: 1 for r in events if r.interval.overlaps(iv)}
         if not gold:
@@ -87,7 +88,6 @@ def with_template_splits(dataset, *, val: int = 2, test: int = 3):
     """Split queries by phrasing: template `val` -> val, `test` -> test, the others train. Every
     month is in every split, so this measures mapping new phrasings of dates to the (seen)
     records, not generalisation to unseen months (use the time scheme for that)."""
-    from tempokern.datasets import RetrievalDataset
     qs = []
     for q in dataset.queries:
         t = q.meta.get("template_index")
@@ -106,7 +106,6 @@ def zztj_demo_dataset(path=None, *, templates_per_month: int = 4, no_event_queri
     split="time": by 3-month blocks (held-out months, see with_block_splits)."""
     if split not in SPLIT_SCHEMES:
         raise ValueError(f"unknown split scheme {split!r}: expected one of {', '.join(SPLIT_SCHEMES)}")
-    from tempokern.datasets import RetrievalDataset, ZZTJ_TEMPLATES, load_zztj, load_zztj_sample
     base_load = ((lambda **kw: load_zztj(str(path), on_error=on_error, **kw)) if path is not None
                  else load_zztj_sample)
     load = lambda **kw: base_load(no_event_queries=no_event_queries, **kw)  # noqa: E731
@@ -137,7 +136,6 @@ def load_dataset(dataset: Optional[str] = None, data: Optional[str] = None, fmt:
         raise ValueError("give exactly one of --dataset (zztj) or --data PATH")
     if dataset is not None:
         if dataset in SYNTH_DATASETS:
-            from tempokern.datasets.synth import load_synth
             return load_synth(SYNTH_DATASETS[dataset], seed=synth_seed, size=synth_size).dataset
         if dataset != "zztj":
             raise ValueError(f"unknown dataset {dataset!r}: the packaged datasets are 'zztj', "
@@ -154,7 +152,6 @@ def load_dataset(dataset: Optional[str] = None, data: Optional[str] = None, fmt:
         raise ValueError(f"format {fmt!r} needs the queries file too (--data-queries PATH)")
     if not Path(queries).exists():
         raise FileNotFoundError(f"queries file {queries} does not exist")
-    from tempokern.datasets import load_chunqiutr, load_chunqiutr_release
     load = load_chunqiutr if fmt == "chunqiutr" else load_chunqiutr_release
     return load(str(p), str(queries), on_error=on_error)
 
@@ -196,7 +193,6 @@ def record_labels(dataset, rec) -> List[float]:
 
 def _leap_after(cal, key) -> Optional[int]:
     """m when `key` is a reign calendar's intercalary month placed after month m, else None."""
-    from tempokern.calendar import LEAP_MONTH
     if key[-1] != LEAP_MONTH:
         return None
     for t, y, m in cal.meta.get("leap_months", ()):
@@ -253,7 +249,6 @@ def train_units(dataset, split: str = "train") -> set:
 
 
 def _unit(r: int):
-    from tempokern.calendar import Interval
     return Interval(r, r)
 
 
@@ -335,7 +330,7 @@ class HardNegatives:
 
 class QueryNegatives:
     """Hard negatives the data provides per training query, for the CTD trainer
-    (``TrainConfig.hard_negative_source``); ChunQiuTR trains on negatives of the same record group / page
+    (``CTDConfig.hard_negative_source``); ChunQiuTR trains on negatives of the same record group / page
     as the positive when its data has them.
 
     * ``"query"``: the record ids in ``query.meta["negatives"]`` (a list, e.g. the other entries of the

@@ -21,6 +21,10 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Seq
 import torch
 
 from ..text.time import TimeTuple
+from .. import ctd_topk
+from ..eval import re3_metrics
+from ..models.re3 import Re3Encoder, _as_intervals, interval_batch, resolve_intervals, resolve_times
+from ..nn import Re3Loss
 from .trainer import _linear_warmup, _progress
 from .._util import atomic_write
 
@@ -178,7 +182,6 @@ def examples_from_dataset(dataset, split: str = "train") -> List[Re3Example]:
 
 def _as_given_all(g):
     """A document's own time field as every interval it names (None: not given)."""
-    from ..models.re3 import _as_intervals
     return None if g is None else _as_intervals(g, "document time")
 
 
@@ -186,7 +189,6 @@ def _resolve_batch(model, texts, refs, given, role):
     """Per text, the first time interval ``[(start, end)]`` (``[]``: none): the data's own time field where
     given (a TimeTuple / date or a (start, end) pair), else the rule parser (``model.ranges``, ``doc_time``).
     Training labels always come from the data or the rules, also for a learned-parser model."""
-    from ..models.re3 import _as_intervals, resolve_intervals
     out = [None if g is None else _as_intervals(g, f"time of {t[:40]!r}")[:1] for g, t in zip(given, texts)]
     todo = [i for i, g in enumerate(out) if g is None]
     if todo:
@@ -228,7 +230,6 @@ def fit_time_parser(model, texts: Sequence[str], *, times=None, pub=None, role: 
     (``TimeParserHeads.set_feature_stats``) and the heads train on them (calendar CE + presence BCE, AdamW).
     Sets ``model.parser_fitted``. Returns ``{"texts", "epochs", "loss", "train_exact"}`` (the share of
     training texts whose predicted (year, month, day, mask) equals the label)."""
-    from ..models.re3 import resolve_times
     if model.parser is None:
         raise ValueError("fit_time_parser needs a Re3Encoder built with time_parser='learned'")
     texts = list(texts)
@@ -264,7 +265,6 @@ def fit_time_parser(model, texts: Sequence[str], *, times=None, pub=None, role: 
 
 # ---- trainer -------------------------------------------------------------------------------------------------
 def _default_loss(cfg: Re3Config):
-    from ..nn import Re3Loss
     lh, lt = cfg.loss_weights()
     return Re3Loss(temperature=cfg.temperature, margin=cfg.margin, lambda_hard=lh, lambda_tw=lt,
                    tw_in_nce=cfg.tw_in_nce, dedup=cfg.dedup)
@@ -317,7 +317,6 @@ class Re3Trainer:
         m, ex = self.model, self.examples
         doc_ids = sorted({e.positive for e in ex} | {e.tw_negative for e in ex if e.tw_negative is not None}, key=str)
         self.doc_row = {d: i for i, d in enumerate(doc_ids)}
-        from ..models.re3 import interval_batch
         dtexts = [self.docs[d].text for d in doc_ids]
         dtimes = _resolve_batch(m, dtexts, [self.docs[d].published for d in doc_ids],
                                 [self.docs[d].time for d in doc_ids], "document")
@@ -333,7 +332,6 @@ class Re3Trainer:
         # for the positive and the time-wrong negative), as it is scored by its best-matching time
         self.ex_times = None
         if getattr(m, "multi_time", False):
-            from ..models.re3 import resolve_intervals
             every = [_as_given_all(self.docs[d].time) for d in doc_ids]
             todo = [i for i, g in enumerate(every) if g is None]
             if todo:
@@ -544,7 +542,6 @@ def _as_doc(k, v) -> Re3Doc:
 
 def build_re3_model(backbone, config: Optional[Re3Config] = None, **kw):
     """A :class:`Re3Encoder` set up for ``config.variant`` (LoRA for ``lora``; frozen otherwise)."""
-    from ..models.re3 import Re3Encoder
     cfg = (config or Re3Config()).validate()
     v = VARIANTS[cfg.variant]
     lora = None
@@ -596,7 +593,6 @@ def re3_runs(model, dataset, splits: Sequence[str], *, depth: int = 100, batch_s
     vectors). ``"film"``: its (time-less) ``e_final`` against the time-conditioned gallery.
     ``model.multi_time`` (the multi-time extension): each document scores by its best-matching time
     vector (:meth:`Re3Encoder.score_multi`; ``gallery_emb`` is then ignored)."""
-    from .. import ctd_topk
     if no_time not in NO_TIME:
         raise ValueError(f"no_time must be one of {NO_TIME}, got {no_time!r}")
     recs = dataset.records
@@ -648,7 +644,6 @@ def re3_eval(dataset, runs: Mapping[str, Mapping[str, Mapping[str, float]]]) -> 
     (``err_time_wrong``), another entity with the gold's attribute (``err_entity_wrong``), the gold's
     entity with another attribute (``err_attribute_wrong``) or anything else (``err_other``); from
     record ``meta`` ``entity`` / ``attribute`` / ``date``."""
-    from ..eval import re3_metrics
     by_id = {r.id: r for r in dataset.records}
     qby = {q.id: q for q in dataset.queries}
     out = {}

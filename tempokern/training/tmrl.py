@@ -31,9 +31,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..datasets.tmrl import TMRLData, TMRLRow
-from .trainer import (Trainer, _amp_setup, _linear_warmup, _progress, dist_info, init_distributed_from_env,
+from .trainer import (CTDTrainer, _amp_setup, _linear_warmup, _progress, dist_info, init_distributed_from_env,
                       seed_everything)
 from ..models.checkpoint import verify_checkpoint
+from ..models.encoder import ROLES
+from ..models.tmrl import BACKBONE_FILE, PROJECTOR_FILE
+from .._ops.ctd_topk import ctd_topk
+from ..eval import retrieval_metrics
+from ..nn import TMRLLoss
 
 __all__ = ["TMRLConfig", "TMRLTrainer", "TMRLResult", "TMRL_VARIANTS", "train_tmrl", "variant_weights", "runs_by_dim",
            "evaluate_dims"]
@@ -241,7 +246,7 @@ class _RandState:
             yield
 
 
-# an item to encode: (text, side, spans or None, wants the temporal representation)
+# an item to encode: (text, role "query" | "document", spans or None, wants the temporal representation)
 _Item = Tuple[str, str, Optional[list], bool]
 
 
@@ -277,7 +282,6 @@ class TMRLTrainer:
                                      f"mrl_anchor='passage' uses them as the hard negatives of L_MRL: give every "
                                      f"row at least one negative query, or use mrl_anchor='query'")
         if loss_fn is None and self.cfg.variant != "zero_shot":
-            from ..nn import TMRLLoss
             loss_fn = TMRLLoss(self.dims, self.t if self.t is not None else self.dims[0], alpha=self.alpha,
                                beta=self.beta, gamma=self.gamma, temperature=self.temperature,
                                k=self.cfg.distill_k, detach_teacher=self.cfg.detach_teacher,
@@ -331,10 +335,10 @@ class TMRLTrainer:
         rows = [(self.rows[ri], hn, nq) for ri, hn, nq in batch]
         B = len(rows)
         items: List[_Item] = [(r.query, "query", r.query_spans, temporal) for r, _, _ in rows]
-        items += [(r.positive, "passage", r.positive_spans, temporal) for r, _, _ in rows]
+        items += [(r.positive, "document", r.positive_spans, temporal) for r, _, _ in rows]
         for r, hn, _ in rows:
             for j in (hn if not passage else ()):
-                items.append((r.hard_negatives[j], "passage",
+                items.append((r.hard_negatives[j], "document",
                               r.hard_negative_spans[j] if r.hard_negative_spans is not None else None, False))
         E = len(items) - 2 * B
         n = 0
@@ -362,15 +366,15 @@ class TMRLTrainer:
 
     # ---- encoding -------------------------------------------------------------------------------------
     def _tokenize(self, items: Sequence[_Item], want_t: bool) -> dict:
-        """One padded batch of items of either side (each side tokenised with its prefix); want_t: build
+        """One padded batch of items of either role (each role tokenised with its prefix); want_t: build
         the temporal mask (rows of items that do not want one are all False)."""
         model = self.model
         parts, order = [], []
-        for side in ("query", "passage"):
-            idx = [i for i, it in enumerate(items) if it[1] == side]
+        for role in ROLES:
+            idx = [i for i, it in enumerate(items) if it[1] == role]
             if not idx:
                 continue
-            enc = model.tokenize([items[i][0] for i in idx], side=side, temporal=want_t,
+            enc = model.tokenize([items[i][0] for i in idx], role=role, temporal=want_t,
                                  spans=[items[i][2] if items[i][3] else [] for i in idx] if want_t else None)
             if want_t:
                 keep = torch.tensor([items[i][3] for i in idx], dtype=torch.bool).unsqueeze(1)
@@ -431,7 +435,6 @@ class TMRLTrainer:
         return self.loss_fn(q, p, neg_p, **kw)
 
     def can_diagnose(self) -> bool:
-        from ..nn import TMRLLoss
         return isinstance(self.loss_fn, TMRLLoss)
 
     @staticmethod
@@ -556,7 +559,6 @@ class TMRLTrainer:
 
     def _load_weights(self, where: Path):
         from safetensors.torch import load_model
-        from ..models.tmrl import BACKBONE_FILE, PROJECTOR_FILE
         for mod, f in ((self.model.backbone, BACKBONE_FILE), (self.model.projector, PROJECTOR_FILE)):
             if mod is None:
                 continue
@@ -573,7 +575,7 @@ class TMRLTrainer:
         if cfg.variant == "zero_shot":
             model.eval()
             return TMRLResult(0)
-        Trainer._sync_params(self)
+        CTDTrainer._sync_params(self)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters (lora=False and no projector?)")
@@ -640,7 +642,7 @@ class TMRLTrainer:
                     n_acc += 1
                     if (bi + 1) % cfg.grad_accum and bi + 1 != len(batches):
                         continue
-                    Trainer._allreduce_grads(self)
+                    CTDTrainer._allreduce_grads(self)
                     if scaler is not None:
                         scaler.unscale_(opt)
                     if cfg.max_grad_norm:
@@ -708,7 +710,6 @@ def runs_by_dim(model, dataset, splits: Sequence[str] = ("test",), dims: Optiona
     split at each nested dim (first dim coordinates, L2-normalised). The gallery (all records) and the
     queries are encoded once at full size; a prefix of a normalised vector, normalised again, is the
     normalised prefix of the raw one."""
-    from .._ops.ctd_topk import ctd_topk
     dims = tuple(dims) if dims else tuple(model.dims)
     for m in dims:
         model.check_dim(m)
@@ -716,12 +717,12 @@ def runs_by_dim(model, dataset, splits: Sequence[str] = ("test",), dims: Optiona
     if not gallery:
         raise ValueError(f"dataset {dataset.name!r} has no records")
     gids = [r.id for r in gallery]
-    G = model.encode([r.text for r in gallery], side="passage", batch_size=batch_size)
+    G = model.encode([r.text for r in gallery], role="document", batch_size=batch_size)
     per_split = {s: _split_queries(dataset, s) for s in splits}
     out: Dict[int, Dict[str, Dict[str, Dict[str, float]]]] = {m: {} for m in dims}
     k = min(depth, len(gallery))
     for s, qs in per_split.items():
-        Q = model.encode([q.text for q in qs], side="query", batch_size=batch_size)
+        Q = model.encode([q.text for q in qs], role="query", batch_size=batch_size)
         for m in dims:
             g = torch.nn.functional.normalize(G[:, :m], dim=-1).contiguous()
             qv = torch.nn.functional.normalize(Q[:, :m], dim=-1).contiguous()
@@ -735,7 +736,6 @@ def evaluate_dims(model, dataset, split: str = "test", dims: Optional[Sequence[i
                   ks: Sequence[int] = (1, 10, 100), depth: int = 100, batch_size: int = 64) -> List[dict]:
     """One row per dim: nDCG@10, recall@k, R@k (hit), MRR@10, MRR and the query count
     (``tempokern.eval.retrieval_metrics`` on the top-`depth` run; TMRL reports nDCG@10 and recall@100)."""
-    from ..eval import retrieval_metrics
     runs = runs_by_dim(model, dataset, (split,), dims, depth=depth, batch_size=batch_size)
     qs = _split_queries(dataset, split)
     qrels = {q.id: {d: r for d, r in q.gold.items() if r > 0} for q in qs}

@@ -21,11 +21,13 @@ import torch
 import torch.distributed as dist
 
 from ..nn import CTDLoss
-from .data import (HardNegatives, QueryNegatives, gold_indices, num_training_pairs, record_labels, record_span,
-                   train_units, training_pairs)
+from .data import (NEGATIVE_SOURCES, HardNegatives, QueryNegatives, gold_indices, num_training_pairs, record_labels,
+                   record_span, train_units, training_pairs)
 from .evaluate import evaluate_model
 from ..nn.calendar_ce import calendar_ce
 from ..models.checkpoint import verify_checkpoint
+from ..models.encoder import check_scorer
+from ..nn.ctd_loss import GATHER_MODES
 
 VARIANTS: Dict[str, dict] = {
     # name: (multi-positive loss, offset bias, calendar context, calendar CE)
@@ -39,7 +41,7 @@ AMP_MODES = ("auto", "off", "bf16", "fp16")
 
 
 @dataclass
-class TrainConfig:
+class CTDConfig:
     variant: str = "full"
     epochs: int = 3
     batch_size: int = 32
@@ -77,17 +79,14 @@ class TrainConfig:
     eval_scorer: str = "encoder"             # "encoder" (the reference's validation) or "ctd" (the full model)
     gather_mode: str = "tempokern"           # CTDLoss(gather=True) semantics under torchrun (see CTDLoss)
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> "CTDConfig":
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown variant {self.variant!r}: expected one of {', '.join(VARIANTS)}")
-        from ..models.encoder import check_scorer
         check_scorer(self.eval_scorer)
-        from ..nn.ctd_loss import GATHER_MODES
         if self.gather_mode not in GATHER_MODES:
             raise ValueError(f"gather_mode must be one of {GATHER_MODES}, got {self.gather_mode!r}")
         if self.amp not in AMP_MODES:
             raise ValueError(f"amp must be one of {AMP_MODES}, got {self.amp!r}")
-        from .data import NEGATIVE_SOURCES
         if self.hard_negative_source not in NEGATIVE_SOURCES:
             raise ValueError(f"hard_negative_source must be one of {NEGATIVE_SOURCES}, "
                              f"got {self.hard_negative_source!r}")
@@ -111,7 +110,7 @@ class TrainConfig:
         return self
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict) -> "CTDConfig":
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -120,7 +119,7 @@ class TrainConfig:
 
 
 @dataclass
-class TrainResult:
+class CTDResult:
     best_metric: Optional[float]
     best_epoch: Optional[int]
     steps: int
@@ -195,8 +194,8 @@ def _amp_setup(mode: str, device: torch.device):
     return dtype, scaler
 
 
-class Trainer:
-    def __init__(self, model, dataset, config: TrainConfig, out_dir=None, *, device=None, log=print):
+class CTDTrainer:
+    def __init__(self, model, dataset, config: CTDConfig, out_dir=None, *, device=None, log=print):
         self.model, self.data, self.cfg = model, dataset, config.validate()
         self.out = Path(out_dir) if out_dir is not None else None
         self.device = torch.device(device) if device is not None else (
@@ -320,7 +319,7 @@ class Trainer:
                 dist.all_reduce(p.grad)
                 p.grad.div_(self.world)
 
-    def fit(self, *, resume: bool = False) -> TrainResult:
+    def fit(self, *, resume: bool = False) -> CTDResult:
         cfg, model = self.cfg, self.model
         seed_everything(cfg.seed)
         model.to(self.device).train()
@@ -416,7 +415,7 @@ class Trainer:
         elif self.out is not None and (self.out / "best").exists() and best is not None:
             _load_weights(model, self.out / "best", self.device)
         model.eval()
-        return TrainResult(best, best_epoch, step, history, last_loss, time.time() - t0)
+        return CTDResult(best, best_epoch, step, history, last_loss, time.time() - t0)
 
     def _validate(self, epoch, step, best, best_epoch, best_state, history, logf):
         metric = None
@@ -506,8 +505,8 @@ def _progress(it, enabled: bool, desc: str, stream=None):
     return tqdm(it, desc=desc, leave=False, dynamic_ncols=True, file=stream)
 
 
-def train(model, dataset, config: Optional[TrainConfig] = None, out_dir=None, *, resume: bool = False,
-          device=None, log=print) -> TrainResult:
+def train_ctd(model, dataset, config: Optional[CTDConfig] = None, out_dir=None, *, resume: bool = False,
+              device=None, log=print) -> CTDResult:
     """Fine-tune `model` on the train split of `dataset` (a tempokern.datasets.RetrievalDataset
     whose queries carry splits) and keep the weights with the best validation R@1."""
-    return Trainer(model, dataset, config or TrainConfig(), out_dir, device=device, log=log).fit(resume=resume)
+    return CTDTrainer(model, dataset, config or CTDConfig(), out_dir, device=device, log=log).fit(resume=resume)

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 from ...calendar import Interval
 from ...text.dates import expressible, format_date
 from ._common import Builder, TrainRow, cap, day_rank, fill, iso, rng_for, vega_csv
-from .set_b import DAY_DOC_FORMATS, DAY_QUERY_FORMATS, render
+from .set_b import DAY_DOC_FORMATS, DAY_QUERY_FORMATS, preposition, render
 
 FIRST_YEAR, LAST_YEAR = 2012, 2015
 UNSEEN_YEAR = 2015
@@ -174,11 +174,9 @@ def generate(seed: int, size: str, caps: Dict[str, Optional[int]]) -> Tuple[Buil
 
 def _render2(template, fmt, d, vals):
     """Forecast templates carry the issue date too: both dates are temporal spans."""
-    from ._common import fill as _fill
-    from .set_b import preposition
     expr = format_date(d, fmt)
     t = template.replace("{when}", preposition(fmt) + "{date}")
-    text, spans = _fill(t, {**vals, "date": expr}, temporal=("date", "issued"))
+    text, spans = fill(t, {**vals, "date": expr}, temporal=("date", "issued"))
     return text, spans, expr
 
 

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import torch
 
+from ..._ops.routing import multipos_infonce
 from ..backbone import dense_runs, embed_batch, encode_texts, load_backbone
 from ..registry import REAL_SETS, SYNTH_SETS, Method, MethodOutput, register
 
@@ -104,7 +105,6 @@ def finetune_infonce(ctx, model, tok, *, temperature: float = 0.05, warmup_ratio
     query->document denominators (``extra_neg``; one that is a positive of the batch is left out).
     AdamW, linear warm-up/decay, ``ctx.budget`` epochs / batch size / lr / max_length. Returns an info
     dict."""
-    from ... import multipos_infonce
     b = ctx.budget
     rows = ctx.train_rows()
     pos = {r.id: i for i, r in enumerate(ctx.dataset.records)}

@@ -1,5 +1,5 @@
 """CTD rows on set B (monthly facts, `Calendar.gregorian(..., resolution="month")`): the ablation
-variants baseline / context / bias / full of `tempokern.training.train` (the path `tempokern train`
+variants baseline / context / bias / full of `tempokern.training.train_ctd` (the path `tempokern train`
 runs) with the suite's backbone, mean pooling and the shared budget."""
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def run_ctd(variant: str):
     def run(ctx):
         import torch
         from ...models import CTDEncoder
-        from ...training import TrainConfig, train
+        from ...training import CTDConfig, train_ctd
         from ...training.evaluate import score_topk
         from ...training.trainer import seed_everything
         if ctx.dataset.calendar is None:
@@ -74,11 +74,11 @@ def run_ctd(variant: str):
         seed_everything(ctx.seed)
         model = CTDEncoder(ctx.backbone_path, ctx.dataset.calendar, pooling="mean", max_length=b.max_length)
         hn = ctx.budget.hard_negatives is not None and ctx.budget.hard_negatives > 0
-        cfg = TrainConfig(variant=variant, epochs=b.epochs, batch_size=b.batch_size, lr=b.lr, temporal_lr=TEMPORAL_LR,
-                          seed=ctx.seed, progress=ctx.progress_enabled, hard_negatives=hn,
-                          **({"hard_negative_source": "query"} if hn else {}))
+        cfg = CTDConfig(variant=variant, epochs=b.epochs, batch_size=b.batch_size, lr=b.lr, temporal_lr=TEMPORAL_LR,
+                        seed=ctx.seed, progress=ctx.progress_enabled, hard_negatives=hn,
+                        **({"hard_negative_source": "query"} if hn else {}))
         ds = _train_subset(ctx)
-        res = train(model, ds, cfg, None, device=ctx.device, log=ctx.log)
+        res = train_ctd(model, ds, cfg, None, device=ctx.device, log=ctx.log)
         steps = [h for h in res.history if h.get("event") == "step"]
         info = {"train_seconds": round(res.seconds, 2), "steps": res.steps, "train_queries": len(ds.queries),
                 "hard_negatives": int(hn),

@@ -54,7 +54,7 @@ def _make_run(variant: str, lora: str = "lora"):
                 "final_parts": {k: last.get(k) for k in ("mrl", "temp", "dist", "cka", "total")} if last else None,
                 "grad_diagnostics": res.diagnostics}
         return MethodOutput(runs=dim_runs[dims[-1]], dim_runs=dim_runs, info=info,
-                            embed=lambda texts: model.encode(list(texts), side="passage"))
+                            embed=lambda texts: model.encode(list(texts), role="document"))
     return run
 
 
