@@ -1,6 +1,7 @@
 """Re³ trainer: cached frozen-backbone training, variants, resume, logs, evaluation."""
 import datetime as dt
 import json
+import math
 
 import pytest
 import torch
@@ -241,6 +242,10 @@ def test_re3_eval_error_split():
     assert row["R@1"] == 0.25 and row["err_time_wrong"] == 0.25 and row["err_entity_wrong"] == 0.25
     assert row["err_attribute_wrong"] == 0.25 and row["err_other"] == 0.0
     assert row["MRR"] == pytest.approx((1 + 0.5 + 0.5 + 1 / 3) / 4)
+    # the metrics the other methods' evaluations report, by hand: the gold at ranks 1, 2, 2, 3
+    assert row["MRR@10"] == pytest.approx((1 + 0.5 + 0.5 + 1 / 3) / 4)
+    dcg = [1.0, 1 / math.log2(3), 1 / math.log2(3), 1 / math.log2(4)]
+    assert row["nDCG@10"] == pytest.approx(sum(dcg) / 4)
 
 
 def test_cli_train_and_eval(tmp_path, capsys):

@@ -23,6 +23,7 @@ import torch
 from ..text.time import TimeTuple
 from .. import ctd_topk
 from ..eval import re3_metrics
+from ..eval.metrics import per_query_metrics, rank_documents
 from ..models.re3 import Re3Encoder, _as_intervals, interval_batch, resolve_intervals, resolve_times
 from ..nn import Re3Loss
 from .trainer import _linear_warmup, _progress
@@ -639,7 +640,8 @@ def re3_runs(model, dataset, splits: Sequence[str], *, depth: int = 100, batch_s
 
 
 def re3_eval(dataset, runs: Mapping[str, Mapping[str, Mapping[str, float]]]) -> Dict[str, dict]:
-    """Per split: R@1, R@5, MRR (``tempokern.eval.re3_metrics``) and the top-1 error split — the share of
+    """Per split: R@1, R@5, MRR (``tempokern.eval.re3_metrics``), MRR@10 and nDCG@10 (as the other methods'
+    evaluations report them, ``tempokern.eval.metrics.per_query_metrics``) and the top-1 error split — the share of
     queries whose top-1 document is wrong and has the gold's entity and attribute at another date
     (``err_time_wrong``), another entity with the gold's attribute (``err_entity_wrong``), the gold's
     entity with another attribute (``err_attribute_wrong``) or anything else (``err_other``); from
@@ -652,6 +654,9 @@ def re3_eval(dataset, runs: Mapping[str, Mapping[str, Mapping[str, float]]]) -> 
         if not qrels:
             continue
         row = dict(re3_metrics({q: dict(s) for q, s in run.items()}, qrels, ks=(1, 5)))
+        per = [per_query_metrics(rank_documents(run.get(qid) or {}), {d for d, r in gold.items() if r > 0}, ks=(1,))
+               for qid, gold in qrels.items()]
+        row.update({m: sum(p[m] for p in per) / len(per) for m in ("MRR@10", "nDCG@10")})
         errs = {"time_wrong": 0, "entity_wrong": 0, "attribute_wrong": 0, "other": 0}
         for qid, gold in qrels.items():
             scores = run.get(qid) or {}
