@@ -16,6 +16,9 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _markers import render_between, table_main  # noqa: E402  (beside this script)
+
 ROOT = Path(__file__).resolve().parent.parent
 if list(ROOT.joinpath("tempokern").glob("_C*.so")) and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the in-place developer build of this checkout (tools/dev_build.sh)
@@ -105,25 +108,11 @@ def table(rows: List[dict]) -> str:
 
 
 def render_into(text: str, tbl: str) -> str:
-    i, j = text.find(BEGIN), text.find(END)
-    if i < 0 or j < i:
-        raise ValueError(f"markers {BEGIN} / {END} not found")
-    return text[:i + len(BEGIN)] + "\n" + tbl + "\n" + text[j:]
+    return render_between(text, tbl, BEGIN, END)
 
 
 def main(argv: List[str]) -> int:
-    tbl = table(load())
-    if not argv:
-        print(tbl)
-        return 0
-    for p in argv:
-        path = Path(p)
-        text = path.read_text(encoding="utf-8")
-        new = render_into(text, tbl)
-        if new != text:
-            path.write_text(new, encoding="utf-8")
-            print(f"updated {p}", file=sys.stderr)
-    return 0
+    return table_main(argv, lambda: table(load()), BEGIN, END)
 
 
 if __name__ == "__main__":
