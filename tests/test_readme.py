@@ -15,6 +15,10 @@ except ImportError:  # Python < 3.11
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 BLOCKS = re.findall(r"^```python\n(.*?)^```$", README, flags=re.S | re.M)
+#: the blocks of docs/ marked ``<!-- tested -->`` on the line before their fence run too
+BLOCKS += [b for f in sorted((ROOT / "docs").glob("*.md"))
+           for b in re.findall(r"^<!-- tested -->\n```python\n(.*?)^```$", f.read_text(encoding="utf-8"),
+                               flags=re.S | re.M)]
 
 
 def _block_id(i):
@@ -43,8 +47,8 @@ def test_python_block_runs(i, one_thread, tmp_path, monkeypatch):
 
 
 def test_one_quickstart_per_method():
-    """CTD (bias + loss in a training step, then top-k / TemporalIndex), TMRL (TMRLLoss and the ST drop-in),
-    Re³ (loss, encoder, recency filter): each API appears in an executed block."""
+    """CTD (bias + loss in a training step, then top-k / TemporalIndex), TMRL (TMRLLoss; the ST drop-in in
+    docs/tmrl.md), Re³ (loss, encoder, recency filter): each API appears in an executed block."""
     code = "\n".join(BLOCKS)
     for api in ("OffsetBias(", "CTDLoss(", ".backward()", "ctd_topk(", "TemporalIndex(", "TMRLLoss(",
                 "matryoshka_infonce(", "sentence_transformers import MatryoshkaLoss", "Re3Loss(", "Re3Encoder(",
@@ -55,7 +59,7 @@ def test_one_quickstart_per_method():
 def test_length_and_markers():
     lines = README.splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines (at most 200)"
-    for name in ("perf-table",):
+    for name in ("perf-table", "quality-table"):
         b, e = README.find(f"<!-- {name}:begin -->"), README.find(f"<!-- {name}:end -->")
         assert 0 <= b < e, f"README.md lacks the {name} begin/end markers in order"
         assert README.count(f"<!-- {name}:begin -->") == 1 and README.count(f"<!-- {name}:end -->") == 1
@@ -73,9 +77,9 @@ def test_ci_commands_extractable():
 @pytest.mark.skipif(tomllib is None, reason="tomllib needs Python 3.11")
 def test_extras_table_matches_pyproject():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    rows = re.findall(r"^\| `([\w-]+)`(?: / `([\w-]+)`)? \|", README.split("| extra |", 1)[1].split("\n\n", 1)[0],
-                      flags=re.M)
-    named = {n for row in rows for n in row if n}
+    cells = re.findall(r"^\| ((?:`[\w-]+`(?: / )?)+) \|", README.split("| extra |", 1)[1].split("\n\n", 1)[0],
+                       flags=re.M)
+    named = {n for cell in cells for n in re.findall(r"`([\w-]+)`", cell)}
     assert named == set(extras), f"README extras {sorted(named)} != pyproject extras {sorted(extras)}"
 
 
@@ -91,3 +95,17 @@ def test_linked_paths_exist():
     assert paths, "no repository paths found in README.md"
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert not missing, f"README.md names paths that do not exist: {missing}"
+
+
+def test_quality_table_is_current():
+    """The README's quality table is generated from the committed TimeQA comparison
+    (benchmarks/quality_table.py README.md rewrites it)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("quality_table", ROOT / "benchmarks" / "quality_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.RESULTS.exists(), "benchmarks/results/timeqa/results.json (the committed TimeQA comparison) is missing"
+    assert mod.render_into(README, mod.table(mod.load())) == README, (
+        "README's quality table is stale: run python benchmarks/quality_table.py README.md")
+    res = mod.load()
+    assert res["setup"]["suite"] == "timeqa" and not res["setup"]["quick"]
