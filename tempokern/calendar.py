@@ -27,6 +27,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 
 import numpy as np
 
+from ._resources import load_chunqiu_splits
+
 __all__ = ["Calendar", "Interval", "Level", "CHUNQIU_DUKES", "LEAP_MONTH"]
 
 Key = Tuple[Any, ...]
@@ -458,7 +460,6 @@ class Calendar:
         reign-aligned train/val/test month splits of the ChunQiuTR release (2,424/295/317).
         Keys are ``(duke, year, month)``, 1-based ints (``"5-3-12"`` works too); dukes also accept
         their names (``"Xi"``, ``"僖公"``)."""
-        from .datasets._resources import load_chunqiu_splits
         raw = load_chunqiu_splits()
         keys = sorted((tuple(int(x) for x in k.split("-")) for k in raw), key=lambda t: t)
         splits = {k: raw["-".join(map(str, k))] for k in keys}

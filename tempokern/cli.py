@@ -1199,7 +1199,7 @@ def cmd_data(args) -> int:
         ds = select_splits(ds, args.splits)
     negs = timeqa_hard_negatives(ds, args.negatives) if args.negatives > 0 else None
     if args.input is None:
-        from .datasets._resources import TIMEQA_LICENSE, read_bytes
+        from ._resources import TIMEQA_LICENSE, read_bytes
         license_text = read_bytes(TIMEQA_LICENSE).decode("utf-8")
     else:
         lic = Path(args.input).parent / "LICENSE"

@@ -32,7 +32,7 @@ def test_chunqiu_shape_and_counts(cq):
 
 def test_chunqiu_matches_packaged_file_and_shared_copy(cq):
     import os
-    from tempokern.datasets._resources import load_chunqiu_splits
+    from tempokern._resources import load_chunqiu_splits
     raw = load_chunqiu_splits()
     for k, s in raw.items():
         assert cq.split(k) == s
@@ -191,7 +191,7 @@ def test_generic_calendar_validation():
 
 
 def test_packaged_data_is_verified(monkeypatch):
-    from tempokern.datasets import _resources
+    from tempokern import _resources
     assert len(_resources.read_bytes(_resources.ZZTJ_QIJI)) == 156960
     monkeypatch.setitem(_resources._SHA256, _resources.ZZTJ_QIJI, "0" * 64)
     with pytest.raises(ValueError, match="corrupt"):

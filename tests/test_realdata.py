@@ -63,7 +63,7 @@ def small_timeqa(tmp_path_factory):
 
 
 def test_packaged_timeqa_ships_with_its_licence():
-    from tempokern.datasets._resources import TIMEQA, TIMEQA_LICENSE, read_bytes
+    from tempokern._resources import TIMEQA, TIMEQA_LICENSE, read_bytes
     pages = json.loads(gzip.decompress(read_bytes(TIMEQA)).decode("utf-8"))     # sha256 checked
     assert len(pages) == 320 and sum(len(p["questions"]) for p in pages) == 1171
     assert "BSD 3-Clause" in read_bytes(TIMEQA_LICENSE).decode("utf-8")

@@ -26,6 +26,7 @@ import json
 import os
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from .._resources import data_path
 from .._util import sha256_file
 from ..calendar import Calendar
 from .base import DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle
@@ -170,7 +171,6 @@ def load_timeqa(path: Optional[str] = None, *, on_error: str = "raise", name: st
     _check_on_error(on_error)
     report = LoadReport()
     if path is None:
-        from ._resources import data_path
         with data_path(TIMEQA_FILE) as p:
             items = list(_items(str(p), report, on_error))
             data_sha = sha256_file(str(p))

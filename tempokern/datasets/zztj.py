@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..calendar import LEAP_MONTH, Calendar, Interval
 
-from ._resources import ZZTJ_QIJI, data_path
+from .._resources import ZZTJ_QIJI, data_path
 from .base import (DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle,
                    read_jsonl)
 
