@@ -3,13 +3,11 @@ training and the ranked gallery, hard negatives and negative queries from the qu
 folder of your own through `run_suite(suite="data")` and `tempokern benchmark --data DIR` end to end with a
 tiny backbone, and every trained row of a table taking the same steps on the same rows."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tempokern.cli import main
 from tempokern.suite import Budget
 from tempokern.suite.realdata import beir_set, timeqa_set
 from tempokern.suite.runner import run_suite, unit_path
@@ -154,21 +152,15 @@ def test_suite_on_your_folder_every_trained_row_same_steps(tmp_path, folder, tin
     assert "| steps |" in md and "1 hard negative(s) per row" in md
 
 
-def _cli(*args, cwd=None):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "tempokern", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=600)
-
-
-def test_cli_benchmark_on_your_folder(tmp_path, folder, tiny_backbone):
+def test_cli_benchmark_on_your_folder(tmp_path, folder, tiny_backbone, capsys):
     pytest.importorskip("bm25s")
     out = tmp_path / "out"
-    r = _cli("benchmark", "--data", str(folder), "--quick", "--out", str(out), "--backbone", tiny_backbone,
-             "--methods", "bm25_ties_last,minilm_zeroshot", "--no-progress", "--bootstrap", "50")
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(["benchmark", "--data", str(folder), "--quick", "--out", str(out), "--backbone", tiny_backbone,
+                 "--methods", "bm25_ties_last,minilm_zeroshot", "--no-progress", "--bootstrap", "50"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["setup"]["suite"] == "data" and res["setup"]["data_dir"] == str(folder)
     assert set(res["results"]["data"]) == {"dev", "test"}
+    assert f"# tempokern benchmark --data {folder} --quick" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, msg", [
@@ -177,13 +169,14 @@ def test_cli_benchmark_on_your_folder(tmp_path, folder, tiny_backbone):
     (["--data", "{folder}", "--sets", "A"], "--sets"),
     (["--suite", "timeqa", "--eval-split", "train"], "invalid choice"),
 ])
-def test_cli_benchmark_data_errors(tmp_path, folder, args, msg):
+def test_cli_benchmark_data_errors(tmp_path, folder, args, msg, capsys):
     args = [a.replace("{folder}", str(folder)) for a in args]
-    r = _cli("benchmark", *args, "--out", str(tmp_path / "o"))
-    assert r.returncode == 2 and msg in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
+    assert main(["benchmark", *args, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists()
 
 
-def test_cli_demo_rejects_seeds_outside_timeqa(tmp_path):
-    r = _cli("demo", "--suite", "english", "--seeds", "0,1", "--out", str(tmp_path / "o"))
-    assert r.returncode == 2 and "--seeds" in r.stderr
+def test_cli_demo_rejects_seeds_outside_timeqa(tmp_path, capsys):
+    assert main(["demo", "--suite", "english", "--seeds", "0,1", "--out", str(tmp_path / "o")]) == 2
+    assert "--seeds" in capsys.readouterr().err
