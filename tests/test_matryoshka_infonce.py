@@ -172,6 +172,26 @@ def test_zero_weight_skips_the_level():
     assert torch.all(torch.autograd.grad(loss, qq)[0] == 0)
 
 
+def test_zero_weight_level_still_sees_a_nan_as_the_reference():
+    """The reference adds 0 x a skipped level's loss: a NaN only in coordinates that level reads makes the loss
+    NaN there, and so here (found by the fuzzer at B = 1, H = 1, weights [0])."""
+    import tempokern.reference as ref
+    q, d = torch.randn(1, 1, dtype=torch.float64), torch.tensor([[float("nan")]], dtype=torch.float64)
+    for fn in (tempokern.matryoshka_infonce, ref.matryoshka_infonce):
+        assert torch.isnan(fn(q, d, (1,), weights=(0.0,), temperature=0.1))
+    q, d, neg, sp = make(8, 24, N=3)
+    d[3, 20] = float("nan")             # read by the zero-weight level 24 only
+    for extra in (None, neg):
+        for fn in (tempokern.matryoshka_infonce, ref.matryoshka_infonce):
+            assert torch.isnan(fn(q, d, (8, 24), weights=(1.0, 0.0), temperature=0.1, extra_neg=extra))
+            assert torch.isfinite(fn(q, d, (8, 20), weights=(1.0, 0.0), temperature=0.1, extra_neg=extra))
+    e = neg.clone()
+    e[1, 22] = float("inf")
+    d[3, 20] = 0.5
+    for fn in (tempokern.matryoshka_infonce, ref.matryoshka_infonce):
+        assert torch.isnan(fn(q, d, (8, 24), weights=(1.0, 0.0), temperature=0.1, extra_neg=e))
+
+
 def test_all_zero_prefix_row():
     """A row whose first 8 coordinates are 0: its norm is clamped at 1e-12 as F.normalize does; finite loss
     and the same gradient as the reference."""

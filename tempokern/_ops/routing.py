@@ -133,6 +133,7 @@ def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *,
     if _per_level(q, d, bias, dims, extra_neg):
         loss, levels = _levels_path(q, d, dims, weights, temperature, extra_neg, symmetric, q_span, d_span, normalize,
                                     return_levels)
+        loss = _zero_weight_nonfinite(loss, q, d, extra_neg, bias, dims, weights)
         return (loss, levels) if return_levels else loss
     if q_span is None:
         q_lo, q_hi = id_spans(q.shape[0], 0, q.device)
@@ -144,7 +145,23 @@ def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *,
     loss, levels = matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims, weights, temperature=temperature,
                                       extra_neg=extra_neg, row_weight=w, col_weight=w if symmetric else 0.0,
                                       normalize=normalize, bias=bias, bias_table_points=bias_table_points)
+    loss = _zero_weight_nonfinite(loss, q, d, extra_neg, bias, dims, weights)
     return (loss, levels) if return_levels else loss
+
+
+def _zero_weight_nonfinite(loss, q, d, extra_neg, bias, dims, weights):
+    """A zero-weight level is skipped, but the reference adds 0 x its loss: NaN when a NaN or an infinity sits in
+    the coordinates it reads (its prefix of q, d and extra_neg, or the bias inputs). ``(x * 0).sum()`` over those
+    is 0 for finite input (no overflow, gradient exactly 0) and NaN otherwise, so the loss is NaN exactly where
+    the reference's is; it costs one elementwise pass over the widest zero-weight prefix."""
+    zero = [int(m) for m, w in zip(dims, weights) if float(w) == 0.0]
+    if not zero:
+        return loss
+    mz = max(zero)
+    parts = [q[:, :mz], d[:, :mz]] + ([] if extra_neg is None else [extra_neg[:, :mz]])
+    parts += [t for t in (bias or ()) if isinstance(t, torch.Tensor)]
+    term = sum((t * 0).sum().to(loss.dtype) for t in parts)
+    return loss + term
 
 
 def _per_level(q, d, bias, dims, extra_neg) -> bool:
