@@ -183,16 +183,39 @@ CHUNQIUTR_B = 20
 CHUNQIUTR_CASES = [(True, (CHUNQIUTR_B, CHUNQIUTR_B), False), (False, (CHUNQIUTR_B, CHUNQIUTR_B), False)]
 
 
+ALL_GATHER_CASES = ([(s, sz, "tempokern", p) for s, sz, p in GATHER_CASES]
+                    + [(s, sz, "chunqiutr", p) for s, sz, p in CHUNQIUTR_CASES])
+
+
 @pytest.fixture(scope="module")
-def gathered(tmp_path_factory):
-    """Every gather case of this file through one pair of gloo worker processes (the interpreter and torch start
-    once; each case has a process group of its own): {(symmetric, sizes, mode, paired): [rank 0's, rank 1's
-    results]}."""
-    tmp = tmp_path_factory.mktemp("ctd_gather")
-    cases = [(s, sz, "tempokern", p) for s, sz, p in GATHER_CASES] + [(s, sz, "chunqiutr", p) for s, sz, p in CHUNQIUTR_CASES]
-    for rc, out in _run_workers(tmp, WORKER, 2, json.dumps(cases)):
-        assert rc == 0, out
-    return {c: [torch.load(tmp / f"out{r}.pt-{i}") for r in range(2)] for i, c in enumerate(cases)}
+def gloo_runs(tmp_path_factory):
+    """Every gloo case of this file (WORKER's gather cases, then MISMATCH's disagreeing ranks) through one pair of
+    worker processes: the interpreter and torch start once, each case has a process group of its own. (the folder
+    of the results, [(exit code, output) of rank 0, of rank 1]); a run that times out (a rank hangs) reports that
+    as its output, and the cases it did not reach have no results."""
+    tmp = tmp_path_factory.mktemp("ctd_gloo")
+    try:
+        outs = _run_workers(tmp, WORKER + MISMATCH, 2, json.dumps(ALL_GATHER_CASES), json.dumps(MISMATCH_CASES))
+    except subprocess.TimeoutExpired as e:
+        outs = [(None, f"timed out: {e}")] * 2
+    return tmp, outs
+
+
+@pytest.fixture(scope="module")
+def gathered(gloo_runs):
+    """{(symmetric, sizes, mode, paired): [rank 0's results, rank 1's]} of the gather cases."""
+    tmp, outs = gloo_runs
+    res = {}
+    for i, c in enumerate(ALL_GATHER_CASES):
+        files = [tmp / f"out{r}.pt-{i}" for r in range(2)]
+        res[c] = [torch.load(f) for f in files] if all(f.exists() for f in files) else outs
+    return res
+
+
+def _case(gathered, key):
+    res = gathered[key]
+    assert all(isinstance(x, dict) for x in res), f"no result for {key}: {res}"
+    return res
 
 
 @pytest.mark.parametrize("symmetric,sizes,paired", GATHER_CASES)
@@ -202,7 +225,7 @@ def test_gather_two_gloo_processes(gathered, symmetric, sizes, paired):
     single-process loss. With random spans some rows need the diagonal fallback; the column fallback of
     the reference is the row-fallback mask transposed."""
     world = len(sizes)
-    res = gathered[(symmetric, sizes, "tempokern", paired)]
+    res = _case(gathered, (symmetric, sizes, "tempokern", paired))
     all_negs = [x["negs"] for x in res]
     losses = []
     for r in range(world):
@@ -293,7 +316,7 @@ def chunqiutr_rank(r, B, world, sym, all_negs):
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_gather_mode_chunqiutr_two_gloo_processes(gathered, symmetric):
     B, world = CHUNQIUTR_B, 2
-    res = gathered[(symmetric, (B, B), "chunqiutr", False)]
+    res = _case(gathered, (symmetric, (B, B), "chunqiutr", False))
     all_negs = [x["negs"] for x in res]
     for r in range(world):
         want_loss, want_grads = chunqiutr_rank(r, B, world, symmetric, all_negs)
@@ -311,8 +334,8 @@ MISMATCH = textwrap.dedent("""
     from test_ctd_loss import batch, offset_bias_module
     from tempokern.nn import CTDLoss
     rank, world, init, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[5]
-    for i, (what, mode) in enumerate(json.loads(sys.argv[6])):   # a process group per case
-        dist.init_process_group("gloo", init_method=f"{init}-{i}", rank=rank, world_size=world)
+    for i, (what, mode) in enumerate(json.loads(sys.argv[7])):   # a process group per case
+        dist.init_process_group("gloo", init_method=f"{init}-m{i}", rank=rank, world_size=world)
         q, d, qsp, dsp, u_q, u_d, neg = batch(12, 10, 5, seed=rank)
         ob = offset_bias_module()
         kw = dict(u_q=u_q, u_d=u_d, extra_neg=neg)
@@ -330,7 +353,7 @@ MISMATCH = textwrap.dedent("""
             result = "NO ERROR"
         except ValueError as e:
             result = f"ValueError: {e}"
-        with open(f"{out}-{i}", "w") as f:
+        with open(f"{out}-m{i}", "w") as f:
             f.write(result)
         dist.destroy_process_group()
 """)
@@ -339,14 +362,12 @@ MISMATCH_CASES = [("extra_neg", "tempokern"), ("bias", "tempokern"), ("extra_neg
 
 
 @pytest.fixture(scope="module")
-def mismatched(tmp_path_factory):
-    """Every disagreeing-ranks case through one pair of gloo worker processes: {case: [(exit code, what rank 0
-    printed and its result or None), (rank 1's)]}. A rank that hangs makes the run time out, which fails every case."""
-    tmp = tmp_path_factory.mktemp("ctd_mismatch")
-    outs = _run_workers(tmp, MISMATCH, 2, json.dumps(MISMATCH_CASES))
+def mismatched(gloo_runs):
+    """{case: [(exit code, what rank 0 printed, its result or None), (rank 1's)]} of the disagreeing-ranks cases."""
+    tmp, outs = gloo_runs
     res = {}
     for i, c in enumerate(MISMATCH_CASES):
-        res[c] = [(rc, out, (tmp / f"out{r}.pt-{i}").read_text() if (tmp / f"out{r}.pt-{i}").exists() else None)
+        res[c] = [(rc, out, (tmp / f"out{r}.pt-m{i}").read_text() if (tmp / f"out{r}.pt-m{i}").exists() else None)
                   for r, (rc, out) in enumerate(outs)]
     return res
 
