@@ -1,4 +1,5 @@
 """tempokern.nn.CTDLoss: single process vs the reference, and gather=True over two gloo processes."""
+import json
 import os
 import subprocess
 import sys
@@ -77,30 +78,30 @@ def test_ctd_loss_bad_inputs():
 # ---- gather=True over two gloo processes -------------------------------------------------------
 
 WORKER = textwrap.dedent("""
-    import sys, torch, torch.distributed as dist
+    import json, sys, torch, torch.distributed as dist
     sys.path.insert(0, sys.argv[4])
     from test_ctd_loss import batch, offset_bias_module, paired_spans
     from tempokern.nn import CTDLoss
-    rank, world, init, out, sym = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[5], sys.argv[6] == "1"
-    sizes = [int(x) for x in sys.argv[7].split(",")]
-    mode, paired = sys.argv[8], sys.argv[9] == "1"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    rank, world, init, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[5]
     torch.set_num_threads(1)
-    q, d, qsp, dsp, u_q, u_d, neg = batch(sum(sizes), 10, 0, seed=7)
-    if paired:
-        dsp = paired_spans(qsp)
-    sl = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
-    nn_ = 7 + 3 * rank if mode == "tempokern" else 7      # ragged extra negatives per rank (tempokern mode)
-    negs = batch(nn_, 10, nn_, seed=100 + rank)[-1]
-    loc = [x[sl].clone().requires_grad_() for x in (q, d, u_q, u_d)] + [negs.clone().requires_grad_()]
-    ob = offset_bias_module()
-    loss = CTDLoss(temperature=0.1, offset_bias=ob, symmetric=sym, gather=True, gather_mode=mode)(
-        loc[0], loc[1], tuple(x[sl] for x in qsp), tuple(x[sl] for x in dsp), loc[2], loc[3], extra_neg=loc[4])
-    leaves = loc + list(ob.parameters())
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True)   # chunqiutr: extra_neg gets none
-    grads = [torch.zeros_like(x) if g is None else g.detach() for g, x in zip(grads, leaves)]
-    torch.save({"loss": loss.detach(), "grads": grads, "negs": negs}, out)
-    dist.destroy_process_group()
+    # one process group per case (a fresh rendezvous file each): the cases share the interpreter start only
+    for i, (sym, sizes, mode, paired) in enumerate(json.loads(sys.argv[6])):
+        dist.init_process_group("gloo", init_method=f"{init}-{i}", rank=rank, world_size=world)
+        q, d, qsp, dsp, u_q, u_d, neg = batch(sum(sizes), 10, 0, seed=7)
+        if paired:
+            dsp = paired_spans(qsp)
+        sl = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+        nn_ = 7 + 3 * rank if mode == "tempokern" else 7      # ragged extra negatives per rank (tempokern mode)
+        negs = batch(nn_, 10, nn_, seed=100 + rank)[-1]
+        loc = [x[sl].clone().requires_grad_() for x in (q, d, u_q, u_d)] + [negs.clone().requires_grad_()]
+        ob = offset_bias_module()
+        loss = CTDLoss(temperature=0.1, offset_bias=ob, symmetric=sym, gather=True, gather_mode=mode)(
+            loc[0], loc[1], tuple(x[sl] for x in qsp), tuple(x[sl] for x in dsp), loc[2], loc[3], extra_neg=loc[4])
+        leaves = loc + list(ob.parameters())
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)   # chunqiutr: extra_neg gets none
+        grads = [torch.zeros_like(x) if g is None else g.detach() for g, x in zip(grads, leaves)]
+        torch.save({"loss": loss.detach(), "grads": grads, "negs": negs}, f"{out}-{i}")
+        dist.destroy_process_group()
 """)
 
 
@@ -176,20 +177,55 @@ def _run_workers(tmp_path, script_text, world, *args):
 # passes which queries overlap no document on any rank (multipos_infonce_partial's row_none).
 
 
-@pytest.mark.parametrize("symmetric,sizes,paired", [(True, (24, 24), False),
-                                                    (False, (24, 24), False),
-                                                    (True, (24, 17), False),
-                                                    (True, (24, 17), True), (False, (20, 13), True)])
-def test_gather_two_gloo_processes(tmp_path, symmetric, sizes, paired):
+GATHER_CASES = [(True, (24, 24), False), (False, (24, 24), False), (True, (24, 17), False), (True, (24, 17), True),
+                (False, (20, 13), True)]
+CHUNQIUTR_B = 20
+CHUNQIUTR_CASES = [(True, (CHUNQIUTR_B, CHUNQIUTR_B), False), (False, (CHUNQIUTR_B, CHUNQIUTR_B), False)]
+
+
+ALL_GATHER_CASES = ([(s, sz, "tempokern", p) for s, sz, p in GATHER_CASES]
+                    + [(s, sz, "chunqiutr", p) for s, sz, p in CHUNQIUTR_CASES])
+
+
+@pytest.fixture(scope="module")
+def gloo_runs(tmp_path_factory):
+    """Every gloo case of this file (WORKER's gather cases, then MISMATCH's disagreeing ranks) through one pair of
+    worker processes: the interpreter and torch start once, each case has a process group of its own. (the folder
+    of the results, [(exit code, output) of rank 0, of rank 1]); a run that times out (a rank hangs) reports that
+    as its output, and the cases it did not reach have no results."""
+    tmp = tmp_path_factory.mktemp("ctd_gloo")
+    try:
+        outs = _run_workers(tmp, WORKER + MISMATCH, 2, json.dumps(ALL_GATHER_CASES), json.dumps(MISMATCH_CASES))
+    except subprocess.TimeoutExpired as e:
+        outs = [(None, f"timed out: {e}")] * 2
+    return tmp, outs
+
+
+@pytest.fixture(scope="module")
+def gathered(gloo_runs):
+    """{(symmetric, sizes, mode, paired): [rank 0's results, rank 1's]} of the gather cases."""
+    tmp, outs = gloo_runs
+    res = {}
+    for i, c in enumerate(ALL_GATHER_CASES):
+        files = [tmp / f"out{r}.pt-{i}" for r in range(2)]
+        res[c] = [torch.load(f) for f in files] if all(f.exists() for f in files) else outs
+    return res
+
+
+def _case(gathered, key):
+    res = gathered[key]
+    assert all(isinstance(x, dict) for x in res), f"no result for {key}: {res}"
+    return res
+
+
+@pytest.mark.parametrize("symmetric,sizes,paired", GATHER_CASES)
+def test_gather_two_gloo_processes(gathered, symmetric, sizes, paired):
     """gather_mode="tempokern": each rank's loss and gradients are its rows/columns of the single-process
     reference on the concatenated batch (other ranks' tensors detached), and the mean over ranks is the
     single-process loss. With random spans some rows need the diagonal fallback; the column fallback of
     the reference is the row-fallback mask transposed."""
     world = len(sizes)
-    for rc, out in _run_workers(tmp_path, WORKER, world, "1" if symmetric else "0", ",".join(map(str, sizes)),
-                                "tempokern", "1" if paired else "0"):
-        assert rc == 0, out
-    res = [torch.load(tmp_path / f"out{r}.pt") for r in range(world)]
+    res = _case(gathered, (symmetric, sizes, "tempokern", paired))
     all_negs = [x["negs"] for x in res]
     losses = []
     for r in range(world):
@@ -278,11 +314,9 @@ def chunqiutr_rank(r, B, world, sym, all_negs):
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_gather_mode_chunqiutr_two_gloo_processes(tmp_path, symmetric):
-    B, world = 20, 2
-    for rc, out in _run_workers(tmp_path, WORKER, world, "1" if symmetric else "0", f"{B},{B}", "chunqiutr", "0"):
-        assert rc == 0, out
-    res = [torch.load(tmp_path / f"out{r}.pt") for r in range(world)]
+def test_gather_mode_chunqiutr_two_gloo_processes(gathered, symmetric):
+    B, world = CHUNQIUTR_B, 2
+    res = _case(gathered, (symmetric, (B, B), "chunqiutr", False))
     all_negs = [x["negs"] for x in res]
     for r in range(world):
         want_loss, want_grads = chunqiutr_rank(r, B, world, symmetric, all_negs)
@@ -295,44 +329,57 @@ def test_gather_mode_chunqiutr_two_gloo_processes(tmp_path, symmetric):
 
 
 MISMATCH = textwrap.dedent("""
-    import sys, torch, torch.distributed as dist
+    import json, sys, torch, torch.distributed as dist
     sys.path.insert(0, sys.argv[4])
     from test_ctd_loss import batch, offset_bias_module
     from tempokern.nn import CTDLoss
-    rank, world, init, out, what = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[5], sys.argv[6]
-    mode = sys.argv[7]
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    q, d, qsp, dsp, u_q, u_d, neg = batch(12, 10, 5, seed=rank)
-    ob = offset_bias_module()
-    kw = dict(u_q=u_q, u_d=u_d, extra_neg=neg)
-    loss_fn = CTDLoss(temperature=0.1, offset_bias=ob, gather=True, gather_mode=mode)
-    if rank == 1 and what == "extra_neg":
-        kw["extra_neg"] = None
-    if rank == 1 and what == "bias":
-        loss_fn = CTDLoss(temperature=0.1, gather=True, gather_mode=mode)
-        kw.pop("u_q"), kw.pop("u_d")
-    if rank == 1 and what == "size":
-        q, d, qsp, dsp = q[:9], d[:9], tuple(x[:9] for x in qsp), tuple(x[:9] for x in dsp)
-        kw["u_q"], kw["u_d"] = u_q[:9], u_d[:9]
-    try:
-        loss_fn(q, d, qsp, dsp, **kw)
-        print("NO ERROR")
-    except ValueError as e:
-        print("ValueError:", e)
-    dist.destroy_process_group()
+    rank, world, init, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[5]
+    for i, (what, mode) in enumerate(json.loads(sys.argv[7])):   # a process group per case
+        dist.init_process_group("gloo", init_method=f"{init}-m{i}", rank=rank, world_size=world)
+        q, d, qsp, dsp, u_q, u_d, neg = batch(12, 10, 5, seed=rank)
+        ob = offset_bias_module()
+        kw = dict(u_q=u_q, u_d=u_d, extra_neg=neg)
+        loss_fn = CTDLoss(temperature=0.1, offset_bias=ob, gather=True, gather_mode=mode)
+        if rank == 1 and what == "extra_neg":
+            kw["extra_neg"] = None
+        if rank == 1 and what == "bias":
+            loss_fn = CTDLoss(temperature=0.1, gather=True, gather_mode=mode)
+            kw.pop("u_q"), kw.pop("u_d")
+        if rank == 1 and what == "size":
+            q, d, qsp, dsp = q[:9], d[:9], tuple(x[:9] for x in qsp), tuple(x[:9] for x in dsp)
+            kw["u_q"], kw["u_d"] = u_q[:9], u_d[:9]
+        try:
+            loss_fn(q, d, qsp, dsp, **kw)
+            result = "NO ERROR"
+        except ValueError as e:
+            result = f"ValueError: {e}"
+        with open(f"{out}-m{i}", "w") as f:
+            f.write(result)
+        dist.destroy_process_group()
 """)
 
+MISMATCH_CASES = [("extra_neg", "tempokern"), ("bias", "tempokern"), ("extra_neg", "chunqiutr"), ("size", "chunqiutr")]
 
-@pytest.mark.parametrize("what,mode", [("extra_neg", "tempokern"), ("bias", "tempokern"), ("extra_neg", "chunqiutr"),
-                                       ("size", "chunqiutr")])
-def test_gather_ranks_that_disagree_raise_instead_of_hanging(tmp_path, what, mode):
+
+@pytest.fixture(scope="module")
+def mismatched(gloo_runs):
+    """{case: [(exit code, what rank 0 printed, its result or None), (rank 1's)]} of the disagreeing-ranks cases."""
+    tmp, outs = gloo_runs
+    res = {}
+    for i, c in enumerate(MISMATCH_CASES):
+        res[c] = [(rc, out, (tmp / f"out{r}.pt-m{i}").read_text() if (tmp / f"out{r}.pt-m{i}").exists() else None)
+                  for r, (rc, out) in enumerate(outs)]
+    return res
+
+
+@pytest.mark.parametrize("what,mode", MISMATCH_CASES)
+def test_gather_ranks_that_disagree_raise_instead_of_hanging(mismatched, what, mode):
     """Fails on a030c41 (hangs: rank 0 enters an all_gather of extra negatives that rank 1 never joins)."""
-    outs = _run_workers(tmp_path, MISMATCH, 2, what, mode)
-    for rc, out in outs:
-        assert rc == 0, out
-        assert "ValueError: CTDLoss(gather=True): ranks disagree" in out, out
+    for rc, out, result in mismatched[(what, mode)]:
+        assert rc == 0 and result is not None, out
+        assert "ValueError: CTDLoss(gather=True): ranks disagree" in result, result
         key = {"extra_neg": "extra_neg", "bias": "offset bias", "size": "batch size"}[what]
-        assert key in out, out
+        assert key in result, result
 
 
 def test_gather_mode_is_checked():

@@ -271,28 +271,35 @@ GATHER_WORKER = r'''
 import sys, torch, torch.distributed as dist
 rank, world, init, testdir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 sizes = [int(x) for x in sys.argv[6].split(",")]
-tw_in_nce = sys.argv[7] == "1"
 sys.path.insert(0, testdir)
 from test_re3_loss import batch
 from tempokern.nn import Re3Loss
-dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-q, d, tw, ids = batch(sum(sizes), 8, seed=21, ndocs=7)
-sl = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
-loc = [x[sl].detach().clone().requires_grad_() for x in (q, d, tw)]
-loss, parts = Re3Loss(temperature=0.1, margin=0.3, lambda_hard=0.5, lambda_tw=0.2, tw_in_nce=tw_in_nce,
-                      gather=True)(*loc, ids[sl])
-torch.save({"loss": loss.detach(), "hard": parts["hardest_col"], "parts": parts}, out)
-dist.destroy_process_group()
+for tw_in_nce in (False, True):   # both settings through one interpreter, a process group each
+    dist.init_process_group("gloo", init_method=f"{init}-{int(tw_in_nce)}", rank=rank, world_size=world)
+    q, d, tw, ids = batch(sum(sizes), 8, seed=21, ndocs=7)
+    sl = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    loc = [x[sl].detach().clone().requires_grad_() for x in (q, d, tw)]
+    loss, parts = Re3Loss(temperature=0.1, margin=0.3, lambda_hard=0.5, lambda_tw=0.2, tw_in_nce=tw_in_nce,
+                          gather=True)(*loc, ids[sl])
+    torch.save({"loss": loss.detach(), "hard": parts["hardest_col"], "parts": parts}, f"{out}-{int(tw_in_nce)}")
+    dist.destroy_process_group()
 '''
+GATHER_SIZES = [5, 8]
+
+
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory):
+    """Both tw_in_nce settings through one pair of gloo worker processes: {tw_in_nce: [rank 0's, rank 1's]}."""
+    tmp = tmp_path_factory.mktemp("re3_gather")
+    for rc, out in _run_workers(tmp, GATHER_WORKER, 2, ",".join(map(str, GATHER_SIZES))):
+        assert rc == 0, out
+    return {t: [torch.load(tmp / f"out{r}.pt-{int(t)}") for r in range(2)] for t in (False, True)}
 
 
 @pytest.mark.parametrize("tw_in_nce", [False, True])
-def test_gather_two_gloo_processes(tmp_path, tw_in_nce):
-    sizes = [5, 8]
-    outs = _run_workers(tmp_path, GATHER_WORKER, 2, ",".join(map(str, sizes)), "1" if tw_in_nce else "0")
-    for rc, out in outs:
-        assert rc == 0, out
-    res = [torch.load(tmp_path / f"out{r}.pt") for r in range(2)]
+def test_gather_two_gloo_processes(gathered, tw_in_nce):
+    sizes = GATHER_SIZES
+    res = gathered[tw_in_nce]
     q, d, tw, ids = batch(sum(sizes), 8, seed=21, ndocs=7)
     kw = dict(temperature=0.1, margin=0.3, lambda_hard=0.5, lambda_tw=0.2, tw_in_nce=tw_in_nce)
     single, sparts = Re3Loss(**kw)(q, d, tw, ids)
