@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import torch
 
 from .common import check_finite, check_tensor
-from .offset_bias import MAX_TABLE_POINTS, bias_params
+from .offset_bias import bias_params, check_table_points
 
 #: the names of offset_bias's seven inputs, in the order of the bias tuple (for messages)
 BIAS_NAMES = ("u_q", "u_d", "w1", "b1", "w2", "b2", "scale")
@@ -91,12 +91,7 @@ def check_bias_table_points(points, bias) -> Optional[int]:
     bias."""
     if points is None:
         return None
-    if isinstance(points, bool) or not isinstance(points, int):
-        raise TypeError(f"bias_table_points must be None or an int, got {type(points).__name__}")
-    if points < 2:
-        raise ValueError(f"bias_table_points must be >= 2, got {points}")
-    if points > MAX_TABLE_POINTS:
-        raise ValueError(f"bias_table_points must be <= {MAX_TABLE_POINTS} (2**20 + 1), got {points}")
+    check_table_points("bias_table_points", points)
     if bias is None:
         raise ValueError("bias_table_points was given without a bias")
     return points
