@@ -64,14 +64,16 @@ def _digest(obj) -> str:
 
 
 def _train_rows(ds: RetrievalDataset, train_qs: Sequence[Query], pool: Sequence[Record], *, k_neg: int,
-                k_negq: int, group_key: Optional[str]) -> List[TrainRow]:
+                k_negq: int, group_key: Optional[str], given: Optional[Dict[str, List[str]]] = None) -> List[TrainRow]:
     """One TrainRow per training query (first gold record = positive): ``k_neg`` hard negatives (same
     group's dated records first, then BM25 over ``pool``), ``k_negq`` negative queries (the same group's
     questions with another interval)."""
     from ..datasets.negatives import bm25_negatives, group_negatives
     view = RetrievalDataset(f"{ds.name}[train]", pool, train_qs, ds.calendar)
-    group = group_negatives(view, group_key, k=k_neg) if (group_key and k_neg) else {}
-    need = [q for q in train_qs if len(group.get(q.id, ())) < k_neg]
+    given = {qid: ids[:k_neg] for qid, ids in (given or {}).items() if ids}   # the data's own negatives win
+    mine = [q for q in train_qs if q.id not in given]
+    group = group_negatives(view, group_key, k=k_neg, queries=mine) if (group_key and k_neg and mine) else {}
+    need = [q for q in mine if len(group.get(q.id, ())) < k_neg]
     try:
         mined = bm25_negatives(view, k_neg, queries=need) if (need and k_neg) else {}
     except ImportError:          # bm25s missing: same-group negatives only
@@ -87,8 +89,9 @@ def _train_rows(ds: RetrievalDataset, train_qs: Sequence[Query], pool: Sequence[
         if not gold:
             continue
         pos = gold[0]
-        hn = [(d, "time_wrong" if ds.record(d).interval is not None else "same_group")
-              for d in group.get(q.id, [])[:k_neg]]
+        hn = [(d, "given") for d in given.get(q.id, [])]
+        hn += [(d, "time_wrong" if ds.record(d).interval is not None else "same_group")
+               for d in ([] if hn else group.get(q.id, [])[:k_neg])]
         for d in mined.get(q.id, []):
             if len(hn) >= k_neg:
                 break
@@ -171,11 +174,8 @@ def beir_set(folder: str, *, on_error: str = "raise", hard_negatives: int = 1, n
     train_qs = [q for q in queries if q.split == "train"]
     given = {q.id: [d for key in ("neg_page", "neg_bm25", "negatives") for d in (q.meta or {}).get(key) or ()
                     if d in ds] for q in train_qs}
-    rows = _train_rows(ds, train_qs, records, k_neg=hard_negatives, k_negq=negative_queries, group_key=group_key)
-    for row in rows:          # the folder's own negatives win
-        own = list(dict.fromkeys(given.get(row.query_id) or []))[:hard_negatives]
-        if own:
-            row.hard_negatives, row.negative_kinds = own, ["given"] * len(own)
+    rows = _train_rows(ds, train_qs, records, k_neg=hard_negatives, k_negq=negative_queries, group_key=group_key,
+                       given={k: list(dict.fromkeys(v)) for k, v in given.items()})
     info = {"source": str(folder), "size": "full", "eval_splits": evals, "gallery": len(records),
             "train_queries": len(train_qs), "train_rows": len(rows), "hard_negatives": hard_negatives,
             "negative_queries": negative_queries}
