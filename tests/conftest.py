@@ -5,6 +5,18 @@ import pytest
 import torch
 
 
+# Under pytest-xdist (`pytest -n auto`) the workers share the machine's cores: each gets its share of intra-op
+# threads, so two workers on two cores do not fight over four threads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 8 (each worker holds its own torch, models and emulator module)."""
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
 def cuda_ok() -> bool:
     import tempokern
     return torch.cuda.is_available() and tempokern.build_info()["cuda_runtime_ok"]

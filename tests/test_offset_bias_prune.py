@@ -1,7 +1,7 @@
 """The CUDA offset-bias kernels skip the hidden units proved always off and merge the always-on ones into one
 linear unit (as the CPU kernels do), with the classification, the unit order and the count of evaluated units
 kept on the device (no host sync): tempokern/_ops/offset_bias.py::_device_units, `active_units` in
-csrc/offset_bias/offset_bias_cuda.cu. Checked against tempokern.reference in float64 (output and all seven
+csrc/offset_bias/offset_bias_kernels.cuh. Checked against tempokern.reference in float64 (output and all seven
 gradients) and with poisoned weights in the slots the kernels must not read; the merged unit is evaluated in
 float64, so that the exact-bias loss's d/d scale keeps the float32 2x-torch rule
 (test_merged_unit_keeps_the_two_x_rule)."""

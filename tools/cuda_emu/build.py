@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import fcntl
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -125,6 +126,20 @@ def build(out: Path | None = None, asan: bool = False, jobs: int | None = None, 
     target = module_path(out)
     if target.exists():
         return target
+    # several processes (pytest-xdist workers) may ask for the same build at once: one builds, the others wait
+    # on the lock and then find the module
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / (out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if target.exists():
+                return target
+            return _build_unlocked(out, target, asan, jobs, quiet, patches, cxx)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build_unlocked(out: Path, target: Path, asan: bool, jobs, quiet: bool, patches: dict, cxx: str) -> Path:
     gen = out / "gen"
     obj = out / "obj"
     gen.mkdir(parents=True, exist_ok=True)
@@ -134,24 +149,36 @@ def build(out: Path | None = None, asan: bool = False, jobs: int | None = None, 
     jobs_list = []
     for p in cpp:
         jobs_list.append((p, obj / (str(p.relative_to(CSRC)).replace("/", "__") + ".o"), [shim]))
+    # CUDA headers (kernels and launch templates shared by several .cu files) get the same rewrites, under
+    # gen/include/ with their csrc-relative paths; -iquote puts them before csrc/ for quoted includes
+    gen_inc = gen / "include"
+    for p in sorted(CSRC.rglob("*.cuh")):
+        rel = str(p.relative_to(ROOT))
+        g = gen_inc / p.relative_to(CSRC)
+        g.parent.mkdir(parents=True, exist_ok=True)
+        g.write_text(rewrite_cu(patches.pop(rel) if rel in patches else p.read_text(), rel))
     for p in cu:
         g = gen / (str(p.relative_to(ROOT)).replace("/", "__") + ".cpp")
         rel = str(p.relative_to(ROOT))
         g.write_text(rewrite_cu(patches.pop(rel) if rel in patches else p.read_text(), rel))
         # the rewritten file is compiled as if it sat beside the original, so its quoted includes resolve
-        jobs_list.append((g, obj / (g.name + ".o"), [f"-I{p.parent}", shim, "-include", "emu_core.h"]))
+        jobs_list.append((g, obj / (g.name + ".o"), [f"-iquote{gen_inc}", f"-I{p.parent}", shim,
+                                                     "-include", "emu_core.h"]))
     if patches:
         raise SystemExit(f"patches name files that are not CUDA sources of the tree: {sorted(patches)}")
     fl = flags(asan)
     for extra in ("emu_runtime.cpp", "emu_bind.cpp"):
         jobs_list.append((HERE / extra, obj / (extra + ".o"), [shim]))
     heads = _headers_hash()
+    for g in sorted(gen_inc.rglob("*.cuh")):  # the rewritten (maybe patched) headers, by content, not by path
+        heads += hashlib.sha256(str(g.relative_to(gen_inc)).encode() + g.read_bytes()).digest()
     OBJ_CACHE.mkdir(parents=True, exist_ok=True)
 
     def compile_one(job):
         src, o, inc = job
         cmd = [cxx, *fl, *inc, "-c", str(src), "-o", str(o)]
-        key = hashlib.sha256(heads + src.read_bytes() + " ".join([cxx, src.name, *fl, *inc]).encode()).hexdigest()[:24]
+        stable = [a.replace(str(gen_inc), "<gen-include>") for a in inc]  # the build directory's path is not content
+        key = hashlib.sha256(heads + src.read_bytes() + " ".join([cxx, src.name, *fl, *stable]).encode()).hexdigest()[:24]
         cached = OBJ_CACHE / (key + ".o")
         if cached.exists():
             shutil.copyfile(cached, o)
@@ -178,6 +205,8 @@ def build(out: Path | None = None, asan: bool = False, jobs: int | None = None, 
         for old in out.parent.iterdir():
             if old != out and old.is_dir() and old.name.endswith("-asan") == asan:
                 shutil.rmtree(old, ignore_errors=True)
+            elif old.suffix == ".lock" and old.stem != out.name and old.stem.endswith("-asan") == asan:
+                old.unlink(missing_ok=True)
         for old in OBJ_CACHE.glob("*.o"):  # and cached objects no build has used for a day, and patched modules
             if time.time() - old.stat().st_mtime > 86400:
                 old.unlink(missing_ok=True)
