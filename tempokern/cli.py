@@ -194,6 +194,9 @@ def _suite_args(p):
     g.add_argument("--methods", type=_str_list, default=None,
                    help="registered methods to run, comma-separated (default all; see docs/benchmark-english.md)")
     g.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of the intervals (default 1000)")
+    g.add_argument("--report-only", action="store_true",
+                   help="run nothing: write results.json/md from the units already finished in --out (a run under way "
+                        "or stopped part-way; each row names the seeds it has)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -950,6 +953,8 @@ def cmd_demo(args) -> int:
         return _run_benchmark(args, quick=True)
     if args.suite == "timeqa":
         return _run_benchmark(args, quick=args.quick)
+    if args.report_only:
+        raise CLIError("--report-only is for the comparison suites (--suite timeqa or english), not --suite zztj")
     from .demo import run_demo
     backbone = args.backbone or "tiny"
     if backbone == "minilm":
@@ -978,7 +983,7 @@ def _run_benchmark(args, *, quick: bool) -> int:
                     methods=args.methods, seeds=getattr(args, "seeds", None), device=args.device,
                     progress=args.progress, backbone_path=None if args.backbone in (None, "minilm") else args.backbone,
                     n_resamples=args.bootstrap, data_dir=data, eval_split=getattr(args, "eval_split", "dev"),
-                    on_error=getattr(args, "on_error", "raise"),
+                    on_error=getattr(args, "on_error", "raise"), report_only=getattr(args, "report_only", False),
                     command="tempokern " + " ".join(getattr(args, "argv", None) or []))
     print(markdown(res))
     print(json.dumps(res["files"]))

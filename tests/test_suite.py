@@ -259,6 +259,27 @@ def test_resume_skips_finished_units_and_recomputes_a_corrupt_one(tmp_path, tiny
     assert res3["results"]["B"]["test_template"]["fake_oracle"]["R@1"] == r1
 
 
+def test_report_only_runs_nothing_and_reports_the_finished_units(tmp_path, tiny_backbone, fake_methods):
+    kw = dict(quick=True, sets=["B"], synth_loader=tiny_synth, backbone_path=tiny_backbone, plots=False,
+              progress=False, log=lambda m: None, n_resamples=200)
+    CALLS["n"] = 0
+    run_suite(tmp_path, methods=["fake_oracle"], seeds=[0], **kw)
+    assert CALLS["n"] == 1
+    register(Method("fake_later", "test", ("B",), _fake_run))
+    try:
+        res = run_suite(tmp_path, methods=["fake_oracle", "fake_later"], seeds=[0, 1], report_only=True, **kw)
+    finally:
+        unregister("fake_later")
+    assert CALLS["n"] == 1, "report_only ran a method"
+    assert not unit_path(tmp_path, "fake_oracle", "B", 1).exists() and not unit_path(tmp_path, "fake_later", "B", 0).exists()
+    st = res["methods"]
+    assert st["fake_oracle"]["status"] == "done" and st["fake_later"]["status"] == "pending"
+    row = res["results"]["B"]["test_template"]
+    assert row["fake_oracle"]["seeds_run"] == [0] and "fake_later" not in row
+    assert res["setup"]["report_only"] is True
+    assert "`fake_later`" in (tmp_path / "results.md").read_text()
+
+
 def test_unknown_method_or_set_is_rejected(tmp_path, tiny_backbone):
     with pytest.raises(ValueError, match="unknown method"):
         run_suite(tmp_path, quick=True, methods=["nope"], synth_loader=tiny_synth, backbone_path=tiny_backbone)

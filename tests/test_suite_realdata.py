@@ -180,3 +180,9 @@ def test_cli_benchmark_data_errors(tmp_path, folder, args, msg, capsys):
 def test_cli_demo_rejects_seeds_outside_timeqa(tmp_path, capsys):
     assert main(["demo", "--suite", "english", "--seeds", "0,1", "--out", str(tmp_path / "o")]) == 2
     assert "--seeds" in capsys.readouterr().err
+
+
+def test_cli_demo_report_only_is_for_the_comparison_suites(tmp_path, capsys):
+    assert main(["demo", "--suite", "zztj", "--report-only", "--out", str(tmp_path / "o")]) == 2
+    assert "--report-only" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

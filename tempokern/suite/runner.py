@@ -175,14 +175,16 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
               synth_loader: Optional[Callable] = None, budget: Optional[Budget] = None, n_resamples: int = 1000,
               log: Callable[[str], None] = _log_default, command: Optional[str] = None,
               plots: bool = True, data_dir: Optional[str] = None, eval_split: str = "dev",
-              on_error: str = "raise") -> dict:
+              on_error: str = "raise", report_only: bool = False) -> dict:
     """Run the suite into ``out`` and return the results dict (also written as results.json).
 
     ``suite``: ``english`` (the synthetic sets A, B, C), ``timeqa`` (TimeQA, :mod:`tempokern.suite.realdata`;
     ``eval_split`` dev or test) or ``data`` (the BEIR folder ``data_dir``); ``sets``: some of the suite's
     sets (default all); ``methods``: registered names (default every method that runs on the sets);
     ``seeds`` (default 0, 1, 2; ``quick``: 0); ``synth_loader(name, seed=, size=)`` (default ``load_synth``
-    or the real-data loader) and ``backbone_path`` (default ``minilm_path()``) are for tests."""
+    or the real-data loader) and ``backbone_path`` (default ``minilm_path()``) are for tests. ``report_only``:
+    run nothing; write the results of the units already finished in ``out`` (a run still under way, or one
+    stopped part-way: each row then names the seeds it has)."""
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}: expected one of {', '.join(SUITES)}")
     if suite == "data" and not data_dir and synth_loader is None:
@@ -273,6 +275,9 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
                 log(f"[suite] {m.name} / set {s} / seed {seed}: done earlier ({path}), skipped")
                 units[(m.name, s, seed)] = prev
                 continue
+            if report_only:
+                log(f"[suite] {m.name} / set {s} / seed {seed}: not finished, left out (--report-only)")
+                continue
             if path.exists():
                 log(f"[suite] {m.name} / set {s} / seed {seed}: unit file {path} is corrupt, incomplete or "
                     "made under other settings (budget, backbone, data): recomputing")
@@ -310,12 +315,14 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
         if st["status"] == "skipped":
             continue
         done = [k for k in units if k[0] == m.name]
-        st["status"] = "done" if done and not st["errors"] else ("partial" if done else "failed")
+        st["status"] = ("done" if done and not st["errors"] else ("partial" if done else
+                        "pending" if report_only and not st["errors"] else "failed"))
         for (name, s, seed) in done:
             st["wall_seconds"][f"{s}/seed{seed}"] = units[(name, s, seed)].get("wall_seconds")
             st["info"][f"{s}/seed{seed}"] = units[(name, s, seed)].get("info")   # training diagnostics
     from .report import build_results, write_report
-    setup = {"suite": suite, "quick": quick, "data_dir": str(data_dir) if data_dir else None, "sets": sets, "seeds": seeds, "budget": budget.__dict__,
+    setup = {"suite": suite, "quick": quick, "report_only": report_only,
+             "data_dir": str(data_dir) if data_dir else None, "sets": sets, "seeds": seeds, "budget": budget.__dict__,
              "backbone": str(backbone_path), "device": str(dev), "machine": machine(),
              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": command,
              "load_average_1min": {"start": load_start, "end": _load()},
