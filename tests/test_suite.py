@@ -186,6 +186,25 @@ def test_paired_bootstrap():
         paired_bootstrap_ci([1.0, 2.0], [1.0])
 
 
+def test_paired_difference_uses_the_seeds_row_and_baseline_share():
+    from tempokern.suite.report import build_results
+    qids = ["q0", "q1", "q2", "q3"]
+
+    def unit(r1):
+        return {"splits": {"dev": {"qids": qids, "R@1": r1, "nDCG@10": r1}}}
+    units = {("minilm_ft", "T", 0): unit([1.0, 0.0, 1.0, 0.0]), ("minilm_ft", "T", 1): unit([0.0] * 4),
+             ("tmrl", "T", 0): unit([1.0, 0.0, 1.0, 0.0]), ("bm25", "T", 0): unit([1.0, 0.0, 1.0, 0.0])}
+    status = {"minilm_ft": {"seeded": True}, "tmrl": {"seeded": True}, "bm25": {"seeded": False}}
+    res = build_results(units, status, {}, n_resamples=200)
+    pr = res["paired"]["T"]["dev"]
+    # a seeded row with seed 0 only is compared with the baseline's seed 0 (the same numbers: 0), not with the
+    # baseline's mean over seeds 0 and 1 (which would give +0.25)
+    assert pr["tmrl"]["R@1"]["delta"] == pytest.approx(0.0) and pr["tmrl"]["R@1"]["seeds"] == [0]
+    # an unseeded row against every seed of the baseline
+    assert pr["bm25"]["R@1"]["delta"] == pytest.approx(0.25) and pr["bm25"]["R@1"]["seeds"] == [0, 1]
+    assert res["results"]["T"]["dev"]["minilm_ft"]["R@1"]["mean"] == pytest.approx(0.25)
+
+
 def test_spearman_and_strip_spans():
     assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
     assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(1.5 / math.sqrt(3))

@@ -54,7 +54,7 @@ def build_results(units: Dict[Tuple[str, str, int], dict], status: Dict[str, dic
         splits = sorted({sp for k, u in units.items() if k[1] == s for sp in u["splits"]})
         res["results"][s], res["paired"][s], res["dims"][s], res["per_query"][s] = {}, {}, {}, {}
         for sp in splits:
-            table, pq, avg = {}, {"qids": None}, {}
+            table, pq, avg, per_seed = {}, {"qids": None}, {}, {}
             for name in names:
                 seeds = sorted(k[2] for k in units if k[0] == name and k[1] == s and sp in units[k]["splits"])
                 if not seeds:
@@ -77,11 +77,9 @@ def build_results(units: Dict[Tuple[str, str, int], dict], status: Dict[str, dic
                 if extra:
                     row["extra"] = {k: float(np.mean([e[k] for e in extra if k in e])) for k in extra[0]}
                 table[name] = row
+                per_seed[name] = dict(zip(seeds, arrs))
                 pq[name] = {str(seed): {m: a[m].tolist() for m in a} for seed, a in zip(seeds, arrs)}
-                with warnings.catch_warnings():   # a query undefined in every seed stays NaN
-                    warnings.simplefilter("ignore", RuntimeWarning)
-                    avg[name] = {m: np.nanmean(np.vstack([a[m] for a in arrs]), axis=0) if len(arrs) > 1
-                                 else arrs[0][m] for m in arrs[0]}
+                avg[name] = _seed_mean(arrs)
                 # per-dim curves
                 dims = sorted({int(d) for seed in seeds for d in (units[(name, s, seed)].get("dims") or {})})
                 if dims:
@@ -95,18 +93,36 @@ def build_results(units: Dict[Tuple[str, str, int], dict], status: Dict[str, dic
             res["results"][s][sp] = table
             res["per_query"][s][sp] = pq
             if PAIRED_BASELINE in avg:
-                base = avg[PAIRED_BASELINE]
                 pr = {}
                 for name, a in avg.items():
                     if name == PAIRED_BASELINE:
                         continue
+                    a, base, common = _paired_means(per_seed[name], per_seed[PAIRED_BASELINE],
+                                                    (status.get(name) or {}).get("seeded", True))
                     pr[name] = {}
                     for m in PAIRED_METRICS:
                         if m in a and m in base:
                             d, lo, hi = paired_bootstrap_ci(a[m], base[m], n_resamples)
-                            pr[name][m] = {"delta": d, "ci": [lo, hi]}
+                            pr[name][m] = {"delta": d, "ci": [lo, hi], "seeds": common}
                 res["paired"][s][sp] = pr
     return _clean(res)
+
+
+def _seed_mean(arrs: list) -> dict:
+    with warnings.catch_warnings():   # a query undefined in every seed stays NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return {m: np.nanmean(np.vstack([a[m] for a in arrs]), axis=0) if len(arrs) > 1 else arrs[0][m]
+                for m in arrs[0]}
+
+
+def _paired_means(row: dict, base: dict, seeded: bool):
+    """Per-query means of a row and of the baseline for their paired difference: a seeded row against the
+    baseline on the seeds both have (a run stopped part-way compares like with like), an unseeded row (BM25,
+    zero-shot) against every seed of the baseline. Returns (row means, baseline means, the baseline's seeds)."""
+    common = sorted(set(row) & set(base)) if seeded else []
+    if common:
+        return _seed_mean([row[k] for k in common]), _seed_mean([base[k] for k in common]), common
+    return _seed_mean(list(row.values())), _seed_mean(list(base.values())), sorted(base)
 
 
 def _clean(x):
@@ -166,7 +182,7 @@ def markdown(res: dict) -> str:
                "on cached frozen-backbone vectors, so their steps are cheap and not comparable).",
              "Intervals: 95% percentile bootstrap over queries (per-query values averaged over seeds first), "
              f"{st['bootstrap_resamples']} resamples; Δ columns: paired bootstrap of (row - `{PAIRED_BASELINE}`) "
-             "on the same queries.", ""]
+             "on the same queries, both averaged over the seeds they share.", ""]
     for s, info in st.get("set_info", {}).items():
         gal = info.get("gallery", info["records"])
         lines.append(f"Set {s}: {info['records']} documents ({gal} in the ranked gallery), queries per split "
