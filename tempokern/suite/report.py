@@ -54,7 +54,7 @@ def build_results(units: Dict[Tuple[str, str, int], dict], status: Dict[str, dic
         splits = sorted({sp for k, u in units.items() if k[1] == s for sp in u["splits"]})
         res["results"][s], res["paired"][s], res["dims"][s], res["per_query"][s] = {}, {}, {}, {}
         for sp in splits:
-            table, pq, avg, per_seed = {}, {"qids": None}, {}, {}
+            table, pq, per_seed = {}, {"qids": None}, {}
             for name in names:
                 seeds = sorted(k[2] for k in units if k[0] == name and k[1] == s and sp in units[k]["splits"])
                 if not seeds:
@@ -79,7 +79,6 @@ def build_results(units: Dict[Tuple[str, str, int], dict], status: Dict[str, dic
                 table[name] = row
                 per_seed[name] = dict(zip(seeds, arrs))
                 pq[name] = {str(seed): {m: a[m].tolist() for m in a} for seed, a in zip(seeds, arrs)}
-                avg[name] = _seed_mean(arrs)
                 # per-dim curves
                 dims = sorted({int(d) for seed in seeds for d in (units[(name, s, seed)].get("dims") or {})})
                 if dims:
@@ -92,9 +91,9 @@ def build_results(units: Dict[Tuple[str, str, int], dict], status: Dict[str, dic
                     res["dims"][s].setdefault(sp, {})[name] = dd
             res["results"][s][sp] = table
             res["per_query"][s][sp] = pq
-            if PAIRED_BASELINE in avg:
+            if PAIRED_BASELINE in per_seed:
                 pr = {}
-                for name, a in avg.items():
+                for name in per_seed:
                     if name == PAIRED_BASELINE:
                         continue
                     a, base, common = _paired_means(per_seed[name], per_seed[PAIRED_BASELINE],

@@ -149,18 +149,20 @@ def _build_unlocked(out: Path, target: Path, asan: bool, jobs, quiet: bool, patc
     jobs_list = []
     for p in cpp:
         jobs_list.append((p, obj / (str(p.relative_to(CSRC)).replace("/", "__") + ".o"), [shim]))
+
+    def emit(p: Path, g: Path) -> None:  # the rewritten (or patched) copy of p at g
+        rel = str(p.relative_to(ROOT))
+        g.parent.mkdir(parents=True, exist_ok=True)
+        g.write_text(rewrite_cu(patches.pop(rel) if rel in patches else p.read_text(), rel))
+
     # CUDA headers (kernels and launch templates shared by several .cu files) get the same rewrites, under
     # gen/include/ with their csrc-relative paths; -iquote puts them before csrc/ for quoted includes
     gen_inc = gen / "include"
     for p in sorted(CSRC.rglob("*.cuh")):
-        rel = str(p.relative_to(ROOT))
-        g = gen_inc / p.relative_to(CSRC)
-        g.parent.mkdir(parents=True, exist_ok=True)
-        g.write_text(rewrite_cu(patches.pop(rel) if rel in patches else p.read_text(), rel))
+        emit(p, gen_inc / p.relative_to(CSRC))
     for p in cu:
         g = gen / (str(p.relative_to(ROOT)).replace("/", "__") + ".cpp")
-        rel = str(p.relative_to(ROOT))
-        g.write_text(rewrite_cu(patches.pop(rel) if rel in patches else p.read_text(), rel))
+        emit(p, g)
         # the rewritten file is compiled as if it sat beside the original, so its quoted includes resolve
         jobs_list.append((g, obj / (g.name + ".o"), [f"-iquote{gen_inc}", f"-I{p.parent}", shim,
                                                      "-include", "emu_core.h"]))
