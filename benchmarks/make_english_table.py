@@ -23,7 +23,12 @@ START, END = "<!-- english-table:start -->", "<!-- english-table:end -->"
 DOC = ROOT / "docs" / "benchmark-english.md"
 BASELINE = "minilm_ft"
 #: the split each set's headline row is read on (the others are in the run's results.md)
-HEADLINE = {"A": ["test_date", "test_year"], "B": ["test_date", "test_masked"], "C": ["test_date", "test_year"]}
+HEADLINE = {"A": ["test_date", "test_year"], "B": ["test_date", "test_masked"], "C": ["test_date", "test_year"],
+            "B-2date": ["test_date"], "B-nopub": ["test_masked"]}
+#: the dependence table: (perturbed set, split) read against set B on the same split (same queries, same gold):
+#: a second date matters on test_date (an explicit date in the document), the publication date on test_masked
+#: (relative dates, resolved against it); every other split is in the run's own results.md
+PERTURBED = (("B-2date", "test_date"), ("B-nopub", "test_masked"))
 
 
 def _f(v, nd=3):
@@ -45,6 +50,40 @@ def _delta(cell):
     return f"{cell['delta']:+.3f} [{_f(lo, 2)}, {_f(hi, 2)}] {verdict}"
 
 
+def _name(name: str, row: dict, seeds, seeded: bool = True) -> str:
+    """The row's name, with the seeds it has when a run is partial (a seeded row with fewer than the run's
+    seeds; an unseeded row runs once and stands for every seed)."""
+    have = row.get("seeds_run")
+    if not seeded or have is None or not seeds or len(have) >= len(seeds):
+        return f"`{name}`"
+    return f"`{name}` (seed{'s' if len(have) > 1 else ''} {', '.join(map(str, have))})"
+
+
+def dependence(res: dict) -> list:
+    """Lines of the dependence table: each row's nDCG@10 on set B and on its perturbed copies, split by split
+    (the same queries and gold; only the gallery's text or publication dates differ). Δ is the difference of
+    the seed means (not paired: the per-query arrays are not in the committed file)."""
+    results = res["results"]
+    base = results.get("B") or {}
+    cols = [(s, sp) for s, sp in PERTURBED if sp in (results.get(s) or {}) and sp in base]
+    if not cols:
+        return []
+    names = [n for n in (base.get(cols[0][1]) or {}) if any(n in results[s][sp] for s, sp in cols)]
+    head = " | ".join(f"B {sp} | {s} {sp} | Δ" for s, sp in cols)
+    lines = ["**Set B against its perturbed copies** (nDCG@10, mean over seeds; `B-2date`: 70% of the documents "
+             "open with a sentence naming another year; `B-nopub`: no publication dates. Δ = perturbed − B)", "",
+             f"| method | {head} |", "|---|" + "---|---|---|" * len(cols)]
+    for n in names:
+        cells = []
+        for s, sp in cols:
+            b = ((base.get(sp) or {}).get(n) or {}).get("nDCG@10") or {}
+            p = ((results[s].get(sp) or {}).get(n) or {}).get("nDCG@10") or {}
+            bm, pm = b.get("mean"), p.get("mean")
+            cells += [_f(bm), _f(pm), "—" if bm is None or pm is None else f"{pm - bm:+.3f}"]
+        lines.append(f"| `{n}` | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def table(res: dict, source: str) -> str:
     st = res["setup"]
     # the run's own output folder is a path on the machine that ran it: shown as RUN
@@ -57,6 +96,8 @@ def table(res: dict, source: str) -> str:
              "unchanged).", ""]
     if st.get("note"):
         lines[-1:-1] = ["", f"**Note:** {st['note']}"]
+    seeds = st.get("seeds")
+    seeded = {n: m.get("seeded", True) for n, m in res.get("methods", {}).items()}
     for s, splits in res["results"].items():
         for sp in HEADLINE.get(s, list(splits)[:1]):
             rows = splits.get(sp)
@@ -69,12 +110,13 @@ def table(res: dict, source: str) -> str:
             paired = res.get("paired", {}).get(s, {}).get(sp, {})
             for name, row in rows.items():
                 ret = row.get("retention_spearman")
-                lines.append(f"| `{name}` | {_ci(row.get('R@1'))} | {_ci(row.get('nDCG@10'))} | "
+                lines.append(f"| {_name(name, row, seeds, seeded.get(name, True))} | {_ci(row.get('R@1'))} | {_ci(row.get('nDCG@10'))} | "
                              f"{_f((row.get('time_swap') or {}).get('mean'))} | "
                              f"{_f((row.get('err_time') or {}).get('mean'))} | "
                              f"{'(baseline)' if name == BASELINE else _delta(paired.get(name, {}).get('nDCG@10'))} | "
                              f"{_f(ret['mean']) if ret else 'n/a'} |")
             lines.append("")
+    lines += dependence(res)
     skipped = [f"`{n}` ({m['status']}: {m.get('reason') or '; '.join((m.get('errors') or {}).values())})"
                for n, m in res["methods"].items() if m["status"] != "done"]
     if skipped:

@@ -466,3 +466,52 @@ def test_ctd_units_report_the_bias_in_results_json(tmp_path, tiny_backbone, monk
     assert "bias_scale" not in res2["methods"]["ctd_bias"]["info"]["B/seed0"]
     for sp, rows in res2["results"]["B"].items():
         assert rows["ctd_bias"] == res["results"]["B"][sp]["ctd_bias"]
+
+
+def _english_table_module():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("make_english_table",
+                                                  Path(__file__).parent.parent / "benchmarks" / "make_english_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_english_table_perturbed_sets_and_partial_seeds():
+    """The English table generator: the perturbed sets get their headline split and a dependence table (B
+    against B-2date / B-nopub on the same split, Δ = perturbed − B); a seeded row with fewer seeds than the
+    run names its seeds, an unseeded row does not."""
+    mod = _english_table_module()
+
+    def cell(v, seeds):
+        return {"mean": v, "ci": [v - 0.05, v + 0.05], "seeds": [v] * len(seeds), "n": 400}
+
+    def row(ndcg, seeds):
+        return {"R@1": cell(ndcg / 2, seeds), "nDCG@10": cell(ndcg, seeds), "seeds_run": list(seeds),
+                "retention_spearman": None}
+
+    full, part = [0, 1, 2], [0]
+    res = {"setup": {"date": "2026-01-01 00:00:00 UTC", "machine": "m", "device": "cpu", "seeds": full,
+                     "command": "tempokern benchmark --suite english --out /tmp/x"},
+           "methods": {"bm25_ties_last": {"seeded": False, "status": "done"},
+                       "minilm_ft": {"seeded": True, "status": "done"},
+                       "re3-film": {"seeded": True, "status": "done"}},
+           "results": {"B": {"test_date": {"bm25_ties_last": row(0.30, part), "minilm_ft": row(0.60, full),
+                                           "re3-film": row(0.85, part)},
+                             "test_masked": {"minilm_ft": row(0.50, full), "re3-film": row(0.56, part)}},
+                       "B-2date": {"test_date": {"bm25_ties_last": row(0.28, part), "minilm_ft": row(0.58, full),
+                                                 "re3-film": row(0.27, part)}},
+                       "B-nopub": {"test_masked": {"minilm_ft": row(0.50, full), "re3-film": row(0.14, part)}}},
+           "paired": {}}
+    text = mod.table(res, "x.json")
+    assert "--out RUN" in text and "/tmp/x" not in text
+    assert "**Set B-2date, test_date**" in text and "**Set B-nopub, test_masked**" in text
+    assert "| `re3-film` (seed 0) |" in text and "| `minilm_ft` |" in text and "| `bm25_ties_last` |" in text
+    dep = text[text.index("**Set B against its perturbed copies**"):]
+    assert "B test_date | B-2date test_date | Δ" in dep and "B test_masked | B-nopub test_masked | Δ" in dep
+    re3 = next(line for line in dep.splitlines() if line.startswith("| `re3-film`"))
+    assert re3.split(" | ")[1:4] == ["0.850", "0.270", "-0.580"] and re3.rstrip(" |").endswith("-0.420")
+    # a row absent on a perturbed set gets n/a and no difference, not a made-up one
+    bm = next(line for line in dep.splitlines() if line.startswith("| `bm25_ties_last`"))
+    assert bm.split(" | ")[1:4] == ["0.300", "0.280", "-0.020"] and bm.rstrip(" |").endswith("n/a | n/a | —")
