@@ -8,7 +8,8 @@
 #   METHODS="zero_shot ctd" MAX_STEPS=1 bash benchmarks/timeqa_heldout.sh OUT    # a smoke run
 #
 # Budget as the suite's full TimeQA run: 2 epochs of batch 32, 128 tokens, lr 5e-5 (LoRA 5e-4), mean pooling.
-# OUT/summary.json collects every row's metrics on the test split.
+# OUT/summary.json / summary.md: every row's metrics on the test split with 95% bootstrap intervals over questions
+# and paired differences to full fine-tuning (`ft`), from the rows' TREC runs (benchmarks/timeqa_heldout_summary.py).
 set -euo pipefail
 out=${1:?usage: timeqa_heldout.sh OUT}
 mkdir -p "$out"
@@ -16,13 +17,13 @@ tk() { python -m tempokern "$@"; }
 steps=${MAX_STEPS:+--max-steps $MAX_STEPS}
 common="--format beir --backbone minilm --pooling mean --epochs 2 --batch-size 32 --max-length 128 --no-progress"
 # no dev split in the training folder: every method trains its full budget and keeps the last weights (CTD would
-# otherwise rank the dev questions over the folder's 13,772 paragraphs after each epoch to pick one)
+# otherwise rank the dev questions over the folder's 11,331 paragraphs after each epoch to pick one)
 [ -f "$out/train/corpus.jsonl" ] || tk data timeqa --out "$out/train" --splits train --negatives 1
 [ -f "$out/test/corpus.jsonl" ] || tk data timeqa --out "$out/test" --splits test --negatives 1
 
 for m in ${METHODS:-zero_shot ft lora tmrl ctd re3}; do
   run="$out/runs/$m"
-  if [ ! -f "$out/eval-$m.json" ]; then
+  if [ ! -f "$out/eval-$m.json" ] || [ ! -f "$out/run-$m.trec" ]; then
     case $m in
       zero_shot) [ -d "$run/best" ] || tk train --method tmrl --variant zero_shot $common --data "$out/train" --out "$run" ;;
       ft)   [ -d "$run/best" ] || tk train --method ctd --variant baseline $common --lr 5e-5 $steps --data "$out/train" --out "$run" ;;
@@ -34,17 +35,8 @@ for m in ${METHODS:-zero_shot ft lora tmrl ctd re3}; do
     esac
     model="$run/best"; [ -d "$model" ] || model="$run"
     extra=""; [ "$m" = re3 ] && extra="--method re3"
-    tk eval $extra --model "$model" --format beir --data "$out/test" --split test --no-progress --out "$out/eval-$m.json"
+    tk eval $extra --model "$model" --format beir --data "$out/test" --split test --no-progress --out "$out/eval-$m.json" \
+      --run-out "$out/run-$m.trec"
   fi
 done
-python - "$out" <<'EOF'
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-def row(doc):
-    rows = doc["rows"]   # CTD: name "all" first; TMRL: one row per dim, the full dim last; Re3: {split: row}
-    r = rows["test"] if isinstance(rows, dict) else next((x for x in rows if x.get("name") == "all"), rows[-1])
-    return {m: r[m] for m in ("R@1", "MRR@10", "nDCG@10") if m in r} | {"queries": r.get("queries", r.get("num_queries"))}
-summary = {p.stem[5:]: row(json.loads(p.read_text())) for p in sorted(out.glob("eval-*.json"))}
-(out / "summary.json").write_text(json.dumps(summary, indent=1))
-print(json.dumps(summary, indent=1))
-EOF
+python "$(dirname "$0")/timeqa_heldout_summary.py" "$out"

@@ -234,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the backbone alone, pooled and L2-normalised, as ChunQiuTR's evaluate.py (enc_only) "
                         "reports the paper's numbers (docs/eval.md)")
     e.add_argument("--out", help="write the table as JSON here (and .md next to it)")
+    e.add_argument("--run-out", help="also write the ranking the table is computed from as a TREC run file "
+                                     "(qid Q0 docid rank score tag; top 100 per query; TMRL: at the largest "
+                                     "evaluated dim; before any --recency filter): trec_eval, ranx and paired "
+                                     "comparisons read it")
     e.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress display while encoding (a bar on a terminal, plain lines otherwise)")
     e.add_argument("--dims", nargs="+", type=int, default=None,
@@ -529,6 +533,8 @@ def validate_args(args) -> None:
             raise CLIError(f"--dims must be increasing, got {args.dims}")
         if getattr(args, "method", "ctd") == "re3" or (args.model and not is_tmrl_dir(args.model)):
             raise CLIError(f"--dims applies to TMRL models (trained with --method tmrl) only; {args.model} is not one")
+    if cmd == "eval" and args.run_out is not None and (not args.run_out or Path(args.run_out).is_dir()):
+        raise CLIError(f"--run-out must name a file, got {args.run_out!r}")
     if cmd in ("train", "eval") and getattr(args, "method", "ctd") == "re3":
         return _validate_re3(args)
     if cmd in ("demo", "benchmark"):
@@ -742,8 +748,9 @@ def cmd_eval(args) -> int:
     model = _load_model(args.model)
     ds = _dataset(args)
     check_split(args.split, ds)
-    table = evaluate_model(model, ds, args.split, neg=args.neg, ne=args.ne, drop_no_event=args.drop_no_event,
-                           scorer=args.scorer)
+    table, run = evaluate_model(model, ds, args.split, neg=args.neg, ne=args.ne, drop_no_event=args.drop_no_event,
+                                scorer=args.scorer, return_run=True)
+    _write_run_out(args, run)
     rows = [{"name": fam, **m} for fam, m in table.items()]
     md = markdown_table(rows, list(METRIC_KEYS) + ["queries"], name_key="name")
     recency = None
@@ -1179,7 +1186,8 @@ def cmd_eval_tmrl(args) -> int:
     from .models.tmrl import TMRLEncoder
     model = TMRLEncoder.load(args.model, projector=False)
     ds = _dataset(args)
-    rows = evaluate_dims(model, ds, args.split, args.dims)
+    rows, runs = evaluate_dims(model, ds, args.split, args.dims, return_runs=True)
+    _write_run_out(args, runs[max(runs)])
     md = markdown_table(rows, list(TMRL_EVAL_KEYS), name_key="dim")
     print(md)
     if args.out:
@@ -1192,6 +1200,17 @@ def cmd_eval_tmrl(args) -> int:
 
 def _atomic_write(path: Path, text: str) -> None:
     atomic_write(path, text)
+
+
+def _write_run_out(args, run) -> None:
+    """``--run-out``: the evaluated queries' rankings as a TREC run file (tempokern.eval.write_run)."""
+    if not getattr(args, "run_out", None):
+        return
+    from .eval.trec import write_run
+    out = Path(args.run_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n = write_run(run, out, depth=100)
+    print(f"tempokern eval: wrote {n} lines ({len(run)} queries) to {out}", file=sys.stderr)
 
 
 def cmd_data(args) -> int:
@@ -1441,6 +1460,7 @@ def cmd_eval_re3(args) -> int:
     splits = _re3_splits(args, ds)
     from .training.re3 import re3_runs
     runs = re3_runs(model, ds, splits, base=args.base, no_time=args.no_time)
+    _write_run_out(args, {qid: scores for run in runs.values() for qid, scores in run.items()})
     rows, md = _re3_table(ds, model, splits, base=args.base, runs=runs)
     payload = {"method": "re3", "base": args.base, "rows": rows}
     if getattr(args, "recency", "none") != "none":      # the recency filter on the encoder's top-k (docs/re3.md)

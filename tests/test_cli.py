@@ -135,6 +135,8 @@ def test_bench_writes_png(tmp_path):
     (["bench", "--ops", "warp_drive", "--out", "{tmp}/b"], "unknown op"),
     (["bench", "--config", "{tmp}/nope.toml"], "does not exist"),
     (["search", "--model", "{tmp}", "--index", "{tmp}/none.idx"], "at least one --query"),
+    (["eval", "--model", "{tmp}", "--dataset", "zztj", "--run-out", "{tmp}"], "--run-out must name a file"),
+    (["eval", "--method", "re3", "--model", "{tmp}", "--dataset", "zztj", "--run-out", ""], "--run-out must name a file"),
 ])
 def test_bad_input_exits_nonzero_with_message(argv, message, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]

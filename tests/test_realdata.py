@@ -275,7 +275,7 @@ def test_every_method_trains_and_evaluates_on_a_beir_folder(method, tmp_path, ca
     assert summary["steps"] >= 1
     model = out / ("model" if method == "re3" else "best")
     args = ["eval", "--model", str(model), "--format", "beir", "--data", b, "--split", "dev", "--no-progress",
-            "--out", str(tmp_path / "eval.json")]
+            "--out", str(tmp_path / "eval.json"), "--run-out", str(tmp_path / "runs" / "dev.trec")]
     if method == "re3":
         args += ["--method", "re3"]
     assert main(args) == 0
@@ -283,6 +283,17 @@ def test_every_method_trains_and_evaluates_on_a_beir_folder(method, tmp_path, ca
     rows = res["rows"]
     n = rows["dev"]["num_queries"] if method == "re3" else rows[0]["queries"]
     assert n == 2
+    # --run-out: the ranking the table is computed from, as a TREC run (TMRL: the largest dim); scored again
+    # from the file it gives the table's numbers
+    from tempokern.eval import read_run, retrieval_metrics
+    run = read_run(tmp_path / "runs" / "dev.trec")
+    dev = [q for q in load_beir(b).queries if q.split == "dev"]
+    assert set(run) == {q.id for q in dev} and all(0 < len(docs) <= 100 for docs in run.values())
+    got = retrieval_metrics(run, {q.id: q.gold for q in dev})
+    row = rows["dev"] if method == "re3" else rows[0] if method == "ctd" else rows[-1]
+    assert method != "tmrl" or row["dim"] == max(r["dim"] for r in rows)
+    keys = ("R@1", "MRR") if method == "re3" else ("R@1", "MRR@10", "nDCG@10")
+    assert {k: got[k] for k in keys} == pytest.approx({k: row[k] for k in keys})
 
 
 def test_tmrl_rows_from_a_beir_folder_mine_what_the_data_lacks(tmp_path):

@@ -37,13 +37,14 @@ def score_topk(model, q_texts: Sequence[str], g_enc, k: int, *, batch_size: int 
 
 def evaluate_model(model, dataset, split: str = "test", *, ks=(1, 5, 10), depth: int = 100,
                    neg: bool = True, ne: bool = True, drop_no_event: bool = False, batch_size: int = 64,
-                   gallery_enc=None, scorer: str = "ctd") -> Dict[str, Dict[str, float]]:
+                   gallery_enc=None, scorer: str = "ctd", return_run: bool = False):
     """{"all": metrics, "<family>": metrics, ...} for the queries of `split` against the gallery
     chosen by ChunQiuTR's switches (neg: neg_comment records, ne: no_event records, drop_no_event:
     drop queries whose gold is all no_event; the reference names the combination
     neg{neg}_ne{ne}_dq{drop_no_event}). Gold lists are cut to the gallery; queries left with no gold
     are dropped (ChunQiuTR protocol). scorer: "ctd" (the full model) or "encoder" (the backbone alone,
-    as the reference's evaluate.py and validation score); see docs/eval.md."""
+    as the reference's evaluate.py and validation score); see docs/eval.md. return_run: also return the
+    ranking the table is computed from, ``(table, {qid: {doc_id: score}})`` (the top ``depth``)."""
     check_scorer(scorer)
     gallery = gallery_of(dataset, neg=neg, ne=ne)
     gids = [r.id for r in gallery]
@@ -69,7 +70,7 @@ def evaluate_model(model, dataset, split: str = "test", *, ks=(1, 5, 10), depth:
         ids = [q.id for q in queries if q.family == fam]
         table[fam] = _clean(retrieval_metrics({i: run[i] for i in ids}, {i: qrels[i] for i in ids}, ks=tuple(ks)),
                             len(ids))
-    return table
+    return (table, run) if return_run else table
 
 
 def _clean(m: dict, n: int) -> dict:

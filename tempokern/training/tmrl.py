@@ -733,9 +733,11 @@ def runs_by_dim(model, dataset, splits: Sequence[str] = ("test",), dims: Optiona
 
 
 def evaluate_dims(model, dataset, split: str = "test", dims: Optional[Sequence[int]] = None, *,
-                  ks: Sequence[int] = (1, 10, 100), depth: int = 100, batch_size: int = 64) -> List[dict]:
+                  ks: Sequence[int] = (1, 10, 100), depth: int = 100, batch_size: int = 64,
+                  return_runs: bool = False):
     """One row per dim: nDCG@10, recall@k, R@k (hit), MRR@10, MRR and the query count
-    (``tempokern.eval.retrieval_metrics`` on the top-`depth` run; TMRL reports nDCG@10 and recall@100)."""
+    (``tempokern.eval.retrieval_metrics`` on the top-`depth` run; TMRL reports nDCG@10 and recall@100).
+    return_runs: ``(rows, {dim: {qid: {doc_id: cosine}}})``, the rankings the rows are computed from."""
     runs = runs_by_dim(model, dataset, (split,), dims, depth=depth, batch_size=batch_size)
     qs = _split_queries(dataset, split)
     qrels = {q.id: {d: r for d, r in q.gold.items() if r > 0} for q in qs}
@@ -747,4 +749,4 @@ def evaluate_dims(model, dataset, split: str = "test", dims: Optional[Sequence[i
         met = retrieval_metrics(by_split[split], qrels, ks=tuple(ks))
         rows.append({"dim": m, **{k: float(v) for k, v in met.items() if k != "num_queries"},
                      "queries": int(met["num_queries"])})
-    return rows
+    return (rows, {m: by_split[split] for m, by_split in runs.items()}) if return_runs else rows

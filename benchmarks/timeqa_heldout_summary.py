@@ -1,0 +1,135 @@
+"""The table of `benchmarks/timeqa_heldout.sh OUT`: every row's metrics on the held-out test pages, with 95%
+bootstrap intervals over questions and paired differences to full fine-tuning (`ft`), read from the rows' TREC
+runs (`tempokern eval --run-out`) and the test folder's qrels.
+
+    python benchmarks/timeqa_heldout_summary.py OUT            # writes OUT/summary.json and OUT/summary.md
+
+A row without a run file (an evaluation from before --run-out) keeps the numbers of its eval-<row>.json and gets
+no interval. The paired interval resamples the same questions for both rows (tempokern.suite.metrics).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+#: the rows of timeqa_heldout.sh, in table order, with what they are
+ROWS = {"zero_shot": "all-MiniLM-L6-v2 as shipped", "ft": "full fine-tuning (CTD trainer, semantic baseline)",
+        "lora": "LoRA fine-tuning (full-dim InfoNCE)", "tmrl": "TMRL (LoRA)", "ctd": "full CTD",
+        "re3": "Re³ (frozen backbone + time modules)"}
+BASELINE = "ft"
+METRICS = ("R@1", "MRR@10", "nDCG@10")
+
+
+def _eval_row(doc: dict) -> dict:
+    """The headline row of an eval-<row>.json: CTD's "all", TMRL's largest dim, Re³'s test split."""
+    rows = doc["rows"]
+    r = rows["test"] if isinstance(rows, dict) else next((x for x in rows if x.get("name") == "all"), rows[-1])
+    return {m: r[m] for m in METRICS if m in r} | {"queries": r.get("queries", r.get("num_queries"))}
+
+
+def _steps(run_dir: Path):
+    """Optimiser steps of a row's training run (its summary.json), None when it trained nothing or wrote none."""
+    p = run_dir / "summary.json"
+    if p.is_file():
+        try:
+            return json.loads(p.read_text()).get("steps")
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def summarize(out, n_resamples: int = 1000) -> dict:
+    from tempokern.datasets.beir import load_beir
+    from tempokern.eval import read_run, retrieval_metrics
+    from tempokern.suite.metrics import bootstrap_ci, paired_bootstrap_ci
+    out = Path(out)
+    test = load_beir(str(out / "test"), split="test")
+    qrels = {q.id: {d: r for d, r in q.gold.items() if r > 0} for q in test.queries if q.split == "test"}
+    qrels = {q: g for q, g in qrels.items() if g}
+    qids = sorted(qrels)
+    names = [m for m in ROWS if (out / f"eval-{m}.json").is_file()]
+    names += sorted(p.stem[5:] for p in out.glob("eval-*.json") if p.stem[5:] not in ROWS)
+    rows, per_query = {}, {}
+    for m in names:
+        row = {"what": ROWS.get(m, m), "steps": _steps(out / "runs" / m), "source": f"eval-{m}.json"}
+        run_file = out / f"run-{m}.trec"
+        if run_file.is_file():
+            res = retrieval_metrics(read_run(run_file), qrels, per_query=True)
+            per_query[m] = {k: [res["per_query"][q][k] for q in qids] for k in METRICS}
+            for k in METRICS:
+                mean, lo, hi = bootstrap_ci(per_query[m][k], n_resamples)
+                row[k] = {"mean": mean, "ci": [lo, hi]}
+            row["queries"] = len(qids)
+            row["source"] = run_file.name
+        else:
+            ev = _eval_row(json.loads((out / f"eval-{m}.json").read_text()))
+            row.update({k: {"mean": ev[k], "ci": None} for k in METRICS if k in ev}, queries=ev.get("queries"))
+        rows[m] = row
+    if BASELINE in per_query:
+        for m, vals in per_query.items():
+            if m != BASELINE:
+                rows[m]["vs_" + BASELINE] = {}
+                for k in METRICS:
+                    d, lo, hi = paired_bootstrap_ci(vals[k], per_query[BASELINE][k], n_resamples)
+                    rows[m]["vs_" + BASELINE][k] = {"delta": d, "ci": [lo, hi]}
+    import torch
+    return {"setup": {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                      "machine": f"{platform.machine()} x{os.cpu_count()}, torch {torch.__version__}",
+                      "test_queries": len(qids), "test_documents": len(test.records),
+                      "bootstrap_resamples": n_resamples, "baseline": BASELINE},
+            "rows": rows}
+
+
+def _cell(c) -> str:
+    if not c or c.get("mean") is None:
+        return "n/a"
+    return f"{c['mean']:.3f}" + (f" [{c['ci'][0]:.3f}, {c['ci'][1]:.3f}]" if c.get("ci") else "")
+
+
+def _delta(c) -> str:
+    if not c:
+        return "—"
+    lo, hi = c["ci"]
+    star = " *" if lo > 0 or hi < 0 else ""
+    return f"{c['delta']:+.3f} [{lo:+.3f}, {hi:+.3f}]{star}"
+
+
+def markdown(s: dict) -> str:
+    st = s["setup"]
+    lines = [f"TimeQA test pages: {st['test_queries']} questions ranked over {st['test_documents']} paragraphs; one "
+             f"seed; {st['date']}, {st['machine']}. Mean [95% bootstrap interval over questions]; Δ = paired "
+             f"difference to `{st['baseline']}` (* where the interval excludes 0).", "",
+             "| row | what | steps | R@1 | nDCG@10 | Δ R@1 | Δ nDCG@10 |", "|---|---|---|---|---|---|---|"]
+    for m, r in s["rows"].items():
+        vs = r.get("vs_" + st["baseline"]) or {}
+        base = m == st["baseline"]
+        lines.append(f"| `{m}` | {r['what']} | {r['steps'] if r['steps'] is not None else '—'} | {_cell(r.get('R@1'))} | "
+                     f"{_cell(r.get('nDCG@10'))} | {'(baseline)' if base else _delta(vs.get('R@1'))} | "
+                     f"{'(baseline)' if base else _delta(vs.get('nDCG@10'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="the folder timeqa_heldout.sh wrote")
+    ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    a = ap.parse_args(argv)
+    if not (Path(a.out) / "test" / "qrels" / "test.tsv").is_file():
+        print(f"{a.out}: no test/qrels/test.tsv (run benchmarks/timeqa_heldout.sh {a.out} first)", file=sys.stderr)
+        return 2
+    s = summarize(a.out, a.bootstrap)
+    from tempokern._util import atomic_write
+    atomic_write(Path(a.out) / "summary.json", json.dumps(s, indent=1) + "\n")
+    md = markdown(s)
+    atomic_write(Path(a.out) / "summary.md", md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""benchmarks/timeqa_heldout_summary.py: the held-out table from the rows' TREC runs and the test folder's qrels
+(intervals over questions, paired differences to full fine-tuning), against metrics computed here by hand."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tempokern.eval import write_run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("timeqa_heldout_summary",
+                                                  ROOT / "benchmarks" / "timeqa_heldout_summary.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _folder(tmp_path):
+    out = tmp_path / "out"
+    test = out / "test"
+    (test / "qrels").mkdir(parents=True)
+    docs = [f"d{i}" for i in range(6)]
+    with open(test / "corpus.jsonl", "w") as f:
+        for i, d in enumerate(docs):
+            f.write(json.dumps({"_id": d, "title": "p", "text": f"paragraph {i} about {1990 + i}"}) + "\n")
+    with open(test / "queries.jsonl", "w") as f:
+        for i in range(4):
+            f.write(json.dumps({"_id": f"q{i}", "text": f"question {i} in {1990 + i}"}) + "\n")
+    (test / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n"
+                                             + "".join(f"q{i}\td{i}\t1\n" for i in range(4)))
+    return out, docs
+
+
+def test_summary_reads_runs_and_pairs_against_ft(tmp_path):
+    mod = _module()
+    out, docs = _folder(tmp_path)
+    # ft: gold first for q0, q1; second for q2; absent for q3.  tmrl: gold first everywhere
+    ft = {"q0": {"d0": 0.9, "d1": 0.1}, "q1": {"d1": 0.8, "d0": 0.2}, "q2": {"d5": 0.9, "d2": 0.5},
+          "q3": {"d5": 0.9, "d4": 0.5}}
+    tmrl = {f"q{i}": {f"d{i}": 0.9, "d5": 0.1} for i in range(4)}
+    write_run(ft, out / "run-ft.trec")
+    write_run(tmrl, out / "run-tmrl.trec")
+    for m in ("ft", "tmrl"):
+        (out / f"eval-{m}.json").write_text(json.dumps({"rows": [{"name": "all", "R@1": -1.0, "queries": 4}]}))
+    # a row evaluated without --run-out: its eval json's numbers, no interval, no paired difference
+    (out / "eval-zero_shot.json").write_text(json.dumps({"rows": [{"dim": 384, "R@1": 0.25, "MRR@10": 0.5,
+                                                                    "nDCG@10": 0.6, "queries": 4}]}))
+    (out / "runs" / "tmrl").mkdir(parents=True)
+    (out / "runs" / "tmrl" / "summary.json").write_text(json.dumps({"steps": 52}))
+    s = mod.summarize(out, n_resamples=200)
+    rows = s["rows"]
+    assert list(rows) == ["zero_shot", "ft", "tmrl"]
+    assert s["setup"]["test_queries"] == 4 and s["setup"]["test_documents"] == 6
+    assert rows["ft"]["R@1"]["mean"] == pytest.approx(0.5)           # read from the run, not the eval json
+    assert rows["ft"]["nDCG@10"]["mean"] == pytest.approx((1 + 1 + 1 / __import__("math").log2(3) + 0) / 4)
+    assert rows["tmrl"]["R@1"]["mean"] == 1.0 and rows["tmrl"]["steps"] == 52 and rows["ft"]["steps"] is None
+    lo, hi = rows["ft"]["R@1"]["ci"]
+    assert 0.0 <= lo <= 0.5 <= hi <= 1.0
+    d = rows["tmrl"]["vs_ft"]["R@1"]
+    assert d["delta"] == pytest.approx(0.5) and d["ci"][0] >= 0.0
+    assert rows["zero_shot"]["R@1"] == {"mean": 0.25, "ci": None} and "vs_ft" not in rows["zero_shot"]
+    md = mod.markdown(s)
+    assert "| `ft` |" in md and "(baseline)" in md and "| `zero_shot` |" in md and "0.250 |" in md
+    # the command line writes both files
+    assert mod.main([str(out), "--bootstrap", "100"]) == 0
+    assert json.loads((out / "summary.json").read_text())["rows"]["tmrl"]["R@1"]["mean"] == 1.0
+    assert (out / "summary.md").read_text().startswith("TimeQA test pages: 4 questions")
+
+
+def test_summary_needs_the_test_folder(tmp_path, capsys):
+    assert _module().main([str(tmp_path)]) == 2
+    assert "no test/qrels/test.tsv" in capsys.readouterr().err
