@@ -30,7 +30,7 @@ for m in ${METHODS:-zero_shot ft lora tmrl ctd re3}; do
       ctd)  [ -d "$run/best" ] || tk train --method ctd --variant full $common --lr 5e-5 $steps --data "$out/train" --out "$run" ;;
       lora) [ -d "$run/best" ] || tk train --method tmrl --variant lora $common --lr 5e-4 $steps --data "$out/train" --out "$run" ;;
       tmrl) [ -d "$run/best" ] || tk train --method tmrl --variant tmrl $common --lr 5e-4 $steps --data "$out/train" --out "$run" ;;
-      re3)  [ -f "$run/config.json" ] || [ -d "$run/best" ] || tk train --method re3 --format beir --backbone minilm --pooling mean --max-length 128 --no-progress --data "$out/train" --out "$run" ;;
+      re3)  [ -d "$run/model" ] || tk train --method re3 --format beir --backbone minilm --pooling mean --max-length 128 --no-progress --data "$out/train" --out "$run" ;;
       *) echo "unknown method $m" >&2; exit 2 ;;
     esac
     model="$run/best"; [ -d "$model" ] || model="$run"
@@ -39,4 +39,5 @@ for m in ${METHODS:-zero_shot ft lora tmrl ctd re3}; do
       --run-out "$out/run-$m.trec"
   fi
 done
-python "$(dirname "$0")/timeqa_heldout_summary.py" "$out"
+# read from stdin so that tempokern is imported as `python -m tempokern` finds it (installed, or the current folder)
+python - "$out" < "$(dirname "$0")/timeqa_heldout_summary.py"

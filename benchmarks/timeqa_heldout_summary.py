@@ -33,13 +33,19 @@ def _eval_row(doc: dict) -> dict:
 
 
 def _steps(run_dir: Path):
-    """Optimiser steps of a row's training run (its summary.json), None when it trained nothing or wrote none."""
+    """Optimiser steps of a row's training run: its summary.json (Re³), else the last step event of its
+    log.jsonl (CTD, TMRL); None when it trained nothing."""
     p = run_dir / "summary.json"
-    if p.is_file():
-        try:
+    try:
+        if p.is_file():
             return json.loads(p.read_text()).get("steps")
-        except (OSError, ValueError):
-            return None
+        log = run_dir / "log.jsonl"
+        if log.is_file():
+            steps = [json.loads(line).get("step") for line in log.read_text().splitlines()
+                     if line.strip() and '"event": "step"' in line]
+            return max((s for s in steps if isinstance(s, int)), default=None)
+    except (OSError, ValueError):
+        return None
     return None
 
 

@@ -51,13 +51,17 @@ def test_summary_reads_runs_and_pairs_against_ft(tmp_path):
                                                                     "nDCG@10": 0.6, "queries": 4}]}))
     (out / "runs" / "tmrl").mkdir(parents=True)
     (out / "runs" / "tmrl" / "summary.json").write_text(json.dumps({"steps": 52}))
+    (out / "runs" / "ft").mkdir()       # a CTD / TMRL run: the steps are the log's last step event
+    (out / "runs" / "ft" / "log.jsonl").write_text("".join(json.dumps({"event": e, "step": i}) + "\n" for e, i in
+                                                          (("step", 1), ("step", 2), ("eval", 9), ("step", 3))))
     s = mod.summarize(out, n_resamples=200)
     rows = s["rows"]
     assert list(rows) == ["zero_shot", "ft", "tmrl"]
     assert s["setup"]["test_queries"] == 4 and s["setup"]["test_documents"] == 6
     assert rows["ft"]["R@1"]["mean"] == pytest.approx(0.5)           # read from the run, not the eval json
     assert rows["ft"]["nDCG@10"]["mean"] == pytest.approx((1 + 1 + 1 / __import__("math").log2(3) + 0) / 4)
-    assert rows["tmrl"]["R@1"]["mean"] == 1.0 and rows["tmrl"]["steps"] == 52 and rows["ft"]["steps"] is None
+    assert rows["tmrl"]["R@1"]["mean"] == 1.0 and rows["tmrl"]["steps"] == 52 and rows["ft"]["steps"] == 3
+    assert rows["zero_shot"]["steps"] is None
     lo, hi = rows["ft"]["R@1"]["ci"]
     assert 0.0 <= lo <= 0.5 <= hi <= 1.0
     d = rows["tmrl"]["vs_ft"]["R@1"]
