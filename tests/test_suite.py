@@ -203,6 +203,33 @@ def test_paired_difference_uses_the_seeds_row_and_baseline_share():
     # an unseeded row against every seed of the baseline
     assert pr["bm25"]["R@1"]["delta"] == pytest.approx(0.25) and pr["bm25"]["R@1"]["seeds"] == [0, 1]
     assert res["results"]["T"]["dev"]["minilm_ft"]["R@1"]["mean"] == pytest.approx(0.25)
+    # no LoRA row: no second comparison
+    assert res["paired_vs"] == {}
+
+
+def test_every_row_is_also_paired_against_lora_fine_tuning():
+    """The second baseline (TMRL's strong baseline, LoRA fine-tuning): every other row against `lora` on the
+    seeds both have, in results.json (paired_vs) and in results.md."""
+    from tempokern.suite.report import build_results, markdown
+    qids = ["q0", "q1", "q2", "q3"]
+
+    def unit(r1):
+        return {"splits": {"dev": {"qids": qids, "R@1": r1, "nDCG@10": r1}}}
+    units = {("minilm_ft", "T", 0): unit([1.0, 0.0, 0.0, 0.0]), ("lora", "T", 0): unit([1.0, 1.0, 0.0, 0.0]),
+             ("lora", "T", 1): unit([1.0, 1.0, 1.0, 1.0]), ("tmrl", "T", 0): unit([1.0, 1.0, 1.0, 0.0])}
+    status = {n: {"seeded": True, "family": "x", "sets": ["T"], "status": "done"} for n in ("minilm_ft", "lora", "tmrl")}
+    res = build_results(units, status, {}, n_resamples=200)
+    vs = res["paired_vs"]["lora"]["T"]["dev"]
+    assert set(vs) == {"minilm_ft", "tmrl"}
+    assert vs["tmrl"]["nDCG@10"]["delta"] == pytest.approx(0.25) and vs["tmrl"]["nDCG@10"]["seeds"] == [0]
+    assert vs["minilm_ft"]["R@1"]["delta"] == pytest.approx(-0.25)
+    assert res["paired"]["T"]["dev"]["lora"]["R@1"]["delta"] == pytest.approx(0.25)
+    res["setup"] = {"budget": {"max_train_rows": 8, "epochs": 1, "batch_size": 4, "lr": 1e-4, "max_length": 16},
+                    "quick": False, "date": "d", "machine": "m", "device": "cpu", "backbone": "b", "seeds": [0, 1],
+                    "bootstrap_resamples": 200}
+    md = markdown(res)
+    assert "Paired against `minilm_ft`" in md and "Paired against `lora`" in md
+    assert md.index("Paired against `lora`") > md.index("Paired against `minilm_ft`")
 
 
 def test_spearman_and_strip_spans():

@@ -13,10 +13,14 @@ import numpy as np
 from .metrics import METRICS, paired_bootstrap_ci, summarize
 from .._util import atomic_write, fsync_path
 
-__all__ = ["build_results", "write_report", "markdown", "PAIRED_BASELINE", "PAIRED_METRICS", "TABLE_METRICS"]
+__all__ = ["build_results", "write_report", "markdown", "PAIRED_BASELINE", "SECOND_BASELINES", "PAIRED_METRICS",
+           "TABLE_METRICS"]
 
 #: the row every method is compared with (paired bootstrap over queries)
 PAIRED_BASELINE = "minilm_ft"
+#: further baselines every row is compared with where the run has them (``res["paired_vs"][baseline]``): LoRA
+#: fine-tuning, TMRL's strong baseline (the same LoRA parameterisation without the temporal terms)
+SECOND_BASELINES = ("lora",)
 PAIRED_METRICS = ("R@1", "MRR@10", "nDCG@10", "time_swap")
 TABLE_METRICS = ("R@1", "R@5", "MRR@10", "nDCG@10", "recall@100", "TP@10", "TR@10", "time_swap")
 ERR_METRICS = ("err_time", "err_entity", "err_attribute", "err_other")
@@ -45,9 +49,11 @@ def build_results(units: Dict[Tuple[str, str, int], dict], status: Dict[str, dic
                   n_resamples: int = 1000) -> dict:
     """Aggregate the units: per (set, split, method) each metric's mean over seeds, each seed's mean
     and the 95% bootstrap interval over queries (per-query values averaged over seeds first); the
-    paired interval of (method - minilm_ft) on the same queries; per-dim metrics; the retention
+    paired interval of (method - minilm_ft) on the same queries (``paired``) and of (method - each of
+    SECOND_BASELINES) where the run has it (``paired_vs[baseline]``); per-dim metrics; the retention
     Spearman; extra per-method metrics; and the per-query arrays (so any interval can be recomputed)."""
-    res: dict = {"setup": setup, "methods": status, "results": {}, "paired": {}, "dims": {}, "per_query": {}}
+    res: dict = {"setup": setup, "methods": status, "results": {}, "paired": {}, "paired_vs": {}, "dims": {},
+                 "per_query": {}}
     sets = sorted({k[1] for k in units})
     for s in sets:
         names = [m for m in status if any(k[0] == m and k[1] == s for k in units)]
@@ -92,19 +98,27 @@ def build_results(units: Dict[Tuple[str, str, int], dict], status: Dict[str, dic
             res["results"][s][sp] = table
             res["per_query"][s][sp] = pq
             if PAIRED_BASELINE in per_seed:
-                pr = {}
-                for name in per_seed:
-                    if name == PAIRED_BASELINE:
-                        continue
-                    a, base, common = _paired_means(per_seed[name], per_seed[PAIRED_BASELINE],
-                                                    (status.get(name) or {}).get("seeded", True))
-                    pr[name] = {}
-                    for m in PAIRED_METRICS:
-                        if m in a and m in base:
-                            d, lo, hi = paired_bootstrap_ci(a[m], base[m], n_resamples)
-                            pr[name][m] = {"delta": d, "ci": [lo, hi], "seeds": common}
-                res["paired"][s][sp] = pr
+                res["paired"][s][sp] = _paired(per_seed, status, PAIRED_BASELINE, n_resamples)
+            for bl in SECOND_BASELINES:
+                if bl in per_seed:
+                    res["paired_vs"].setdefault(bl, {}).setdefault(s, {})[sp] = _paired(per_seed, status, bl,
+                                                                                         n_resamples)
     return _clean(res)
+
+
+def _paired(per_seed: dict, status: dict, baseline: str, n_resamples: int) -> dict:
+    """``{row: {metric: {"delta", "ci", "seeds"}}}``: the paired bootstrap of (row - baseline) for every other row."""
+    pr = {}
+    for name in per_seed:
+        if name == baseline:
+            continue
+        a, base, common = _paired_means(per_seed[name], per_seed[baseline], (status.get(name) or {}).get("seeded", True))
+        pr[name] = {}
+        for m in PAIRED_METRICS:
+            if m in a and m in base:
+                d, lo, hi = paired_bootstrap_ci(a[m], base[m], n_resamples)
+                pr[name][m] = {"delta": d, "ci": [lo, hi], "seeds": common}
+    return pr
 
 
 def _seed_mean(arrs: list) -> dict:
@@ -211,9 +225,11 @@ def markdown(res: dict) -> str:
                 w = _wall(res["methods"], name, s)
                 cells.append(f"{w:.0f}" if w is not None else "n/a")
                 lines.append("| " + " | ".join(cells) + " |")
-            pr = res["paired"].get(s, {}).get(sp)
-            if pr:
-                lines += ["", f"Paired against `{PAIRED_BASELINE}` (Δ mean [95% interval]; an interval excluding 0 "
+            for bl, pr in [(PAIRED_BASELINE, res["paired"].get(s, {}).get(sp))] + [
+                    (b2, res.get("paired_vs", {}).get(b2, {}).get(s, {}).get(sp)) for b2 in SECOND_BASELINES]:
+                if not pr:
+                    continue
+                lines += ["", f"Paired against `{bl}` (Δ mean [95% interval]; an interval excluding 0 "
                           "is a difference the queries support):", ""]
                 lines.append("| method | " + " | ".join(f"Δ {m}" for m in PAIRED_METRICS) + " |")
                 lines.append("|---|" + "---|" * len(PAIRED_METRICS))
