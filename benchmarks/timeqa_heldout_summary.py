@@ -88,7 +88,9 @@ def summarize(out, n_resamples: int = 1000) -> dict:
                       "machine": f"{platform.machine()} x{os.cpu_count()}, torch {torch.__version__}",
                       "test_queries": len(qids), "test_documents": len(test.records),
                       "bootstrap_resamples": n_resamples, "baseline": BASELINE},
-            "rows": rows}
+            "rows": rows,
+            # the per-question values the intervals come from (rows with a run file), so any of them can be redone
+            "per_query": {"qids": qids, **per_query}}
 
 
 def _cell(c) -> str:

@@ -67,6 +67,8 @@ def test_summary_reads_runs_and_pairs_against_ft(tmp_path):
     d = rows["tmrl"]["vs_ft"]["R@1"]
     assert d["delta"] == pytest.approx(0.5) and d["ci"][0] >= 0.0
     assert rows["zero_shot"]["R@1"] == {"mean": 0.25, "ci": None} and "vs_ft" not in rows["zero_shot"]
+    assert s["per_query"]["qids"] == ["q0", "q1", "q2", "q3"] and set(s["per_query"]) == {"qids", "ft", "tmrl"}
+    assert s["per_query"]["ft"]["R@1"] == [1.0, 1.0, 0.0, 0.0]
     md = mod.markdown(s)
     assert "| `ft` |" in md and "(baseline)" in md and "| `zero_shot` |" in md and "0.250 |" in md
     # the command line writes both files
