@@ -3,6 +3,8 @@ bootstrap intervals over questions and paired differences to full fine-tuning (`
 runs (`tempokern eval --run-out`) and the test folder's qrels.
 
     python benchmarks/timeqa_heldout_summary.py OUT            # writes OUT/summary.json and OUT/summary.md
+    python benchmarks/timeqa_heldout_summary.py OUT --commit   # also copies both to benchmarks/results/timeqa-heldout/
+                                                               # and rewrites the table in docs/benchmark-timeqa.md
 
 A row without a run file (an evaluation from before --run-out) keeps the numbers of its eval-<row>.json and gets
 no interval. The paired interval resamples the same questions for both rows (tempokern.suite.metrics).
@@ -23,6 +25,10 @@ ROWS = {"zero_shot": "all-MiniLM-L6-v2 as shipped", "ft": "full fine-tuning (CTD
         "re3": "Re³ (frozen backbone + time modules)"}
 BASELINE = "ft"
 METRICS = ("R@1", "MRR@10", "nDCG@10")
+#: where --commit puts the summary, and the document part it rewrites
+COMMITTED = Path("benchmarks") / "results" / "timeqa-heldout"
+DOC = Path("docs") / "benchmark-timeqa.md"
+BEGIN, END = "<!-- heldout-table:begin -->", "<!-- heldout-table:end -->"
 
 
 def _eval_row(doc: dict) -> dict:
@@ -126,6 +132,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", help="the folder timeqa_heldout.sh wrote")
     ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    ap.add_argument("--commit", action="store_true", help="also copy the summary to benchmarks/results/timeqa-heldout/ "
+                                                          "and rewrite the table in docs/benchmark-timeqa.md (run from "
+                                                          "the repository root)")
     a = ap.parse_args(argv)
     if not (Path(a.out) / "test" / "qrels" / "test.tsv").is_file():
         print(f"{a.out}: no test/qrels/test.tsv (run benchmarks/timeqa_heldout.sh {a.out} first)", file=sys.stderr)
@@ -136,6 +145,19 @@ def main(argv=None) -> int:
     md = markdown(s)
     atomic_write(Path(a.out) / "summary.md", md)
     print(md)
+    if a.commit:
+        if not DOC.is_file():
+            print(f"--commit: no {DOC} here (run from the repository root)", file=sys.stderr)
+            return 2
+        COMMITTED.mkdir(parents=True, exist_ok=True)
+        atomic_write(COMMITTED / "summary.json", json.dumps(s, indent=1) + "\n")
+        atomic_write(COMMITTED / "summary.md", md)
+        text = DOC.read_text(encoding="utf-8")
+        i, j = text.find(BEGIN), text.find(END)
+        if i < 0 or j < i:
+            print(f"--commit: {DOC} has no {BEGIN} ... {END} block", file=sys.stderr)
+            return 2
+        atomic_write(DOC, text[:i + len(BEGIN)] + "\n" + md + text[j:])
     return 0
 
 

@@ -80,3 +80,15 @@ def test_summary_reads_runs_and_pairs_against_ft(tmp_path):
 def test_summary_needs_the_test_folder(tmp_path, capsys):
     assert _module().main([str(tmp_path)]) == 2
     assert "no test/qrels/test.tsv" in capsys.readouterr().err
+
+
+def test_committed_heldout_table_is_current():
+    """docs/benchmark-timeqa.md shows the committed summary.md (timeqa_heldout_summary.py OUT --commit writes both)."""
+    md = ROOT / "benchmarks" / "results" / "timeqa-heldout" / "summary.md"
+    doc = (ROOT / "docs" / "benchmark-timeqa.md").read_text()
+    mod = _module()
+    block = doc[doc.index(mod.BEGIN) + len(mod.BEGIN):doc.index(mod.END)]
+    assert block.strip() == md.read_text().strip()
+    s = json.loads((md.parent / "summary.json").read_text())
+    assert mod.markdown(s) == md.read_text()
+    assert {"zero_shot", "ft", "ctd", "re3"} <= set(s["rows"]) and s["setup"]["test_queries"] == 145
