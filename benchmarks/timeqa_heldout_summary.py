@@ -25,7 +25,7 @@ ROWS = {"zero_shot": "all-MiniLM-L6-v2 as shipped", "ft": "full fine-tuning (CTD
         "re3": "Re³ (frozen backbone + time modules)"}
 BASELINE = "ft"
 METRICS = ("R@1", "MRR@10", "nDCG@10")
-#: where --commit puts the summary, and the document part it rewrites
+#: where --commit puts the summary (relative to the repository), and the document part it rewrites
 COMMITTED = Path("benchmarks") / "results" / "timeqa-heldout"
 DOC = Path("docs") / "benchmark-timeqa.md"
 BEGIN, END = "<!-- heldout-table:begin -->", "<!-- heldout-table:end -->"
@@ -133,8 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("out", help="the folder timeqa_heldout.sh wrote")
     ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (default 1000)")
     ap.add_argument("--commit", action="store_true", help="also copy the summary to benchmarks/results/timeqa-heldout/ "
-                                                          "and rewrite the table in docs/benchmark-timeqa.md (run from "
-                                                          "the repository root)")
+                                                          "and rewrite the table in docs/benchmark-timeqa.md")
     a = ap.parse_args(argv)
     if not (Path(a.out) / "test" / "qrels" / "test.tsv").is_file():
         print(f"{a.out}: no test/qrels/test.tsv (run benchmarks/timeqa_heldout.sh {a.out} first)", file=sys.stderr)
@@ -145,19 +144,21 @@ def main(argv=None) -> int:
     md = markdown(s)
     atomic_write(Path(a.out) / "summary.md", md)
     print(md)
-    if a.commit:
-        if not DOC.is_file():
-            print(f"--commit: no {DOC} here (run from the repository root)", file=sys.stderr)
+    if a.commit:   # run as a file (not from stdin): the repository is the one this script sits in
+        here = Path(__file__).resolve().parent
+        sys.path.insert(0, str(here))
+        from _markers import render_between   # the marker rewrite of the other table scripts
+        root = here.parent
+        doc = root / DOC
+        try:
+            text = render_between(doc.read_text(encoding="utf-8"), md.rstrip("\n"), BEGIN, END)
+        except ValueError as e:
+            print(f"--commit: {doc}: {e}", file=sys.stderr)
             return 2
-        COMMITTED.mkdir(parents=True, exist_ok=True)
-        atomic_write(COMMITTED / "summary.json", json.dumps(s, indent=1) + "\n")
-        atomic_write(COMMITTED / "summary.md", md)
-        text = DOC.read_text(encoding="utf-8")
-        i, j = text.find(BEGIN), text.find(END)
-        if i < 0 or j < i:
-            print(f"--commit: {DOC} has no {BEGIN} ... {END} block", file=sys.stderr)
-            return 2
-        atomic_write(DOC, text[:i + len(BEGIN)] + "\n" + md + text[j:])
+        (root / COMMITTED).mkdir(parents=True, exist_ok=True)
+        atomic_write(root / COMMITTED / "summary.json", json.dumps(s, indent=1) + "\n")
+        atomic_write(root / COMMITTED / "summary.md", md)
+        atomic_write(doc, text)
     return 0
 
 

@@ -1460,11 +1460,11 @@ def cmd_eval_re3(args) -> int:
     splits = _re3_splits(args, ds)
     from .training.re3 import re3_runs
     runs = re3_runs(model, ds, splits, base=args.base, no_time=args.no_time)
-    _write_run_out(args, {qid: scores for run in runs.values() for qid, scores in run.items()})
+    merged = {qid: scores for run in runs.values() for qid, scores in run.items()}   # every split's queries
+    _write_run_out(args, merged)
     rows, md = _re3_table(ds, model, splits, base=args.base, runs=runs)
     payload = {"method": "re3", "base": args.base, "rows": rows}
     if getattr(args, "recency", "none") != "none":      # the recency filter on the encoder's top-k (docs/re3.md)
-        merged = {qid: scores for run in runs.values() for qid, scores in run.items()}
         payload["recency"] = recency_postprocess(args, merged, ds)
         md += "\n\n" + recency_markdown(payload["recency"])
     print(md)

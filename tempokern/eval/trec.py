@@ -30,15 +30,16 @@ def write_run(run: Mapping[str, Mapping[str, float]], path, *, tag: str = "tempo
         raise ValueError(f"depth must be a positive int or None, got {depth!r}")
     if not isinstance(tag, str) or not tag or any(c.isspace() for c in tag):
         raise ValueError(f"tag must be a non-empty string without whitespace, got {tag!r}")
+    def check(name: str, v: str) -> str:
+        if not v or any(c.isspace() for c in v):
+            raise ValueError(f"a TREC run cannot hold the {name} {v!r} (empty or with whitespace)")
+        return v
+
     lines = []
     for qid in sorted(run, key=str):
-        q = str(qid)
+        q = check("query id", str(qid))
         for rank, doc in enumerate(rank_documents(run[qid], depth), start=1):
-            d = str(doc)
-            for name, v in (("query id", q), ("document id", d)):
-                if not v or any(c.isspace() for c in v):
-                    raise ValueError(f"a TREC run cannot hold the {name} {v!r} (empty or with whitespace)")
-            lines.append(f"{q} Q0 {d} {rank} {float(run[qid][doc]):.9g} {tag}")
+            lines.append(f"{q} Q0 {check('document id', str(doc))} {rank} {float(run[qid][doc]):.9g} {tag}")
     atomic_write(Path(path), "".join(line + "\n" for line in lines))
     return len(lines)
 
