@@ -755,7 +755,7 @@ def cmd_eval(args) -> int:
     md = markdown_table(rows, list(METRIC_KEYS) + ["queries"], name_key="name")
     recency = None
     if getattr(args, "recency", "none") != "none":
-        recency = recency_postprocess(args, _eval_run(model, ds, args), ds)
+        recency = recency_postprocess(args, run, ds)      # the ranking the table above is computed from
         md += "\n\n" + recency_markdown(recency)
     print(md)
     if args.out:
@@ -768,20 +768,6 @@ def cmd_eval(args) -> int:
         _atomic_write(out, json.dumps(payload, indent=1, default=str))
         _atomic_write(out.with_suffix(".md"), md + "\n")
     return 0
-
-
-def _eval_run(model, ds, args, depth: int = 100):
-    """``{qid: {doc_id: score}}`` of the evaluated queries (the same gallery and queries as evaluate_model)."""
-    from .training.data import queries_of
-    from .training.evaluate import gallery_of, score_topk
-    gallery = gallery_of(ds, neg=args.neg, ne=args.ne)
-    gids = [r.id for r in gallery]
-    queries = [q for q in queries_of(ds, args.split)
-               if not (args.drop_no_event and getattr(q, "pure_no_event", False))]
-    g_enc = model.encode([r.text for r in gallery], scorer=args.scorer)
-    vals, idx = score_topk(model, [q.text for q in queries], g_enc, depth, scorer=args.scorer)
-    return {q.id: {gids[j]: float(v) for j, v in zip(idx[i].tolist(), vals[i].tolist())}
-            for i, q in enumerate(queries)}
 
 
 def recency_postprocess(args, run, ds) -> dict:

@@ -549,7 +549,13 @@ def test_cli_eval_recency_postprocess(re2_model, monkeypatch, capsys):
     # a fixed run (the tiny model is untrained): q16's top 5 = two outdated forecasts, the gold, another day
     fixed = {"q16": {"fc-16-3": 5.0, "fc-16-1": 4.0, "obs-16": 3.0, "obs-17": 2.0, "fc-17-2": 1.0, "obs-1": 0.5},
              "q17": {"obs-17": 5.0, "obs-1": 4.0}}
-    monkeypatch.setattr(cli, "_eval_run", lambda model, ds, args: fixed)
+    import tempokern.training as training
+    real = training.evaluate_model
+
+    def fixed_run(model, ds, split, **kw):   # the table of the real ranking, the filter on the fixed one
+        table, _ = real(model, ds, split, **kw)
+        return table, fixed
+    monkeypatch.setattr(training, "evaluate_model", fixed_run)
     out = tmp / "e.json"
     base = ["eval", "--model", str(tmp / "run" / "best"), "--data", data, "--format", "re2", "--split", "test"]
     assert cli.main(base + ["--recency", "metadata", "--out", str(out)]) == 0
@@ -573,6 +579,20 @@ def test_cli_eval_recency_postprocess(re2_model, monkeypatch, capsys):
     assert rep["removed"] == 2 and rep["after"]["stale_rate"] == pytest.approx(1 / 5)
     assert cli.main(base + ["--recency", "rule", "--recency-k", "0"]) == 2
     assert "--recency-k must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_eval_recency_filters_the_evaluated_ranking(re2_model):
+    """Without a fixed run, the filter's "before" retrieval metrics are those of the table's own ranking."""
+    import tempokern.cli as cli
+    tmp, data = re2_model
+    out = tmp / "e2.json"
+    assert cli.main(["eval", "--model", str(tmp / "run" / "best"), "--data", data, "--format", "re2", "--split", "test",
+                     "--recency", "metadata", "--out", str(out)]) == 0
+    pay = json.loads(out.read_text())
+    row = next(r for r in pay["rows"] if r["name"] == "all")
+    before = pay["recency"]["retrieval"]["before"]
+    assert before["R@1"] == pytest.approx(row["R@1"]) and before["R@5"] == pytest.approx(row["R@5"])
+    assert before["MRR"] == pytest.approx(row["MRR"])
 
 
 def test_cli_search_recency_rule(re2_model, capsys):
