@@ -9,7 +9,8 @@
 #
 # Budget as the suite's full TimeQA run: 2 epochs of batch 32, 128 tokens, lr 5e-5 (LoRA 5e-4), mean pooling.
 # OUT/summary.json / summary.md: every row's metrics on the test split with 95% bootstrap intervals over questions
-# and paired differences to full fine-tuning (`ft`), from the rows' TREC runs (benchmarks/timeqa_heldout_summary.py).
+# and paired differences to full fine-tuning (`ft`) and LoRA fine-tuning (`lora`), from the rows' TREC runs
+# (benchmarks/timeqa_heldout_summary.py).
 set -euo pipefail
 out=${1:?usage: timeqa_heldout.sh OUT}
 mkdir -p "$out"

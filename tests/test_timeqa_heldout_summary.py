@@ -42,9 +42,11 @@ def test_summary_reads_runs_and_pairs_against_ft(tmp_path):
     ft = {"q0": {"d0": 0.9, "d1": 0.1}, "q1": {"d1": 0.8, "d0": 0.2}, "q2": {"d5": 0.9, "d2": 0.5},
           "q3": {"d5": 0.9, "d4": 0.5}}
     tmrl = {f"q{i}": {f"d{i}": 0.9, "d5": 0.1} for i in range(4)}
+    lora = {f"q{i}": {"d5": 0.9, f"d{i}": 0.1} for i in range(4)}     # gold second everywhere
     write_run(ft, out / "run-ft.trec")
     write_run(tmrl, out / "run-tmrl.trec")
-    for m in ("ft", "tmrl"):
+    write_run(lora, out / "run-lora.trec")
+    for m in ("ft", "tmrl", "lora"):
         (out / f"eval-{m}.json").write_text(json.dumps({"rows": [{"name": "all", "R@1": -1.0, "queries": 4}]}))
     # a row evaluated without --run-out: its eval json's numbers, no interval, no paired difference
     (out / "eval-zero_shot.json").write_text(json.dumps({"rows": [{"dim": 384, "R@1": 0.25, "MRR@10": 0.5,
@@ -56,7 +58,7 @@ def test_summary_reads_runs_and_pairs_against_ft(tmp_path):
                                                           (("step", 1), ("step", 2), ("eval", 9), ("step", 3))))
     s = mod.summarize(out, n_resamples=200)
     rows = s["rows"]
-    assert list(rows) == ["zero_shot", "ft", "tmrl"]
+    assert list(rows) == ["zero_shot", "ft", "lora", "tmrl"]
     assert s["setup"]["test_queries"] == 4 and s["setup"]["test_documents"] == 6
     assert rows["ft"]["R@1"]["mean"] == pytest.approx(0.5)           # read from the run, not the eval json
     assert rows["ft"]["nDCG@10"]["mean"] == pytest.approx((1 + 1 + 1 / __import__("math").log2(3) + 0) / 4)
@@ -67,10 +69,19 @@ def test_summary_reads_runs_and_pairs_against_ft(tmp_path):
     d = rows["tmrl"]["vs_ft"]["R@1"]
     assert d["delta"] == pytest.approx(0.5) and d["ci"][0] >= 0.0
     assert rows["zero_shot"]["R@1"] == {"mean": 0.25, "ci": None} and "vs_ft" not in rows["zero_shot"]
-    assert s["per_query"]["qids"] == ["q0", "q1", "q2", "q3"] and set(s["per_query"]) == {"qids", "ft", "tmrl"}
+    # the second baseline: every row with a run is paired against lora too (lora: R@1 0, nDCG@10 1/log2(3))
+    d = rows["tmrl"]["vs_lora"]["R@1"]
+    assert d["delta"] == pytest.approx(1.0) and d["ci"] == [pytest.approx(1.0), pytest.approx(1.0)]
+    assert rows["tmrl"]["vs_lora"]["nDCG@10"]["delta"] == pytest.approx(1 - 1 / __import__("math").log2(3))
+    assert "vs_lora" in rows["ft"] and "vs_lora" not in rows["lora"] and "vs_lora" not in rows["zero_shot"]
+    assert rows["lora"]["vs_ft"]["R@1"]["delta"] == pytest.approx(-0.5)
+    assert s["per_query"]["qids"] == ["q0", "q1", "q2", "q3"] and set(s["per_query"]) == {"qids", "ft", "tmrl", "lora"}
     assert s["per_query"]["ft"]["R@1"] == [1.0, 1.0, 0.0, 0.0]
     md = mod.markdown(s)
     assert "| `ft` |" in md and "(baseline)" in md and "| `zero_shot` |" in md and "0.250 |" in md
+    assert "Δ `lora` nDCG@10 |" in md
+    tm = next(line for line in md.splitlines() if line.startswith("| `tmrl` |"))
+    assert tm.count("|") == 9 and tm.endswith("+0.369 [+0.369, +0.369] * |")
     # the command line writes both files
     assert mod.main([str(out), "--bootstrap", "100"]) == 0
     assert json.loads((out / "summary.json").read_text())["rows"]["tmrl"]["R@1"]["mean"] == 1.0
@@ -91,4 +102,5 @@ def test_committed_heldout_table_is_current():
     assert block.strip() == md.read_text().strip()
     s = json.loads((md.parent / "summary.json").read_text())
     assert mod.markdown(s) == md.read_text()
-    assert {"zero_shot", "ft", "ctd", "re3"} <= set(s["rows"]) and s["setup"]["test_queries"] == 145
+    assert set(s["rows"]) == {"zero_shot", "ft", "lora", "tmrl", "ctd", "re3"} and s["setup"]["test_queries"] == 145
+    assert all("vs_ft" in r and "vs_lora" in r for m, r in s["rows"].items() if m not in ("ft", "lora"))
