@@ -542,3 +542,21 @@ def test_english_table_perturbed_sets_and_partial_seeds():
     # a row absent on a perturbed set gets n/a and no difference, not a made-up one
     bm = next(line for line in dep.splitlines() if line.startswith("| `bm25_ties_last`"))
     assert bm.split(" | ")[1:4] == ["0.300", "0.280", "-0.020"] and bm.rstrip(" |").endswith("n/a | n/a | —")
+
+
+def test_committed_english_table_is_current():
+    """docs/benchmark-english.md shows the table of the newest committed english-*.json (make_english_table.py
+    --write), and every set of the committed run has each registered seeded row on every seed the run names."""
+    import json
+    mod = _english_table_module()
+    src = mod.newest()
+    res = json.loads(src.read_text())
+    doc = mod.DOC.read_text()
+    block = doc[doc.index(mod.START) + len(mod.START):doc.index(mod.END)]
+    assert block.strip() == mod.table(res, src.relative_to(mod.ROOT)).strip()
+    seeds = res["setup"]["seeds"]
+    for s in ("A", "B", "C", "B-2date", "B-nopub"):
+        for sp, rows in res["results"][s].items():
+            for name, row in rows.items():
+                if res["methods"][name].get("seeded", True):
+                    assert row["seeds_run"] == seeds, (s, sp, name)
