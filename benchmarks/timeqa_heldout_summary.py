@@ -25,7 +25,7 @@ ROWS = {"zero_shot": "all-MiniLM-L6-v2 as shipped", "ft": "full fine-tuning (CTD
         "lora": "LoRA fine-tuning (full-dim InfoNCE)", "tmrl": "TMRL (LoRA)", "ctd": "full CTD",
         "re3": "Re³ (frozen backbone + time modules)"}
 BASELINE = "ft"
-#: the second baseline every row is also paired against (nDCG@10 and R@1 columns in the table)
+#: the second baseline every row is also paired against (every metric in summary.json; nDCG@10 in the table)
 SECOND = "lora"
 METRICS = ("R@1", "MRR@10", "nDCG@10")
 #: where --commit puts the summary (relative to the repository), and the document part it rewrites
@@ -128,14 +128,11 @@ def markdown(s: dict) -> str:
              "| row | what | steps | R@1 | nDCG@10 | Δ R@1 | Δ nDCG@10 |" + (f" Δ `{b2}` nDCG@10 |" if b2 else ""),
              "|---|---|---|---|---|---|---|" + ("---|" if b2 else "")]
     for m, r in s["rows"].items():
-        vs = r.get("vs_" + st["baseline"]) or {}
-        base = m == st["baseline"]
+        def vs(base, k):   # the row's paired difference to `base` on metric k
+            return "(baseline)" if m == base else _delta((r.get("vs_" + base) or {}).get(k))
         line = (f"| `{m}` | {r['what']} | {r['steps'] if r['steps'] is not None else '—'} | {_cell(r.get('R@1'))} | "
-                f"{_cell(r.get('nDCG@10'))} | {'(baseline)' if base else _delta(vs.get('R@1'))} | "
-                f"{'(baseline)' if base else _delta(vs.get('nDCG@10'))} |")
-        if b2:
-            line += " (baseline) |" if m == b2 else f" {_delta((r.get('vs_' + b2) or {}).get('nDCG@10'))} |"
-        lines.append(line)
+                f"{_cell(r.get('nDCG@10'))} | {vs(st['baseline'], 'R@1')} | {vs(st['baseline'], 'nDCG@10')} |")
+        lines.append(line + (f" {vs(b2, 'nDCG@10')} |" if b2 else ""))
     return "\n".join(lines) + "\n"
 
 
