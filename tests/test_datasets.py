@@ -160,6 +160,9 @@ def test_chunqiutr_format(tmp_path):
     assert d.record("v1").key == (1, 11, 11)
     assert [r.id for r in d.gallery(neg=False, ne=False)] == ["e1", "e2", "t1", "v1"]
     assert d.split("val").queries == [q["v"]] and len(d.split("val").records) == 6
+    assert d.queries_in("val") == [q["v"]] and d.queries_in("dev") == []   # an empty split is a list here...
+    with pytest.raises(ValueError, match="no queries in split 'dev'"):
+        d.split("dev")                                                        # ...and an error as a dataset
 
 
 @pytest.mark.parametrize("bad_rec, msg", [

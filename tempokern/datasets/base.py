@@ -136,9 +136,13 @@ class RetrievalDataset:
         """``{qid: {doc_id: rel}}`` of the (given or all) queries."""
         return {q.id: dict(q.gold) for q in (self.queries if queries is None else queries)}
 
+    def queries_in(self, name: str) -> List[Query]:
+        """The queries of split ``name`` (empty when the split has none)."""
+        return [q for q in self.queries if q.split == name]
+
     def split(self, name: str) -> "RetrievalDataset":
         """Same gallery, only the queries of split ``name``."""
-        qs = [q for q in self.queries if q.split == name]
+        qs = self.queries_in(name)
         if not qs:
             have = sorted({str(q.split) for q in self.queries})
             raise ValueError(f"dataset {self.name!r} has no queries in split {name!r}; splits: {have}")

@@ -220,7 +220,7 @@ def evaluate(scorer_or_index, dataset: RetrievalDataset, protocol: Union[str, Mo
         in_gallery = {r.id for r in gallery}
         minfo = info["modes"][mode.name] = {"gallery_size": len(gallery), "splits": {}}
         for split in splits:
-            qs = dataset.queries if split is None else [q for q in dataset.queries if q.split == split]
+            qs = dataset.queries if split is None else dataset.queries_in(split)
             kept, dropped_dq, dropped_nogold = [], 0, 0
             qrels: Dict[str, Dict[str, int]] = {}
             for q in qs:

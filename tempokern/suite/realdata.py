@@ -56,7 +56,7 @@ class RealSet:
                 f"gallery, {len(self.train_rows)} train rows, eval {self.eval_splits})")
 
     def queries(self, split: str) -> List[Query]:
-        return [q for q in self.dataset.queries if q.split == split]
+        return self.dataset.queries_in(split)
 
 
 def _digest(obj) -> str:

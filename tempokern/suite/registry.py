@@ -285,7 +285,7 @@ class SuiteContext:
         return recipe if self.budget.hard_negatives is None else int(self.budget.hard_negatives)
 
     def queries(self, split: str):
-        return [q for q in self.dataset.queries if q.split == split]
+        return self.dataset.queries_in(split)
 
     def train_rows(self):
         """The set's TrainRows, cut to ``budget.max_train_rows`` by a seeded shuffle (the same rows

@@ -33,7 +33,7 @@ def check_split(split: str, dataset=None, *, allow_all: bool = True) -> str:
 
 def queries_of(dataset, split: str):
     check_split(split, dataset)
-    return list(dataset.queries) if split == "all" else [q for q in dataset.queries if q.split == split]
+    return list(dataset.queries) if split == "all" else dataset.queries_in(split)
 
 
 def block_split_of_rank(rank: int, block: int = 3, period: int = 6, val: int = 2, test: int = 5) -> str:

@@ -610,7 +610,7 @@ def re3_runs(model, dataset, splits: Sequence[str], *, depth: int = 100, batch_s
     k = min(depth, len(recs))
     runs = {}
     for split in splits:
-        qs = [q for q in dataset.queries if q.split == split]
+        qs = dataset.queries_in(split)
         if not qs:
             runs[split] = {}
             continue

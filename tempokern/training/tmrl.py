@@ -694,7 +694,7 @@ def train_tmrl(model, rows, config: Optional[TMRLConfig] = None, out_dir=None, *
 def _split_queries(dataset, split: str):
     if split == "all":
         return list(dataset.queries)
-    qs = [q for q in dataset.queries if q.split == split]
+    qs = dataset.queries_in(split)
     if not qs and all(q.split is None for q in dataset.queries):
         return list(dataset.queries)     # a set without splits (e.g. one BEIR qrels file)
     if not qs:

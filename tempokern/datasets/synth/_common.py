@@ -58,7 +58,7 @@ class SynthSet:
                 f"{self.info.get('size')})")
 
     def queries(self, split: str) -> List[Query]:
-        return [q for q in self.dataset.queries if q.split == split]
+        return self.dataset.queries_in(split)
 
 
 # ---- text -----------------------------------------------------------------------------------------
