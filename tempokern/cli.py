@@ -1001,6 +1001,9 @@ def _tmrl_args(p):
     g.add_argument("--dims", nargs="+", type=int, default=None,
                    help="nested Matryoshka dims, increasing (default: powers of two from H/16 up, and H)")
     g.add_argument("--t", type=int, default=None, help="temporal-subspace size (default: the smallest dim)")
+    g.add_argument("--t-ratio", default=None, metavar="R|NAME",
+                   help="temporal-subspace size as a share of the full dim instead of --t: t = round(R x dim), "
+                        "R in (0, 1], or paper_timeqa (TMRL Table 6's TimeQA choice, 128/768: t = 64 at 384 dims)")
     g.add_argument("--alpha", type=float, default=0.1, help="weight of L_Temp (default 0.1)")
     g.add_argument("--beta", type=float, default=0.1, help="weight of L_Dist (default 0.1)")
     g.add_argument("--gamma", type=float, default=0.1, help="weight of L_CKA (default 0.1)")
@@ -1043,6 +1046,16 @@ def _validate_tmrl(args) -> None:
         raise CLIError(f"--method tmrl trains on --dataset synth-a|synth-b|synth-c|timeqa (their training rows) or "
                        f"on --data PATH with --format {' or '.join(TMRL_FORMATS + TMRL_RETRIEVAL_FORMATS)}")
     _positive(args, "t", "distill_k", "lora_r", "mini_batch_size", "max_rows", "mine_negatives")
+    if getattr(args, "t_ratio", None) is not None:
+        from .training.tmrl import T_RATIOS, t_from_ratio
+        if args.t is not None:
+            raise CLIError("give --t or --t-ratio, not both")
+        try:
+            args.t_ratio = args.t_ratio if args.t_ratio in T_RATIOS else float(args.t_ratio)
+            t_from_ratio(args.t_ratio, 1 << 20)
+        except ValueError:
+            raise CLIError(f"--t-ratio must be a number in (0, 1] or one of {', '.join(sorted(T_RATIOS))}, "
+                           f"got {args.t_ratio!r}") from None
     _positive(args, "num_hard_negatives", "negative_queries", minimum=0)
     if getattr(args, "mrl_anchor", "query") == "passage" and args.negative_queries < 1:
         raise CLIError("--mrl-anchor passage needs --negative-queries >= 1 (the negative queries are the "
@@ -1127,7 +1140,14 @@ def build_tmrl_model(args, rows):
     H = (backbone.config.hidden_size if args.backbone == "tiny"
          else AutoConfig.from_pretrained(backbone).hidden_size)
     dims = tuple(args.dims) if args.dims else default_dims(H)
-    t = args.t if args.t is not None else dims[0]
+    if getattr(args, "t_ratio", None) is not None:
+        from .training.tmrl import t_from_ratio
+        try:
+            t = t_from_ratio(args.t_ratio, dims[-1])
+        except ValueError as e:
+            raise CLIError(f"--t-ratio: {e}") from None
+    else:
+        t = args.t if args.t is not None else dims[0]
     return TMRLEncoder(backbone, dims=dims, t=t, **kw)
 
 
@@ -1151,14 +1171,18 @@ def cmd_train_tmrl(args) -> int:
                      cache_embeddings=args.cache_embeddings,
                      mini_batch_size=args.mini_batch_size, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
                      progress=args.progress).validate()
-    res = train_tmrl(model, rows, cfg, args.out, resume=args.resume, device=args.device)
+    res = train_tmrl(model, rows, cfg, args.out, resume=args.resume, device=args.device,
+                     log=lambda m: print(f"tempokern train: {m}", file=sys.stderr, flush=True))
     rank, _ = dist_info()
     if rank == 0:
         out = Path(args.out)
         model.merge_lora().save(out / "best")     # LoRA folded in (T10); the projector is kept, optional at load
         summary = {"method": "tmrl", "variant": cfg.variant, "rows": len(rows), "steps": res.steps,
                    "final_loss": res.final_loss, "seconds": round(res.seconds, 1), "dims": list(model.dims),
-                   "t": model.t, "model": str(out / "best")}
+                   "t": model.t, "t_ratio": getattr(args, "t_ratio", None), "model": str(out / "best"),
+                   "negative_query_coverage": res.coverage,
+                   "grad_ratio_first": (res.first_diagnostics or {}).get("grad_ratio"),
+                   "grad_ratio_last": (res.diagnostics or {}).get("grad_ratio")}
         print(json.dumps(summary, ensure_ascii=False))
     return 0
 

@@ -144,7 +144,10 @@ def test_twenty_steps_decrease_every_loss_term(rows, tmp_path):
         last = sum(h[k] for h in steps[-5:]) / 5
         assert last < first, (k, first, last)
     logged = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert len(logged) == 20 and set(keys) <= set(logged[0])
+    logged_steps = [e for e in logged if e["event"] == "step"]
+    assert len(logged_steps) == 20 and set(keys) <= set(logged_steps[0])
+    # besides the steps: the data's negative-query coverage, and the gradient diagnostics of steps 1 and 20
+    assert [e["event"] for e in logged if e["event"] != "step"] == ["data", "grad_diagnostics", "grad_diagnostics"]
     assert (tmp_path / "last" / "trainer_state.pt").exists()
 
 
@@ -554,6 +557,8 @@ def test_grad_diagnostics_against_hand_gradients():
     assert d["grad_norm_total"] == pytest.approx(float(tot.norm()))
     assert d["aux_grad_ratio"] == pytest.approx(float(aux.norm() / tot.norm()))
     assert d["aux_grad_cos"] == pytest.approx(float(aux @ tot / (aux.norm() * tot.norm())))
+    assert d["grad_ratio"]["temp"] == pytest.approx(float(gy_tot.norm() / tot.norm()))
+    assert d["grad_ratio"]["dist"] == pytest.approx(float(aux.norm() / tot.norm())) and d["grad_ratio"]["cka"] == 0.0
     assert d["weighted_terms"]["temp"] == pytest.approx(float(3 * y.detach().sum()))
     assert x.grad is None and y.grad is None                         # nothing accumulated
 

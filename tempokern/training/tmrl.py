@@ -41,7 +41,7 @@ from ..eval import retrieval_metrics
 from ..nn import TMRLLoss
 
 __all__ = ["TMRLConfig", "TMRLTrainer", "TMRLResult", "TMRL_VARIANTS", "train_tmrl", "variant_weights", "runs_by_dim",
-           "evaluate_dims"]
+           "evaluate_dims", "T_RATIOS", "t_from_ratio", "negative_query_coverage"]
 
 #: the rows of the paper's comparison: which loss terms each trains
 TMRL_VARIANTS = ("zero_shot", "lora", "mrl", "tmrl_noaux", "tmrl")
@@ -53,11 +53,53 @@ MRL_ANCHORS = ("query", "passage")
 AUX_SCALES = ("mean", "literal")
 #: the paper's LoRA "scaling factor 4" (§A.2) as peft's lora_alpha / r
 LORA_SCALING = 4.0
+#: named temporal-subspace ratios t / d (``t_from_ratio``). ``paper_timeqa``: TMRL Table 6's TimeQA column
+#: uses t = 128 for four of its six encoders, all 768-dim (contriever, nomic, bge, gte1.5): 128 / 768 = 16.7 %
+#: (the other two: gte t = 64 of 768, 8.3 %; bge-m3 t = 128 of 1024, 12.5 %). On d = 384 it gives t = 64.
+T_RATIOS = {"paper_timeqa": 128 / 768}
+
+
+def t_from_ratio(ratio, dim: int) -> int:
+    """The temporal-subspace size at ``ratio`` of the full embedding dim: ``t = round(ratio * dim)``, halves
+    rounded up. ``ratio``: a number in (0, 1] or a name of :data:`T_RATIOS`. The result must be >= 1."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        raise ValueError(f"dim must be a positive int, got {dim!r}")
+    name = ratio if isinstance(ratio, str) else None
+    if name is not None:
+        if name not in T_RATIOS:
+            raise ValueError(f"t_ratio must be a number in (0, 1] or one of {sorted(T_RATIOS)}, got {ratio!r}")
+        ratio = T_RATIOS[name]
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) \
+            or not 0 < ratio <= 1:
+        raise ValueError(f"t_ratio must be a number in (0, 1] or one of {sorted(T_RATIOS)}, got {ratio!r}")
+    t = int(math.floor(ratio * dim + 0.5))
+    if t < 1:
+        raise ValueError(f"t_ratio {ratio!r} of dim {dim} rounds to t = 0; the temporal subspace needs t >= 1")
+    return t
+
+
+def negative_query_coverage(rows, per_step: Optional[int] = None) -> dict:
+    """How many training rows can take part in L_Temp: ``rows``, ``with_negative_queries`` (rows with at
+    least one), their ``share``, the ``mean`` count per row and the ``max``; with ``per_step`` (the
+    config's negative_queries) also ``mean_used``, the mean of min(count, per_step): the negative queries a
+    row contributes per step. A row without one leaves L_Temp (its passage has nothing to contrast)."""
+    rows = list(rows.rows if isinstance(rows, TMRLData) else rows)
+    counts = [len(r.negative_queries) for r in rows]
+    n = len(counts)
+    k = sum(c > 0 for c in counts)
+    out = {"rows": n, "with_negative_queries": k, "share": k / n if n else 0.0,
+           "mean": sum(counts) / n if n else 0.0, "max": max(counts, default=0)}
+    if per_step is not None:
+        out["per_step"] = int(per_step)
+        out["mean_used"] = sum(min(c, per_step) for c in counts) / n if n else 0.0
+    return out
 
 
 @dataclass
 class TMRLConfig:
-    """Training options. dims / t: None = the model's own. alpha, beta, gamma: weights of L_Temp, L_Dist,
+    """Training options. dims / t: None = the model's own. t_ratio (instead of t): the temporal subspace as a
+    share of the full dim, t = round(t_ratio * dims[-1]) (:func:`t_from_ratio`; a number in (0, 1] or a name of
+    :data:`T_RATIOS`, e.g. "paper_timeqa"); the model's projector must have that t. alpha, beta, gamma: weights of L_Temp, L_Dist,
     L_CKA (Eq. 15; the variant may zero them, :func:`variant_weights`). hard_negatives / negative_queries:
     per row and step, drawn from the row's lists (fewer when a row has fewer). lora_*: used when the CLI
     builds the model (the trainer trains whatever the model has trainable). cache_embeddings: GradCache
@@ -78,6 +120,7 @@ class TMRLConfig:
     variant: str = "tmrl"
     dims: Optional[Tuple[int, ...]] = None
     t: Optional[int] = None
+    t_ratio: Optional[object] = None
     alpha: float = 0.1
     beta: float = 0.1
     gamma: float = 0.1
@@ -127,6 +170,10 @@ class TMRLConfig:
                 raise ValueError(f"dims must be strictly increasing, got {self.dims!r}")
         if self.t is not None and (isinstance(self.t, bool) or not isinstance(self.t, int) or self.t < 1):
             raise ValueError(f"t must be None or a positive int, got {self.t!r}")
+        if self.t_ratio is not None:
+            if self.t is not None:
+                raise ValueError(f"give t or t_ratio, not both (t={self.t!r}, t_ratio={self.t_ratio!r})")
+            t_from_ratio(self.t_ratio, 1 << 20)      # the ratio's own checks (name or number in (0, 1])
         for name in ("epochs", "batch_size", "grad_accum", "mini_batch_size", "distill_k", "lora_r"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "epochs" else 1):
@@ -196,7 +243,7 @@ def variant_weights(cfg: TMRLConfig, model) -> Tuple[Tuple[int, ...], int, float
     """(dims, t, alpha, beta, gamma) a variant trains: lora = full-dim InfoNCE only; mrl = all dims,
     alpha = beta = gamma = 0; tmrl_noaux = beta = gamma = 0; tmrl = the config's weights."""
     dims = tuple(cfg.dims) if cfg.dims is not None else tuple(model.dims)
-    t = cfg.t if cfg.t is not None else model.t
+    t = cfg.t if cfg.t is not None else t_from_ratio(cfg.t_ratio, dims[-1]) if cfg.t_ratio is not None else model.t
     H = model.hidden_size
     if dims[-1] > H:
         raise ValueError(f"dims {dims} exceed the model's hidden size {H}")
@@ -225,6 +272,10 @@ class TMRLResult:
     #: gradient diagnostics of the run's last optimizer step (its last micro-batch), see
     #: :meth:`TMRLTrainer.grad_diagnostics`; None when no step ran or the loss is not a TMRLLoss
     diagnostics: Optional[dict] = None
+    #: the same at the run's first optimizer step (its first micro-batch; kept across a resume)
+    first_diagnostics: Optional[dict] = None
+    #: :func:`negative_query_coverage` of the training rows, with ``used`` (whether a term reads them)
+    coverage: Optional[dict] = None
 
 
 class _RandState:
@@ -288,6 +339,7 @@ class TMRLTrainer:
                                mrl_anchor=self.cfg.mrl_anchor, aux_scale=self.cfg.aux_scale)
         self.loss_fn = loss_fn
         self.last_diagnostics: Optional[dict] = None
+        self._first_diagnostics: Optional[dict] = None
         #: also measure the exact ratio on the backbone's trainable parameters (LoRA adapters; not the
         #: projector) at the diagnosed step: two extra encoder backward passes, so off by default
         self.diagnose_params = False
@@ -437,6 +489,36 @@ class TMRLTrainer:
     def can_diagnose(self) -> bool:
         return isinstance(self.loss_fn, TMRLLoss)
 
+    def coverage(self) -> dict:
+        """:func:`negative_query_coverage` of the training rows at the config's negative_queries, and
+        ``used``: whether a loss term reads the negative queries (alpha > 0, or the passage-anchored L_MRL)."""
+        cov = negative_query_coverage(self.rows, self.cfg.negative_queries)
+        cov["used"] = bool((self.alpha > 0 and self.cfg.negative_queries > 0) or self.passage_anchor)
+        return cov
+
+    def describe_coverage(self, cov: dict) -> str:
+        """The log line of :meth:`coverage`."""
+        line = (f"tmrl[{self.cfg.variant}] training rows: {cov['rows']}; with >= 1 negative query: "
+                f"{cov['with_negative_queries']} ({100 * cov['share']:.1f}%); negative queries per row: mean "
+                f"{cov['mean']:.2f}, max {cov['max']}, used per step up to {cov['per_step']} (mean "
+                f"{cov['mean_used']:.2f})")
+        if not cov["used"]:
+            return line + "; not used (alpha = 0: no L_Temp)"
+        if cov["rows"] and cov["share"] < 1 and not self.passage_anchor:
+            line += (f"; L_Temp (alpha {self.alpha:g}) skips the {cov['rows'] - cov['with_negative_queries']} rows "
+                     f"without one")
+        return line
+
+    @staticmethod
+    def describe_diagnostics(d: dict) -> str:
+        """The log line of :meth:`grad_diagnostics` at an optimizer step."""
+        r = d.get("grad_ratio") or {}
+        terms = ", ".join(f"{k} {v:.4g}" for k, v in r.items() if v is not None)
+        aux = d.get("aux_grad_ratio")
+        return (f"gradient of each weighted term at step {d.get('step')} (embedding space, "
+                f"||grad term|| / ||grad L||): {terms}; beta L_Dist + gamma L_CKA together "
+                f"{'n/a' if aux is None else f'{100 * aux:.2f}%'}")
+
     @staticmethod
     def grad_diagnostics(terms: dict, inputs: Sequence[torch.Tensor]) -> dict:
         """How much each weighted loss term pushes the step's embeddings: the gradients of alpha L_Temp,
@@ -444,7 +526,9 @@ class TMRLTrainer:
         and temporal representations), from the loss graph only (no encoder backward).
 
         ``aux_grad_ratio = ||grad(beta L_Dist + gamma L_CKA)|| / ||grad L_total||`` and ``aux_grad_cos`` (the
-        cosine of the two) in embedding space. It is a proxy for the same ratio on the LoRA parameters:
+        cosine of the two) in embedding space; ``grad_ratio[term] = ||grad(weighted term)|| / ||grad L_total||``
+        for each term (mrl, temp, dist, cka; the terms' gradients are not orthogonal, so these need not sum
+        to 1). It is a proxy for the same ratio on the LoRA parameters:
         those gradients are J^T g with the one Jacobian J = d(embeddings)/d(parameters) shared by every
         term, so the two ratios agree up to how J stretches the two directions (exactly when J^T J is a
         multiple of the identity on them); the exact parameter ratio needs one more encoder backward per
@@ -464,6 +548,7 @@ class TMRLTrainer:
         aux = flat["dist"] + flat["cka"] if "dist" in flat and "cka" in flat else torch.zeros(n, dtype=torch.float64)
         tn, an = float(total.norm()), float(aux.norm())
         out = {"space": "embeddings", "grad_norm": {k: float(v.norm()) for k, v in flat.items()},
+               "grad_ratio": {k: float(v.norm()) / tn if tn > 0 else None for k, v in flat.items()},
                "grad_norm_total": tn, "grad_norm_aux": an,
                "aux_grad_ratio": an / tn if tn > 0 else None,
                "aux_grad_cos": float(aux @ total) / (an * tn) if an > 0 and tn > 0 else None,
@@ -551,6 +636,7 @@ class TMRLTrainer:
         state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                  "scaler": scaler.state_dict() if scaler is not None else None, "epoch": epoch, "step": step,
                  "history": history, "config": asdict(self.cfg), "torch_rng": torch.get_rng_state(),
+                 "first_diagnostics": self._first_diagnostics,
                  "py_rng": random.getstate()}
         buf = io.BytesIO()
         torch.save(state, buf)
@@ -591,6 +677,7 @@ class TMRLTrainer:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _linear_warmup(total, int(cfg.warmup_ratio * total)))
         amp_dtype, scaler = _amp_setup(cfg.amp, self.device)
         start_epoch, step, history = 0, 0, []
+        self._first_diagnostics = None
         if resume:
             if self.out is None:
                 raise ValueError("resume needs the output directory of the interrupted run (out_dir)")
@@ -605,6 +692,7 @@ class TMRLTrainer:
             if scaler is not None and st.get("scaler"):
                 scaler.load_state_dict(st["scaler"])
             start_epoch, step, history = st["epoch"] + 1, st["step"], st["history"]
+            self._first_diagnostics = st.get("first_diagnostics")
             torch.set_rng_state(st["torch_rng"])
             random.setstate(st["py_rng"])
             self.log(f"resumed from {last} at epoch {start_epoch}, step {step}")
@@ -612,6 +700,18 @@ class TMRLTrainer:
         if self.out is not None and self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             logf = open(self.out / "log.jsonl", "a")
+        coverage = self.coverage()
+        self.log(self.describe_coverage(coverage))
+        if logf:
+            logf.write(json.dumps({"event": "data", "variant": cfg.variant, "step": step,
+                                   "negative_query_coverage": coverage}) + "\n")
+            logf.flush()
+
+        def diag_record(d):
+            self.log(self.describe_diagnostics(d))
+            if logf:
+                logf.write(json.dumps({"event": "grad_diagnostics", "variant": cfg.variant, **d}) + "\n")
+                logf.flush()
         t0 = time.time()
         last_loss = None
         self.last_diagnostics, diagnostics = None, None
@@ -631,10 +731,17 @@ class TMRLTrainer:
                     ends_step = not (bi + 1) % cfg.grad_accum or bi + 1 == len(batches)
                     final = ends_step and ((cfg.max_steps is not None and step + 1 >= cfg.max_steps)
                                            or (epoch == last_epoch and bi + 1 == len(batches)))
+                    first = step == 0 and bi == 0      # the run's first micro-batch
+                    self.last_diagnostics = None
                     loss, parts = self.backward_batch(batch, scale=1.0 / cfg.grad_accum, scaler=scaler,
-                                                      amp_dtype=amp_dtype, diagnose=final)
+                                                      amp_dtype=amp_dtype, diagnose=final or first)
+                    if first and self.last_diagnostics is not None:
+                        self._first_diagnostics = {"step": 1, "epoch": epoch, **self.last_diagnostics}
+                        diag_record(self._first_diagnostics)
                     if final and self.last_diagnostics is not None:
                         diagnostics = {"step": step + 1, "epoch": epoch, **self.last_diagnostics}
+                        if not first:
+                            diag_record(diagnostics)
                     for k, v in parts.items():
                         if isinstance(v, torch.Tensor) and v.numel() == 1:
                             acc[k] = acc.get(k, 0.0) + float(v)
@@ -679,7 +786,7 @@ class TMRLTrainer:
             if logf:
                 logf.close()
         model.eval()
-        return TMRLResult(step, history, last_loss, time.time() - t0, diagnostics)
+        return TMRLResult(step, history, last_loss, time.time() - t0, diagnostics, self._first_diagnostics, coverage)
 
 
 def train_tmrl(model, rows, config: Optional[TMRLConfig] = None, out_dir=None, *, resume: bool = False,
