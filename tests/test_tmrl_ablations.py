@@ -240,3 +240,35 @@ def test_ablation_rows_run_on_a_beir_folder(tmp_path, folder, backbone64):
     assert info["tmrl_noaux"]["final_parts"]["temp"] > 0 and info["tmrl_noaux"]["t"] == 32
     assert info["tmrl_t17"]["t"] == 11 and info["tmrl_t17"]["t_ratio"] == "paper_timeqa"
     assert info["tmrl_t17"]["final_parts"]["dist"] > 0
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------------
+
+def test_cli_t_ratio_and_coverage_line(rows, tmp_path, capsys):
+    from tempokern.cli import main
+    from tempokern.models import TMRLEncoder
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"query": r.query, "positive_passages": [{"text": r.positive}],
+                                          "negative_passages": [{"text": t} for t in r.hard_negatives],
+                                          "negative_queries": r.negative_queries[:i % 2 * 2]})
+                              for i, r in enumerate(rows)) + "\n")
+    base = ["train", "--method", "tmrl", "--data", str(data), "--format", "tevatron", "--out", str(tmp_path / "run"),
+            "--epochs", "1", "--batch-size", "6", "--max-steps", "2", "--tiny-hidden", "32", "--tiny-layers", "1",
+            "--max-length", "48", "--no-progress", "--dims", "8", "16", "32", "--alpha", "0.25"]
+    assert main(base + ["--t-ratio", "0.25"]) == 0
+    cap = capsys.readouterr()
+    summary = json.loads(cap.out.strip().splitlines()[-1])
+    assert summary["t"] == 8 and summary["t_ratio"] == 0.25
+    assert TMRLEncoder.load(tmp_path / "run" / "best").t == 8
+    cov = summary["negative_query_coverage"]
+    assert cov["rows"] == 30 and cov["with_negative_queries"] == 15 and cov["share"] == 0.5 and cov["mean"] == 1.0
+    assert set(summary["grad_ratio_first"]) == {"mrl", "temp", "dist", "cka"}
+    assert "with >= 1 negative query: 15 (50.0%)" in cap.err and "gradient of each weighted term at step 1" in cap.err
+    # paper_timeqa on 32 dims: round(5.33) = 5
+    assert main(base[:base.index("--out") + 1] + [str(tmp_path / "run2")] + base[base.index("--out") + 2:]
+                + ["--t-ratio", "paper_timeqa"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["t"] == 5
+    for extra, msg in ((["--t-ratio", "0.25", "--t", "8"], "--t or --t-ratio"), (["--t-ratio", "2"], "--t-ratio"),
+                       (["--t-ratio", "sixth"], "paper_timeqa"), (["--t-ratio", "0.001"], "rounds to t = 0")):
+        assert main(base + extra) == 2, extra
+        assert msg in capsys.readouterr().err, extra
