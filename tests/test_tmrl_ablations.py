@@ -186,7 +186,7 @@ def test_resume_keeps_the_first_step_diagnostics(rows, tmp_path):
 def test_ablation_rows_register_on_the_real_sets():
     import tempokern.suite.methods.tmrl  # noqa: F401  (registers the rows)
     from tempokern.suite import get_method
-    for name in ("mrl", "tmrl_noaux", "tmrl_t17", "lora", "tmrl"):
+    for name in ("mrl", "tmrl_noaux", "tmrl_t17", "tmrl_1expr", "lora", "tmrl"):
         m = get_method(name)
         assert {"timeqa", "data"} <= set(m.sets), name
     assert not get_method("mrl").in_quick and not get_method("tmrl_t17").in_quick and get_method("tmrl").in_quick
@@ -215,7 +215,7 @@ def test_ablation_rows_run_on_a_beir_folder(tmp_path, folder, backbone64):
     pytest.importorskip("bm25s")
     from tempokern.suite import Budget
     from tempokern.suite.runner import run_suite, unit_path
-    names = ["mrl", "tmrl_noaux", "tmrl_t17"]
+    names = ["mrl", "tmrl_noaux", "tmrl_t17", "tmrl_1expr"]
     budget = Budget(epochs=1, max_length=48, batch_size=8, lr=1e-3, hard_negatives=1)
     res = run_suite(tmp_path, suite="data", data_dir=str(folder), quick=True, methods=names, backbone_path=backbone64,
                     budget=budget, progress=False, log=lambda m: None, n_resamples=50, plots=False)
@@ -240,6 +240,10 @@ def test_ablation_rows_run_on_a_beir_folder(tmp_path, folder, backbone64):
     assert info["tmrl_noaux"]["final_parts"]["temp"] > 0 and info["tmrl_noaux"]["t"] == 32
     assert info["tmrl_t17"]["t"] == 11 and info["tmrl_t17"]["t_ratio"] == "paper_timeqa"
     assert info["tmrl_t17"]["final_parts"]["dist"] > 0
+    # tmrl_1expr: every positive of the folder is one sentence stating its own years ("whole"); the counts say so
+    oe = info["tmrl_1expr"]["one_expression"]
+    assert sum(oe["positives"].values()) == 20 and oe["positives"]["whole"] == 20
+    assert info["mrl"]["one_expression"] is None
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------------
@@ -272,3 +276,55 @@ def test_cli_t_ratio_and_coverage_line(rows, tmp_path, capsys):
                        (["--t-ratio", "sixth"], "paper_timeqa"), (["--t-ratio", "0.001"], "rounds to t = 0")):
         assert main(base + extra) == 2, extra
         assert msg in capsys.readouterr().err, extra
+
+
+# ---- one date expression per passage ---------------------------------------------------------------------------
+
+PARA = ("Ann Lee is a footballer . In 1995 , she joined Rovers . She moved to City in 2001 and played there "
+        "until 2004 . She retired .")
+
+
+def test_one_expression_text_cases():
+    from tempokern.datasets.tmrl import one_expression_text
+    t, sp, how = one_expression_text(PARA, [(2001, 2002)])
+    assert (t, how) == ("She moved to City in 2001 and played there until 2004 .", "cut") and t[sp[0]:sp[1]] == "in 2001"
+    t, sp, how = one_expression_text(PARA, [(1995, 1995)])
+    assert (t, how) == ("In 1995 , she joined Rovers .", "cut") and t[sp[0]:sp[1]] == "In 1995"
+    # preference order: the first interval that any expression overlaps wins, not the first expression
+    t, sp, _ = one_expression_text(PARA, [(2004, 2004), (1995, 1995)])
+    assert t.startswith("She moved to City") and t[sp[0]:sp[1]] == "until 2004"
+    assert one_expression_text(PARA, [(2003, 2003), (1995, 1995)])[0] == "In 1995 , she joined Rovers ."   # no 2003
+    assert one_expression_text(PARA, None)[0] == "In 1995 , she joined Rovers ."        # the first dated one
+    t, sp, how = one_expression_text(PARA, [(2001, 2001)], window=1)
+    assert t == PARA[PARA.index("In 1995"):] and t[sp[0]:sp[1]] == "in 2001" and how == "cut"
+    assert one_expression_text(PARA, [(1980, 1981)]) == (PARA, None, "no_match")
+    assert one_expression_text("No dates here .", None) == ("No dates here .", None, "undated")
+    assert one_expression_text("In 1995 she joined .", [(1995, 1995)]) == ("In 1995 she joined .", (0, 7), "whole")
+    with pytest.raises(ValueError, match="window"):
+        one_expression_text(PARA, None, window=-1)
+
+
+def test_one_expression_rows_counts_and_spans():
+    from tempokern.datasets.tmrl import TMRLData, one_expression_rows
+    from tempokern.datasets.base import LoadReport
+    rows = [TMRLRow("Which team did Ann Lee join from 2001 to 2003?", PARA, hard_negatives=[PARA, "Undated text ."],
+                    negative_queries=["Which team did Ann Lee join in 1995?"], query_id="a"),
+            TMRLRow("The player who joined Rovers in 1995 played for which team from 2002 to 2004?", PARA,
+                    query_id="b"),
+            TMRLRow("Which team did Ann Lee join in 1970?", PARA, query_id="c"),
+            TMRLRow("Which team did Ann Lee join?", "She is a footballer .", query_id="d")]
+    out, counts = one_expression_rows(TMRLData(rows, LoadReport()), window=0)
+    assert isinstance(out, TMRLData) and len(out.rows) == 4
+    a, b, c, d = out.rows
+    assert a.positive == "She moved to City in 2001 and played there until 2004 ."
+    assert [a.positive[s:e] for s, e in a.positive_spans] == ["in 2001"]
+    assert b.positive == a.positive                         # the question's last time (2002-2004), not its 1995
+    assert c.positive == PARA and c.positive_spans is None and c.meta["one_expression"] == "no_match"
+    assert d.positive == "She is a footballer ." and d.meta["one_expression"] == "undated"
+    assert a.hard_negatives == ["In 1995 , she joined Rovers .", "Undated text ."]
+    assert a.hard_negative_spans[0] == [(0, 7)] and a.hard_negative_spans[1] is None
+    assert a.query == rows[0].query and a.negative_queries == rows[0].negative_queries
+    assert counts == {"positives": {"cut": 2, "whole": 0, "no_match": 1, "undated": 1},
+                      "hard_negatives": {"cut": 1, "whole": 0, "no_match": 0, "undated": 1}}
+    plain, _ = one_expression_rows(rows, negatives=False)
+    assert isinstance(plain, list) and plain[0].hard_negatives == rows[0].hard_negatives

@@ -36,7 +36,7 @@ from .base import DataFormatError, LoadReport, _check_on_error, handle, read_jso
 
 __all__ = ["TMRLRow", "TMRLData", "load_temporal_contrastive", "load_tevatron_jsonl", "rows_from_synth",
            "rows_from_train_rows", "mine_hard_negatives", "mine_negative_queries", "rows_from_dataset",
-           "QUERY_TYPES", "ALLEN_RELATIONS", "Spans"]
+           "one_expression_text", "one_expression_rows", "QUERY_TYPES", "ALLEN_RELATIONS", "Spans"]
 
 Spans = Optional[List[Tuple[int, int]]]
 
@@ -481,3 +481,108 @@ def rows_from_dataset(ds, split: str = "train", *, hard_negatives: int = 4, nega
     if negative_queries > 0:
         data = mine_negative_queries(data, negative_queries)
     return data
+
+
+# ---- one date expression per passage (the paper's training passages) ------------------------------------------
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def _sentences(text: str) -> List[Tuple[int, int]]:
+    """Character spans of the sentences of ``text``: cut after '.', '!' or '?' followed by whitespace (the
+    whitespace belongs to no sentence). A rule, not a parser: an abbreviation such as "Jr." also ends one."""
+    out, start = [], 0
+    for m in _SENTENCE_END.finditer(text):
+        if m.start() > start:
+            out.append((start, m.start()))
+        start = m.end()
+    if start < len(text):
+        out.append((start, len(text)))
+    return out
+
+
+def _years(iv) -> Tuple[int, int]:
+    (s, e) = iv
+    return int(s[0]), int(e[0])
+
+
+def one_expression_text(text: str, when: Optional[Sequence[Tuple[int, int]]] = None, *,
+                        window: int = 0) -> Tuple[str, Optional[Tuple[int, int]], str]:
+    """``text`` cut to the sentence that holds one date expression, with ``window`` sentences either side.
+
+    The expression: the first one (``tempokern.text.temporal_spans``, read by ``time_intervals``) whose years
+    overlap ``when[0] = (first year, last year)``, else ``when[1]``, ... (the question's times in order of
+    preference); with ``when=None`` the first dated expression. Returns ``(text', span, how)``: ``span`` the kept expression's (start, end) in ``text'``;
+    ``how`` one of ``"cut"`` (a sentence window kept), ``"whole"`` (the window is the whole text), ``"no_match"``
+    (no expression overlaps ``when``: the text is returned whole, span None) and ``"undated"`` (no dated
+    expression at all: whole, span None). Other expressions inside the kept sentences stay (a range "from 1935 to
+    1937" is one expression)."""
+    from ..text.intervals import time_intervals
+    from ..text.temporal import temporal_spans
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0, got {window!r}")
+    dated = []
+    for s, e, _ in temporal_spans(text):
+        ivs = time_intervals(text[s:e])
+        if ivs:
+            dated.append((s, e, min(_years(iv)[0] for iv in ivs), max(_years(iv)[1] for iv in ivs)))
+    if not dated:
+        return text, None, "undated"
+    if when is None:
+        pick = dated[0]
+    else:
+        hits = [d for lo, hi in when for d in dated if d[2] <= hi and d[3] >= lo]
+        if not hits:
+            return text, None, "no_match"
+        pick = hits[0]
+    sents = _sentences(text)
+    k = next(i for i, (_, b) in enumerate(sents) if pick[0] < b)    # the sentence the expression starts in
+    a, b = sents[max(0, k - window)][0], sents[min(len(sents) - 1, k + window)][1]
+    a = min(a, pick[0])
+    b = max(b, pick[1])
+    if a == 0 and b == len(text):
+        return text, (pick[0], pick[1]), "whole"
+    return text[a:b], (pick[0] - a, pick[1] - a), "cut"
+
+
+def one_expression_rows(data, *, window: int = 0, negatives: bool = True):
+    """Rows whose passages state one date expression, as the paper's training passages (TMRL builds its data
+    with one temporal expression per passage): each positive cut by :func:`one_expression_text` to the
+    sentence window around the first expression overlapping the question's time (the years of the query's
+    own date expressions, ``tempokern.text.time_intervals``, its last expression first: a TimeQA question such
+    as "The German who began his naval career in April 1935 held what position from Apr 1937 to Apr 1939?"
+    asks about its last one; a query without one: the passage's first dated expression), and with ``negatives`` each hard negative cut around its first dated expression. A passage
+    with no such expression is kept whole. The kept passages' spans are their kept expression (the temporal
+    tokens L_Temp pools); whole passages keep theirs. Queries and negative queries are unchanged.
+
+    Returns ``(rows, counts)``: the same container type with new row objects, and ``counts`` = how many
+    positives / hard negatives were ``cut``, kept ``whole``, had ``no_match`` or were ``undated``."""
+    import dataclasses
+
+    from ..text.intervals import time_intervals
+    rows = list(data.rows if isinstance(data, TMRLData) else data)
+    counts = {"positives": {k: 0 for k in ("cut", "whole", "no_match", "undated")},
+              "hard_negatives": {k: 0 for k in ("cut", "whole", "no_match", "undated")}}
+    out = []
+    for r in rows:
+        when = [_years(iv) for iv in reversed(time_intervals(r.query))] or None
+        pos, span, how = one_expression_text(r.positive, when, window=window)
+        counts["positives"][how] += 1
+        pos_spans = [span] if how == "cut" else r.positive_spans
+        negs, neg_spans = list(r.hard_negatives), (list(r.hard_negative_spans)
+                                                   if r.hard_negative_spans is not None else None)
+        if negatives:
+            for j, t in enumerate(r.hard_negatives):
+                t2, sp, h = one_expression_text(t, None, window=window)
+                counts["hard_negatives"][h] += 1
+                if h == "cut":
+                    negs[j] = t2
+                    if neg_spans is None:
+                        neg_spans = [None] * len(negs)
+                    neg_spans[j] = [sp]
+        out.append(dataclasses.replace(r, positive=pos, positive_spans=pos_spans, hard_negatives=negs,
+                                       hard_negative_spans=neg_spans,
+                                       meta={**r.meta, "one_expression": how}))
+    if isinstance(data, TMRLData):
+        return TMRLData(out, data.report, name=data.name), counts
+    return out, counts
