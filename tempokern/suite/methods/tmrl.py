@@ -1,5 +1,7 @@
-"""TMRL rows of the English suite (design notes §2.5): ``lora`` (full-dim InfoNCE), ``mrl`` (LoRA-MRL),
-``tmrl_noaux`` (MRL + α L_Temp) and ``tmrl`` (all terms), each with per-dim runs, on sets A and B.
+"""TMRL rows of the suite (design notes §2.5): ``lora`` (full-dim InfoNCE), ``mrl`` (LoRA-MRL),
+``tmrl_noaux`` (MRL + α L_Temp) and ``tmrl`` (all terms), each with per-dim runs, on sets A and B and the
+real-data sets; on the real-data sets also ``tmrl_full`` (full fine-tuning), ``tmrl_t17`` (t at the paper's
+TimeQA ratio of the full dim) and ``tmrl_1expr`` (passages cut to one date expression's sentence).
 
 Recipe (A9, all-MiniLM-L6-v2, d = 384): mean pooling, dims (32, 64, 128, 256, 384), t = 32, α = 0.25,
 β = γ = 0.1, τ = 0.05, LoRA r 4 / lora_alpha 16 (peft scaling 4, TMRL §A.2) / dropout 0.1 on every
