@@ -1,6 +1,11 @@
 """Group-scoped positives of the multi-positive InfoNCE (q_group / d_group): the reference's rule written out by
 hand, then the fused CPU kernel, the blocked path (table mode on CPU, every mode on the CUDA emulator / a GPU)
 and CTDLoss against the extended reference, forward, every gradient and the hardest negatives."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -301,3 +306,112 @@ def test_cuda_partial_matches_reference(gpu):
         got, want = _partial_pair(gpu, *case)
         for a, b in zip(got, want):
             torch.testing.assert_close(a.cpu(), b, rtol=1e-9, atol=1e-10)
+
+
+# ---- CTDLoss(gather=True) with groups: two gloo processes ---------------------------------------------------
+
+GLOO_WORKER = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    sys.path.insert(0, sys.argv[4])
+    from test_ctd_loss import batch, offset_bias_module
+    from test_multipos_groups import gloo_groups
+    from tempokern.nn import CTDLoss
+    rank, world, init, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[5]
+    torch.set_num_threads(1)
+    for i, (mode, sizes, with_bias) in enumerate(CASES):
+        dist.init_process_group("gloo", init_method=f"{init}-{i}", rank=rank, world_size=world)
+        q, d, qsp, dsp, u_q, u_d, _ = batch(sum(sizes), 10, 0, seed=7)
+        qg, dg = gloo_groups(sum(sizes))
+        sl = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+        loc = [x[sl].clone().requires_grad_() for x in (q, d, u_q, u_d)]
+        ob = offset_bias_module() if with_bias else None
+        kw = dict(u_q=loc[2], u_d=loc[3]) if with_bias else {}
+        loss = CTDLoss(temperature=0.1, offset_bias=ob, gather=True, gather_mode=mode)(
+            loc[0], loc[1], tuple(x[sl] for x in qsp), tuple(x[sl] for x in dsp), q_group=qg[sl], d_group=dg[sl],
+            **kw)
+        grads = torch.autograd.grad(loss, loc[:2])
+        torch.save({"loss": loss.detach(), "grads": [g.detach() for g in grads]}, f"{out}-{i}")
+        dist.destroy_process_group()
+""")
+GLOO_CASES = [("tempokern", (24, 17), True), ("chunqiutr", (20, 20), False)]
+
+
+def gloo_groups(B):
+    g = torch.Generator().manual_seed(11)
+    return torch.randint(0, 3, (B,), generator=g), torch.randint(0, 3, (B,), generator=g)
+
+
+def _gloo_expected(r, sizes, with_bias):
+    """Rank r's loss and gradients (local q, d) from the materialised formulas with groups: local rows vs all
+    documents, local columns vs all queries, other ranks' tensors detached, weighted by W B_r / T."""
+    from test_ctd_loss import batch, offset_bias_module
+    from tempokern.reference import offset_bias
+    world, total = len(sizes), sum(sizes)
+    q, d, qsp, dsp, u_q, u_d, _ = batch(total, 10, 0, seed=7)
+    qg, dg = gloo_groups(total)
+    sl = slice(sum(sizes[:r]), sum(sizes[:r + 1]))
+    loc = [x[sl].clone().requires_grad_() for x in (q, d)]
+
+    def with_local(full, x):
+        parts = list(full.detach().split(sizes))
+        parts[r] = x
+        return torch.cat(parts)
+
+    qn, dn = (torch.nn.functional.normalize(with_local(f, x), dim=-1) for f, x in zip((q, d), loc))
+    s = qn @ dn.t() / 0.1
+    if with_bias:
+        ob = offset_bias_module()
+        s = s + offset_bias(u_q, u_d, ob.mlp[0].weight, ob.mlp[0].bias, ob.mlp[2].weight, ob.mlp[2].bias,
+                            ob.scale).detach()
+    pos = (overlap_positives_(qsp, dsp) & (qg[:, None] == dg[None, :])) | torch.eye(total, dtype=torch.bool)
+    fill = torch.finfo(s.dtype).min
+    row = torch.logsumexp(s, 1) - torch.logsumexp(s.masked_fill(~pos, fill), 1)
+    col = torch.logsumexp(s, 0) - torch.logsumexp(s.masked_fill(~pos, fill), 0)
+    w = 0.5 * world * sizes[r] / total
+    loss = w * row[sl].mean() + w * col[sl].mean()
+    return loss.detach(), torch.autograd.grad(loss, loc)
+
+
+def overlap_positives_(qsp, dsp):
+    from tempokern.reference import overlap_positives
+    return overlap_positives(qsp, dsp)
+
+
+def test_ctd_loss_gather_with_groups_two_gloo_processes(tmp_path):
+    from test_ctd_loss import ROOT, batch
+    script = tmp_path / "worker.py"
+    script.write_text(f"CASES = {GLOO_CASES!r}\n" + GLOO_WORKER)
+    init = f"file://{tmp_path / 'rendezvous'}"
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", init, here, str(tmp_path / f"out{r}.pt")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (mode, sizes, with_bias) in enumerate(GLOO_CASES):
+        files = [tmp_path / f"out{r}.pt-{i}" for r in range(2)]
+        assert all(f.exists() for f in files), outs
+        res = [torch.load(f) for f in files]
+        total = sum(sizes)
+        q, d, qsp, dsp, u_q, u_d, _ = batch(total, 10, 0, seed=7)
+        qg, dg = gloo_groups(total)
+        if mode == "tempokern":
+            for r in range(2):
+                want_loss, want_grads = _gloo_expected(r, list(sizes), with_bias)
+                torch.testing.assert_close(res[r]["loss"], want_loss)
+                for a, b in zip(res[r]["grads"], want_grads):
+                    torch.testing.assert_close(a, b)
+        # both modes: the mean over ranks is the single-process loss with groups (no bias in chunqiutr mode,
+        # whose bias covers the local block only)
+        bias = None
+        if with_bias:
+            from test_ctd_loss import offset_bias_module
+            ob = offset_bias_module()
+            bias = (u_q, u_d, ob.mlp[0].weight, ob.mlp[0].bias, ob.mlp[2].weight, ob.mlp[2].bias, ob.scale)
+        single = ref(torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(d, dim=-1), qsp, dsp,
+                     temperature=0.1, bias=bias, q_group=qg, d_group=dg)
+        torch.testing.assert_close(torch.stack([x["loss"] for x in res]).mean(), single.detach())
