@@ -415,3 +415,58 @@ def test_ctd_loss_gather_with_groups_two_gloo_processes(tmp_path):
         single = ref(torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(d, dim=-1), qsp, dsp,
                      temperature=0.1, bias=bias, q_group=qg, d_group=dg)
         torch.testing.assert_close(torch.stack([x["loss"] for x in res]).mean(), single.detach())
+
+
+def test_groups_under_torch_compile_fullgraph():
+    """The group-scoped bounds (sorts, a cumulative sum, an index_copy: static shapes) trace with the op."""
+    q, d, sp, neg, b = make(30, 8, N=3, bias=True, dtype=torch.float32, seed=1)
+    qg, dg = groups(30, n=3, seed=1)
+
+    def f(q, d, qs, qe, ds, de, qg, dg):
+        return tempokern.multipos_infonce(q, d, (qs, qe), (ds, de), temperature=0.1, extra_neg=neg, q_group=qg,
+                                          d_group=dg)
+
+    got = torch.compile(f, fullgraph=True)(q, d, *sp[0], *sp[1], qg, dg)
+    want = ref(q, d, *sp, temperature=0.1, extra_neg=neg, q_group=qg, d_group=dg)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.autograd.grad(got, q)[0], torch.autograd.grad(want, q)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_memory_no_bxb_buffer_with_groups():
+    """As test_multipos_infonce.test_memory_no_bxb_buffer, with groups: B = 9000 under an address-space limit
+    256 MiB above the inputs (one B x B float32 matrix is 309 MiB), forward and backward with the bias."""
+    script = textwrap.dedent("""
+        import resource, torch, tempokern
+        torch.manual_seed(0)
+        B, H = 9000, 16
+        q = torch.randn(B, H, requires_grad=True); d = torch.randn(B, H, requires_grad=True)
+        qs = torch.randint(0, 1000, (B,)); ds = torch.randint(0, 1000, (B,))
+        qg = torch.randint(0, 50, (B,)); dg = torch.randint(0, 50, (B,))
+        bias = (torch.rand(B).requires_grad_(), torch.rand(B).requires_grad_(), torch.randn(4, 4, requires_grad=True),
+                torch.randn(4, requires_grad=True), torch.randn(1, 4, requires_grad=True),
+                torch.zeros(1, requires_grad=True), torch.tensor(0.5, requires_grad=True))
+        w = 100
+        tempokern.multipos_infonce(q[:w], d[:w], (qs[:w], qs[:w] + 5), (ds[:w], ds[:w] + 5), temperature=0.05,
+                                   bias=tuple(x[:w] if x.dim() == 1 and x.shape[0] == B else x for x in bias),
+                                   q_group=qg[:w], d_group=dg[:w]).backward()
+        vm = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024
+        limit = vm + 256 * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        loss = tempokern.multipos_infonce(q, d, (qs, qs + 5), (ds, ds + 5), temperature=0.05, bias=bias, q_group=qg,
+                                          d_group=dg)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(q.grad).all() and torch.isfinite(bias[2].grad).all()
+        print("FUSED_OK", float(loss))
+        try:
+            torch.zeros(B, B)
+            print("BXB_OK")
+        except (RuntimeError, MemoryError):
+            print("BXB_OOM")
+    """)
+    from test_multipos_infonce import ROOT
+    import tempfile
+    env = dict(os.environ, OMP_NUM_THREADS="2", MALLOC_ARENA_MAX="2", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=tempfile.gettempdir())
+    assert "FUSED_OK" in r.stdout, r.stdout + r.stderr
+    assert "BXB_OOM" in r.stdout, r.stdout + r.stderr
