@@ -148,3 +148,17 @@ def test_suite_rows():
     rows = {m.name: m for m in registered()}
     assert rows["ctd_group"].sets == REAL_SETS and not rows["ctd_group"].in_quick
     assert LOSS_OPTIONS["overlap"] == {"positives": "overlap", "calendar_labels": "key"}
+
+
+def test_cli_train_options(tmp_path, capsys):
+    from tempokern.cli import main
+    tiny = ["--tiny-hidden", "32", "--tiny-layers", "1", "--max-length", "32", "--no-progress", "--batch-size", "8",
+            "--epochs", "1", "--max-steps", "1"]
+    assert main(["train", "--dataset", "zztj", "--out", str(tmp_path / "a"), "--positives", "overlap_group",
+                 *tiny]) != 0
+    assert "meta['page']" in capsys.readouterr().err
+    assert main(["train", "--dataset", "zztj", "--out", str(tmp_path / "b"), "--positives", "overlap",
+                 "--calendar-labels", "interval", *tiny]) == 0
+    out = capsys.readouterr()
+    assert "positives: overlap" in out.out + out.err
+    assert main(["train", "--dataset", "zztj", "--out", str(tmp_path / "c"), "--positives", "pages", *tiny]) == 2
