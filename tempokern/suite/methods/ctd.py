@@ -98,6 +98,7 @@ def run_ctd(variant: str, loss: str = "overlap"):
         g_enc = model.encode([r.text for r in gallery], batch_size=b.eval_batch_size)
         if model.use_bias:   # does the bias move scores at all? (diagnostics only, no effect on the runs)
             info.update(bias_diagnostics(model, g_enc.u, seed=ctx.seed))
+        if "bias_max_abs" in info:
             ctx.log(f"offset bias: scale {info['bias_scale']:.4g}, largest |bias| {info['bias_max_abs']:.4g} logits "
                     f"= {info['bias_max_abs_cosine_units']:.4g} cosine units over {info['bias_pairs']} gallery pairs")
         runs = {}
