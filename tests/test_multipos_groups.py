@@ -34,6 +34,10 @@ def run_g(fn, q, d, sp, neg, b, qg, dg, *, temperature=0.1, symmetric=True, pts=
 # ---- the rule, by hand ------------------------------------------------------------------------------------
 
 def test_reference_rule_by_hand():
+    _rule_by_hand()
+
+
+def _rule_by_hand():
     """Three rows; row 0 overlaps documents 1 (same group) and 2 (other group) but not its own document 0:
     with groups its positives are {0, 1}; without, {1, 2} (its own document is a negative)."""
     q = torch.eye(3, dtype=torch.float64)
@@ -63,6 +67,17 @@ def test_reference_rule_by_hand():
     for fn in (tempokern.multipos_infonce,):
         torch.testing.assert_close(fn(q, d, q_span, d_span, temperature=0.5, q_group=qg, d_group=dg), want)
         torch.testing.assert_close(fn(q, d, q_span, d_span, temperature=0.5), want0)
+    return (q, d, q_span, d_span, qg, dg), want, want0
+
+
+def test_rule_by_hand_on_the_cuda_path(gpu):
+    """The same three rows through the CUDA kernels (blocked path): row 0 counts its own document."""
+    (q, d, q_span, d_span, qg, dg), want, want0 = _rule_by_hand()
+    mv = lambda t: t.to(gpu)  # noqa: E731
+    args = (mv(q), mv(d), tuple(map(mv, q_span)), tuple(map(mv, d_span)))
+    got = tempokern.multipos_infonce(*args, temperature=0.5, q_group=mv(qg), d_group=mv(dg))
+    torch.testing.assert_close(got.cpu(), want)
+    torch.testing.assert_close(tempokern.multipos_infonce(*args, temperature=0.5).cpu(), want0)
 
 
 def test_one_group_with_paired_overlaps_is_the_overlap_loss():
