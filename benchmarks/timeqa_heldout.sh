@@ -8,6 +8,8 @@
 #   METHODS="zero_shot ctd" MAX_STEPS=1 bash benchmarks/timeqa_heldout.sh OUT    # a smoke run
 #
 # Budget as the suite's full TimeQA run: 2 epochs of batch 32, 128 tokens, lr 5e-5 (LoRA 5e-4), mean pooling.
+# `ctd` is the suite's `ctd_full`: overlap positives and calendar keys only (--positives overlap --calendar-labels
+# key), not the per-dataset defaults of `tempokern train` (page-scoped positives, interval calendar targets).
 # OUT/summary.json / summary.md: every row's metrics on the test split with 95% bootstrap intervals over questions
 # and paired differences to full fine-tuning (`ft`) and LoRA fine-tuning (`lora`), from the rows' TREC runs
 # (benchmarks/timeqa_heldout_summary.py).
@@ -28,7 +30,7 @@ for m in ${METHODS:-zero_shot ft lora tmrl ctd re3}; do
     case $m in
       zero_shot) [ -d "$run/best" ] || tk train --method tmrl --variant zero_shot $common --data "$out/train" --out "$run" ;;
       ft)   [ -d "$run/best" ] || tk train --method ctd --variant baseline $common --lr 5e-5 $steps --data "$out/train" --out "$run" ;;
-      ctd)  [ -d "$run/best" ] || tk train --method ctd --variant full $common --lr 5e-5 $steps --data "$out/train" --out "$run" ;;
+      ctd)  [ -d "$run/best" ] || tk train --method ctd --variant full $common --lr 5e-5 $steps --positives overlap --calendar-labels key --data "$out/train" --out "$run" ;;
       lora) [ -d "$run/best" ] || tk train --method tmrl --variant lora $common --lr 5e-4 $steps --data "$out/train" --out "$run" ;;
       tmrl) [ -d "$run/best" ] || tk train --method tmrl --variant tmrl $common --lr 5e-4 $steps --data "$out/train" --out "$run" ;;
       re3)  [ -d "$run/model" ] || tk train --method re3 --format beir --backbone minilm --pooling mean --max-length 128 --no-progress --data "$out/train" --out "$run" ;;

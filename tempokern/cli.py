@@ -167,6 +167,16 @@ def _train_args(p):
                         "reference; default) or ctd (the full model with context and bias)")
     g.add_argument("--gather-mode", default="tempokern", choices=["tempokern", "chunqiutr"],
                    help="CTDLoss all-gather semantics under torchrun (see docs/multipos_infonce.md)")
+    g.add_argument("--positives", default="auto", choices=["auto", "overlap", "overlap_group"],
+                   help="the CTD loss's positives: overlap (every in-batch document whose interval overlaps the "
+                        "query's: ChunQiuTR), overlap_group (only those sharing the query's group, --group-key, "
+                        "plus its own gold), auto (default: overlap_group when records carry the group key, e.g. "
+                        "TimeQA's page, else overlap)")
+    g.add_argument("--group-key", default="page",
+                   help="the record/query meta field naming the group for --positives overlap_group (default page)")
+    g.add_argument("--calendar-labels", default="auto", choices=["auto", "key", "interval"],
+                   help="calendar-CE targets: key (records' calendar keys), interval (the key, else the calendar unit "
+                        "holding the record's interval), auto (default: interval when no record has a key)")
     g.add_argument("--amp", default="auto", choices=["auto", "off", "bf16", "fp16"], help='mixed precision on CUDA (auto: bf16 where supported, else fp16)')
     g.add_argument("--seed", type=int, default=0, help='random seed (default 0)')
     g.add_argument("--max-steps", type=int, default=None, help='stop after this many optimizer steps')
@@ -707,7 +717,8 @@ def cmd_train(args) -> int:
                     label_smoothing=args.label_smoothing, neighbor_smoothing=args.neighbor_smoothing,
                     hard_negatives=args.hard_negatives, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
                     progress=args.progress, pairs_per_query=args.pairs_per_query, eval_scorer=args.scorer,
-                    gather_mode=args.gather_mode, eval_split=eval_split).validate()
+                    gather_mode=args.gather_mode, eval_split=eval_split, positives=args.positives,
+                    group_key=args.group_key, calendar_labels=args.calendar_labels).validate()
     from .training.trainer import seed_everything
     seed_everything(args.seed)
     model = build_model(args, ds)

@@ -276,14 +276,19 @@ def test_fuzz_multipos_infonce(device):
                     draw_vector(data, B, dtype, device, -0.5, 1.5, "u_d"), *draw_mlp(data, dtype, device))
             points = 4097 if bias_kind == "table" else None
         nb = 0 if bias is None else 7
+        grp = {}
+        if data.draw(st.booleans(), label="groups"):  # group-scoped positives
+            ng = data.draw(st.integers(1, 4), label="groups count")
+            grp = {k: torch.tensor(data.draw(st.lists(st.integers(0, ng - 1), min_size=B, max_size=B), label=k),
+                                   dtype=torch.int64, device=device) for k in ("q_group", "d_group")}
 
         def op(q, d, extra, *b):
             return tempokern.multipos_infonce(q, d, qs, ds, temperature=temperature, bias=b or None, extra_neg=extra,
-                                              symmetric=symmetric, bias_table_points=points)
+                                              symmetric=symmetric, bias_table_points=points, **grp)
 
         def refop(q, d, extra, *b):
             return ref.multipos_infonce(q, d, _i64(qs), _i64(ds), temperature=temperature, bias=b or None,
-                                        extra_neg=extra, symmetric=symmetric, bias_table_points=points)
+                                        extra_neg=extra, symmetric=symmetric, bias_table_points=points, **grp)
         ins = [q, d, extra] + (list(bias) if nb else [])
         if extra is None:
             compare_with_grads(lambda q, d, *b: op(q, d, None, *b), lambda q, d, *b: refop(q, d, None, *b),

@@ -126,7 +126,7 @@ def test_timeqa_quick_set_keeps_pages_apart():
         timeqa_set("quick", eval_split="train")
 
 
-ROWS = ["bm25_ties_last", "minilm_zeroshot", "minilm_ft", "ctd_full", "tmrl_full", "re3-film_margins"]
+ROWS = ["bm25_ties_last", "minilm_zeroshot", "minilm_ft", "ctd_full", "ctd_group", "tmrl_full", "re3-film_margins"]
 
 
 def test_suite_on_your_folder_every_trained_row_same_steps(tmp_path, folder, tiny_backbone):
@@ -141,12 +141,17 @@ def test_suite_on_your_folder_every_trained_row_same_steps(tmp_path, folder, tin
         assert set(res["results"]["data"][sp]) == set(ROWS)
         assert res["results"]["data"][sp]["minilm_ft"]["R@1"]["n"] == 5
     steps = {}
-    for name in ("minilm_ft", "ctd_full", "tmrl_full"):
-        info = json.loads(unit_path(tmp_path, name, "data", 0).read_text())["payload"]["info"]
+    infos = {}
+    for name in ("minilm_ft", "ctd_full", "ctd_group", "tmrl_full"):
+        info = infos[name] = json.loads(unit_path(tmp_path, name, "data", 0).read_text())["payload"]["info"]
         steps[name] = info["steps"]
         assert info["hard_negatives"] == 1
     # 20 rows in batches of 8 (the last batch of 4 kept), 2 epochs, for every trained row
-    assert steps == {"minilm_ft": 6, "ctd_full": 6, "tmrl_full": 6}
+    assert steps == {"minilm_ft": 6, "ctd_full": 6, "ctd_group": 6, "tmrl_full": 6}
+    # ctd_full keeps ChunQiuTR's positives; ctd_group scopes them to the folder's page field
+    assert infos["ctd_full"]["loss_positives"] == "overlap" and infos["ctd_full"]["loss_calendar_labels"] == "key"
+    assert infos["ctd_group"]["loss_positives"] == "overlap_group" and infos["ctd_group"]["loss_group_key"] == "page"
+    assert infos["ctd_group"]["bias_max_abs_cosine_units"] >= 0
     md = (tmp_path / "results.md").read_text()
     assert md.startswith(f"# tempokern benchmark --data {folder}")
     assert "| steps |" in md and "1 hard negative(s) per row" in md

@@ -376,13 +376,24 @@ void Pass<A>::fwd() {
       for (int64_t r = 0; r < mi; ++r) {
         const int64_t i = i0 + r;
         rs[i] = rm[r] + std::log(rsum[r]);
-        const bool fb = rcnt[r] == 0;
-        rs[Bq + i] = fb ? rdiag[r] : rpm[r] + std::log(rps[r]);
+        // positives: the overlaps, else the diagonal partner alone; a row flagged in row_none (group-scoped
+        // positives: every row) also has its partner as a positive next to overlaps that exclude it
+        const bool alone = rcnt[r] == 0;
+        const int64_t jd = dg.col_of(i);
+        const bool jd_in = jd >= 0 && jd < Bd;
+        const bool dov = jd_in && std::max(p.q_lo[i], p.d_lo[jd]) <= std::min(p.q_hi[i], p.d_hi[jd]);
+        const bool rn = p.row_none && p.row_none[i] != 0;
+        const bool fb = alone || (rn && jd_in);
+        A lpos = alone ? rdiag[r] : rpm[r] + std::log(rps[r]);
+        if (!alone && fb && !dov) {
+          const A hi = std::max(lpos, rdiag[r]), lo = std::min(lpos, rdiag[r]);
+          lpos = hi + std::log1p(std::exp(lo - hi));
+        }
+        rs[Bq + i] = lpos;
         rs[2 * Bq + i] = fb ? A(1) : A(0);
         if (hard) {
-          // the diagonal partner is a negative when the row has overlaps and the partner is not one of them
-          const int64_t jd = dg.col_of(i);
-          if (!fb && jd >= 0 && jd < Bd && !(std::max(p.q_lo[i], p.d_lo[jd]) <= std::min(p.q_hi[i], p.d_hi[jd]))) {
+          // the diagonal partner is a negative when it is not a positive (overlap or fallback)
+          if (!fb && jd_in && !dov) {
             const int64_t m = p.col_map ? p.col_map[jd] : jd;
             if (rdiag[r] > hv[r] || (rdiag[r] == hv[r] && m < hm[r])) { hv[r] = rdiag[r]; hm[r] = m; }
           }
@@ -404,7 +415,9 @@ void Pass<A>::fwd() {
       const bool rfb = id >= 0 && id < Bq && (p.row_none ? p.row_none[id] != 0 : rs[2 * Bq + id] != A(0));
       const bool fb = ccnt[j] == 0;
       A lpos = fb ? cdiag[j] : cpm[j] + std::log(cps[j]);
-      if (!fb && rfb) {  // overlaps plus the diagonal (never itself an overlap here: its row has none)
+      // overlaps plus the diagonal, unless the diagonal is one of them (group-scoped positives)
+      const bool dov = rfb && std::max(p.q_lo[id], p.d_lo[j]) <= std::min(p.q_hi[id], p.d_hi[j]);
+      if (!fb && rfb && !dov) {
         const A hi = std::max(lpos, cdiag[j]), lo = std::min(lpos, cdiag[j]);
         lpos = hi + std::log1p(std::exp(lo - hi));
       }

@@ -453,7 +453,8 @@ def prepare_exclude(exclude, Q: int, device, N: Optional[int] = None) -> Optiona
 
 
 def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1.0, bias=None,
-             exclude: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+             exclude: Optional[torch.Tensor] = None, q_group: Optional[torch.Tensor] = None,
+             g_group: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of ``s = q @ g.T / temperature + bias`` per query, streaming the gallery.
 
     q (Q, H), g (N, H): float32/float16/bfloat16/float64, same dtype and device.
@@ -463,7 +464,12 @@ def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1
     exclude: optional (Q, m) integer gallery row indices to skip per query, -1 = padding.
     Returns (values (Q, k) float32 [float64 for float64 input], indices (Q, k) int64), sorted by
     score descending with ties broken by the lower gallery index. If fewer than k rows remain
-    after exclusion, the tail is (-inf, -1). Memory is O(Q k + Q H), never O(Q N)."""
+    after exclusion, the tail is (-inf, -1). Memory is O(Q k + Q H), never O(Q N).
+    q_group (Q,), g_group (N,): optional integer group ids, both or neither: query i ranks only the gallery rows
+    with g_group[j] == q_group[i] (for example the page or entity a question names); rows of other groups get
+    no slot, as excluded ones. Runs the same kernels once per distinct query group on that group's gallery rows
+    (gathered, in gallery order, so ties still go to the lower gallery index): one call per group, memory
+    O(N H) for the gathered rows at most."""
     check_tensor("q", q, ndim=2, floating=True)
     check_tensor("g", g, ndim=2, floating=True)
     if q.dtype != g.dtype:
@@ -493,6 +499,8 @@ def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1
     ex = prepare_exclude(exclude, Q, q.device, N)
     check_finite("q", q)
     check_finite("g", g)
+    if q_group is not None or g_group is not None:
+        return _grouped_topk(q, g, k, temperature, bias, ex, *_check_topk_groups(q_group, g_group, Q, N, q.device))
     q, g = rows_contiguous(q), rows_contiguous(g)
     b2_t = b2 if isinstance(b2, torch.Tensor) else None
     scale_t = scale if isinstance(scale, torch.Tensor) else None
@@ -503,6 +511,48 @@ def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1
     scf = 0.0 if scale_t is not None else scale
     return torch.ops.tempokern.ctd_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2f, scf, table, ex, None,
                                         _dev_scalar(b2_t), _dev_scalar(scale_t))
+
+
+def _check_topk_groups(q_group, g_group, Q: int, N: int, device):
+    if q_group is None or g_group is None:
+        given, missing = ("q_group", "g_group") if g_group is None else ("g_group", "q_group")
+        raise ValueError(f"{given} was given without {missing}: pass both (one group id per query and per gallery "
+                         "row) or neither")
+    for name, t, n in (("q_group", q_group, Q), ("g_group", g_group, N)):
+        check_tensor(name, t, ndim=1, integer=True)
+        if t.shape[0] != n:
+            raise ValueError(f"{name} has length {t.shape[0]}, expected {n} (one group id per row)")
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device} like q, got {t.device}")
+        if t.is_meta:
+            raise ValueError(f"{name}: the group filter reads the group ids, which meta tensors do not have")
+    return q_group.to(torch.int64), g_group.to(torch.int64)
+
+
+def _grouped_topk(q, g, k, temperature, bias, ex, q_group, g_group):
+    """ctd_topk with the group filter: per distinct query group, the unfiltered op on that group's gallery rows
+    (exclude lists mapped to them), the indices mapped back; a group without gallery rows keeps (-inf, -1)."""
+    Q, acc = q.shape[0], _acc_dtype(q.dtype)
+    values = torch.full((Q, k), float("-inf"), dtype=acc, device=q.device)
+    indices = torch.full((Q, k), -1, dtype=torch.int64, device=q.device)
+    where = torch.full((g.shape[0],), -1, dtype=torch.int64, device=q.device)
+    for grp in torch.unique(q_group).tolist():
+        qi = torch.nonzero(q_group == grp).flatten()
+        gi = torch.nonzero(g_group == grp).flatten()
+        if gi.numel() == 0:
+            continue
+        where[gi] = torch.arange(gi.numel(), device=q.device)
+        sub_bias = None if bias is None else (bias[0][qi], bias[1][gi], *bias[2:])
+        sub_ex = None
+        if ex is not None:
+            e = ex[qi]
+            sub_ex = torch.where(e >= 0, where[e.clamp_min(0)], torch.full_like(e, -1))
+        kk = min(k, gi.numel())
+        v, i = ctd_topk(q[qi], g[gi], kk, temperature=temperature, bias=sub_bias, exclude=sub_ex)
+        values[qi, :kk] = v.to(acc)
+        indices[qi, :kk] = torch.where(i >= 0, gi[i.clamp_min(0)], torch.full_like(i, -1))
+        where[gi] = -1
+    return values, indices
 
 
 def _cuda_unsupported(k: int, mode: int, w1) -> bool:

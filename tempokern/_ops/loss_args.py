@@ -95,3 +95,44 @@ def check_bias_table_points(points, bias) -> Optional[int]:
     if bias is None:
         raise ValueError("bias_table_points was given without a bias")
     return points
+
+
+def check_groups(q_group, d_group, Bq: int, Bd: int):
+    """Checks the group ids of a loss call: both None, or integer (Bq,) and (Bd,) tensors (any integer dtype,
+    compared as int64). Returns them as int64 contiguous tensors, or (None, None)."""
+    if q_group is None and d_group is None:
+        return None, None
+    if q_group is None or d_group is None:
+        given, missing = ("q_group", "d_group") if d_group is None else ("d_group", "q_group")
+        raise ValueError(f"{given} was given without {missing}: pass both (one group id per query row and per "
+                         "document row) or neither")
+    out = []
+    for name, t, n in (("q_group", q_group, Bq), ("d_group", d_group, Bd)):
+        check_tensor(name, t, ndim=1, integer=True)
+        if t.shape[0] != n:
+            raise ValueError(f"{name} has length {t.shape[0]}, expected {n} (one group id per row)")
+        out.append(t.to(torch.int64).contiguous())
+    return tuple(out)
+
+
+def group_scoped_bounds(q_group, d_group, q_lo, q_hi, d_lo, d_hi):
+    """Span bounds on which the closed-interval overlap test is the group-scoped one: rows i and j overlap on
+    the returned bounds iff their intervals overlap and q_group[i] == d_group[j].
+
+    Every bound becomes the dense rank of its key (group, bound) in lexicographic order (equal keys, equal
+    ranks): within a group the order of the bounds and their ties are kept, so the overlap test is unchanged
+    there, and every bound of a smaller group lies below every bound of a larger one, so intervals of two
+    groups never meet. Two stable sorts and a cumulative sum over the 2 Bq + 2 Bd bounds, on the bounds'
+    device: O(B log B) time, O(B) memory, static shapes (torch.compile traces it). The ranks are < 2^31, so
+    the blocked path's int32 bounds keep them as they are."""
+    Bq, Bd = q_lo.shape[0], d_lo.shape[0]
+    v = torch.cat([q_lo, q_hi, d_lo, d_hi])
+    g = torch.cat([q_group, q_group, d_group, d_group])
+    order = torch.argsort(v, stable=True)
+    order = order[torch.argsort(g[order], stable=True)]
+    gs, vs = g[order], v[order]
+    new = torch.ones_like(vs, dtype=torch.bool)
+    new[1:] = (gs[1:] != gs[:-1]) | (vs[1:] != vs[:-1])
+    rank = torch.empty_like(v).index_copy_(0, order, torch.cumsum(new.to(torch.int64), 0) - 1)
+    return (rank[:Bq].contiguous(), rank[Bq:2 * Bq].contiguous(), rank[2 * Bq:2 * Bq + Bd].contiguous(),
+            rank[2 * Bq + Bd:].contiguous())

@@ -11,7 +11,8 @@ import torch
 
 from . import dispatch
 from .common import check_same_device, on_cuda_path
-from .loss_args import BIAS_NAMES, check_bias_table_points, id_spans, span_bounds, validate_bias
+from .loss_args import (BIAS_NAMES, check_bias_table_points, check_groups, group_scoped_bounds, id_spans, span_bounds,
+                        validate_bias)
 from .matryoshka_blocked import tc_call
 from .matryoshka_infonce import matryoshka_partial
 from .matryoshka_infonce import validate as validate_matryoshka
@@ -35,7 +36,8 @@ def _tensor_core_call(q, d, bias, extra_neg, return_hardest: bool, table_points)
 def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
                              row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0,
                              bias_table_points: Optional[int] = None, row_none: Optional[torch.Tensor] = None,
-                             return_hardest: bool = False):
+                             return_hardest: bool = False, q_group: Optional[torch.Tensor] = None,
+                             d_group: Optional[torch.Tensor] = None):
     """The kernel entry on validated inputs: q (Bq, H) vs d (Bd, H), spans as int64 (lo, hi) bounds,
     row/column weights (each loss is the mean over its own rows/columns) and the diagonal offset
     (row i's fallback positive is column i + diag_offset). Used by multipos_infonce and CTDLoss.
@@ -45,8 +47,19 @@ def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float
     otherwise CUDA (and the table mode anywhere) runs the blocked path, CPU without a table the fused tiled
     kernel (multipos_kernel_partial).
     ``return_hardest``: returns ``(loss, hardest)``, hardest (Bq,) int64 the hardest in-batch negative of each
-    row (see :func:`multipos_infonce`), in the caller's row and column order (the CPU path's u-sort undone)."""
-    if q.shape[0] != 0 and d.shape[0] != 0 and _tensor_core_call(q, d, bias, extra_neg, return_hardest,
+    row (see :func:`multipos_infonce`), in the caller's row and column order (the CPU path's u-sort undone).
+    ``q_group``/``d_group`` (int64 (Bq,), (Bd,), checked): group-scoped positives, the overlaps within a group
+    plus each row's diagonal partner always. Every kernel path takes them the same way: the bounds become
+    :func:`group_scoped_bounds` (on which overlap means overlap within a group) and ``row_none`` all ones (a
+    row's diagonal partner is a row positive, and then a column positive, on every path); ``row_none`` must
+    then be None. Group-scoped calls stay off the mpb_tc candidate (the blocked or the fused kernels)."""
+    if q_group is not None:
+        if row_none is not None:
+            raise ValueError("row_none cannot be combined with q_group/d_group (with groups every row's diagonal "
+                             "partner is a positive)")
+        q_lo, q_hi, d_lo, d_hi = group_scoped_bounds(q_group, d_group, q_lo, q_hi, d_lo, d_hi)
+        row_none = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    if q_group is None and q.shape[0] != 0 and d.shape[0] != 0 and _tensor_core_call(q, d, bias, extra_neg, return_hardest,
                                                                  bias_table_points):
         if row_none is not None:
             row_none = row_none.to(torch.uint8).contiguous()
@@ -63,7 +76,8 @@ def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float
 def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temperature: float,
                      bias: Optional[Sequence[torch.Tensor]] = None, extra_neg: Optional[torch.Tensor] = None,
                      symmetric: bool = True, bias_table_points: Optional[int] = None,
-                     return_hardest: bool = False):
+                     return_hardest: bool = False, q_group: Optional[torch.Tensor] = None,
+                     d_group: Optional[torch.Tensor] = None):
     """Fused multi-positive interval-overlap InfoNCE; same semantics as
     :func:`tempokern.reference.multipos_infonce`.
 
@@ -83,10 +97,20 @@ def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temper
     not the diagonal when the row falls back to it) with the largest logit s_ij = q_i . d_j / temperature +
     bias_ij (the logit the softmax sees), the lowest j among exact ties, -1 when the row has no negative;
     spec: :func:`tempokern.reference.hardest_negatives`. A by-product of the forward pass (O(B) extra
-    state, no extra product); not differentiable."""
+    state, no extra product); not differentiable.
+
+    ``q_group``, ``d_group``: optional integer (B,) group ids, both or neither (for example the entity or page
+    a query asks about and the page a document comes from). Given, the positives of row i are the documents
+    whose interval overlaps and whose group equals q_group[i], plus row i's own document d[i] always (also
+    when other documents overlap); the d->q direction uses the same mask. None: the interval overlaps with
+    the diagonal fallback above, unchanged (ChunQiuTR's positives). No B x B mask is built: the kernels see
+    group-scoped span bounds (O(B) memory, see docs/multipos_infonce.md)."""
     if not isinstance(return_hardest, bool):
         raise TypeError(f"return_hardest must be a bool, got {type(return_hardest).__name__}")
     temperature, bias = validate_multipos(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric)
+    q_group, d_group = check_groups(q_group, d_group, q.shape[0], d.shape[0])
+    if q_group is not None:
+        check_same_device(q=q, q_group=q_group, d_group=d_group)
     bias_table_points = check_bias_table_points(bias_table_points, bias)
     q_lo, q_hi = span_bounds(q_span)
     d_lo, d_hi = span_bounds(d_span)
@@ -94,7 +118,7 @@ def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temper
     return multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias,
                                     extra_neg=extra_neg, row_weight=w, col_weight=w if symmetric else 0.0,
                                     diag_offset=0, bias_table_points=bias_table_points,
-                                    return_hardest=return_hardest)
+                                    return_hardest=return_hardest, q_group=q_group, d_group=d_group)
 
 
 def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *, temperature: float,

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from .._ops.common import check_reciprocal
 from .._ops.multipos_blocked import none_flags, spans32
-from .._ops.loss_args import check_bias_table_points, span_bounds
+from .._ops.loss_args import check_bias_table_points, check_groups, span_bounds
 from .._ops.multipos_infonce import validate
 from .._ops.routing import multipos_infonce, multipos_infonce_partial
 from .._ops.offset_bias import offset_bias as _offset_bias
@@ -75,10 +75,13 @@ def _gather(x: torch.Tensor, rank: int, world: int, group, sizes=None) -> torch.
 class CTDLoss(torch.nn.Module):
     """Multi-positive interval-overlap InfoNCE with the temporal offset bias, fused (no B x B buffer).
 
-    ``forward(q, d, q_span, d_span, u_q=None, u_d=None, extra_neg=None)``: q, d (B, H) query/document
-    embeddings (L2-normalised here when ``normalize``), spans = (start, end) integer (B,) tensors,
-    u_q/u_d (B,) latent calendar positions (needed iff ``offset_bias`` is given), extra_neg (N, H) extra
-    negatives for the q->d direction. ``offset_bias``: a ``tempokern.nn.OffsetBias`` (any module with
+    ``forward(q, d, q_span, d_span, u_q=None, u_d=None, extra_neg=None, q_group=None, d_group=None)``: q, d
+    (B, H) query/document embeddings (L2-normalised here when ``normalize``), spans = (start, end) integer (B,)
+    tensors, u_q/u_d (B,) latent calendar positions (needed iff ``offset_bias`` is given), extra_neg (N, H)
+    extra negatives for the q->d direction. q_group/d_group (B,) integer group ids (both or neither):
+    group-scoped positives (the overlaps within a group, plus each row's own document always; see
+    :func:`tempokern.multipos_infonce`), gathered with the batch under ``gather=True``; None: the overlap
+    positives of ChunQiuTR. ``offset_bias``: a ``tempokern.nn.OffsetBias`` (any module with
     ``mlp[0]``/``mlp[2]`` Linear layers and a ``scale`` parameter); its bias is added inside the kernel.
 
     ``gather=True`` with an initialised torch.distributed group: documents, queries, spans, u and extra
@@ -139,7 +142,8 @@ class CTDLoss(torch.nn.Module):
                 f"bias_table_points={self.bias_table_points}")
 
     def forward(self, q: torch.Tensor, d: torch.Tensor, q_span, d_span, u_q: Optional[torch.Tensor] = None,
-                u_d: Optional[torch.Tensor] = None, extra_neg: Optional[torch.Tensor] = None) -> torch.Tensor:
+                u_d: Optional[torch.Tensor] = None, extra_neg: Optional[torch.Tensor] = None,
+                q_group: Optional[torch.Tensor] = None, d_group: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.offset_bias is None:
             if u_q is not None or u_d is not None:
                 raise ValueError("u_q/u_d were given but this CTDLoss has no offset_bias to use them")
@@ -156,17 +160,24 @@ class CTDLoss(torch.nn.Module):
         if not (self.gather and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return multipos_infonce(q, d, q_span, d_span, temperature=self.temperature, bias=bias,
                                     extra_neg=extra_neg, symmetric=self.symmetric,
-                                    bias_table_points=self.bias_table_points)
-        return self._gathered(q, d, q_span, d_span, bias, extra_neg)
+                                    bias_table_points=self.bias_table_points, q_group=q_group, d_group=d_group)
+        return self._gathered(q, d, q_span, d_span, bias, extra_neg, q_group, d_group)
 
-    def _gathered(self, q, d, q_span, d_span, bias, extra_neg):
+    def _gathered(self, q, d, q_span, d_span, bias, extra_neg, q_group=None, d_group=None):
         dist = torch.distributed
         validate(q, d, q_span, d_span, self.temperature, bias, extra_neg, self.symmetric)
+        q_group, d_group = check_groups(q_group, d_group, q.shape[0], d.shape[0])
         group, rank, world = None, dist.get_rank(), dist.get_world_size()
         meta = _meta(q, extra_neg, bias, self.gather_mode, world, group)
         sizes = [m[0] for m in meta]
+        disagree = torch.tensor([int(q_group is not None)], dtype=torch.int64, device=q.device)
+        flags = [torch.empty_like(disagree) for _ in range(world)]
+        dist.all_gather(flags, disagree, group=group)
+        if len({int(f.item()) for f in flags}) > 1:
+            raise ValueError("CTDLoss(gather=True): ranks disagree on whether q_group/d_group are given: "
+                             f"{[int(f.item()) for f in flags]} (rank order)")
         if self.gather_mode == "chunqiutr":
-            return self._chunqiutr(q, d, q_span, d_span, bias, extra_neg, rank, world, group)
+            return self._chunqiutr(q, d, q_span, d_span, bias, extra_neg, rank, world, group, q_group, d_group)
         start, total = sum(sizes[:rank]), sum(sizes)
         if total == 0:
             raise ValueError("gather=True: every rank has an empty batch")
@@ -174,6 +185,7 @@ class CTDLoss(torch.nn.Module):
         d_lo, d_hi = span_bounds(d_span)
         g = lambda x: _gather(x, rank, world, group, sizes)  # noqa: E731
         d_all, d_lo_all, d_hi_all = g(d), g(d_lo), g(d_hi)
+        dg_all = None if d_group is None else g(d_group)
         neg_all = None if extra_neg is None else _gather(extra_neg, rank, world, group, [m[2] for m in meta])
         # each rank's mean over its own rows, weighted so that the mean over ranks is the global mean
         w = (0.5 if self.symmetric else 1.0) * world * sizes[rank] / total
@@ -184,22 +196,30 @@ class CTDLoss(torch.nn.Module):
             bias_q = (u_q, u_d_all, *mlp)
         loss = multipos_infonce_partial(q, d_all, q_lo, q_hi, d_lo_all, d_hi_all, temperature=self.temperature,
                                         bias=bias_q, extra_neg=neg_all, row_weight=w, col_weight=0.0,
-                                        diag_offset=start, bias_table_points=self.bias_table_points)
+                                        diag_offset=start, bias_table_points=self.bias_table_points,
+                                        q_group=q_group, d_group=dg_all)
         if not self.symmetric:
             return loss
         q_all, q_lo_all, q_hi_all = g(q), g(q_lo), g(q_hi)
         bias_d = None if bias is None else (g(bias[0]), bias[1], *bias[2:])
         # the column fallback needs to know which queries overlap no document on any rank (ChunQiuTR's d->q mask
-        # is the row-fallback mask transposed): decided here against all documents
-        row_none = none_flags(*spans32(q_lo_all, q_hi_all, d_lo_all, d_hi_all))[0].bool()
+        # is the row-fallback mask transposed): decided here against all documents (with groups: every
+        # query's own document is a positive, nothing to decide)
+        qg_all = row_none = None
+        if q_group is None:
+            row_none = none_flags(*spans32(q_lo_all, q_hi_all, d_lo_all, d_hi_all))[0].bool()
+        else:
+            qg_all = g(q_group)
         loss_d = multipos_infonce_partial(q_all, d, q_lo_all, q_hi_all, d_lo, d_hi, temperature=self.temperature,
                                           bias=bias_d, extra_neg=None, row_weight=0.0, col_weight=w,
                                           diag_offset=-start, row_none=row_none,
-                                          bias_table_points=self.bias_table_points)
+                                          bias_table_points=self.bias_table_points, q_group=qg_all,
+                                          d_group=d_group)
         return loss + loss_d
 
-    def _chunqiutr(self, q, d, q_span, d_span, bias, extra_neg, rank, world, group):
-        """contrastive_loss_global_inbatch of the ChunQiuTR reference, term for term (see the class doc)."""
+    def _chunqiutr(self, q, d, q_span, d_span, bias, extra_neg, rank, world, group, q_group=None, d_group=None):
+        """contrastive_loss_global_inbatch of the ChunQiuTR reference, term for term (see the class doc); with
+        groups, the overlaps within a group plus the global diagonal always."""
         def gather_detached(x):
             parts = [torch.empty_like(x) for _ in range(world)]
             torch.distributed.all_gather(parts, x.detach().contiguous(), group=group)
@@ -221,8 +241,11 @@ class CTDLoss(torch.nn.Module):
             tb = _offset_bias(*bias).to(s_qd.dtype)                       # (B, B): local block only
             s_qd = torch.cat([s_qd[:, :c0], s_qd[:, c0:c0 + B] + tb, s_qd[:, c0 + B:]], dim=1)
         pos = (q_lo[:, None] <= d_hi_all[None, :]) & (q_hi[:, None] >= d_lo_all[None, :])   # (B, T)
+        if q_group is not None:
+            dg_all = gather_detached(d_group)
+            pos &= q_group[:, None] == dg_all[None, :]
         pos = torch.cat([pos, pos.new_zeros(B, gallery.shape[0] - T)], dim=1)
-        pos[rows, diag] |= ~pos.any(dim=1)
+        pos[rows, diag] |= ~pos.any(dim=1) if q_group is None else True
         loss = _multipos_rows(s_qd, pos)
         if not self.symmetric:
             return loss
@@ -230,7 +253,9 @@ class CTDLoss(torch.nn.Module):
         if tb is not None:
             s_dq = torch.cat([s_dq[:, :c0], s_dq[:, c0:c0 + B] + tb.t(), s_dq[:, c0 + B:]], dim=1)
         pos_t = (d_lo[:, None] <= q_hi_all[None, :]) & (d_hi[:, None] >= q_lo_all[None, :])
-        pos_t[rows, diag] |= ~pos_t.any(dim=1)
+        if q_group is not None:
+            pos_t &= d_group[:, None] == gather_detached(q_group)[None, :]
+        pos_t[rows, diag] |= ~pos_t.any(dim=1) if q_group is None else True
         return 0.5 * (loss + _multipos_rows(s_dq, pos_t))
 
 

@@ -71,11 +71,16 @@ def sorted_topk(scores: torch.Tensor, k: int):
 
 
 def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1.0, bias=None,
-             exclude: Optional[torch.Tensor] = None):
-    """(values (Q, k) float32 [float64 for float64 input], indices (Q, k) int64). See module doc."""
+             exclude: Optional[torch.Tensor] = None, q_group: Optional[torch.Tensor] = None,
+             g_group: Optional[torch.Tensor] = None):
+    """(values (Q, k) float32 [float64 for float64 input], indices (Q, k) int64). See module doc.
+    q_group (Q,), g_group (N,): query i ranks only the rows j with g_group[j] == q_group[i] (the others as
+    excluded)."""
     if k > g.shape[0]:
         raise ValueError(f"k must be <= the gallery size {g.shape[0]}, got {k}")
     s = ctd_scores(q, g, temperature=temperature, bias=bias)
+    if q_group is not None:
+        s = s.masked_fill(q_group.to(torch.int64)[:, None] != g_group.to(torch.int64)[None, :], float("-inf"))
     if exclude is not None and exclude.numel() > 0:
         ex = exclude.to(torch.long)
         rows = torch.arange(s.shape[0], device=s.device)[:, None].expand_as(ex)

@@ -22,6 +22,11 @@ def overlap_positives(q_span, d_span) -> torch.Tensor:
     return torch.maximum(qlo[:, None], dlo[None, :]) <= torch.minimum(qhi[:, None], dhi[None, :])
 
 
+def group_positives(q_group, d_group) -> torch.Tensor:
+    """(Bq, Bd) bool: the query row and the document row carry the same group id."""
+    return q_group[:, None].to(torch.int64) == d_group[None, :].to(torch.int64)
+
+
 def hardest_negatives(s: torch.Tensor, pos_r: torch.Tensor) -> torch.Tensor:
     """(Bq,) int64: per row of the logits s (Bq, Bd) the column j with ``pos_r[i, j]`` False and the largest
     s_ij, the lowest j among exact ties (written out, not left to torch.max's tie rule), -1 when the row
@@ -39,7 +44,8 @@ def hardest_negatives(s: torch.Tensor, pos_r: torch.Tensor) -> torch.Tensor:
 def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temperature: float,
                      bias: Optional[Sequence[torch.Tensor]] = None, extra_neg: Optional[torch.Tensor] = None,
                      symmetric: bool = True, bias_table_points: Optional[int] = None,
-                     return_hardest: bool = False):
+                     return_hardest: bool = False, q_group: Optional[torch.Tensor] = None,
+                     d_group: Optional[torch.Tensor] = None):
     """Multi-positive InfoNCE over in-batch scores s_ij = q_i . d_j / temperature + bias_ij.
 
     q, d: (B, H). q_span = (q_start, q_end), d_span = (d_start, d_end): integer (B,) tensors.
@@ -59,7 +65,12 @@ def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temper
 
     return_hardest=True: returns (loss, hardest_col), hardest_col (B,) int64 = :func:`hardest_negatives` of
     s (bias included: the logits the softmax sees) and the row positives (overlaps, or the diagonal when
-    the row overlaps nothing); extra_neg never counts. Re3's s-_i (Eq. 11) with spans = (doc_id, doc_id)."""
+    the row overlaps nothing); extra_neg never counts. Re3's s-_i (Eq. 11) with spans = (doc_id, doc_id).
+
+    Group-scoped positives: q_group (B,), d_group (B',) integer ids (both or neither). Then
+    P_i = {j : the intervals overlap and q_group[i] == d_group[j]} together with the row's own document
+    j = i, which is always a positive (also when overlapping documents exist); the d->q mask is the same
+    (every column j < B has its diagonal). None: the overlap positives above, exactly."""
     B = q.shape[0]
     s = (q @ d.t()) / temperature
     if bias is not None:
@@ -67,7 +78,10 @@ def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temper
         s = s + b.to(s.dtype)
     pos = overlap_positives(q_span, d_span)
     eye = torch.eye(B, d.shape[0], dtype=torch.bool, device=q.device)
-    pos_r = pos | (eye & ~pos.any(dim=1, keepdim=True))
+    if q_group is not None:
+        pos_r = (pos & group_positives(q_group, d_group)) | eye
+    else:
+        pos_r = pos | (eye & ~pos.any(dim=1, keepdim=True))
     pos_c = pos_r | (eye & ~pos_r.any(dim=0, keepdim=True))
     neg_inf = torch.finfo(s.dtype).min  # finite fill keeps logsumexp's backward NaN-free
     s_all = s if extra_neg is None else torch.cat([s, (q @ extra_neg.t()) / temperature], dim=1)
@@ -83,20 +97,26 @@ def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temper
 def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
                              row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0,
                              row_none: Optional[torch.Tensor] = None, bias_table_points: Optional[int] = None,
-                             return_hardest: bool = False):
+                             return_hardest: bool = False, q_group: Optional[torch.Tensor] = None,
+                             d_group: Optional[torch.Tensor] = None):
     """The partial loss CTDLoss(gather=True) computes per rank (spec of
     ``tempokern._ops.multipos_infonce.multipos_infonce_partial``): q (Bq, H) against d (Bd, H), spans as
     (lo, hi) bounds, row i's diagonal partner is column i + diag_offset (none when out of range), ``row_none``
     optionally says which rows overlap no document anywhere (default: none of these d).
     loss = row_weight * mean_i row_loss_i + col_weight * mean_j col_loss_j, a zero weight dropping its term;
-    the positives follow ChunQiuTR (see :func:`multipos_infonce`)."""
+    the positives follow ChunQiuTR (see :func:`multipos_infonce`). With q_group/d_group: the overlaps within a
+    group, and row i's diagonal partner always (``row_none`` is not used)."""
     Bq, Bd = q.shape[0], d.shape[0]
     s = (q @ d.t()) / temperature
     if bias is not None:
         b = offset_bias(*bias) if bias_table_points is None else offset_bias_tabulated(*bias, bias_table_points)
         s = s + b.to(s.dtype)
     ov = torch.maximum(q_lo[:, None], d_lo[None, :]) <= torch.minimum(q_hi[:, None], d_hi[None, :])
-    rn = ~ov.any(dim=1) if row_none is None else row_none.bool()
+    if q_group is not None:
+        ov = ov & group_positives(q_group, d_group)
+        rn = torch.ones(Bq, dtype=torch.bool, device=q.device)
+    else:
+        rn = ~ov.any(dim=1) if row_none is None else row_none.bool()
     cn = ~ov.any(dim=0)
     dg = (torch.arange(Bd, device=q.device)[None, :] - torch.arange(Bq, device=q.device)[:, None]) == diag_offset
     pos_r = ov | (rn[:, None] & dg)

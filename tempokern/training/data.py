@@ -19,6 +19,12 @@ SYNTH_DATASETS = {"synth-a": "A", "synth-b": "B", "synth-c": "C"}
 FORMATS = ("zztj", "chunqiutr", "chunqiutr-release")
 #: where the CTD trainer's hard negatives come from (CTDConfig.hard_negative_source)
 NEGATIVE_SOURCES = ("auto", "query", "group", "months")
+#: the CTD loss's positives (CTDConfig.positives): "overlap" (ChunQiuTR: every in-batch document whose
+#: interval overlaps the query's), "overlap_group" (those sharing the query's group as well, plus its own gold)
+POSITIVES = ("auto", "overlap", "overlap_group")
+#: where calendar-CE targets come from (CTDConfig.calendar_labels): "key" (a record's calendar key), "interval"
+#: (the key, else the calendar unit holding the record's whole interval)
+CALENDAR_LABELS = ("auto", "key", "interval")
 
 
 def check_split(split: str, dataset=None, *, allow_all: bool = True) -> str:
@@ -166,19 +172,77 @@ def record_span(rec, i: int) -> Tuple[int, int]:
     return (rec.interval.start, rec.interval.end)
 
 
-def record_labels(dataset, rec) -> List[float]:
+def resolve_positives(dataset, positives: str, group_key: str = "page") -> str:
+    """``positives`` with "auto" resolved: "overlap_group" when records carry ``meta[group_key]`` (TimeQA, a BEIR
+    folder with a page column: entity-keyed records, where overlap alone makes other entities' records
+    positives), else "overlap" (the annals: ChunQiuTR, Zizhi Tongjian, whose records form one chronicle)."""
+    if positives not in POSITIVES:
+        raise ValueError(f"positives must be one of {POSITIVES}, got {positives!r}")
+    has = any(group_key in (r.meta or {}) for r in dataset.records)
+    if positives == "auto":
+        return "overlap_group" if has else "overlap"
+    if positives == "overlap_group" and not has:
+        raise ValueError(f"positives='overlap_group' needs records with meta[{group_key!r}] (the group key); dataset "
+                         f"{dataset.name!r} has none: use positives='overlap' or another group_key")
+    return positives
+
+
+def group_ids(items, group_key: str, ids: Dict) -> List[int]:
+    """One int per record or query: its ``meta[group_key]`` numbered through ``ids`` (a dict shared by records
+    and queries, so that equal values get equal ids); items without the key share one group (id 0)."""
+    out = []
+    for x in items:
+        v = (x.meta or {}).get(group_key)
+        out.append(0 if v is None else ids.setdefault(str(v), len(ids) + 1))
+    return out
+
+
+def resolve_calendar_labels(dataset, mode: str) -> str:
+    """``calendar_labels`` with "auto" resolved: "interval" when no record carries a calendar key but some carry
+    an interval (TimeQA: dated paragraphs without keys), else "key" (the annals: every event record has its
+    month key; their labels stay exactly as they are)."""
+    if mode not in CALENDAR_LABELS:
+        raise ValueError(f"calendar_labels must be one of {CALENDAR_LABELS}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    keyed = any(r.key is not None for r in dataset.records)
+    timed = any(r.interval is not None for r in dataset.records)
+    return "interval" if not keyed and timed else "key"
+
+
+def interval_key(cal, interval) -> Optional[Tuple]:
+    """The calendar unit holding the whole interval, as a key prefix: the levels on which the keys of its first
+    and last unit agree (a Gregorian year/month calendar: (year, month) for an interval inside one month,
+    (year,) inside one year, None when it crosses a year boundary)."""
+    if interval is None:
+        return None
+    try:
+        a, b = tuple(cal.key_at(interval.start)), tuple(cal.key_at(interval.end))
+    except (IndexError, KeyError, ValueError):
+        return None
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n] or None
+
+
+def record_labels(dataset, rec, *, from_interval: bool = False) -> List[float]:
     """Per-level class indices of a record's calendar key (-1 where unknown), the targets of the
     calendar heads. An intercalary month (reign calendars: the month level's last slot, 闰) placed
     after month m < 12 gets the month label (m - 1) + 0.5: half on month m, half on month m + 1,
     so the u the heads learn lies between them, in chronological order (the grid's 13th slot
     would put it after month 12). A leap month after month 12 keeps the slot: it is chronological.
     A record whose key has fewer components than the calendar has levels (e.g. a year-level record
-    without a month) gets -1 on the missing levels."""
+    without a month) gets -1 on the missing levels. ``from_interval``: a record without a key takes
+    :func:`interval_key` of its interval (the unit holding it: year and month, the year alone, or nothing)."""
     cal = dataset.calendar
     L = cal.num_levels
-    if rec.key is None:
+    key = rec.key
+    if key is None and from_interval:
+        key = interval_key(cal, rec.interval)
+    if key is None:
         return [-1] * L
-    key = tuple(rec.key)
+    key = tuple(key)
     try:
         if len(key) < L:
             return [float(cal._level_index(l, c, key)) for l, c in enumerate(key)] + [-1] * (L - len(key))

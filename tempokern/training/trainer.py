@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ..nn import CTDLoss
-from .data import (NEGATIVE_SOURCES, HardNegatives, QueryNegatives, gold_indices, num_training_pairs, record_labels,
-                   record_span, train_units, training_pairs)
+from .data import (CALENDAR_LABELS, NEGATIVE_SOURCES, POSITIVES, HardNegatives, QueryNegatives, gold_indices,
+                   group_ids, num_training_pairs, record_labels, record_span, resolve_calendar_labels,
+                   resolve_positives, train_units, training_pairs)
 from .evaluate import evaluate_model
 from ..nn.calendar_ce import calendar_ce
 from ..models.checkpoint import verify_checkpoint
@@ -78,6 +79,14 @@ class CTDConfig:
     eval_drop_no_event: bool = False
     eval_scorer: str = "encoder"             # "encoder" (the reference's validation) or "ctd" (the full model)
     gather_mode: str = "tempokern"           # CTDLoss(gather=True) semantics under torchrun (see CTDLoss)
+    # the multi-positive loss's positives: "overlap" (ChunQiuTR: in-batch documents whose interval overlaps the
+    # query's), "overlap_group" (those sharing the query's meta[group_key] too, plus the query's own gold
+    # always), "auto" (overlap_group when records carry meta[group_key], else overlap: see resolve_positives)
+    positives: str = "auto"
+    group_key: str = "page"
+    # calendar-CE targets: "key" (records' calendar keys), "interval" (the key, else the calendar unit holding
+    # the record's interval), "auto" (interval when no record has a key: see resolve_calendar_labels)
+    calendar_labels: str = "auto"
 
     def validate(self) -> "CTDConfig":
         if self.variant not in VARIANTS:
@@ -87,6 +96,12 @@ class CTDConfig:
             raise ValueError(f"gather_mode must be one of {GATHER_MODES}, got {self.gather_mode!r}")
         if self.amp not in AMP_MODES:
             raise ValueError(f"amp must be one of {AMP_MODES}, got {self.amp!r}")
+        if self.positives not in POSITIVES:
+            raise ValueError(f"positives must be one of {POSITIVES}, got {self.positives!r}")
+        if self.calendar_labels not in CALENDAR_LABELS:
+            raise ValueError(f"calendar_labels must be one of {CALENDAR_LABELS}, got {self.calendar_labels!r}")
+        if not isinstance(self.group_key, str) or not self.group_key:
+            raise ValueError(f"group_key must be a non-empty str, got {self.group_key!r}")
         if self.hard_negative_source not in NEGATIVE_SOURCES:
             raise ValueError(f"hard_negative_source must be one of {NEGATIVE_SOURCES}, "
                              f"got {self.hard_negative_source!r}")
@@ -126,6 +141,10 @@ class CTDResult:
     history: List[dict] = field(default_factory=list)
     final_loss: Optional[float] = None
     seconds: float = 0.0
+    #: what the loss trained on: the resolved positives ("overlap" / "overlap_group"; "pair" for the baseline
+    #: variant), calendar_labels ("key" / "interval") and per calendar level the number of records with a
+    #: calendar-CE target (all zero: the calendar CE had nothing to train on)
+    setup: Dict[str, object] = field(default_factory=dict)
 
 
 def apply_variant(model, variant: str) -> None:
@@ -213,7 +232,16 @@ class CTDTrainer:
             raise ValueError(f"dataset {dataset.name!r} has {n_pairs} training (query, gold record) pairs "
                              f"per epoch (pairs_per_query={config.pairs_per_query}); need at least 2")
         self.spans = [record_span(r, i) for i, r in enumerate(dataset.records)]
-        self.labels = [record_labels(dataset, r) for r in dataset.records]
+        self.positives = resolve_positives(dataset, config.positives, config.group_key)
+        self.rec_group = self.query_group = None
+        if self.positives == "overlap_group":
+            ids: Dict[str, int] = {}
+            self.rec_group = group_ids(dataset.records, config.group_key, ids)
+            self.query_group = group_ids(dataset.queries, config.group_key, ids)
+        self.calendar_labels = resolve_calendar_labels(dataset, config.calendar_labels)
+        self.labels = [record_labels(dataset, r, from_interval=self.calendar_labels == "interval")
+                       for r in dataset.records]
+        self.labelled = [sum(1 for x in lab if x >= 0) for lab in zip(*self.labels)] if self.labels else []
         # hard negatives only from the training split's months (no val/test month leaks into training)
         src = config.hard_negative_source
         self.negs = (HardNegatives(dataset, train_units(dataset, "train"), config.hard_negative_pool)
@@ -274,16 +302,20 @@ class CTDTrainer:
         B = len(batch)
         q, d = out.emb[:B], out.emb[B:2 * B]
         extra = out.emb[2 * B:] if negs else None
+        kw_group = {}
         if self.variant["multipos"]:
             q_span = (torch.tensor([x.interval.start if x.interval is not None else -1 for x in qs], device=dev),
                       torch.tensor([x.interval.end if x.interval is not None else -1 for x in qs], device=dev))
             d_span = tuple(torch.tensor([self.spans[j][k] for j in ds], device=dev) for k in (0, 1))
+            if self.rec_group is not None:
+                kw_group = dict(q_group=torch.tensor([self.query_group[qi] for qi, _ in batch], device=dev),
+                                d_group=torch.tensor([self.rec_group[j] for j in ds], device=dev))
         else:
             ids = torch.arange(offset, offset + B, device=dev)
             q_span = d_span = (ids, ids)
-        kw = {}
+        kw = dict(kw_group)
         if self.variant["use_bias"]:
-            kw = dict(u_q=out.u[:B], u_d=out.u[B:2 * B])
+            kw.update(u_q=out.u[:B], u_d=out.u[B:2 * B])
         loss_ret = loss_fn(q, d, q_span, d_span, extra_neg=extra, **kw)
         loss_time = torch.zeros((), device=dev)
         if self.variant["time_ce"] and cfg.lambda_time > 0:
@@ -357,6 +389,17 @@ class CTDTrainer:
         if self.out is not None and self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             logf = open(self.out / "log.jsonl", "a")
+        info = self.setup_info()
+        self.log(f"positives: {info['positives']}" + (f" (groups: meta[{cfg.group_key!r}])"
+                                                      if info["group_key"] else ""))
+        if info["calendar_ce"]:
+            lab = info["calendar_labelled_records"]
+            if not any(lab.values()):
+                self.log("calendar CE: no record has a calendar target (no key, and no interval inside one calendar "
+                         "unit): the calendar heads get no supervision")
+            else:
+                self.log(f"calendar CE targets ({self.calendar_labels}): "
+                         + ", ".join(f"{k} {v}/{len(self.data.records)}" for k, v in lab.items()))
         t0 = time.time()
         last_loss = None
         try:
@@ -415,7 +458,17 @@ class CTDTrainer:
         elif self.out is not None and (self.out / "best").exists() and best is not None:
             _load_weights(model, self.out / "best", self.device)
         model.eval()
-        return CTDResult(best, best_epoch, step, history, last_loss, time.time() - t0)
+        return CTDResult(best, best_epoch, step, history, last_loss, time.time() - t0, self.setup_info())
+
+    def setup_info(self) -> Dict[str, object]:
+        """The resolved loss options (CTDResult.setup)."""
+        ce = self.variant["time_ce"] and self.cfg.lambda_time > 0
+        return {"positives": self.positives if self.variant["multipos"] else "pair",
+                "group_key": self.cfg.group_key if self.positives == "overlap_group" else None,
+                "calendar_labels": self.calendar_labels, "calendar_ce": ce,
+                "calendar_labelled_records": dict(zip(self.data.calendar.names, self.labelled))
+                if self.data.calendar is not None and self.labelled else {},
+                "records": len(self.data.records)}
 
     def _validate(self, epoch, step, best, best_epoch, best_state, history, logf):
         metric = None
