@@ -210,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="JSON or TOML file of options")
     t.add_argument("--out", required=False, help="output directory")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from last/")
+    t.add_argument("--overwrite", action="store_true",
+                   help="--out holds a previous run: remove its outputs (best/, last/, model/, log.jsonl, "
+                        "summary.json) and start clean (without it, such a folder is refused)")
     t.add_argument("--device", default=None, help='cpu, cuda or cuda:N (default: cuda when available)')
     t.add_argument("--method", default="ctd", help="training method: ctd (CTD / semantic baseline; default)")
     _data_args(t)
@@ -715,7 +718,7 @@ def cmd_train(args) -> int:
     rank, _ = dist_info()
     if rank == 0:
         out = Path(args.out)
-        if not (out / "best").exists():   # no validation split: the final weights are the result
+        if res.best_metric is None:   # no validation split: this run's final weights are the result
             model.save(out / "best")
         summary = {"variant": args.variant, "steps": res.steps, "best_val_R@1": res.best_metric,
                    "best_epoch": res.best_epoch, "final_loss": res.final_loss, "seconds": round(res.seconds, 1),
@@ -1249,8 +1252,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     set_progress(getattr(args, "progress", True))   # encoding passes of train / eval / index
     out = getattr(args, "out", None)
     out_existed = out is None or os.path.exists(out)
+    from ._lock import check_fresh_run, command_lock
     try:
-        return COMMANDS[args.command](args)
+        with command_lock(args):   # one writer per output folder (docs/cli.md, "Output folders")
+            check_fresh_run(args)
+            return COMMANDS[args.command](args)
     except CLIError as e:   # a usage error found while running (e.g. a --split the data lacks)
         _drop_empty(out, out_existed)
         return _usage_error(f"tempokern {args.command}", e)

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
+
+from .._files import tmp_prefix
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -589,7 +591,7 @@ class Re3Encoder(nn.Module):
         if embed_backbone is None:
             embed_backbone = self.backbone_path is None or self.lora_config is not None \
                 or not Path(self.backbone_path).is_dir()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(path.name), dir=path.parent))
         try:
             sd = {k: v.detach().cpu().contiguous() for k, v in self._time_state().items()}
             save_file(sd, str(tmp / TIME_FILE))

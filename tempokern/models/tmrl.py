@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+
+from .._files import tmp_prefix
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -333,7 +335,7 @@ class TMRLEncoder(nn.Module):
         path.parent.mkdir(parents=True, exist_ok=True)
         recover_dir(path)
         check_save_target(path)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(path.name), dir=path.parent))
         try:
             save_model(self.backbone, str(tmp / BACKBONE_FILE))
             sums = {BACKBONE_FILE: sha256_file(tmp / BACKBONE_FILE)}

@@ -260,6 +260,11 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
                        "eval_splits": list(getattr(synth, "eval_splits", None) or []),
                        "train_rows": len(synth.train_rows), "info": _jsonable(dict(getattr(synth, "info", {}) or {})),
                        "load_seconds": round(time.time() - t, 2)}
+        rep = getattr(ds, "report", None)
+        if rep is not None and rep.num_skipped:   # --on-error skip: every skipped row, on stderr and in results.json
+            set_info[s]["skipped"] = [f"{p}:{ln}: {why}" for p, ln, why in rep.skipped]
+            log(f"[suite] set {s}: skipped {rep.num_skipped} malformed row(s) (--on-error skip):\n"
+                + "\n".join("  " + x for x in set_info[s]["skipped"]))
         r_texts, r_pairs = retention_sample(ds, n_docs, n_pairs)
         # a unit is reused only when made under the same settings
         config = {"budget": dict(budget.__dict__), "backbone": str(backbone_path), "size": size,

@@ -388,7 +388,14 @@ def _year_alone(m, text, ref, opts):
 
 # ---- relative ----------------------------------------------------------------------------------------------
 def _rel(ref, days):
-    return TimeTuple.from_date(ref + _dt.timedelta(days=days)) if ref is not None else _UNRESOLVED
+    """The day `days` after `ref`; None (no date) where that falls outside years 1..9999 ("tomorrow" in a
+    document dated 9999-12-31)."""
+    if ref is None:
+        return _UNRESOLVED
+    try:
+        return TimeTuple.from_date(ref + _dt.timedelta(days=days))
+    except OverflowError:
+        return None
 
 
 @_rule(r"\b(?i:the\s+day\s+before\s+yesterday)\b")
@@ -439,9 +446,13 @@ def _last_month(m, text, ref, opts):
         return _UNRESOLVED
     step = {"last": -1, "past": -1, "this": 0, "next": 1}[m["dir"].lower()]
     if m["unit"].lower() == "year":
-        return TimeTuple.partial(ref.year + step)
-    k = ref.year * 12 + (ref.month - 1) + step
-    return TimeTuple.partial(k // 12, k % 12 + 1)
+        y, mo = ref.year + step, None
+    else:
+        k = ref.year * 12 + (ref.month - 1) + step
+        y, mo = k // 12, k % 12 + 1
+    if not 1 <= y <= 9999:   # "next year" of 9999, "last year" of year 1: no date
+        return None
+    return TimeTuple.partial(y, mo)
 
 
 def _candidates(text: str):
