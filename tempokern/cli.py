@@ -270,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--queries", help="file with one query per line")
     s.add_argument("-k", type=int, default=10, help='results per query (default 10)')
     s.add_argument("--json", action="store_true", help="print JSON lines")
+    s.add_argument("--allow-other-model", action="store_true",
+                   help="search even when --model is not the encoder that built the index (its fingerprint, "
+                        "config + weights, is stored in the index); the scores then mean little")
     _recency_args(s, eval_cmd=False)
 
     b = sub.add_parser("bench", help="fused vs reference timing of every op in this install",
@@ -811,6 +814,8 @@ def cmd_index(args) -> int:
             raise CLIError("--dim applies to TMRL models (trained with --method tmrl) only")
         kw = {"dim": args.dim}
     index = model.to_index(records, backend=args.backend, ids=range(len(records)), **kw)   # positions; names below
+    from .models.fingerprint import model_fingerprint
+    index.model = model_fingerprint(model, path=args.model, dim=kw.get("dim"))   # `search` checks its model
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     index.save(str(out))
@@ -842,6 +847,8 @@ def cmd_search(args) -> int:
         raise FileNotFoundError(f"index file {ip} does not exist")
     model = _load_model(args.model)
     index = TemporalIndex.load(str(ip))
+    from .models.fingerprint import check_index_model
+    check_index_model(index, model, args.model, ip, allow=args.allow_other_model)
     names = None
     side = Path(str(ip) + ".records.json")
     if side.exists():
