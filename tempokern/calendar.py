@@ -35,9 +35,8 @@ Key = Tuple[Any, ...]
 KeyLike = Union[str, Sequence[Any], _dt.date, int]
 
 #: label of the intercalary-month slot in reign calendars (a year's 13th month slot)
-#: the years a Gregorian calendar (and every date field of a data file) may name: 1 to 9999 AD, the range of
-#: Python's ``datetime.date`` (docs/datasets-english.md, "Dates"). A date outside it is a file:line error.
-YEAR_MIN, YEAR_MAX = 1, 9999
+#: the years a Gregorian calendar (and every date field of a data file) may name (tempokern.limits)
+from .limits import YEAR_MAX, YEAR_MIN  # noqa: E402
 LEAP_MONTH = "闰"
 
 #: the twelve dukes of Lu in the Spring and Autumn Annals: (pinyin, traditional, simplified)

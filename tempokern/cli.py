@@ -648,7 +648,10 @@ def _dataset(args):
 
 
 def report_skipped(report) -> None:
-    """Every row a loader skipped (``--on-error skip``), one ``file:line: reason`` line each, on stderr."""
+    """Every row a loader skipped (``--on-error skip``), one ``file:line: reason`` line each, on stderr; and
+    how many texts it truncated to tempokern.limits.MAX_TEXT_CHARS (one line)."""
+    if report is not None and getattr(report, "truncated", 0):
+        print(f"tempokern: {report.truncation_note()}", file=sys.stderr)
     if report is None or not report.num_skipped:
         return
     print(f"tempokern: skipped {report.num_skipped} malformed row(s) (--on-error skip):", file=sys.stderr)

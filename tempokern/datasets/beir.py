@@ -23,7 +23,8 @@ import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..calendar import YEAR_MAX, YEAR_MIN, Calendar
+from ..calendar import Calendar
+from ..limits import YEAR_MAX, YEAR_MIN
 from .base import (DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle, read_jsonl,
                    utf8_reason)
 
@@ -210,6 +211,7 @@ def load_beir(folder: Optional[str] = None, *, corpus: Optional[str] = None, que
                     raise DataFormatError(str(path), ln, f"duplicate {what} id {_id!r}")
                 if not isinstance(obj.get("text"), str):
                     raise DataFormatError(str(path), ln, f"{what} {_id!r}: missing string field 'text'")
+                obj["text"] = report.cap(obj["text"])   # before the date tagger (tempokern.limits)
                 try:
                     t = _time_fields(obj)
                     pub = _published_field(obj) if what == "document" else None

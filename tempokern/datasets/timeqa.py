@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from .._resources import data_path
 from .._util import sha256_file
 from ..calendar import Calendar
+from ..limits import cap_texts
 from .base import DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle
 
 __all__ = ["load_timeqa", "timeqa_page_split", "timeqa_hard_negatives", "export_beir", "TIMEQA_SPLITS",
@@ -201,12 +202,15 @@ def load_timeqa(path: Optional[str] = None, *, on_error: str = "raise", name: st
             index, link, rel, paras, qs = _check_item(src, ln, n, obj)
             if index in seen_index:
                 raise DataFormatError(src, ln, f"item {n}: duplicate page entry {index!r}")
-            if link in pages and pages[link] != paras:
+            if link in pages and pages[link] != cap_texts(paras):
                 raise DataFormatError(src, ln, f"item {n} ({index}): page {link} was listed before with other "
                                                "paragraphs")
         except DataFormatError as e:
             handle(e, report, on_error)
             continue
+        if link not in pages:
+            paras = [report.cap(p) for p in paras]   # before the date tagger (tempokern.limits)
+        qs = [[report.cap(q[0]), *q[1:]] for q in qs]
         pages.setdefault(link, paras)
         seen_index.add(index)
         rows.append((ln, index, link, rel, qs))

@@ -16,7 +16,6 @@ from typing import Any, Dict, Mapping
 import torch
 
 from .._files import tmp_prefix
-
 from .._util import atomic_write, fsync_path, fsync_tree, recover_dir, replace_dir, sha256_file  # noqa: F401
 from .levels import LevelSpec, calendar_levels
 

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
-
-from .._files import tmp_prefix
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._files import tmp_prefix
+from ..limits import cap_texts
 from .._util import sha256_file
 from ..nn.film import FiLM, TimeEmbedding
 from ..search import TemporalIndex
@@ -350,7 +350,7 @@ class Re3Encoder(nn.Module):
             raise ValueError("this Re3Encoder has no tokenizer: pass tokenizer= when building it from a model")
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise TypeError("texts must be a list of strings")
-        enc = self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length,
+        enc = self.tokenizer(cap_texts(texts), padding=True, truncation=True, max_length=self.max_length,
                              return_tensors="pt")
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 

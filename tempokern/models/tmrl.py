@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-
-from .._files import tmp_prefix
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._files import tmp_prefix
+from ..limits import cap_texts
 from ..nn import TemporalProjector, temporal_pool
 from ..search import TemporalIndex
 from ..text import temporal_spans, temporal_token_mask
@@ -235,7 +235,7 @@ class TMRLEncoder(nn.Module):
         pre = self.prefix(role)
         full = [pre + t for t in texts]
         if not temporal:
-            enc = self.tokenizer(full, padding=True, truncation=True, max_length=self.max_length,
+            enc = self.tokenizer(cap_texts(full), padding=True, truncation=True, max_length=self.max_length,
                                  return_tensors="pt")
             return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
         if not getattr(self.tokenizer, "is_fast", False):
@@ -249,7 +249,7 @@ class TMRLEncoder(nn.Module):
             if s is None:
                 s = [(a, b) for a, b, *_ in temporal_spans(t)]
             shifted.append([(a + len(pre), b + len(pre)) for a, b, *_ in s])
-        enc = self.tokenizer(full, padding=True, truncation=True, max_length=self.max_length,
+        enc = self.tokenizer(cap_texts(full), padding=True, truncation=True, max_length=self.max_length,
                              return_tensors="pt", return_offsets_mapping=True)
         tmask = temporal_token_mask(enc, shifted, include_cls=self.pooling == "cls")
         tmask = torch.as_tensor(tmask, dtype=torch.bool) & enc["attention_mask"].bool()

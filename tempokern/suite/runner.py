@@ -261,6 +261,9 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
                        "train_rows": len(synth.train_rows), "info": _jsonable(dict(getattr(synth, "info", {}) or {})),
                        "load_seconds": round(time.time() - t, 2)}
         rep = getattr(ds, "report", None)
+        if rep is not None and getattr(rep, "truncated", 0):
+            set_info[s]["truncated"] = rep.truncated
+            log(f"[suite] set {s}: {rep.truncation_note()}")
         if rep is not None and rep.num_skipped:   # --on-error skip: every skipped row, on stderr and in results.json
             set_info[s]["skipped"] = [f"{p}:{ln}: {why}" for p, ln, why in rep.skipped]
             log(f"[suite] set {s}: skipped {rep.num_skipped} malformed row(s) (--on-error skip):\n"

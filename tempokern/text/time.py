@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
+from ..limits import cap_text
 from .dates import MONTHS, NUMBER_WORDS, ORDINAL_WORDS, SEASONS, WEEKDAYS
 
 
@@ -233,6 +234,7 @@ class _Unresolved:
 _UNRESOLVED = _Unresolved()
 _PREP_BEFORE_MAY = re.compile(r"(?i:\b(?:in|on|during|early|mid|late|of|by|until|till|since|from|through|"
                               r"this|last|next|before|after|throughout|end|beginning|start)[\s-]+)$")
+_CTX = 64   # characters a rule looks at before / after its match
 _QUANTITY_AFTER = re.compile(
     r"\s*(?:%|°|percent\b|(?i:people|persons|men|women|children|students|employees|workers|jobs|units|cars|"
     r"vehicles|houses|homes|km|kilometers|kilometres|miles|meters|metres|m|ft|feet|kg|tons|tonnes|pounds|lbs|"
@@ -353,8 +355,8 @@ def _nth_month(m, text, ref, opts):
 def _bare_month(m, text, ref, opts):
     name = m["mon"]
     if name == "May" and m["part"] is None:
-        before = text[:m.start()]
-        after = text[m.end():]
+        before = text[max(0, m.start() - _CTX):m.start()]   # windows: linear in the text, not quadratic
+        after = text[m.end():m.end() + _CTX]
         if not (_PREP_BEFORE_MAY.search(before) or re.match(r"\s*(?:[,.;:!?)]|$)", after)):
             return None
     return TimeTuple.partial(None, _month_of(name))
@@ -378,10 +380,10 @@ def _season(m, text, ref, opts):
 
 @_rule(r"(?<![0-9A-Za-z$€£#.,/'-])(?P<year>1[0-9]{3}|20[0-9]{2}|21[0-9]{2})(?![0-9]|[.,][0-9]|s\b)")
 def _year_alone(m, text, ref, opts):
-    after = text[m.end():]
+    after = text[m.end():m.end() + _CTX]
     if _QUANTITY_AFTER.match(after):
         return None
-    if re.match(r"\s*:[0-9]", after) or re.search(r"[0-9][,.:]\s?$|[0-9]\s$", text[:m.start()]):
+    if re.match(r"\s*:[0-9]", after) or re.search(r"[0-9][,.:]\s?$|[0-9]\s$", text[max(0, m.start() - 4):m.start()]):
         return None
     return TimeTuple.partial(int(m["year"]))
 
@@ -456,7 +458,9 @@ def _last_month(m, text, ref, opts):
 
 
 def _candidates(text: str):
-    """All rule matches as (start, -length, rule order, match, handler), in reading order."""
+    """All rule matches as (start, -length, rule order, match, handler), in reading order, in the first
+    MAX_TEXT_CHARS characters (tempokern.limits)."""
+    text = cap_text(text)
     out = []
     for order, (rx, fn) in enumerate(_RULES):
         for m in rx.finditer(text):
@@ -490,6 +494,7 @@ def parse_time(text: str, *, ref=None, backend: str = "rules", season_months: bo
     ``dateparser.search``; relative dates use ``ref``). See the module docstring for the covered forms."""
     if not isinstance(text, str):
         raise TypeError(f"text: expected str, got {type(text).__name__}")
+    text = cap_text(text)   # the first MAX_TEXT_CHARS characters (tempokern.limits)
     ref = _check_ref(ref)
     if backend == "rules":
         return _parse_rules(text, ref, {"season_months": bool(season_months)})
@@ -566,6 +571,7 @@ def find_times(text: str, *, ref=None, season_months: bool = False) -> List[Time
     agrees with the first span's ``start`` on every part it observes."""
     if not isinstance(text, str):
         raise TypeError(f"text: expected str, got {type(text).__name__}")
+    text = cap_text(text)   # the first MAX_TEXT_CHARS characters (tempokern.limits)
     ref = _check_ref(ref)
     opts = {"season_months": bool(season_months)}
     out: List[TimeSpan] = []
