@@ -279,6 +279,11 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
             seed = seed if m.seeded else 0
             path = unit_path(out, m.name, s, seed)
             prev = read_unit(path, config)
+            unfit = unit_problem(prev, ds) if prev is not None else None
+            if unfit is not None:   # named here and recomputed (not a failure later, while merging)
+                log(f"[suite] {m.name} / set {s} / seed {seed}: unit file {path} does not fit the data ({unfit}): "
+                    "recomputing")
+                prev = None
             if prev is not None:
                 log(f"[suite] {m.name} / set {s} / seed {seed}: done earlier ({path}), skipped")
                 units[(m.name, s, seed)] = prev
@@ -286,7 +291,7 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
             if report_only:
                 log(f"[suite] {m.name} / set {s} / seed {seed}: not finished, left out (--report-only)")
                 continue
-            if path.exists():
+            if path.exists() and unfit is None:
                 log(f"[suite] {m.name} / set {s} / seed {seed}: unit file {path} is corrupt, incomplete or "
                     "made under other settings (budget, backbone, data): recomputing")
             if ref_sims is None and r_pairs:
