@@ -30,7 +30,7 @@ from .base import (DataFormatError, LoadReport, Query, Record, RetrievalDataset,
 
 __all__ = ["load_beir", "parse_published"]
 
-_DATE = re.compile(r"^\s*(-?\d{1,4})(?:-(\d{1,2}))?(?:-(\d{1,2}))?(?:[T ].*)?\s*$")
+_DATE = re.compile(r"^\s*(-?\d+)(?:-(\d{1,2}))?(?:-(\d{1,2}))?(?:[T ].*)?\s*$")
 
 
 def _check_year(y: int, v: Any) -> None:
