@@ -22,6 +22,7 @@ import numpy as np
 from .metrics import METRICS, spearman, split_metrics, strip_spans
 from .registry import (PERTURBED_SETS, REAL_SETS, SETS, SYNTH_SETS, Budget, Method, MethodOutput, SuiteContext,
                        missing_needs, registered, runs_on)
+from .unitcheck import unit_problem
 from .._util import atomic_write
 
 __all__ = ["load_methods", "run_suite", "unit_path", "read_unit", "UNIT_VERSION", "QUICK_SETS", "DEFAULT_SEEDS",
