@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
-from ..limits import cap_text
+from ..limits import YEAR_MAX, YEAR_MIN, cap_text
 from .dates import MONTHS, NUMBER_WORDS, ORDINAL_WORDS, SEASONS, WEEKDAYS
 
 
@@ -65,8 +65,8 @@ class TimeTuple:
                 raise TypeError(f"{nm}: expected int, got {type(v).__name__}")
         vy, vm, vd = mask
         y, m, d = (self.year if vy else 0), (self.month if vm else 0), (self.day if vd else 0)
-        if vy and not 1 <= y <= 9999:
-            raise ValueError(f"year: {y} outside 1..9999")
+        if vy and not YEAR_MIN <= y <= YEAR_MAX:
+            raise ValueError(f"year: {y} outside {YEAR_MIN}..{YEAR_MAX}")
         if vm and not 1 <= m <= 12:
             raise ValueError(f"month: {m} outside 1..12")
         if vd and not 1 <= d <= 31:
@@ -390,7 +390,7 @@ def _year_alone(m, text, ref, opts):
 
 # ---- relative ----------------------------------------------------------------------------------------------
 def _rel(ref, days):
-    """The day `days` after `ref`; None (no date) where that falls outside years 1..9999 ("tomorrow" in a
+    """The day `days` after `ref`; None (no date) where that falls outside YEAR_MIN..YEAR_MAX ("tomorrow" in a
     document dated 9999-12-31)."""
     if ref is None:
         return _UNRESOLVED
@@ -452,7 +452,7 @@ def _last_month(m, text, ref, opts):
     else:
         k = ref.year * 12 + (ref.month - 1) + step
         y, mo = k // 12, k % 12 + 1
-    if not 1 <= y <= 9999:   # "next year" of 9999, "last year" of year 1: no date
+    if not YEAR_MIN <= y <= YEAR_MAX:   # "next year" of 9999, "last year" of year 1: no date
         return None
     return TimeTuple.partial(y, mo)
 
