@@ -91,8 +91,8 @@ class OutputLock:
                     raise OutputInUse(f"{self.path.parent} is in use by another tempokern run: {_describe(holder)} "
                                       f"(lock file {self.path}; wait for it to finish, or remove the lock if that "
                                       "run is gone)")
-                self.log(f"tempokern: taking over the stale lock {self.path} of {_describe(holder) if holder else 'an unreadable holder'} "
-                         "(that process is gone)")
+                who = _describe(holder) if holder else "an unreadable holder"
+                self.log(f"tempokern: taking over the stale lock {self.path} of {who} (that process is gone)")
                 try:
                     # take over only the lock we read (a rename keeps a racing writer's fresh lock intact)
                     stale_tmp = self.path.parent / (tmp_prefix(self.path.name) + "stale")
