@@ -209,3 +209,15 @@ def test_benchmark_data_skip_is_reported(tmp_path):
     rs = beir_set(str(d), on_error="skip")
     assert sorted((os.path.basename(p), ln) for p, ln, _ in rs.dataset.report.skipped) == \
         [("corpus.jsonl", 4), ("train.tsv", 3)]
+
+
+def test_re2_long_texts_are_truncated(tmp_path):
+    from tempokern.datasets import load_re2
+    p = tmp_path / "r.jsonl"
+    row = {"id": "q1", "query": "who? " + "x" * (MAX_TEXT_CHARS + 5),
+           "positive": {"id": "d1", "text": "y" * (MAX_TEXT_CHARS + 9), "time": "2001"}, "negatives": []}
+    p.write_text(json.dumps(row) + "\n")
+    r = load_re2(str(p))
+    assert r.dataset.report.truncated == 2
+    assert len(r.dataset.records[0].text) == len(r.dataset.queries[0].text) == MAX_TEXT_CHARS
+    assert r.triples[0].query == r.dataset.queries[0].text
