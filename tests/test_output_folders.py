@@ -60,7 +60,8 @@ def test_lock_in_process(tmp_path):
     assert not [p for p in d.iterdir()]     # no temporary file of the lock left
 
 
-def test_second_writer_fails_naming_the_holder(tmp_path):
+def test_second_writer_fails_naming_the_holder(tmp_path, capsys):
+    from tempokern.cli import main
     out = tmp_path / "run"
     holder = _holder(out)
     try:
@@ -71,13 +72,12 @@ def test_second_writer_fails_naming_the_holder(tmp_path):
         assert r.stderr.count("\n") == 1, r.stderr
         assert f"pid {holder.pid}" in r.stderr and "holder-test" in r.stderr and "in use" in r.stderr
         assert not (out / "best").exists() and not (out / "log.jsonl").exists()
-        r = _cli("data", "timeqa", "--out", str(out), "--negatives", "0")
-        assert r.returncode == 1 and f"pid {holder.pid}" in r.stderr
-        assert not (out / "corpus.jsonl").exists()
-        r = _cli("benchmark", "--out", str(out), "--report-only")
-        assert r.returncode == 1 and f"pid {holder.pid}" in r.stderr
-        r = _cli("demo", "--suite", "english", "--out", str(out), "--report-only")
-        assert r.returncode == 1 and f"pid {holder.pid}" in r.stderr
+        for argv in (["data", "timeqa", "--negatives", "0"], ["benchmark", "--report-only"],
+                     ["demo", "--suite", "english", "--report-only"]):      # the holder is another process
+            capsys.readouterr()
+            assert main(argv + ["--out", str(out)]) == 1
+            assert f"pid {holder.pid}" in capsys.readouterr().err
+        assert not (out / "corpus.jsonl").exists() and not (out / "results.json").exists()
     finally:
         holder.kill()
         holder.wait()
