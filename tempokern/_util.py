@@ -7,6 +7,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ._files import sweep_tmp, tmp_prefix
+
 CACHE_MAX = 16  # module-level caches hold at most this many entries, the oldest goes first
 
 
@@ -62,7 +64,8 @@ def atomic_write(path, data, *, encoding: str = "utf-8") -> None:
     """Write text or bytes to `path` atomically and durably: a temporary file in the same directory,
     fsync, rename over `path`, fsync the directory. A crash leaves the old file or the new one."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=f".{path.name}.tmp-")
+    sweep_tmp(path)
+    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=tmp_prefix(path.name))
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode(encoding) if isinstance(data, str) else data)
@@ -118,7 +121,9 @@ def replace_dir(tmp: Path, path: Path) -> None:
 
 def recover_dir(path: Path) -> None:
     """After a crash inside :func:`replace_dir`'s fallback: `path` is missing and `.{name}.old` holds
-    the previous checkpoint; put it back."""
+    the previous checkpoint; put it back. Also removes the temporary siblings of `path` that an interrupted
+    save left (:func:`tempokern._files.sweep_tmp`)."""
+    sweep_tmp(path)
     old = path.parent / f".{path.name}.old"
     if not path.exists() and old.is_dir():
         os.replace(old, path)

@@ -35,6 +35,8 @@ Key = Tuple[Any, ...]
 KeyLike = Union[str, Sequence[Any], _dt.date, int]
 
 #: label of the intercalary-month slot in reign calendars (a year's 13th month slot)
+#: the years a Gregorian calendar (and every date field of a data file) may name (tempokern.limits)
+from .limits import YEAR_MAX, YEAR_MIN  # noqa: E402
 LEAP_MONTH = "闰"
 
 #: the twelve dukes of Lu in the Spring and Autumn Annals: (pinyin, traditional, simplified)
@@ -533,8 +535,8 @@ class Calendar:
         for nm, v in (("first_year", first_year), ("last_year", last_year)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise TypeError(f"{nm} must be an int, got {type(v).__name__}")
-        if not 1 <= first_year <= last_year <= 9999:
-            raise ValueError(f"need 1 <= first_year <= last_year <= 9999, got {first_year}, {last_year}")
+        if not YEAR_MIN <= first_year <= last_year <= YEAR_MAX:
+            raise ValueError(f"need {YEAR_MIN} <= first_year <= last_year <= {YEAR_MAX}, got {first_year}, {last_year}")
         if resolution not in ("day", "month"):
             raise ValueError(f"resolution must be 'day' or 'month', got {resolution!r}")
         years = list(range(int(first_year), int(last_year) + 1))
@@ -543,8 +545,10 @@ class Calendar:
         units = []
         d, stop = _dt.date(int(first_year), 1, 1), _dt.date(int(last_year), 12, 31)
         one = _dt.timedelta(days=1)
-        while d <= stop:
+        while True:
             units.append((d.year, d.month, d.day))
+            if d == stop:   # no step past the last day (9999-12-31 has no successor)
+                break
             d += one
         return cls([("year", years), ("month", 12), ("day", 31)], units=units, name="gregorian")
 

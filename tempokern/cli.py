@@ -220,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="JSON or TOML file of options")
     t.add_argument("--out", required=False, help="output directory")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from last/")
+    t.add_argument("--overwrite", action="store_true",
+                   help="--out holds a previous run: remove its outputs (best/, last/, model/, log.jsonl, "
+                        "summary.json) and start clean (without it, such a folder is refused)")
     t.add_argument("--device", default=None, help='cpu, cuda or cuda:N (default: cuda when available)')
     t.add_argument("--method", default="ctd", help="training method: ctd (CTD / semantic baseline; default)")
     _data_args(t)
@@ -277,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--queries", help="file with one query per line")
     s.add_argument("-k", type=int, default=10, help='results per query (default 10)')
     s.add_argument("--json", action="store_true", help="print JSON lines")
+    s.add_argument("--allow-other-model", action="store_true",
+                   help="search even when --model is not the encoder that built the index (its fingerprint, "
+                        "config + weights, is stored in the index); the scores then mean little")
     _recency_args(s, eval_cmd=False)
 
     b = sub.add_parser("bench", help="fused vs reference timing of every op in this install",
@@ -652,7 +658,10 @@ def _dataset(args):
 
 
 def report_skipped(report) -> None:
-    """Every row a loader skipped (``--on-error skip``), one ``file:line: reason`` line each, on stderr."""
+    """Every row a loader skipped (``--on-error skip``), one ``file:line: reason`` line each, on stderr; and
+    how many texts it truncated to tempokern.limits.MAX_TEXT_CHARS (one line)."""
+    if report is not None and getattr(report, "truncated", 0):
+        print(f"tempokern: {report.truncation_note()}", file=sys.stderr)
     if report is None or not report.num_skipped:
         return
     print(f"tempokern: skipped {report.num_skipped} malformed row(s) (--on-error skip):", file=sys.stderr)
@@ -726,7 +735,7 @@ def cmd_train(args) -> int:
     rank, _ = dist_info()
     if rank == 0:
         out = Path(args.out)
-        if not (out / "best").exists():   # no validation split: the final weights are the result
+        if res.best_metric is None:   # no validation split: this run's final weights are the result
             model.save(out / "best")
         summary = {"variant": args.variant, "steps": res.steps, "best_val_R@1": res.best_metric,
                    "best_epoch": res.best_epoch, "final_loss": res.final_loss, "seconds": round(res.seconds, 1),
@@ -819,6 +828,8 @@ def cmd_index(args) -> int:
             raise CLIError("--dim applies to TMRL models (trained with --method tmrl) only")
         kw = {"dim": args.dim}
     index = model.to_index(records, backend=args.backend, ids=range(len(records)), **kw)   # positions; names below
+    from .models.fingerprint import model_fingerprint
+    index.model = model_fingerprint(model, path=args.model, dim=kw.get("dim"))   # `search` checks its model
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     index.save(str(out))
@@ -850,6 +861,8 @@ def cmd_search(args) -> int:
         raise FileNotFoundError(f"index file {ip} does not exist")
     model = _load_model(args.model)
     index = TemporalIndex.load(str(ip))
+    from .models.fingerprint import check_index_model
+    check_index_model(index, model, args.model, ip, allow=args.allow_other_model)
     names = None
     side = Path(str(ip) + ".records.json")
     if side.exists():
@@ -1284,8 +1297,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     set_progress(getattr(args, "progress", True))   # encoding passes of train / eval / index
     out = getattr(args, "out", None)
     out_existed = out is None or os.path.exists(out)
+    from ._lock import check_fresh_run, command_lock
     try:
-        return COMMANDS[args.command](args)
+        with command_lock(args):   # one writer per output folder (docs/cli.md, "Output folders")
+            check_fresh_run(args)
+            return COMMANDS[args.command](args)
     except CLIError as e:   # a usage error found while running (e.g. a --split the data lacks)
         _drop_empty(out, out_existed)
         return _usage_error(f"tempokern {args.command}", e)

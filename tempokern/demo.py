@@ -104,6 +104,7 @@ def run_demo(out="tempokern-demo", *, quick: bool = False, backbone: str = "tiny
              seed: int = 0, threads: Optional[int] = None, device=None, progress: bool = True,
              split: str = "template", pairs_per_query: Optional[int] = 3) -> dict:
     from .models import CTDEncoder
+    from ._files import clear_run_outputs
     from .training import CTDConfig, VARIANTS, train_ctd, zztj_demo_dataset
     from .training.trainer import seed_everything
 
@@ -140,6 +141,7 @@ def run_demo(out="tempokern-demo", *, quick: bool = False, backbone: str = "tiny
         cfg = CTDConfig(variant=v, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, progress=progress,
                         pairs_per_query=pairs_per_query)
         t = time.time()
+        clear_run_outputs(out / "runs" / v)   # each row starts clean: no older run's best/ or log lines
         res = train_ctd(model, ds, cfg, out / "runs" / v, device=dev, log=_log)
         train_s = time.time() - t
         table = evaluate_model(model, ds, "test", **PROTOCOL)

@@ -179,8 +179,11 @@ def crafted_index(meta_edit, model_kind="ctd"):
 def bad_sidecar(text):
     def run(c):
         from tempokern.search import TemporalIndex
+        from tempokern.models import CTDEncoder
+        from tempokern.models.fingerprint import model_fingerprint
         idx = TemporalIndex(16)
         idx.add(torch.arange(2), torch.randn(2, 16), torch.zeros(2))
+        idx.model = model_fingerprint(CTDEncoder.load(c.saved / "ctd"))   # built by that model: no warning
         idx.save(str(c.tmp / "x.idx"))
         c.write("x.idx.records.json", text)
         return ["search", "--model", str(c.saved / "ctd"), "--index", str(c.tmp / "x.idx"), "--query", "q"]

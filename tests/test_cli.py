@@ -189,9 +189,9 @@ def test_train_and_eval_on_chunqiutr_format(tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", "--model", str(out / "best"), *base, "--split", "val"]) == 0
     assert "| all |" in capsys.readouterr().out
-    assert main(["train", *base[:4], "--out", str(out)]) != 0
+    assert main(["train", *base[:4], "--out", str(tmp_path / "run2")]) != 0
     assert "--data-queries" in capsys.readouterr().err
-    assert main(["train", *base[:-2], "--calendar", "reign", "--out", str(out)]) != 0
+    assert main(["train", *base[:-2], "--calendar", "reign", "--out", str(tmp_path / "run2")]) != 0
     assert "does not fit" in capsys.readouterr().err
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..calendar import Calendar, Interval
+from ..limits import MAX_TEXT_CHARS
 
 __all__ = ["Record", "Query", "RetrievalDataset", "LoadReport", "DataFormatError", "RECORD_TYPES",
            "QUERY_FAMILIES", "read_jsonl"]
@@ -35,10 +36,25 @@ class LoadReport:
     synthesized: int = 0
     skipped: List[Tuple[str, int, str]] = field(default_factory=list)   # (path, line, reason)
     notes: List[str] = field(default_factory=list)
+    truncated: int = 0    # texts cut to tempokern.limits.MAX_TEXT_CHARS characters
 
     @property
     def num_skipped(self) -> int:
         return len(self.skipped)
+
+    def cap(self, text: str) -> str:
+        """`text` cut to :data:`tempokern.limits.MAX_TEXT_CHARS` characters, counted in :attr:`truncated`."""
+        if len(text) <= MAX_TEXT_CHARS:
+            return text
+        self.truncated += 1
+        return text[:MAX_TEXT_CHARS]
+
+    def truncation_note(self) -> str:
+        """One line saying how many texts were truncated ("" when none)."""
+        if not self.truncated:
+            return ""
+        return (f"{self.truncated} text(s) longer than {MAX_TEXT_CHARS} characters truncated to their first "
+                f"{MAX_TEXT_CHARS} (tempokern.limits.MAX_TEXT_CHARS)")
 
     def skip(self, err: DataFormatError) -> None:
         self.skipped.append((err.path, err.line, err.reason))
@@ -50,6 +66,8 @@ class LoadReport:
             s += f"\n  skipped {p}:{l}: {r}"
         if self.num_skipped > 10:
             s += f"\n  ... {self.num_skipped - 10} more"
+        if self.truncated:
+            s += f"\n  note: {self.truncation_note()}"
         for n in self.notes:
             s += f"\n  note: {n}"
         return s

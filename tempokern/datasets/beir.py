@@ -24,18 +24,26 @@ import re
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..calendar import Calendar
+from ..limits import YEAR_MAX, YEAR_MIN
 from .base import (DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle, read_jsonl,
                    utf8_reason)
 
 __all__ = ["load_beir", "parse_published"]
 
-_DATE = re.compile(r"^\s*(-?\d{1,4})(?:-(\d{1,2}))?(?:-(\d{1,2}))?(?:[T ].*)?\s*$")
+_DATE = re.compile(r"^\s*(-?\d+)(?:-(\d{1,2}))?(?:-(\d{1,2}))?(?:[T ].*)?\s*$")
+
+
+def _check_year(y: int, v: Any) -> None:
+    if not YEAR_MIN <= y <= YEAR_MAX:
+        raise ValueError(f"year {y} of {v!r} is outside the supported range {YEAR_MIN}..{YEAR_MAX}")
 
 
 def _parse_date(v: Any) -> Tuple[int, ...]:
+    """A date field as (year,), (year, month) or (year, month, day); the year in YEAR_MIN..YEAR_MAX."""
     if isinstance(v, bool):
         raise ValueError(f"not a date: {v!r}")
     if isinstance(v, int):
+        _check_year(v, v)
         return (v,)
     if isinstance(v, _dt.date):
         return (v.year, v.month, v.day)
@@ -43,6 +51,7 @@ def _parse_date(v: Any) -> Tuple[int, ...]:
     if not m:
         raise ValueError(f"not a date (want YYYY, YYYY-MM or YYYY-MM-DD): {v!r}")
     parts = tuple(int(x) for x in m.groups() if x is not None)
+    _check_year(parts[0], v)
     if len(parts) == 3:
         _dt.date(*parts)  # raises on impossible days
     elif len(parts) == 2 and not 1 <= parts[1] <= 12:
@@ -117,7 +126,13 @@ def _read_qrels(path: str, report: LoadReport, on_error: str) -> Dict[str, Dict[
             except ValueError:
                 handle(DataFormatError(path, ln, f"score must be an int, got {parts[2]!r}"), report, on_error)
                 continue
-            out.setdefault(parts[0].strip(), {})[parts[1].strip()] = (rel, ln)
+            qid, doc = parts[0].strip(), parts[1].strip()
+            prev = out.get(qid, {}).get(doc)
+            if prev is not None:   # the first judgement is kept (skip) or the file is refused (raise)
+                handle(DataFormatError(path, ln, f"duplicate qrels row: query {qid!r}, document {doc!r} is judged "
+                                                 f"at line {prev[1]} already"), report, on_error)
+                continue
+            out.setdefault(qid, {})[doc] = (rel, ln)
     return out
 
 
@@ -196,6 +211,7 @@ def load_beir(folder: Optional[str] = None, *, corpus: Optional[str] = None, que
                     raise DataFormatError(str(path), ln, f"duplicate {what} id {_id!r}")
                 if not isinstance(obj.get("text"), str):
                     raise DataFormatError(str(path), ln, f"{what} {_id!r}: missing string field 'text'")
+                obj["text"] = report.cap(obj["text"])   # before the date tagger (tempokern.limits)
                 try:
                     t = _time_fields(obj)
                     pub = _published_field(obj) if what == "document" else None

@@ -165,7 +165,7 @@ def load_re2(path: str, *, split: str = "test", calendar: Optional[Calendar] = N
             continue
         meta = {k: v for k, v in d.items() if k not in ("id", "_id", "text", "kind")}
         meta.pop("published", None)
-        records.append(Record(did, d["text"], interval=iv, meta=meta, published=pub))
+        records.append(Record(did, report.cap(d["text"]), interval=iv, meta=meta, published=pub))
     queries: List[Query] = []
     triples: List[Re2Triple] = []
     for ln, qid, obj, qt, pos, negs in rows:
@@ -181,10 +181,10 @@ def load_re2(path: str, *, split: str = "test", calendar: Optional[Calendar] = N
                                                            "split")}
         meta["query_time"] = obj.get("query_time")
         meta["answer"] = obj.get("answer")
-        queries.append(Query(qid, obj["query"], interval=qiv, family=str(obj.get("family", "all")),
+        queries.append(Query(qid, report.cap(obj["query"]), interval=qiv, family=str(obj.get("family", "all")),
                              gold={pos[0]["id"]: 1}, split=str(obj.get("split") or split), meta=meta))
         kept = [n for n in negs if n[0]["id"] not in bad_docs]
-        triples.append(Re2Triple(qid, obj["query"], pos[0]["id"], [n[0]["id"] for n in kept],
+        triples.append(Re2Triple(qid, queries[-1].text, pos[0]["id"], [n[0]["id"] for n in kept],
                                  [n[0]["kind"] for n in kept],
                                  None if obj.get("query_time") is None else str(obj["query_time"])))
     report.records, report.queries = len(records), len(queries)

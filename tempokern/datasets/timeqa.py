@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from .._resources import data_path
 from .._util import sha256_file
 from ..calendar import Calendar
+from ..limits import cap_texts
 from .base import DataFormatError, LoadReport, Query, Record, RetrievalDataset, _check_on_error, handle
 
 __all__ = ["load_timeqa", "timeqa_page_split", "timeqa_hard_negatives", "export_beir", "TIMEQA_SPLITS",
@@ -59,8 +60,15 @@ def _items(path: str, report: LoadReport, on_error: str) -> Iterator[Tuple[int, 
     """(1-based line, 0-based item index, item) of a JSON array file (gzip when it ends in .gz)."""
     report.files.append(str(path))
     opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
+    with opener(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        ln = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataFormatError(str(path), ln, f"not valid UTF-8 (byte 0x{data[e.start]:02x} at column {col})") \
+            from None
     dec = json.JSONDecoder()
     i = len(text) - len(text.lstrip())
     if not text.startswith("[", i):
@@ -73,6 +81,11 @@ def _items(path: str, report: LoadReport, on_error: str) -> Iterator[Tuple[int, 
         if i >= len(text):
             raise DataFormatError(str(path), text.count("\n") + 1, "unterminated JSON array")
         if text[i] == "]":
+            rest = i + 1 + (len(text) - i - 1 - len(text[i + 1:].lstrip()))
+            if rest < len(text):   # a second array, or anything else, after the top-level one
+                raise DataFormatError(str(path), text.count("\n", 0, rest) + 1,
+                                      f"unexpected content after the JSON array ({text[rest:rest + 20]!r}): a TimeQA "
+                                      "file holds one array of pages")
             return
         ln = text.count("\n", 0, i) + 1
         try:
@@ -189,12 +202,15 @@ def load_timeqa(path: Optional[str] = None, *, on_error: str = "raise", name: st
             index, link, rel, paras, qs = _check_item(src, ln, n, obj)
             if index in seen_index:
                 raise DataFormatError(src, ln, f"item {n}: duplicate page entry {index!r}")
-            if link in pages and pages[link] != paras:
+            if link in pages and pages[link] != cap_texts(paras):
                 raise DataFormatError(src, ln, f"item {n} ({index}): page {link} was listed before with other "
                                                "paragraphs")
         except DataFormatError as e:
             handle(e, report, on_error)
             continue
+        if link not in pages:
+            paras = [report.cap(p) for p in paras]   # before the date tagger (tempokern.limits)
+        qs = [[report.cap(q[0]), *q[1:]] for q in qs]
         pages.setdefault(link, paras)
         seen_index.add(index)
         rows.append((ln, index, link, rel, qs))
@@ -284,6 +300,14 @@ def export_beir(dataset, out_dir: str, *, negatives: Optional[Dict[str, Dict[str
     when given. Returns counts."""
     os.makedirs(os.path.join(out_dir, "qrels"), exist_ok=True)
     cal = dataset.calendar
+    # an export into a used folder replaces what an export owns: no stale split or licence stays behind
+    splits = sorted({q.split for q in dataset.queries if q.split})
+    removed = [os.path.join("qrels", f) for f in sorted(os.listdir(os.path.join(out_dir, "qrels")))
+               if f.endswith(".tsv") and f[:-4] not in splits]
+    if not license_text and os.path.isfile(os.path.join(out_dir, "LICENSE")):
+        removed.append("LICENSE")
+    for rel in removed:
+        os.unlink(os.path.join(out_dir, rel))
 
     def span(iv):
         if iv is None or cal is None:
@@ -304,7 +328,9 @@ def export_beir(dataset, out_dir: str, *, negatives: Optional[Dict[str, Dict[str
                 row[f"neg_{kind}"] = negs.get(q.id, [])
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     counts: Dict[str, Any] = {"records": len(dataset.records), "queries": len(dataset.queries)}
-    for s in sorted({q.split for q in dataset.queries if q.split}):
+    if removed:
+        counts["removed"] = removed
+    for s in splits:
         with open(os.path.join(out_dir, "qrels", f"{s}.tsv"), "w", encoding="utf-8") as f:
             f.write("query-id\tcorpus-id\tscore\n")
             n = 0

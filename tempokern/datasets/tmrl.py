@@ -170,6 +170,11 @@ def _iter_json_objects(path: str, report: LoadReport, on_error: str) -> Iterator
         while i < n and text[i] in ws:
             i += 1
         if i < n and text[i] == "]":
+            after = text[i + 1:]
+            if after.strip():   # a second array, or anything else, after the top-level one
+                at = i + 1 + len(after) - len(after.lstrip())
+                raise DataFormatError(str(path), text.count("\n", 0, at) + 1,
+                                      f"unexpected content after the JSON array ({text[at:at + 20]!r})")
             return
         if not first:
             if i >= n or text[i] != ",":

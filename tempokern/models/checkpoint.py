@@ -15,6 +15,7 @@ from typing import Any, Dict, Mapping
 
 import torch
 
+from .._files import tmp_prefix
 from .._util import atomic_write, fsync_path, fsync_tree, recover_dir, replace_dir, sha256_file  # noqa: F401
 from .levels import LevelSpec, calendar_levels
 
@@ -171,7 +172,7 @@ def save_encoder(model, path, *, extra_files=None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     recover_dir(path)
     check_save_target(path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(path.name), dir=path.parent))
     try:
         save_model(model, str(tmp / WEIGHTS_FILE))
         if model.tokenizer is not None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from .._ops.calendar import calendar_context, calendar_scalar
 
+from ..limits import cap_texts
 from ..nn import OffsetBias
 from ..search import TemporalIndex
 from ._batching import length_sorted_batches, progress as _progress
@@ -162,7 +163,7 @@ class CTDEncoder(nn.Module):
                              "from a PreTrainedModel")
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise TypeError("texts must be a list of strings")
-        enc = self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length,
+        enc = self.tokenizer(cap_texts(texts), padding=True, truncation=True, max_length=self.max_length,
                              return_tensors="pt")
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 

@@ -18,6 +18,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 from typing import Dict, Optional
+from .._files import sweep_tmp, tmp_prefix
 from .._util import atomic_write, fsync_path, fsync_tree, replace_dir, sha256_file
 
 __all__ = ["minilm_path", "minilm_zip_path", "default_cache_dir", "resolve_backbone", "default_pooling",
@@ -88,7 +89,8 @@ def _valid(target: Path, zip_sha: Optional[str] = None) -> bool:
 def _extract(zip_path: Path, target: Path, zip_sha: str) -> None:
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=str(parent), prefix=f".{target.name}.tmp-"))
+    sweep_tmp(target)
+    tmp = Path(tempfile.mkdtemp(dir=str(parent), prefix=tmp_prefix(target.name)))
     try:
         with zipfile.ZipFile(zip_path) as zf:
             for info in zf.infolist():

@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._files import tmp_prefix
+from ..limits import cap_texts
 from .._util import sha256_file
 from ..nn.film import FiLM, TimeEmbedding
 from ..search import TemporalIndex
@@ -348,7 +350,7 @@ class Re3Encoder(nn.Module):
             raise ValueError("this Re3Encoder has no tokenizer: pass tokenizer= when building it from a model")
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise TypeError("texts must be a list of strings")
-        enc = self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length,
+        enc = self.tokenizer(cap_texts(texts), padding=True, truncation=True, max_length=self.max_length,
                              return_tensors="pt")
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
@@ -589,7 +591,7 @@ class Re3Encoder(nn.Module):
         if embed_backbone is None:
             embed_backbone = self.backbone_path is None or self.lora_config is not None \
                 or not Path(self.backbone_path).is_dir()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(path.name), dir=path.parent))
         try:
             sd = {k: v.detach().cpu().contiguous() for k, v in self._time_state().items()}
             save_file(sd, str(tmp / TIME_FILE))

@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._files import tmp_prefix
+from ..limits import cap_texts
 from ..nn import TemporalProjector, temporal_pool
 from ..search import TemporalIndex
 from ..text import temporal_spans, temporal_token_mask
@@ -233,7 +235,7 @@ class TMRLEncoder(nn.Module):
         pre = self.prefix(role)
         full = [pre + t for t in texts]
         if not temporal:
-            enc = self.tokenizer(full, padding=True, truncation=True, max_length=self.max_length,
+            enc = self.tokenizer(cap_texts(full), padding=True, truncation=True, max_length=self.max_length,
                                  return_tensors="pt")
             return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
         if not getattr(self.tokenizer, "is_fast", False):
@@ -247,7 +249,7 @@ class TMRLEncoder(nn.Module):
             if s is None:
                 s = [(a, b) for a, b, *_ in temporal_spans(t)]
             shifted.append([(a + len(pre), b + len(pre)) for a, b, *_ in s])
-        enc = self.tokenizer(full, padding=True, truncation=True, max_length=self.max_length,
+        enc = self.tokenizer(cap_texts(full), padding=True, truncation=True, max_length=self.max_length,
                              return_tensors="pt", return_offsets_mapping=True)
         tmask = temporal_token_mask(enc, shifted, include_cls=self.pooling == "cls")
         tmask = torch.as_tensor(tmask, dtype=torch.bool) & enc["attention_mask"].bool()
@@ -333,7 +335,7 @@ class TMRLEncoder(nn.Module):
         path.parent.mkdir(parents=True, exist_ok=True)
         recover_dir(path)
         check_save_target(path)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(path.name), dir=path.parent))
         try:
             save_model(self.backbone, str(tmp / BACKBONE_FILE))
             sums = {BACKBONE_FILE: sha256_file(tmp / BACKBONE_FILE)}

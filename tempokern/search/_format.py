@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .._files import sweep_tmp, tmp_prefix
+
 MAGIC = b"TKINDEX\0"
 VERSION = 1
 _HEAD = struct.Struct("<8sIQ")
@@ -51,7 +53,8 @@ def dump(path, meta: dict, ids: torch.Tensor, u: torch.Tensor, emb: torch.Tensor
         h.update(b)
     parts.append(h.digest())
     directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    sweep_tmp(path)   # what an interrupted save of this index left
+    fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(path.name), suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             for b in parts:
@@ -78,6 +81,7 @@ def dump(path, meta: dict, ids: torch.Tensor, u: torch.Tensor, emb: torch.Tensor
 def read(path):
     """Returns (meta, ids int64, u float32, emb) or raises IndexFormatError; never a partial result."""
     path = Path(path)
+    sweep_tmp(path)
     data = path.read_bytes()
     where = f"'{path}'"
     if len(data) < _HEAD.size or data[:8] != MAGIC:

@@ -55,6 +55,8 @@ class TemporalIndex:
         self._u = torch.empty(0, dtype=torch.float32, device=device)
         self._emb = torch.empty(0, dim, dtype=dtype, device=device)
         self._faiss = None  # rebuilt lazily when stale
+        #: the fingerprint of the encoder that built the index (tempokern.models.fingerprint), saved with it
+        self.model: Optional[dict] = None
 
     # ---- records --------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -125,13 +127,23 @@ class TemporalIndex:
         best first, ties by insertion order; slots without a record (faiss found fewer) are (-1, -inf)."""
         if len(self) == 0:
             raise ValueError("the index is empty: add() records before search()")
-        if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.shape[1] != self.dim:
+        if isinstance(q, torch.Tensor) and q.dim() == 2 and q.shape[1] != self.dim:
+            raise ValueError(f"q has dimension {q.shape[1]} but the index holds dimension-{self.dim} embeddings "
+                             f"(q must be a (Q, {self.dim}) tensor; was the index built by another encoder?)")
+        if not isinstance(q, torch.Tensor) or q.dim() != 2:
             raise ValueError(f"q must be a (Q, {self.dim}) tensor, got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
         Q = q.shape[0]
         if not isinstance(u_q, torch.Tensor) or u_q.shape != (Q,):
             raise ValueError(f"u_q must have shape ({Q},), one calendar position per query, got "
                              f"{tuple(u_q.shape) if isinstance(u_q, torch.Tensor) else type(u_q).__name__}")
+        for name, t in (("q", q), ("u_q", u_q)):
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                rows = bad.reshape(Q, -1).any(dim=1).nonzero().flatten()[:5].tolist()
+                raise ValueError(f"{name} must be finite: query row(s) {rows} hold NaN or inf")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
         if k > len(self):
@@ -165,6 +177,8 @@ class TemporalIndex:
         """Writes the index atomically (temporary file, fsync, rename) with a SHA-256 checksum."""
         meta = {"dim": self.dim, "backend": self.backend, "device": str(self.device),
                 "dtype": _DTYPE_NAMES[self.dtype], "count": len(self), "options": self.options}
+        if self.model is not None:
+            meta["model"] = self.model
         dump(path, meta, self._ids, self._u, self._emb)
 
     @classmethod
@@ -198,6 +212,10 @@ class TemporalIndex:
         if ids.numel() and torch.unique(ids).shape[0] != ids.shape[0]:
             raise IndexFormatError(f"'{path}' holds duplicate ids")
         out._ids, out._u, out._emb = ids.to(out.device), u.to(out.device), emb.to(out.device)
+        fp = meta.get("model")
+        if fp is not None and not isinstance(fp, dict):
+            raise IndexFormatError(f"{where}: 'model' must be an object (the encoder's fingerprint), got {fp!r}")
+        out.model = fp
         return out
 
 

@@ -9,6 +9,7 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..limits import cap_texts
 from .registry import topk_runs
 
 __all__ = ["backbone_path", "load_backbone", "mean_pool", "encode_texts", "dense_runs"]
@@ -39,7 +40,7 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def embed_batch(model, tok, texts: Sequence[str], max_length: int, device=None) -> torch.Tensor:
     """Mean-pooled, L2-normalised embeddings of one batch (with gradients if the model trains)."""
     dev = device or next(model.parameters()).device
-    enc = tok(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    enc = tok(cap_texts(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
     enc = {k: v.to(dev) for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     out = model(**enc).last_hidden_state
     return F.normalize(mean_pool(out, enc["attention_mask"]), dim=-1)

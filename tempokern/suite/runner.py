@@ -22,6 +22,7 @@ import numpy as np
 from .metrics import METRICS, spearman, split_metrics, strip_spans
 from .registry import (PERTURBED_SETS, REAL_SETS, SETS, SYNTH_SETS, Budget, Method, MethodOutput, SuiteContext,
                        missing_needs, registered, runs_on)
+from .unitcheck import unit_problem
 from .._util import atomic_write
 
 __all__ = ["load_methods", "run_suite", "unit_path", "read_unit", "UNIT_VERSION", "QUICK_SETS", "DEFAULT_SEEDS",
@@ -260,6 +261,14 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
                        "eval_splits": list(getattr(synth, "eval_splits", None) or []),
                        "train_rows": len(synth.train_rows), "info": _jsonable(dict(getattr(synth, "info", {}) or {})),
                        "load_seconds": round(time.time() - t, 2)}
+        rep = getattr(ds, "report", None)
+        if rep is not None and getattr(rep, "truncated", 0):
+            set_info[s]["truncated"] = rep.truncated
+            log(f"[suite] set {s}: {rep.truncation_note()}")
+        if rep is not None and rep.num_skipped:   # --on-error skip: every skipped row, on stderr and in results.json
+            set_info[s]["skipped"] = [f"{p}:{ln}: {why}" for p, ln, why in rep.skipped]
+            log(f"[suite] set {s}: skipped {rep.num_skipped} malformed row(s) (--on-error skip):\n"
+                + "\n".join("  " + x for x in set_info[s]["skipped"]))
         r_texts, r_pairs = retention_sample(ds, n_docs, n_pairs)
         # a unit is reused only when made under the same settings
         config = {"budget": dict(budget.__dict__), "backbone": str(backbone_path), "size": size,
@@ -271,6 +280,11 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
             seed = seed if m.seeded else 0
             path = unit_path(out, m.name, s, seed)
             prev = read_unit(path, config)
+            unfit = unit_problem(prev, ds) if prev is not None else None
+            if unfit is not None:   # named here and recomputed (not a failure later, while merging)
+                log(f"[suite] {m.name} / set {s} / seed {seed}: unit file {path} does not fit the data ({unfit}): "
+                    "recomputing")
+                prev = None
             if prev is not None:
                 log(f"[suite] {m.name} / set {s} / seed {seed}: done earlier ({path}), skipped")
                 units[(m.name, s, seed)] = prev
@@ -278,7 +292,7 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
             if report_only:
                 log(f"[suite] {m.name} / set {s} / seed {seed}: not finished, left out (--report-only)")
                 continue
-            if path.exists():
+            if path.exists() and unfit is None:
                 log(f"[suite] {m.name} / set {s} / seed {seed}: unit file {path} is corrupt, incomplete or "
                     "made under other settings (budget, backbone, data): recomputing")
             if ref_sims is None and r_pairs:

@@ -38,6 +38,8 @@ import bisect
 import re
 from typing import Iterable, List, Sequence, Tuple, Union
 
+from ..limits import cap_text
+
 __all__ = ["temporal_spans", "temporal_token_mask", "KINDS"]
 
 KINDS = ("date", "month", "year", "season", "quarter", "decade", "century", "weekday", "range", "relative")
@@ -311,6 +313,7 @@ def temporal_spans(text: str) -> List[Tuple[int, int, str]]:
     (module docstring: kinds, formats, rules). Rule-based, deterministic, no network."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
+    text = cap_text(text)     # spans of the first MAX_TEXT_CHARS characters (tempokern.limits)
     spans = _select(_candidates(text))
     spans = _merge_ranges(text, spans)
     spans = _extend_left(text, spans)

@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
+from ..limits import YEAR_MAX, YEAR_MIN, cap_text
 from .dates import MONTHS, NUMBER_WORDS, ORDINAL_WORDS, SEASONS, WEEKDAYS
 
 
@@ -64,8 +65,8 @@ class TimeTuple:
                 raise TypeError(f"{nm}: expected int, got {type(v).__name__}")
         vy, vm, vd = mask
         y, m, d = (self.year if vy else 0), (self.month if vm else 0), (self.day if vd else 0)
-        if vy and not 1 <= y <= 9999:
-            raise ValueError(f"year: {y} outside 1..9999")
+        if vy and not YEAR_MIN <= y <= YEAR_MAX:
+            raise ValueError(f"year: {y} outside {YEAR_MIN}..{YEAR_MAX}")
         if vm and not 1 <= m <= 12:
             raise ValueError(f"month: {m} outside 1..12")
         if vd and not 1 <= d <= 31:
@@ -233,6 +234,7 @@ class _Unresolved:
 _UNRESOLVED = _Unresolved()
 _PREP_BEFORE_MAY = re.compile(r"(?i:\b(?:in|on|during|early|mid|late|of|by|until|till|since|from|through|"
                               r"this|last|next|before|after|throughout|end|beginning|start)[\s-]+)$")
+_CTX = 64   # characters a rule looks at before / after its match
 _QUANTITY_AFTER = re.compile(
     r"\s*(?:%|°|percent\b|(?i:people|persons|men|women|children|students|employees|workers|jobs|units|cars|"
     r"vehicles|houses|homes|km|kilometers|kilometres|miles|meters|metres|m|ft|feet|kg|tons|tonnes|pounds|lbs|"
@@ -353,8 +355,8 @@ def _nth_month(m, text, ref, opts):
 def _bare_month(m, text, ref, opts):
     name = m["mon"]
     if name == "May" and m["part"] is None:
-        before = text[:m.start()]
-        after = text[m.end():]
+        before = text[max(0, m.start() - _CTX):m.start()]   # windows: linear in the text, not quadratic
+        after = text[m.end():m.end() + _CTX]
         if not (_PREP_BEFORE_MAY.search(before) or re.match(r"\s*(?:[,.;:!?)]|$)", after)):
             return None
     return TimeTuple.partial(None, _month_of(name))
@@ -378,17 +380,24 @@ def _season(m, text, ref, opts):
 
 @_rule(r"(?<![0-9A-Za-z$€£#.,/'-])(?P<year>1[0-9]{3}|20[0-9]{2}|21[0-9]{2})(?![0-9]|[.,][0-9]|s\b)")
 def _year_alone(m, text, ref, opts):
-    after = text[m.end():]
+    after = text[m.end():m.end() + _CTX]
     if _QUANTITY_AFTER.match(after):
         return None
-    if re.match(r"\s*:[0-9]", after) or re.search(r"[0-9][,.:]\s?$|[0-9]\s$", text[:m.start()]):
+    if re.match(r"\s*:[0-9]", after) or re.search(r"[0-9][,.:]\s?$|[0-9]\s$", text[max(0, m.start() - 4):m.start()]):
         return None
     return TimeTuple.partial(int(m["year"]))
 
 
 # ---- relative ----------------------------------------------------------------------------------------------
 def _rel(ref, days):
-    return TimeTuple.from_date(ref + _dt.timedelta(days=days)) if ref is not None else _UNRESOLVED
+    """The day `days` after `ref`; None (no date) where that falls outside YEAR_MIN..YEAR_MAX ("tomorrow" in a
+    document dated 9999-12-31)."""
+    if ref is None:
+        return _UNRESOLVED
+    try:
+        return TimeTuple.from_date(ref + _dt.timedelta(days=days))
+    except OverflowError:
+        return None
 
 
 @_rule(r"\b(?i:the\s+day\s+before\s+yesterday)\b")
@@ -439,13 +448,19 @@ def _last_month(m, text, ref, opts):
         return _UNRESOLVED
     step = {"last": -1, "past": -1, "this": 0, "next": 1}[m["dir"].lower()]
     if m["unit"].lower() == "year":
-        return TimeTuple.partial(ref.year + step)
-    k = ref.year * 12 + (ref.month - 1) + step
-    return TimeTuple.partial(k // 12, k % 12 + 1)
+        y, mo = ref.year + step, None
+    else:
+        k = ref.year * 12 + (ref.month - 1) + step
+        y, mo = k // 12, k % 12 + 1
+    if not YEAR_MIN <= y <= YEAR_MAX:   # "next year" of 9999, "last year" of year 1: no date
+        return None
+    return TimeTuple.partial(y, mo)
 
 
 def _candidates(text: str):
-    """All rule matches as (start, -length, rule order, match, handler), in reading order."""
+    """All rule matches as (start, -length, rule order, match, handler), in reading order, in the first
+    MAX_TEXT_CHARS characters (tempokern.limits)."""
+    text = cap_text(text)
     out = []
     for order, (rx, fn) in enumerate(_RULES):
         for m in rx.finditer(text):
@@ -479,6 +494,7 @@ def parse_time(text: str, *, ref=None, backend: str = "rules", season_months: bo
     ``dateparser.search``; relative dates use ``ref``). See the module docstring for the covered forms."""
     if not isinstance(text, str):
         raise TypeError(f"text: expected str, got {type(text).__name__}")
+    text = cap_text(text)   # the first MAX_TEXT_CHARS characters (tempokern.limits)
     ref = _check_ref(ref)
     if backend == "rules":
         return _parse_rules(text, ref, {"season_months": bool(season_months)})
@@ -555,6 +571,7 @@ def find_times(text: str, *, ref=None, season_months: bool = False) -> List[Time
     agrees with the first span's ``start`` on every part it observes."""
     if not isinstance(text, str):
         raise TypeError(f"text: expected str, got {type(text).__name__}")
+    text = cap_text(text)   # the first MAX_TEXT_CHARS characters (tempokern.limits)
     ref = _check_ref(ref)
     opts = {"season_months": bool(season_months)}
     out: List[TimeSpan] = []
