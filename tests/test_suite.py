@@ -560,3 +560,76 @@ def test_committed_english_table_is_current():
             for name, row in rows.items():
                 if res["methods"][name].get("seeded", True):
                     assert row["seeds_run"] == seeds, (s, sp, name)
+
+
+def test_fine_tuning_loss_summary_compares_disjoint_steps():
+    """The log line of a fine-tuned row: never a step (or a window of steps) compared with itself."""
+    from tempokern.suite.methods.baselines import loss_summary
+    assert loss_summary([]) == "no training step"
+    assert loss_summary([2.0]) == "loss 2.0000 (one step)"
+    assert loss_summary([2.0, 1.0]) == "loss 2.0000 (step 1) -> 1.0000 (step 2)"
+    assert loss_summary([4.0, 3.0, 2.0, 1.0, 0.0]) == "loss 3.5000 (mean of steps 1-2) -> 0.5000 (steps 4-5)"
+    assert loss_summary(list(range(20, 0, -1))) == "loss 18.0000 (mean of steps 1-5) -> 3.0000 (steps 16-20)"
+
+
+def test_progress_plan_k_of_n_and_ctrl_c_writes_results_and_says_how_to_resume(tmp_path, tiny_backbone,
+                                                                               fake_methods):
+    """The plan line (units, done earlier), `k/N` and the time left on every unit line; Ctrl-C inside a unit keeps
+    the finished units, writes results.md from them, says how to resume and re-raises (exit 130 in the CLI)."""
+    def interrupt_second(ctx):
+        if ctx.seed == 1:
+            raise KeyboardInterrupt
+        return _fake_run(ctx)
+    register(Method("fake_stops", "test", ("B",), interrupt_second))
+    lines = []
+    kw = dict(quick=True, sets=["B"], methods=["fake_oracle", "fake_stops"], seeds=[0, 1], synth_loader=tiny_synth,
+              backbone_path=tiny_backbone, plots=False, progress=False, log=lines.append, n_resamples=50,
+              command="tempokern benchmark --out RUN")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_suite(tmp_path, **kw)
+    finally:
+        unregister("fake_stops")
+    plan = [l for l in lines if "plan:" in l]
+    assert len(plan) == 1 and "4 unit(s)" in plan[0] and "0 done earlier" in plan[0]
+    assert "an estimate follows the first finished unit" in plan[0]    # no committed times for this suite
+    units = [l for l in lines if " / set B / seed " in l]
+    assert [l.split()[1] for l in units if "running" in l] == ["1/4", "2/4", "3/4", "4/4"]
+    done = [l for l in units if "done in" in l]
+    assert len(done) == 3 and "1/4" in done[0] and "3 unit(s) left, about" in done[0]
+    assert "4/4 fake_stops / set B / seed 1: interrupted" in units[-1]
+    assert "To resume, run the same command again: tempokern benchmark --out RUN" in lines[-1]
+    assert "3 of 4 unit(s) finished" in lines[-1]
+    md = (tmp_path / "results.md").read_text()
+    assert "`fake_stops`" in md and "`fake_oracle`" in md
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["methods"]["fake_oracle"]["status"] == "done" and res["methods"]["fake_stops"]["status"] == "done"
+    assert unit_path(tmp_path, "fake_stops", "B", 0).exists() and not unit_path(tmp_path, "fake_stops", "B", 1).exists()
+    # the rerun's plan counts the finished units
+    lines.clear()
+    register(Method("fake_stops", "test", ("B",), _fake_run))
+    try:
+        run_suite(tmp_path, **kw)
+    finally:
+        unregister("fake_stops")
+    assert "3 done earlier" in next(l for l in lines if "plan:" in l)
+    assert sum("done earlier (" in l for l in lines) == 3 and sum("done in" in l for l in lines) == 1
+
+
+def test_committed_unit_seconds_are_the_committed_runs():
+    """tempokern/suite/unit_seconds.json (the first estimate of a TimeQA run on CPU) is the committed run's mean
+    seconds per unit of each method."""
+    from pathlib import Path
+    import tempokern.suite.runner as runner
+    root = Path(__file__).resolve().parents[1]
+    per = {}
+    for p in (root / "benchmarks/results/timeqa/units/timeqa").glob("*/seed*.json"):
+        u = json.loads(p.read_text())["payload"]
+        per.setdefault(u["method"], []).append(u["wall_seconds"])
+    got = runner._committed_unit_seconds("timeqa", False, None)
+    assert got == {m: round(sum(v) / len(v), 1) for m, v in per.items()}
+    assert runner._committed_unit_seconds("timeqa", True, None) is None
+    prog = runner._Progress([("a", "s", 0), ("a", "s", 1), ("b", "s", 0)], {"a": 100.0, "b": 10.0})
+    assert prog.left() == 210.0
+    prog.record(("a", "s", 0), 50.0)                      # this machine is twice as fast on a: b scales with it
+    assert prog.left() == pytest.approx(50.0 + 5.0)

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .._util import default_mode
+
 MAGIC = b"TKINDEX\0"
 VERSION = 1
 _HEAD = struct.Struct("<8sIQ")
@@ -53,6 +55,7 @@ def dump(path, meta: dict, ids: torch.Tensor, u: torch.Tensor, emb: torch.Tensor
     directory = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     try:
+        os.fchmod(fd, default_mode())     # a plain write's permissions, not mkstemp's 0600
         with os.fdopen(fd, "wb") as f:
             for b in parts:
                 f.write(b)

@@ -156,14 +156,29 @@ def finetune_infonce(ctx, model, tok, *, temperature: float = 0.05, warmup_ratio
     return {"train_seconds": round(time.time() - t0, 2), "steps": step, "train_rows": len(pairs), "hard_negatives": k_neg,
             "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
             "loss_first_5": float(np.mean(losses[:5])) if losses else None,
-            "loss_last_5": float(np.mean(losses[-5:])) if losses else None}
+            "loss_last_5": float(np.mean(losses[-5:])) if losses else None, "losses": losses}
+
+
+def loss_summary(losses) -> str:
+    """How the training loss went, comparing disjoint steps: the mean of the first k steps against the mean of
+    the last k (k = 5, fewer in a short run); one step has no trend to show."""
+    n = len(losses)
+    if n == 0:
+        return "no training step"
+    if n == 1:
+        return f"loss {losses[0]:.4f} (one step)"
+    k = min(5, n // 2)
+    first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
+    if k == 1:
+        return f"loss {first:.4f} (step 1) -> {last:.4f} (step {n})"
+    return f"loss {first:.4f} (mean of steps 1-{k}) -> {last:.4f} (steps {n - k + 1}-{n})"
 
 
 def run_finetuned(ctx):
     model, tok = load_backbone(ctx.backbone_path, ctx.device)
     info = finetune_infonce(ctx, model, tok)
-    ctx.log(f"fine-tuned {info['steps']} steps in {info['train_seconds']} s, loss "
-            f"{info['loss_first_5']} -> {info['loss_last_5']}")
+    ctx.log(f"fine-tuned {info['steps']} steps in {info['train_seconds']} s, {loss_summary(info['losses'])}")
+    info.pop("losses")
     return _dense_output(ctx, model, tok, info)
 
 
