@@ -633,3 +633,22 @@ def test_committed_unit_seconds_are_the_committed_runs():
     assert prog.left() == 210.0
     prog.record(("a", "s", 0), 50.0)                      # this machine is twice as fast on a: b scales with it
     assert prog.left() == pytest.approx(50.0 + 5.0)
+
+
+@pytest.mark.parametrize("cols", [1, 3])
+def test_plot_titles_fit_the_figure(cols):
+    """The suite's plot title is wrapped to the figure's width (one column: it was cut off on both sides)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tempokern.suite.report import fit_suptitle
+    fig, _ = plt.subplots(2, cols, figsize=(3.6 * cols + 1, 7))
+    text = "Set timeqa: bars = mean over seeds, whiskers = 95% bootstrap interval over queries"
+    t = fit_suptitle(fig, text)
+    fig.tight_layout()
+    fig.canvas.draw()
+    box = t.get_window_extent(fig.canvas.get_renderer())
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.width and box.y1 <= fig.bbox.height
+    assert " ".join(t.get_text().split()) == text          # the words all there, only the lines wrapped
+    assert ("\n" in t.get_text()) == (cols == 1)
+    plt.close(fig)
