@@ -652,3 +652,87 @@ def test_plot_titles_fit_the_figure(cols):
     assert " ".join(t.get_text().split()) == text          # the words all there, only the lines wrapped
     assert ("\n" in t.get_text()) == (cols == 1)
     plt.close(fig)
+
+
+def test_full_fine_tuning_resumes_inside_a_unit_with_the_same_final_weights(tmp_path, tiny_backbone, monkeypatch):
+    """minilm_ft saves its state every CHECKPOINT_EVERY steps; a unit interrupted after k steps, run again,
+    resumes there and ends with the weights (and losses) of an uninterrupted run."""
+    import torch
+    import dataclasses
+    import tempokern.suite.methods.baselines as bl
+    from tempokern.suite.backbone import load_backbone
+    from tempokern.suite.registry import SuiteContext
+    monkeypatch.setattr(bl, "CHECKPOINT_EVERY", 2)
+    budget = Budget(max_train_rows=None, epochs=2, max_length=32, batch_size=16, lr=1e-3)
+    synth = tiny_synth()
+    logs = []
+
+    def ctx(work):
+        return SuiteContext(synth=synth, backbone_path=tiny_backbone, seed=3, quick=True, work_dir=work,
+                            budget=budget, log=logs.append, progress_enabled=False, method_name="minilm_ft")
+
+    def train(work):
+        model, tok = load_backbone(tiny_backbone, torch.device("cpu"))
+        info = bl.finetune_infonce(ctx(work), model, tok)
+        return info, {k: v.clone() for k, v in model.state_dict().items()}
+
+    full_info, full_w = train(tmp_path / "a")
+    assert full_info["steps"] == 10 and full_info["resumed_at_step"] is None
+    assert not (tmp_path / "a" / "finetune_state.pt").exists()         # removed when training ends
+    real, calls = bl.multipos_infonce, {"n": 0}
+
+    def stop_at_step_6(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    monkeypatch.setattr(bl, "multipos_infonce", stop_at_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "b")
+    assert (tmp_path / "b" / "finetune_state.pt").exists()
+    monkeypatch.setattr(bl, "multipos_infonce", real)
+    info, w = train(tmp_path / "b")
+    assert info["resumed_at_step"] == 4 and info["steps"] == 10
+    assert any("resuming fine-tuning at step 4 of 10" in l for l in logs)
+    assert info["final_loss"] == full_info["final_loss"] and info["first_loss"] == full_info["first_loss"]
+    # (the backbone's pooler, unused by mean pooling, is drawn afresh at each load: not a trained weight)
+    trained = [k for k in w if not k.startswith("pooler.")]
+    assert w.keys() == full_w.keys() and len(trained) > 10
+    assert [k for k in trained if not torch.equal(w[k], full_w[k])] == []
+    # a state saved under other settings is not used
+    monkeypatch.setattr(bl, "multipos_infonce", stop_at_step_6)
+    calls["n"] = 0
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "c")
+    monkeypatch.setattr(bl, "multipos_infonce", real)
+    budget = dataclasses.replace(budget, lr=2e-3)
+    info, _ = train(tmp_path / "c")
+    assert info["resumed_at_step"] is None and any("other settings" in l for l in logs)
+
+
+def test_ctd_unit_interrupted_in_its_second_epoch_resumes_from_the_first(tmp_path, tiny_backbone, monkeypatch):
+    """ctd_full keeps epoch checkpoints in the unit's work_dir: a unit stopped in its second epoch resumes from
+    the end of the first and scores as an uninterrupted run."""
+    from tempokern.training.trainer import CTDTrainer
+    budget = Budget(max_train_rows=40, epochs=2, max_length=48, batch_size=16, lr=1e-3)
+    kw = dict(quick=True, sets=["B"], methods=["ctd_full"], synth_loader=tiny_synth, backbone_path=tiny_backbone,
+              budget=budget, progress=False, n_resamples=50, plots=False)
+    full = run_suite(tmp_path / "a", log=lambda m: None, **kw)
+    real, calls = CTDTrainer._loss, {"n": 0}
+    per_epoch = full["methods"]["ctd_full"]["info"]["B/seed0"]["steps"] // 2
+
+    def stop_in_epoch_2(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == per_epoch + 1:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+    monkeypatch.setattr(CTDTrainer, "_loss", stop_in_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        run_suite(tmp_path / "b", log=lambda m: None, **kw)
+    monkeypatch.setattr(CTDTrainer, "_loss", real)
+    lines = []
+    res = run_suite(tmp_path / "b", log=lines.append, **kw)
+    assert res["methods"]["ctd_full"]["info"]["B/seed0"]["resumed"] is True
+    assert any("resumed from" in l and "at epoch 1" in l for l in lines)
+    for sp, rows in res["results"]["B"].items():
+        assert rows["ctd_full"] == full["results"]["B"][sp]["ctd_full"], sp

@@ -410,7 +410,8 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
         log(f"[suite] stopped: {len(units)} of {prog.total} unit(s) finished, results.md written from them; "
             f"{prog.eta()}. To resume, run the same command again"
             + (f": {command}" if command and command.strip() != "tempokern" else "")
-            + " (finished units are kept; the interrupted one starts over)")
+            + " (finished units are kept; the interrupted one continues from its last checkpoint under "
+              f"{out / 'work'}, where its method keeps one)")
         raise KeyboardInterrupt
     return results
 
