@@ -315,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Tongjian CTD demo")
     d.add_argument("--out", default="tempokern-demo", help='output folder (default ./tempokern-demo)')
     d.add_argument("--quick", action="store_true",
-                   help="timeqa: a smoke test (CI): 16 training and 6 held-out pages, 1 seed, 1 short epoch, the "
+                   help="timeqa: a smoke test (CI; about a minute on 2 CPU cores): 16 training and 6 held-out pages, 1 "
+                        "seed, 1 short epoch, the "
                         "rows marked for quick runs; it shows the pipeline runs, its numbers compare nothing; "
                         "zztj: CI mode (fewer epochs and variants); english: always quick (accepted)")
     d.add_argument("--backbone", default=None,

@@ -592,11 +592,13 @@ def test_progress_plan_k_of_n_and_ctrl_c_writes_results_and_says_how_to_resume(t
         unregister("fake_stops")
     plan = [l for l in lines if "plan:" in l]
     assert len(plan) == 1 and "4 unit(s)" in plan[0] and "0 done earlier" in plan[0]
-    assert "an estimate follows the first finished unit" in plan[0]    # no committed times for this suite
+    assert "each unit line estimates the time left" in plan[0]    # no committed times for this suite
     units = [l for l in lines if " / set B / seed " in l]
     assert [l.split()[1] for l in units if "running" in l] == ["1/4", "2/4", "3/4", "4/4"]
     done = [l for l in units if "done in" in l]
-    assert len(done) == 3 and "1/4" in done[0] and "3 unit(s) left, about" in done[0]
+    assert len(done) == 3 and "1/4" in done[0]
+    assert "3 unit(s) left: about 0 s for the 1 of timed rows; 2 of rows not timed yet" in done[0]
+    assert "1 unit(s) left, about" in done[2]          # both rows timed: one estimate for all
     assert "4/4 fake_stops / set B / seed 1: interrupted" in units[-1]
     assert "To resume, run the same command again: tempokern benchmark --out RUN" in lines[-1]
     assert "3 of 4 unit(s) finished" in lines[-1]
@@ -630,9 +632,14 @@ def test_committed_unit_seconds_are_the_committed_runs():
     assert got == {m: round(sum(v) / len(v), 1) for m, v in per.items()}
     assert runner._committed_unit_seconds("timeqa", True, None) is None
     prog = runner._Progress([("a", "s", 0), ("a", "s", 1), ("b", "s", 0)], {"a": 100.0, "b": 10.0})
-    assert prog.left() == 210.0
+    assert prog.left() == (210.0, 3, 0)
     prog.record(("a", "s", 0), 50.0)                      # this machine is twice as fast on a: b scales with it
-    assert prog.left() == pytest.approx(50.0 + 5.0)
+    assert prog.left()[0] == pytest.approx(50.0 + 5.0)
+    assert prog.eta() == "2 unit(s) left, about 55 s"
+    prog = runner._Progress([("a", "s", 0), ("b", "s", 0)], None)    # no committed times: only timed rows
+    assert prog.left() == (0.0, 0, 2)
+    prog.record(("a", "s", 0), 3000.0)
+    assert prog.eta() == "1 unit(s) left; 1 of rows not timed yet"
 
 
 @pytest.mark.parametrize("cols", [1, 3])

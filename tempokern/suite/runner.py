@@ -197,19 +197,22 @@ class _Progress:
             scale = (sum(float(np.mean(self.measured[m])) for m in both) / sum(self.committed[m] for m in both)
                      if both else 1.0)
             return self.committed[method] * scale
-        measured = [x for v in self.measured.values() for x in v]
-        return float(np.mean(measured)) if measured else None
+        return None     # a row not timed yet: a row's units can take seconds (BM25) or an hour (TMRL)
 
-    def left(self) -> Optional[float]:
+    def left(self) -> Tuple[float, int, int]:
+        """(estimated seconds of the units left whose row is timed, how many those are, how many are not)."""
         est = [self._estimate(u[0]) for u in self.plan if u not in self.finished]
-        return None if any(e is None for e in est) else float(sum(est))
+        known = [e for e in est if e is not None]
+        return float(sum(known)), len(known), len(est) - len(known)
 
     def eta(self) -> str:
-        n = self.total - len(self.finished)
-        if n == 0:
+        secs, known, unknown = self.left()
+        if known + unknown == 0:
             return "no unit left"
-        left = self.left()
-        return f"{n} unit(s) left" + (f", about {_duration(left)}" if left is not None else "")
+        if not unknown:
+            return f"{known} unit(s) left, about {_duration(secs)}"
+        return (f"{known + unknown} unit(s) left" + (f": about {_duration(secs)} for the {known} of timed rows"
+                if known else "") + f"; {unknown} of rows not timed yet")
 
 
 def _committed_unit_seconds(suite: str, quick: bool, dev) -> Optional[Dict[str, float]]:
@@ -428,11 +431,12 @@ def _plan(out: Path, sets, seeds, chosen, status, quick: bool, methods, report_o
     if report_only:
         return prog
     earlier = [u for u in plan if read_unit(unit_path(out, *u)) is not None]
-    rest = _Progress([u for u in plan if u not in earlier], prog.committed).left()
+    secs, known, unknown = _Progress([u for u in plan if u not in earlier], prog.committed).left()
     log(f"[suite] plan: {len(plan)} unit(s) ({len({u[0] for u in plan})} row(s), sets {', '.join(sets)}, seeds "
         f"{', '.join(map(str, seeds))}); {len(earlier)} done earlier in {out}; "
-        + (f"estimate for the rest: about {_duration(rest)} (the committed run's unit times on 2 CPU cores; each "
-           "unit line updates it)" if rest is not None else "an estimate follows the first finished unit"))
+        + (f"estimate for the rest: about {_duration(secs)} (the committed run's unit times on 2 CPU cores; each "
+           "unit line updates it)" if known and not unknown else
+           "each unit line estimates the time left from the rows timed so far"))
     return prog
 
 
