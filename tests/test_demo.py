@@ -26,7 +26,12 @@ def test_zztj_demo_quick_mode(tmp_path, capsys):
     md = (tmp_path / "results.md").read_text()
     assert "| baseline |" in md and "| full |" in md
     assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| name |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| name |" in out
+    # the plan, k/N on every row's lines and the time left
+    assert "plan: 2 row(s) (baseline, full)" in out
+    assert "[1/2] baseline: training" in out and "[2/2] full: training" in out
+    assert "1 row(s) left, about" in out and "no row left" in out
     assert seconds < 300
 
 

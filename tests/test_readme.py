@@ -1,5 +1,6 @@
 """README.md for users: every ```python block runs as it stands (so the quickstarts cannot rot), the set-up
 commands keep the form CI extracts, and the tables point at things that exist."""
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -109,3 +110,12 @@ def test_quality_table_is_current():
         "README's quality table is stale: run python benchmarks/quality_table.py README.md")
     res = mod.load()
     assert res["setup"]["suite"] == "timeqa" and not res["setup"]["quick"]
+
+
+def test_main_job_duration_is_the_committed_runs():
+    """The README's duration of the full comparison is the committed run's: its units and their summed seconds."""
+    units = [json.loads(p.read_text())["payload"]
+             for p in sorted((ROOT / "benchmarks/results/timeqa/units").glob("*/*/seed*.json"))]
+    hours = sum(u["wall_seconds"] for u in units) / 3600
+    assert f"{len(units)} units, {hours:.1f} h of unit time on 2 CPU cores" in " ".join(README.split())
+    assert f"`k/{len(units)}`" in README

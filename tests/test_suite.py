@@ -560,3 +560,186 @@ def test_committed_english_table_is_current():
             for name, row in rows.items():
                 if res["methods"][name].get("seeded", True):
                     assert row["seeds_run"] == seeds, (s, sp, name)
+
+
+def test_fine_tuning_loss_summary_compares_disjoint_steps():
+    """The log line of a fine-tuned row: never a step (or a window of steps) compared with itself."""
+    from tempokern.suite.methods.baselines import loss_summary
+    assert loss_summary([]) == "no training step"
+    assert loss_summary([2.0]) == "loss 2.0000 (one step)"
+    assert loss_summary([2.0, 1.0]) == "loss 2.0000 (step 1) -> 1.0000 (step 2)"
+    assert loss_summary([4.0, 3.0, 2.0, 1.0, 0.0]) == "loss 3.5000 (mean of steps 1-2) -> 0.5000 (steps 4-5)"
+    assert loss_summary(list(range(20, 0, -1))) == "loss 18.0000 (mean of steps 1-5) -> 3.0000 (steps 16-20)"
+
+
+def test_progress_plan_k_of_n_and_ctrl_c_writes_results_and_says_how_to_resume(tmp_path, tiny_backbone,
+                                                                               fake_methods):
+    """The plan line (units, done earlier), `k/N` and the time left on every unit line; Ctrl-C inside a unit keeps
+    the finished units, writes results.md from them, says how to resume and re-raises (exit 130 in the CLI)."""
+    def interrupt_second(ctx):
+        if ctx.seed == 1:
+            raise KeyboardInterrupt
+        return _fake_run(ctx)
+    register(Method("fake_stops", "test", ("B",), interrupt_second))
+    lines = []
+    kw = dict(quick=True, sets=["B"], methods=["fake_oracle", "fake_stops"], seeds=[0, 1], synth_loader=tiny_synth,
+              backbone_path=tiny_backbone, plots=False, progress=False, log=lines.append, n_resamples=50,
+              command="tempokern benchmark --out RUN")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_suite(tmp_path, **kw)
+    finally:
+        unregister("fake_stops")
+    plan = [l for l in lines if "plan:" in l]
+    assert len(plan) == 1 and "4 unit(s)" in plan[0] and "0 done earlier" in plan[0]
+    assert "each unit line estimates the time left" in plan[0]    # no committed times for this suite
+    units = [l for l in lines if " / set B / seed " in l]
+    assert [l.split()[1] for l in units if "running" in l] == ["1/4", "2/4", "3/4", "4/4"]
+    done = [l for l in units if "done in" in l]
+    assert len(done) == 3 and "1/4" in done[0]
+    assert "3 unit(s) left: about 0 s for the 1 of timed rows; 2 of rows not timed yet" in done[0]
+    assert "1 unit(s) left, about" in done[2]          # both rows timed: one estimate for all
+    assert "4/4 fake_stops / set B / seed 1: interrupted" in units[-1]
+    assert "To resume, run the same command again: tempokern benchmark --out RUN" in lines[-1]
+    assert "3 of 4 unit(s) finished" in lines[-1]
+    md = (tmp_path / "results.md").read_text()
+    assert "`fake_stops`" in md and "`fake_oracle`" in md
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["methods"]["fake_oracle"]["status"] == "done" and res["methods"]["fake_stops"]["status"] == "done"
+    assert unit_path(tmp_path, "fake_stops", "B", 0).exists() and not unit_path(tmp_path, "fake_stops", "B", 1).exists()
+    # the rerun's plan counts the finished units
+    lines.clear()
+    register(Method("fake_stops", "test", ("B",), _fake_run))
+    try:
+        run_suite(tmp_path, **kw)
+    finally:
+        unregister("fake_stops")
+    assert "3 done earlier" in next(l for l in lines if "plan:" in l)
+    assert sum("done earlier (" in l for l in lines) == 3 and sum("done in" in l for l in lines) == 1
+
+
+def test_committed_unit_seconds_are_the_committed_runs():
+    """tempokern/suite/unit_seconds.json (the first estimate of a TimeQA run on CPU) is the committed run's mean
+    seconds per unit of each method."""
+    from pathlib import Path
+    import tempokern.suite.runner as runner
+    root = Path(__file__).resolve().parents[1]
+    per = {}
+    for p in (root / "benchmarks/results/timeqa/units/timeqa").glob("*/seed*.json"):
+        u = json.loads(p.read_text())["payload"]
+        per.setdefault(u["method"], []).append(u["wall_seconds"])
+    got = runner._committed_unit_seconds("timeqa", False, None)
+    assert got == {m: round(sum(v) / len(v), 1) for m, v in per.items()}
+    assert runner._committed_unit_seconds("timeqa", True, None) is None
+    prog = runner._Progress([("a", "s", 0), ("a", "s", 1), ("b", "s", 0)], {"a": 100.0, "b": 10.0})
+    assert prog.left() == (210.0, 3, 0)
+    prog.record(("a", "s", 0), 50.0)                      # this machine is twice as fast on a: b scales with it
+    assert prog.left()[0] == pytest.approx(50.0 + 5.0)
+    assert prog.eta() == "2 unit(s) left, about 55 s"
+    prog = runner._Progress([("a", "s", 0), ("b", "s", 0)], None)    # no committed times: only timed rows
+    assert prog.left() == (0.0, 0, 2)
+    prog.record(("a", "s", 0), 3000.0)
+    assert prog.eta() == "1 unit(s) left; 1 of rows not timed yet"
+
+
+@pytest.mark.parametrize("cols", [1, 3])
+def test_plot_titles_fit_the_figure(cols):
+    """The suite's plot title is wrapped to the figure's width (one column: it was cut off on both sides)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tempokern.suite.report import fit_suptitle
+    fig, _ = plt.subplots(2, cols, figsize=(3.6 * cols + 1, 7))
+    text = "Set timeqa: bars = mean over seeds, whiskers = 95% bootstrap interval over queries"
+    t = fit_suptitle(fig, text)
+    fig.tight_layout()
+    fig.canvas.draw()
+    box = t.get_window_extent(fig.canvas.get_renderer())
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.width and box.y1 <= fig.bbox.height
+    assert " ".join(t.get_text().split()) == text          # the words all there, only the lines wrapped
+    assert ("\n" in t.get_text()) == (cols == 1)
+    plt.close(fig)
+
+
+def test_full_fine_tuning_resumes_inside_a_unit_with_the_same_final_weights(tmp_path, tiny_backbone, monkeypatch):
+    """minilm_ft saves its state every CHECKPOINT_EVERY steps; a unit interrupted after k steps, run again,
+    resumes there and ends with the weights (and losses) of an uninterrupted run."""
+    import torch
+    import dataclasses
+    import tempokern.suite.methods.baselines as bl
+    from tempokern.suite.backbone import load_backbone
+    from tempokern.suite.registry import SuiteContext
+    monkeypatch.setattr(bl, "CHECKPOINT_EVERY", 2)
+    budget = Budget(max_train_rows=None, epochs=2, max_length=32, batch_size=16, lr=1e-3)
+    synth = tiny_synth()
+    logs = []
+
+    def ctx(work):
+        return SuiteContext(synth=synth, backbone_path=tiny_backbone, seed=3, quick=True, work_dir=work,
+                            budget=budget, log=logs.append, progress_enabled=False, method_name="minilm_ft")
+
+    def train(work):
+        model, tok = load_backbone(tiny_backbone, torch.device("cpu"))
+        info = bl.finetune_infonce(ctx(work), model, tok)
+        return info, {k: v.clone() for k, v in model.state_dict().items()}
+
+    full_info, full_w = train(tmp_path / "a")
+    assert full_info["steps"] == 10 and full_info["resumed_at_step"] is None
+    assert not (tmp_path / "a" / "finetune_state.pt").exists()         # removed when training ends
+    real, calls = bl.multipos_infonce, {"n": 0}
+
+    def stop_at_step_6(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    monkeypatch.setattr(bl, "multipos_infonce", stop_at_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "b")
+    assert (tmp_path / "b" / "finetune_state.pt").exists()
+    monkeypatch.setattr(bl, "multipos_infonce", real)
+    info, w = train(tmp_path / "b")
+    assert info["resumed_at_step"] == 4 and info["steps"] == 10
+    assert any("resuming fine-tuning at step 4 of 10" in l for l in logs)
+    assert info["final_loss"] == full_info["final_loss"] and info["first_loss"] == full_info["first_loss"]
+    # (the backbone's pooler, unused by mean pooling, is drawn afresh at each load: not a trained weight)
+    trained = [k for k in w if not k.startswith("pooler.")]
+    assert w.keys() == full_w.keys() and len(trained) > 10
+    assert [k for k in trained if not torch.equal(w[k], full_w[k])] == []
+    # a state saved under other settings is not used
+    monkeypatch.setattr(bl, "multipos_infonce", stop_at_step_6)
+    calls["n"] = 0
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "c")
+    monkeypatch.setattr(bl, "multipos_infonce", real)
+    budget = dataclasses.replace(budget, lr=2e-3)
+    info, _ = train(tmp_path / "c")
+    assert info["resumed_at_step"] is None and any("other settings" in l for l in logs)
+
+
+def test_ctd_unit_interrupted_in_its_second_epoch_resumes_from_the_first(tmp_path, tiny_backbone, monkeypatch):
+    """ctd_full keeps epoch checkpoints in the unit's work_dir: a unit stopped in its second epoch resumes from
+    the end of the first and scores as an uninterrupted run."""
+    from tempokern.training.trainer import CTDTrainer
+    budget = Budget(max_train_rows=40, epochs=2, max_length=48, batch_size=16, lr=1e-3)
+    kw = dict(quick=True, sets=["B"], methods=["ctd_full"], synth_loader=tiny_synth, backbone_path=tiny_backbone,
+              budget=budget, progress=False, n_resamples=50, plots=False)
+    full = run_suite(tmp_path / "a", log=lambda m: None, **kw)
+    real, calls = CTDTrainer._loss, {"n": 0}
+    per_epoch = full["methods"]["ctd_full"]["info"]["B/seed0"]["steps"] // 2
+
+    def stop_in_epoch_2(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == per_epoch + 1:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+    monkeypatch.setattr(CTDTrainer, "_loss", stop_in_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        run_suite(tmp_path / "b", log=lambda m: None, **kw)
+    monkeypatch.setattr(CTDTrainer, "_loss", real)
+    lines = []
+    res = run_suite(tmp_path / "b", log=lines.append, **kw)
+    assert res["methods"]["ctd_full"]["info"]["B/seed0"]["resumed"] is True
+    assert any("resumed from" in l and "at epoch 1" in l for l in lines)
+    for sp, rows in res["results"]["B"].items():
+        assert rows["ctd_full"] == full["results"]["B"][sp]["ctd_full"], sp

@@ -16,7 +16,7 @@ from typing import Any, Dict, Mapping
 import torch
 
 from .._files import tmp_prefix
-from .._util import atomic_write, fsync_path, fsync_tree, recover_dir, replace_dir, sha256_file  # noqa: F401
+from .._util import atomic_write, fsync_path, fsync_tree, recover_dir, plain_permissions, replace_dir, sha256_file  # noqa: F401
 from .levels import LevelSpec, calendar_levels
 
 FORMAT = "tempokern-ctd-encoder"
@@ -147,6 +147,7 @@ def finish_checkpoint(tmp: Path, path: Path) -> None:
     """Seal the checkpoint built in `tmp` (manifest, fsync) and swap it into place at `path`: the
     directory appears whole, so the manifest inside it is written atomically with it."""
     write_manifest(tmp, atomic=False)
+    plain_permissions(tmp)    # 0755 / 0644 (umask 022), not mkdtemp's 0700 and safetensors' 0600
     fsync_tree(tmp)
     replace_dir(tmp, path)
 

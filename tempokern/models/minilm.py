@@ -19,7 +19,7 @@ import zipfile
 from pathlib import Path
 from typing import Dict, Optional
 from .._files import sweep_tmp, tmp_prefix
-from .._util import atomic_write, fsync_path, fsync_tree, replace_dir, sha256_file
+from .._util import atomic_write, default_mode, fsync_path, fsync_tree, replace_dir, sha256_file
 
 __all__ = ["minilm_path", "minilm_zip_path", "default_cache_dir", "resolve_backbone", "default_pooling",
            "MINILM_NAME", "MINILM_HINT", "BACKBONE_ALIASES"]
@@ -91,6 +91,7 @@ def _extract(zip_path: Path, target: Path, zip_sha: str) -> None:
     parent.mkdir(parents=True, exist_ok=True)
     sweep_tmp(target)
     tmp = Path(tempfile.mkdtemp(dir=str(parent), prefix=tmp_prefix(target.name)))
+    tmp.chmod(default_mode(directory=True))   # a plain mkdir's 0755, not mkdtemp's 0700
     try:
         with zipfile.ZipFile(zip_path) as zf:
             for info in zf.infolist():

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .._files import sweep_tmp, tmp_prefix
+from .._util import default_mode
 
 MAGIC = b"TKINDEX\0"
 VERSION = 1
@@ -56,6 +57,7 @@ def dump(path, meta: dict, ids: torch.Tensor, u: torch.Tensor, emb: torch.Tensor
     sweep_tmp(path)   # what an interrupted save of this index left
     fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(path.name), suffix=".tmp", dir=directory)
     try:
+        os.fchmod(fd, default_mode())     # a plain write's permissions, not mkstemp's 0600
         with os.fdopen(fd, "wb") as f:
             for b in parts:
                 f.write(b)

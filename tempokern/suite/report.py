@@ -279,6 +279,19 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fit_suptitle(fig, text: str, fontsize: float = 9):
+    """``fig.suptitle(text)`` wrapped onto as many lines as it takes to fit the figure's width (a one-column
+    figure is narrower than the title's one line)."""
+    import textwrap
+    width = len(text)
+    t = fig.suptitle(text, fontsize=fontsize)
+    renderer = fig.canvas.get_renderer()
+    while width > 10 and t.get_window_extent(renderer).width > 0.96 * fig.bbox.width:
+        width = int(width * 0.85)
+        t.set_text(textwrap.fill(text, width))
+    return t
+
+
 def _plot(res: dict, out: Path) -> List[str]:
     try:
         import matplotlib
@@ -325,7 +338,7 @@ def _plot(res: dict, out: Path) -> List[str]:
                 ax.set_xticks(range(len(plot_names)))
                 ax.set_xticklabels(plot_names, rotation=60, ha="right", fontsize=7)
                 ax.set_title(title, fontsize=8)
-        fig.suptitle(f"Set {s}: bars = mean over seeds, whiskers = 95% bootstrap interval over queries", fontsize=9)
+        fit_suptitle(fig, f"Set {s}: bars = mean over seeds, whiskers = 95% bootstrap interval over queries")
         fig.tight_layout()
         save(fig, out / f"plot_set{s}.png")
     for s, per_split in res["dims"].items():

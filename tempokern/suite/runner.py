@@ -160,6 +160,72 @@ def _load() -> Optional[float]:
         return None
 
 
+def _duration(seconds: float) -> str:
+    """A duration a person plans by: "40 s", "23 min", "8.1 h"."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class _Progress:
+    """The run's plan and where it stands: ``k/N`` on every unit line and an estimate of the time left. A unit's
+    estimate is the mean of its method's units measured in this run; before one is, the committed full TimeQA
+    run's mean for the method (unit_seconds.json; CPU runs of that suite only) scaled by how this run's measured
+    units compare with theirs, else the mean of all units measured in this run."""
+
+    def __init__(self, plan: List[Tuple[str, str, int]], committed: Optional[Dict[str, float]]):
+        self.plan, self.total, self.k = plan, len(plan), 0
+        self.committed = committed or {}
+        self.measured: Dict[str, List[float]] = {}
+        self.finished: set = set()
+
+    def unit(self) -> str:
+        self.k += 1
+        return f"{self.k}/{self.total}"
+
+    def record(self, key, seconds: Optional[float] = None) -> None:
+        self.finished.add(key)
+        if seconds is not None:
+            self.measured.setdefault(key[0], []).append(seconds)
+
+    def _estimate(self, method: str) -> Optional[float]:
+        if method in self.measured:
+            return float(np.mean(self.measured[method]))
+        if method in self.committed:
+            both = [m for m in self.measured if self.committed.get(m)]
+            scale = (sum(float(np.mean(self.measured[m])) for m in both) / sum(self.committed[m] for m in both)
+                     if both else 1.0)
+            return self.committed[method] * scale
+        return None     # a row not timed yet: a row's units can take seconds (BM25) or an hour (TMRL)
+
+    def left(self) -> Tuple[float, int, int]:
+        """(estimated seconds of the units left whose row is timed, how many those are, how many are not)."""
+        est = [self._estimate(u[0]) for u in self.plan if u not in self.finished]
+        known = [e for e in est if e is not None]
+        return float(sum(known)), len(known), len(est) - len(known)
+
+    def eta(self) -> str:
+        secs, known, unknown = self.left()
+        if known + unknown == 0:
+            return "no unit left"
+        if not unknown:
+            return f"{known} unit(s) left, about {_duration(secs)}"
+        return (f"{known + unknown} unit(s) left" + (f": about {_duration(secs)} for the {known} of timed rows"
+                if known else "") + f"; {unknown} of rows not timed yet")
+
+
+def _committed_unit_seconds(suite: str, quick: bool, dev) -> Optional[Dict[str, float]]:
+    """The committed full TimeQA run's mean seconds per unit of each method, for a CPU run of that suite."""
+    if suite != "timeqa" or quick or getattr(dev, "type", "cpu") != "cpu":
+        return None
+    try:
+        return json.loads((Path(__file__).parent / "unit_seconds.json").read_text(encoding="utf-8"))["seconds"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def _real_loader(suite: str, data_dir: Optional[str], eval_split: str, on_error: str):
     from .realdata import beir_set, timeqa_set
 
@@ -242,7 +308,11 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
             log(f"[suite] {m.name}: skipped ({reason})")
     units: Dict[Tuple[str, str, int], dict] = {}
     set_info: Dict[str, dict] = {}
+    prog = _plan(out, sets, seeds, chosen, status, quick, methods, report_only, suite, dev, log)
+    interrupted = False
     for s in sets:
+        if interrupted:
+            break
         todo = [m for m in chosen if status[m.name]["status"] != "skipped"
                 and (s in m.quick_sets if quick and m.quick_sets and not methods and s in SYNTH_SETS else runs_on(m, s))]
         if not todo:
@@ -285,19 +355,21 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
                 log(f"[suite] {m.name} / set {s} / seed {seed}: unit file {path} does not fit the data ({unfit}): "
                     "recomputing")
                 prev = None
+            k = prog.unit()
             if prev is not None:
-                log(f"[suite] {m.name} / set {s} / seed {seed}: done earlier ({path}), skipped")
+                log(f"[suite] {k} {m.name} / set {s} / seed {seed}: done earlier ({path}), skipped")
                 units[(m.name, s, seed)] = prev
+                prog.record((m.name, s, seed))
                 continue
             if report_only:
-                log(f"[suite] {m.name} / set {s} / seed {seed}: not finished, left out (--report-only)")
+                log(f"[suite] {k} {m.name} / set {s} / seed {seed}: not finished, left out (--report-only)")
                 continue
             if path.exists() and unfit is None:
                 log(f"[suite] {m.name} / set {s} / seed {seed}: unit file {path} is corrupt, incomplete or "
                     "made under other settings (budget, backbone, data): recomputing")
             if ref_sims is None and r_pairs:
                 ref_sims = _reference_sims(out, s, backbone_path, budget, dev, r_texts, r_pairs, log)
-            log(f"[suite] {m.name} / set {s} / seed {seed}: running")
+            log(f"[suite] {k} {m.name} / set {s} / seed {seed}: running ({prog.eta()})")
             ctx = SuiteContext(synth=synth, backbone_path=backbone_path, seed=seed, quick=quick,
                                work_dir=out / "work" / s / m.name / f"seed{seed}", device=dev, budget=budget,
                                log=log, progress_enabled=progress, method_name=m.name)
@@ -310,9 +382,14 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
                     raise TypeError(f"{m.name}.run returned {type(res).__name__}, expected MethodOutput")
                 res.validate(ctx.eval_splits, m.name)
                 payload = _evaluate(m, s, seed, ctx, res, r_texts, r_pairs, ref_sims)
+            except KeyboardInterrupt:   # Ctrl-C: the finished units stay; the report below is written from them
+                interrupted = True
+                log(f"[suite] {k} {m.name} / set {s} / seed {seed}: interrupted after {time.time() - t0:.0f} s")
+                break
             except Exception as e:
                 msg = f"{type(e).__name__}: {e}"
-                log(f"[suite] {m.name} / set {s} / seed {seed}: FAILED: {msg}")
+                prog.record((m.name, s, seed))
+                log(f"[suite] {k} {m.name} / set {s} / seed {seed}: FAILED: {msg}")
                 if os.environ.get("TEMPOKERN_DEBUG"):
                     traceback.print_exc()
                 status[m.name]["errors"][f"{s}/seed{seed}"] = msg
@@ -321,16 +398,17 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
             payload["config"] = config
             write_unit(path, payload)
             units[(m.name, s, seed)] = read_unit(path, config) or _jsonable(payload)
-            log(f"[suite] {m.name} / set {s} / seed {seed}: done in {payload['wall_seconds']:.0f} s "
+            prog.record((m.name, s, seed), payload["wall_seconds"])
+            log(f"[suite] {k} {m.name} / set {s} / seed {seed}: done in {payload['wall_seconds']:.0f} s "
                 + ", ".join(f"{sp} R@1 {np.nanmean(_arrays(payload['splits'][sp])['R@1']):.3f}"
-                            for sp in payload["splits"]))
+                            for sp in payload["splits"]) + f" ({prog.eta()})")
     for m in chosen:
         st = status[m.name]
         if st["status"] == "skipped":
             continue
         done = [k for k in units if k[0] == m.name]
         st["status"] = ("done" if done and not st["errors"] else ("partial" if done else
-                        "pending" if report_only and not st["errors"] else "failed"))
+                        "pending" if (report_only or interrupted) and not st["errors"] else "failed"))
         for (name, s, seed) in done:
             st["wall_seconds"][f"{s}/seed{seed}"] = units[(name, s, seed)].get("wall_seconds")
             st["info"][f"{s}/seed{seed}"] = units[(name, s, seed)].get("info")   # training diagnostics
@@ -345,7 +423,35 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
     results = build_results(units, status, setup, n_resamples=n_resamples)
     results["setup"]["seconds"] = round(time.time() - t_start, 1)
     write_report(results, out, plots=plots)
+    if interrupted:
+        log(f"[suite] stopped: {len(units)} of {prog.total} unit(s) finished, results.md written from them; "
+            f"{prog.eta()}. To resume, run the same command again"
+            + (f": {command}" if command and command.strip() != "tempokern" else "")
+            + " (finished units are kept; the interrupted one continues from its last checkpoint under "
+              f"{out / 'work'}, where its method keeps one)")
+        raise KeyboardInterrupt
     return results
+
+
+def _plan(out: Path, sets, seeds, chosen, status, quick: bool, methods, report_only: bool, suite: str, dev,
+          log) -> "_Progress":
+    """The run's units in order (the same order and selection as the loop of run_suite) and the plan line."""
+    plan = []
+    for s in sets:
+        todo = [m for m in chosen if status[m.name]["status"] != "skipped"
+                and (s in m.quick_sets if quick and m.quick_sets and not methods and s in SYNTH_SETS else runs_on(m, s))]
+        plan += [(m.name, s, seed if m.seeded else 0) for seed in seeds for m in todo if m.seeded or seed == seeds[0]]
+    prog = _Progress(plan, _committed_unit_seconds(suite, quick, dev))
+    if report_only:
+        return prog
+    earlier = [u for u in plan if read_unit(unit_path(out, *u)) is not None]
+    secs, known, unknown = _Progress([u for u in plan if u not in earlier], prog.committed).left()
+    log(f"[suite] plan: {len(plan)} unit(s) ({len({u[0] for u in plan})} row(s), sets {', '.join(sets)}, seeds "
+        f"{', '.join(map(str, seeds))}); {len(earlier)} done earlier in {out}; "
+        + (f"estimate for the rest: about {_duration(secs)} (the committed run's unit times on 2 CPU cores; each "
+           "unit line updates it)" if known and not unknown else
+           "each unit line estimates the time left from the rows timed so far"))
+    return prog
 
 
 def _reference_sims(out: Path, s: str, backbone_path: str, budget: Budget, dev, texts, pairs, log):

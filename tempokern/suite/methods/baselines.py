@@ -1,9 +1,11 @@
 """Baseline rows: BM25 (both tie orders), MiniLM zero-shot, MiniLM fine-tuned (plain in-batch InfoNCE)."""
 from __future__ import annotations
 
+import io
 import math
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -11,8 +13,12 @@ import torch
 from ..._ops.routing import multipos_infonce
 from ..backbone import dense_runs, embed_batch, encode_texts, load_backbone
 from ..registry import REAL_SETS, SYNTH_SETS, Method, MethodOutput, register
+from ..._util import atomic_write
 
 ALL_SETS = SYNTH_SETS + REAL_SETS
+#: full fine-tuning saves its state (weights, optimiser, schedule, RNG, losses) to the unit's work_dir every this
+#: many optimizer steps; a unit stopped part-way resumes at the last save (``finetune_infonce``)
+CHECKPOINT_EVERY = 5
 
 
 # ---- BM25 --------------------------------------------------------------------------------------------
@@ -103,8 +109,10 @@ def finetune_infonce(ctx, model, tok, *, temperature: float = 0.05, warmup_ratio
     document index as the span: no false negatives from duplicates). With a budget that sets
     ``hard_negatives`` (the real-data sets), each row's first that many hard negatives join the
     query->document denominators (``extra_neg``; one that is a positive of the batch is left out).
-    AdamW, linear warm-up/decay, ``ctx.budget`` epochs / batch size / lr / max_length. Returns an info
-    dict."""
+    AdamW, linear warm-up/decay, ``ctx.budget`` epochs / batch size / lr / max_length. Every
+    ``CHECKPOINT_EVERY`` steps the state goes to ``ctx.work_dir/finetune_state.pt`` (atomically); a rerun of
+    the same unit (same seed, budget and rows) resumes there and ends with the weights of an uninterrupted run;
+    the file is removed when training ends. Returns an info dict."""
     b = ctx.budget
     rows = ctx.train_rows()
     pos = {r.id: i for i, r in enumerate(ctx.dataset.records)}
@@ -130,11 +138,20 @@ def finetune_infonce(ctx, model, tok, *, temperature: float = 0.05, warmup_ratio
         opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
     model.train()
     losses, t0, step = [], time.time(), 0
+    state_path = Path(ctx.work_dir) / "finetune_state.pt"
+    key = {"seed": ctx.seed, "budget": dict(b.__dict__), "rows": len(pairs), "steps": total,
+           "temperature": temperature, "warmup_ratio": warmup_ratio, "weight_decay": weight_decay}
+    resumed, earlier_seconds = _load_finetune_state(state_path, key, model, opt, sched, ctx)
+    if resumed:
+        losses = list(resumed["losses"])
     for epoch in range(b.epochs):
         order = list(range(len(pairs)))
-        rng.shuffle(order)
+        rng.shuffle(order)           # every epoch's order is drawn, so that a resumed run sees the same batches
         batches = [order[i * b.batch_size:(i + 1) * b.batch_size] for i in range(n_batches)]
         for batch in ctx.progress(batches, f"fine-tune epoch {epoch + 1}/{b.epochs}"):
+            if resumed and step < resumed["step"]:    # done before the interruption
+                step += 1
+                continue
             texts_q = [pairs[i][0] for i in batch]
             docs = [pairs[i][1] for i in batch]
             in_batch = set(docs)
@@ -152,18 +169,70 @@ def finetune_infonce(ctx, model, tok, *, temperature: float = 0.05, warmup_ratio
             sched.step()
             step += 1
             losses.append(float(loss.detach()))
+            if CHECKPOINT_EVERY and step % CHECKPOINT_EVERY == 0 and step < total:
+                _save_finetune_state(state_path, key, model, opt, sched, step, losses,
+                                     earlier_seconds + time.time() - t0)
     model.eval()
-    return {"train_seconds": round(time.time() - t0, 2), "steps": step, "train_rows": len(pairs), "hard_negatives": k_neg,
+    state_path.unlink(missing_ok=True)
+    return {"train_seconds": round(earlier_seconds + time.time() - t0, 2), "steps": step, "resumed_at_step":
+            resumed["step"] if resumed else None, "train_rows": len(pairs), "hard_negatives": k_neg,
             "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
             "loss_first_5": float(np.mean(losses[:5])) if losses else None,
-            "loss_last_5": float(np.mean(losses[-5:])) if losses else None}
+            "loss_last_5": float(np.mean(losses[-5:])) if losses else None, "losses": losses}
+
+
+def _save_finetune_state(path: Path, key: dict, model, opt, sched, step: int, losses, seconds: float) -> None:
+    buf = io.BytesIO()
+    torch.save({"key": key, "step": step, "losses": list(losses), "seconds": seconds,
+                "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, buf)
+    atomic_write(path, buf.getvalue())
+
+
+def _load_finetune_state(path: Path, key: dict, model, opt, sched, ctx):
+    """(state, seconds trained before) of an interrupted run of this unit, loaded into model / opt / sched;
+    (None, 0.0) when there is none, or it was made under other settings, or it cannot be read (said)."""
+    if not path.exists():
+        return None, 0.0
+    try:
+        st = torch.load(path, map_location="cpu", weights_only=False)
+        if st.get("key") != key:
+            ctx.log(f"{path} was saved under other settings: fine-tuning starts over")
+            return None, 0.0
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        sched.load_state_dict(st["scheduler"])
+        torch.set_rng_state(st["torch_rng"])
+        if st.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(st["cuda_rng"])
+    except Exception as e:  # a torn or foreign file: start over rather than fail the unit
+        ctx.log(f"cannot resume from {path} ({type(e).__name__}: {e}): fine-tuning starts over")
+        return None, 0.0
+    ctx.log(f"resuming fine-tuning at step {st['step']} of {key['steps']} ({path})")
+    return st, float(st.get("seconds", 0.0))
+
+
+def loss_summary(losses) -> str:
+    """How the training loss went, comparing disjoint steps: the mean of the first k steps against the mean of
+    the last k (k = 5, fewer in a short run); one step has no trend to show."""
+    n = len(losses)
+    if n == 0:
+        return "no training step"
+    if n == 1:
+        return f"loss {losses[0]:.4f} (one step)"
+    k = min(5, n // 2)
+    first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
+    if k == 1:
+        return f"loss {first:.4f} (step 1) -> {last:.4f} (step {n})"
+    return f"loss {first:.4f} (mean of steps 1-{k}) -> {last:.4f} (steps {n - k + 1}-{n})"
 
 
 def run_finetuned(ctx):
     model, tok = load_backbone(ctx.backbone_path, ctx.device)
     info = finetune_infonce(ctx, model, tok)
-    ctx.log(f"fine-tuned {info['steps']} steps in {info['train_seconds']} s, loss "
-            f"{info['loss_first_5']} -> {info['loss_last_5']}")
+    ctx.log(f"fine-tuned {info['steps']} steps in {info['train_seconds']} s, {loss_summary(info['losses'])}")
+    info.pop("losses")
     return _dense_output(ctx, model, tok, info)
 
 

@@ -85,12 +85,14 @@ def run_ctd(variant: str, loss: str = "overlap"):
                         seed=ctx.seed, progress=ctx.progress_enabled, hard_negatives=hn,
                         **({"hard_negative_source": "query"} if hn else {}), **LOSS_OPTIONS[loss])
         ds = _train_subset(ctx)
-        res = train_ctd(model, ds, cfg, None, device=ctx.device, log=ctx.log)
+        # epoch checkpoints in the unit's work_dir: a unit stopped part-way resumes at its last finished epoch
+        resume = (ctx.work_dir / "last" / "trainer_state.pt").exists()
+        res = train_ctd(model, ds, cfg, ctx.work_dir, resume=resume, device=ctx.device, log=ctx.log)
         steps = [h for h in res.history if h.get("event") == "step"]
         info = {"train_seconds": round(res.seconds, 2), "steps": res.steps, "train_queries": len(ds.queries),
                 "hard_negatives": int(hn),
                 "first_loss": steps[0]["loss"] if steps else None, "final_loss": res.final_loss,
-                "temporal_lr": TEMPORAL_LR, **{f"loss_{k}": v for k, v in res.setup.items()}}
+                "temporal_lr": TEMPORAL_LR, "resumed": resume, **{f"loss_{k}": v for k, v in res.setup.items()}}
         t = time.time()
         model.eval()
         gallery = ctx.gallery()
