@@ -274,7 +274,8 @@ def test_cli_t_ratio_and_coverage_line(rows, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["t"] == 5
     for extra, msg in ((["--t-ratio", "0.25", "--t", "8"], "--t or --t-ratio"), (["--t-ratio", "2"], "--t-ratio"),
                        (["--t-ratio", "sixth"], "paper_timeqa"), (["--t-ratio", "0.001"], "rounds to t = 0")):
-        assert main(base + extra) == 2, extra
+        bad = base[:base.index("--out") + 1] + [str(tmp_path / "bad")] + base[base.index("--out") + 2:]
+        assert main(bad + extra) == 2, extra     # a fresh --out: the option error, not the used-folder one
         assert msg in capsys.readouterr().err, extra
 
 
