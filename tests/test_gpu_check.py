@@ -17,7 +17,7 @@ from tempokern._ops import dispatch
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_CSV = ROOT / dispatch.GPU_CSV
-FIELDS = ["date", "device", "commit", "op", "case", "B", "impl", "metric", "value", "note"]
+FIELDS = ["date", "device", "commit", "src_hash", "op", "case", "B", "impl", "metric", "value", "note"]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_gpu_csv_format():
         assert next(csv.reader(f)) == FIELDS
     rows = gpu_rows()
     assert rows and all(r["date"] and r["device"] and r["commit"] and r["op"] and r["impl"] for r in rows)
-    keys = [tuple(r[k] for k in FIELDS[:8]) for r in rows]
+    keys = [tuple(r[k] for k in FIELDS[:9]) for r in rows]
     assert len(keys) == len(set(keys)), "two rows for one (date, device, commit, op, case, B, impl, metric)"
 
 

@@ -319,7 +319,7 @@ def test_candidate_columns_come_from_the_dispatch_table(suite, tmp_path, monkeyp
     monkeypatch.setattr(tempokern, "calendar_scalar", spy)
     rows, md = run(suite, tmp_path, "--no-compile", "--only", "calendar_scalar")
     impls = {r["impl"] for r in rows}
-    assert impls == {"tempokern", "tempokern:calendar_v3", "eager", "compile"}
+    assert impls == {"tempokern", "tempokern:calendar_v3", "eager", "compile", "compile_autochunk"}
     for impl in ("tempokern", "tempokern:calendar_v3"):
         assert one(rows, impl=impl, metric="status")["value"] == "ok"
         assert math.isfinite(float(one(rows, impl=impl, metric="err_vs_torch")["value"]))
