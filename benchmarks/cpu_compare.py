@@ -21,7 +21,9 @@ Providers (each a fwd+bwd step unless the case is inference):
 
 Method: one child process per case (``OMP_NUM_THREADS`` = ``--threads``, default 1), a warm-up call of every
 provider, then ``--rounds`` rounds in which every provider runs once, the order rotated each round, so that other
-load on the machine falls on all providers alike; p20 / p50 / p80 of the wall times. Peak memory: the peak resident
+load on the machine falls on all providers alike; p20 / p50 / p80 of the wall times (``time_ms``) and of the
+process CPU time of each call (``cpu_time_ms``: on a shared machine the time other jobs held the core is not in
+it). Peak memory: the peak resident
 set above the one before the call (sampled every millisecond) of one call after the timed rounds, with glibc's
 ``MALLOC_MMAP_THRESHOLD_`` fixed at 128 KiB in the child, so every block of 128 KiB or more is returned to the
 system when freed and each call starts from what a fresh process holds after its warm-up (no allocator cache).
@@ -277,24 +279,30 @@ def run_child(name: str, x: int, rounds: int, max_call_s: float) -> List[dict]:
             r = fn()
             del r
         except Exception as e:   # noqa: BLE001 -- reported as a row
-            status[p] = f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            status[p] = f"error: {type(e).__name__}: {' / '.join(lines[:3])[:300]}"
             continue
         w = time.perf_counter() - t
         alive[p] = fn
         out.append(dict(provider=p, metric="warmup_s", unit="s", p50=w, p20=w, p80=w, n=1,
                         note="first call (compile providers: dynamo + inductor compilation)"))
     times: Dict[str, List[float]] = {p: [] for p in alive}
+    cpu: Dict[str, List[float]] = {p: [] for p in alive}
     order = list(alive)
     for r in range(rounds):
         rot = order[r % len(order):] + order[:r % len(order)] if order else []
         for p in rot:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             res = alive[p]()
             times[p].append((time.perf_counter() - t) * 1e3)
+            cpu[p].append((time.process_time() - c) * 1e3)
             del res
     for p in alive:
         p50, p20, p80 = quantiles(times[p])
         out.append(dict(provider=p, metric="time_ms", unit="ms", p50=p50, p20=p20, p80=p80, n=len(times[p]), note=""))
+        p50, p20, p80 = quantiles(cpu[p])
+        out.append(dict(provider=p, metric="cpu_time_ms", unit="ms", p50=p50, p20=p20, p80=p80, n=len(cpu[p]),
+                        note="process CPU time of the call (all threads): what other jobs on the cores do not add"))
         mb = peak_rss_mb(alive[p])
         out.append(dict(provider=p, metric="extra_peak_mb", unit="MB", p50=mb, p20=mb, p80=mb, n=1,
                         note="peak RSS above the call's start, one call after the timed rounds"))

@@ -47,7 +47,7 @@ def main(argv):
             if mem:
                 axes[1][j].loglog([x for x, _ in mem], [mb for _, mb in mem], "o-", base=2)
         axes[0][j].set_title(case, fontsize=10)
-        axes[0][j].set_ylabel("ms per fwd+bwd")
+        axes[0][j].set_ylabel("ms per fwd+bwd (process CPU time)")
         axes[1][j].set_ylabel("peak RSS above start, MB")
         axes[1][j].set_xlabel("B")
     axes[0][0].legend(fontsize=8)

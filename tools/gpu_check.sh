@@ -80,6 +80,12 @@ fi
 export PYTHONSAFEPATH=1
 "$PY" -c "import tempokern, json; print(json.dumps(tempokern.build_info()))" > "$OUTDIR/build_info.json" 2>&1
 
+# Inf-CL for the one-positive case's inf_cl column: already installed, or from a wheel named by INF_CL_WHEEL (the GPU
+# machine may have no network); without it the column is a status row saying it is not installed
+if ! "$PY" -c "import inf_cl" > /dev/null 2>&1 && [ -n "${INF_CL_WHEEL:-}" ]; then
+  "$PY" -m pip install --no-deps "$INF_CL_WHEEL" > "$OUTDIR/inf_cl.log" 2>&1 || log "Inf-CL wheel did not install (inf_cl.log)"
+fi
+
 # (b) the CUDA tests
 timeout "$(cap 150 200)" "$PY" -m pytest -m cuda tests -q -x -p no:cacheprovider > "$OUTDIR/tests.log" 2>&1
 record tests $?
