@@ -213,7 +213,8 @@ def cell(f: Optional[Fig], name: str = "") -> str:
     if f is None:
         return "—"
     if f.ms is None:
-        return f.status or "—"
+        st = f.status or "—"
+        return st if len(st) <= 60 else st[:57].rstrip() + "..."
     s = _ms(f.ms) + (f", {_mb(f.mb)}" if f.mb is not None else "") + (STALE if f.stale else "")
     return s + (f" ({name})" if name else "")
 

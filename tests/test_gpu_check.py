@@ -117,4 +117,14 @@ def test_gpu_check_dry_names_every_candidate(tmp_path):
     impls = {r["impl"] for r in rows}
     assert {"tempokern", "eager"} | {f"tempokern:{c.name}" for c in dispatch.CANDIDATES} <= impls
     assert all(r["value"] == "ok" for r in rows if r["metric"] == "status" and r["impl"].startswith("tempokern"))
+    # the providers of the GPU run: torch.compile with the auto-chunker on every compiled case, Inf-CL on the
+    # one-positive case (a status row where it cannot run), every row with the hash of its sources
+    auto = [r for r in rows if r["impl"] == "compile_autochunk" and r["metric"] == "status"]
+    assert auto and all(r["value"] == "ok" for r in auto)
+    inf = [r for r in rows if r["impl"] == "inf_cl" and r["metric"] == "status"]
+    assert inf and {r["case"] for r in inf} == {"no bias, one positive"}
+    assert all(r["value"] == "ok" or r["value"].startswith("unsupported: Inf-CL") for r in inf)
+    assert all(r["src_hash"] for r in rows if not r["op"].startswith("_"))
+    plan = (tmp_path / "out" / "plan.txt").read_text()
+    assert "decision" in plan and "columns tempokern" in plan
     assert (tmp_path / "out" / "decision.txt").exists()
