@@ -214,6 +214,8 @@ def cell(f: Optional[Fig], name: str = "") -> str:
         return "—"
     if f.ms is None:
         st = f.status or "—"
+        if st.startswith("error:") and " / " in st:   # the exception's own message, not the wrapper's first line
+            st = "error: " + st.split(" / ")[1]
         return st if len(st) <= 60 else st[:57].rstrip() + "..."
     s = _ms(f.ms) + (f", {_mb(f.mb)}" if f.mb is not None else "") + (STALE if f.stale else "")
     return s + (f" ({name})" if name else "")
