@@ -382,11 +382,18 @@ def ab_table(rows: List[dict]) -> str:
     """benchmarks/ab_commits.py's rounds: per case and thread count the new/old ratio of each round (wall time, and
     process CPU time where recorded), its median and range, and what that says."""
     import statistics
-    groups: Dict[tuple, Dict[str, Dict[str, dict]]] = {}
+    groups: Dict[tuple, Dict[int, Dict[str, dict]]] = {}
     commits: Dict[str, set] = {"old": set(), "new": set()}
-    for r in rows:
-        g = groups.setdefault((r["case"], r["threads"]), {})
-        g.setdefault(f"{r['date'][:10]} {r['round']} {r.get('run', '')}", {})[r["tree"]] = r
+    last: Dict[tuple, dict] = {}
+    for r in rows:   # a round is two consecutive rows of one case and thread count with the same round number
+        key = (r["case"], r["threads"])
+        g = groups.setdefault(key, {})
+        prev = last.get(key)
+        if prev is not None and prev["round"] == r["round"] and prev["tree"] != r["tree"]:
+            g[len(g)] = {prev["tree"]: prev, r["tree"]: r}
+            last.pop(key)
+        else:
+            last[key] = r
         commits[r["tree"]].add(r["commit"])
     out = ["| case | threads | rounds | new / old, wall (median, range) | new / old, process CPU time | verdict |",
            "|---|---|---|---|---|---|"]
