@@ -202,3 +202,16 @@ def test_suite_stale_keys():
              "impl": "tempokern", "metric": "time_ms", "value": "1", "src_hash": "unknown"}]
     assert suite.stale_keys(rows, [c1, c2]) == {("calendar_context", "y", "b")}
     assert suite.stale_keys([], [c1]) == {("calendar_scalar", "x", "b")}   # never measured
+
+
+def test_record_names_commit_and_sources(tmp_path, monkeypatch, src):
+    rec = _load("_record")
+    monkeypatch.setattr(rec, "RESULTS", tmp_path)
+    rec.record("x.csv", op="calendar_scalar fwd+bwd", provider="tempokern", size="B=4", ms=1.0)
+    rec.record("x.csv", op="Re3Loss fwd+bwd float32", provider="eager", size="B=4", ms=2.0)
+    with open(tmp_path / "x.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == rec.FIELDS
+    assert rows[0]["src_hash"] == src.source_hash("calendar_scalar", "cpu", "tempokern")
+    assert rows[1]["src_hash"] == src.source_hash("re3_loss", "cpu", "eager")
+    assert all(r["commit"] for r in rows)
