@@ -1,4 +1,4 @@
-"""Working CPU measurement for issues 16/17 on a shared machine: one process, the providers of a benchmark file
+"""A CPU measurement for a shared machine: one process, the providers of a benchmark file
 interleaved round by round, min wall time and min process CPU time of each (CPU time is what stays meaningful
 when other jobs share the cores). Not a pytest-benchmark file and writes no CSV: the benchmark files stay the
 record.

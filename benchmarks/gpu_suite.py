@@ -10,18 +10,23 @@ torch, torch.compile of the reference and the bare matmul yardstick.
 Builds nothing: it imports the tempokern that is there (the in-place build of this checkout if
 tempokern/_C*.so exists, else the installed package) and stops with a clear message if that build has no
 CUDA kernels. Appends to one long-format CSV (--csv, default benchmarks/results/gpu.csv; columns
-date, device, commit, op, case, B, impl, metric, value, note; one row per (op, case, B, impl, metric),
+date, device, commit, src_hash, op, case, B, impl, metric, value, note; one row per (op, case, B, impl, metric),
 written as it goes, so a killed run keeps its rows); --md PATH also writes the tables as Markdown.
 
 impl: the columns come from the dispatch table. tempokern: the op's default path (TEMPOKERN_EXPERIMENTAL
 empty during its calls); tempokern:<name>: the same op with candidate <name> enabled (TEMPOKERN_EXPERIMENTAL=<name>
 during its calls), one column per candidate whose ops include the case's op; eager (tempokern.reference or the
 plain formula a user writes), eager_chunked (the same over gallery chunks, ctd_topk), compile
-(torch.compile(reference, dynamic=False), compiled once per shape), matmul (the bare q @ d.T / q @ g.T
+(torch.compile(reference, dynamic=False), compiled once per shape), compile_autochunk (the same with inductor's
+auto-chunker on: torch._inductor.config.auto_chunker.enable), inf_cl (Inf-CL's cal_inf_loss, both directions, on
+the one-positive case only: it takes one positive per row and no bias; import-guarded: a status row says why it
+did not run), matmul (the bare q @ d.T / q @ g.T
 yardstick), single (matryoshka_infonce: one level at the full dim through multipos_infonce, the yardstick).
 metric: time_ms (CUDA events around one step, median of
 the timed runs after one warm-up, inputs rotated through several copies when one copy fits in L2),
-time_ms_pipelined (CUDA, steps under 50 ms: up to 30 steps back to back between two events, no synchronize
+src_hash: the hash of the sources of the path the row measured (benchmarks/_sources.py: a tempokern column's
+kernels, bindings and wrappers, a baseline's reference formulation), so a table can mark a figure whose sources
+changed since; time_ms_pipelined (CUDA, steps under 50 ms: up to 30 steps back to back between two events, no synchronize
 between them, per step: what a training loop that does not read the loss every step sees),
 extra_peak_mb (torch.cuda.max_memory_allocated above what was allocated before the step, first timed run),
 compile_s (first call of a compiled function), floor_ms (the lower bound from the flop/byte count, see each
@@ -62,9 +67,15 @@ import torch  # noqa: E402
 
 from tempokern._ops import dispatch  # noqa: E402
 
-FIELDS = ["date", "device", "commit", "op", "case", "B", "impl", "metric", "value", "note"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _sources  # noqa: E402  (beside this script)
+
+FIELDS = ["date", "device", "commit", "src_hash", "op", "case", "B", "impl", "metric", "value", "note"]
 DEFAULT_CSV = REPO / dispatch.GPU_CSV
-BASELINES = ("eager", "eager_chunked", "compile", "matmul", "single")   # single: matryoshka_infonce's yardstick
+BASELINES = ("eager", "eager_chunked", "compile", "compile_autochunk", "inf_cl", "matmul",
+             "single")   # single: matryoshka_infonce's yardstick
+#: the torch.compile columns (compiled last, each skipped when less than COMPILE_RESERVE_S of the budget is left)
+COMPILED = ("compile", "compile_autochunk")
 
 
 def op_name(op: str) -> str:
@@ -319,9 +330,15 @@ BIAS_NAMES = ("u_q", "u_d", "w1", "b1", "w2", "b2", "scale")
 # multipos_infonce -----------------------------------------------------------------------------------------------
 
 def loss_inputs(B, dev, dtype, seed, bias: Optional[str]):
+    """bias: None (no bias, random spans: several positives per row), "one" (no bias, one positive per row: the
+    diagonal, the case Inf-CL takes), "table" or "exact"."""
     g = _gen(dev, seed)
     q, d = _leaf(_unit_rows(B, H, dev, dtype, g)), _leaf(_unit_rows(B, H, dev, dtype, g))
     qs, ds = _spans(B, dev, g), _spans(B, dev, g)
+    if bias == "one":   # disjoint spans: each query overlaps its own document only
+        s = torch.arange(B, device=dev) * 2
+        qs = ds = (s, s)
+        bias = None
     inp = {"q": q, "d": d, "q_span": qs, "d_span": ds, "bias": None, "leaves": [q, d], "names": ["q", "d"],
            "mode": bias}
     if bias:
@@ -353,6 +370,33 @@ def loss_step(fn_get, check_keyword=True):
         leaves = inp["leaves"]
         return lambda: torch.autograd.grad(loss_call(fn, inp, check_keyword=False), leaves)
     return build
+
+
+def inf_cl_loss():
+    """Inf-CL's symmetric contrastive loss with the diagonal as the positives, as a function of (q, d); raises
+    Unsupported where it cannot run (not installed, no GPU: it is Triton)."""
+    try:
+        from inf_cl import cal_inf_loss
+    except ImportError as e:
+        raise Unsupported(f"Inf-CL is not installed (pip install inf-cl): {e}")
+    if not torch.cuda.is_available():
+        raise Unsupported("Inf-CL is Triton, GPU only")
+    import torch.distributed as dist
+    if not dist.is_initialized():   # its ring communication asks for a process group: a group of one
+        import tempfile
+        store = dist.FileStore(tempfile.mktemp(prefix="tk_infcl_"), 1)
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+
+    def loss(q, d):
+        scale = torch.tensor(1.0 / TEMPERATURE, device=q.device)
+        return (cal_inf_loss(q, d, scale=scale) + cal_inf_loss(d, q, scale=scale)) / 2
+    return loss
+
+
+def inf_cl_step(inp):
+    fn = inf_cl_loss()
+    q, d = inp["q"], inp["d"]
+    return lambda: torch.autograd.grad(fn(q, d), [q, d])
 
 
 def run_as(impl: str, call):
@@ -448,9 +492,11 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
     cases = []
     bpp = {None: {"eager": 19.4, "compile": 6.7}, "table": {"eager": 80.0, "compile": 11.0},
            "exact": {"eager": 550.0, "compile": 292.0}}   # bytes per (q, d) pair: H100 report, bf16 (table: estimate)
-    agree_rows = {None: sizes["agree_rows"], "table": sizes["agree_rows"], "exact": sizes["agree_rows_exact"]}
-    for mode, label, Bs in ((None, "no bias", sizes["loss"]), ("table", f"table bias ({TABLE_POINTS})",
-                                                             sizes["loss_table"]),
+    bpp["one"] = bpp[None]
+    agree_rows = {None: sizes["agree_rows"], "one": sizes["agree_rows"], "table": sizes["agree_rows"],
+                  "exact": sizes["agree_rows_exact"]}
+    for mode, label, Bs in ((None, "no bias", sizes["loss"]), ("one", "no bias, one positive", sizes["loss_one"]),
+                            ("table", f"table bias ({TABLE_POINTS})", sizes["loss_table"]),
                             ("exact", "exact bias", sizes["loss_exact"])):
         prev = None
         for B in Bs:
@@ -459,7 +505,11 @@ def loss_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
                 "matmul": lambda inp: row_blocks_mm(inp["q"].detach(), inp["d"].detach()),
                 "eager": loss_step(lambda: ref().multipos_infonce, check_keyword=False),
                 "compile": loss_step(lambda: compile_fn(ref().multipos_infonce), check_keyword=False),
+                "compile_autochunk": loss_step(lambda: compile_fn(ref().multipos_infonce, autochunk=True),
+                                               check_keyword=False),
             }
+            if mode == "one":
+                steps["inf_cl"] = inf_cl_step
             cases.append(Case(
                 "multipos_infonce", label, f"B={B}",
                 make=(lambda s, B=B, mode=mode: loss_inputs(B, dev, dtype, s, mode)), steps=steps,
@@ -498,7 +548,8 @@ def mat_step(impl, compile_fn=None):
                                               torch.nn.functional.normalize(d, dim=-1), (ids, ids), (ids, ids),
                                               temperature=TEMPERATURE, symmetric=False)
         else:
-            fn = ref().matryoshka_infonce if impl == "eager" else compile_fn(ref().matryoshka_infonce)
+            fn = ref().matryoshka_infonce if impl == "eager" else compile_fn(ref().matryoshka_infonce,
+                                                                              autochunk=impl == "compile_autochunk")
             f = lambda: fn(q, d, MAT_DIMS, temperature=TEMPERATURE)  # noqa: E731
         return lambda: torch.autograd.grad(f(), [q, d])
     return build
@@ -532,7 +583,8 @@ def mat_agree(max_rows: int, seed: int):
 def matryoshka_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
     cases, prev = [], None
     for B in sizes.get("matryoshka", []):
-        steps = {impl: mat_step(impl, compile_fn) for impl in ("tempokern", "single", "eager", "compile")}
+        steps = {impl: mat_step(impl, compile_fn) for impl in ("tempokern", "single", "eager", "compile",
+                                                                 "compile_autochunk")}
         steps["matmul"] = lambda inp: row_blocks_mm(inp["q"].detach(), inp["d"].detach())
         cases.append(Case(
             "matryoshka_infonce", "dims 64..768", f"B={B}", make=(lambda s, B=B: mat_inputs(B, dev, dtype, s)),
@@ -725,7 +777,8 @@ def calendar_cases(sizes, dev, bandwidth, compile_fn) -> List[Case]:
     for op, out_w in (("calendar_context", len(LEVELS) * CAL_DIM), ("calendar_scalar", 1)):
         steps = {"tempokern": calendar_step(lambda op=op: getattr(tk(), op)),
                  "eager": calendar_step(lambda op=op: getattr(ref(), op)),
-                 "compile": calendar_step(lambda op=op: compile_fn(getattr(ref(), op)))}
+                 "compile": calendar_step(lambda op=op: compile_fn(getattr(ref(), op))),
+                 "compile_autochunk": calendar_step(lambda op=op: compile_fn(getattr(ref(), op), autochunk=True))}
         nbytes = rows * 4 * (3 * n + 2 * out_w)   # fwd: logits in, out; bwd: logits + gout in, grads out
 
         def floor(ms, nbytes=nbytes):
@@ -854,7 +907,8 @@ def re3_call(impl, inp, compile_fn=None):
 
 def re3_step(impl, compile_fn=None):
     def build(inp):
-        fn = compile_fn if impl == "compile" else None
+        fn = (None if impl not in COMPILED else compile_fn if impl == "compile"
+              else (lambda f: compile_fn(f, autochunk=True)))
         return lambda: torch.autograd.grad(re3_call(impl, inp, fn), inp["leaves"])
     return build
 
@@ -888,6 +942,7 @@ def re3_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
     B = sizes["loss"][0]
     steps = {"tempokern": re3_step("tempokern"), "eager": re3_step("eager"),
              "compile": re3_step("compile", compile_fn),
+             "compile_autochunk": re3_step("compile_autochunk", compile_fn),
              "matmul": lambda inp: row_blocks_mm(inp["q"].detach(), inp["d"].detach())}
     return [Case("re3_loss", "Re3Loss (nce + hard + tw)", f"B={B}", make=lambda s: re3_inputs(B, dev, dtype, s),
                  steps=steps, agree=re3_agree(sizes["agree_rows"], seed),
@@ -900,14 +955,14 @@ def re3_cases(sizes, dev, dtype, seed, compile_fn) -> List[Case]:
 
 def suite_sizes(device: str, quick: bool) -> dict:
     if device in ("cpu", "emu"):   # tests and gpu_check.sh --dry: tiny, seconds
-        return dict(loss=[48, 96], loss_table=[48], loss_exact=[48], agree_rows=64, agree_rows_exact=64, matryoshka=[48],
+        return dict(loss=[48, 96], loss_one=[48], loss_table=[48], loss_exact=[48], agree_rows=64, agree_rows_exact=64, matryoshka=[48],
                     topk=(8, 3000), topk_small_q=[1], agree_q=4, agree_n=1000, calendar=300, bias=80, agree_bias=50)
     if quick:
-        return dict(loss=[1024, 4096], loss_table=[1024], loss_exact=[1024], agree_rows=4096, agree_rows_exact=1024,
+        return dict(loss=[1024, 4096], loss_one=[1024], loss_table=[1024], loss_exact=[1024], agree_rows=4096, agree_rows_exact=1024,
                     matryoshka=[1024],
                     topk=(64, 100_000), topk_small_q=[1], agree_q=64, agree_n=50_000, calendar=65_536, bias=1024,
                     agree_bias=1024)
-    return dict(loss=[8192, 65536, 262144], loss_table=[8192, 65536], loss_exact=[8192], agree_rows=8192,
+    return dict(loss=[8192, 65536, 262144], loss_one=[8192, 65536], loss_table=[8192, 65536], loss_exact=[8192], agree_rows=8192,
                 matryoshka=[8192, 65536],
                 agree_rows_exact=2048, topk=(1024, 1_000_000), topk_small_q=[1, 16], agree_q=256, agree_n=131_072,
                 calendar=1 << 20, bias=8192, agree_bias=2048)
@@ -942,6 +997,7 @@ class Suite:
         self.dev = torch.device("cpu" if args.device == "emu" else args.device)
         self.t0 = time.perf_counter()
         self.rows: List[dict] = []
+        self._hashes: Dict[Tuple[str, str], str] = {}
         self.measured: Dict[Tuple[str, str], Tuple[int, float]] = {}   # (op/case series, impl) -> (index, ms)
         self.meta = self._meta(argv)
         self.csv_path = Path(args.csv)
@@ -986,11 +1042,17 @@ class Suite:
         if isinstance(value, float):
             value = f"{value:.6g}"
         row = {"date": self.meta["date"], "device": self.meta["device"], "commit": self.meta["commit"],
-               "op": case.op, "case": case.case, "B": case.size, "impl": impl, "metric": metric, "value": value,
+               "src_hash": self.src_hash(case.op, impl), "op": case.op, "case": case.case, "B": case.size, "impl": impl, "metric": metric, "value": value,
                "note": note}
         self.rows.append(row)
         self._writer.writerow(row)
         self._csv.flush()
+
+    def src_hash(self, op: str, impl: str) -> str:
+        key = (op, impl)
+        if key not in self._hashes:
+            self._hashes[key] = _sources.source_hash(op, "cuda", impl) if not op.startswith("_") else ""
+        return self._hashes[key]
 
     def log(self, msg: str) -> None:
         print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", flush=True)
@@ -1002,9 +1064,9 @@ class Suite:
     def skip_reason(self, case: Case, impl: str, series_pos: int) -> Optional[str]:
         if self.left_s() <= 0:
             return f"skipped: suite time budget of {self.args.budget_s:.0f} s spent"
-        if impl == "compile" and self.args.no_compile:
+        if impl in COMPILED and self.args.no_compile:
             return "skipped: --no-compile"
-        if impl == "compile" and self.dev.type == "cuda" and self.left_s() < COMPILE_RESERVE_S:
+        if impl in COMPILED and self.dev.type == "cuda" and self.left_s() < COMPILE_RESERVE_S:
             return f"skipped: less than {COMPILE_RESERVE_S} s of the suite time budget left for a compilation"
         est = case.mem_bytes.get(impl)
         if est and self.dev.type == "cuda":
@@ -1050,12 +1112,12 @@ class Suite:
                       f"{t.pipelined_runs} steps back to back between two events, no synchronize between them")
         self.emit(case, impl, "extra_peak_mb", "" if t.peak_mb is None else t.peak_mb,
                   "" if t.peak_mb is not None else "not measured on this device")
-        if impl == "compile":
+        if impl in COMPILED:
             self.emit(case, impl, "compile_s", t.warm_s, "first call: dynamo + inductor compile of this shape")
         self.emit(case, impl, "status", "ok")
         self.measured[(case.op + "/" + case.case, impl)] = (series_pos, t.ms)
         self.log(f"{case.key} {impl}: {t.ms:.3f} ms" + (f", +{t.peak_mb:.0f} MB" if t.peak_mb is not None else "")
-                 + (f" (compile {t.warm_s:.1f} s)" if impl == "compile" else ""))
+                 + (f" (compile {t.warm_s:.1f} s)" if impl in COMPILED else ""))
         return t.ms
 
     def n_sets(self, case: Case) -> List[dict]:
@@ -1178,12 +1240,43 @@ def decision_keys(sizes) -> set:
     bias at the first two sizes (8,192 and 65,536 on a GPU), Matryoshka at the first size, both calendar ops,
     Re3Loss."""
     keys = {("multipos_infonce", "no bias", f"B={b}") for b in sizes["loss"][:2]}
+    keys |= {("multipos_infonce", "no bias, one positive", f"B={b}") for b in sizes["loss_one"][:2]}
     keys |= {("multipos_infonce", f"table bias ({TABLE_POINTS})", f"B={b}") for b in sizes["loss_table"][:2]}
     keys |= {("matryoshka_infonce", "dims 64..768", f"B={b}") for b in sizes["matryoshka"][:1]}
     rows = f"rows={sizes['calendar']} levels=12x32x12"
     keys |= {("calendar_context", f"fwd+bwd float32 dim {CAL_DIM}", rows), ("calendar_scalar", "fwd+bwd float32", rows)}
     keys.add(("re3_loss", "Re3Loss (nce + hard + tw)", f"B={sizes['loss'][0]}"))
     return keys
+
+
+def stale_keys(rows: List[dict], cases: List[Case]) -> set:
+    """(op, case, B) of the cases whose default-path figure is older than its sources: the newest ``tempokern``
+    time_ms row of the case (in ``rows``, a gpu.csv) has a src_hash other than the current sources' hash
+    (benchmarks/_sources.py; rows from before the column read ``unknown``), or there is no such row."""
+    newest: Dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("impl") == "tempokern" or (r.get("impl", "").startswith("tempokern:") and
+                                            r["impl"].split(":", 1)[1] not in dispatch.NAMES):
+            if r.get("metric") != "time_ms" or _sources.device_kind(r.get("device", "")) != "cuda":
+                continue
+            k = (r["op"], r["case"], r["B"])
+            if k not in newest or r["date"] >= newest[k]["date"]:
+                newest[k] = r
+    out = set()
+    for c in cases:
+        k = (c.op, c.case, c.size)
+        r = newest.get(k)
+        if r is None or _sources.is_stale(r.get("src_hash", ""), c.op, "cuda", "tempokern"):
+            out.add(k)
+    return out
+
+
+def read_rows(path) -> List[dict]:
+    try:
+        with open(path, newline="") as f:
+            return list(csv.DictReader(f))
+    except OSError:
+        return []
 
 
 def build_cases(args, dev, bandwidth, compile_fn) -> List[Tuple[Case, int]]:
@@ -1213,11 +1306,16 @@ def build_cases(args, dev, bandwidth, compile_fn) -> List[Tuple[Case, int]]:
                 c.steps = steps
     pat = re.compile(args.only, re.I) if args.only else None
     keep = decision_keys(sizes) if getattr(args, "decision", False) else None
+    first = set(keep or ())
+    if keep is not None and getattr(args, "stale", False):
+        keep = keep | stale_keys(read_rows(args.stale_csv or args.csv), [c for s in series for c in s])
     out = []
     for s in series:
         for pos, c in enumerate(s):
             if (pat is None or pat.search(c.key)) and (keep is None or (c.op, c.case, c.size) in keep):
                 out.append((c, pos))
+    # the decision cases first, then the stale ones (the budget cuts the latter first); stable within each
+    out.sort(key=lambda cp: (cp[0].op, cp[0].case, cp[0].size) not in first if first else False)
     return out
 
 
@@ -1308,6 +1406,14 @@ def parse_args(argv):
     p.add_argument("--decision", action="store_true",
                    help="only the cases that decide the candidates (CTD loss no bias and table bias at the first two "
                    "sizes, Matryoshka at the first, the calendar ops, Re3Loss)")
+    p.add_argument("--stale", action="store_true",
+                   help="with --decision: also every case whose default path's newest time_ms row in the CSV "
+                   "(--stale-csv, else --csv) was measured on other sources than the current ones (src_hash; "
+                   "benchmarks/_sources.py), after the decision cases")
+    p.add_argument("--stale-csv", default=None, help="the CSV --stale reads (default: --csv)")
+    p.add_argument("--plan", action="store_true",
+                   help="print the cases this command would run (with --stale: which are stale and why) and exit; "
+                   "needs no GPU")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the whole suite")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 10, --device cpu "
                    "2; fewer when one step is slow, see --measure-s)")
@@ -1373,20 +1479,47 @@ def emulator():
     return cuda_emulator(emu_build.load())
 
 
+def print_plan(args) -> Tuple[Path, Optional[Path]]:
+    """The cases of this command, in order, each marked decision / stale (the source hash it was measured on vs
+    the current one)."""
+    sizes = suite_sizes(args.device, args.quick)
+    keys = decision_keys(sizes)
+    cases = build_cases(args, torch.device("cpu"), 0.0, lambda fn, autochunk=False: fn)
+    rows = read_rows(args.stale_csv or args.csv)
+    stale = stale_keys(rows, [c for c, _ in cases]) if args.stale else set()
+    print(f"plan: {len(cases)} case(s) on {args.device}" + (" (decision cases, then the stale ones)" if args.stale
+                                                           else ""))
+    for c, _ in cases:
+        k = (c.op, c.case, c.size)
+        why = []
+        if k in keys:
+            why.append("decision")
+        if k in stale:
+            why.append(f"stale: sources now {_sources.source_hash(c.op, 'cuda', 'tempokern')}")
+        print(f"  {c.key}: {', '.join(why) or 'selected'}; columns {', '.join(c.steps)}")
+    return Path(args.csv), None
+
+
 def main(argv=None) -> Tuple[Path, Optional[Path]]:
     prog = sys.argv[0] if argv is None else "benchmarks/gpu_suite.py"
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.plan:
+        return print_plan(args)
     check_build(args.device)
     for name, value in (("cache_size_limit", 64), ("recompile_limit", 64), ("accumulated_cache_size_limit", 256)):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, value)
-    compiled: Dict[Callable, Callable] = {}
+    compiled: Dict[Tuple[Callable, bool], Callable] = {}
 
-    def compile_fn(fn):   # one compiled wrapper per function; dynamo specialises it per shape (dynamic=False)
-        if fn not in compiled:
-            compiled[fn] = torch.compile(fn, dynamic=False, backend=args.compile_backend)
-        return compiled[fn]
+    def compile_fn(fn, autochunk=False):
+        """One compiled wrapper per function (and auto-chunker setting); dynamo specialises it per shape
+        (dynamic=False). autochunk: inductor's auto-chunker on (torch._inductor.config.auto_chunker.enable)."""
+        if (fn, autochunk) not in compiled:
+            opts = {"auto_chunker.enable": True} if autochunk and args.compile_backend == "inductor" else None
+            compiled[(fn, autochunk)] = torch.compile(fn, dynamic=False, backend=args.compile_backend,
+                                                      options=opts)
+        return compiled[(fn, autochunk)]
 
     try:
         re.compile(args.only or "")
@@ -1405,10 +1538,11 @@ def main(argv=None) -> Tuple[Path, Optional[Path]]:
         with emu:
             # everything but torch.compile first (compilation is the slow part), then the compile baselines
             for case, pos in cases:
-                suite.run_case(case, pos, [i for i in IMPLS if i != "compile"], agreement=True)
-            for case, pos in cases:
-                if "compile" in case.steps:
-                    suite.run_case(case, pos, ["compile"], agreement=False)
+                suite.run_case(case, pos, [i for i in IMPLS if i not in COMPILED], agreement=True)
+            for impl in COMPILED:   # compile first on every case, then the auto-chunker (the budget cuts it first)
+                for case, pos in cases:
+                    if impl in case.steps:
+                        suite.run_case(case, pos, [impl], agreement=False)
     finally:   # an interrupted run still gets its tables (the CSV is written row by row)
         suite._csv.close()
         text = tables(suite.rows, suite.meta, bw)

@@ -49,6 +49,8 @@ def table(rows) -> str:
 
 if __name__ == "__main__":
     # the per-op CPU files (gpu.csv, the GPU suite's long-format rows, has its own tables: gpu_suite.py --md)
-    paths = [Path(a) for a in sys.argv[1:]] or sorted(p for p in RESULTS.glob("*.csv") if p.name != "gpu.csv")
+    # (cpu_compare.csv and ab_offset_bias.csv have their own tables too: benchmarks/perf_table.py)
+    paths = [Path(a) for a in sys.argv[1:]] or sorted(
+        p for p in RESULTS.glob("*.csv") if p.name not in ("gpu.csv", "cpu_compare.csv", "ab_offset_bias.csv"))
     for p in paths:  # one table per file: each op's benchmark names its own providers
         print(f"#### {p.name}\n\n{table(load([p]))}\n")

@@ -17,7 +17,7 @@ from tempokern._ops import dispatch
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_CSV = ROOT / dispatch.GPU_CSV
-FIELDS = ["date", "device", "commit", "op", "case", "B", "impl", "metric", "value", "note"]
+FIELDS = ["date", "device", "commit", "src_hash", "op", "case", "B", "impl", "metric", "value", "note"]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_gpu_csv_format():
         assert next(csv.reader(f)) == FIELDS
     rows = gpu_rows()
     assert rows and all(r["date"] and r["device"] and r["commit"] and r["op"] and r["impl"] for r in rows)
-    keys = [tuple(r[k] for k in FIELDS[:8]) for r in rows]
+    keys = [tuple(r[k] for k in FIELDS[:9]) for r in rows]
     assert len(keys) == len(set(keys)), "two rows for one (date, device, commit, op, case, B, impl, metric)"
 
 
@@ -117,4 +117,14 @@ def test_gpu_check_dry_names_every_candidate(tmp_path):
     impls = {r["impl"] for r in rows}
     assert {"tempokern", "eager"} | {f"tempokern:{c.name}" for c in dispatch.CANDIDATES} <= impls
     assert all(r["value"] == "ok" for r in rows if r["metric"] == "status" and r["impl"].startswith("tempokern"))
+    # the providers of the GPU run: torch.compile with the auto-chunker on every compiled case, Inf-CL on the
+    # one-positive case (a status row where it cannot run), every row with the hash of its sources
+    auto = [r for r in rows if r["impl"] == "compile_autochunk" and r["metric"] == "status"]
+    assert auto and all(r["value"] == "ok" for r in auto)
+    inf = [r for r in rows if r["impl"] == "inf_cl" and r["metric"] == "status"]
+    assert inf and {r["case"] for r in inf} == {"no bias, one positive"}
+    assert all(r["value"] == "ok" or r["value"].startswith("unsupported: Inf-CL") for r in inf)
+    assert all(r["src_hash"] for r in rows if not r["op"].startswith("_"))
+    plan = (tmp_path / "out" / "plan.txt").read_text()
+    assert "decision" in plan and "columns tempokern" in plan
     assert (tmp_path / "out" / "decision.txt").exists()

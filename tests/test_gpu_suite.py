@@ -7,6 +7,7 @@ import csv
 import importlib.util
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,6 +67,8 @@ def test_end_to_end_csv_agreement_and_tables(suite, tmp_path):
         assert one(rows, **loss, impl=impl, metric="status")["value"] == "ok"
         assert float(one(rows, **loss, impl=impl, metric="time_ms")["value"]) > 0
     assert float(one(rows, **loss, impl="compile", metric="compile_s")["value"]) > 0
+    # torch.compile with the auto-chunker is a column of its own (the aot_eager backend here ignores the option)
+    assert one(rows, **loss, impl="compile_autochunk", metric="status")["value"] == "ok"
     assert float(one(rows, **loss, impl="tempokern", metric="floor_ms")["value"]) == pytest.approx(
         4 * float(one(rows, **loss, impl="matmul", metric="time_ms")["value"]), rel=1e-4)
     # agreement of the loss and every gradient, for tempokern and eager torch; the ratio between them
@@ -146,7 +149,7 @@ def test_out_of_memory_is_reported_and_the_suite_goes_on(suite, tmp_path, monkey
     monkeypatch.setattr(reference, "multipos_infonce", oom)
     freed = []
     monkeypatch.setattr(suite, "free_memory", lambda dev, collect=False: freed.append(collect))
-    rows, _ = run(suite, tmp_path, "--no-compile", "--only", "multipos_infonce/no bias|ctd_topk/no bias")
+    rows, _ = run(suite, tmp_path, "--no-compile", "--only", "multipos_infonce/no bias/|ctd_topk/no bias")
     assert calls
     for size in ("B=48", "B=96"):
         assert one(rows, case="no bias", size=size, impl="eager", metric="status")["value"] == "out of memory"
@@ -161,7 +164,7 @@ def test_time_budget_and_predicted_step_skips(suite, tmp_path):
     assert rows and all(r["value"].startswith("skipped: suite time budget") for r in pick(rows, metric="status"))
     assert "calendar_context" in md
     # any step predicted above --max-step-s from the previous size of its series is skipped, not run
-    rows, _ = run(suite, tmp_path / "pred", "--no-compile", "--max-step-s", "0", "--only", "multipos_infonce/no bias")
+    rows, _ = run(suite, tmp_path / "pred", "--no-compile", "--max-step-s", "0", "--only", "multipos_infonce/no bias/")
     assert one(rows, size="B=48", impl="tempokern", metric="status")["value"] == "ok"
     st = one(rows, size="B=96", impl="tempokern", metric="status")["value"]
     assert st.startswith("skipped: one step predicted")
@@ -319,7 +322,7 @@ def test_candidate_columns_come_from_the_dispatch_table(suite, tmp_path, monkeyp
     monkeypatch.setattr(tempokern, "calendar_scalar", spy)
     rows, md = run(suite, tmp_path, "--no-compile", "--only", "calendar_scalar")
     impls = {r["impl"] for r in rows}
-    assert impls == {"tempokern", "tempokern:calendar_v3", "eager", "compile"}
+    assert impls == {"tempokern", "tempokern:calendar_v3", "eager", "compile", "compile_autochunk"}
     for impl in ("tempokern", "tempokern:calendar_v3"):
         assert one(rows, impl=impl, metric="status")["value"] == "ok"
         assert math.isfinite(float(one(rows, impl=impl, metric="err_vs_torch")["value"]))
@@ -342,14 +345,53 @@ def test_rows_are_appended_to_one_csv(suite, tmp_path):
 
 
 def test_decision_cases(suite):
-    """--decision keeps the cases that decide the candidates: the CTD loss without a bias and with the table
-    bias at B = 8,192 and 65,536, Matryoshka at 8,192, both calendar ops at 1M rows, Re3Loss at 8,192."""
+    """--decision keeps the cases that decide the candidates: the CTD loss without a bias, with one positive per
+    row and with the table bias at B = 8,192 and 65,536, Matryoshka at 8,192, both calendar ops at 1M rows, Re3Loss at 8,192."""
     args = suite.parse_args(["--decision"])
     keys = {(c.op, c.case, c.size) for c, _ in suite.build_cases(args, torch.device("cuda"), 3e12, lambda f: f)}
     assert keys == {("multipos_infonce", "no bias", "B=8192"), ("multipos_infonce", "no bias", "B=65536"),
+                    ("multipos_infonce", "no bias, one positive", "B=8192"),
+                    ("multipos_infonce", "no bias, one positive", "B=65536"),
                     ("multipos_infonce", "table bias (4097)", "B=8192"),
                     ("multipos_infonce", "table bias (4097)", "B=65536"),
                     ("matryoshka_infonce", "dims 64..768", "B=8192"),
                     ("calendar_context", "fwd+bwd float32 dim 64", "rows=1048576 levels=12x32x12"),
                     ("calendar_scalar", "fwd+bwd float32", "rows=1048576 levels=12x32x12"),
                     ("re3_loss", "Re3Loss (nce + hard + tw)", "B=8192")}
+
+
+def test_one_positive_case_inf_cl_and_source_hashes(suite, tmp_path):
+    """The one-positive case (the one Inf-CL takes) runs tempokern and eager; Inf-CL without a GPU (or not
+    installed) is a status row saying why; every row names the hash of the sources it measured."""
+    rows, _ = run(suite, tmp_path, "--no-compile", "--only", "no bias, one positive")
+    case = dict(op="multipos_infonce", case="no bias, one positive", size="B=48")
+    for impl in ("tempokern", "eager"):
+        assert one(rows, **case, impl=impl, metric="status")["value"] == "ok"
+    st = one(rows, **case, impl="inf_cl", metric="status")["value"]
+    assert st.startswith("unsupported: Inf-CL is") and ("GPU only" in st or "not installed" in st), st
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _sources
+    finally:
+        sys.path.pop(0)
+    assert {r["src_hash"] for r in rows if r["impl"] == "tempokern"} == {
+        _sources.source_hash("multipos_infonce", "cuda", "tempokern")}
+    assert {r["src_hash"] for r in rows if r["impl"] == "eager"} == {
+        _sources.source_hash("multipos_infonce", "cuda", "eager")}
+
+
+def test_stale_cases_follow_the_decision_cases(suite, tmp_path):
+    """--stale adds every case whose default's newest row was measured on other sources (here: no row at all),
+    after the decision cases; --plan lists them without running anything."""
+    args = suite.parse_args(["--decision", "--stale", "--csv", str(tmp_path / "none.csv")])
+    cases = suite.build_cases(args, torch.device("cuda"), 3e12, lambda f, autochunk=False: f)
+    keys = [(c.op, c.case, c.size) for c, _ in cases]
+    decision = suite.decision_keys(suite.suite_sizes("cuda", False))
+    n = len(decision)
+    assert set(keys[:n]) == decision and len(keys) > n
+    assert ("multipos_infonce", "exact bias", "B=8192") in keys[n:]
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--decision", "--stale",
+                          "--plan", "--csv", str(tmp_path / "none.csv")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "multipos_infonce/exact bias/B=8192: stale" in out.stdout
+    assert not (tmp_path / "none.csv").exists()

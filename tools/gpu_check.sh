@@ -40,12 +40,20 @@ if [ "$DRY" = "1" ]; then
   # the in-place developer build where there is one (tools/dev_build.sh), else the installed package
   PP="${PYTHONPATH:-}"
   if ls "$ROOT"/tempokern/_C*.so > /dev/null 2>&1; then PP="$ROOT${PP:+:$PP}"; fi
+  # every column of the GPU run, the compile ones through the aot_eager backend (no inductor: its C++ compilation
+  # would take minutes on a CPU; the columns' plumbing is what the dry run checks)
   PYTHONPATH="$PP" "$PY" benchmarks/gpu_suite.py --device emu --decision \
-    --csv "$OUTDIR/gpu.csv" --md "$OUTDIR/gpu_suite.md" --repeats 1 --measure-s 0 --no-compile \
+    --csv "$OUTDIR/gpu.csv" --md "$OUTDIR/gpu_suite.md" --repeats 1 --measure-s 0 --compile-backend aot_eager \
     > "$OUTDIR/suite.log" 2>&1
   rc=$?
   record suite $rc
   [ $rc -eq 0 ] || tail -20 "$OUTDIR/suite.log"
+  # what a GPU run would measure: the decision cases, then every case whose default's sources changed since its
+  # newest row of benchmarks/results/gpu.csv
+  PYTHONPATH="$PP" "$PY" benchmarks/gpu_suite.py --decision --stale --plan > "$OUTDIR/plan.txt" 2>&1
+  rc=$?
+  record plan $rc
+  cat "$OUTDIR/plan.txt"
   "$PY" tools/gpu_decide.py --csv "$OUTDIR/gpu.csv" --status "$STATUS" | tee "$OUTDIR/decision.txt"
   exit $FAILED
 fi
@@ -72,6 +80,12 @@ fi
 export PYTHONSAFEPATH=1
 "$PY" -c "import tempokern, json; print(json.dumps(tempokern.build_info()))" > "$OUTDIR/build_info.json" 2>&1
 
+# Inf-CL for the one-positive case's inf_cl column: already installed, or from a wheel named by INF_CL_WHEEL (the GPU
+# machine may have no network); without it the column is a status row saying it is not installed
+if ! "$PY" -c "import inf_cl" > /dev/null 2>&1 && [ -n "${INF_CL_WHEEL:-}" ]; then
+  "$PY" -m pip install --no-deps "$INF_CL_WHEEL" > "$OUTDIR/inf_cl.log" 2>&1 || log "Inf-CL wheel did not install (inf_cl.log)"
+fi
+
 # (b) the CUDA tests
 timeout "$(cap 150 200)" "$PY" -m pytest -m cuda tests -q -x -p no:cacheprovider > "$OUTDIR/tests.log" 2>&1
 record tests $?
@@ -95,11 +109,15 @@ else
   record synccheck $?
 fi
 
-# (d) the decision cases: default vs candidates vs eager vs torch.compile, appended to benchmarks/results/gpu.csv
+# (d) the decision cases (default vs candidates vs eager, torch.compile, torch.compile with the auto-chunker, Inf-CL
+# where it applies), then every case whose default path's sources changed since its newest row (src_hash),
+# appended to benchmarks/results/gpu.csv; the budget cuts the stale cases and the compile columns first
 BUDGET=$(( $(left) - 40 ))
 [ "$BUDGET" -gt 30 ] || BUDGET=30
 log "suite: decision cases, budget ${BUDGET}s"
-timeout $((BUDGET + 30)) "$PY" benchmarks/gpu_suite.py --decision --budget-s "$BUDGET" \
+"$PY" benchmarks/gpu_suite.py --decision --stale --plan > "$OUTDIR/plan.txt" 2>&1
+cat "$OUTDIR/plan.txt"
+timeout $((BUDGET + 30)) "$PY" benchmarks/gpu_suite.py --decision --stale --budget-s "$BUDGET" \
   --md "$OUTDIR/gpu_suite.md" > "$OUTDIR/suite.log" 2>&1
 rc=$?
 record suite $rc

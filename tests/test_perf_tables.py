@@ -1,0 +1,217 @@
+"""Performance evidence pinned to its sources: benchmarks/_sources.py (the file set and hash of each measured path),
+the src_hash / commit columns of the results files, the generated performance blocks of README.md and docs/
+(benchmarks/perf_table.py) and the comparison script's statistics (benchmarks/cpu_compare.py)."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _load(name):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(f"_perf_{name}", ROOT / "benchmarks" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod   # dataclasses look their module up
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.pop(0)
+
+
+@pytest.fixture(scope="module")
+def src():
+    return _load("_sources")
+
+
+@pytest.fixture(scope="module")
+def pt():
+    return _load("perf_table")
+
+
+# ---- the file sets -----------------------------------------------------------------------------------------------
+
+def test_every_default_path_maps_to_existing_files(src):
+    d = src._dispatch()
+    for p in d.DEFAULTS:
+        op = src._suite_op(p.op)
+        files = src.source_files(op, p.device)
+        assert files, (op, p.device)
+        missing = [f for f in files if not (ROOT / f).exists()]
+        assert not missing, f"{op} {p.device}: {missing}"
+        for f in src._FILE.findall(p.kernel):   # the kernel files the dispatch table names are in the set
+            assert f in files, (op, p.device, f)
+        for f in src.BINDINGS[op] + src.PYTHON[op]:
+            assert f in files, (op, p.device, f)
+
+
+def test_file_sets_follow_includes_and_candidates(src):
+    files = src.source_files("multipos_infonce", "cuda")
+    assert "csrc/multipos_infonce/multipos_block_cuda.cu" in files
+    # included by the kernel (directly or through its headers)
+    assert "csrc/common/cuda_utils.cuh" in files and "csrc/common/types.h" in files
+    assert not any(f.endswith("_cpu.cpp") for f in files), files   # the CPU kernels are another path
+    cand = src.source_files("multipos_infonce", "cuda", "tempokern:mpb_tc")
+    assert "csrc/matryoshka_infonce/matryoshka_tc_cuda.cu" in cand and set(files) < set(cand)
+    cpu = src.source_files("calendar_scalar", "cpu")
+    assert "csrc/calendar/calendar_cpu.cpp" in cpu and "csrc/calendar/calendar_cuda.cu" not in cpu
+    assert src.source_files("calendar_scalar", "cpu", "eager") == ["tempokern/reference/calendar.py"]
+    assert src.source_hash("no_such_op", "cpu") == src.UNKNOWN
+
+
+def test_hash_changes_with_a_file_of_the_set_only(src, tmp_path):
+    files = src.source_files("calendar_scalar", "cuda")
+    for f in files + ["csrc/offset_bias/offset_bias_cpu.cpp"]:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / f, tmp_path / f)
+    h0 = src.hash_files(files, tmp_path)
+    assert h0 == src.hash_files(files, ROOT) == src.source_hash("calendar_scalar", "cuda")
+    with open(tmp_path / "csrc/offset_bias/offset_bias_cpu.cpp", "a") as fh:   # not in the set
+        fh.write("\n// unrelated\n")
+    assert src.hash_files(files, tmp_path) == h0
+    header = next(f for f in files if f.startswith("csrc/common/"))   # reached through an #include
+    with open(tmp_path / header, "a") as fh:
+        fh.write("\n// changed\n")
+    assert src.hash_files(files, tmp_path) != h0
+
+
+def test_include_closure_on_a_small_tree(src, tmp_path):
+    (tmp_path / "csrc" / "a").mkdir(parents=True)
+    (tmp_path / "csrc" / "common").mkdir()
+    (tmp_path / "csrc" / "a" / "k.cu").write_text('#include "a/k.h"\n#include <vector>\n')
+    (tmp_path / "csrc" / "a" / "k.h").write_text('#include "common/t.h"\n')
+    (tmp_path / "csrc" / "common" / "t.h").write_text("// leaf\n")
+    (tmp_path / "csrc" / "common" / "u.h").write_text("// not included\n")
+    assert src.include_closure(["csrc/a/k.cu"], tmp_path) == ["csrc/a/k.cu", "csrc/a/k.h", "csrc/common/t.h"]
+
+
+def test_staleness(src):
+    h = src.source_hash("ctd_topk", "cuda")
+    assert not src.is_stale(h, "ctd_topk", "cuda", "tempokern")
+    assert src.is_stale("unknown", "ctd_topk", "cuda", "tempokern")
+    assert src.is_stale("", "ctd_topk", "cuda", "tempokern")
+    assert src.is_stale(h, "ctd_topk", "cpu", "tempokern")   # another path's sources
+
+
+# ---- the results files ---------------------------------------------------------------------------------------------
+
+def test_results_rows_name_commit_and_sources():
+    with open(RESULTS / "gpu.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(r["commit"] and r["src_hash"] for r in rows)
+    for p in RESULTS.glob("*.csv"):
+        if p.name in ("gpu.csv", "ab_offset_bias.csv"):
+            continue
+        with open(p, newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert rows, p
+        assert all(r.get("commit") and r.get("src_hash") for r in rows), p.name
+
+
+def test_cpu_compare_rows_are_long_format():
+    cc = _load("cpu_compare")
+    with open(RESULTS / "cpu_compare.csv", newline="") as f:
+        assert next(csv.reader(f)) == cc.FIELDS
+    with open(RESULTS / "cpu_compare.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    timed = [r for r in rows if r["metric"] == "time_ms"]
+    assert timed and all(float(r["p20"]) <= float(r["p50"]) <= float(r["p80"]) for r in timed)
+    assert all(r["src_hash"] not in ("", "unknown") for r in timed)
+    # Inf-CL on the CPU: a status row saying why, never a time
+    inf = [r for r in rows if r["provider"] == "inf_cl"]
+    assert inf and all(r["metric"] == "status" and "GPU only" in r["note"] for r in inf)
+
+
+def test_quantiles():
+    cc = _load("cpu_compare")
+    assert cc.quantiles([3.0]) == (3.0, 3.0, 3.0)
+    p50, p20, p80 = cc.quantiles([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (p50, p20, p80) == (3.0, pytest.approx(1.8), pytest.approx(4.2))
+
+
+# ---- the generated blocks ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["README.md", "docs/performance.md", "docs/calendar.md"])
+def test_generated_performance_blocks_are_current(pt, name):
+    text = (ROOT / name).read_text(encoding="utf-8")
+    made = pt.blocks()
+    assert pt.render_all(text, made) == text, f"{name}: stale block; run python benchmarks/perf_table.py {name}"
+
+
+def test_readme_table_marks_stale_figures_and_names_its_evidence(pt):
+    tbl = pt.blocks()["perf-table"]
+    assert "commit" in tbl and "GPU:" in tbl and "CPU:" in tbl
+    assert "| CTD loss, no bias (B 8,192 / 2,048) |" in tbl
+    gpu = pt.load(pt.GPU_CSV)
+    unknown = [r for r in gpu if r["src_hash"] == "unknown" and r["metric"] == "time_ms"]
+    if unknown:   # rows from before the column: their figures carry the mark
+        assert pt.STALE in pt.blocks()["perf-gpu"]
+
+
+def test_one_calendar_scalar_figure(pt):
+    """calendar_scalar's GPU time appears once in the docs, from the generated sentence."""
+    s = pt.blocks()["calendar-scalar-gpu"]
+    fig = s.split(": ", 1)[1].split(" ms", 1)[0]
+    for name in ("README.md", "docs/performance.md", "docs/calendar.md"):
+        text = (ROOT / name).read_text(encoding="utf-8")
+        for old in ("0.84-1.03", "1.34 ms fwd+bwd", "0.92 vs 1.08"):
+            assert old not in text, (name, old)
+    assert float(fig) > 0
+
+
+def test_verdict(pt):
+    F = pt.Fig
+    assert pt.verdict(F(ms=1.0), F(ms=1.05), "compile", False) == "about even"
+    assert pt.verdict(F(ms=1.0), F(ms=2.0), "compile", False) == "tempokern"
+    assert pt.verdict(F(ms=2.0), F(ms=1.0), "compile_autochunk", False) == "compile + auto-chunk"
+    assert pt.verdict(F(ms=2.0), None, None, True).startswith("tempokern")
+    assert pt.verdict(F(status="out of memory"), None, None, True) == "—"
+
+
+def test_gpu_newest_row_and_status(pt):
+    rows = [
+        {"date": "d1", "device": "GPU", "commit": "c1", "src_hash": "unknown", "op": "calendar_scalar", "case": "x",
+         "B": "b", "impl": "compile", "metric": "time_ms", "value": "2.0", "note": ""},
+        {"date": "d2", "device": "GPU", "commit": "c2", "src_hash": "unknown", "op": "calendar_scalar", "case": "x",
+         "B": "b", "impl": "compile", "metric": "status", "value": "out of memory", "note": ""},
+    ]
+    f = pt._newest_gpu(rows, "calendar_scalar", "x", "b", {"compile"})
+    assert f.ms is None and f.status == "out of memory"   # the newest run did not time it
+    f = pt._newest_gpu(rows[:1], "calendar_scalar", "x", "b", {"compile"})
+    assert f.ms == 2.0 and f.stale
+
+
+def test_suite_stale_keys():
+    suite = _load("gpu_suite")
+    src = _load("_sources")
+    Case = suite.Case
+    c1 = Case("calendar_scalar", "x", "b", make=lambda s: {}, steps={})
+    c2 = Case("calendar_context", "y", "b", make=lambda s: {}, steps={})
+    cur = src.source_hash("calendar_scalar", "cuda", "tempokern")
+    rows = [{"date": "d", "device": "NVIDIA H100", "op": "calendar_scalar", "case": "x", "B": "b", "impl": "tempokern",
+             "metric": "time_ms", "value": "1", "src_hash": cur},
+            {"date": "d", "device": "NVIDIA H100", "op": "calendar_context", "case": "y", "B": "b",
+             "impl": "tempokern", "metric": "time_ms", "value": "1", "src_hash": "unknown"}]
+    assert suite.stale_keys(rows, [c1, c2]) == {("calendar_context", "y", "b")}
+    assert suite.stale_keys([], [c1]) == {("calendar_scalar", "x", "b")}   # never measured
+
+
+def test_record_names_commit_and_sources(tmp_path, monkeypatch, src):
+    rec = _load("_record")
+    monkeypatch.setattr(rec, "RESULTS", tmp_path)
+    rec.record("x.csv", op="calendar_scalar fwd+bwd", provider="tempokern", size="B=4", ms=1.0)
+    rec.record("x.csv", op="Re3Loss fwd+bwd float32", provider="eager", size="B=4", ms=2.0)
+    with open(tmp_path / "x.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == rec.FIELDS
+    assert rows[0]["src_hash"] == src.source_hash("calendar_scalar", "cpu", "tempokern")
+    assert rows[1]["src_hash"] == src.source_hash("re3_loss", "cpu", "eager")
+    assert all(r["commit"] for r in rows)
