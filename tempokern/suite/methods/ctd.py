@@ -61,6 +61,13 @@ def bias_diagnostics(model, u, *, sample: int = BIAS_SAMPLE, seed: int = 0) -> d
             "bias_u_range": [float(us.min()), float(us.max())] if us.numel() else None}
 
 
+def _rows(enc, idx):
+    """The rows ``idx`` of an ``Encoded`` (embeddings, u, per-level logits)."""
+    import torch
+    i = torch.as_tensor(idx, dtype=torch.long)
+    return type(enc)(enc.embeddings[i], enc.u[i], [lg[i] for lg in enc.logits])
+
+
 def run_ctd(variant: str):
     def run(ctx):
         import torch
@@ -86,15 +93,17 @@ def run_ctd(variant: str):
                 "temporal_lr": TEMPORAL_LR}
         t = time.time()
         model.eval()
-        gallery = ctx.gallery()
-        doc_ids = [r.id for r in gallery]
-        g_enc = model.encode([r.text for r in gallery], batch_size=b.eval_batch_size)
+        # every split's gallery encoded once (ctx.all_gallery()), each split ranked over its own rows
+        all_enc = model.encode([r.text for r in ctx.all_gallery()], batch_size=b.eval_batch_size)
+        g_enc = _rows(all_enc, ctx.gallery_index())
         if model.use_bias:   # does the bias move scores at all? (diagnostics only, no effect on the runs)
             info.update(bias_diagnostics(model, g_enc.u, seed=ctx.seed))
         runs = {}
         for split in ctx.eval_splits:
             qs = ctx.queries(split)
-            vals, idx = score_topk(model, [q.text for q in qs], g_enc, ctx.depth, batch_size=b.eval_batch_size)
+            doc_ids = [r.id for r in ctx.gallery(split)]
+            s_enc = _rows(all_enc, ctx.gallery_index(split))
+            vals, idx = score_topk(model, [q.text for q in qs], s_enc, ctx.depth, batch_size=b.eval_batch_size)
             runs[split] = {q.id: {doc_ids[j]: float(v) for j, v in zip(idx[i].tolist(), vals[i].tolist())}
                            for i, q in enumerate(qs)}
         info["eval_seconds"] = round(time.time() - t, 2)
