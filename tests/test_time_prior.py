@@ -65,6 +65,9 @@ def test_record_and_query_spans_read_times_or_tag_the_text():
     assert record_spans(r2, cache=cache) == [month_span("2004", "2004"), month_span("1990", "1995")]
     assert "b" in cache
     assert record_spans(Record("c", "no date here")) == []
+    # a BEIR row's time fields
+    assert record_spans(Record("d", "x", meta={"start": "2001-02-03", "end": "2002"})) == [month_span("2001-02", "2002")]
+    assert record_spans(Record("e", "x", meta={"date": "1999"})) == [month_span("1999", "1999")]
     assert query_span(q("q", [("1990", "1990"), ("1995", "1996")])) == month_span("1990", "1996")
     assert query_span(Query("q2", "Who was the coach from 1990 to 1995?")) == month_span("1990", "1995")
     assert query_span(Query("q3", "Who was the coach?")) is None

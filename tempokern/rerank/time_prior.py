@@ -26,7 +26,8 @@ with ``inside`` it lies in "from 1994 to 1996" but not in "in March 1995" (``ove
 
 Times are months (``year * 12 + month - 1``) read from date prefixes: a record's or query's
 ``meta["times"]`` (``[[start, end], ...]`` prefixes ``"YYYY"`` / ``"YYYY-MM"`` / ``"YYYY-MM-DD"`` or int
-tuples, as the TimeQA and BEIR loaders keep them), else its text's dated expressions from the project's
+tuples, as the TimeQA and BEIR loaders keep them), else a BEIR row's time fields (``start`` / ``end``, ``time``,
+``date``: one expression), else its text's dated expressions from the project's
 tagger (:func:`tempokern.text.time_intervals`, cached per id). A query's interval is the hull of its
 expressions; a query may also be given directly as a ``(start, end)`` pair of prefixes where ``None`` is an
 open end (``(None, "2004")`` = up to 2004). A query without an interval and an undated document match 0 (the
@@ -105,10 +106,25 @@ def _spans_of_times(times, arg: str) -> List[Span]:
     return out
 
 
+def _meta_times(meta) -> Optional[list]:
+    """``meta["times"]``, else a BEIR row's time fields (``start`` / ``end``, or ``time`` / ``date``) as one
+    expression, else None."""
+    meta = meta or {}
+    if meta.get("times") is not None:
+        return meta["times"]
+    if meta.get("start") is not None and meta.get("end") is not None:
+        return [[str(meta["start"]), str(meta["end"])]]
+    for f in ("time", "date"):
+        if meta.get(f) is not None:
+            return [[str(meta[f]), str(meta[f])]]
+    return None
+
+
 def record_spans(record, *, cache: Optional[dict] = None) -> List[Span]:
     """Every dated expression of a record (in text order) as month spans: ``meta["times"]`` when it has
-    them, else the project's tagger on its text (cached by id in ``cache``)."""
-    times = (getattr(record, "meta", None) or {}).get("times")
+    them (else a BEIR row's ``start`` / ``end`` or ``time`` / ``date`` fields), else the project's tagger on
+    its text (cached by id in ``cache``)."""
+    times = _meta_times(getattr(record, "meta", None))
     rid = getattr(record, "id", None)
     if times is not None:
         return _spans_of_times(times, f"docs[{rid!r}].meta['times']")
@@ -136,7 +152,7 @@ def query_span(query) -> Optional[Span]:
         if query[0] is None and query[1] is None:
             return None
         return month_span(query[0], query[1], arg="queries")
-    times = (getattr(query, "meta", None) or {}).get("times")
+    times = _meta_times(getattr(query, "meta", None))
     if times is not None:
         spans = _spans_of_times(times, f"queries[{getattr(query, 'id', '?')!r}].meta['times']")
     else:
