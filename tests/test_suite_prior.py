@@ -181,8 +181,9 @@ def test_derive_prior_rows_without_units_and_baseline_rule():
     assert prior_baseline(units, "timeqa") == "minilm_zeroshot+prior"
     status = {n: {"family": "x", "sets": ["timeqa", "B"], "seeded": n == "minilm_ft"} for n in
               ("bm25_ties_last", "minilm_zeroshot", "minilm_ft", "ctd_full")}
-    derived, st, summ = derive_prior_rows(units, status)
-    assert set(st) == {"bm25_ties_last+prior", "minilm_zeroshot+prior", "minilm_ft+prior"}   # ctd_full: no units
+    units[("ctd_full", "B", 0)] = {"splits": {}}          # a set without a fit split: no prior row
+    derived, st, summ = derive_prior_rows(units, status, ["timeqa"])
+    assert set(st) == {"bm25_ties_last+prior", "minilm_zeroshot+prior", "minilm_ft+prior"}   # ctd_full: none here
     assert st["minilm_ft+prior"]["seeded"] and st["minilm_ft+prior"]["sets"] == ["timeqa"]
     assert derived[("minilm_ft+prior", "timeqa", 0)]["info"] == {"match": "timekde", "c": 0.1}
 

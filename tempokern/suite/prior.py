@@ -18,7 +18,7 @@ unavailable (``--report-only``) and a run recomputes them.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .registry import FIT_SPLIT, REAL_SETS
 
@@ -57,17 +57,22 @@ def prior_payload(ctx, runs, split_metrics) -> Optional[dict]:
     return out
 
 
-def derive_prior_rows(units: Dict[Tuple[str, str, int], dict], status: Dict[str, dict]
+def derive_prior_rows(units: Dict[Tuple[str, str, int], dict], status: Dict[str, dict],
+                      fit_sets: Optional[Sequence[str]] = None
                       ) -> Tuple[Dict[Tuple[str, str, int], dict], Dict[str, dict], dict]:
     """(derived units, their status entries, ``{set: {method: summary}}``) of the ``+prior`` rows from the
-    base units that carry ``payload["prior"]``. A base row with units but none with a prior gets a status
-    entry ``unavailable`` (its units were made before the fit split)."""
+    base units that carry ``payload["prior"]``, on the sets of ``fit_sets`` (those with a fit split; None: every
+    set a unit with a prior is on). A base row with units there but none with a prior gets a status entry
+    ``unavailable`` (its units were made before the fit split)."""
     derived: Dict[Tuple[str, str, int], dict] = {}
     st: Dict[str, dict] = {}
     summary: Dict[str, Dict[str, dict]] = {}
+    if fit_sets is None:
+        fit_sets = {k[1] for k, u in units.items() if u.get("prior")}
+    fit_sets = set(fit_sets)
     for name in list(status):
         base = status[name]
-        keys = sorted(k for k in units if k[0] == name)
+        keys = sorted(k for k in units if k[0] == name and k[1] in fit_sets)
         if not keys or base.get("family") == "prior":
             continue
         row = name + PRIOR_SUFFIX

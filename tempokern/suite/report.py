@@ -261,6 +261,13 @@ def markdown(res: dict) -> str:
                 for name, e in extras.items():
                     lines.append(f"- `{name}`: " + ", ".join(f"{k} {_f(v)}" for k, v in e.items()))
             lines.append("")
+        extra = (st.get("set_info", {}).get(s) or {}).get("extra_splits") or {}
+        for csp in (x for x in extra if x.endswith("@corpus")):
+            base = csp[:-len("@corpus")]
+            lacking = [n for n in (splits.get(base) or {}) if n not in (splits.get(csp) or {})]
+            if lacking:
+                lines += [f"Not in the `{csp}` table (units made before the whole-corpus split, or a run without "
+                          f"it): {', '.join(f'`{n}`' for n in lacking)}.", ""]
         lines += _prior_lines(res, s, splits)
         dims = res["dims"].get(s, {})
         for sp, per in dims.items():

@@ -351,7 +351,8 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
             st["info"][f"{s}/seed{seed}"] = units[(name, s, seed)].get("info")   # training diagnostics
     from .prior import derive_prior_rows
     from .report import build_results, write_report
-    derived, d_status, prior_summary = derive_prior_rows(units, status)
+    fit_sets = [s for s, i in set_info.items() if FIT_SPLIT in (i.get("extra_splits") or {})]
+    derived, d_status, prior_summary = derive_prior_rows(units, status, fit_sets)
     units = {**units, **derived}
     status = {**status, **d_status}
     setup = {"suite": suite, "quick": quick, "report_only": report_only,
