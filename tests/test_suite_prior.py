@@ -12,7 +12,7 @@ from tempokern.calendar import Calendar
 from tempokern.datasets import Query, Record, RetrievalDataset
 from tempokern.suite import Budget, Method, MethodOutput, register
 from tempokern.suite.prior import derive_prior_rows, prior_baseline
-from tempokern.suite.realdata import RealSet
+from tempokern.suite.realdata import RealSet, timeqa_set
 from tempokern.suite.registry import SuiteContext
 from tempokern.suite.runner import run_suite, unit_path
 
@@ -198,3 +198,27 @@ def test_prior_rows_on_a_beir_folder_with_bm25(tmp_path, folder, tiny_backbone):
     # the fit split: the 20 training questions over the whole corpus (36 paragraphs)
     assert summ["fit_queries"] == 20 and summ["fit_gallery"] == 36
     assert res["setup"]["set_info"]["data"]["extra_splits"]["fit"]["gallery"] == 36
+
+
+def test_timeqa_set_fit_and_corpus_splits():
+    s = timeqa_set("quick")
+    ds = s.dataset
+    fit = s.extra_splits["fit"]
+    train_pages = {q.meta["page"] for q in ds.queries if q.split == "train"}
+    fit_pages = {ds.record(i).meta["page"] for i in fit["gallery_ids"]}
+    # as many training pages as held-out pages, their paragraphs and their training questions only
+    assert fit_pages <= train_pages and len(fit_pages) == s.info["eval_pages"]
+    assert set(fit["gallery_ids"]) == {r.id for r in ds.records if r.meta["page"] in fit_pages}
+    fq = [q for q in ds.queries if q.id in set(fit["query_ids"])]
+    assert fq and all(q.split == "train" and q.meta["page"] in fit_pages for q in fq)
+    assert not set(fit["gallery_ids"]) & set(s.gallery_ids)
+    # the whole corpus: every packaged paragraph, the set's records plus the other pages' (with their entity)
+    from tempokern.datasets.timeqa import load_timeqa
+    full = load_timeqa()
+    corpus = s.extra_splits["dev@corpus"]
+    assert corpus["queries"] == "dev" and corpus["gallery_ids"] == [r.id for r in full.records]
+    assert {r.id for r in ds.records} | {r.id for r in s.extra_records} == set(corpus["gallery_ids"])
+    assert all(r.meta["entity"] == r.meta["page"] for r in s.extra_records)
+    # the splits do not change the set's checksum (units made before them keep their settings)
+    off = timeqa_set("quick", corpus=False)
+    assert "dev@corpus" not in off.extra_splits and off.info["checksum"] == s.info["checksum"]
