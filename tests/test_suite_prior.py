@@ -161,6 +161,12 @@ def test_units_without_the_prior_are_recomputed_or_reported_unavailable(tmp_path
     # and then reuses it
     run_suite(tmp_path, **_kw(tiny_backbone))
     assert CALLS["n"] == 2
+    # a prior fitted under other settings (here: another relation) is recomputed too
+    doc = json.loads(p.read_text())["payload"]
+    doc["prior"]["definition"]["relation"] = "overlap"
+    write_unit(p, doc)
+    run_suite(tmp_path, **_kw(tiny_backbone))
+    assert CALLS["n"] == 3 and json.loads(p.read_text())["payload"]["prior"]["definition"]["relation"] == "inside"
 
 
 def test_corpus_split_can_be_switched_off(tmp_path, tiny_backbone, blind_method):

@@ -56,6 +56,26 @@ def test_match_functions_on_hand_made_cases():
     assert match_any_inside(qi, []) == 0.0 and match_first_date(qi, []) == 0.0
 
 
+def test_granularity_compares_whole_years_or_months():
+    from tempokern.rerank.time_prior import coarsen
+    assert coarsen(month_span("1995-03", "1996-02")) == month_span("1995", "1996")
+    assert coarsen(month_span(None, "1996-02")) == month_span(None, "1996")
+    assert coarsen(month_span("1995-03", "1996-02"), "month") == month_span("1995-03", "1996-02")
+    assert coarsen(None) is None
+    with pytest.raises(ValueError, match="granularity"):
+        coarsen(month_span("1995", "1995"), "day")
+    docs = [rec("y", ("1995", "1995")), rec("m", ("1996-03", "1996-03"))]
+    queries = {"march": ("1995-03", "1995-03"), "range": ("1995", "1996-02")}
+    run = {"march": {"y": 0.0, "m": 0.0}, "range": {"y": 0.0, "m": 0.0}}
+    by_year = TimePrior("any_inside", c=1.0).rerank(run, queries, docs)
+    by_month = TimePrior("any_inside", c=1.0, granularity="month").rerank(run, queries, docs)
+    # "1995" lies in "March 1995" by year, not by month; "March 1996" lies in "1995 .. February 1996" by year only
+    assert by_year == {"march": {"y": 1.0, "m": 0.0}, "range": {"y": 1.0, "m": 1.0}}
+    assert by_month == {"march": {"y": 0.0, "m": 0.0}, "range": {"y": 1.0, "m": 0.0}}
+    with pytest.raises(ValueError, match="granularity"):
+        TimePrior(granularity="week")
+
+
 def test_record_and_query_spans_read_times_or_tag_the_text():
     r = rec("a", ("1990", "1990"), ("2001-02", "2001-03"))
     assert record_spans(r) == [month_span("1990", "1990"), month_span("2001-02", "2001-03")]

@@ -21,8 +21,10 @@ Score of document ``d`` for query ``q`` in a given run::
   years when ``"year"`` (default: years, the resolution of most TimeQA dates).
 
 "Lies in" (the ``relation`` option): ``inside`` (default) = the expression's whole span is contained in the
-query's interval; ``overlap`` = the two share a month. A point year ``1995`` spans 1995-01 .. 1995-12, so
-with ``inside`` it lies in "from 1994 to 1996" but not in "in March 1995" (``overlap`` accepts both).
+query's interval; ``overlap`` = the two share a unit. The ``granularity`` option sets the unit: ``year``
+(default) compares whole years (both spans widened to the years they touch: "1995" lies in "in March 1995" and
+"March 1996" in "from 1995 to 1996"), ``month`` compares months (then "1995", 1995-01 .. 1995-12, does not lie
+in "in March 1995"). On TimeQA dev the year rule is the better one (docs/benchmark-timeqa.md).
 
 Times are months (``year * 12 + month - 1``) read from date prefixes: a record's or query's
 ``meta["times"]`` (``[[start, end], ...]`` prefixes ``"YYYY"`` / ``"YYYY-MM"`` / ``"YYYY-MM-DD"`` or int
@@ -45,11 +47,12 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-__all__ = ["TimePrior", "MATCHES", "RELATIONS", "GRID_MULTIPLIERS", "month_span", "record_spans", "query_span",
+__all__ = ["TimePrior", "MATCHES", "RELATIONS", "GRANULARITIES", "GRID_MULTIPLIERS", "month_span", "coarsen", "record_spans", "query_span",
            "match_any_inside", "match_first_date", "span_in"]
 
 MATCHES = ("any_inside", "first_date", "timekde")
 RELATIONS = ("inside", "overlap")
+GRANULARITIES = ("year", "month")
 #: the default grid of c, as multiples of the fit run's score scale (0 = the retriever alone)
 GRID_MULTIPLIERS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
@@ -166,6 +169,18 @@ def query_span(query) -> Optional[Span]:
     return (min(s[0] for s in spans), max(s[1] for s in spans))
 
 
+def coarsen(span: Optional[Span], granularity: str = "year") -> Optional[Span]:
+    """A month span widened to the whole years it touches (``granularity="year"``), or unchanged
+    (``"month"``); open ends stay open, None stays None."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if span is None or granularity == "month":
+        return span
+    lo, hi = span
+    return (lo if math.isinf(lo) else float(math.floor(lo / 12) * 12),
+            hi if math.isinf(hi) else float(math.floor(hi / 12) * 12 + 11))
+
+
 def span_in(doc: Span, q: Span, relation: str = "inside") -> bool:
     """Whether a document expression's span lies in the query's interval (``relation``: ``inside`` =
     contained, ``overlap`` = shares a month)."""
@@ -234,18 +249,22 @@ class TimePrior:
 
     ``match``: one of :data:`MATCHES`; ``c``: the weight (None: call :meth:`fit` first); ``grid``: the
     values of ``c`` tried by :meth:`fit` (None: :data:`GRID_MULTIPLIERS` times the fit run's score scale);
-    ``relation``: ``inside`` / ``overlap``; ``kde_topk``, ``kde_sigma``, ``kde_unit``: the ``timekde``
+    ``relation``: ``inside`` / ``overlap``; ``granularity``: ``year`` / ``month`` (the unit the relation
+    compares); ``kde_topk``, ``kde_sigma``, ``kde_unit``: the ``timekde``
     match's top-K documents, kernel width and axis (``year`` / ``month``).
 
     After :meth:`fit`: ``c`` (the chosen weight), ``fit_report`` (``{"grid": [...], "objective": [...],
     "best": ..., "baseline": objective at c = 0, "queries": n, "scale": ...}``)."""
 
     def __init__(self, match: str = "any_inside", c: Optional[float] = None, *, grid: Optional[Sequence[float]] = None,
-                 relation: str = "inside", kde_topk: int = 200, kde_sigma: float = 1.0, kde_unit: str = "year"):
+                 relation: str = "inside", granularity: str = "year", kde_topk: int = 200, kde_sigma: float = 1.0,
+                 kde_unit: str = "year"):
         if match not in MATCHES:
             raise ValueError(f"match must be one of {MATCHES}, got {match!r}")
         if relation not in RELATIONS:
             raise ValueError(f"relation must be one of {RELATIONS}, got {relation!r}")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
         if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c)):
             raise ValueError(f"c must be a finite number or None, got {c!r}")
         if grid is not None:
@@ -258,7 +277,7 @@ class TimePrior:
             raise ValueError(f"kde_sigma must be > 0, got {kde_sigma!r}")
         if kde_unit not in ("year", "month"):
             raise ValueError(f"kde_unit must be 'year' or 'month', got {kde_unit!r}")
-        self.match, self.relation = match, relation
+        self.match, self.relation, self.granularity = match, relation, granularity
         self.c = None if c is None else float(c)
         self.grid = grid
         self.kde_topk, self.kde_sigma, self.kde_unit = kde_topk, float(kde_sigma), kde_unit
@@ -266,7 +285,8 @@ class TimePrior:
         self._cache: dict = {}
 
     def __repr__(self) -> str:
-        return f"TimePrior(match={self.match!r}, c={self.c!r}, relation={self.relation!r})"
+        return (f"TimePrior(match={self.match!r}, c={self.c!r}, relation={self.relation!r}, "
+                f"granularity={self.granularity!r})")
 
     # -- match values ----------------------------------------------------------------------------------
     def match_scores(self, run, queries, docs) -> Run:
@@ -292,7 +312,9 @@ class TimePrior:
                 out[qid] = self._kde(row, spans)
             else:
                 f = match_any_inside if self.match == "any_inside" else match_first_date
-                out[qid] = {d: f(qspan, spans[d], self.relation) for d in row}
+                g = self.granularity
+                qspan = coarsen(qspan, g)
+                out[qid] = {d: f(qspan, [coarsen(x, g) for x in spans[d]], self.relation) for d in row}
         return out
 
     def _kde(self, row: Mapping[str, float], spans: Mapping[str, List[Span]]) -> Dict[str, float]:
@@ -368,7 +390,8 @@ class TimePrior:
         base = None
         if 0.0 in grid:
             base = objective[grid.index(0.0)]
-        self.fit_report = {"match": self.match, "relation": self.relation, "grid": grid, "objective": objective,
+        self.fit_report = {"match": self.match, "relation": self.relation, "granularity": self.granularity,
+                           "grid": grid, "objective": objective,
                            "best": self.c, "objective_best": objective[best], "objective_c0": base,
                            "queries": len(gold), "scale": scale}
         return self

@@ -22,12 +22,23 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .registry import FIT_SPLIT, REAL_SETS
 
-__all__ = ["prior_payload", "derive_prior_rows", "prior_baseline", "PRIOR_SUFFIX", "UNTRAINED_BASES"]
+__all__ = ["prior_payload", "derive_prior_rows", "prior_baseline", "prior_definition", "PRIOR_SUFFIX",
+           "UNTRAINED_BASES"]
 
 PRIOR_SUFFIX = "+prior"
 #: rows whose fit-split run is not biased by training on its questions: the candidates for the prior baseline
 #: column of the paired tables
 UNTRAINED_BASES = ("minilm_zeroshot", "bm25_ties_last")
+
+
+def prior_definition() -> dict:
+    """The suite's prior settings, kept in each unit: a unit whose prior was fitted under other settings is
+    recomputed (the runner compares them)."""
+    from ..rerank.time_prior import GRID_MULTIPLIERS, MATCHES, TimePrior
+    tp = TimePrior()
+    return {"matches": list(MATCHES), "relation": tp.relation, "granularity": tp.granularity,
+            "grid_multipliers": list(GRID_MULTIPLIERS), "kde": [tp.kde_topk, tp.kde_sigma, tp.kde_unit],
+            "objective": "nDCG@10"}
 
 
 def prior_payload(ctx, runs, split_metrics) -> Optional[dict]:
@@ -38,7 +49,7 @@ def prior_payload(ctx, runs, split_metrics) -> Optional[dict]:
         return None
     fit_q = ctx.queries(FIT_SPLIT)
     fit_docs = ctx.gallery(FIT_SPLIT)
-    out = {"fit_queries": len(fit_q), "fit_gallery": len(fit_docs), "matches": {}}
+    out = {"fit_queries": len(fit_q), "fit_gallery": len(fit_docs), "matches": {}, "definition": prior_definition()}
     best: Tuple[float, str] = (-1.0, MATCHES[0])
     for match in MATCHES:
         tp = TimePrior(match).fit(runs[FIT_SPLIT], fit_q, fit_docs)

@@ -400,6 +400,10 @@ def _lacks(payload: dict, need_splits: Sequence[str], need_prior: bool) -> List[
     out = [f"split {sp}" for sp in need_splits if sp not in payload.get("splits", {})]
     if need_prior and not payload.get("prior"):
         out.append("the fitted time prior (fit split)")
+    elif need_prior:
+        from .prior import prior_definition
+        if payload["prior"].get("definition") != prior_definition():
+            out.append("a time prior fitted under the current settings")
     return out
 
 
