@@ -6,7 +6,8 @@ A row ``<method>+prior`` is derived from ``<method>``'s unit, with no extra trai
   gallery shaped like the evaluation gallery, :mod:`tempokern.suite.realdata`) fits the prior's weight ``c``
   for each match of :data:`tempokern.rerank.time_prior.MATCHES`, and the prior with that ``c`` reranks the
   method's run of every table split (``dev``, ``dev@corpus``); the unit keeps, per match, ``c``, the fit
-  objective and the reranked runs' per-query metrics (``payload["prior"]``), not the runs;
+  objective and the reranked runs' per-query metrics (``payload["prior"]``; every metric for the match with
+  the best fit-split nDCG@10, :data:`SUMMARY_METRICS` for the others), not the runs;
 * at report time, :func:`derive_prior_rows` adds the row ``<method>+prior``, whose match is the one with the
   best fit-split nDCG@10 (chosen without looking at the evaluation queries); every match's numbers stay in
   results.json (``prior[set][method]``) and in the time-prior table of results.md.
@@ -29,6 +30,8 @@ PRIOR_SUFFIX = "+prior"
 #: rows whose fit-split run is not biased by training on its questions: the candidates for the prior baseline
 #: column of the paired tables
 UNTRAINED_BASES = ("minilm_zeroshot", "bm25_ties_last")
+#: the per-query metrics a unit keeps for a match the row did not choose
+SUMMARY_METRICS = ("R@1", "MRR@10", "nDCG@10")
 
 
 def prior_definition() -> dict:
@@ -65,6 +68,10 @@ def prior_payload(ctx, runs, split_metrics) -> Optional[dict]:
         if rep["objective_best"] > best[0] + 1e-12:
             best = (rep["objective_best"], match)
     out["chosen"] = best[1]
+    # the other matches keep the summary metrics only (the unit stays small; the row uses the chosen one)
+    for m, v in out["matches"].items():
+        if m != best[1]:
+            v["splits"] = {sp: {k: x[k] for k in ("qids",) + SUMMARY_METRICS if k in x} for sp, x in v["splits"].items()}
     return out
 
 
@@ -127,7 +134,7 @@ def derive_prior_rows(units: Dict[Tuple[str, str, int], dict], status: Dict[str,
 
 def _means(split_payload: dict) -> dict:
     out = {}
-    for m in ("R@1", "nDCG@10", "MRR@10"):
+    for m in SUMMARY_METRICS:
         v = [x for x in split_payload.get(m, []) if x is not None]
         if v:
             out[m] = sum(v) / len(v)
