@@ -366,6 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "to evaluate): the comparison on your data")
     bm.add_argument("--eval-split", default="dev", choices=["dev", "test"],
                     help="timeqa: the held-out pages to evaluate on (default dev)")
+    bm.add_argument("--corpus", default=None, action=argparse.BooleanOptionalAction,
+                    help="timeqa: also rank the evaluation questions over the whole corpus (every packaged TimeQA "
+                         "paragraph; the <split>@corpus table). Default: on for full runs, off with --quick")
+    bm.add_argument("--save-runs", action="store_true",
+                    help="also write each computed unit's runs (top 100 per query, every split incl. the fit split) "
+                         "to OUT/runs/<set>/<method>/seed<k>.json.gz")
     bm.add_argument("--on-error", default="raise", choices=["raise", "skip"],
                     help="--data: stop at the first malformed line (raise, default) or skip it and report it")
     bm.add_argument("--quick", action="store_true",
@@ -1059,7 +1065,7 @@ def _run_benchmark(args, *, quick: bool) -> int:
                     progress=args.progress, backbone_path=None if args.backbone in (None, "minilm") else args.backbone,
                     n_resamples=args.bootstrap, data_dir=data, eval_split=getattr(args, "eval_split", "dev"),
                     on_error=getattr(args, "on_error", "raise"), report_only=getattr(args, "report_only", False),
-                    command="tempokern " + " ".join(getattr(args, "argv", None) or []))
+                    corpus=getattr(args, "corpus", None), save_runs=getattr(args, "save_runs", False), command="tempokern " + " ".join(getattr(args, "argv", None) or []))
     print(markdown(res))
     print(json.dumps(res["files"]))
     failed = [n for n, m in res["methods"].items() if m["status"] in ("failed", "partial")]

@@ -138,7 +138,8 @@ def test_suite_on_your_folder_every_trained_row_same_steps(tmp_path, folder, tin
         assert res["methods"][name]["status"] == "done", (name, res["methods"][name])
     assert set(res["results"]["data"]) == {"dev", "test"}
     for sp in ("dev", "test"):
-        assert set(res["results"]["data"][sp]) == set(ROWS)
+        # every row, and every row with the time prior fitted on the fit split on top
+        assert set(res["results"]["data"][sp]) == set(ROWS) | {f"{r}+prior" for r in ROWS}
         assert res["results"]["data"][sp]["minilm_ft"]["R@1"]["n"] == 5
     steps = {}
     infos = {}

@@ -69,11 +69,16 @@ def encode_texts(model, tok, texts: Sequence[str], *, max_length: int, batch_siz
 
 def dense_runs(ctx, q_emb_fn, doc_emb: torch.Tensor) -> Dict[str, Dict[str, Dict[str, float]]]:
     """``{split: {qid: {doc_id: cosine}}}`` (top ``ctx.depth``) for every split of
-    ``ctx.eval_splits``; ``q_emb_fn(texts) -> (n, d)`` embeds the queries."""
-    doc_ids = [r.id for r in ctx.gallery()]
+    ``ctx.eval_splits``, each over its gallery ``ctx.gallery(split)``; ``q_emb_fn(texts) -> (n, d)`` embeds
+    the queries; ``doc_emb``: the embeddings of ``ctx.all_gallery()`` (every split's rows are taken from it)."""
+    n_all = len(ctx.all_gallery())
+    if doc_emb.shape[0] != n_all:
+        raise ValueError(f"doc_emb must hold one row per record of ctx.all_gallery() ({n_all}), got {doc_emb.shape[0]}")
     runs = {}
     for split in ctx.eval_splits:
+        doc_ids = [r.id for r in ctx.gallery(split)]
+        idx = torch.as_tensor(ctx.gallery_index(split), dtype=torch.long)
         qs = ctx.queries(split)
         qe = q_emb_fn([q.text for q in qs])
-        runs[split] = topk_runs(qe.float() @ doc_emb.float().T, [q.id for q in qs], doc_ids, ctx.depth)
+        runs[split] = topk_runs(qe.float() @ doc_emb.float()[idx].T, [q.id for q in qs], doc_ids, ctx.depth)
     return runs

@@ -15,6 +15,12 @@ TimeQA (:func:`timeqa_set`):
 * Evaluation: the ``dev`` pages' queries ranked over the ``dev`` pages' paragraphs (``eval_split="test"``:
   the ``test`` pages). Ranking over the held-out pages only keeps what makes TimeQA hard — choosing
   among one page's paragraphs by time — and costs an eighth of encoding all 15,491 paragraphs per row.
+* Fit split (``fit``, for the time-prior rows, never in the tables): the training questions of a fixed,
+  seeded sample of as many training pages as there are held-out pages (50 on dev), ranked over those pages'
+  paragraphs: a gallery shaped like the evaluation gallery, so a retriever's scores there resemble its dev
+  scores. A trained row saw these questions in training, so the weight fitted on them is conservative.
+* Whole-corpus split (``dev@corpus`` / ``test@corpus``, ``corpus=True``): the evaluation questions ranked
+  over every packaged TimeQA paragraph (15,491, every page of every split).
 * Error kinds: a wrong top-1 paragraph of the query's own page is ``err_time`` (right page, wrong
   paragraph: on TimeQA that is nearly always another period of the same life), one of another page
   ``err_entity``.
@@ -31,12 +37,16 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..datasets.base import Query, Record, RetrievalDataset
 from ..datasets.synth._common import TrainRow
 
-__all__ = ["RealSet", "timeqa_set", "beir_set", "REAL_SETS", "QUICK_PAGES"]
+__all__ = ["RealSet", "timeqa_set", "beir_set", "REAL_SETS", "QUICK_PAGES", "FIT_QUERIES"]
 
 #: set names of real data (the synthetic sets are A, B, C)
 REAL_SETS = ("timeqa", "data")
 #: (train pages, held-out pages) of the quick TimeQA set, drawn by a fixed seed
 QUICK_PAGES = (16, 6)
+#: training queries of a BEIR folder's fit split (a seeded sample when it has more)
+FIT_QUERIES = 500
+#: the seed of the fit split's sample (pages of TimeQA, queries of a BEIR folder)
+FIT_SEED = 5151
 
 
 @dataclass
@@ -50,6 +60,11 @@ class RealSet:
     eval_splits: List[str]
     gallery_ids: Optional[List[str]] = None
     notes: List[str] = field(default_factory=list)
+    #: extra splits ``{name: {"queries": query split, "query_ids": [...] or None (all), "gallery_ids": [...]}}``
+    #: (``fit``, ``dev@corpus``; :class:`tempokern.suite.SuiteContext` serves them)
+    extra_splits: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    #: records an extra split ranks over that are not in ``dataset`` (the whole corpus's other pages)
+    extra_records: List[Record] = field(default_factory=list)
 
     def __repr__(self) -> str:
         return (f"RealSet({self.name!r}: {len(self.dataset.records)} records, {len(self.gallery_ids or ())} in the "
@@ -119,10 +134,10 @@ def _with_entity(r, key: str):
 
 
 def timeqa_set(size: str = "full", *, eval_split: str = "dev", path: Optional[str] = None, hard_negatives: int = 1,
-               negative_queries: int = 2) -> RealSet:
+               negative_queries: int = 2, corpus: bool = True) -> RealSet:
     """TimeQA as a suite set (module doc). ``size``: ``full`` (every page of the splits) or ``quick``
     (``QUICK_PAGES`` pages drawn by a fixed seed); ``eval_split``: ``dev`` or ``test``; ``path``: a TimeQA
-    JSON file (default the packaged copy)."""
+    JSON file (default the packaged copy); ``corpus``: add the whole-corpus split ``<eval_split>@corpus``."""
     from ..datasets.timeqa import load_timeqa
     if size not in ("full", "quick"):
         raise ValueError(f"size must be 'full' or 'quick', got {size!r}")
@@ -151,13 +166,30 @@ def timeqa_set(size: str = "full", *, eval_split: str = "dev", path: Optional[st
             "hard_negatives": hard_negatives, "negative_queries": negative_queries}
     info["checksum"] = _digest({"info": info, "records": [r.id for r in records], "queries": [q.id for q in queries],
                                 "rows": [(r.query_id, r.positive, r.hard_negatives, r.negative_queries) for r in rows]})
-    return RealSet("timeqa", ds, full.calendar, rows, info, [eval_split], gallery)
+    # the extra splits (after the checksum: units made before them keep their settings, see runner)
+    fit_pages = sorted(random.Random(FIT_SEED).sample(train_pages, min(len(eval_pages), len(train_pages))))
+    fp = set(fit_pages)
+    extra = {"fit": {"queries": "train", "query_ids": [q.id for q in train_qs if q.meta["page"] in fp],
+                     "gallery_ids": [r.id for r in records if r.meta["page"] in fp]}}
+    extra_records = []
+    if corpus:
+        have = {r.id for r in records}
+        extra_records = [_with_entity(r, "page") for r in full.records if r.id not in have]
+        extra[f"{eval_split}@corpus"] = {"queries": eval_split, "query_ids": None,
+                                         "gallery_ids": [r.id for r in full.records]}
+    info["fit"] = {"pages": len(fp), "queries": len(extra["fit"]["query_ids"]),
+                   "gallery": len(extra["fit"]["gallery_ids"]), "seed": FIT_SEED}
+    if corpus:
+        info["corpus_gallery"] = len(full.records)
+    return RealSet("timeqa", ds, full.calendar, rows, info, [eval_split], gallery, extra_splits=extra,
+                   extra_records=extra_records)
 
 
 def beir_set(folder: str, *, on_error: str = "raise", hard_negatives: int = 1, negative_queries: int = 2,
              group_key: str = "page") -> RealSet:
     """A BEIR folder of your own as a suite set: training rows from ``qrels/train.tsv``, the table on every
-    other qrels split (``dev``, ``test``, ...), ranked over the whole corpus. Hard negatives: the query's
+    other qrels split (``dev``, ``test``, ...), ranked over the whole corpus. Fit split (the time-prior rows):
+    the training queries (a seeded sample of ``FIT_QUERIES`` when there are more) over the whole corpus. Hard negatives: the query's
     ``neg_*`` fields when the folder has them, else the same ``meta[group_key]`` group's records, else
     BM25-mined; negative queries: the same group's other questions with another interval."""
     from ..datasets import load_beir
@@ -181,4 +213,9 @@ def beir_set(folder: str, *, on_error: str = "raise", hard_negatives: int = 1, n
             "negative_queries": negative_queries}
     info["checksum"] = _digest({"info": info, "records": [(r.id, r.text) for r in records],
                                 "queries": [(q.id, q.text, q.split, sorted(q.gold.items())) for q in queries]})
-    return RealSet("data", ds, full.calendar, rows, info, evals, None)
+    fit_q = [q.id for q in train_qs]
+    if len(fit_q) > FIT_QUERIES:
+        fit_q = sorted(random.Random(FIT_SEED).sample(fit_q, FIT_QUERIES))
+    info["fit"] = {"queries": len(fit_q), "gallery": len(records), "seed": FIT_SEED}
+    extra = {"fit": {"queries": "train", "query_ids": fit_q, "gallery_ids": [r.id for r in records]}}
+    return RealSet("data", ds, full.calendar, rows, info, evals, None, extra_splits=extra)

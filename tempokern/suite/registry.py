@@ -6,7 +6,7 @@ A method is a row of the comparison table. It registers itself from a module of
     from tempokern.suite import Method, MethodOutput, register
 
     def run(ctx):                       # ctx: a SuiteContext
-        ...train on ctx.train_rows(), score every query of ctx.eval_splits over ctx.gallery()...
+        ...train on ctx.train_rows(); for split in ctx.eval_splits: score ctx.queries(split) over ctx.gallery(split)...
         return MethodOutput(runs={split: {qid: {doc_id: score}}}, info={"train_seconds": 12.3})
 
     register(Method("mymethod", family="mine", sets=("B",), run=run, needs=("peft",)))
@@ -17,8 +17,12 @@ the reason) in results.json / results.md instead of failing the suite.
 ``MethodOutput``:
 
 * ``runs`` ``{split: {qid: {doc_id: score}}}``: at least the top 100 documents per query, over the
-  whole gallery, for every split of ``ctx.eval_splits`` (:func:`topk_runs` builds it from a score
-  matrix). The suite computes every metric itself from the runs and the dataset.
+  whole of the split's gallery ``ctx.gallery(split)``, for every split of ``ctx.eval_splits``
+  (:func:`topk_runs` builds it from a score matrix). The suite computes every metric itself from the runs
+  and the dataset. The real-data sets add two extra splits: ``fit`` (training questions over a training
+  gallery shaped like the evaluation gallery: the time-prior rows fit their weight on it) and
+  ``dev@corpus`` (the evaluation questions over the whole corpus). Encode ``ctx.all_gallery()`` once and
+  take each split's rows with ``ctx.gallery_index(split)``.
 * ``dim_runs`` ``{dim: runs}`` for Matryoshka methods (the per-dim curves); ``runs`` is then the
   full-dim run.
 * ``info``: anything to log (train seconds, steps, losses). ``info["metrics"] = {split: {name:
@@ -36,12 +40,13 @@ from __future__ import annotations
 import importlib.util
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["Method", "MethodOutput", "SuiteContext", "register", "registered", "unregister", "get_method",
-           "missing_needs", "topk_runs", "SETS", "SYNTH_SETS", "REAL_SETS", "PERTURBED_SETS", "runs_on", "EVAL_SPLITS", "TRAIN_SPLIT", "Budget"]
+           "missing_needs", "topk_runs", "SETS", "SYNTH_SETS", "REAL_SETS", "PERTURBED_SETS", "runs_on", "EVAL_SPLITS", "TRAIN_SPLIT", "Budget",
+           "FIT_SPLIT", "CORPUS_SUFFIX"]
 
 #: the synthetic English sets (tempokern.datasets.synth)
 SYNTH_SETS = ("A", "B", "C")
@@ -59,6 +64,11 @@ def runs_on(method: "Method", set_name: str) -> bool:
 #: query splits a method is evaluated on (those a set has; "train" and "val" are never evaluated)
 EVAL_SPLITS = ("test_template", "test_date", "test_year", "test_masked", "timeless")
 TRAIN_SPLIT = "train"
+#: the extra split of training queries ranked over a training gallery shaped like the evaluation gallery: the
+#: time-prior rows fit their weight on its run (tempokern.suite.prior); never in the tables
+FIT_SPLIT = "fit"
+#: suffix of an extra split whose queries are an evaluation split's, ranked over the whole corpus ("dev@corpus")
+CORPUS_SUFFIX = "@corpus"
 
 Runs = Dict[str, Dict[str, Dict[str, float]]]
 
@@ -224,7 +234,9 @@ class SuiteContext:
     directory ``transformers.AutoModel/AutoTokenizer.from_pretrained`` load offline), ``seed``,
     ``quick`` (bool), ``budget`` (:class:`Budget`), ``work_dir`` (a Path per (method, set, seed) for
     checkpoints and resume; created), ``device`` (torch.device), ``eval_splits`` (the splits to return
-    runs for), ``depth`` (documents per query in a run, >= 100), ``log(msg)``, ``progress(iterable,
+    runs for: each split's queries, ``queries(split)``, ranked over its own gallery, ``gallery(split)``;
+    the real-data sets add the extra splits ``fit`` and ``dev@corpus``), ``table_splits`` (those of the
+    tables: all but ``fit``), ``depth`` (documents per query in a run, >= 100), ``log(msg)``, ``progress(iterable,
     desc)``, ``progress_enabled`` (bool, for trainers with their own bars)."""
 
     def __init__(self, *, synth, backbone_path: str, seed: int, quick: bool, work_dir, device=None,
@@ -243,10 +255,26 @@ class SuiteContext:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         have = {q.split for q in self.dataset.queries}
-        self.eval_splits = [s for s in (eval_splits or getattr(synth, "eval_splits", None) or EVAL_SPLITS) if s in have]
+        base_splits = [s for s in (eval_splits or getattr(synth, "eval_splits", None) or EVAL_SPLITS) if s in have]
         ids = getattr(synth, "gallery_ids", None)
         self._gallery = None if ids is None else [self.dataset.record(i) for i in ids]
         self._eval_dataset = None
+        # the set's extra splits (real data): the fit split and the whole-corpus split (module doc)
+        self._extra: Dict[str, dict] = {}
+        extra_recs = {r.id: r for r in (getattr(synth, "extra_records", None) or ())}
+        for name, spec in (getattr(synth, "extra_splits", None) or {}).items():
+            qids = spec.get("query_ids")
+            qset = None if qids is None else set(qids)
+            qs = [replace(q, split=name) for q in self.dataset.queries_in(spec["queries"])
+                  if qset is None or q.id in qset]
+            gal = [self.dataset.record(i) if i in self.dataset else extra_recs[i] for i in spec["gallery_ids"]]
+            self._extra[name] = {"queries": qs, "gallery": gal, "dataset": None}
+        #: the splits a method returns runs for: the reported splits, then the extra ones
+        self.eval_splits = base_splits + list(self._extra)
+        #: the splits of the tables (every one of ``eval_splits`` but the fit split)
+        self.table_splits = [s for s in self.eval_splits if s != FIT_SPLIT]
+        self._all_gallery = None
+        self._gallery_index: Dict[Optional[str], List[int]] = {}
         self.depth = max(100, int(depth))
         self.method_name = method_name
         self._log = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -263,14 +291,48 @@ class SuiteContext:
         from ..training.trainer import _progress
         return _progress(iterable, self._progress_enabled, f"{self.method_name}/{self.set_name} {desc}".strip())
 
-    def gallery(self):
-        """The gallery runs rank over: every record of a synthetic set; the held-out pages' records of
-        TimeQA (``synth.gallery_ids``)."""
+    def gallery(self, split: Optional[str] = None):
+        """The records split ``split``'s queries are ranked over: every record of a synthetic set; the
+        held-out pages' records of TimeQA (``synth.gallery_ids``); the extra splits' own galleries (the fit
+        split's training pages, the whole corpus). ``split`` None: the gallery of the set's reported
+        splits."""
+        if split is not None and split in self._extra:
+            return self._extra[split]["gallery"]
         return self.dataset.records if self._gallery is None else self._gallery
 
-    def eval_dataset(self):
-        """A RetrievalDataset of the gallery and the set's queries (for evaluators that rank over a
-        dataset's records): ``dataset`` itself when the gallery is every record."""
+    def all_gallery(self):
+        """Every record some split ranks over, each once (the main gallery first): encode these once and
+        take each split's rows with :meth:`gallery_index`."""
+        if self._all_gallery is None:
+            seen, out = set(), []
+            for recs in [self.gallery()] + [e["gallery"] for e in self._extra.values()]:
+                for r in recs:
+                    if r.id not in seen:
+                        seen.add(r.id)
+                        out.append(r)
+            self._all_gallery = out
+        return self._all_gallery
+
+    def gallery_index(self, split: Optional[str] = None) -> List[int]:
+        """Positions of ``gallery(split)``'s records in :meth:`all_gallery` (in ``gallery(split)``'s order)."""
+        key = split if split in self._extra else None
+        if key not in self._gallery_index:
+            pos = {r.id: i for i, r in enumerate(self.all_gallery())}
+            self._gallery_index[key] = [pos[r.id] for r in self.gallery(key)]
+        return self._gallery_index[key]
+
+    def eval_dataset(self, split: Optional[str] = None):
+        """A RetrievalDataset of ``gallery(split)`` and the set's queries (for evaluators that rank over a
+        dataset's records): ``dataset`` itself when the gallery is every record. For an extra split, its
+        gallery and its queries, whose ``split`` is the extra split's name (``queries_in(split)`` finds
+        them)."""
+        if split is not None and split in self._extra:
+            e = self._extra[split]
+            if e["dataset"] is None:
+                from ..datasets import RetrievalDataset
+                e["dataset"] = RetrievalDataset(f"{self.dataset.name}[{split}]", e["gallery"], e["queries"],
+                                                self.dataset.calendar)
+            return e["dataset"]
         if self._gallery is None:
             return self.dataset
         if self._eval_dataset is None:
@@ -285,6 +347,9 @@ class SuiteContext:
         return recipe if self.budget.hard_negatives is None else int(self.budget.hard_negatives)
 
     def queries(self, split: str):
+        """The queries of ``split`` (an extra split's: relabelled with its name)."""
+        if split in self._extra:
+            return list(self._extra[split]["queries"])
         return self.dataset.queries_in(split)
 
     def train_rows(self):

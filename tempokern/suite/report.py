@@ -32,6 +32,9 @@ SPLIT_TEXT = {
     "timeless": "queries without a time (semantic retention: every document of the entity/attribute is relevant)",
     "dev": "held-out pages (never trained on), each query ranked over the held-out pages' paragraphs",
     "test": "the second held-out pages, each query ranked over their paragraphs",
+    "dev@corpus": "the dev questions ranked over the whole corpus (every packaged TimeQA paragraph, every page of "
+                  "every split)",
+    "test@corpus": "the test questions ranked over the whole corpus (every packaged TimeQA paragraph)",
 }
 
 
@@ -52,6 +55,7 @@ def build_results(units: Dict[Tuple[str, str, int], dict], status: Dict[str, dic
     paired interval of (method - minilm_ft) on the same queries (``paired``) and of (method - each of
     SECOND_BASELINES) where the run has it (``paired_vs[baseline]``); per-dim metrics; the retention
     Spearman; extra per-method metrics; and the per-query arrays (so any interval can be recomputed)."""
+    from .prior import prior_baseline
     res: dict = {"setup": setup, "methods": status, "results": {}, "paired": {}, "paired_vs": {}, "dims": {},
                  "per_query": {}}
     sets = sorted({k[1] for k in units})
@@ -99,7 +103,10 @@ def build_results(units: Dict[Tuple[str, str, int], dict], status: Dict[str, dic
             res["per_query"][s][sp] = pq
             if PAIRED_BASELINE in per_seed:
                 res["paired"][s][sp] = _paired(per_seed, status, PAIRED_BASELINE, n_resamples)
-            for bl in SECOND_BASELINES:
+            pb = prior_baseline(units, s)
+            if pb is not None:
+                res.setdefault("prior_baseline", {})[s] = pb
+            for bl in SECOND_BASELINES + ((pb,) if pb is not None else ()):
                 if bl in per_seed:
                     res["paired_vs"].setdefault(bl, {}).setdefault(s, {})[sp] = _paired(per_seed, status, bl,
                                                                                          n_resamples)
@@ -112,7 +119,8 @@ def _paired(per_seed: dict, status: dict, baseline: str, n_resamples: int) -> di
     for name in per_seed:
         if name == baseline:
             continue
-        a, base, common = _paired_means(per_seed[name], per_seed[baseline], (status.get(name) or {}).get("seeded", True))
+        a, base, common = _paired_means(per_seed[name], per_seed[baseline], (status.get(name) or {}).get("seeded", True),
+                                        (status.get(baseline) or {}).get("seeded", True))
         pr[name] = {}
         for m in PAIRED_METRICS:
             if m in a and m in base:
@@ -128,11 +136,12 @@ def _seed_mean(arrs: list) -> dict:
                 for m in arrs[0]}
 
 
-def _paired_means(row: dict, base: dict, seeded: bool):
-    """Per-query means of a row and of the baseline for their paired difference: a seeded row against the
-    baseline on the seeds both have (a run stopped part-way compares like with like), an unseeded row (BM25,
-    zero-shot) against every seed of the baseline. Returns (row means, baseline means, the baseline's seeds)."""
-    common = sorted(set(row) & set(base)) if seeded else []
+def _paired_means(row: dict, base: dict, seeded: bool, base_seeded: bool = True):
+    """Per-query means of a row and of the baseline for their paired difference: a seeded row against a
+    seeded baseline on the seeds both have (a run stopped part-way compares like with like), an unseeded row
+    (BM25, zero-shot) against every seed of the baseline and any row against every seed of an unseeded
+    baseline (the zero-shot prior row). Returns (row means, baseline means, the baseline's seeds)."""
+    common = sorted(set(row) & set(base)) if seeded and base_seeded else []
     if common:
         return _seed_mean([row[k] for k in common]), _seed_mean([base[k] for k in common]), common
     return _seed_mean(list(row.values())), _seed_mean(list(base.values())), sorted(base)
@@ -170,6 +179,8 @@ def _steps(status: dict, name: str, s: str) -> str:
     """The training steps of a row's units on set ``s`` (one number when every seed took the same)."""
     v = sorted({i.get("steps") for k, i in (status.get(name, {}).get("info") or {}).items()
                 if k.startswith(f"{s}/") and isinstance(i, dict) and i.get("steps") is not None})
+    if not v and name.endswith("+prior") and name[:-len("+prior")] in status:   # a prior row: its base's steps
+        return _steps(status, name[:-len("+prior")], s)
     return "0" if not v and name in ZERO_STEP else "/".join(str(x) for x in v) if v else "n/a"
 
 
@@ -226,7 +237,7 @@ def markdown(res: dict) -> str:
                 cells.append(f"{w:.0f}" if w is not None else "n/a")
                 lines.append("| " + " | ".join(cells) + " |")
             for bl, pr in [(PAIRED_BASELINE, res["paired"].get(s, {}).get(sp))] + [
-                    (b2, res.get("paired_vs", {}).get(b2, {}).get(s, {}).get(sp)) for b2 in SECOND_BASELINES]:
+                    (b2, res.get("paired_vs", {}).get(b2, {}).get(s, {}).get(sp)) for b2 in res.get("paired_vs", {})]:
                 if not pr:
                     continue
                 lines += ["", f"Paired against `{bl}` (Δ mean [95% interval]; an interval excluding 0 "
@@ -250,6 +261,14 @@ def markdown(res: dict) -> str:
                 for name, e in extras.items():
                     lines.append(f"- `{name}`: " + ", ".join(f"{k} {_f(v)}" for k, v in e.items()))
             lines.append("")
+        extra = (st.get("set_info", {}).get(s) or {}).get("extra_splits") or {}
+        for csp in (x for x in extra if x.endswith("@corpus")):
+            base = csp[:-len("@corpus")]
+            lacking = [n for n in (splits.get(base) or {}) if n not in (splits.get(csp) or {})]
+            if lacking:
+                lines += [f"Not in the `{csp}` table (units made before the whole-corpus split, or a run without "
+                          f"it): {', '.join(f'`{n}`' for n in lacking)}.", ""]
+        lines += _prior_lines(res, s, splits)
         dims = res["dims"].get(s, {})
         for sp, per in dims.items():
             lines += [f"Per-dim nDCG@10 on {sp}:", ""]
@@ -290,6 +309,45 @@ def fit_suptitle(fig, text: str, fontsize: float = 9):
         width = int(width * 0.85)
         t.set_text(textwrap.fill(text, width))
     return t
+
+
+def _prior_lines(res: dict, s: str, splits: dict) -> List[str]:
+    """The time-prior table of set ``s``: per base row and match, the fitted c and nDCG@10 on the fit split
+    (c = 0 and fitted) and on each table split."""
+    summ = (res.get("prior") or {}).get(s) or {}
+    if not summ:
+        return []
+    tsplits = [sp for sp in splits if splits[sp]]
+    pb = (res.get("prior_baseline") or {}).get(s)
+    lines = [f"### Time prior (`+prior` rows)", "",
+             "Each row's run reranked by `tempokern.rerank.TimePrior`: score + c · match. c is fitted per unit on "
+             "the fit split (training questions over a training gallery shaped like the evaluation gallery; a "
+             "trained row saw those questions, so its c is conservative), never on the evaluation questions; the "
+             "`+prior` row takes the match with the best fit-split nDCG@10. Values: means over the row's seeds "
+             "(c: each seed's)." + (f" Prior baseline of the paired tables: `{pb}` (the untrained base whose prior "
+                                    "is best on the fit split)." if pb else ""), ""]
+    hdr = ["row", "match", "c", "fit nDCG@10 (c = 0 → fitted)"] + [f"{sp} nDCG@10" for sp in tsplits] + \
+          [f"{sp} R@1" for sp in tsplits]
+    lines.append("| " + " | ".join(hdr) + " |")
+    lines.append("|" + "---|" * len(hdr))
+    for name, e in summ.items():
+        seeds = e["seeds"]
+        chosen = {v["chosen"] for v in seeds.values()}
+        matches = list(next(iter(seeds.values()))["matches"])
+        for m in matches:
+            cs = [v["matches"][m]["c"] for v in seeds.values() if m in v["matches"]]
+            f0 = [v["matches"][m]["fit"].get("nDCG@10_c0") for v in seeds.values() if m in v["matches"]]
+            f1 = [v["matches"][m]["fit"].get("nDCG@10") for v in seeds.values() if m in v["matches"]]
+            cells = [f"`{name}`", m + (" (chosen)" if m in chosen else ""), ", ".join(f"{c:.3g}" for c in cs),
+                     f"{_f(_nanmean([x for x in f0 if x is not None]))} → {_f(_nanmean([x for x in f1 if x is not None]))}"]
+            for key in ("nDCG@10", "R@1"):
+                for sp in tsplits:
+                    vals = [v["matches"][m]["means"].get(sp, {}).get(key) for v in seeds.values() if m in v["matches"]]
+                    vals = [x for x in vals if x is not None]
+                    cells.append(_f(_nanmean(vals)) if vals else "n/a")
+            lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
 
 
 def _plot(res: dict, out: Path) -> List[str]:

@@ -20,8 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .metrics import METRICS, spearman, split_metrics, strip_spans
-from .registry import (PERTURBED_SETS, REAL_SETS, SETS, SYNTH_SETS, Budget, Method, MethodOutput, SuiteContext,
-                       missing_needs, registered, runs_on)
+from .registry import (CORPUS_SUFFIX, EVAL_SPLITS, FIT_SPLIT, PERTURBED_SETS, REAL_SETS, SETS, SYNTH_SETS, Budget, Method,
+                       MethodOutput, SuiteContext, missing_needs, registered, runs_on)
 from .unitcheck import unit_problem
 from .._util import atomic_write
 
@@ -226,12 +226,12 @@ def _committed_unit_seconds(suite: str, quick: bool, dev) -> Optional[Dict[str, 
         return None
 
 
-def _real_loader(suite: str, data_dir: Optional[str], eval_split: str, on_error: str):
+def _real_loader(suite: str, data_dir: Optional[str], eval_split: str, on_error: str, corpus: bool = True):
     from .realdata import beir_set, timeqa_set
 
     def load(name, seed=0, size="full"):
         if name == "timeqa":
-            return timeqa_set(size, eval_split=eval_split)
+            return timeqa_set(size, eval_split=eval_split, corpus=corpus)
         return beir_set(data_dir, on_error=on_error)
     return load
 
@@ -242,7 +242,8 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
               synth_loader: Optional[Callable] = None, budget: Optional[Budget] = None, n_resamples: int = 1000,
               log: Callable[[str], None] = _log_default, command: Optional[str] = None,
               plots: bool = True, data_dir: Optional[str] = None, eval_split: str = "dev",
-              on_error: str = "raise", report_only: bool = False) -> dict:
+              on_error: str = "raise", report_only: bool = False, corpus: Optional[bool] = None,
+              save_runs: bool = False) -> dict:
     """Run the suite into ``out`` and return the results dict (also written as results.json).
 
     ``suite``: ``english`` (the synthetic sets A, B, C), ``timeqa`` (TimeQA, :mod:`tempokern.suite.realdata`;
@@ -251,7 +252,16 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
     ``seeds`` (default 0, 1, 2; ``quick``: 0); ``synth_loader(name, seed=, size=)`` (default ``load_synth``
     or the real-data loader) and ``backbone_path`` (default ``minilm_path()``) are for tests. ``report_only``:
     run nothing; write the results of the units already finished in ``out`` (a run still under way, or one
-    stopped part-way: each row then names the seeds it has)."""
+    stopped part-way: each row then names the seeds it has). ``corpus``: rank the evaluation questions over
+    the whole corpus too (the ``<split>@corpus`` table; default: on for a full TimeQA run, off otherwise).
+
+    A unit is reused when it was made under the same settings and has what the run's rows need: a run split of
+    every table split (``dev@corpus`` when ``corpus``) and the fitted time prior when the set has a fit split
+    (:mod:`tempokern.suite.prior`); otherwise it is recomputed. ``report_only`` reports such units as they
+    are and names the rows they cannot give (a ``+prior`` row of units made before the fit split, a row
+    missing from the whole-corpus table). ``save_runs``: also write each computed unit's runs (every split,
+    the fit split included) to ``out/runs/<set>/<method>/seed<k>.json.gz`` (for refitting or analysing the
+    rankings later; not needed by the report)."""
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}: expected one of {', '.join(SUITES)}")
     if suite == "data" and not data_dir and synth_loader is None:
@@ -285,8 +295,10 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
     chosen = [m for m in chosen if any(runs_on(m, s) for s in sets)]
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = "quick" if quick else "full"
+    if corpus is None:
+        corpus = suite == "timeqa" and not quick
     if synth_loader is None and real:
-        synth_loader = _real_loader(suite, data_dir, eval_split, on_error)
+        synth_loader = _real_loader(suite, data_dir, eval_split, on_error, corpus)
     elif synth_loader is None:
         from ..datasets.synth import load_synth as synth_loader
     if backbone_path is None:
@@ -325,11 +337,22 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
         else:
             synth = synth_loader(s, seed=0, size=size)
         ds = synth.dataset
+        if not corpus and getattr(synth, "extra_splits", None):
+            synth.extra_splits = {k: v for k, v in synth.extra_splits.items() if not k.endswith(CORPUS_SUFFIX)}
+        extra = dict(getattr(synth, "extra_splits", None) or {})
+        have_q = {q.split for q in ds.queries}
+        # what a unit of this set must hold to be reused (beside its settings)
+        need_splits = [sp for sp in (getattr(synth, "eval_splits", None) or EVAL_SPLITS) if sp in have_q]
+        need_splits += [sp for sp in extra if sp != FIT_SPLIT]
+        need_prior = FIT_SPLIT in extra
         splits = sorted({q.split for q in ds.queries if q.split is not None})
         set_info[s] = {"records": len(ds.records), "queries": {sp: sum(q.split == sp for q in ds.queries) for sp in splits},
                        "gallery": len(getattr(synth, "gallery_ids", None) or ds.records),
                        "eval_splits": list(getattr(synth, "eval_splits", None) or []),
                        "train_rows": len(synth.train_rows), "info": _jsonable(dict(getattr(synth, "info", {}) or {})),
+                       "extra_splits": {k: {"queries": v["queries"], "n_queries": len(v["query_ids"]) if v.get(
+                           "query_ids") is not None else sum(q.split == v["queries"] for q in ds.queries),
+                                            "gallery": len(v["gallery_ids"])} for k, v in extra.items()},
                        "load_seconds": round(time.time() - t, 2)}
         rep = getattr(ds, "report", None)
         if rep is not None and getattr(rep, "truncated", 0):
@@ -350,21 +373,25 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
             seed = seed if m.seeded else 0
             path = unit_path(out, m.name, s, seed)
             prev = read_unit(path, config)
-            unfit = unit_problem(prev, ds) if prev is not None else None
+            unfit = unit_problem(prev, ds, getattr(synth, "extra_splits", None)) if prev is not None else None
             if unfit is not None:   # named here and recomputed (not a failure later, while merging)
                 log(f"[suite] {m.name} / set {s} / seed {seed}: unit file {path} does not fit the data ({unfit}): "
                     "recomputing")
                 prev = None
             k = prog.unit()
-            if prev is not None:
-                log(f"[suite] {k} {m.name} / set {s} / seed {seed}: done earlier ({path}), skipped")
+            lacks = _lacks(prev, need_splits, need_prior) if prev is not None else []
+            if prev is not None and (not lacks or report_only):
+                log(f"[suite] {k} {m.name} / set {s} / seed {seed}: done earlier ({path}), skipped"
+                    + (f" (it lacks {', '.join(lacks)}: reported as it is)" if lacks else ""))
                 units[(m.name, s, seed)] = prev
                 prog.record((m.name, s, seed))
                 continue
+            if prev is not None:
+                log(f"[suite] {m.name} / set {s} / seed {seed}: unit {path} lacks {', '.join(lacks)}: recomputing")
             if report_only:
                 log(f"[suite] {k} {m.name} / set {s} / seed {seed}: not finished, left out (--report-only)")
                 continue
-            if path.exists() and unfit is None:
+            if path.exists() and prev is None and unfit is None:
                 log(f"[suite] {m.name} / set {s} / seed {seed}: unit file {path} is corrupt, incomplete or "
                     "made under other settings (budget, backbone, data): recomputing")
             if ref_sims is None and r_pairs:
@@ -396,6 +423,8 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
                 continue
             payload["wall_seconds"] = round(time.time() - t0, 2)
             payload["config"] = config
+            if save_runs:
+                _save_runs(out / "runs" / s / m.name / f"seed{seed}.json.gz", res.runs)
             write_unit(path, payload)
             units[(m.name, s, seed)] = read_unit(path, config) or _jsonable(payload)
             prog.record((m.name, s, seed), payload["wall_seconds"])
@@ -412,7 +441,12 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
         for (name, s, seed) in done:
             st["wall_seconds"][f"{s}/seed{seed}"] = units[(name, s, seed)].get("wall_seconds")
             st["info"][f"{s}/seed{seed}"] = units[(name, s, seed)].get("info")   # training diagnostics
+    from .prior import derive_prior_rows
     from .report import build_results, write_report
+    fit_sets = [s for s, i in set_info.items() if FIT_SPLIT in (i.get("extra_splits") or {})]
+    derived, d_status, prior_summary = derive_prior_rows(units, status, fit_sets)
+    units = {**units, **derived}
+    status = {**status, **d_status}
     setup = {"suite": suite, "quick": quick, "report_only": report_only,
              "data_dir": str(data_dir) if data_dir else None, "sets": sets, "seeds": seeds, "budget": budget.__dict__,
              "backbone": str(backbone_path), "device": str(dev), "machine": machine(),
@@ -421,6 +455,7 @@ def run_suite(out, *, suite: str = "english", quick: bool = False, sets: Optiona
              "retention": {"documents": n_docs, "pairs": n_pairs}, "bootstrap_resamples": n_resamples,
              "import_errors": import_errors, "set_info": set_info}
     results = build_results(units, status, setup, n_resamples=n_resamples)
+    results["prior"] = prior_summary
     results["setup"]["seconds"] = round(time.time() - t_start, 1)
     write_report(results, out, plots=plots)
     if interrupted:
@@ -474,12 +509,33 @@ def _reference_sims(out: Path, s: str, backbone_path: str, budget: Budget, dev, 
     return sims
 
 
+def _save_runs(path: Path, runs) -> None:
+    import gzip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, gzip.compress(json.dumps(_jsonable(runs)).encode("utf-8")))
+
+
+def _lacks(payload: dict, need_splits: Sequence[str], need_prior: bool) -> List[str]:
+    """What a unit lacks for this run's rows: table splits, the fitted time prior."""
+    out = [f"split {sp}" for sp in need_splits if sp not in payload.get("splits", {})]
+    if need_prior and not payload.get("prior"):
+        out.append("the fitted time prior (fit split)")
+    elif need_prior:
+        from .prior import prior_definition
+        if payload["prior"].get("definition") != prior_definition():
+            out.append("a time prior fitted under the current settings")
+    return out
+
+
 def _evaluate(m: Method, s: str, seed: int, ctx: SuiteContext, res: MethodOutput, r_texts, r_pairs, ref_sims) -> dict:
-    ds = ctx.dataset
-    splits = {sp: split_metrics(res.runs[sp], ds, sp) for sp in ctx.eval_splits}
+    from .prior import prior_payload
+
+    def ds(sp):   # an extra split's queries and gallery live in its own dataset
+        return ctx.eval_dataset(sp) if sp in ctx._extra else ctx.dataset
+    splits = {sp: split_metrics(res.runs[sp], ds(sp), sp) for sp in ctx.table_splits}
     dims = {}
     for dim, runs in (res.dim_runs or {}).items():
-        dims[int(dim)] = {sp: split_metrics(runs[sp], ds, sp) for sp in ctx.eval_splits}
+        dims[int(dim)] = {sp: split_metrics(runs[sp], ds(sp), sp) for sp in ctx.table_splits}
     sims = None
     if res.pair_sims is not None:
         sims = [float(x) for x in res.pair_sims]
@@ -492,5 +548,9 @@ def _evaluate(m: Method, s: str, seed: int, ctx: SuiteContext, res: MethodOutput
         retention = spearman(ref_sims, sims)
     info = {k: v for k, v in (res.info or {}).items() if k != "metrics"}
     extra = (res.info or {}).get("metrics") or {}
-    return {"status": "done", "method": m.name, "set": s, "seed": seed, "splits": splits, "dims": dims,
-            "retention_spearman": retention, "info": info, "extra_metrics": extra}
+    prior = prior_payload(ctx, res.runs, split_metrics)
+    out = {"status": "done", "method": m.name, "set": s, "seed": seed, "splits": splits, "dims": dims,
+           "retention_spearman": retention, "info": info, "extra_metrics": extra}
+    if prior is not None:
+        out["prior"] = prior
+    return out

@@ -17,10 +17,14 @@ def _numbers(vals) -> bool:
         v is None or (isinstance(v, numbers.Real) and not isinstance(v, bool)) for v in vals)
 
 
-def _split_problem(sp: str, table, dataset) -> Optional[str]:
+def _split_problem(sp: str, table, dataset, extra) -> Optional[str]:
     if not isinstance(table, dict):
         return f"split {sp!r} is not a table"
-    want = [q.id for q in dataset.queries if q.split == sp and any(r > 0 for r in q.gold.values())]
+    spec = extra.get(sp)     # an extra split (fit, <split>@corpus): another split's queries, maybe a subset
+    base = spec["queries"] if spec else sp
+    keep = None if not spec or spec.get("query_ids") is None else set(spec["query_ids"])
+    want = [q.id for q in dataset.queries if q.split == base and any(r > 0 for r in q.gold.values())
+            and (keep is None or q.id in keep)]
     got = table.get("qids")
     if not isinstance(got, list):
         return f"split {sp!r} has no 'qids' list"
@@ -33,13 +37,15 @@ def _split_problem(sp: str, table, dataset) -> Optional[str]:
     return None
 
 
-def unit_problem(payload: dict, dataset) -> Optional[str]:
-    """What makes a unit's payload unfit for `dataset` (None when it fits)."""
+def unit_problem(payload: dict, dataset, extra_splits: Optional[dict] = None) -> Optional[str]:
+    """What makes a unit's payload unfit for `dataset` (None when it fits); ``extra_splits``: the set's extra
+    splits (``RealSet.extra_splits``), whose queries are another split's."""
+    extra = extra_splits or {}
     splits = payload.get("splits")
     if not isinstance(splits, dict) or not splits:
         return "has no 'splits' table"
     for sp, table in splits.items():
-        why = _split_problem(sp, table, dataset)
+        why = _split_problem(sp, table, dataset, extra)
         if why:
             return why
     dims = payload.get("dims") or {}
@@ -49,7 +55,7 @@ def unit_problem(payload: dict, dataset) -> Optional[str]:
         if not isinstance(per, dict):
             return f"dims[{dim!r}] is not a table"
         for sp, table in per.items():
-            why = _split_problem(sp, table, dataset)
+            why = _split_problem(sp, table, dataset, extra)
             if why:
                 return f"dim {dim}: {why}"
     return None

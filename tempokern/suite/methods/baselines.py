@@ -24,20 +24,21 @@ CHECKPOINT_EVERY = 5
 # ---- BM25 --------------------------------------------------------------------------------------------
 
 def bm25_ranked_runs(ctx, gold_first: bool):
-    """BM25 (bm25s, Lucene variant, k1 1.5, b 0.75, lower-cased word tokens) over the gallery. Ties
+    """BM25 (bm25s, Lucene variant, k1 1.5, b 0.75, lower-cased word tokens) over each split's gallery (its
+    statistics are the gallery's). Ties
     are frequent on templated text, so the order inside a group of equal scores is set explicitly:
     gold documents first (``gold_first``, the optimistic bound) or last (the pessimistic bound).
     The run's scores are then ``depth - position`` (the ranking is all the metrics use)."""
     from ...baselines.bm25 import BM25Scorer
     scorer = BM25Scorer()
-    gallery = ctx.gallery()
-    doc_ids = [r.id for r in gallery]
     runs = {}
     for split in ctx.eval_splits:
+        gallery = ctx.gallery(split)
+        doc_ids = [r.id for r in gallery]
         qs = ctx.queries(split)
         scores = scorer(qs, gallery).astype(np.float64)
         out = {}
-        where = _pos(ctx, doc_ids)
+        where = {d: i for i, d in enumerate(doc_ids)}
         for i, q in enumerate(qs):
             gold = np.zeros(len(doc_ids))
             for d, rel in q.gold.items():
@@ -49,14 +50,6 @@ def bm25_ranked_runs(ctx, gold_first: bool):
             out[q.id] = {doc_ids[j]: float(ctx.depth - p) for p, j in enumerate(order)}
         runs[split] = out
     return runs
-
-
-def _pos(ctx, doc_ids):
-    cache = getattr(ctx, "_doc_pos", None)
-    if cache is None:
-        cache = {d: i for i, d in enumerate(doc_ids)}
-        ctx._doc_pos = cache
-    return cache
 
 
 def _bm25(gold_first):
@@ -83,7 +76,7 @@ def _embedder(model, tok, ctx):
 def _dense_output(ctx, model, tok, info):
     t = time.time()
     emb = _embedder(model, tok, ctx)
-    docs = encode_texts(model, tok, [r.text for r in ctx.gallery()], max_length=ctx.budget.max_length,
+    docs = encode_texts(model, tok, [r.text for r in ctx.all_gallery()], max_length=ctx.budget.max_length,
                         batch_size=ctx.budget.eval_batch_size, device=ctx.device, progress=ctx.progress)
     runs = dense_runs(ctx, emb, docs)
     info["eval_seconds"] = round(time.time() - t, 2)

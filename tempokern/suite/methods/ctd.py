@@ -68,6 +68,13 @@ LOSS_OPTIONS = {"overlap": dict(positives="overlap", calendar_labels="key"),
                 "auto": dict(positives="auto", calendar_labels="auto")}
 
 
+def _rows(enc, idx):
+    """The rows ``idx`` of an ``Encoded`` (embeddings, u, per-level logits)."""
+    import torch
+    i = torch.as_tensor(idx, dtype=torch.long)
+    return type(enc)(enc.embeddings[i], enc.u[i], [lg[i] for lg in enc.logits])
+
+
 def run_ctd(variant: str, loss: str = "overlap"):
     def run(ctx):
         import torch
@@ -95,9 +102,9 @@ def run_ctd(variant: str, loss: str = "overlap"):
                 "temporal_lr": TEMPORAL_LR, "resumed": resume, **{f"loss_{k}": v for k, v in res.setup.items()}}
         t = time.time()
         model.eval()
-        gallery = ctx.gallery()
-        doc_ids = [r.id for r in gallery]
-        g_enc = model.encode([r.text for r in gallery], batch_size=b.eval_batch_size)
+        # every split's gallery encoded once (ctx.all_gallery()), each split ranked over its own rows
+        all_enc = model.encode([r.text for r in ctx.all_gallery()], batch_size=b.eval_batch_size)
+        g_enc = _rows(all_enc, ctx.gallery_index())
         if model.use_bias:   # does the bias move scores at all? (diagnostics only, no effect on the runs)
             info.update(bias_diagnostics(model, g_enc.u, seed=ctx.seed))
         if "bias_max_abs" in info:
@@ -106,7 +113,9 @@ def run_ctd(variant: str, loss: str = "overlap"):
         runs = {}
         for split in ctx.eval_splits:
             qs = ctx.queries(split)
-            vals, idx = score_topk(model, [q.text for q in qs], g_enc, ctx.depth, batch_size=b.eval_batch_size)
+            doc_ids = [r.id for r in ctx.gallery(split)]
+            s_enc = _rows(all_enc, ctx.gallery_index(split))
+            vals, idx = score_topk(model, [q.text for q in qs], s_enc, ctx.depth, batch_size=b.eval_batch_size)
             runs[split] = {q.id: {doc_ids[j]: float(v) for j, v in zip(idx[i].tolist(), vals[i].tolist())}
                            for i, q in enumerate(qs)}
         info["eval_seconds"] = round(time.time() - t, 2)

@@ -67,23 +67,24 @@ def base_runs(ctx, base: str) -> Dict[str, Dict[str, Dict[str, float]]]:
     key = _cache_key(ctx, base)
     if key in _BASE_CACHE:
         return _BASE_CACHE[key]
-    gallery = ctx.gallery()
-    gids = [r.id for r in gallery]
     depth = ctx.depth + K
     runs = {}
     if base == "minilm-zs":
+        import torch
         encode = _dense_encoder(ctx)
-        g = encode([r.text for r in gallery], "gallery")
-        for split in ctx.eval_splits:
+        g = encode([r.text for r in ctx.all_gallery()], "gallery")
+        for split in ctx.eval_splits:   # each split over its own gallery
             qs = ctx.queries(split)
             q = encode([x.text for x in qs], split)
-            runs[split] = topk_runs(q @ g.T, [x.id for x in qs], gids, depth)
+            gi = torch.as_tensor(ctx.gallery_index(split), dtype=torch.long)
+            runs[split] = topk_runs(q @ g[gi].T, [x.id for x in qs], [r.id for r in ctx.gallery(split)], depth)
     elif base == "bm25":
         from ...baselines import BM25Scorer
         scorer = BM25Scorer(ngram=1)
         for split in ctx.eval_splits:
             qs = ctx.queries(split)
-            runs[split] = topk_runs(scorer(qs, gallery), [x.id for x in qs], gids, depth)
+            gallery = ctx.gallery(split)
+            runs[split] = topk_runs(scorer(qs, gallery), [x.id for x in qs], [r.id for r in gallery], depth)
     elif base == "re3":   # the trained Re³ row (film_margins) of this seed: the paper's retriever + filter
         from .re3 import run_re3
         runs = run_re3(ctx, "film_margins").runs

@@ -50,8 +50,11 @@ def _make_run(variant: str, lora: str = "lora", t_ratio=None, one_expression: bo
         resume = (ctx.work_dir / "last" / "trainer_state.pt").exists()
         res = train_tmrl(model, data, cfg, ctx.work_dir, resume=resume, device=ctx.device, log=ctx.log)
         model.merge_lora().to(ctx.device)
-        dim_runs = runs_by_dim(model, ctx.eval_dataset(), ctx.eval_splits, dims, depth=ctx.depth,
-                               batch_size=b.eval_batch_size)
+        dim_runs = {d: {} for d in dims}
+        for split in ctx.eval_splits:   # each split over its own gallery
+            for d, r in runs_by_dim(model, ctx.eval_dataset(split), [split], dims, depth=ctx.depth,
+                                    batch_size=b.eval_batch_size).items():
+                dim_runs[d].update(r)
         steps = [h for h in res.history if h.get("event") == "step"]
         last = steps[-1] if steps else {}
         info = {"train_seconds": round(res.seconds, 1), "steps": res.steps, "rows": len(data),
