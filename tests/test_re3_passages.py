@@ -257,3 +257,27 @@ def test_trainer_trains_passages_on_the_passage_closest_to_the_query():
     assert tr.dtexts[tw_row] == "Acme sales in 2005 were high ."
     v, mk, _, _ = tr.ex_times[0]
     assert int(v[0, 0]) == 1991 and bool(mk[0, 0])
+
+
+def test_learned_parser_film_trains_on_the_times_the_model_reads():
+    from test_re3_fidelity import MONTHS
+    days = [dt.date(2012, 1, 1) + dt.timedelta(days=40 * i) for i in range(12)]
+    recs = [Record(f"r{i}", f"acme sales on {d.day} {MONTHS[d.month - 1]} {d.year} were high .", published=d)
+            for i, d in enumerate(days)]
+    qs = [Query(f"q{i}", f"how many acme sales on {MONTHS[d.month - 1]} {d.day}, {d.year} ?", gold={f"r{i}": 1},
+                split="train") for i, d in enumerate(days)]
+    ds = RetrievalDataset("toy", recs, qs)
+    texts = [r.text for r in recs] + [q.text for q in qs]
+    for film_times in ("model", "silver"):
+        m = _tiny_re3(texts, time_parser="learned", parser_years=(2010, 2016))
+        cfg = Re3Config(variant="film", epochs=1, batch_size=4, progress=False, parser_epochs=2,
+                        film_times=film_times)
+        tr = Re3Trainer(m, docs_from_dataset(ds), examples_from_dataset(ds), cfg, log=lambda *a: None)
+        tr.fit()
+        learned = m.intervals(tr.qtexts, role="query")
+        from tempokern.models.re3 import resolve_intervals
+        rules = resolve_intervals(tr.qtexts, role="query")
+        assert learned != rules          # 2 epochs of heads: the learned parse differs from the rules somewhere
+        assert tr.qtimes == (learned if film_times == "model" else rules)
+    with pytest.raises(ValueError, match="film_times"):
+        Re3Config(film_times="rules").validate()
