@@ -281,3 +281,34 @@ def test_learned_parser_film_trains_on_the_times_the_model_reads():
         assert tr.qtimes == (learned if film_times == "model" else rules)
     with pytest.raises(ValueError, match="film_times"):
         Re3Config(film_times="rules").validate()
+
+
+# ---- the suite rows -------------------------------------------------------------------------------------------
+
+from test_suite_realdata import folder, tiny_backbone  # noqa: E402,F401  (fixtures: a BEIR folder, a tiny BERT)
+
+
+def test_suite_rows_run_with_twins_and_a_dev_split_of_the_training_pages(tmp_path, folder, tiny_backbone):  # noqa: F811
+    import json
+
+    from tempokern.suite import Budget
+    from tempokern.suite.realdata import beir_set
+    from tempokern.suite.runner import run_suite, unit_path
+    rows = ["re3-passages", "re3-passages-multiscale"]
+    budget = Budget(epochs=1, max_length=48, batch_size=8, lr=1e-3, hard_negatives=1)
+    res = run_suite(tmp_path, suite="data", data_dir=str(folder), quick=True, methods=rows, backbone_path=tiny_backbone,
+                    budget=budget, progress=False, log=lambda m: None, n_resamples=20, plots=False)
+    s = beir_set(str(folder))
+    qby = {q.id: q for q in s.dataset.queries}
+    train_pages = {qby[r.query_id].meta["page"] for r in s.train_rows}
+    dev = dev_groups(train_pages, share=0.12, seed=0)
+    for name in rows:
+        assert res["methods"][name]["status"] == "done", res["methods"][name]
+        info = json.loads(unit_path(tmp_path, name, "data", 0).read_text())["payload"]["info"]
+        # 4 training pages: one set apart for epoch selection (never an evaluated page), its 5 questions out of training
+        assert info["dev_pages"] == len(dev) == 1 and info["dev_queries"] == 5
+        assert info["examples"] == len(s.train_rows) - 5
+        # every dated training question has a same-page twin outside its interval (the other career paragraphs)
+        assert info["examples_with_time_wrong"] == info["examples"]
+        assert [h["epoch"] for h in info["dev_history"]] == list(range(11)) and info["best_epoch"] in range(11)
+        assert info["model"]["passages"] == "date_windows" and info["model"]["normalize_sem"] is True

@@ -110,11 +110,15 @@ def _run_passages(**model_kw):
                                  log=ctx.log)
         examples = [Re3Example(r.query, r.positive, twins.get(r.query_id),
                                (qby[r.query_id].meta or {}).get("query_time")) for r in fit_rows]
-        dev_ds = RetrievalDataset(f"{ds.name}[dev pages]", [r for r in ds.records if page(r) in dev_pages],
-                                  dev_qs, ds.calendar)
-        dev_eval = dev_scorer(dev_ds, dev_qs, batch_size=ctx.budget.eval_batch_size)
-        ctx.log(f"dev split: {len(dev_pages)} of {len(train_pages)} training pages, {dev_eval.queries} queries over "
-                f"{dev_eval.records} paragraphs; {len(examples)} training examples")
+        dev_eval = None
+        if any(v > 0 for q in dev_qs for v in (q.gold or {}).values()):
+            dev_ds = RetrievalDataset(f"{ds.name}[dev pages]", [r for r in ds.records if page(r) in dev_pages],
+                                      dev_qs, ds.calendar)
+            dev_eval = dev_scorer(dev_ds, dev_qs, batch_size=ctx.budget.eval_batch_size)
+            ctx.log(f"dev split: {len(dev_pages)} of {len(train_pages)} training pages, {dev_eval.queries} queries "
+                    f"over {dev_eval.records} paragraphs; {len(examples)} training examples")
+        else:   # no page field (or one page): nothing to set apart, the last epoch is kept
+            ctx.log(f"no dev split ({len(train_pages)} training pages): the last epoch is kept")
         cfg = Re3Config(variant="film_margins", epochs=EPOCHS["quick" if ctx.quick else "full"],
                         batch_size=max(2, ctx.budget.batch_size), lr=LR, seed=ctx.seed, progress=False)
         torch.manual_seed(ctx.seed)
@@ -135,7 +139,8 @@ def _run_passages(**model_kw):
                 "steps": res.steps, "examples": res.num_examples, "variant": cfg.variant, "epochs": cfg.epochs,
                 "batch_size": cfg.batch_size, "lr": cfg.effective_lr, "model": dict(model_kw),
                 "examples_with_time_wrong": sum(e.tw_negative is not None for e in examples),
-                "dev_pages": len(dev_pages), "dev_queries": dev_eval.queries, "dev_history": res.dev_history,
+                "dev_pages": len(dev_pages), "dev_queries": dev_eval.queries if dev_eval else 0,
+                "dev_history": res.dev_history,
                 "best_epoch": res.best_epoch, "alpha": float(model.film.alpha.detach()), "final_loss": res.final_loss}
         embed = lambda texts: model.encode(list(texts), role="document")  # noqa: E731
         return MethodOutput(runs, info=info, embed=embed)
