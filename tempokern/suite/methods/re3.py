@@ -1,5 +1,8 @@
 """Re³ rows of the English comparison suite: re3-base, re3-film, re3-film_margins (frozen MiniLM backbone;
-docs/re3.md). The recency-filter rows are added by the recency filter's module.
+docs/re3.md), and on real text the option rows (re3-multi_time, re3-range_start, re3-learned) and
+re3-passages / re3-passages-multiscale (one-date passages, same-page time-wrong twins, the epoch chosen on a dev
+split of the training pages; docs/re3.md, "Long, many-dated documents"). The recency-filter rows are added by the
+recency filter's module.
 
 All three rows share one semantic cache per (backbone, max_length): each text meets the frozen backbone once per
 suite run, whatever the row or seed; training then runs on the cached vectors (the design notes' "pre-compute
