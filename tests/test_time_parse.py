@@ -275,3 +275,58 @@ def test_to_interval():
     assert TimeTuple.partial(None, 3).to_interval(cal) is None
     mcal = Calendar.gregorian(2013, 2015, resolution="month")
     assert len(TimeTuple.from_date(dt.date(2014, 3, 7)).to_interval(mcal)) == 1
+
+
+# ---- TimeQA's tokenised spacing: "November 15 , 1988", "25 February , 2012", "January , 2012" ------------------
+
+@pytest.mark.parametrize("excerpt,expected", [
+    # excerpts of the packaged TimeQA pages (tempokern/data/timeqa_human_annotated_train.json.gz)
+    ("- Valeriy Vasyliovych Malikov , July 12 , 1994 – July 3 , 1995",
+     ((1994, 7, 12), (1995, 7, 3))),
+    ("On July 8 , 2019 , the SBU announced", ((2019, 7, 8), (2019, 7, 8))),
+    ("Wheel of Fortune premiered on January 6 , 1975 , at 10:30 am", ((1975, 1, 6), (1975, 1, 6))),
+    ("security for the settlement of Barqan , 25 February , 2012 , POICA", ((2012, 2, 25), (2012, 2, 25))),
+    ("- Hideyo Hanazumi ( 花角英世 ) - from 12 June , 2018 to present", ((2018, 6, 12), (2018, 6, 12))),
+    ("ruqin , Sarta , and Haris villages 02 , January , 2012 , POICA", ((2012, 1, None), (2012, 1, None))),
+])
+def test_timeqa_spacing_before_the_comma(excerpt, expected):
+    import gzip
+    import json
+
+    from tempokern._resources import read_bytes
+    from tempokern.text.time import find_times
+    paras = {p for item in json.loads(gzip.decompress(read_bytes("timeqa_human_annotated_train.json.gz")))
+             for p in item["paras"]}
+    assert any(excerpt in p for p in paras), "the excerpt is TimeQA's own text"
+    first = find_times(excerpt)[0]
+    assert (first.start.parts(), first.end.parts()) == expected
+    assert parse_time(excerpt).parts() == expected[0]
+
+
+def test_timeqa_month_day_comma_year_paragraphs_all_parse():
+    """Every packaged TimeQA paragraph writing "Month D , YYYY" yields that date with its year (before the fix
+    the year was lost: 619 of the 14,349 distinct paragraphs had a year-less first expression)."""
+    import gzip
+    import json
+    import re
+
+    from tempokern._resources import read_bytes
+    from tempokern.text.time import find_times
+    paras = sorted({p for item in json.loads(gzip.decompress(read_bytes("timeqa_human_annotated_train.json.gz")))
+                    for p in item["paras"]})
+    months = "January|February|March|April|May|June|July|August|September|October|November|December"
+    rx = re.compile(rf"\b({months}) ([0-9]{{1,2}}) , ([12][0-9]{{3}})\b")
+    hits = [p for p in paras if rx.search(p)]
+    assert len(hits) > 700
+    missing = []
+    for p in hits:
+        got = {(t.year, t.month, t.day) for s in find_times(p) for t in (s.start, s.end) if t.mask == (True,) * 3}
+        for m in rx.finditer(p):
+            want = (int(m[3]), MONTH_NO[m[1]], int(m[2]))
+            if want not in got:
+                missing.append((want, p[max(0, m.start() - 30):m.end() + 10]))
+    assert len(missing) <= len(hits) // 100, missing[:5]
+
+
+MONTH_NO = {m: i + 1 for i, m in enumerate(["January", "February", "March", "April", "May", "June", "July", "August",
+                                             "September", "October", "November", "December"])}

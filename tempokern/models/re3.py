@@ -25,7 +25,8 @@ from ..limits import cap_texts
 from .._util import sha256_file
 from ..nn.film import FiLM, TimeEmbedding
 from ..search import TemporalIndex
-from ..text.time import TimeTuple, find_times, parse_time
+from ..nn.film import YEAR_ENCODINGS, YEAR_PERIODS
+from ..text.time import TimeTuple, date_passages, find_times, parse_time
 from .time_heads import TimeParserHeads
 from .encoder import POOLINGS, ROLES, _field, check_role, pool  # noqa: F401  (ROLES: part of the API here)
 from ._batching import progress as _progress
@@ -34,6 +35,8 @@ from .checkpoint import CheckpointError, check_save_target, file_digest, finish_
 DOC_TIMES = ("content", "published", "content_or_published")
 TIME_PARSERS = ("rules", "learned")
 RANGES = ("interval", "start")
+#: how a document is cut before encoding: None (the whole text, the paper) or "date_windows" (one passage per date)
+PASSAGES = (None, "date_windows")
 FORMAT = "tempokern-re3-encoder"
 VERSION = 1
 CONFIG_FILE = "tempokern_re3.json"
@@ -212,15 +215,45 @@ class Re3Encoder(nn.Module):
     predicts one time per text): a document is represented by one vector per temporal expression
     (:meth:`encode_multi`) and scored by its best-matching one (:meth:`score_multi`, the maximum over its
     vectors); a document without a time has one (time-less) vector. Queries keep one time. The Re3
-    trainer trains a multi-time document with its time closest to the example's query (else its first)."""
+    trainer trains a multi-time document with its time closest to the example's query (else its first).
+
+    ``passages``: ``None`` (default, the paper: one vector per text) or ``"date_windows"`` (an option for
+    long, many-dated documents such as TimeQA's Wikipedia paragraphs): a document is cut into one passage per
+    date expression — the sentence holding it and ``passage_context`` sentences on either side
+    (:func:`tempokern.text.time.date_passages`) — each encoded with its own ``e_sem`` and that one date, and
+    the document scores by its best passage (:meth:`encode_multi` / :meth:`score_multi`); a document without
+    a date is one time-less passage (the whole text). Needs ``time_parser="rules"`` (the passages are cut
+    at the rule parser's expressions); not combined with ``multi_time``. The Re3 trainer trains each
+    example's documents with their passage whose date is closest to the query's. :meth:`encode` keeps
+    one whole-text vector per text.
+
+    ``normalize_sem``: ``False`` (default) fuses the backbone's pooled vector as it is; ``True`` L2-normalises
+    ``e_sem`` before FiLM (the paper's BGE-M3 embedding is normalised; a raw mean pool's norm varies
+    several-fold across texts, and with it the weight of the additive time term β).
+    ``year_encoding``: ``"scalar"`` (the paper) or ``"multiscale"`` (an extension), ``year_periods``:
+    see :class:`tempokern.nn.TimeEmbedding`."""
 
     def __init__(self, backbone: Any, *, pooling: str = "cls", freeze_backbone: bool = True, lora: Any = None,
                  time_parser: str = "rules", doc_time: str = "content", tokenizer: Any = None,
                  max_length: int = 128, year_mean: float = 2000.0, year_std: float = 10.0,
                  film_hidden: Optional[int] = None, use_time: bool = True, temperature: float = 0.05,
                  parser_years: Tuple[int, int] = (1900, 2100), ranges: str = "interval", multi_time: bool = False,
-                 parser_fitted: bool = False):
+                 parser_fitted: bool = False, passages: Optional[str] = None, passage_context: int = 1,
+                 normalize_sem: bool = False, year_encoding: str = "scalar",
+                 year_periods: Sequence[float] = YEAR_PERIODS):
         super().__init__()
+        if passages not in PASSAGES:
+            raise ValueError(f"passages must be one of {PASSAGES}, got {passages!r}")
+        if passages is not None and time_parser != "rules":
+            raise ValueError("passages='date_windows' needs time_parser='rules' (passages are cut at the rule "
+                             "parser's date expressions)")
+        if passages is not None and multi_time:
+            raise ValueError("passages='date_windows' and multi_time=True are exclusive (both score a document "
+                             "by its best time; passages also cut its text)")
+        if isinstance(passage_context, bool) or not isinstance(passage_context, int) or passage_context < 0:
+            raise ValueError(f"passage_context must be an int >= 0, got {passage_context!r}")
+        if year_encoding not in YEAR_ENCODINGS:
+            raise ValueError(f"year_encoding must be one of {YEAR_ENCODINGS}, got {year_encoding!r}")
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         if doc_time not in DOC_TIMES:
@@ -258,7 +291,10 @@ class Re3Encoder(nn.Module):
             for p in self.backbone.parameters():
                 p.requires_grad_(False)
             self.backbone.eval()
-        self.time_embed = TimeEmbedding(H, year_mean=year_mean, year_std=year_std)
+        self.time_embed = TimeEmbedding(H, year_mean=year_mean, year_std=year_std, year_encoding=year_encoding,
+                                        year_periods=year_periods)
+        self.passages, self.passage_context = passages, int(passage_context)
+        self.normalize_sem = bool(normalize_sem)
         self.film = FiLM(H, hidden=film_hidden)
         self.ranges, self.multi_time = ranges, bool(multi_time)
         self.parser = None
@@ -315,6 +351,12 @@ class Re3Encoder(nn.Module):
                 "film_hidden": self.film.hidden, "freeze_backbone": self.freeze_backbone,
                 "year_mean": float(self.time_embed.year_mean), "year_std": float(self.time_embed.year_std),
                 "ranges": self.ranges, "multi_time": self.multi_time,
+                # options beside the paper's defaults: recorded only when set, so older checkpoints read alike
+                **({"passages": self.passages, "passage_context": self.passage_context} if self.passages else {}),
+                **({"normalize_sem": True} if self.normalize_sem else {}),
+                **({"year_encoding": self.time_embed.year_encoding,
+                    "year_periods": list(self.time_embed.year_periods)}
+                   if self.time_embed.year_encoding != "scalar" else {}),
                 **({"parser_years": [self.parser.first_year, self.parser.last_year],
                     "parser_fitted": self.parser_fitted} if self.parser is not None else {}),
                 "lora": self.lora_config}
@@ -329,12 +371,15 @@ class Re3Encoder(nn.Module):
     def fuse(self, e_sem: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
              end_values: Optional[torch.Tensor] = None, end_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``e_final`` (B, H) from cached/computed ``e_sem`` and the batched times (see
-        ``TimeTuple.batch``). ``end_values`` / ``end_mask``: the ends of intervals (``ranges="interval"``):
+        ``TimeTuple.batch``; ``normalize_sem``: ``e_sem`` L2-normalised first). ``end_values`` / ``end_mask``: the
+        ends of intervals (``ranges="interval"``):
         ``e_time = (E(start) + E(end)) / 2`` (exactly ``E(start)`` where the end equals the start). With
         ``use_time=False`` the times are ignored (all masked)."""
         if not self.use_time:
             mask = torch.zeros_like(mask)
             end_mask = None if end_mask is None else torch.zeros_like(end_mask)
+        if self.normalize_sem:
+            e_sem = F.normalize(e_sem, dim=-1)
         e_time = self.time_embed(values, mask)
         if end_values is not None:
             e_time = (e_time + self.time_embed(end_values, end_mask)) / 2
@@ -487,12 +532,20 @@ class Re3Encoder(nn.Module):
                      batch_size: int = 64) -> Tuple[torch.Tensor, torch.Tensor]:
         """The multi-time extension: ``(emb (M, H), owner (M,) int64)`` — one ``e_final`` per (text, time
         expression) with its interval, and one time-less vector for a text without a time; ``owner[k]`` is
-        the text of row k. Score with :meth:`score_multi`."""
+        the text of row k. Score with :meth:`score_multi`. With ``passages="date_windows"``: one ``e_final``
+        per passage (its own text and date, :meth:`passages_of`)."""
         if isinstance(texts, str):
             raise TypeError("texts must be a list of strings")
         was = self.training
         self.eval()
         try:
+            if self.passages is not None and times is None:
+                per = self.passages_of(texts, pub=pub, role=role)
+                owner = torch.tensor([i for i, ps in enumerate(per) for _ in ps], dtype=torch.int64)
+                flat = [p for ps in per for p in ps]
+                e_sem = self.semantic([t for t, _ in flat], batch_size=batch_size)
+                v, m, ve, me = interval_batch([ivs for _, ivs in flat], device=self.device)
+                return self.fuse(e_sem, v, m, ve, me).float().cpu(), owner
             ivs = self.intervals(texts, times=times, pub=pub, role=role, every=True, batch_size=batch_size)
             e_sem = self.semantic(texts, batch_size=batch_size)
             owner = torch.tensor([i for i, x in enumerate(ivs) for _ in range(max(1, len(x)))], dtype=torch.int64)
@@ -503,6 +556,36 @@ class Re3Encoder(nn.Module):
             return emb, owner
         finally:
             self.train(was)
+
+    def passages_of(self, texts: Sequence[str], *, pub=None, role: str = "document"
+                    ) -> List[List[Tuple[str, List[Tuple[TimeTuple, TimeTuple]]]]]:
+        """Per text, its passages as ``(passage text, [(start, end)] or [])`` (``passages="date_windows"``:
+        :func:`tempokern.text.time.date_passages` with ``passage_context``, dates resolved against ``pub``;
+        ``ranges="start"`` reads a range as its start). A query (``role="query"``) or an encoder without
+        passages: the text itself with its first time. ``doc_time="published"`` / ``"content_or_published"``:
+        a document without a date in its text is dated by ``pub``."""
+        if isinstance(texts, str):
+            raise TypeError("texts must be a list of strings")
+        texts = list(texts)
+        if self.passages is None or role != "document":
+            return [[(t, ivs)] for t, ivs in zip(texts, self.intervals(texts, pub=pub, role=role))]
+        pubs = [None] * len(texts) if pub is None else [_as_date(p, f"pub[{i}]") for i, p in enumerate(pub)]
+        if len(pubs) != len(texts):
+            raise ValueError(f"pub: expected {len(texts)} dates (one per text), got {len(pubs)}")
+        out = []
+        for t, p in zip(texts, pubs):
+            if self.doc_time == "published":
+                out.append([(t, [(TimeTuple.from_date(p),) * 2] if p is not None else [])])
+                continue
+            ps = []
+            for x in date_passages(t, context=self.passage_context, ref=p):
+                if x.time is None:
+                    iv = [(TimeTuple.from_date(p),) * 2] if (p is not None and self.doc_time != "content") else []
+                else:
+                    iv = [(x.time.start, x.time.start if self.ranges == "start" else x.time.end)]
+                ps.append((x.text, iv))
+            out.append(ps)
+        return out
 
     @staticmethod
     def score_multi(q: torch.Tensor, emb: torch.Tensor, owner: torch.Tensor, n: int) -> torch.Tensor:
@@ -713,4 +796,4 @@ class Re3Encoder(nn.Module):
 
 
 __all__ = ["Re3Encoder", "resolve_times", "resolve_intervals", "interval_batch", "backbone_checksum", "DOC_TIMES",
-           "TIME_PARSERS", "RANGES"]
+           "TIME_PARSERS", "RANGES", "PASSAGES"]

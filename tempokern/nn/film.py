@@ -13,6 +13,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+#: how MLP_y reads the year: the paper's normalised scalar, or (an extension) the scalar and sin / cos pairs
+YEAR_ENCODINGS = ("scalar", "multiscale")
+#: the multiscale encoding's default periods, in years
+YEAR_PERIODS = (10.0, 100.0, 1000.0)
+
+
 def _check_int(name, v, lo=1):
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
@@ -38,14 +44,30 @@ class TimeEmbedding(nn.Module):
     ignored). Unobserved blocks are exact zeros (``torch.where``), so a row with no observed part embeds to
     0. Observed values must be in range (month 1-12, dom 1-31, doy 1-366); masked values are ignored.
     ``year_mean`` / ``year_std`` (σ floored at 1 year) are buffers, saved with the state dict;
-    :meth:`set_year_stats` fits them to observed years. The output dtype is the module's."""
+    :meth:`set_year_stats` fits them to observed years. The output dtype is the module's.
 
-    def __init__(self, dim: int, *, year_mean: float = 2000.0, year_std: float = 10.0):
+    ``year_encoding``: ``"scalar"`` (the paper's, default): ``MLP_y`` reads the one number ``(y - μ_y)/σ_y``;
+    with σ_y of a century, neighbouring years differ by 0.01 input units, so ``h_y`` describes an era rather
+    than a year. ``"multiscale"`` (an extension, not in the paper): ``MLP_y`` reads
+    ``[(y - μ_y)/σ_y; φ(y, T_1); ...; φ(y, T_k)]`` for the periods ``year_periods`` (default 10, 100, 1000
+    years: one year turns the 10-year pair by 36°), ``Linear(1 + 2k, b)``. A period of 1 year is refused: on
+    integer years its sin / cos are constant."""
+
+    def __init__(self, dim: int, *, year_mean: float = 2000.0, year_std: float = 10.0,
+                 year_encoding: str = "scalar", year_periods=YEAR_PERIODS):
         super().__init__()
         _check_int("dim", dim)
+        if year_encoding not in YEAR_ENCODINGS:
+            raise ValueError(f"year_encoding must be one of {YEAR_ENCODINGS}, got {year_encoding!r}")
+        periods = tuple(float(t) for t in year_periods)
+        if year_encoding == "multiscale":
+            if not periods or any(not (math.isfinite(t) and t > 1) for t in periods):
+                raise ValueError(f"year_periods must be periods > 1 year, got {year_periods!r}")
         self.dim = dim
+        self.year_encoding = year_encoding
+        self.year_periods = periods if year_encoding == "multiscale" else ()
         self.block = b = -(-dim // 4)
-        self.mlp_y = nn.Sequential(nn.Linear(1, b), nn.GELU(), nn.Linear(b, b))
+        self.mlp_y = nn.Sequential(nn.Linear(1 + 2 * len(self.year_periods), b), nn.GELU(), nn.Linear(b, b))
         self.w_m = nn.Linear(2, b, bias=False)
         self.e_dom = nn.Embedding(32, b)
         self.w_doy = nn.Linear(2, b, bias=False)
@@ -72,7 +94,7 @@ class TimeEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, block={self.block}, year_mean={float(self.year_mean):.2f}, " \
-               f"year_std={float(self.year_std):.2f}"
+               f"year_std={float(self.year_std):.2f}, year_encoding={self.year_encoding!r}"
 
     def forward(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[1] != 4:
@@ -101,7 +123,11 @@ class TimeEmbedding(nn.Module):
         zero = torch.zeros((), dtype=dtype, device=dev)
         yn = ((y.to(torch.float64) - self.year_mean) / self.year_std).to(dtype)
         yn = torch.where(vy, yn, zero)  # keeps the masked rows' MLP input finite
-        h_y = torch.where(vy[:, None], self.mlp_y(yn[:, None]), zero)
+        x_y = yn[:, None]
+        if self.year_periods:
+            yr = torch.where(vy, y, 0).to(torch.float64)
+            x_y = torch.cat([x_y] + [periodic(yr, t).to(dtype) for t in self.year_periods], dim=1)
+        h_y = torch.where(vy[:, None], self.mlp_y(x_y), zero)
         h_m = torch.where(vm[:, None], self.w_m(periodic(m.to(dtype), 12.0)), zero)
         h_dom = torch.where(vd[:, None], self.e_dom(torch.where(vd, dom, 0)), zero)
         h_doy = torch.where(vdoy[:, None], self.w_doy(periodic(doy.to(dtype), 366.0)), zero)
@@ -151,4 +177,4 @@ class FiLM(nn.Module):
         return F.normalize(h, dim=-1)
 
 
-__all__ = ["TimeEmbedding", "FiLM", "periodic"]
+__all__ = ["TimeEmbedding", "FiLM", "periodic", "YEAR_ENCODINGS", "YEAR_PERIODS"]

@@ -202,6 +202,9 @@ _YEAR = r"(?P<{g}>[12][0-9]{{3}})"
 _WD = r"(?:(?i:monday|tuesday|wednesday|thursday|friday|saturday|sunday|mon|tue|tues|wed|thu|thur|thurs|fri|sat|sun)\b\.?,?\s+)?"
 _RANGE_SEP = r"\s*(?:-|–|—|(?i:to|until|till|through|thru|and))\s*"
 _END = r"(?![0-9])"
+# the separator before a year: a comma or not, spaces after it; also a space before the comma, as tokenised text
+# (TimeQA: "November 15 , 1988", "15 November , 1988") writes it
+_COMMA = r"(?:\s*,\s*|\s+)"
 _BEG = r"(?<![0-9A-Za-z$€£#.,/-])"
 
 
@@ -313,13 +316,13 @@ def _mm_yyyy(m, text, ref, opts):
 
 # ---- named months ------------------------------------------------------------------------------------------
 @_rule(r"\b" + _WD + _mon() + r"\s+" + _day() + r"(?:" + _RANGE_SEP + r"(?:" + _mon("mon2") + r"\s+)?"
-       + _day("day2") + r")?\b,?\s+(?:(?i:of)\s+)?" + _year() + _END)
+       + _day("day2") + r")?\b" + _COMMA + r"(?:(?i:of)\s+)?" + _year() + _END)
 def _mon_d_yyyy(m, text, ref, opts):
     return _day_tuple(int(m["year"]), _month_of(m["mon"]), int(m["day"]))
 
 
 @_rule(r"\b" + _WD + r"(?:(?i:the)\s+)?" + _day() + r"(?:" + _RANGE_SEP + r"(?:(?i:the)\s+)?" + _day("day2")
-       + r")?\s+(?:(?i:of)\s+)?" + _mon() + r",?\s+" + _year() + _END)
+       + r")?\s+(?:(?i:of)\s+)?" + _mon() + _COMMA + _year() + _END)
 def _d_mon_yyyy(m, text, ref, opts):
     return _day_tuple(int(m["year"]), _month_of(m["mon"]), int(m["day"]))
 
@@ -339,7 +342,7 @@ def _d_mon(m, text, ref, opts):
 
 
 @_rule(r"\b(?:(?P<part>(?i:early|mid|late|end\s+of|the\s+end\s+of|beginning\s+of|the\s+beginning\s+of|"
-       r"the\s+start\s+of|start\s+of))[\s-]+)?" + _mon() + r",?\s+(?:(?i:of)\s+)?" + _year() + _END)
+       r"the\s+start\s+of|start\s+of))[\s-]+)?" + _mon() + _COMMA + r"(?:(?i:of)\s+)?" + _year() + _END)
 def _mon_yyyy(m, text, ref, opts):
     return TimeTuple.partial(int(m["year"]), _month_of(m["mon"]))
 
@@ -612,4 +615,61 @@ def parse_times(texts: Sequence[str], *, refs=None, season_months: bool = False)
     return [parse_time(t, ref=r, season_months=season_months) for t, r in zip(texts, refs)]
 
 
-__all__ = ["TimeTuple", "TimeSpan", "parse_time", "parse_times", "find_time", "find_times"]
+# ================================================================================================ passages
+#: a sentence ends at . ! ? followed by space and an upper-case letter, a digit or an opening quote / bracket,
+#: unless the word before the stop is one letter (an initial: "Newton D . Baker") or a common abbreviation
+_SENT_END = re.compile(r"[.!?]+(?=\s+[\"'(\[A-Z0-9])")
+_ABBREV = {"mr", "mrs", "ms", "dr", "st", "jr", "sr", "prof", "gen", "col", "lt", "capt", "sgt", "rev", "hon", "no",
+           "vs", "etc", "inc", "co", "corp", "ltd", "mt", "ft", "u.s", "u.k", "jan", "feb", "mar", "apr", "jun",
+           "jul", "aug", "sep", "sept", "oct", "nov", "dec", "vol", "pp", "fig", "op", "ca", "c"}
+
+
+def sentence_spans(text: str) -> List[Tuple[int, int]]:
+    """Character spans of the sentences of ``text`` (rule-based; also for tokenised text such as TimeQA's,
+    where the stop is written apart from its word: ``"... in 1794 . After ..."``)."""
+    if not isinstance(text, str):
+        raise TypeError(f"text: expected str, got {type(text).__name__}")
+    out, start = [], 0
+    for m in _SENT_END.finditer(text):
+        before = text[start:m.start()].rstrip().split()
+        word = before[-1].lower() if before else ""
+        if len(word) == 1 and word.isalpha() or word in _ABBREV:
+            continue
+        out.append((start, m.end()))
+        start = m.end()
+        while start < len(text) and text[start].isspace():
+            start += 1
+    if start < len(text) and text[start:].strip():
+        out.append((start, len(text)))
+    return out or [(0, len(text))]
+
+
+class Passage(NamedTuple):
+    """One passage of a text: its ``text``, its date ``time`` (a :class:`TimeSpan`; None for a text without
+    any date, whose one passage is the whole text) and the character ``span`` of the passage in the text."""
+    text: str
+    time: Optional[TimeSpan]
+    span: Tuple[int, int]
+
+
+def date_passages(text: str, *, context: int = 1, ref=None, season_months: bool = False) -> List[Passage]:
+    """One passage per date expression of ``text`` (:func:`find_times`, reading order): the sentence that holds
+    the expression and ``context`` sentences on either side, with that one expression as its time (Re³'s
+    one-time passages; a paragraph that names many periods becomes many passages, each about one of them).
+    A text without a date is one passage, the whole text, with ``time=None``."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise ValueError(f"context must be an int >= 0, got {context!r}")
+    spans = find_times(text, ref=ref, season_months=season_months)
+    if not spans:
+        return [Passage(text, None, (0, len(text)))]
+    sents = sentence_spans(text)
+    out = []
+    for sp in spans:
+        i = next((k for k, (a, b) in enumerate(sents) if a <= sp.span[0] < b), len(sents) - 1)
+        a, b = sents[max(0, i - context)][0], sents[min(len(sents) - 1, i + context)][1]
+        out.append(Passage(text[a:b].strip(), sp, (a, b)))
+    return out
+
+
+__all__ = ["TimeTuple", "TimeSpan", "parse_time", "parse_times", "find_time", "find_times", "Passage",
+           "date_passages", "sentence_spans"]

@@ -9,6 +9,7 @@ resume from ``out_dir/last``, JSONL logs (``out_dir/log.jsonl``).
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -35,6 +36,10 @@ VARIANTS: Dict[str, dict] = {
     "film_margins": dict(train=True, lora=False, use_time=True, margins=True),
     "lora": dict(train=True, lora=True, use_time=False, margins=False),
 }
+
+
+#: Re3Config.film_times choices
+FILM_TIMES = ("model", "silver")
 
 
 @dataclass
@@ -69,6 +74,10 @@ class Re3Config:
     # silver labels (the data's time fields, else the rule parser) when the model's are not fitted yet
     parser_epochs: int = 30
     parser_lr: float = 1e-2
+    # which times the FiLM modules train on: "model" (the times the model reads at evaluation: a learned-parser
+    # model's own predictions once its heads are fitted; the rules otherwise) or "silver" (always the data's
+    # time fields / the rule parser, also for a learned-parser model)
+    film_times: str = "model"
 
     def validate(self) -> "Re3Config":
         if self.variant not in VARIANTS:
@@ -77,6 +86,8 @@ class Re3Config:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "epochs" else 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.film_times not in FILM_TIMES:
+            raise ValueError(f"film_times must be one of {FILM_TIMES}, got {self.film_times!r}")
         if self.batch_size < 2:
             raise ValueError("batch_size must be >= 2 (in-batch negatives)")
         for name in ("temperature", "parser_lr"):
@@ -141,6 +152,9 @@ class Re3Result:
     encode_seconds: float = 0.0
     train_seconds: float = 0.0
     num_examples: int = 0
+    #: with ``dev_eval``: ``[{"epoch", "dev"}]`` (epoch 0 = before training) and the epoch whose weights were kept
+    dev_history: List[dict] = field(default_factory=list)
+    best_epoch: Optional[int] = None
 
 
 # ---- data ---------------------------------------------------------------------------------------------------
@@ -167,7 +181,8 @@ def examples_from_synth(synth, *, require_tw: bool = False) -> List[Re3Example]:
 
 
 def examples_from_dataset(dataset, split: str = "train") -> List[Re3Example]:
-    """Training triples from the queries of one split: the first gold document is the positive;
+    """Training triples from the queries of one split: the best-scored gold document is the positive (a query
+    whose documents all score <= 0 — judged, not relevant — has none and is skipped);
     ``meta["time_wrong_twin"]`` (when present) the time-wrong negative; ``meta["query_time"]`` the
     reference date."""
     out = []
@@ -175,10 +190,113 @@ def examples_from_dataset(dataset, split: str = "train") -> List[Re3Example]:
         if q.split != split or not q.gold:
             continue
         pos = max(q.gold, key=lambda d: q.gold[d])
+        if not q.gold[pos] > 0:     # only judged non-relevant documents (score <= 0): no positive
+            continue
         out.append(Re3Example(q.text, pos, q.meta.get("time_wrong_twin"), q.meta.get("query_time")))
     if not out:
         raise ValueError(f"dataset {dataset.name!r} has no query with gold documents in split {split!r}")
     return out
+
+
+def _day_range(start: TimeTuple, end: TimeTuple):
+    """The (first, last) proleptic ordinal days an interval covers (a missing month / day widens it); None
+    without a year."""
+    import calendar as _cal
+    import datetime as _dt
+    if not (start.mask[0] and end.mask[0]):
+        return None
+    m0 = start.month if start.mask[1] else 1
+    d0 = start.day if (start.mask[1] and start.mask[2]) else 1
+    m1 = end.month if end.mask[1] else 12
+    d1 = end.day if (end.mask[1] and end.mask[2]) else _cal.monthrange(end.year, m1)[1]
+    a, b = _dt.date(start.year, m0, d0).toordinal(), _dt.date(end.year, m1, d1).toordinal()
+    return (a, b) if a <= b else (b, a)
+
+
+def time_wrong_twins(dataset, queries, *, group_key: str = "page", candidates=None, log: Callable = print
+                     ) -> Dict[Any, Any]:
+    """``{query id: record id | None}``: each query's **time-wrong twin** — a record of the same group
+    (``meta[group_key]``, e.g. the same TimeQA page) that is not relevant to it (qrels score <= 0 or absent)
+    and whose dates all lie **outside** the query's interval (no date expression of the record overlaps it,
+    day ranges from the rule parser, a missing month / day widening a date to its year / month). Among those,
+    the one whose nearest date is closest to the query's interval (then the first in the dataset's order):
+    the same subject at another time, the negative Eq. 12's L_tw is written for. None where the query has no
+    dated interval or its group has no such record (the example then has no L_tw term). ``candidates``: the
+    records to choose from (default: every record of the dataset). Logs the coverage."""
+    recs = list(candidates if candidates is not None else dataset.records)
+    by_group: Dict[Any, List[Any]] = {}
+    for r in recs:
+        g = (r.meta or {}).get(group_key)
+        if g is not None:
+            by_group.setdefault(g, []).append(r)
+    need = {g for g in ((q.meta or {}).get(group_key) for q in queries) if g is not None}
+    pool = [r for g in need for r in by_group.get(g, ())]
+    rdays = {}
+    if pool:
+        every = resolve_intervals([r.text for r in pool], pub=[r.published for r in pool], role="document",
+                                  every=True)
+        for r, ivs in zip(pool, every):
+            rdays[r.id] = [x for x in (_day_range(a, b) for a, b in ivs) if x is not None]
+    qivs = resolve_intervals([q.text for q in queries], pub=[(q.meta or {}).get("query_time") for q in queries],
+                             role="query")
+    out, no_time = {}, 0
+    for q, ivs in zip(queries, qivs):
+        qd = _day_range(*ivs[0]) if ivs else None
+        g = (q.meta or {}).get(group_key)
+        if qd is None:
+            no_time += 1
+            out[q.id] = None
+            continue
+        best, best_gap = None, None
+        for r in by_group.get(g, ()):
+            days = rdays.get(r.id) or []
+            if not days or (q.gold or {}).get(r.id, 0) > 0:
+                continue
+            if any(a <= qd[1] and qd[0] <= b for a, b in days):
+                continue
+            gap = min(qd[0] - b if b < qd[0] else a - qd[1] for a, b in days)
+            if best_gap is None or gap < best_gap:
+                best, best_gap = r.id, gap
+        out[q.id] = best
+    n = len(out)
+    have = sum(v is not None for v in out.values())
+    log(f"re3: time-wrong twins (same {group_key}, every date outside the query's interval) for {have}/{n} "
+        f"queries; {no_time} without a dated interval, {n - have - no_time} whose {group_key} has no such record "
+        "(no L_tw term for them)")
+    return out
+
+
+def dev_groups(groups, *, share: float = 0.12, seed: int = 0) -> set:
+    """The groups (e.g. training pages) set apart for epoch selection: those whose
+    ``sha256(f"re3-dev:{seed}:{group}")`` falls in the first ``share`` of the hash range — fixed per (group,
+    seed), independent of the other groups. At least one group when ``share > 0`` and there are two or more."""
+    import hashlib
+    if not 0 <= share < 1:
+        raise ValueError(f"share must be in [0, 1), got {share!r}")
+    groups = sorted(set(groups), key=str)
+    h = {g: int(hashlib.sha256(f"re3-dev:{seed}:{g}".encode("utf-8")).hexdigest(), 16) / 2.0 ** 256 for g in groups}
+    out = {g for g in groups if h[g] < share}
+    if not out and share > 0 and len(groups) >= 2:
+        out = {min(groups, key=lambda g: h[g])}
+    return out
+
+
+def dev_scorer(dataset, queries, *, metric: str = "nDCG@10", batch_size: int = 64) -> Callable:
+    """``model -> float``: the mean ``metric`` of ``queries`` ranked (:func:`re3_runs`) over ``dataset``'s
+    records (give a dataset of the dev groups' records only). For ``train_re3(dev_eval=...)``."""
+    from ..datasets import RetrievalDataset
+    qs = [q for q in queries if any(v > 0 for v in (q.gold or {}).values())]
+    if not qs:
+        raise ValueError("dev_scorer: no query with a relevant document")
+    qs = [dataclasses.replace(q, split="dev") for q in qs]
+    ds = RetrievalDataset(f"{dataset.name}[re3-dev]", list(dataset.records), qs, dataset.calendar)
+
+    def score(model) -> float:
+        runs = re3_runs(model, ds, ["dev"], depth=min(100, len(ds.records)), batch_size=batch_size)
+        return float(re3_eval(ds, runs)["dev"][metric])
+    score.queries = len(qs)
+    score.records = len(ds.records)
+    return score
 
 
 def _as_given_all(g):
@@ -293,8 +411,9 @@ class Re3Trainer:
     with ``forward(q, d, d_tw=None, doc_ids=None) -> (loss, parts)`` works."""
 
     def __init__(self, model, docs: Mapping[Any, Any], examples: Sequence[Re3Example], config: Optional[Re3Config] = None,
-                 out_dir=None, *, loss_fn=None, log: Callable = print):
+                 out_dir=None, *, loss_fn=None, log: Callable = print, dev_eval: Optional[Callable] = None):
         self.cfg = (config or Re3Config()).validate()
+        self.dev_eval = dev_eval
         self.model, self.log = model, log
         self.out = Path(out_dir) if out_dir is not None else None
         self.variant = VARIANTS[self.cfg.variant]
@@ -323,6 +442,7 @@ class Re3Trainer:
                                 [self.docs[d].time for d in doc_ids], "document")
         qtexts = [e.query for e in ex]
         qtimes = _resolve_batch(m, qtexts, [e.query_ref for e in ex], [e.query_time for e in ex], "query")
+        self.dpubs, self.qrefs = [self.docs[d].published for d in doc_ids], [e.query_ref for e in ex]
         self.dtexts, self.qtexts = dtexts, qtexts
         self.dtimes, self.qtimes = dtimes, qtimes
         # (start, end) of each text's first interval: the ends enter e_time with ranges="interval"
@@ -332,7 +452,10 @@ class Re3Trainer:
         # multi-time (an extension): a document is trained with its time closest to the query's (per example,
         # for the positive and the time-wrong negative), as it is scored by its best-matching time
         self.ex_times = None
-        if getattr(m, "multi_time", False):
+        self.ex_rows = None
+        if getattr(m, "passages", None) is not None:
+            years += self._prepare_passages(doc_ids, qtimes)
+        elif getattr(m, "multi_time", False):
             every = [_as_given_all(self.docs[d].time) for d in doc_ids]
             todo = [i for i, g in enumerate(every) if g is None]
             if todo:
@@ -347,6 +470,45 @@ class Re3Trainer:
             self.ex_times = (interval_batch(pos), interval_batch(tw))
             years += [t.year for ivs in every for iv in ivs for t in iv if t.mask[0]]
         return years
+
+    def _prepare_passages(self, doc_ids, qtimes) -> List[int]:
+        """``passages="date_windows"``: each example's positive and time-wrong negative are trained as their
+        passage whose date is closest to the query's (:func:`best_matching`; the first passage when the query
+        has no time or the document no date), with that passage's own ``e_sem``. Replaces ``dtexts`` by the
+        distinct passage texts; returns the passages' observed years (for μ_y, σ_y)."""
+        m, ex = self.model, self.examples
+        per = m.passages_of([self.docs[d].text for d in doc_ids], pub=[self.docs[d].published for d in doc_ids],
+                            role="document")
+        rows: Dict[str, int] = {}
+
+        def pick(doc, q):
+            units = per[self.doc_row[doc]]
+            timed = [iv for _, ivs in units for iv in ivs[:1]]
+            want = best_matching(timed, q) if timed else []
+            k = next((i for i, (_, ivs) in enumerate(units) if want and ivs[:1] == want), 0)
+            text, ivs = units[k]
+            return rows.setdefault(text, len(rows)), ivs[:1]
+
+        pos = [pick(e.positive, q) for e, q in zip(ex, qtimes)]
+        tw = [pick(e.tw_negative, q) if e.tw_negative is not None else pos[i]
+              for i, (e, q) in enumerate(zip(ex, qtimes))]
+        self.dtexts = list(rows)
+        self.ex_rows = (torch.tensor([r for r, _ in pos], dtype=torch.int64),
+                        torch.tensor([r for r, _ in tw], dtype=torch.int64))
+        self.ex_times = (interval_batch([iv for _, iv in pos]), interval_batch([iv for _, iv in tw]))
+        self.num_passages = sum(len(u) for u in per)
+        return [t.year for ps in per for _, ivs in ps for iv in ivs for t in iv if t.mask[0]]
+
+    def _use_model_times(self) -> None:
+        """``film_times="model"`` with a fitted learned parser: the training texts' times become the parser's
+        predictions (what the model reads at evaluation), replacing the silver labels it was fitted on."""
+        m = self.model
+        self.dtimes = m.intervals(self.dtexts, pub=self.dpubs, role="document")
+        self.qtimes = m.intervals(self.qtexts, pub=self.qrefs, role="query")
+        self.dv, self.dm, self.dve, self.dme = interval_batch(self.dtimes)
+        self.qv, self.qm, self.qve, self.qme = interval_batch(self.qtimes)
+        self.log(f"re3: the time modules train on the learned parser's times ({sum(map(bool, self.dtimes))}/"
+                 f"{len(self.dtimes)} documents, {sum(map(bool, self.qtimes))}/{len(self.qtimes)} queries dated)")
 
     def _doc_times(self, rows: torch.Tensor, idx: torch.Tensor, which: int, dev):
         """(values, mask, end values, end mask) of the documents ``rows`` for the examples ``idx``: the
@@ -382,13 +544,15 @@ class Re3Trainer:
         has_tw = [e.tw_negative is not None for e in ex]
         tw = torch.tensor([self.doc_row[e.tw_negative] if e.tw_negative is not None else self.doc_row[e.positive]
                            for e in ex])
+        # rows of d_sem: the documents' (or, with passages, each example's chosen passages')
+        prow, trow = (pos, tw) if self.ex_rows is None else (self.ex_rows[0][idx], self.ex_rows[1][idx])
         if self.cache:
-            q_sem, d_sem = self.q_sem[idx].to(dev), self.d_sem[pos].to(dev)
-            t_sem = self.d_sem[tw].to(dev)
+            q_sem, d_sem = self.q_sem[idx].to(dev), self.d_sem[prow].to(dev)
+            t_sem = self.d_sem[trow].to(dev)
         else:
             q_sem = m.semantic([self.qtexts[i] for i in idx.tolist()], grad=True)
-            d_sem = m.semantic([self.dtexts[i] for i in pos.tolist()], grad=True)
-            t_sem = m.semantic([self.dtexts[i] for i in tw.tolist()], grad=True) if any(has_tw) else None
+            d_sem = m.semantic([self.dtexts[i] for i in prow.tolist()], grad=True)
+            t_sem = m.semantic([self.dtexts[i] for i in trow.tolist()], grad=True) if any(has_tw) else None
         q = m.fuse(q_sem, self.qv[idx].to(dev), self.qm[idx].to(dev), self.qve[idx].to(dev), self.qme[idx].to(dev))
         d = m.fuse(d_sem, *self._doc_times(pos, idx, 0, dev))
         lh, lt = self.cfg.loss_weights()
@@ -425,6 +589,9 @@ class Re3Trainer:
             times = [ivs[0][0] if ivs else None for ivs in self.dtimes + self.qtimes]
             fit_time_parser(m, texts, times=times, epochs=cfg.parser_epochs, lr=cfg.parser_lr,
                             batch_size=cfg.encode_batch_size, seed=cfg.seed, log=self.log)
+        if (getattr(m, "parser", None) is not None and m.parser_fitted and cfg.film_times == "model"
+                and self.ex_times is None and self.variant["train"]):
+            self._use_model_times()
         if not self.variant["train"]:
             if cfg.fit_year_stats and years:
                 m.time_embed.set_year_stats(years)
@@ -471,6 +638,31 @@ class Re3Trainer:
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
             logf = open(self.out / "log.jsonl", "a")
+        # epoch selection on a dev set (dev_eval): epoch 0 is the model before training
+        dev = {"history": [], "best_epoch": None, "best": None, "state": None}
+        if resume and st.get("dev"):
+            dev = st["dev"]
+
+        def dev_step(epoch):
+            if self.dev_eval is None:
+                return
+            was = m.training
+            m.eval()
+            try:
+                v = float(self.dev_eval(m))
+            finally:
+                m.train(was)
+            dev["history"].append({"epoch": epoch, "dev": v})
+            better = dev["best"] is None or v > dev["best"]
+            if better:
+                dev.update(best=v, best_epoch=epoch, state=_trainable_state(m))
+            self.log(f"re3: dev {v:.4f} after epoch {epoch}" + (" (best so far)" if better else ""))
+            if logf:
+                logf.write(json.dumps({"event": "dev", "epoch": epoch, "dev": v, "best_epoch": dev["best_epoch"]}) + "\n")
+                logf.flush()
+
+        if not dev["history"]:
+            dev_step(0)
         m.train()
         t0 = time.time()
         last_loss = None
@@ -505,23 +697,28 @@ class Re3Trainer:
                         bar.set_postfix(loss=f"{last_loss:.4f}")
                     if cfg.max_steps is not None and step >= cfg.max_steps:
                         break
+                dev_step(epoch + 1)
                 if self.out is not None:
                     _save_bytes(self._last_dir() / "trainer_state.pt",
                                 {"variant": cfg.variant, "model": _trainable_state(m), "optimizer": opt.state_dict(),
                                  "scheduler": sched.state_dict(), "epoch": epoch, "step": step, "history": history,
                                  "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
-                                 "config": asdict(cfg)})
+                                 "config": asdict(cfg), "dev": dev})
                 if cfg.stop_after_epochs is not None and epoch + 1 - start_epoch >= cfg.stop_after_epochs:
                     break
         finally:
             torch.set_num_threads(threads)
             if logf:
                 logf.close()
+        if dev["state"] is not None:
+            m.load_state_dict(dev["state"], strict=False)
+            self.log(f"re3: kept the weights of epoch {dev['best_epoch']} (dev {dev['best']:.4f}; epoch 0 = untrained)")
         m.eval()
         train_s = time.time() - t0
         if self.out is not None:
             m.save(self.out / "model")
-        return Re3Result(step, history, last_loss, time.time() - t_start, enc_s, train_s, len(self.examples))
+        return Re3Result(step, history, last_loss, time.time() - t_start, enc_s, train_s, len(self.examples),
+                         [dict(h) for h in dev["history"]], dev["best_epoch"])
 
     def _last_dir(self) -> Path:
         d = self.out / "last"
@@ -554,9 +751,15 @@ def build_re3_model(backbone, config: Optional[Re3Config] = None, **kw):
 
 
 def train_re3(model, docs, examples, config: Optional[Re3Config] = None, out_dir=None, *, resume: bool = False,
-              loss_fn=None, log: Callable = print) -> Re3Result:
-    """Train a Re3Encoder's time modules (frozen backbone: on cached ``e_sem``) or its LoRA backbone."""
-    return Re3Trainer(model, docs, examples, config, out_dir, loss_fn=loss_fn, log=log).fit(resume=resume)
+              loss_fn=None, log: Callable = print, dev_eval: Optional[Callable] = None) -> Re3Result:
+    """Train a Re3Encoder's time modules (frozen backbone: on cached ``e_sem``) or its LoRA backbone.
+
+    ``dev_eval``: ``model -> float`` (higher is better; e.g. :func:`dev_scorer` on groups set apart from the
+    training data by :func:`dev_groups`), evaluated before training (epoch 0) and after every epoch; the
+    trainable weights of the best epoch (the earliest on a tie, so the untrained model when no epoch beats
+    it) are kept at the end. Without it the last epoch's weights are kept."""
+    return Re3Trainer(model, docs, examples, config, out_dir, loss_fn=loss_fn, log=log,
+                      dev_eval=dev_eval).fit(resume=resume)
 
 
 # ---- evaluation ---------------------------------------------------------------------------------------------
@@ -599,7 +802,7 @@ def re3_runs(model, dataset, splits: Sequence[str], *, depth: int = 100, batch_s
     recs = dataset.records
     texts_g = [r.text for r in recs]
     pub_g = [r.published for r in recs]
-    multi = bool(getattr(model, "multi_time", False)) and not base
+    multi = (bool(getattr(model, "multi_time", False)) or getattr(model, "passages", None) is not None) and not base
     g_multi = None
     if multi:
         g_multi = model.encode_multi(texts_g, pub=pub_g, role="document", batch_size=batch_size)
@@ -676,4 +879,4 @@ def re3_eval(dataset, runs: Mapping[str, Mapping[str, Mapping[str, float]]]) -> 
 
 __all__ = ["Re3Config", "Re3Example", "Re3Doc", "Re3Result", "Re3Trainer", "VARIANTS", "train_re3",
            "build_re3_model", "examples_from_synth", "examples_from_dataset", "docs_from_dataset", "re3_runs",
-           "re3_eval", "fit_time_parser", "NO_TIME"]
+           "re3_eval", "fit_time_parser", "NO_TIME", "FILM_TIMES", "time_wrong_twins", "dev_groups", "dev_scorer"]
