@@ -20,12 +20,22 @@ EPOCHS = {"quick": 10, "full": 10}
 LR = 1e-3
 
 
+def _split_runs(model, ctx) -> dict:
+    """``{split: run}`` of a Re³ model, each split ranked over its own gallery (the semantic cache encodes a
+    text once)."""
+    from ...training.re3 import re3_runs
+    runs = {}
+    for split in ctx.eval_splits:
+        runs.update(re3_runs(model, ctx.eval_dataset(split), [split], depth=ctx.depth,
+                             batch_size=ctx.budget.eval_batch_size))
+    return runs
+
+
 def _run(variant: str, **model_kw):
     def run(ctx):
         import torch
 
-        from ...training.re3 import (Re3Config, build_re3_model, docs_from_dataset, examples_from_synth, re3_runs,
-                                     train_re3)
+        from ...training.re3 import Re3Config, build_re3_model, docs_from_dataset, examples_from_synth, train_re3
 
         class _Rows:      # the budget's rows (same for every method of this seed), with the synth's queries
             def __init__(self, synth, rows):
@@ -45,10 +55,7 @@ def _run(variant: str, **model_kw):
         res = train_re3(model, docs_from_dataset(ctx.dataset), examples, cfg, ctx.work_dir, resume=resume, log=ctx.log)
         train_s = time.time() - t0
         t1 = time.time()
-        runs = {}
-        for split in ctx.eval_splits:   # each split over its own gallery (the semantic cache encodes a text once)
-            runs.update(re3_runs(model, ctx.eval_dataset(split), [split], depth=ctx.depth,
-                                 batch_size=ctx.budget.eval_batch_size))
+        runs = _split_runs(model, ctx)
         info = {"train_seconds": round(train_s, 2), "encode_seconds": round(res.encode_seconds, 2),
                 "fit_seconds": round(res.train_seconds, 2), "eval_seconds": round(time.time() - t1, 2),
                 "steps": res.steps, "examples": res.num_examples, "variant": variant, "epochs": cfg.epochs,
@@ -100,7 +107,7 @@ def _run_passages(**model_kw):
 
         from ...datasets import RetrievalDataset
         from ...training.re3 import (Re3Config, Re3Example, build_re3_model, dev_groups, dev_scorer,
-                                     docs_from_dataset, re3_runs, time_wrong_twins, train_re3)
+                                     docs_from_dataset, time_wrong_twins, train_re3)
 
         ds = ctx.dataset
         qby = {q.id: q for q in ds.queries}
@@ -137,8 +144,7 @@ def _run_passages(**model_kw):
                         dev_eval=dev_eval)
         train_s = time.time() - t0
         t1 = time.time()
-        runs = re3_runs(model, ctx.eval_dataset(), ctx.eval_splits, depth=ctx.depth,
-                        batch_size=ctx.budget.eval_batch_size)
+        runs = _split_runs(model, ctx)
         info = {"train_seconds": round(train_s, 2), "encode_seconds": round(res.encode_seconds, 2),
                 "fit_seconds": round(res.train_seconds, 2), "eval_seconds": round(time.time() - t1, 2),
                 "steps": res.steps, "examples": res.num_examples, "variant": cfg.variant, "epochs": cfg.epochs,
