@@ -233,3 +233,32 @@ def truncate_log(path, step: int) -> int:
     if dropped:
         atomic_write(path, "".join(l + "\n" for l in keep))
     return dropped
+
+
+def save_state_dir(where, state: dict) -> None:
+    """Write a checkpoint directory holding only the trainer state (Re³'s ``last/``: its trainable weights
+    are in the state) under a checksum manifest, atomically (built aside, swapped into place)."""
+    import shutil
+    import tempfile
+    from .._files import tmp_prefix
+    from .._util import recover_dir
+    from ..models.checkpoint import check_save_target, finish_checkpoint, write_extra_files
+    where = Path(where)
+    where.parent.mkdir(parents=True, exist_ok=True)
+    recover_dir(where)
+    check_save_target(where)
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(where.name), dir=where.parent))
+    try:
+        write_extra_files(tmp, {STATE_FILE: state_bytes(state)})
+        finish_checkpoint(tmp, where)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_state_dir(where) -> dict:
+    """Verify the checkpoint directory `where` against its manifest, then read its trainer state."""
+    from ..models.checkpoint import verify_checkpoint
+    where = Path(where)
+    verify_checkpoint(where)
+    return load_state(where / STATE_FILE)

@@ -871,7 +871,7 @@ def evaluate_dims(model, dataset, split: str = "test", dims: Optional[Sequence[i
     return_runs: ``(rows, {dim: {qid: {doc_id: cosine}}})``, the rankings the rows are computed from."""
     runs = runs_by_dim(model, dataset, (split,), dims, depth=depth, batch_size=batch_size)
     qs = _split_queries(dataset, split)
-    qrels = {q.id: {d: r for d, r in q.gold.items() if r > 0} for q in qs}
+    qrels = {q.id: {d: q.gold[d] for d in q.relevant_ids()} for q in qs}   # score > 0 (is_relevant)
     qrels = {q: g for q, g in qrels.items() if g}
     if not qrels:
         raise ValueError(f"no query of split {split!r} has a relevant record")
