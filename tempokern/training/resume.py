@@ -200,7 +200,7 @@ def check_resume(state_file, state: Mapping, config, fingerprint: Mapping, *, an
         return
     raise ResumeMismatch(f"cannot resume from {state_file}: the settings or data differ from the saved run's: "
                          f"{what}. Resume with the run's own settings and data, start a new run (--overwrite or "
-                         f"another --out), or give --resume-anyway to continue regardless")
+                         f"another --out), or give --resume-anyway (resume_anyway=True) to continue regardless")
 
 
 def mutable_notes(saved: Mapping, current: Mapping) -> list:
