@@ -475,7 +475,7 @@ class Re3Trainer:
             step, history = st["step"], st["history"]
             _resume.set_rng_state(st["rng"])
             _resume.truncate_log(self.out / "log.jsonl", step)
-            self.log(f"re3: resumed from {st_file.parent} at epoch {start_epoch + 1}, batch {skip}, step {step}")
+            self.log(f"re3: resumed from {st_file.parent} at epoch {start_epoch} (0-based), batch {skip}, step {step}")
         logf = None
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)

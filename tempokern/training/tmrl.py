@@ -709,7 +709,7 @@ class TMRLTrainer:
             _resume.set_rng_state(st["rng"])
             if self.rank == 0:
                 _resume.truncate_log(self.out / "log.jsonl", step)
-            self.log(f"resumed from {last} at epoch {start_epoch + 1}, batch {skip}, step {step}")
+            self.log(f"resumed from {last} at epoch {start_epoch} (0-based), batch {skip}, step {step}")
         logf = None
         if self.out is not None and self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
