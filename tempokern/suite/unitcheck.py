@@ -20,7 +20,7 @@ def _numbers(vals) -> bool:
 def _split_problem(sp: str, table, dataset) -> Optional[str]:
     if not isinstance(table, dict):
         return f"split {sp!r} is not a table"
-    want = [q.id for q in dataset.queries if q.split == sp and any(r > 0 for r in q.gold.values())]
+    want = [q.id for q in dataset.queries if q.split == sp and q.relevant_ids()]
     got = table.get("qids")
     if not isinstance(got, list):
         return f"split {sp!r} has no 'qids' list"

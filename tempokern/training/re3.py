@@ -679,7 +679,7 @@ def re3_eval(dataset, runs: Mapping[str, Mapping[str, Mapping[str, float]]]) -> 
         if not qrels:
             continue
         row = dict(re3_metrics({q: dict(s) for q, s in run.items()}, qrels, ks=(1, 5)))
-        per = [per_query_metrics(rank_documents(run.get(qid) or {}), {d for d, r in gold.items() if r > 0}, ks=(1,))
+        per = [per_query_metrics(rank_documents(run.get(qid) or {}), set(gold), ks=(1,))
                for qid, gold in qrels.items()]
         row.update({m: sum(p[m] for p in per) / len(per) for m in ("MRR@10", "nDCG@10")})
         errs = {"time_wrong": 0, "entity_wrong": 0, "attribute_wrong": 0, "other": 0}

@@ -40,8 +40,8 @@ def bm25_ranked_runs(ctx, gold_first: bool):
         where = _pos(ctx, doc_ids)
         for i, q in enumerate(qs):
             gold = np.zeros(len(doc_ids))
-            for d, rel in q.gold.items():
-                if rel > 0 and d in where:
+            for d in q.relevant_ids():
+                if d in where:
                     gold[where[d]] = 1.0
             tie = gold if gold_first else -gold
             # primary key score (descending), secondary the gold flag
