@@ -194,6 +194,15 @@ def test_ctd_mid_epoch_resume_bit_identical_and_checks(tmp_path):
     assert res.steps == 2 * nb
     _same_weights(tmp_path / "a" / "last", tmp_path / "b" / "last")
     assert _steps(tmp_path / "b" / "log.jsonl") == list(range(1, 2 * nb + 1))
+    # a flipped byte in the weights or the trainer state: a checksum error naming the file
+    for name in ("model.safetensors", "trainer_state.pt"):
+        f = tmp_path / "b" / "last" / name
+        good = f.read_bytes()
+        f.write_bytes(good[:-9] + bytes([good[-9] ^ 1]) + good[-8:])
+        with pytest.raises(CheckpointError, match=f"{f} does not match its checksum"):
+            train_ctd(tiny_model(ds, seed=1), ds, dataclasses.replace(cfg, epochs=3), tmp_path / "b", resume=True,
+                      **QUIET)
+        f.write_bytes(good)
 
 
 def test_tmrl_mid_epoch_resume_bit_identical_and_checks(tmp_path):
