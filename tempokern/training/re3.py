@@ -425,6 +425,10 @@ class Re3Trainer:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         t_start = time.time()
+        if resume and self.out is not None and (self.out / "last" / _resume.STATE_FILE).exists():
+            # settings and data checked before any encoding (tempokern.training.resume)
+            _resume.check_resume(self.out / "last" / _resume.STATE_FILE, _resume.read_state_dir(self.out / "last"),
+                                 cfg, self._fingerprint(), anyway=resume_anyway, log=self.log)
         years = self._prepare()
         if getattr(m, "parser", None) is not None and not m.parser_fitted and not resume:
             # the learned parser first, on the training texts' silver labels (the times just resolved)
@@ -462,8 +466,7 @@ class Re3Trainer:
             st_file = self.out / "last" / _resume.STATE_FILE
             if not st_file.exists():
                 raise FileNotFoundError(f"cannot resume: {st_file} does not exist")
-            st = _resume.read_state_dir(st_file.parent)   # checksum manifest, then weights_only=True
-            _resume.check_resume(st_file, st, cfg, self._fingerprint(), anyway=resume_anyway, log=self.log)
+            st = _resume.read_state_dir(st_file.parent)   # checksum manifest, then weights_only=True (checked above)
             if st.get("variant") != cfg.variant:
                 raise ValueError(f"cannot resume: {st_file} is a {st.get('variant')!r} run, this is {cfg.variant!r}")
             missing, unexpected = m.load_state_dict(st["model"], strict=False)
