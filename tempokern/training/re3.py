@@ -427,8 +427,11 @@ class Re3Trainer:
         t_start = time.time()
         if resume and self.out is not None and (self.out / "last" / _resume.STATE_FILE).exists():
             # settings and data checked before any encoding (tempokern.training.resume)
-            _resume.check_resume(self.out / "last" / _resume.STATE_FILE, _resume.read_state_dir(self.out / "last"),
-                                 cfg, self._fingerprint(), anyway=resume_anyway, log=self.log)
+            saved = _resume.read_state_dir(self.out / "last")
+            _resume.check_resume(self.out / "last" / _resume.STATE_FILE, saved, cfg, self._fingerprint(),
+                                 anyway=resume_anyway, log=self.log)
+            for note in _resume.mutable_notes(saved["config"], asdict(cfg)):
+                self.log(f"re3: resume: {note}")
         years = self._prepare()
         if getattr(m, "parser", None) is not None and not m.parser_fitted and not resume:
             # the learned parser first, on the training texts' silver labels (the times just resolved)
