@@ -540,10 +540,12 @@ class Re3Trainer:
         return Re3Result(step, history, last_loss, time.time() - t_start, enc_s, train_s, len(self.examples))
 
     def _fingerprint(self) -> dict:
-        """The documents, training examples and tokenizer vocabulary this run trains on."""
-        return _resume.data_fingerprint(getattr(self.model, "tokenizer", None),
-                                        docs=sorted(((str(k), v) for k, v in self.docs.items()), key=lambda x: x[0]),
-                                        examples=self.examples)
+        """The documents, training examples and tokenizer vocabulary this run trains on (computed once)."""
+        if getattr(self, "_data_fp", None) is None:
+            self._data_fp = _resume.data_fingerprint(
+                getattr(self.model, "tokenizer", None), examples=self.examples,
+                docs=sorted(((str(k), v) for k, v in self.docs.items()), key=lambda x: x[0]))
+        return self._data_fp
 
     def _save_state(self, opt, sched, epoch, batch, epoch_done, step, history) -> None:
         """last/: the trainable weights and the trainer state under one checksum manifest."""
