@@ -343,3 +343,22 @@ def test_re3_refuses_train_qrels_all_not_relevant():
     ex = examples_from_dataset(RetrievalDataset(ds.name, ds.records, qs), "train")
     assert ds.queries[0].text not in [e.query for e in ex]
     assert len(ex) == len(examples_from_dataset(ds, "train")) - 1
+
+
+def test_suite_unit_with_an_unusable_state_trains_from_the_start(tmp_path):
+    from tempokern.training.resume import resume_or_restart
+    ds = small_dataset()
+    cfg = CTDConfig(variant="full", epochs=1, batch_size=8, lr=3e-3, progress=False, seed=3, max_steps=3)
+    train_ctd(tiny_model(ds, seed=1), ds, cfg, tmp_path / "a", **QUIET)
+    train_ctd(tiny_model(ds, seed=1), ds, dataclasses.replace(cfg, max_steps=1), tmp_path / "b", **QUIET)
+    st = tmp_path / "b" / "last" / "trainer_state.pt"
+    st.write_bytes(st.read_bytes()[:-1])                 # truncated
+    lines = []
+    res, resumed = resume_or_restart(lambda r: train_ctd(tiny_model(ds, seed=1), ds, cfg, tmp_path / "b", resume=r,
+                                                         **QUIET), tmp_path / "b", lines.append)
+    assert not resumed and res.steps == 3 and f"{st} does not match its checksum" in lines[0]
+    _same_weights(tmp_path / "a" / "last", tmp_path / "b" / "last")
+    assert _steps(tmp_path / "b" / "log.jsonl") == [1, 2, 3]
+    res, resumed = resume_or_restart(lambda r: train_ctd(tiny_model(ds, seed=1), ds, cfg, tmp_path / "b", resume=r,
+                                                         **QUIET), tmp_path / "b", lines.append)
+    assert resumed and res.steps == 3 and len(lines) == 1

@@ -262,3 +262,21 @@ def read_state_dir(where) -> dict:
     where = Path(where)
     verify_checkpoint(where)
     return load_state(where / STATE_FILE)
+
+
+def resume_or_restart(train, work_dir, log=print):
+    """For a suite unit's own work folder: ``train(resume)`` with resume=True when ``work_dir/last`` holds a
+    trainer state; a state that cannot be resumed (damaged, an older format, other settings or data) is logged
+    and the unit trains from the start instead (its ``last/`` and ``log.jsonl`` removed first; the model is
+    untouched, as the check runs before any weight is loaded). Returns ``(train's result, resumed)``."""
+    import shutil
+    work_dir = Path(work_dir)
+    if not (work_dir / "last" / STATE_FILE).exists():
+        return train(False), False
+    try:
+        return train(True), True
+    except (CheckpointError, ResumeMismatch) as e:
+        log(f"{e}; this unit trains from the start")
+        shutil.rmtree(work_dir / "last", ignore_errors=True)
+        (work_dir / "log.jsonl").unlink(missing_ok=True)
+        return train(False), False
