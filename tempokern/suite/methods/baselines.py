@@ -196,7 +196,7 @@ def _load_finetune_state(path: Path, key: dict, model, opt, sched, ctx):
     if not path.exists():
         return None, 0.0
     try:
-        st = torch.load(path, map_location="cpu", weights_only=False)
+        st = torch.load(path, map_location="cpu", weights_only=True)   # tensors and plain containers
         if st.get("key") != key:
             ctx.log(f"{path} was saved under other settings: fine-tuning starts over")
             return None, 0.0
