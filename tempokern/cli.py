@@ -236,7 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "options first (docs/cli.md, docs/tmrl.md, docs/re3.md).")
     t.add_argument("--config", help="JSON or TOML file of options")
     t.add_argument("--out", required=False, help="output directory")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from last/")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from last/ (same settings and data, checked; docs/cli.md)")
+    t.add_argument("--resume-anyway", action="store_true",
+                   help="with --resume: continue although the settings or data differ from the saved run's "
+                        "(the differences are printed)")
+    t.add_argument("--save-every", type=int, default=None,
+                   help="also write last/ every N optimizer steps, resumable mid-epoch (default: at epoch ends only)")
     t.add_argument("--overwrite", action="store_true",
                    help="--out holds a previous run: remove its outputs (best/, last/, model/, log.jsonl, "
                         "summary.json) and start clean (without it, such a folder is refused)")
@@ -531,7 +537,7 @@ RANGES = {
     "gamma": (0, True, None, False), "lora_alpha": (0, False, None, False), "lora_dropout": (0, True, 1, False),
     "margin": (0, True, None, False), "lambda_hard": (0, True, None, False), "lambda_tw": (0, True, None, False),
     "epochs": (1, True, None, False), "batch_size": (2, True, None, False), "grad_accum": (1, True, None, False),
-    "max_steps": (1, True, None, False), "synth_seed": (0, True, None, False), "ctx_dim": (1, True, None, False),
+    "max_steps": (1, True, None, False), "save_every": (1, True, None, False), "synth_seed": (0, True, None, False), "ctx_dim": (1, True, None, False),
     "bias_features": (1, True, None, False), "bias_hidden": (1, True, None, False),
     "max_length": (1, True, None, False), "tiny_hidden": (1, True, None, False), "tiny_layers": (1, True, None, False),
     "t": (1, True, None, False), "distill_k": (1, True, None, False), "num_hard_negatives": (0, True, None, False),
@@ -602,6 +608,8 @@ def validate_args(args) -> None:
     cmd = args.command
     _check_numbers(args)
     _check_device(getattr(args, "device", None))
+    if cmd == "train" and getattr(args, "resume_anyway", False) and not args.resume:
+        raise CLIError("--resume-anyway goes with --resume")
     if cmd == "train" and args.resume and args.out:
         state = Path(args.out) / "last" / "trainer_state.pt"
         if not state.is_file():
@@ -791,11 +799,13 @@ def cmd_train(args) -> int:
                     hard_negatives=args.hard_negatives, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
                     progress=args.progress, pairs_per_query=args.pairs_per_query, eval_scorer=args.scorer,
                     gather_mode=args.gather_mode, eval_split=eval_split, positives=args.positives,
-                    group_key=args.group_key, calendar_labels=args.calendar_labels).validate()
+                    group_key=args.group_key, calendar_labels=args.calendar_labels,
+                    save_every=args.save_every).validate()
     from .training.trainer import seed_everything
     seed_everything(args.seed)
     model = build_model(args, ds)
-    res = train_ctd(model, ds, cfg, args.out, resume=args.resume, device=args.device)
+    res = train_ctd(model, ds, cfg, args.out, resume=args.resume, resume_anyway=args.resume_anyway,
+                    device=args.device)
     rank, _ = dist_info()
     if rank == 0:
         out = Path(args.out)
@@ -1259,8 +1269,9 @@ def cmd_train_tmrl(args) -> int:
                      lora_dropout=args.lora_dropout, mrl_anchor=args.mrl_anchor, aux_scale=args.aux_scale,
                      cache_embeddings=args.cache_embeddings,
                      mini_batch_size=args.mini_batch_size, amp=args.amp, seed=args.seed, max_steps=args.max_steps,
-                     progress=args.progress).validate()
-    res = train_tmrl(model, rows, cfg, args.out, resume=args.resume, device=args.device,
+                     save_every=args.save_every, progress=args.progress).validate()
+    res = train_tmrl(model, rows, cfg, args.out, resume=args.resume, resume_anyway=args.resume_anyway,
+                     device=args.device,
                      log=lambda m: print(f"tempokern train: {m}", file=sys.stderr, flush=True))
     rank, _ = dist_info()
     if rank == 0:
@@ -1520,7 +1531,7 @@ def cmd_train_re3(args) -> int:
                     epochs=args.epochs, tw_in_nce=args.tw_in_nce, warmup_ratio=args.warmup_ratio,
                     weight_decay=args.weight_decay, seed=args.seed, max_steps=args.max_steps, lora_r=args.lora_r,
                     lora_alpha=(64 if getattr(args, "lora_alpha", None) is None else args.lora_alpha),
-                    lora_dropout=getattr(args, "lora_dropout", 0.1),
+                    lora_dropout=getattr(args, "lora_dropout", 0.1), save_every=args.save_every,
                     progress=args.progress).validate()
     torch.manual_seed(args.seed)
     bb, tok, pool_default = _re3_backbone(args)
@@ -1536,6 +1547,7 @@ def cmd_train_re3(args) -> int:
         model.to(args.device)
     t0 = _time.time()
     res = train_re3(model, docs_from_dataset(ds), examples, cfg, out, resume=args.resume,
+                    resume_anyway=args.resume_anyway,
                     log=lambda m: print(m, file=sys.stderr))
     splits = _re3_splits(args, ds)
     rows, md = _re3_table(ds, model, splits, no_time=args.no_time) if splits else ({}, "")

@@ -91,6 +91,12 @@ class Record:
     published: Optional[_dt.date] = None
 
 
+def is_relevant(score) -> bool:
+    """The one relevance rule of every training and evaluation path: a qrels score > 0 is relevant; 0 and
+    negative scores (judged not relevant) are not."""
+    return score > 0
+
+
 @dataclass(frozen=True)
 class Query:
     """A query: ``interval`` is its target time span (rank axis); ``gold`` its relevant record ids
@@ -104,6 +110,10 @@ class Query:
     pure_no_event: bool = False
     split: Optional[str] = None
     meta: Dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def relevant_ids(self) -> List[str]:
+        """The ids of the records this query's qrels mark relevant (:func:`is_relevant`), in qrels order."""
+        return [d for d, rel in self.gold.items() if is_relevant(rel)]
 
 
 class RetrievalDataset:

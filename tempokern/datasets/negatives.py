@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from typing import Dict, List, Optional, Sequence
 
+from .base import is_relevant
+
 __all__ = ["bm25_negatives", "group_negatives", "word_tokenize"]
 
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -35,7 +37,7 @@ def bm25_negatives(dataset, k: int = 4, *, queries: Optional[Sequence] = None, t
         sc = np.asarray(scorer(part, gallery), dtype=np.float64)
         depth = min(sc.shape[1], k + 64)
         for i, q in enumerate(part):
-            skip = {d for d, rel in q.gold.items() if rel > 0} | set((exclude or {}).get(q.id, ()))
+            skip = set(q.relevant_ids()) | set((exclude or {}).get(q.id, ()))
             row = sc[i]
             top = np.argpartition(-row, depth - 1)[:depth] if depth < len(row) else np.arange(len(row))
             top = sorted(top.tolist(), key=lambda j: (-row[j], j))
@@ -57,7 +59,7 @@ def group_negatives(dataset, key: str = "page", *, k: Optional[int] = None, time
     out: Dict[str, List[str]] = {}
     for q in (dataset.queries if queries is None else queries):
         g = (q.meta or {}).get(key)
-        cands = [r for r in by_group.get(str(g), ()) if q.gold.get(r.id, 0) <= 0] if g is not None else []
+        cands = [r for r in by_group.get(str(g), ()) if not is_relevant(q.gold.get(r.id, 0))] if g is not None else []
         if timed_first:
             cands = [r for r in cands if r.interval is not None] + [r for r in cands if r.interval is None]
         ids = [r.id for r in cands]

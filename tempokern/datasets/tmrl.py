@@ -457,7 +457,7 @@ def rows_from_dataset(ds, split: str = "train", *, hard_negatives: int = 4, nega
     lexically closest queries with other gold (:func:`mine_negative_queries`)."""
     from .base import LoadReport
     from .negatives import bm25_negatives, group_negatives
-    qs = [q for q in ds.queries if q.split == split and any(rel > 0 for rel in q.gold.values())]
+    qs = [q for q in ds.queries if q.split == split and q.relevant_ids()]   # score > 0 (is_relevant)
     if not qs:
         have = sorted({str(q.split) for q in ds.queries})
         raise ValueError(f"dataset {ds.name!r} has no query with gold records in split {split!r} (splits: {have})")
@@ -476,8 +476,8 @@ def rows_from_dataset(ds, split: str = "train", *, hard_negatives: int = 4, nega
     rows: List[TMRLRow] = []
     for q in qs:
         hn = [ds.record(d).text for d in negs[q.id] if ds.record(d).text.strip()]
-        for d, rel in q.gold.items():
-            if rel <= 0 or d not in ds or not ds.record(d).text.strip():
+        for d in q.relevant_ids():
+            if d not in ds or not ds.record(d).text.strip():
                 continue
             rows.append(TMRLRow(q.text, ds.record(d).text, hard_negatives=hn, query_id=q.id,
                                 meta={"page": (q.meta or {}).get("page"), "doc_id": d}))

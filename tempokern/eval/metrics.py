@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from ..datasets.base import is_relevant
+
 __all__ = ["retrieval_metrics", "re3_metrics", "rank_documents", "per_query_metrics", "validate_run",
            "validate_qrels"]
 
@@ -100,7 +102,7 @@ def retrieval_metrics(run: Run, qrels: Qrels, ks: Sequence[int] = (1, 5, 10), *,
     sums: Dict[str, float] = {}
     pq: Dict[str, Dict[str, float]] = {}
     for qid, judged in qrels.items():
-        relevant = [d for d, r in judged.items() if float(r) > 0]
+        relevant = [d for d, r in judged.items() if is_relevant(float(r))]
         if not relevant:
             continue
         scores = run.get(qid, {})

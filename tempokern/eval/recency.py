@@ -192,7 +192,7 @@ def version_truth(dataset, qualifiers: Sequence[str] = ("date",)) -> Dict[str, A
         outdated.update(r.id for r, d in zip(rs, dates) if d != top)
     latest, gold_value, qkey = {}, {}, {}
     for q in dataset.queries:
-        gold = [d for d, rel in q.gold.items() if rel > 0 and d in dataset]
+        gold = [d for d in q.relevant_ids() if d in dataset]
         if not gold:
             continue
         recs = [dataset.record(d) for d in gold]
@@ -231,7 +231,7 @@ def recency_report(run: Mapping[str, Mapping[str, float]], dataset, rfilter, *, 
         elif set(results) != set(run):
             raise ValueError("results must hold one FilterResult per query of run")
     after_run = filtered_run(run, results)
-    qrels = {q.id: {d: r for d, r in q.gold.items() if r > 0} for q in dataset.queries if q.id in run}
+    qrels = {q.id: {d: q.gold[d] for d in q.relevant_ids()} for q in dataset.queries if q.id in run}
     truth = version_truth(dataset)
     before, after = evidence_lists(results)
     cmp = compare_evidence(before, after, outdated=truth["outdated"], latest=truth["latest"],

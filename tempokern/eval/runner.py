@@ -227,7 +227,7 @@ def evaluate(scorer_or_index, dataset: RetrievalDataset, protocol: Union[str, Mo
                 if mode.dq and q.pure_no_event:
                     dropped_dq += 1
                     continue
-                g = {d: r for d, r in q.gold.items() if d in in_gallery and r > 0}
+                g = {d: q.gold[d] for d in q.relevant_ids() if d in in_gallery}
                 if not g:
                     dropped_nogold += 1
                     continue

@@ -27,7 +27,7 @@ TOKENIZER_DIR = "tokenizer"
 MANIFEST_FILE = "checksums.json"
 MANIFEST_FORMAT = "tempokern-checksums"
 #: the config file that marks a directory as a tempokern checkpoint, per model kind
-CHECKPOINT_MARKERS = (CONFIG_FILE, "tempokern_tmrl.json", "tempokern_re3.json", MANIFEST_FILE)
+CHECKPOINT_MARKERS = (CONFIG_FILE, "tempokern_tmrl.json", "tempokern_re3.json", MANIFEST_FILE, "trainer_state.pt")
 
 
 class CheckpointError(ValueError):

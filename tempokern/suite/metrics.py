@@ -63,13 +63,13 @@ def split_metrics(run: Mapping[str, Mapping[str, float]], dataset, split: str) -
     """``{"qids": [...], metric: np.ndarray (one value per query, NaN where undefined)}`` for the
     queries of ``split`` with at least one gold document (a query absent from the run has an empty
     ranking)."""
-    queries = [q for q in dataset.queries if q.split == split and any(r > 0 for r in q.gold.values())]
+    queries = [q for q in dataset.queries if q.split == split and q.relevant_ids()]
     q_int = {q.id: q.interval for q in queries}
     d_int = {r.id: r.interval for r in dataset.records}
     verdict = interval_verdicts(q_int, d_int)
     cols: Dict[str, List[float]] = {m: [] for m in METRICS}
     for q in queries:
-        gold = {d for d, r in q.gold.items() if r > 0}
+        gold = set(q.relevant_ids())
         ranked = rank_documents(run.get(q.id, {}))
         m = per_query_metrics(ranked, gold, ks=(1, 5, 10, 100))
         for name in ("R@1", "R@5", "R@10", "MRR@10", "nDCG@10", "recall@100"):

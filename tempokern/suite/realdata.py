@@ -100,7 +100,7 @@ def _train_rows(ds: RetrievalDataset, train_qs: Sequence[Query], pool: Sequence[
             by_group.setdefault((g, (q.meta or {}).get("relation")), []).append(q)
     rows = []
     for q in train_qs:
-        gold = [d for d, rel in q.gold.items() if rel > 0 and d in ds]
+        gold = [d for d in q.relevant_ids() if d in ds]
         if not gold:
             continue
         pos = gold[0]

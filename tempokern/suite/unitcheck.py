@@ -23,7 +23,7 @@ def _split_problem(sp: str, table, dataset, extra) -> Optional[str]:
     spec = extra.get(sp)     # an extra split (fit, <split>@corpus): another split's queries, maybe a subset
     base = spec["queries"] if spec else sp
     keep = None if not spec or spec.get("query_ids") is None else set(spec["query_ids"])
-    want = [q.id for q in dataset.queries if q.split == base and any(r > 0 for r in q.gold.values())
+    want = [q.id for q in dataset.queries if q.split == base and q.relevant_ids()
             and (keep is None or q.id in keep)]
     got = table.get("qids")
     if not isinstance(got, list):

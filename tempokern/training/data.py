@@ -273,7 +273,7 @@ def gold_indices(dataset, split: str = "train") -> List[Tuple[int, List[int]]]:
     for qi, q in enumerate(dataset.queries):
         if q.split != split:
             continue
-        gold = [rid[d] for d, rel in q.gold.items() if rel > 0 and d in rid]
+        gold = [rid[d] for d in q.relevant_ids() if d in rid]   # score > 0 (is_relevant)
         if gold:
             out.append((qi, gold))
     return out
@@ -422,7 +422,7 @@ class QueryNegatives:
         for qi, q in enumerate(dataset.queries):
             if q.split != split:
                 continue
-            gold = {rid[d] for d, rel in q.gold.items() if rel > 0 and d in rid}
+            gold = {rid[d] for d in q.relevant_ids() if d in rid}
             out: List[int] = []
             given = (q.meta or {}).get("negatives") if source in ("auto", "query") else None
             if given is not None:

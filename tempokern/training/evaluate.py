@@ -53,7 +53,7 @@ def evaluate_model(model, dataset, split: str = "test", *, ks=(1, 5, 10), depth:
                if not (drop_no_event and getattr(q, "pure_no_event", False))]
     qrels = {}
     for q in queries:
-        gold = {d: rel for d, rel in q.gold.items() if rel > 0 and d in in_gallery}
+        gold = {d: q.gold[d] for d in q.relevant_ids() if d in in_gallery}   # score > 0 (is_relevant)
         if gold:
             qrels[q.id] = gold
     queries = [q for q in queries if q.id in qrels]

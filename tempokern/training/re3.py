@@ -10,7 +10,6 @@ resume from ``out_dir/last``, JSONL logs (``out_dir/log.jsonl``).
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import math
 import random
@@ -27,8 +26,8 @@ from ..eval import re3_metrics
 from ..eval.metrics import per_query_metrics, rank_documents
 from ..models.re3 import Re3Encoder, _as_intervals, interval_batch, resolve_intervals, resolve_times
 from ..nn import Re3Loss
-from .trainer import _linear_warmup, _progress
-from .._util import atomic_write
+from .trainer import _linear_warmup, _progress, check_save_every
+from . import resume as _resume
 
 VARIANTS: Dict[str, dict] = {
     "base": dict(train=False, lora=False, use_time=True, margins=False),
@@ -61,6 +60,7 @@ class Re3Config:
     seed: int = 0
     max_steps: Optional[int] = None
     stop_after_epochs: Optional[int] = None   # end this run early; resume continues it
+    save_every: Optional[int] = None          # also write last/ every N steps (resumable mid-epoch)
     encode_batch_size: int = 64
     fit_year_stats: bool = True               # μ_y, σ_y from the training texts' observed years (B3)
     # torch threads while training on cached e_sem (small matmuls + elementwise ops: OpenMP fork/join costs
@@ -82,6 +82,7 @@ class Re3Config:
     def validate(self) -> "Re3Config":
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown Re3 variant {self.variant!r}: expected one of {', '.join(VARIANTS)}")
+        check_save_every(self.save_every)
         for name in ("epochs", "batch_size", "encode_batch_size", "lora_r", "parser_epochs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "epochs" else 1):
@@ -189,12 +190,14 @@ def examples_from_dataset(dataset, split: str = "train") -> List[Re3Example]:
     for q in dataset.queries:
         if q.split != split or not q.gold:
             continue
-        pos = max(q.gold, key=lambda d: q.gold[d])
-        if not q.gold[pos] > 0:     # only judged non-relevant documents (score <= 0): no positive
+        rel = q.relevant_ids()   # score > 0 only (tempokern.datasets.base.is_relevant)
+        if not rel:
             continue
+        pos = max(rel, key=lambda d: q.gold[d])
         out.append(Re3Example(q.text, pos, q.meta.get("time_wrong_twin"), q.meta.get("query_time")))
     if not out:
-        raise ValueError(f"dataset {dataset.name!r} has no query with gold documents in split {split!r}")
+        raise ValueError(f"dataset {dataset.name!r} has no query with a relevant document (qrels score > 0) in split "
+                         f"{split!r}")
     return out
 
 
@@ -389,12 +392,6 @@ def _default_loss(cfg: Re3Config):
                    tw_in_nce=cfg.tw_in_nce, dedup=cfg.dedup)
 
 
-def _save_bytes(path: Path, obj) -> None:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    atomic_write(path, buf.getvalue())
-
-
 def _trainable_state(model) -> Dict[str, torch.Tensor]:
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     sd = model.state_dict()
@@ -577,11 +574,18 @@ class Re3Trainer:
             parts["total"] = loss.detach()
         return loss, parts
 
-    def fit(self, *, resume: bool = False) -> Re3Result:
+    def fit(self, *, resume: bool = False, resume_anyway: bool = False) -> Re3Result:
         cfg, m = self.cfg, self.model
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         t_start = time.time()
+        if resume and self.out is not None and (self.out / "last" / _resume.STATE_FILE).exists():
+            # settings and data checked before any encoding (tempokern.training.resume)
+            saved = _resume.read_state_dir(self.out / "last")
+            _resume.check_resume(self.out / "last" / _resume.STATE_FILE, saved, cfg, self._fingerprint(),
+                                 anyway=resume_anyway, log=self.log)
+            for note in _resume.mutable_notes(saved["config"], asdict(cfg)):
+                self.log(f"re3: resume: {note}")
         years = self._prepare()
         if getattr(m, "parser", None) is not None and not m.parser_fitted and not resume:
             # the learned parser first, on the training texts' silver labels (the times just resolved)
@@ -615,14 +619,14 @@ class Re3Trainer:
         if cfg.max_steps is not None:
             total = min(total, cfg.max_steps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _linear_warmup(max(total, 1), int(cfg.warmup_ratio * total)))
-        start_epoch, step, history = 0, 0, []
+        start_epoch, step, history, skip = 0, 0, [], 0
         if resume:
             if self.out is None:
                 raise ValueError("resume needs the output directory of the interrupted run (out_dir)")
-            st_file = self.out / "last" / "trainer_state.pt"
+            st_file = self.out / "last" / _resume.STATE_FILE
             if not st_file.exists():
                 raise FileNotFoundError(f"cannot resume: {st_file} does not exist")
-            st = torch.load(st_file, map_location="cpu", weights_only=False)
+            st = _resume.read_state_dir(st_file.parent)   # checksum manifest, then weights_only=True (checked above)
             if st.get("variant") != cfg.variant:
                 raise ValueError(f"cannot resume: {st_file} is a {st.get('variant')!r} run, this is {cfg.variant!r}")
             missing, unexpected = m.load_state_dict(st["model"], strict=False)
@@ -630,10 +634,11 @@ class Re3Trainer:
                 raise ValueError(f"{st_file} does not fit the model: unexpected {sorted(unexpected)[:8]}")
             opt.load_state_dict(st["optimizer"])
             sched.load_state_dict(st["scheduler"])
-            start_epoch, step, history = st["epoch"] + 1, st["step"], st["history"]
-            torch.set_rng_state(st["torch_rng"])
-            random.setstate(st["py_rng"])
-            self.log(f"re3: resumed from {st_file.parent} at epoch {start_epoch}, step {step}")
+            start_epoch, skip = (st["epoch"] + 1, 0) if st["epoch_done"] else (st["epoch"], st["batch"])
+            step, history = st["step"], st["history"]
+            _resume.set_rng_state(st["rng"])
+            _resume.truncate_log(self.out / "log.jsonl", step)
+            self.log(f"re3: resumed from {st_file.parent} at epoch {start_epoch} (0-based), batch {skip}, step {step}")
         logf = None
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -673,8 +678,11 @@ class Re3Trainer:
             for epoch in range(start_epoch, cfg.epochs):
                 if cfg.max_steps is not None and step >= cfg.max_steps:
                     break
-                bar = _progress(self._batches(epoch), cfg.progress, f"re3 {cfg.variant} epoch {epoch + 1}/{cfg.epochs}")
-                for idx in bar:
+                batches = self._batches(epoch)
+                start_bi, skip = skip, 0   # batches of this epoch done before a mid-epoch resume
+                bar = _progress(batches[start_bi:], cfg.progress, f"re3 {cfg.variant} epoch {epoch + 1}/{cfg.epochs}")
+                done = start_bi
+                for done, idx in enumerate(bar, start=start_bi + 1):
                     loss, parts = self._loss(idx)
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
@@ -697,13 +705,11 @@ class Re3Trainer:
                         bar.set_postfix(loss=f"{last_loss:.4f}")
                     if cfg.max_steps is not None and step >= cfg.max_steps:
                         break
+                    if cfg.save_every and step % cfg.save_every == 0 and done < len(batches) and self.out is not None:
+                        self._save_state(opt, sched, epoch, done, False, step, history, dev)
                 dev_step(epoch + 1)
                 if self.out is not None:
-                    _save_bytes(self._last_dir() / "trainer_state.pt",
-                                {"variant": cfg.variant, "model": _trainable_state(m), "optimizer": opt.state_dict(),
-                                 "scheduler": sched.state_dict(), "epoch": epoch, "step": step, "history": history,
-                                 "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
-                                 "config": asdict(cfg), "dev": dev})
+                    self._save_state(opt, sched, epoch, done, done >= len(batches), step, history, dev)
                 if cfg.stop_after_epochs is not None and epoch + 1 - start_epoch >= cfg.stop_after_epochs:
                     break
         finally:
@@ -720,10 +726,21 @@ class Re3Trainer:
         return Re3Result(step, history, last_loss, time.time() - t_start, enc_s, train_s, len(self.examples),
                          [dict(h) for h in dev["history"]], dev["best_epoch"])
 
-    def _last_dir(self) -> Path:
-        d = self.out / "last"
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+    def _fingerprint(self) -> dict:
+        """The documents, training examples and tokenizer vocabulary this run trains on (computed once)."""
+        if getattr(self, "_data_fp", None) is None:
+            self._data_fp = _resume.data_fingerprint(
+                getattr(self.model, "tokenizer", None), examples=self.examples,
+                docs=sorted(((str(k), v) for k, v in self.docs.items()), key=lambda x: x[0]))
+        return self._data_fp
+
+    def _save_state(self, opt, sched, epoch, batch, epoch_done, step, history, dev) -> None:
+        """last/: the trainable weights and the trainer state under one checksum manifest."""
+        _resume.save_state_dir(self.out / "last", {
+            "variant": self.cfg.variant, "model": _trainable_state(self.model), "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(), "epoch": epoch, "batch": batch, "epoch_done": epoch_done,
+            "step": step, "history": history, "rng": _resume.rng_state(), "config": asdict(self.cfg),
+            "data": self._fingerprint(), "dev": dev})
 
 
 def _as_doc(k, v) -> Re3Doc:
@@ -751,7 +768,8 @@ def build_re3_model(backbone, config: Optional[Re3Config] = None, **kw):
 
 
 def train_re3(model, docs, examples, config: Optional[Re3Config] = None, out_dir=None, *, resume: bool = False,
-              loss_fn=None, log: Callable = print, dev_eval: Optional[Callable] = None) -> Re3Result:
+              resume_anyway: bool = False, loss_fn=None, log: Callable = print,
+              dev_eval: Optional[Callable] = None) -> Re3Result:
     """Train a Re3Encoder's time modules (frozen backbone: on cached ``e_sem``) or its LoRA backbone.
 
     ``dev_eval``: ``model -> float`` (higher is better; e.g. :func:`dev_scorer` on groups set apart from the
@@ -759,7 +777,7 @@ def train_re3(model, docs, examples, config: Optional[Re3Config] = None, out_dir
     trainable weights of the best epoch (the earliest on a tie, so the untrained model when no epoch beats
     it) are kept at the end. Without it the last epoch's weights are kept."""
     return Re3Trainer(model, docs, examples, config, out_dir, loss_fn=loss_fn, log=log,
-                      dev_eval=dev_eval).fit(resume=resume)
+                      dev_eval=dev_eval).fit(resume=resume, resume_anyway=resume_anyway)
 
 
 # ---- evaluation ---------------------------------------------------------------------------------------------
@@ -853,11 +871,11 @@ def re3_eval(dataset, runs: Mapping[str, Mapping[str, Mapping[str, float]]]) -> 
     qby = {q.id: q for q in dataset.queries}
     out = {}
     for split, run in runs.items():
-        qrels = {qid: dict(qby[qid].gold) for qid in run if qby[qid].gold}
+        qrels = {qid: {d: qby[qid].gold[d] for d in qby[qid].relevant_ids()} for qid in run if qby[qid].relevant_ids()}
         if not qrels:
             continue
         row = dict(re3_metrics({q: dict(s) for q, s in run.items()}, qrels, ks=(1, 5)))
-        per = [per_query_metrics(rank_documents(run.get(qid) or {}), {d for d, r in gold.items() if r > 0}, ks=(1,))
+        per = [per_query_metrics(rank_documents(run.get(qid) or {}), set(gold), ks=(1,))
                for qid, gold in qrels.items()]
         row.update({m: sum(p[m] for p in per) / len(per) for m in ("MRR@10", "nDCG@10")})
         errs = {"time_wrong": 0, "entity_wrong": 0, "attribute_wrong": 0, "other": 0}

@@ -31,8 +31,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..datasets.tmrl import TMRLData, TMRLRow
-from .trainer import (CTDTrainer, _amp_setup, _linear_warmup, _progress, dist_info, init_distributed_from_env,
-                      seed_everything)
+from .trainer import (CTDTrainer, _amp_setup, _linear_warmup, _progress, check_save_every, dist_info,
+                      init_distributed_from_env, seed_everything)
+from . import resume as _resume
 from ..models.checkpoint import verify_checkpoint
 from ..models.encoder import ROLES
 from ..models.tmrl import BACKBONE_FILE, PROJECTOR_FILE
@@ -148,6 +149,7 @@ class TMRLConfig:
     seed: int = 0
     max_steps: Optional[int] = None
     stop_after_epochs: Optional[int] = None
+    save_every: Optional[int] = None          # also write last/ every N optimizer steps (resumable mid-epoch)
     progress: bool = True
 
     def validate(self) -> "TMRLConfig":
@@ -174,6 +176,7 @@ class TMRLConfig:
             if self.t is not None:
                 raise ValueError(f"give t or t_ratio, not both (t={self.t!r}, t_ratio={self.t_ratio!r})")
             t_from_ratio(self.t_ratio, 1 << 20)      # the ratio's own checks (name or number in (0, 1])
+        check_save_every(self.save_every)
         for name in ("epochs", "batch_size", "grad_accum", "mini_batch_size", "distill_k", "lora_r"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "epochs" else 1):
@@ -632,16 +635,20 @@ class TMRLTrainer:
         return loss.detach(), parts
 
     # ---- state ----------------------------------------------------------------------------------------
-    def _save_state(self, where: Path, opt, sched, scaler, epoch, step, history):
+    def fingerprint(self) -> dict:
+        """The rows this trainer trains on and the tokenizer vocabulary."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = _resume.data_fingerprint(self.model.tokenizer, rows=self.rows)
+        return self._fingerprint
+
+    def _save_state(self, where: Path, opt, sched, scaler, epoch, batch, epoch_done, step, history):
         state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                 "scaler": scaler.state_dict() if scaler is not None else None, "epoch": epoch, "step": step,
-                 "history": history, "config": asdict(self.cfg), "torch_rng": torch.get_rng_state(),
-                 "first_diagnostics": self._first_diagnostics,
-                 "py_rng": random.getstate()}
-        buf = io.BytesIO()
-        torch.save(state, buf)
+                 "scaler": scaler.state_dict() if scaler is not None else None, "epoch": epoch, "batch": batch,
+                 "epoch_done": epoch_done, "step": step, "history": history, "config": asdict(self.cfg),
+                 "data": self.fingerprint(), "first_diagnostics": self._first_diagnostics,
+                 "rng": _resume.rng_state()}
         # the trainer state goes into the checkpoint directory itself, under its checksum manifest
-        self.model.save(where, extra_files={"trainer_state.pt": buf.getvalue()})
+        self.model.save(where, extra_files={_resume.STATE_FILE: _resume.state_bytes(state)})
 
     def _load_weights(self, where: Path):
         from safetensors.torch import load_model
@@ -654,7 +661,7 @@ class TMRLTrainer:
                                  f"{sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
 
     # ---- loop -----------------------------------------------------------------------------------------
-    def fit(self, *, resume: bool = False) -> TMRLResult:
+    def fit(self, *, resume: bool = False, resume_anyway: bool = False) -> TMRLResult:
         cfg, model = self.cfg, self.model
         seed_everything(cfg.seed)
         model.to(self.device).train()
@@ -678,24 +685,31 @@ class TMRLTrainer:
         amp_dtype, scaler = _amp_setup(cfg.amp, self.device)
         start_epoch, step, history = 0, 0, []
         self._first_diagnostics = None
+        skip = 0
         if resume:
             if self.out is None:
                 raise ValueError("resume needs the output directory of the interrupted run (out_dir)")
             last = self.out / "last"
-            if not (last / "trainer_state.pt").exists():
-                raise FileNotFoundError(f"cannot resume: {last / 'trainer_state.pt'} does not exist")
+            st_file = last / _resume.STATE_FILE
+            if not st_file.exists():
+                raise FileNotFoundError(f"cannot resume: {st_file} does not exist")
             verify_checkpoint(last)   # weights and trainer state as saved
+            st = _resume.load_state(st_file)
+            _resume.check_resume(st_file, st, cfg, self.fingerprint(), anyway=resume_anyway, log=self.log)
+            for note in _resume.mutable_notes(st["config"], asdict(cfg)):
+                self.log(f"resume: {note}")
             self._load_weights(last)
-            st = torch.load(last / "trainer_state.pt", map_location="cpu", weights_only=False)
             opt.load_state_dict(st["optimizer"])
             sched.load_state_dict(st["scheduler"])
             if scaler is not None and st.get("scaler"):
                 scaler.load_state_dict(st["scaler"])
-            start_epoch, step, history = st["epoch"] + 1, st["step"], st["history"]
+            start_epoch, skip = (st["epoch"] + 1, 0) if st["epoch_done"] else (st["epoch"], st["batch"])
+            step, history = st["step"], st["history"]
             self._first_diagnostics = st.get("first_diagnostics")
-            torch.set_rng_state(st["torch_rng"])
-            random.setstate(st["py_rng"])
-            self.log(f"resumed from {last} at epoch {start_epoch}, step {step}")
+            _resume.set_rng_state(st["rng"])
+            if self.rank == 0:
+                _resume.truncate_log(self.out / "log.jsonl", step)
+            self.log(f"resumed from {last} at epoch {start_epoch} (0-based), batch {skip}, step {step}")
         logf = None
         if self.out is not None and self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -722,12 +736,14 @@ class TMRLTrainer:
                 if cfg.max_steps is not None and step >= cfg.max_steps:
                     break
                 batches = self.epoch_batches(epoch)
-                bar = _progress(batches, cfg.progress and self.rank == 0,
+                start_bi, skip = skip, 0   # batches of this epoch done before a mid-epoch resume
+                done = start_bi
+                bar = _progress(batches[start_bi:], cfg.progress and self.rank == 0,
                                 f"tmrl[{cfg.variant}] epoch {epoch + 1}/{cfg.epochs}")
                 opt.zero_grad(set_to_none=True)
                 acc: Dict[str, float] = {}
                 n_acc = 0
-                for bi, batch in enumerate(bar):
+                for bi, batch in enumerate(bar, start=start_bi):
                     ends_step = not (bi + 1) % cfg.grad_accum or bi + 1 == len(batches)
                     final = ends_step and ((cfg.max_steps is not None and step + 1 >= cfg.max_steps)
                                            or (epoch == last_epoch and bi + 1 == len(batches)))
@@ -762,6 +778,7 @@ class TMRLTrainer:
                     sched.step()
                     opt.zero_grad(set_to_none=True)
                     step += 1
+                    done = bi + 1
                     means = {k: v / n_acc for k, v in acc.items()}
                     acc, n_acc = {}, 0
                     last_loss = means["loss"]
@@ -775,8 +792,15 @@ class TMRLTrainer:
                         bar.set_postfix(loss=f"{last_loss:.4f}")
                     if cfg.max_steps is not None and step >= cfg.max_steps:
                         break
+                    if cfg.save_every and step % cfg.save_every == 0 and done < len(batches):
+                        if self.out is not None and self.rank == 0:
+                            self._save_state(self.out / "last", opt, sched, scaler, epoch, done, False, step, history)
+                        if self.world > 1:
+                            import torch.distributed as dist
+                            dist.barrier()
                 if self.out is not None and self.rank == 0:
-                    self._save_state(self.out / "last", opt, sched, scaler, epoch, step, history)
+                    self._save_state(self.out / "last", opt, sched, scaler, epoch, done, done >= len(batches), step,
+                                     history)
                 if self.world > 1:
                     import torch.distributed as dist
                     dist.barrier()
@@ -790,10 +814,10 @@ class TMRLTrainer:
 
 
 def train_tmrl(model, rows, config: Optional[TMRLConfig] = None, out_dir=None, *, resume: bool = False,
-               device=None, log=print, loss_fn=None) -> TMRLResult:
+               resume_anyway: bool = False, device=None, log=print, loss_fn=None) -> TMRLResult:
     """Fine-tune a TMRLEncoder on TMRL rows (a TMRLData or a list of TMRLRow)."""
     return TMRLTrainer(model, rows, config or TMRLConfig(), out_dir, device=device, log=log,
-                       loss_fn=loss_fn).fit(resume=resume)
+                       loss_fn=loss_fn).fit(resume=resume, resume_anyway=resume_anyway)
 
 
 # ---- evaluation per dim -------------------------------------------------------------------------------
@@ -847,7 +871,7 @@ def evaluate_dims(model, dataset, split: str = "test", dims: Optional[Sequence[i
     return_runs: ``(rows, {dim: {qid: {doc_id: cosine}}})``, the rankings the rows are computed from."""
     runs = runs_by_dim(model, dataset, (split,), dims, depth=depth, batch_size=batch_size)
     qs = _split_queries(dataset, split)
-    qrels = {q.id: {d: r for d, r in q.gold.items() if r > 0} for q in qs}
+    qrels = {q.id: {d: q.gold[d] for d in q.relevant_ids()} for q in qs}   # score > 0 (is_relevant)
     qrels = {q: g for q, g in qrels.items() if g}
     if not qrels:
         raise ValueError(f"no query of split {split!r} has a relevant record")

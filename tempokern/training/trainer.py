@@ -27,6 +27,7 @@ from .data import (CALENDAR_LABELS, NEGATIVE_SOURCES, POSITIVES, HardNegatives, 
 from .evaluate import evaluate_model
 from ..nn.calendar_ce import calendar_ce
 from ..models.checkpoint import verify_checkpoint
+from . import resume as _resume
 from ..models.encoder import check_scorer
 from ..nn.ctd_loss import GATHER_MODES
 
@@ -70,6 +71,7 @@ class CTDConfig:
     eval_every: int = 1                      # epochs
     max_steps: Optional[int] = None
     stop_after_epochs: Optional[int] = None  # end this run early (time-boxed); `resume` continues it
+    save_every: Optional[int] = None         # also write last/ every N optimizer steps (resumable mid-epoch)
     progress: bool = True
     batch_size_eval: int = 64
     # checkpoint selection as the reference: validation R@1 under neg1_ne1_dq0 (neg_comment and no_event
@@ -115,6 +117,7 @@ class CTDConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.batch_size < 2:
             raise ValueError("batch_size must be >= 2 (in-batch negatives)")
+        check_save_every(self.save_every)
         for name in ("lr", "temperature"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -145,6 +148,11 @@ class CTDResult:
     #: variant), calendar_labels ("key" / "interval") and per calendar level the number of records with a
     #: calendar-CE target (all zero: the calendar CE had nothing to train on)
     setup: Dict[str, object] = field(default_factory=dict)
+
+
+def check_save_every(v) -> None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"save_every must be None or a positive int (optimizer steps), got {v!r}")
 
 
 def apply_variant(model, variant: str) -> None:
@@ -325,16 +333,24 @@ class CTDTrainer:
         return loss_ret + cfg.lambda_time * loss_time, loss_ret.detach(), loss_time.detach()
 
     # ---- state --------------------------------------------------------------------------------
-    def _save_state(self, where: Path, opt, sched, scaler, epoch, step, best, best_epoch, history):
+    def fingerprint(self) -> dict:
+        """The data this trainer trains on (records, queries with qrels, tokenizer vocabulary)."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = _resume.dataset_fingerprint(self.data, self.model.tokenizer)
+        return self._fingerprint
+
+    def _save_state(self, where: Path, opt, sched, scaler, epoch, batch, epoch_done, step, best, best_epoch,
+                    history):
+        """last/: the weights and the trainer state (tensors and plain containers; tempokern.training.resume)
+        under one checksum manifest. `batch`: batches of `epoch` done; epoch_done: the epoch's end (after its
+        validation)."""
         state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                 "scaler": scaler.state_dict() if scaler is not None else None, "epoch": epoch, "step": step,
-                 "best": best, "best_epoch": best_epoch, "history": history, "config": asdict(self.cfg),
-                 "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
-        import io
-        buf = io.BytesIO()
-        torch.save(state, buf)
+                 "scaler": scaler.state_dict() if scaler is not None else None, "epoch": epoch, "batch": batch,
+                 "epoch_done": epoch_done, "step": step, "best": best, "best_epoch": best_epoch,
+                 "history": history, "config": asdict(self.cfg), "data": self.fingerprint(),
+                 "rng": _resume.rng_state()}
         # the trainer state goes into the checkpoint directory itself, under its checksum manifest
-        self.model.save(where, extra_files={"trainer_state.pt": buf.getvalue()})
+        self.model.save(where, extra_files={_resume.STATE_FILE: _resume.state_bytes(state)})
 
     def _sync_params(self):
         if self.world > 1:
@@ -351,7 +367,9 @@ class CTDTrainer:
                 dist.all_reduce(p.grad)
                 p.grad.div_(self.world)
 
-    def fit(self, *, resume: bool = False) -> CTDResult:
+    def fit(self, *, resume: bool = False, resume_anyway: bool = False) -> CTDResult:
+        """Train; resume=True continues the run saved in out_dir/last (same config and data, checked:
+        tempokern.training.resume.check_resume; resume_anyway=True logs the differences and continues)."""
         cfg, model = self.cfg, self.model
         seed_everything(cfg.seed)
         model.to(self.device).train()
@@ -369,22 +387,28 @@ class CTDTrainer:
         amp_dtype, scaler = _amp_setup(cfg.amp, self.device)
         start_epoch, step, best, best_epoch, history = 0, 0, None, None, []
         best_state = None
+        skip = 0
         if resume:
             last = self._require_out() / "last"
-            if not (last / "trainer_state.pt").exists():
-                raise FileNotFoundError(f"cannot resume: {last / 'trainer_state.pt'} does not exist")
+            st_file = last / _resume.STATE_FILE
+            if not st_file.exists():
+                raise FileNotFoundError(f"cannot resume: {st_file} does not exist")
             verify_checkpoint(last)   # weights and trainer state as saved
+            st = _resume.load_state(st_file)
+            _resume.check_resume(st_file, st, cfg, self.fingerprint(), anyway=resume_anyway, log=self.log)
+            for note in _resume.mutable_notes(st["config"], asdict(cfg)):
+                self.log(f"resume: {note}")
             _load_weights(model, last, self.device)
-            st = torch.load(last / "trainer_state.pt", map_location="cpu", weights_only=False)
             opt.load_state_dict(st["optimizer"])
             sched.load_state_dict(st["scheduler"])
             if scaler is not None and st.get("scaler"):
                 scaler.load_state_dict(st["scaler"])
-            start_epoch, step, best, best_epoch, history = (st["epoch"] + 1, st["step"], st["best"],
-                                                            st["best_epoch"], st["history"])
-            torch.set_rng_state(st["torch_rng"])
-            random.setstate(st["py_rng"])
-            self.log(f"resumed from {last} at epoch {start_epoch}, step {step}")
+            start_epoch, skip = (st["epoch"] + 1, 0) if st["epoch_done"] else (st["epoch"], st["batch"])
+            step, best, best_epoch, history = st["step"], st["best"], st["best_epoch"], st["history"]
+            _resume.set_rng_state(st["rng"])
+            if self.out is not None and self.rank == 0:
+                _resume.truncate_log(self.out / "log.jsonl", step)
+            self.log(f"resumed from {last} at epoch {start_epoch} (0-based), batch {skip}, step {step}")
         logf = None
         if self.out is not None and self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -407,9 +431,12 @@ class CTDTrainer:
                 if cfg.max_steps is not None and step >= cfg.max_steps:
                     break
                 batches = self._epoch_batches(epoch)
-                bar = _progress(batches, cfg.progress and self.rank == 0, f"{cfg.variant} epoch {epoch + 1}/{cfg.epochs}")
+                start_bi, skip = skip, 0   # batches of this epoch done before a mid-epoch resume
+                done = start_bi
+                bar = _progress(batches[start_bi:], cfg.progress and self.rank == 0,
+                                f"{cfg.variant} epoch {epoch + 1}/{cfg.epochs}")
                 opt.zero_grad(set_to_none=True)
-                for bi, (batch, negs, offset) in enumerate(bar):
+                for bi, (batch, negs, offset) in enumerate(bar, start=start_bi):
                     with torch.autocast(self.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                         loss, lr_, lt = self._loss(batch, negs, offset, loss_fn)
                     scaled = loss / cfg.grad_accum
@@ -429,6 +456,7 @@ class CTDTrainer:
                     sched.step()
                     opt.zero_grad(set_to_none=True)
                     step += 1
+                    done = bi + 1
                     last_loss = float(loss.detach())
                     rec = {"event": "step", "variant": cfg.variant, "epoch": epoch, "step": step, "loss": last_loss,
                            "loss_retrieval": float(lr_), "loss_time": float(lt), "lr": sched.get_last_lr()[0],
@@ -441,11 +469,18 @@ class CTDTrainer:
                         bar.set_postfix(loss=f"{last_loss:.4f}")
                     if cfg.max_steps is not None and step >= cfg.max_steps:
                         break
+                    if cfg.save_every and step % cfg.save_every == 0 and done < len(batches):
+                        if self.out is not None and self.rank == 0:
+                            self._save_state(self.out / "last", opt, sched, scaler, epoch, done, False, step, best,
+                                             best_epoch, history)
+                        if self.world > 1:
+                            dist.barrier()
                 if self.has_val and ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs):
                     best, best_epoch, best_state = self._validate(epoch, step, best, best_epoch, best_state,
                                                                   history, logf)
                 if self.out is not None and self.rank == 0:
-                    self._save_state(self.out / "last", opt, sched, scaler, epoch, step, best, best_epoch, history)
+                    self._save_state(self.out / "last", opt, sched, scaler, epoch, done, done >= len(batches),
+                                     step, best, best_epoch, history)
                 if self.world > 1:
                     dist.barrier()
                 if cfg.stop_after_epochs is not None and epoch + 1 - start_epoch >= cfg.stop_after_epochs:
@@ -559,7 +594,8 @@ def _progress(it, enabled: bool, desc: str, stream=None):
 
 
 def train_ctd(model, dataset, config: Optional[CTDConfig] = None, out_dir=None, *, resume: bool = False,
-              device=None, log=print) -> CTDResult:
+              resume_anyway: bool = False, device=None, log=print) -> CTDResult:
     """Fine-tune `model` on the train split of `dataset` (a tempokern.datasets.RetrievalDataset
     whose queries carry splits) and keep the weights with the best validation R@1."""
-    return CTDTrainer(model, dataset, config or CTDConfig(), out_dir, device=device, log=log).fit(resume=resume)
+    return CTDTrainer(model, dataset, config or CTDConfig(), out_dir, device=device,
+                      log=log).fit(resume=resume, resume_anyway=resume_anyway)

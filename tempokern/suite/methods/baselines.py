@@ -41,8 +41,8 @@ def bm25_ranked_runs(ctx, gold_first: bool):
         where = {d: i for i, d in enumerate(doc_ids)}
         for i, q in enumerate(qs):
             gold = np.zeros(len(doc_ids))
-            for d, rel in q.gold.items():
-                if rel > 0 and d in where:
+            for d in q.relevant_ids():
+                if d in where:
                     gold[where[d]] = 1.0
             tie = gold if gold_first else -gold
             # primary key score (descending), secondary the gold flag
@@ -189,7 +189,7 @@ def _load_finetune_state(path: Path, key: dict, model, opt, sched, ctx):
     if not path.exists():
         return None, 0.0
     try:
-        st = torch.load(path, map_location="cpu", weights_only=False)
+        st = torch.load(path, map_location="cpu", weights_only=True)   # tensors and plain containers
         if st.get("key") != key:
             ctx.log(f"{path} was saved under other settings: fine-tuning starts over")
             return None, 0.0

@@ -93,8 +93,9 @@ def run_ctd(variant: str, loss: str = "overlap"):
                         **({"hard_negative_source": "query"} if hn else {}), **LOSS_OPTIONS[loss])
         ds = _train_subset(ctx)
         # epoch checkpoints in the unit's work_dir: a unit stopped part-way resumes at its last finished epoch
-        resume = (ctx.work_dir / "last" / "trainer_state.pt").exists()
-        res = train_ctd(model, ds, cfg, ctx.work_dir, resume=resume, device=ctx.device, log=ctx.log)
+        from ...training.resume import resume_or_restart
+        res, resume = resume_or_restart(lambda r: train_ctd(model, ds, cfg, ctx.work_dir, resume=r, device=ctx.device,
+                                                            log=ctx.log), ctx.work_dir, ctx.log)
         steps = [h for h in res.history if h.get("event") == "step"]
         info = {"train_seconds": round(res.seconds, 2), "steps": res.steps, "train_queries": len(ds.queries),
                 "hard_negatives": int(hn),

@@ -50,9 +50,10 @@ def _run(variant: str, **model_kw):
         model.to(ctx.device)
         key = (str(ctx.backbone_path), ctx.budget.max_length, str(ctx.device))
         model.enable_semantic_cache(_SEM_CACHES.setdefault(key, {}))
-        resume = (ctx.work_dir / "last" / "trainer_state.pt").exists()
+        from ...training.resume import resume_or_restart
         t0 = time.time()
-        res = train_re3(model, docs_from_dataset(ctx.dataset), examples, cfg, ctx.work_dir, resume=resume, log=ctx.log)
+        res, resume = resume_or_restart(lambda r: train_re3(model, docs_from_dataset(ctx.dataset), examples, cfg,
+                                                            ctx.work_dir, resume=r, log=ctx.log), ctx.work_dir, ctx.log)
         train_s = time.time() - t0
         t1 = time.time()
         runs = _split_runs(model, ctx)

@@ -47,8 +47,9 @@ def _make_run(variant: str, lora: str = "lora", t_ratio=None, one_expression: bo
                          hard_negatives=ctx.rows_hard_negatives(RECIPE["hard_negatives"]),
                          negative_queries=RECIPE["negative_queries"],
                          seed=ctx.seed, progress=ctx.progress_enabled)
-        resume = (ctx.work_dir / "last" / "trainer_state.pt").exists()
-        res = train_tmrl(model, data, cfg, ctx.work_dir, resume=resume, device=ctx.device, log=ctx.log)
+        from ...training.resume import resume_or_restart
+        res, resume = resume_or_restart(lambda r: train_tmrl(model, data, cfg, ctx.work_dir, resume=r, device=ctx.device,
+                                                             log=ctx.log), ctx.work_dir, ctx.log)
         model.merge_lora().to(ctx.device)
         dim_runs = {d: {} for d in dims}
         for split in ctx.eval_splits:   # each split over its own gallery
