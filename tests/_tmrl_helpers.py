@@ -111,3 +111,12 @@ def tmrl_ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
             json.dump({"steps": res.steps, "losses": [h["loss"] for h in res.history]}, f)
     finally:
         dist.destroy_process_group()
+
+
+def tiny_config(**kw):
+    """A TMRLConfig for the tiny rows and encoders above (one short epoch, t = 8), updated by ``kw``."""
+    from tempokern.training.tmrl import TMRLConfig
+    base = dict(batch_size=6, epochs=1, lr=3e-3, hard_negatives=2, negative_queries=2, t=8, alpha=0.25,
+                progress=False, warmup_ratio=0.0, seed=0)
+    base.update(kw)
+    return TMRLConfig(**base)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from _tmrl_helpers import no_dropout, tiny_encoder, tiny_rows
+from _tmrl_helpers import no_dropout, tiny_encoder, tiny_rows, tiny_config
 
 from tempokern.datasets.tmrl import TMRLRow
 from tempokern.training.tmrl import (T_RATIOS, TMRLConfig, TMRLTrainer, negative_query_coverage, t_from_ratio,
@@ -31,11 +31,7 @@ def rows():
     return tiny_rows()
 
 
-def _cfg(**kw):
-    base = dict(batch_size=6, epochs=1, lr=3e-3, hard_negatives=2, negative_queries=2, t=8, alpha=0.25,
-                progress=False, warmup_ratio=0.0, seed=0)
-    base.update(kw)
-    return TMRLConfig(**base)
+_cfg = tiny_config
 
 
 # ---- t as a ratio of the full dim ----------------------------------------------------------------------------
