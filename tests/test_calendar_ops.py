@@ -385,7 +385,7 @@ def test_cuda_kernels_do_not_depend_on_thread_order(cuda_emu, monkeypatch):
     # __syncthreads around the shared tiles changes results. Every output element is written by one thread
     # in a fixed order, so results must be bitwise equal. Multi-chunk levels, odd dim, grid-stride (1 SM).
     import tempokern._ops.common as common
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     from tempokern._ops import calendar as cal
     monkeypatch.setattr(common, "sm_count", lambda device: 1)
     monkeypatch.setattr(cal, "_CTAS_PER_SM", 3)

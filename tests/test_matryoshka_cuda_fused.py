@@ -14,7 +14,7 @@ import tempokern
 import tempokern._ops.matryoshka_blocked as mb
 import tempokern._ops.routing as routing
 import tempokern._ops.multipos_blocked as mpb
-from tempokern._ops.matryoshka_infonce import force_blocked
+from _emu_support import force_blocked
 from tempokern.reference import matryoshka_infonce as ref
 
 from test_matryoshka_infonce import assert_parity, make, make_bias, run_both, run_both_bias
@@ -117,7 +117,7 @@ def _fused_outputs(bias_mode):
 def test_fused_does_not_depend_on_thread_order(cuda_emu, monkeypatch, bias_mode):
     # every thread reaches each barrier in a seeded random order: a missing __syncthreads around the shared
     # row partials would change the result
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     outs = []
     with cuda_emulator(cuda_emu):
         try:
@@ -232,7 +232,7 @@ def test_fused_bias_matches_reference_float64(gpu, launches, table, B, Bd, N, sp
 
 def test_agrees_with_the_blocked_torch_path(gpu, launches):
     # the blocked torch path (plain CPU, which launches none of the fused kernels): same results
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     q, d, neg, sp, bias = on_device(gpu, *make(50, 20, N=5, spans="random", seed=61), make_bias(50, 50, seed=62))
     fused = run_both_bias(q, d, neg, sp, (5, 20), bias, temperature=0.1, symmetric=True)[0]
     n = len(launches)

@@ -22,7 +22,7 @@ import torch
 import tempokern
 import tempokern._ops.matryoshka_blocked as mb
 import tempokern._ops.routing as routing
-from tempokern._ops.matryoshka_infonce import force_blocked
+from _emu_support import force_blocked
 from tempokern.reference import matryoshka_infonce as ref
 
 from tempokern._ops import dispatch
@@ -160,7 +160,7 @@ def _coefficients_float64(F, i0, i1, K, o):
 @pytest.mark.parametrize("B,Bd,spans,symmetric,rows", [(70, 70, "random", True, 0), (130, 130, None, False, 48),
                                                        (70, 130, "random", False, 0)])
 def test_backward_coefficients_within_one_bf16_ulp(cuda_emu, tc, B, Bd, spans, symmetric, rows, dims):
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     q, d, sp = bf16_inputs("cpu", B, 64, Bd=Bd, spans=spans, seed=3 * B + Bd)
     q.requires_grad_()
     d.requires_grad_()
@@ -279,7 +279,7 @@ def test_calls_the_tensor_cores_do_not_take(gpu, tc, monkeypatch, case):
 
 def test_shared_memory_limit_caps_the_levels(cuda_emu, tc, monkeypatch):
     # sm_86 / sm_89: 99 KB per block hold the backward of 4 levels; a 5-level call takes the levels path
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     monkeypatch.setenv("TEMPOKERN_EMU_SMEM_OPTIN", "101376")
     q, d, sp = bf16_inputs("cpu", 40, 80, spans="random", seed=12)
     with cuda_emulator(cuda_emu):
@@ -296,7 +296,7 @@ def test_shared_memory_limit_caps_the_levels(cuda_emu, tc, monkeypatch):
 
 def test_pre_ampere_gpus_take_the_other_paths(cuda_emu, tc, monkeypatch):
     # sm_75 (a T4): no bf16 wmma; the kernels refuse the device and the calls take the levels path, never raising
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     monkeypatch.setenv("TEMPOKERN_EMU_ARCH", "75")
     q, d, sp = bf16_inputs("cpu", 40, 64, spans="random", seed=13)
     with cuda_emulator(cuda_emu):
@@ -312,7 +312,7 @@ def test_pre_ampere_gpus_take_the_other_paths(cuda_emu, tc, monkeypatch):
 
 
 def test_kernel_refuses_pre_ampere_devices(cuda_emu, monkeypatch):
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     q = torch.zeros(64, 40, dtype=torch.bfloat16)
     f = torch.zeros(64, dtype=torch.float32)
     i = torch.zeros(64, dtype=torch.int32)
@@ -331,7 +331,7 @@ def test_kernel_refuses_pre_ampere_devices(cuda_emu, monkeypatch):
 
 
 def test_kernel_rejects_what_it_cannot_run(cuda_emu):
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     q = torch.zeros(64, 40, dtype=torch.bfloat16)
     f = torch.zeros(64, dtype=torch.float32)
     i = torch.zeros(64, dtype=torch.int32)
@@ -366,7 +366,7 @@ def test_kernel_rejects_what_it_cannot_run(cuda_emu):
 @pytest.mark.parametrize("row_w,col_w", [(0.5, 0.5), (1.0, 0.0)])
 def test_opcheck_on_the_tensor_core_path(cuda_emu, tc, row_w, col_w):
     # the op with bf16_operands=True (float32 inputs holding bf16 values, as matryoshka_partial passes them)
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     from tempokern._ops.matryoshka_infonce import inverse_prefix_norms
     q, d, _ = bf16_inputs("cpu", 40, 32, seed=21)
     q, d = q.float(), d.float()

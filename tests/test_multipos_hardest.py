@@ -291,7 +291,7 @@ def test_bad_return_hardest():
 def test_cuda_hardest_does_not_depend_on_thread_order(cuda_emu):
     # the warps' (value, column) partials go through shared memory: a missing barrier shows as results that
     # change with the order in which the emulator runs a block's threads
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     q, d, qs, ds = tie_batch(40, 1500, seed=4, dtype=torch.float32)
     (qlo, qhi), (dlo, dhi) = span_bounds(qs), span_bounds(ds)
     outs = []

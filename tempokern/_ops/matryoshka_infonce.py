@@ -19,7 +19,7 @@ import torch
 
 from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor,
                      device_constant, dtype_code, kernels, launch_args, on_cuda_path, ptr)
-from . import dispatch
+from . import backend, dispatch
 from .loss_args import check_span
 from .matryoshka_blocked import blocked_backward, blocked_forward, use_fused
 from ..reference.offset_bias import offset_bias_table
@@ -54,27 +54,14 @@ def _ptrs(**kw):
 GIF_BUDGET_BYTES = 256 * 2**20
 
 
-_force_blocked = contextvars.ContextVar("tempokern_matryoshka_blocked", default=None)
-
-
-@contextlib.contextmanager
-def force_blocked(block_rows: int = 0):
-    """Runs CPU tensors through the blocked torch path (the CUDA path's algorithm) with blocks of
-    ``block_rows`` rows (0: chosen from the memory budget), for tests."""
-    token = _force_blocked.set(int(block_rows))
-    try:
-        yield
-    finally:
-        _force_blocked.reset(token)
-
-
 def _blocked(t) -> bool:
-    """The blocked path: CUDA tensors (and CPU tensors under the CUDA emulator or force_blocked())."""
-    return on_cuda_path(t) or _force_blocked.get() is not None
+    """The blocked path: the CUDA kernels' backends, and a CPU backend a test installed block rows on."""
+    be = backend.resolve(t)
+    return be.cuda_path or be.block_rows is not None
 
 
-def _block_rows() -> int:
-    v = _force_blocked.get()
+def _block_rows(t) -> int:
+    v = backend.resolve(t).block_rows
     return 0 if v is None else v
 
 
@@ -99,7 +86,7 @@ def _mat(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor], rh
     if _blocked(q):
         gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), q.device)
         out = blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
-                              row_weight, col_weight, diag_offset, _block_rows(), want_grad=gif,
+                              row_weight, col_weight, diag_offset, _block_rows(q), want_grad=gif,
                               known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
         return out if gif else out + [q.new_empty(0) for _ in range(6)]
     loss = torch.zeros((), dtype=acc, device=q.device)
@@ -139,7 +126,7 @@ def _mat_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: torch
                   tensor_cores: bool) -> List[torch.Tensor]:
     if _blocked(q):
         return blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
-                                row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(),
+                                row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(q),
                                 known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
     coef = [float(c) for c in lcoef.detach().to("cpu", torch.float64).tolist()]
     z = lambda t: None if t is None else torch.zeros(t.shape, dtype=q.dtype, device=q.device)  # noqa: E731
@@ -235,7 +222,7 @@ def _mat_bias(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor
     else the exact MLP (w1..scale). bf16_operands: q, d and extra_neg hold bfloat16 values (the caller's
     tensors were bfloat16), so the CUDA path needs no check of the values (a pass and a device sync)."""
     return blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
-                           row_weight, col_weight, diag_offset, _block_rows(),
+                           row_weight, col_weight, diag_offset, _block_rows(q),
                            bias=(u_q, u_d, table, w1, b1, w2, b2, scale),
                            known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
 
@@ -259,7 +246,7 @@ def _mat_bias_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: 
     """[dq, dd, dneg, drho, dkap, dkneg] in the accumulation dtype, then [du_q, du_d, dtable, dw1, db1, dw2,
     db2, dscale] in float64 (empty where absent)."""
     return blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
-                            row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(),
+                            row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(q),
                             bias=(u_q, u_d, table, w1, b1, w2, b2, scale),
                             known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
 
