@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import tempokern
 import tempokern._ops.matryoshka_blocked as mb
-import tempokern._ops.routing as routing
+from tempokern._ops import dispatch
 import tempokern._ops.multipos_blocked as mpb
 from _emu_support import force_blocked
 from tempokern.reference import matryoshka_infonce as ref
@@ -25,7 +25,8 @@ def launches(monkeypatch):
     """The fused kernel launches of the test: (op, first row of the block, level, positive block, dtype of the
     rounded gradient coefficients Ho or None, levels of a "bwd_all" launch or 0). Sends every call to the fused
     kernels (the default sends bias-free square calls through the levels path's multipos_infonce)."""
-    monkeypatch.setattr(routing, "_per_level", lambda *a, **k: False)
+    monkeypatch.setattr(dispatch, "DEFAULTS", tuple(p for p in dispatch.DEFAULTS  # no levels path: the fused one
+                                                    if not (p.op == dispatch.MATRYOSHKA and p.name == "levels")))
     calls = []
     real = mb._Fused.launch
 

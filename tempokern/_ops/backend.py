@@ -5,7 +5,7 @@ kernels come from, and the launch arguments (device index, stream) and SM count 
 Kernel-layer code receives a :class:`Backend` (from :func:`resolve`) and asks it, not the tensors' device. What a
 CPU tensor runs on is ``cpu`` unless a backend is installed with :func:`installed` (a context variable: only the
 code inside the block, in that thread or task, sees it). Product code never installs one; tests do
-(tests/_emu_support.py: the CUDA emulator, and the blocked torch path on plain CPU tensors)."""
+(the CUDA emulator of tools/cuda_emu, and the blocked torch path on plain CPU tensors)."""
 from __future__ import annotations
 
 import contextlib

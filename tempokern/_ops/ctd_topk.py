@@ -11,6 +11,7 @@ import torch
 from ..reference.ctd_topk import table_values
 from ..reference.offset_bias import bias_frequencies
 from .. import _C
+from . import backend, dispatch
 from .offset_bias import bias_params, offset_bias, offset_bias_lookup
 from .common import (check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code,
                      kernels, launch_args, on_cuda_path, ptr, rows_contiguous, scalar_value, sm_count)
@@ -66,10 +67,11 @@ def _ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, temperature: float, mode
     Q, H = q.shape
     N = g.shape[0]
     acc = _acc_dtype(q.dtype)
-    if cand is None and on_cuda_path(q):
+    path = dispatch.choose("ctd_topk", _TopkCall(q, k, cand is not None), backend.resolve(q)).name
+    if path != "cpu":
         if Q == 0:
             return (torch.empty(0, k, dtype=acc, device=q.device), torch.empty(0, k, dtype=torch.int64, device=q.device))
-        if serve_path(q, k):
+        if path == "serve":
             return _serve_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, b2_t, scale_t, table,
                                exclude)
         b2, scale = _host_scalar(b2, b2_t), _host_scalar(scale, scale_t)
@@ -286,10 +288,17 @@ def _serve_smem(Q: int, H: int, dtype: torch.dtype) -> int:
     return qm * (-(-H // vw) * vw) * es + _SERVE_WARPS * 32 * (qm + 1) * acc_es
 
 
-def serve_path(q: torch.Tensor, k: int) -> bool:
-    """Whether ctd_topk on the CUDA path takes the serve kernels for these queries."""
-    Q, H = q.shape
-    return 1 <= Q <= min(_SERVE_MAX_Q, _SERVE_KERNEL_MAX_Q) and _serve_smem(Q, H, q.dtype) <= _SERVE_SMEM
+class _TopkCall:
+    """A ctd_topk call as the dispatch table sees it (tempokern/_ops/dispatch.py: serve takes 1 to _SERVE_MAX_Q
+    queries whose tile fits serve_scan's shared memory)."""
+    __slots__ = ("q", "k", "rerank", "queries")
+
+    def __init__(self, q: torch.Tensor, k: int, rerank: bool):
+        self.q, self.k, self.rerank, self.queries = q, k, rerank, q.shape[0]
+
+    def serve_fits(self) -> bool:
+        Q, H = self.q.shape
+        return Q <= min(_SERVE_MAX_Q, _SERVE_KERNEL_MAX_Q) and _serve_smem(Q, H, self.q.dtype) <= _SERVE_SMEM
 
 
 def _dev_scalar(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -1,5 +1,5 @@
 """Blocked Matryoshka InfoNCE: the CUDA execution of tempokern.matryoshka_infonce and the CPU execution with a
-bias. Two executions: the torch path below (CPU bias=, and CPU tensors on a backend with block rows installed: tools/cuda_emu/emu_support.py force_blocked()) and the fused path at the end of
+bias. Two executions: the torch path below (CPU bias=, and CPU tensors on a backend with block rows installed by the tests) and the fused path at the end of
 this file (CUDA and the emulator: cuBLAS segment products around the kernels of
 csrc/matryoshka_infonce/matryoshka_block_cuda.cu, or the candidate tensor-core kernels of matryoshka_tc_cuda.cu
 where TEMPOKERN_EXPERIMENTAL enables them, tempokern/_ops/dispatch.py).

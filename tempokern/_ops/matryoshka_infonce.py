@@ -8,8 +8,6 @@ level, and in backward returns dL/dq, dL/dd, dL/dextra_neg through the raw produ
 dL/dkneg, which autograd carries back through the norms. No (B, B') or (B, N) buffer, forward or backward."""
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 import numbers
 import warnings
@@ -21,7 +19,7 @@ from .common import (acc_dtype, check_finite, check_reciprocal, check_same_devic
                      device_constant, dtype_code, kernels, launch_args, on_cuda_path, ptr)
 from . import backend, dispatch
 from .loss_args import check_span
-from .matryoshka_blocked import blocked_backward, blocked_forward, use_fused
+from .matryoshka_blocked import blocked_backward, blocked_forward, tc_call, use_fused
 from ..reference.offset_bias import offset_bias_table
 
 EPS = 1e-12  # F.normalize's clamp of the norm
@@ -371,6 +369,33 @@ def inverse_prefix_norms(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
     return ss.clamp_min(EPS * EPS).rsqrt().t().contiguous()
 
 
+class MatryoshkaCall:
+    """A matryoshka_infonce call as the dispatch table sees it."""
+    __slots__ = ("q", "d", "dims", "bias", "extra_neg", "table_points")
+
+    def __init__(self, q, d, dims, bias, extra_neg, table_points):
+        self.q, self.d, self.dims, self.bias, self.extra_neg, self.table_points = q, d, dims, bias, extra_neg, \
+            table_points
+
+    @property
+    def rows(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.d.shape[0]
+
+    def tensor_cores(self, be) -> bool:
+        return tc_call(self.q, self.d, self.dims, self.extra_neg, self.bias, self.table_points)
+
+
+def matryoshka_path(q, d, dims, bias, extra_neg, table_points) -> str:
+    """The name of the path dispatch.choose picks for a Matryoshka call ("fused" on the CPU; "levels", "fused" or
+    "mrl_tc" on the CUDA kernels' backends)."""
+    return dispatch.choose(dispatch.MATRYOSHKA, MatryoshkaCall(q, d, dims, bias, extra_neg, table_points),
+                           backend.resolve(q)).name
+
+
 def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weights: Sequence[float], *,
                        temperature: float, extra_neg=None, row_weight: float = 1.0, col_weight: float = 0.0,
                        diag_offset: int = 0, row_none: Optional[torch.Tensor] = None, normalize: bool = True,
@@ -380,10 +405,10 @@ def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weight
     column i + diag_offset). bias: None or the validated 7-tuple (u_q, u_d, w1, b1, w2, b2, scale), with
     ``bias_table_points`` for the table mode; it runs the blocked path on every device.
     ``tensor_cores``: whether the candidate tensor-core kernels may take the call (they still check that it is
-    theirs); None: TEMPOKERN_EXPERIMENTAL's mrl_tc (tempokern/_ops/dispatch.py).
+    theirs); None: whether dispatch.choose picks the mrl_tc candidate (tempokern/_ops/dispatch.py).
     Returns (loss = sum_l weights_l level_l, levels (K,))."""
     if tensor_cores is None:
-        tensor_cores = dispatch.enabled("mrl_tc")
+        tensor_cores = matryoshka_path(q, d, dims, bias, extra_neg, bias_table_points) == "mrl_tc"
     acc = _acc(q.dtype)
     qk, dk = _operand(q.to(acc)), _operand(d.to(acc))
     nk = None if extra_neg is None else _operand(extra_neg.to(acc))

@@ -367,17 +367,17 @@ def _sorted_by_u(q, d, q_lo, q_hi, d_lo, d_hi, bias, diag_offset):
 def multipos_kernel_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
                             row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0,
                             bias_table_points: Optional[int] = None, row_none: Optional[torch.Tensor] = None,
-                            return_hardest: bool = False):
+                            return_hardest: bool = False, blocked: bool = False):
     """This module's kernels on validated inputs (the arguments and result of
     :func:`tempokern._ops.routing.multipos_infonce_partial`, which also routes calls to the candidate
-    tensor-core kernels): CUDA (and the table mode anywhere) runs the blocked path; CPU without a table the
-    fused tiled kernel."""
+    tensor-core kernels): ``blocked`` (the path dispatch.choose picked there) runs the blocked path, else the
+    fused tiled kernel (the CPU's)."""
     if q.shape[0] == 0 or d.shape[0] == 0:
         return _empty_batch(q, d, q_lo, q_hi, d_lo, d_hi, temperature, bias, extra_neg, row_weight, col_weight,
                             diag_offset, row_none, bias_table_points, return_hardest)
     if row_none is not None:
         row_none = row_none.to(torch.uint8).contiguous()
-    if on_cuda_path(q) or bias_table_points is not None:
+    if blocked:
         return blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias,
                                 extra_neg=extra_neg, row_weight=row_weight, col_weight=col_weight,
                                 diag_offset=diag_offset, bias_table_points=bias_table_points, row_none=row_none,
