@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from _emu_support import patch_kernels, patch_sm_count, real_kernels, real_sm_count  # noqa: F401
 
 import tempokern
 from tempokern import reference as ref
@@ -258,7 +259,7 @@ def _removed_barrier_case(case, monkeypatch):
             return [loss.detach(), *torch.autograd.grad(loss, (q, d))]
         return run
     monkeypatch.setenv("TEMPOKERN_EXPERIMENTAL", "calendar_v3")
-    monkeypatch.setattr(common, "sm_count", lambda device: 1)
+    patch_sm_count(monkeypatch, lambda device: 1)
 
     def run():
         g = torch.Generator().manual_seed(5)

@@ -8,6 +8,7 @@ multipos_infonce on the same path, zero weights, symmetric, bias table and exact
 torch path (the CPU bias path, which launches none of these kernels)."""
 import pytest
 import torch
+from _emu_support import patch_kernels, patch_sm_count, real_kernels, real_sm_count  # noqa: F401
 import torch.nn.functional as F
 
 import tempokern
@@ -90,7 +91,7 @@ def test_fused_more_rows_than_one_column_tile(gpu, launches):
 
 @pytest.mark.parametrize("sms", [132, 108, 58])
 def test_fused_at_other_sm_counts(gpu, launches, monkeypatch, sms):
-    monkeypatch.setattr(mpb, "sm_count", lambda device: sms)
+    patch_sm_count(monkeypatch, lambda device: sms)
     q, d, neg, sp, _ = on_device(gpu, *make(100, 8, N=5, spans="random", seed=sms))
     res = run_both(q, d, neg, sp, (3, 5, 8), temperature=0.05, symmetric=True, level_w=torch.tensor([1.0, 0.0, -1.0]))
     assert_parity(*res, 1e-9)

@@ -18,6 +18,7 @@ of 16) on the CUDA emulator (and a GPU where there is one), against tempokern.re
 
 import pytest
 import torch
+from _emu_support import patch_kernels, patch_sm_count, real_kernels, real_sm_count  # noqa: F401
 
 import tempokern
 import tempokern._ops.matryoshka_blocked as mb
@@ -204,7 +205,7 @@ def test_two_x_torch_rule_bf16(gpu, tc, dims):
 
 @pytest.mark.parametrize("sms", [132, 108, 58, 1])
 def test_grid_at_other_sm_counts(gpu, tc, monkeypatch, sms):
-    monkeypatch.setattr(mb, "sm_count", lambda device: sms)
+    patch_sm_count(monkeypatch, lambda device: sms)
     q, d, sp = bf16_inputs(gpu, 200, 64, Bd=200, spans="random", seed=sms)
     loss = tempokern.matryoshka_infonce(q, d, DIMS, temperature=0.1, **sp)
     lr = ref(q.double().cpu(), d.double().cpu(), DIMS, temperature=0.1,

@@ -62,32 +62,33 @@ _SMS: dict = {}
 
 class Backend:
     """Where one call runs: ``kind`` is "cpu", "cuda" or "emulated"; ``cuda_path`` whether the CUDA kernels run
-    (cuda or emulated); ``kernels`` the compiled module; ``launch`` (device, stream) for a kernel launch (device -1:
-    CPU); ``sm_count`` the streaming multiprocessors the grids are sized for (1 on the CPU); ``block_rows`` the
-    rows per block of an op's blocked torch path when a test installed it (None: not installed)."""
-    __slots__ = ("kind", "device", "block_rows")
+    (cuda or emulated); ``kernels`` the compiled module; ``index`` the CUDA device index (0 on the emulator, -1 on
+    the CPU); ``block_rows`` the rows per block of an op's blocked torch path when a test installed it (None: not
+    installed); ``launch`` (device, stream) for a kernel launch (device -1: CPU) and ``sm_count`` the streaming
+    multiprocessors the grids are sized for (1 on the CPU), both asked of the device when first read."""
+    __slots__ = ("kind", "device", "block_rows", "cuda_path", "emulated", "_index")
 
     def __init__(self, kind: str, device: torch.device, block_rows: Optional[int] = None):
         self.kind = kind
         self.device = device
         self.block_rows = block_rows
+        self.cuda_path = kind != "cpu"
+        self.emulated = kind == "emulated"
+        self._index = device.index if kind == "cuda" else (0 if kind == "emulated" else -1)
 
     def __repr__(self) -> str:
         return f"Backend({self.kind!r}, {self.device})"
 
     @property
-    def cuda_path(self) -> bool:
-        return self.kind != "cpu"
-
-    @property
-    def emulated(self) -> bool:
-        return self.kind == "emulated"
-
-    @property
     def kernels(self):
-        if self.kind == "emulated":
-            return _installed.get().kernels
-        return _C
+        # (read inside the custom ops, never in a traced region: dynamo cannot trace ContextVar.get)
+        return _installed.get().kernels if self.kind == "emulated" else _C
+
+    @property
+    def index(self) -> int:
+        if self._index is None:  # a CUDA device without an index: the current one, asked when first needed
+            self._index = torch.cuda.current_device()
+        return self._index
 
     @property
     def launch(self) -> tuple:
@@ -106,13 +107,6 @@ class Backend:
         return idx, torch.cuda.current_stream(idx).cuda_stream
 
     @property
-    def index(self) -> int:
-        """The CUDA device index (0 for the emulator, -1 on the CPU)."""
-        if self.kind == "cuda":
-            return self.device.index if self.device.index is not None else torch.cuda.current_device()
-        return 0 if self.kind == "emulated" else -1
-
-    @property
     def sm_count(self) -> int:
         if self.kind == "cuda":
             idx = self.index
@@ -123,6 +117,19 @@ class Backend:
         return EMULATED_SM_COUNT if self.kind == "emulated" else 1
 
 
+def kernels_for(cuda: bool):
+    """The compiled module of CUDA tensors (cuda) or of CPU tensors (an installed emulated build, else _C)."""
+    if cuda:
+        return _C
+    inst = _installed.get()
+    return _C if inst is None or inst.kernels is None else inst.kernels
+
+
+def of(t) -> Backend:
+    """``t`` itself when it is a Backend, else :func:`resolve` (t a tensor or a device)."""
+    return t if isinstance(t, Backend) else resolve(t)
+
+
 def resolve(t) -> Backend:
     """The backend of a call whose inputs live where tensor (or device) ``t`` does."""
     dev = t if isinstance(t, torch.device) else t.device
@@ -130,5 +137,5 @@ def resolve(t) -> Backend:
         return Backend("cuda", dev)
     if dev.type not in ("cpu", "meta"):
         raise ValueError(f"tempokern runs on CPU and CUDA tensors, got device {dev}")
-    rows = _block_rows()
-    return Backend("emulated" if _emulating() else "cpu", dev, None if rows < 0 else rows)
+    rows = None if (r := _block_rows()) < 0 else r
+    return Backend("emulated" if _emulating() else "cpu", dev, rows)

@@ -114,12 +114,12 @@ def _op(kernel: str, k: str) -> str:
 
 
 def _max_ctas(be, kernel: str, k: str) -> int:
-    """The grid cap of kernel k (0: the CPU kernels)."""
+    """The grid cap of kernel k (0: the CPU kernels) on backend ``be`` (or a tensor's)."""
     if k == "cpu":
         return 0
     per_sm = {"tiles": _CTAS_PER_SM, "groups": _CTAS_PER_SM_GROUPS,
               "v3": _CTAS_PER_SM_V3_SCALAR if kernel.startswith("scalar") else _CTAS_PER_SM_V3}[k]
-    return max(1, per_sm * be.sm_count)
+    return max(1, per_sm * backend.of(be).sm_count)
 
 
 def _v3_levels(logits) -> bool:

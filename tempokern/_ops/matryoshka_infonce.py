@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor,
-                     device_constant, dtype_code, kernels, launch_args, on_cuda_path, ptr)
+                     device_constant, dtype_code, ptr)
 from . import backend, dispatch
 from .loss_args import check_span
 from .matryoshka_blocked import blocked_backward, blocked_forward, tc_call, use_fused
@@ -52,23 +52,21 @@ def _ptrs(**kw):
 GIF_BUDGET_BYTES = 256 * 2**20
 
 
-def _blocked(t) -> bool:
+def _blocked(be) -> bool:
     """The blocked path: the CUDA kernels' backends, and a CPU backend a test installed block rows on."""
-    be = backend.resolve(t)
     return be.cuda_path or be.block_rows is not None
 
 
-def _block_rows(t) -> int:
-    v = backend.resolve(t).block_rows
-    return 0 if v is None else v
+def _block_rows(be) -> int:
+    return 0 if be.block_rows is None else be.block_rows
 
 
-def _gif(want_grad: bool, col_weight: float, K: int, Bd: int, N: int, itemsize: int, device=None) -> bool:
+def _gif(want_grad: bool, col_weight: float, K: int, Bd: int, N: int, itemsize: int, be=None) -> bool:
     """Whether the forward also computes the gradient (unit upstream gradient, scaled in backward): only
     without a column term (the row statistics of a row block are then final after its own pass), saving
     the backward's recomputed products (6 instead of 8 B B' H flops)."""
-    if device is not None and _blocked(device):  # the fused CUDA path does it without a budget (blocks of rows)
-        return bool(want_grad) and col_weight == 0.0 and use_fused(device, Bd)
+    if be is not None and _blocked(be):  # the fused CUDA path does it without a budget (blocks of rows)
+        return bool(want_grad) and col_weight == 0.0 and use_fused(be, Bd)
     return bool(want_grad) and col_weight == 0.0 and K * 64 * (Bd + N) * itemsize <= GIF_BUDGET_BYTES
 
 
@@ -81,24 +79,25 @@ def _mat(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor], rh
     K = len(seg) - 1
     acc = q.dtype
     N = 0 if extra_neg is None else extra_neg.shape[0]
-    if _blocked(q):
-        gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), q.device)
+    be = backend.resolve(q)
+    if _blocked(be):
+        gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), be)
         out = blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
-                              row_weight, col_weight, diag_offset, _block_rows(q), want_grad=gif,
-                              known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
+                              row_weight, col_weight, diag_offset, _block_rows(be), want_grad=gif,
+                              known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores, be=be)
         return out if gif else out + [q.new_empty(0) for _ in range(6)]
     loss = torch.zeros((), dtype=acc, device=q.device)
     levels = torch.zeros(K, dtype=acc, device=q.device)
     row_stats = torch.zeros(K, 3, q.shape[0], dtype=acc, device=q.device)
     col_stats = torch.zeros(K, 3, d.shape[0], dtype=acc, device=q.device)
     grads = dict(dq=None, dd=None, dneg=None, drho=None, dkap=None, dkneg=None)
-    if _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), q.device):
+    if _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), be):
         z = lambda t: None if t is None else torch.zeros(t.shape, dtype=acc, device=q.device)  # noqa: E731
         grads = dict(dq=z(q), dd=z(d), dneg=z(extra_neg), drho=z(rho), dkap=z(kap), dkneg=z(kneg))
-    dev, stream = launch_args(q)
+    dev, stream = be.launch
     ptrs = _ptrs(q=q, d=d, neg=extra_neg, rho=rho, kap=kap, kneg=kneg, q_lo=q_lo, q_hi=q_hi, d_lo=d_lo, d_hi=d_hi,
                  row_none=row_none, loss=loss, levels=levels, row_stats=row_stats, col_stats=col_stats, **grads)
-    kernels().matryoshka_infonce_launch("fwd", dev, stream, dtype_code(q), _sizes(q, d, extra_neg, seg, diag_offset),
+    be.kernels.matryoshka_infonce_launch("fwd", dev, stream, dtype_code(q), _sizes(q, d, extra_neg, seg, diag_offset),
                                         [inv_temp, row_weight, col_weight, *coef], ptrs)
     return [loss, levels, row_stats, col_stats, *[q.new_empty(0) if g is None else g for g in grads.values()]]
 
@@ -109,7 +108,7 @@ def _(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, co
     K = len(seg) - 1
     N = 0 if extra_neg is None else extra_neg.shape[0]
     out = [q.new_empty(()), q.new_empty((K,)), q.new_empty((K, 3, q.shape[0])), q.new_empty((K, 3, d.shape[0]))]
-    gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), q.device)
+    gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), backend.resolve(q))
     for t in (q, d, extra_neg, rho, kap, kneg):
         out.append(q.new_empty(t.shape) if gif and t is not None else q.new_empty(0))
     return out
@@ -122,19 +121,21 @@ def _mat_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: torch
                   d_hi: torch.Tensor, row_none: Optional[torch.Tensor], seg: List[int], inv_temp: float,
                   row_weight: float, col_weight: float, diag_offset: int, bf16_operands: bool,
                   tensor_cores: bool) -> List[torch.Tensor]:
-    if _blocked(q):
+    be = backend.resolve(q)
+    if _blocked(be):
         return blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
-                                row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(q),
-                                known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
+                                row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(be),
+                                known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores,
+                                be=be)
     coef = [float(c) for c in lcoef.detach().to("cpu", torch.float64).tolist()]
     z = lambda t: None if t is None else torch.zeros(t.shape, dtype=q.dtype, device=q.device)  # noqa: E731
     dq, dd, dneg, drho, dkap, dkneg = z(q), z(d), z(extra_neg), z(rho), z(kap), z(kneg)
-    dev, stream = launch_args(q)
+    dev, stream = be.launch
     row_stats, col_stats = row_stats.contiguous(), col_stats.contiguous()
     ptrs = _ptrs(q=q, d=d, neg=extra_neg, rho=rho, kap=kap, kneg=kneg, q_lo=q_lo, q_hi=q_hi, d_lo=d_lo, d_hi=d_hi,
                  row_none=row_none, row_stats=row_stats, col_stats=col_stats, dq=dq, dd=dd, dneg=dneg, drho=drho,
                  dkap=dkap, dkneg=dkneg)
-    kernels().matryoshka_infonce_launch("bwd", dev, stream, dtype_code(q), _sizes(q, d, extra_neg, seg, diag_offset),
+    be.kernels.matryoshka_infonce_launch("bwd", dev, stream, dtype_code(q), _sizes(q, d, extra_neg, seg, diag_offset),
                                         [inv_temp, row_weight, col_weight, *coef], ptrs)
     return [dq, dd, q.new_empty(0) if dneg is None else dneg, drho, dkap, q.new_empty(0) if dkneg is None else dkneg]
 
@@ -158,7 +159,8 @@ def _setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     row_stats, col_stats = output[2], output[3]
     ctx.gif = _gif(inputs[-1], inputs[_NT + 4], len(inputs[_NT]) - 1, inputs[1].shape[0],
-                   0 if inputs[2] is None else inputs[2].shape[0], inputs[0].element_size(), inputs[0].device)
+                   0 if inputs[2] is None else inputs[2].shape[0], inputs[0].element_size(),
+                   backend.resolve(inputs[0]))
     ctx.save_for_backward(row_stats, col_stats, *inputs[:_NT], *(output[4:] if ctx.gif else ()))
     ctx.present = [t is not None for t in inputs[:_NT]]
     ctx.seg, ctx.coef = inputs[_NT], inputs[_NT + 1]
@@ -219,10 +221,11 @@ def _mat_bias(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor
     row_stats, col_stats] by the blocked path. table (points,) given: the table mode (w1..scale None);
     else the exact MLP (w1..scale). bf16_operands: q, d and extra_neg hold bfloat16 values (the caller's
     tensors were bfloat16), so the CUDA path needs no check of the values (a pass and a device sync)."""
+    be = backend.resolve(q)
     return blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
-                           row_weight, col_weight, diag_offset, _block_rows(q),
+                           row_weight, col_weight, diag_offset, _block_rows(be),
                            bias=(u_q, u_d, table, w1, b1, w2, b2, scale),
-                           known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
+                           known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores, be=be)
 
 
 @_mat_bias.register_fake
@@ -243,10 +246,11 @@ def _mat_bias_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: 
                        diag_offset: int, bf16_operands: bool, tensor_cores: bool) -> List[torch.Tensor]:
     """[dq, dd, dneg, drho, dkap, dkneg] in the accumulation dtype, then [du_q, du_d, dtable, dw1, db1, dw2,
     db2, dscale] in float64 (empty where absent)."""
+    be = backend.resolve(q)
     return blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
-                            row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(q),
+                            row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(be),
                             bias=(u_q, u_d, table, w1, b1, w2, b2, scale),
-                            known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
+                            known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores, be=be)
 
 
 @_mat_bias_backward.register_fake
@@ -386,7 +390,7 @@ class MatryoshkaCall:
         return self.d.shape[0]
 
     def tensor_cores(self, be) -> bool:
-        return tc_call(self.q, self.d, self.dims, self.extra_neg, self.bias, self.table_points)
+        return tc_call(self.q, self.d, self.dims, self.extra_neg, self.bias, self.table_points, be)
 
 
 def matryoshka_path(q, d, dims, bias, extra_neg, table_points) -> str:

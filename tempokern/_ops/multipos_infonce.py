@@ -16,8 +16,8 @@ import torch
 
 from ..reference.multipos_infonce import multipos_infonce_partial as ref_partial
 from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
-from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code,
-                     kernels, launch_args, on_cuda_path, ptr)
+from . import backend
+from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code, ptr)
 from .loss_args import BIAS_NAMES, check_span, validate_bias
 from .multipos_blocked import blocked_loss
 from .offset_bias import interval_bounds
@@ -28,9 +28,10 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _kernel_operand(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """The CPU kernel reads float32/float64 rows with unit column stride; the blocked path any dtype."""
-    if not on_cuda_path(t) and t.dtype != acc:
+def _kernel_operand(t: torch.Tensor, acc: torch.dtype, be=None) -> torch.Tensor:
+    """The CPU kernel reads float32/float64 rows with unit column stride; the CUDA kernels (backend ``be``) any
+    dtype (``acc`` = t's dtype: no conversion, ``be`` not needed)."""
+    if t.dtype != acc and not be.cuda_path:
         t = t.to(acc)
     if t.stride(-1) != 1 or (t.dim() == 2 and t.shape[0] > 1 and t.stride(0) < t.shape[1]):
         t = t.contiguous()
@@ -68,14 +69,15 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
     """(loss, row_stats, col_stats, hardest): hardest (Bq,) int64 when want_hardest (the row's hardest
     in-batch negative, written as col_map[j] when col_map is given; see multipos_infonce.h), else empty."""
     acc = _acc(q.dtype)
-    q, d = _kernel_operand(q, acc), _kernel_operand(d, acc)
+    be = backend.resolve(q)
+    q, d = _kernel_operand(q, acc, be), _kernel_operand(d, acc, be)
     if extra_neg is not None:
-        extra_neg = _kernel_operand(extra_neg, acc)
+        extra_neg = _kernel_operand(extra_neg, acc, be)
     loss = torch.zeros((), dtype=acc, device=q.device)
     row_stats = torch.zeros(3, q.shape[0], dtype=acc, device=q.device)
     col_stats = torch.zeros(3, d.shape[0], dtype=acc, device=q.device)
     hardest = torch.empty(q.shape[0] if want_hardest else 0, dtype=torch.int64, device=q.device)
-    dev, stream = launch_args(q)
+    dev, stream = be.launch
     ptrs = _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi,
                         diag_col, diag_row, row_none, col_map if want_hardest else None)
     ptrs.update(loss=ptr(loss), row_stats=ptr(row_stats), col_stats=ptr(col_stats))
@@ -83,7 +85,7 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
         ptrs.update(hardest=ptr(hardest))
     sizes = _sizes(q, d, extra_neg, A, diag_offset, z_lo)
     scalars = [inv_temp, row_weight, col_weight]
-    kernels().multipos_infonce_launch("fwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, 0, 0)
+    be.kernels.multipos_infonce_launch("fwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, 0, 0)
     return loss, row_stats, col_stats, hardest
 
 
@@ -108,9 +110,10 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
                        row_weight: float, col_weight: float, diag_offset: int) -> List[torch.Tensor]:
     acc = _acc(q.dtype)
     in_dtypes = (q.dtype, d.dtype, None if extra_neg is None else extra_neg.dtype)
-    q, d = _kernel_operand(q, acc), _kernel_operand(d, acc)
+    be = backend.resolve(q)
+    q, d = _kernel_operand(q, acc, be), _kernel_operand(d, acc, be)
     if extra_neg is not None:
-        extra_neg = _kernel_operand(extra_neg, acc)
+        extra_neg = _kernel_operand(extra_neg, acc, be)
     grad = grad.to(acc).reshape(()).contiguous()
 
     def zeros(t):
@@ -118,7 +121,7 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
 
     grads = dict(dq=zeros(q), dd=zeros(d), dneg=zeros(extra_neg), dA=zeros(A), dCt=zeros(Ct), db1=zeros(b1),
                  dw2=zeros(w2), db2=zeros(b2), dscale=zeros(scale), dzc=zeros(zc))
-    dev, stream = launch_args(q)
+    dev, stream = be.launch
     ptrs = _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi,
                         diag_col, diag_row, row_none)
     # held in locals: a temporary .contiguous() copy would be freed before the (asynchronous) kernel reads it
@@ -127,7 +130,7 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
                 grad_loss=ptr(grad), **{k: ptr(v) for k, v in grads.items() if v is not None})
     sizes = _sizes(q, d, extra_neg, A, diag_offset, z_lo)
     scalars = [inv_temp, row_weight, col_weight]
-    kernels().multipos_infonce_launch("bwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, 0, 0)
+    be.kernels.multipos_infonce_launch("bwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, 0, 0)
     out = []
     for k in _GRAD_NAMES:
         g = grads[k]

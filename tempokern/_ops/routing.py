@@ -47,7 +47,7 @@ class MultiposCall:
     def tensor_cores(self, be) -> bool:
         """tc_call for one level of H features (which also rules out extra negatives, the exact bias and H not a
         multiple of 16)."""
-        return tc_call(self.q, self.d, [self.q.shape[1]], self.extra_neg, self.bias, self.table_points)
+        return tc_call(self.q, self.d, [self.q.shape[1]], self.extra_neg, self.bias, self.table_points, be)
 
 
 def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
