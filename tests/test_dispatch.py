@@ -237,6 +237,9 @@ def test_choose_is_the_only_chooser():
         text = path.read_text(encoding="utf-8")
         for name in _OLD_CHOOSERS:
             assert name not in text, f"{path.relative_to(ROOT)} uses {name}: paths are chosen by dispatch.choose"
+        if path.name not in ("common.py", "backend.py"):  # the kernel layer asks the backend, not the device
+            for name in ("on_cuda_path(", "launch_args(", "kernels()", "sm_count("):
+                assert name not in text, f"{path.relative_to(ROOT)} calls {name}: ask the call's backend"
     for path in sorted((ROOT / "tempokern").glob("**/*.py")):
         text = path.read_text(encoding="utf-8")
         assert "emu_support" not in text and "cuda_emu" not in text.replace("tools/cuda_emu", ""), \

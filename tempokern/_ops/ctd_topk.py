@@ -14,7 +14,7 @@ from .. import _C
 from . import backend, dispatch
 from .offset_bias import bias_params, offset_bias, offset_bias_lookup
 from .common import (check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code,
-                     kernels, launch_args, on_cuda_path, ptr, rows_contiguous, scalar_value, sm_count)
+                     ptr, rows_contiguous, scalar_value)
 
 _BIAS_NONE, _BIAS_EXACT, _BIAS_TABLE = 0, 1, 2
 _CPU_QBLOCK = 2048          # queries per CPU launch
@@ -67,15 +67,16 @@ def _ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, temperature: float, mode
     Q, H = q.shape
     N = g.shape[0]
     acc = _acc_dtype(q.dtype)
-    path = dispatch.choose("ctd_topk", _TopkCall(q, k, cand is not None), backend.resolve(q)).name
+    be = backend.resolve(q)
+    path = dispatch.choose("ctd_topk", _TopkCall(q, k, cand is not None), be).name
     if path != "cpu":
         if Q == 0:
             return (torch.empty(0, k, dtype=acc, device=q.device), torch.empty(0, k, dtype=torch.int64, device=q.device))
         if path == "serve":
             return _serve_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, b2_t, scale_t, table,
-                               exclude)
+                               exclude, be=be)
         b2, scale = _host_scalar(b2, b2_t), _host_scalar(scale, scale_t)
-        return _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, exclude)
+        return _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, exclude, be=be)
     b2, scale = _host_scalar(b2, b2_t), _host_scalar(scale, scale_t)
     values = torch.empty(Q, k, dtype=acc, device=q.device)
     indices = torch.empty(Q, k, dtype=torch.int64, device=q.device)
@@ -176,8 +177,8 @@ def _score_block(qa: torch.Tensor, gc: torch.Tensor, acc: torch.dtype) -> torch.
     return torch.mm(qa.to(acc), gc.to(acc).t())
 
 
-def _pass(kind, dev, stream, ints, ptrs, reals):
-    kernels().ctd_topk_cuda_pass(dev, stream, kind, [int(x) for x in ints], [int(x) for x in ptrs],
+def _pass(be, kind, dev, stream, ints, ptrs, reals):
+    be.kernels.ctd_topk_cuda_pass(dev, stream, kind, [int(x) for x in ints], [int(x) for x in ptrs],
                                  [float(x) for x in reals])
 
 
@@ -196,12 +197,13 @@ def _slices(cols: int, want: int) -> Tuple[int, int]:
     return -(-cols // per), per
 
 
-def _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, ex):
+def _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, ex, be=None):
     Q, H = q.shape
     N = g.shape[0]
     acc = _acc_dtype(q.dtype)
-    dev, stream = launch_args(q)
-    sms = sm_count(q.device)
+    be = backend.resolve(q) if be is None else be
+    dev, stream = be.launch
+    sms = be.sm_count
     cap = _pow2(k + 32)
     es = torch.tensor([], dtype=acc).element_size()
     ub, ends, w1p, fr = _bias_setup(mode, w1, b1, w2, b2, scale, acc, q.device)
@@ -228,7 +230,7 @@ def _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, tabl
         ints = (dtype_code(q), Q, N, H, k, q.stride(0), g.stride(0), 0, 0, mode, hidden, K, P, m, ns, per, cap)
         ptrs = (ptr(q), ptr(g), 0, ptr(u_q), ptr(u_g), ptr(fr_a), ptr(amat), 0, ptr(b1), ptr(w2), ptr(ends),
                 ptr(table), ptr(ex), 0, ptr(ws_v), ptr(ws_i))
-        _pass(1, dev, stream, ints, ptrs, reals)
+        _pass(be, 1, dev, stream, ints, ptrs, reals)
         v, i = _merge([ws_v[:, :, :k].reshape(Q, ns * k)], [ws_i[:, :, :k].reshape(Q, ns * k)], k)
         return _finish(v, i)
 
@@ -263,7 +265,7 @@ def _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, tabl
             ints = (dtype_code(s), Qb, C, H, k, 0, 0, s.stride(0), c0, mode, hidden, K, P, m, ns, per, cap)
             ptrs = (0, 0, ptr(s), ptr(uq_b), ptr(ug_c), 0, ptr(amat), ptr(feats), ptr(b1), ptr(w2), ptr(ends),
                     ptr(table), ptr(ex_b), ptr(seed), ptr(ws_v), ptr(ws_i))
-            _pass(0, dev, stream, ints, ptrs, reals)
+            _pass(be, 0, dev, stream, ints, ptrs, reals)
             best_v, best_i = _merge([best_v, ws_v[:, :, :k].reshape(Qb, ns * k)],
                                     [best_i, ws_i[:, :, :k].reshape(Qb, ns * k)], k)
             seed = best_v[:, k - 1].contiguous()   # the running k-th score: later pairs must beat it
@@ -305,13 +307,14 @@ def _dev_scalar(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.detach().reshape(1).to(torch.float64)
 
 
-def _serve_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, b2_t, scale_t, table, ex):
+def _serve_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, b2_t, scale_t, table, ex, be=None):
     """Q <= 16: [prep], one scan of the gallery, two merges; allocations only, no host sync."""
     Q, H = q.shape
     N = g.shape[0]
     acc = _acc_dtype(q.dtype)
-    dev, stream = launch_args(q)
-    sms = sm_count(q.device)
+    be = backend.resolve(q) if be is None else be
+    dev, stream = be.launch
+    sms = be.sm_count
     cap = _pow2(k + 32)
     want = max(1, min(_SERVE_CTAS_PER_SM * sms * _SERVE_WARPS, _WS_ENTRIES // (Q * cap)))
     ns, per = _slices(N, want)
@@ -338,7 +341,7 @@ def _serve_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, b2_
     ints = (dtype_code(q), Q, N, H, k, q.stride(0), g.stride(0), mode, hidden, D, K, P, m, ns, per, cap, lpc, groups)
     ptrs = (ptr(q), ptr(g), ptr(u_q), ptr(u_g), ptr(w1), ptr(b1), ptr(w2), ptr(fr), ptr(table), ptr(ex), ptr(b2d),
             ptr(scd), ptr(aux), ptr(amat), ptr(ws_v), ptr(ws_i), ptr(mid_v), ptr(mid_i), ptr(out_v), ptr(out_i))
-    kernels().ctd_topk_cuda_serve(dev, stream, [int(x) for x in ints], [int(x) for x in ptrs],
+    be.kernels.ctd_topk_cuda_serve(dev, stream, [int(x) for x in ints], [int(x) for x in ptrs],
                                   [float(temperature), float(b2), float(scale)])
     return out_v, out_i
 
@@ -501,7 +504,7 @@ def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1
     Q = q.shape[0]
     acc = _acc_dtype(q.dtype)
     temperature = check_temperature(temperature, acc)
-    cuda_path = on_cuda_path(q)
+    cuda_path = backend.resolve(q).cuda_path
     # meta tensors: b2 / scale stay tensors (their values cannot be read; the fake implementation runs)
     mode, u_q, u_g, w1, b1, w2, b2, scale, table = parse_bias(bias, Q, N, acc, q.device,
                                                               keep_device_scalars=cuda_path or q.is_meta)

@@ -32,7 +32,7 @@ import torch
 from .._util import trace_constant
 from . import backend
 from .common import DTYPE_CODES, device_constant, ptr
-from .common import kernels, launch_args  # noqa: F401  (tests and tools/gpu_sanitize_case.py ask mb.kernels())
+from .common import kernels, launch_args  # noqa: F401  (tests and tools/gpu_sanitize_case.py use them)
 from .multipos_blocked import (ITEMSIZE, addmm_into, block_rows, mm_acc, mm_out_f32, none_flags, prep_spans, spans32,
                               tiling)
 
