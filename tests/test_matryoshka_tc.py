@@ -75,7 +75,7 @@ def tc(monkeypatch, request):
     per-level multipos_infonce calls keep the blocked path (tests/test_multipos_tc.py has those)."""
     force_tile(monkeypatch, request.param)
     rec = {"launches": [], "levels": 0}
-    real, real_mp = mb._tc_launch, routing.multipos_infonce
+    real, real_mp = mb._tc_launch, routing.multipos_infonce_partial
 
     def spy(F, op, i0, i1, K, splits, **outs):
         real(F, op, i0, i1, K, splits, **outs)
@@ -86,7 +86,7 @@ def tc(monkeypatch, request):
         rec["levels"] += 1
         return real_mp(*a, **k)
     monkeypatch.setattr(mb, "_tc_launch", spy)
-    monkeypatch.setattr(routing, "multipos_infonce", mp)
+    monkeypatch.setattr(routing, "multipos_infonce_partial", mp)  # the levels path's per-level loss
     with dispatch.use("mrl_tc"):
         yield rec
     for tr, tcl, want in rec.get("tiles", []):  # the device's limits decide (an H100, an A100, sm_86 / sm_89)

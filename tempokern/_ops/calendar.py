@@ -38,10 +38,6 @@ _TABLE_CACHE_SIZE = 32  # Fourier tables kept (least recently used dropped): bou
 _tables: "collections.OrderedDict" = collections.OrderedDict()
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -168,7 +164,7 @@ def _level_args(logits, grads=None, tables=None, dim=0):
 def _calendar_scalar(logits: List[torch.Tensor], tau: float) -> torch.Tensor:
     logits = [rows_contiguous(x) for x in logits]
     x0 = logits[0]
-    out = torch.empty(x0.shape[0], dtype=_acc_dtype(x0.dtype), device=x0.device)
+    out = torch.empty(x0.shape[0], dtype=acc_dtype(x0.dtype), device=x0.device)
     be = backend.resolve(x0)
     dev, stream = be.launch
     levels = _level_args(logits)
@@ -182,14 +178,14 @@ def _calendar_scalar(logits: List[torch.Tensor], tau: float) -> torch.Tensor:
 
 @_calendar_scalar.register_fake
 def _(logits, tau):
-    return logits[0].new_empty(logits[0].shape[0], dtype=_acc_dtype(logits[0].dtype))
+    return logits[0].new_empty(logits[0].shape[0], dtype=acc_dtype(logits[0].dtype))
 
 
 @torch.library.custom_op("tempokern::calendar_scalar_backward", mutates_args=())
 def _calendar_scalar_backward(grad: torch.Tensor, logits: List[torch.Tensor], tau: float) -> List[torch.Tensor]:
     logits = [rows_contiguous(x) for x in logits]
     x0 = logits[0]
-    grad = grad.to(_acc_dtype(x0.dtype)).contiguous()
+    grad = grad.to(acc_dtype(x0.dtype)).contiguous()
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in logits]
     be = backend.resolve(x0)
     dev, stream = be.launch
@@ -245,7 +241,7 @@ def _calendar_context(logits: List[torch.Tensor], dim: int, tau: float) -> torch
     dev, stream = be.launch
     v = _kernel("context_fwd", logits, dim, be=be)
     layout = "cuda_fwd" if be.cuda_path else "cpu"
-    tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device, layout) for x in logits]
+    tables = [_table(x.shape[1], dim, acc_dtype(x0.dtype), x0.device, layout) for x in logits]
     levels = _level_args(logits, tables=tables, dim=dim)
     for idx in _chunks(L, v):
         be.kernels.calendar_launch(_op("context_fwd", v), dev, stream, dtype_code(x0), B, 1.0 / tau,
@@ -276,7 +272,7 @@ def _calendar_context_backward(grad: torch.Tensor, logits: List[torch.Tensor], d
     v = _kernel("context_bwd", logits, dim, grad, be)
     # the tile kernel reads the transposed table; v3 the forward's layout (rows of classes, 16-byte loads along dim)
     layout = ("cuda_fwd" if v == "v3" else "cuda_bwd") if be.cuda_path else "cpu"
-    tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device, layout) for x in logits]
+    tables = [_table(x.shape[1], dim, acc_dtype(x0.dtype), x0.device, layout) for x in logits]
     levels = _level_args(logits, grads, tables, dim)
     for idx in _chunks(len(logits), v):
         be.kernels.calendar_launch(_op("context_bwd", v), dev, stream, dtype_code(x0), B, 1.0 / tau,

@@ -150,6 +150,12 @@ def check_reciprocal(name: str, value, acc: torch.dtype) -> float:
     return v
 
 
+def compiling(default: bool = True) -> bool:
+    """Whether torch.compile is tracing the caller (``default`` where torch cannot say)."""
+    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(f()) if f is not None else default
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulation dtype of the ops: float64 for float64 input, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -13,7 +13,7 @@ from ..reference.offset_bias import bias_frequencies
 from .. import _C
 from . import backend, dispatch
 from .offset_bias import bias_params, offset_bias, offset_bias_lookup
-from .common import (check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code,
+from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code,
                      ptr, rows_contiguous, scalar_value)
 
 _BIAS_NONE, _BIAS_EXACT, _BIAS_TABLE = 0, 1, 2
@@ -47,10 +47,6 @@ _MERGE_ENTRIES = 2048       # list entries per CTA of the first merge stage
 _BOUND_SAMPLES = 1025       # csrc/ctd_topk/ctd_topk_kernels.cuh BOUND_S
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _freqs(D: int, dtype: torch.dtype, device) -> torch.Tensor:
     return bias_frequencies(D, dtype, device).contiguous()  # exactly the reference's frequencies
 
@@ -66,7 +62,7 @@ def _ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, temperature: float, mode
     # replace b2 / scale): the serve path reads them in its kernels, every other path reads them here
     Q, H = q.shape
     N = g.shape[0]
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     be = backend.resolve(q)
     path = dispatch.choose("ctd_topk", _TopkCall(q, k, cand is not None), be).name
     if path != "cpu":
@@ -200,7 +196,7 @@ def _slices(cols: int, want: int) -> Tuple[int, int]:
 def _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, ex, be=None):
     Q, H = q.shape
     N = g.shape[0]
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     be = backend.resolve(q) if be is None else be
     dev, stream = be.launch
     sms = be.sm_count
@@ -311,7 +307,7 @@ def _serve_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, b2_
     """Q <= 16: [prep], one scan of the gallery, two merges; allocations only, no host sync."""
     Q, H = q.shape
     N = g.shape[0]
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     be = backend.resolve(q) if be is None else be
     dev, stream = be.launch
     sms = be.sm_count
@@ -354,7 +350,7 @@ def _finish(v, i):
 @_ctd_topk.register_fake
 def _(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, exclude, cand=None, b2_t=None,
       scale_t=None):
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     return q.new_empty(q.shape[0], k, dtype=acc), q.new_empty(q.shape[0], k, dtype=torch.int64)
 
 
@@ -502,7 +498,7 @@ def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1
     if k > N:
         raise ValueError(f"k must be <= the gallery size N={N}, got {k}")
     Q = q.shape[0]
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     temperature = check_temperature(temperature, acc)
     cuda_path = backend.resolve(q).cuda_path
     # meta tensors: b2 / scale stay tensors (their values cannot be read; the fake implementation runs)
@@ -544,7 +540,7 @@ def _check_topk_groups(q_group, g_group, Q: int, N: int, device):
 def _grouped_topk(q, g, k, temperature, bias, ex, q_group, g_group):
     """ctd_topk with the group filter: per distinct query group, the unfiltered op on that group's gallery rows
     (exclude lists mapped to them), the indices mapped back; a group without gallery rows keeps (-inf, -1)."""
-    Q, acc = q.shape[0], _acc_dtype(q.dtype)
+    Q, acc = q.shape[0], acc_dtype(q.dtype)
     values = torch.full((Q, k), float("-inf"), dtype=acc, device=q.device)
     indices = torch.full((Q, k), -1, dtype=torch.int64, device=q.device)
     where = torch.full((g.shape[0],), -1, dtype=torch.int64, device=q.device)
@@ -576,7 +572,7 @@ def _cuda_unsupported(k: int, mode: int, w1) -> bool:
 def _chunked_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, ex):
     """Gallery-chunked torch path (CUDA with k > _CUDA_MAX_K or an MLP with 2K > 64): O(Q (k + chunk))
     memory; the bias comes from the fused offset_bias / offset_bias_lookup ops."""
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     Q, N = q.shape[0], g.shape[0]
     width = w1.shape[0] + w1.shape[1] if mode == _BIAS_EXACT else 1
     chunk = max(256, min(65536, (1 << 26) // max(1, Q * width)))
@@ -621,7 +617,7 @@ def ctd_rerank(q: torch.Tensor, g: torch.Tensor, cand: torch.Tensor, k: int, *, 
         raise ValueError(f"k must be an int >= 1, got {k!r}")
     if q.device.type != "cpu" or g.device.type != "cpu" or cand.device.type != "cpu":
         raise ValueError("ctd_rerank runs on CPU tensors")
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     temperature = check_temperature(temperature, acc)
     mode, u_q, u_g, w1, b1, w2, b2, scale, table = parse_bias(bias, q.shape[0], g.shape[0], acc, q.device)
     if cand.numel() and bool((cand >= g.shape[0]).any()):

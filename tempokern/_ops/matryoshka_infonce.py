@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor,
+from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor, compiling,
                      device_constant, dtype_code, ptr)
 from . import backend, dispatch
 from .loss_args import check_span
@@ -23,10 +23,6 @@ from .matryoshka_blocked import blocked_backward, blocked_forward, tc_call, use_
 from ..reference.offset_bias import offset_bias_table
 
 EPS = 1e-12  # F.normalize's clamp of the norm
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _operand(t: torch.Tensor) -> torch.Tensor:
@@ -167,11 +163,6 @@ def _setup(ctx, inputs, output):
     ctx.scalars = inputs[_NT + 2:-1]
 
 
-def _compiling() -> bool:
-    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(f()) if f is not None else True
-
-
 def _backward(ctx, grads_out):
     g_loss, g_levels = grads_out[0], grads_out[1]
     row_stats, col_stats, *rest = ctx.saved_tensors
@@ -182,7 +173,7 @@ def _backward(ctx, grads_out):
         grads = [g_loss * t for t in rest[_NT:]]
         # eager tensors are plain torch.Tensor: skip the (zero-coefficient) call when nothing flows into levels;
         # traced ones (fake/functional subclasses) cannot be inspected, so the call stays in the graph
-        traced = _compiling() or type(g_levels) is not torch.Tensor
+        traced = compiling() or type(g_levels) is not torch.Tensor
         if g_levels is not None and (traced or bool(g_levels.any())):
             extra = torch.ops.tempokern.matryoshka_infonce_backward(g_levels.to(row_stats.dtype), row_stats, col_stats,
                                                                     *ins, ctx.seg, *ctx.scalars)
@@ -375,19 +366,12 @@ def inverse_prefix_norms(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
 
 class MatryoshkaCall:
     """A matryoshka_infonce call as the dispatch table sees it."""
-    __slots__ = ("q", "d", "dims", "bias", "extra_neg", "table_points")
+    __slots__ = ("q", "d", "dims", "bias", "extra_neg", "table_points", "rows", "cols")
 
     def __init__(self, q, d, dims, bias, extra_neg, table_points):
-        self.q, self.d, self.dims, self.bias, self.extra_neg, self.table_points = q, d, dims, bias, extra_neg, \
-            table_points
-
-    @property
-    def rows(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return self.d.shape[0]
+        self.q, self.d, self.dims, self.bias, self.extra_neg = q, d, dims, bias, extra_neg
+        self.table_points = table_points
+        self.rows, self.cols = q.shape[0], d.shape[0]
 
     def tensor_cores(self, be) -> bool:
         return tc_call(self.q, self.d, self.dims, self.extra_neg, self.bias, self.table_points, be)
@@ -413,7 +397,7 @@ def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weight
     Returns (loss = sum_l weights_l level_l, levels (K,))."""
     if tensor_cores is None:
         tensor_cores = matryoshka_path(q, d, dims, bias, extra_neg, bias_table_points) == "mrl_tc"
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     qk, dk = _operand(q.to(acc)), _operand(d.to(acc))
     nk = None if extra_neg is None else _operand(extra_neg.to(acc))
     if normalize:

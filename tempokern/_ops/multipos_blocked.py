@@ -30,15 +30,11 @@ from typing import List, Optional
 import torch
 
 from . import backend
-from .common import DTYPE_CODES, ptr
+from .common import DTYPE_CODES, acc_dtype, ptr
 
 TILE_COLS = 1024  # columns per CUDA block of the fused passes (256 threads x 4)
 _out_dtype_ok: dict = {}
 ITEMSIZE = {torch.float64: 8, torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def mm_out_f32(device: torch.device) -> bool:
@@ -242,7 +238,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     q (Bq, H), d (Bd, H), spans as int64 (lo, hi) bounds; bias: the table mode (u_q, u_d, table in the
     accumulation dtype) or the exact MLP (``exact`` = (w1, b1, w2, b2, scale), evaluated per block by
     tempokern's offset_bias kernels), or neither."""
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     be = backend.resolve(q)
     cuda_path = be.cuda_path
     host = be.kind != "cuda"  # CPU tensors: the CPU kernels, or the CUDA emulator

@@ -17,15 +17,12 @@ import torch
 from ..reference.multipos_infonce import multipos_infonce_partial as ref_partial
 from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
 from . import backend
-from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code, ptr)
+from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor, compiling, dtype_code,
+                     ptr)
 from .loss_args import BIAS_NAMES, check_span, validate_bias
 from .multipos_blocked import blocked_loss
 from .offset_bias import interval_bounds
 _GRAD_NAMES = ("dq", "dd", "dneg", "dA", "dCt", "db1", "dw2", "db2", "dscale", "dzc")
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _kernel_operand(t: torch.Tensor, acc: torch.dtype, be=None) -> torch.Tensor:
@@ -68,7 +65,7 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
               want_hardest: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, row_stats, col_stats, hardest): hardest (Bq,) int64 when want_hardest (the row's hardest
     in-batch negative, written as col_map[j] when col_map is given; see multipos_infonce.h), else empty."""
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     be = backend.resolve(q)
     q, d = _kernel_operand(q, acc, be), _kernel_operand(d, acc, be)
     if extra_neg is not None:
@@ -92,7 +89,7 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
 @_multipos.register_fake
 def _(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi, diag_col,
       diag_row, row_none, col_map, inv_temp, row_weight, col_weight, diag_offset, want_hardest):
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     return (q.new_empty((), dtype=acc), q.new_empty((3, q.shape[0]), dtype=acc),
             q.new_empty((3, d.shape[0]), dtype=acc),
             q.new_empty((q.shape[0] if want_hardest else 0,), dtype=torch.int64))
@@ -108,7 +105,7 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
                        z_hi: Optional[torch.Tensor], diag_col: Optional[torch.Tensor],
                        diag_row: Optional[torch.Tensor], row_none: Optional[torch.Tensor], inv_temp: float,
                        row_weight: float, col_weight: float, diag_offset: int) -> List[torch.Tensor]:
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     in_dtypes = (q.dtype, d.dtype, None if extra_neg is None else extra_neg.dtype)
     be = backend.resolve(q)
     q, d = _kernel_operand(q, acc, be), _kernel_operand(d, acc, be)
@@ -146,7 +143,7 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
 @_multipos_backward.register_fake
 def _(grad, row_stats, col_stats, q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d,
       z_lo, z_hi, diag_col, diag_row, row_none, inv_temp, row_weight, col_weight, diag_offset):
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     out = [torch.empty_like(q, memory_format=torch.contiguous_format),
            torch.empty_like(d, memory_format=torch.contiguous_format)]
     out.append(q.new_empty(0, dtype=acc) if extra_neg is None
@@ -196,7 +193,7 @@ def _blocked_impl(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, w1, 
     exact = None if w1 is None else (w1, b1, w2, b2, scale)
     out = blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact, inv_temp, row_weight,
                        col_weight, diag_offset, want_grad, block_rows, row_none, want_hardest)
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     res = [t if t is not None else q.new_empty(0, dtype=acc) for t in out[:-1]]
     return res + [out[-1] if out[-1] is not None else q.new_empty(0, dtype=torch.int64)]
 
@@ -216,7 +213,7 @@ def _multipos_blocked(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi
 @_multipos_blocked.register_fake
 def _(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, w1, b1, w2, b2, scale, inv_temp, row_weight,
       col_weight, diag_offset, want_grad, block_rows, row_none, want_hardest):
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     ins = dict(dq=q, dd=d, dneg=extra_neg, du_q=u_q, du_d=u_d, dtable=table, dw1=w1, db1=b1, dw2=w2, db2=b2,
                dscale=scale)
     out = [q.new_empty((), dtype=acc)]
@@ -276,11 +273,6 @@ class _BlockedEager(torch.autograd.Function):
         return _blocked_backward(ctx, grads)
 
 
-def _compiling() -> bool:
-    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(f()) if f is not None else True
-
-
 def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
@@ -293,7 +285,7 @@ def blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=N
     mode of the bias on CPU. With ``bias_table_points=N`` the bias MLP is evaluated exactly in float64 at N
     points of [-1, 1] (differentiable torch) and interpolated in the kernels; gradients are exact for the
     interpolated function."""
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     u_q = u_d = table = None
     exact = (None,) * 5
     if bias is not None:
@@ -310,7 +302,7 @@ def blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=N
     want = _needs_grad(q, d, extra_neg, u_q, u_d, table, *exact)
     args = (q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, *exact, 1.0 / temperature, float(row_weight),
             float(col_weight), int(diag_offset), want, int(block_rows), row_none, bool(return_hardest))
-    if _compiling() or not want:
+    if compiling() or not want:
         out = torch.ops.tempokern.multipos_blocked(*args)
     else:
         out = _BlockedEager.apply(*args)
@@ -385,7 +377,7 @@ def multipos_kernel_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float,
                                 extra_neg=extra_neg, row_weight=row_weight, col_weight=col_weight,
                                 diag_offset=diag_offset, bias_table_points=bias_table_points, row_none=row_none,
                                 return_hardest=return_hardest)
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     extras = (None,) * 4
     pq = col_map = None
     if bias is not None and q.shape[0] and d.shape[0] and not q.is_meta:  # (meta: no values to sort by)
@@ -416,8 +408,8 @@ def _empty_batch(q, d, q_lo, q_hi, d_lo, d_hi, temperature, bias, extra_neg, row
                       row_weight=row_weight, col_weight=col_weight, diag_offset=diag_offset, row_none=row_none,
                       bias_table_points=bias_table_points, return_hardest=return_hardest)
     if return_hardest:
-        return out[0].to(_acc(q.dtype)), out[1]
-    return out.to(_acc(q.dtype))
+        return out[0].to(acc_dtype(q.dtype)), out[1]
+    return out.to(acc_dtype(q.dtype))
 
 
 def validate(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric, *, square: bool = True):

@@ -11,14 +11,10 @@ import torch
 from .._util import cache_put
 from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
 from . import backend, dispatch
-from .common import check_finite, check_same_device, check_tensor, dtype_code, ptr
+from .common import acc_dtype, check_finite, check_same_device, check_tensor, dtype_code, ptr
 
 # The classification grids per (D, device), in a bounded module-level cache (the frequency
 # vectors are cached by reference.bias_frequencies itself).
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _out_dtype(*ts: torch.Tensor) -> torch.dtype:
@@ -132,7 +128,7 @@ def _prepared(u_q, u_d, w1, b1, w2, b2, scale, be=None):
     """Kernel arguments in the accumulation dtype. On CPU, provably always-off hidden units are dropped
     and provably always-on ones merged into one linear unit (exact: relu is the identity or zero there);
     ``mapping`` says how to expand the kernel's reduced gradient sums back to all units."""
-    acc = _acc(_out_dtype(u_q, u_d, w1, b1, w2, b2, scale))
+    acc = acc_dtype(_out_dtype(u_q, u_d, w1, b1, w2, b2, scale))
     c = lambda t: t.to(acc).contiguous()  # noqa: E731  (O(B) or O(hidden * D) copies only)
     w1a, b1a, w2a = c(w1), c(b1).reshape(-1), c(w2).reshape(-1)
     base = (c(u_q), c(u_d), c(b2).reshape(1), c(scale).reshape(1), _frequencies(w1.shape[1], acc, u_q.device))
@@ -199,7 +195,7 @@ def _offset_bias_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tens
                           b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
                           scale: torch.Tensor) -> List[torch.Tensor]:
     out_dt = _out_dtype(u_q, u_d, w1, b1, w2, b2, scale)
-    acc = _acc(out_dt)
+    acc = acc_dtype(out_dt)
     Bq, Bd = u_q.shape[0], u_d.shape[0]
     hidden, D = w1.shape
     if Bq == 0 or Bd == 0:  # no pair: every gradient is zero (and no kernel grid has a row or column)
@@ -352,7 +348,7 @@ def _table_launch(op: str, u_q, u_d, values, table_dtype=None):
     """(Bq, Bd) interpolated table over (u_q, u_d), in the promoted dtype of u: "tfwd" (training: the table in
     the accumulation dtype) or "lookup" (inference: a float32 BiasTable, table_dtype=float32)."""
     out_dt = torch.promote_types(u_q.dtype, u_d.dtype)
-    acc = _acc(out_dt)
+    acc = acc_dtype(out_dt)
     out = torch.empty(u_q.shape[0], u_d.shape[0], dtype=out_dt, device=u_q.device)
     if out.numel() == 0:
         return out
@@ -380,7 +376,7 @@ def _(u_q, u_d, values):
 def _offset_bias_interp_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tensor,
                                  values: torch.Tensor) -> List[torch.Tensor]:
     out_dt = torch.promote_types(u_q.dtype, u_d.dtype)
-    acc = _acc(out_dt)
+    acc = acc_dtype(out_dt)
     Bq, Bd, N = u_q.shape[0], u_d.shape[0], values.shape[0]
     dev_t = u_q.device
     if Bq == 0 or Bd == 0:

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import backend, dispatch
-from .common import check_same_device
+from .common import acc_dtype, check_same_device
 from .loss_args import (BIAS_NAMES, check_bias_table_points, check_groups, group_scoped_bounds, id_spans, span_bounds,
                         validate_bias)
 from .matryoshka_blocked import tc_call
@@ -20,29 +20,15 @@ from .multipos_infonce import multipos_kernel_partial
 from .multipos_infonce import validate as validate_multipos
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class MultiposCall:
     """A multipos_infonce call as the dispatch table sees it (tempokern/_ops/dispatch.py's predicates read it)."""
-    __slots__ = ("q", "d", "bias", "extra_neg", "table_points", "return_hardest", "groups")
+    __slots__ = ("q", "d", "bias", "extra_neg", "table_points", "return_hardest", "groups", "table", "rows", "cols")
 
     def __init__(self, q, d, bias, extra_neg, table_points, return_hardest: bool, groups: bool):
         self.q, self.d, self.bias, self.extra_neg = q, d, bias, extra_neg
         self.table_points, self.return_hardest, self.groups = table_points, return_hardest, groups
-
-    @property
-    def table(self) -> bool:
-        return self.table_points is not None
-
-    @property
-    def rows(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return self.d.shape[0]
+        self.table = table_points is not None
+        self.rows, self.cols = q.shape[0], d.shape[0]
 
     def tensor_cores(self, be) -> bool:
         """tc_call for one level of H features (which also rules out extra negatives, the exact bias and H not a
@@ -215,8 +201,11 @@ def _levels_path(q, d, dims, weights, temperature, extra_neg, symmetric, q_span,
     kernels' K per-level score blocks through HBM on every pass (docs/matryoshka_infonce.md, "CUDA: the levels
     path")."""
     if q_span is None:  # candidate i is row i's positive: spans (i, i) overlap only on the diagonal
-        ids = torch.arange(q.shape[0], device=q.device)
-        q_span = d_span = (ids, ids)
+        q_lo, q_hi = d_lo, d_hi = id_spans(q.shape[0], 0, q.device)
+    else:  # (validated with the call: each level runs multipos_infonce's kernels on these bounds, not re-checked)
+        q_lo, q_hi = span_bounds(q_span)
+        d_lo, d_hi = span_bounds(d_span)
+    w = 0.5 if symmetric else 1.0
     order = sorted(range(len(dims)), key=lambda k: dims[k])
     if normalize:
         def shrink(x, m):
@@ -231,11 +220,12 @@ def _levels_path(q, d, dims, weights, temperature, extra_neg, symmetric, q_span,
             continue
         # a zero-weight level is left out of the loss; with return_levels its value (and the gradient of the
         # returned levels) is still there, as in the reference and the fused kernels
-        lv = multipos_infonce(shrink(q, m), shrink(d, m), q_span, d_span, temperature=temperature,
-                              extra_neg=None if extra_neg is None else shrink(extra_neg, m), symmetric=symmetric)
+        lv = multipos_infonce_partial(shrink(q, m), shrink(d, m), q_lo, q_hi, d_lo, d_hi, temperature=temperature,
+                                      extra_neg=None if extra_neg is None else shrink(extra_neg, m), row_weight=w,
+                                      col_weight=w if symmetric else 0.0)
         levels.append((wk, lv))
     live = [wk * lv for wk, lv in levels if wk != 0.0]
-    loss = sum(live[1:], live[0]) if live else q.new_zeros((), dtype=_acc(q.dtype))
+    loss = sum(live[1:], live[0]) if live else q.new_zeros((), dtype=acc_dtype(q.dtype))
     if not want_levels:
         return loss, None
     return loss, torch.stack([lv for _, lv in levels])
