@@ -1473,9 +1473,9 @@ def emulator():
     sys.path.insert(0, str(REPO / "tools" / "cuda_emu"))
     try:
         import build as emu_build
+        from emu_support import cuda_emulator
     finally:
         sys.path.pop(0)
-    from tempokern._ops.common import cuda_emulator
     return cuda_emulator(emu_build.load())
 
 

@@ -57,7 +57,7 @@ def expect_no_kernel():
 
 
 def _on_emulator(request):
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     emu = request.getfixturevalue("cuda_emu")
     before = emu.emu_launch_count()
     _kernel_expected[0] = True
@@ -94,7 +94,7 @@ def gpu(request):
 
 def cpu_kernels():
     """Inside a `gpu` test: run the CPU kernels (the emulator is off in this block)."""
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     return cuda_emulator(None)
 
 
@@ -171,7 +171,7 @@ def by_thread_order(cuda_emu, run, seeds=(0, 1, 2), warp_serial=(0, 1)):
     """run() on the CUDA emulator under each seeded thread order, then warp-serial (each warp runs alone up to its
     next __syncthreads, which catches a missing barrier between warps at different positions) last warp first (seed
     0) and in a seeded warp order: its outputs, one entry per seed of `seeds`, then of `warp_serial`."""
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     outs = []
     try:
         for serial, ss in ((False, seeds), (True, warp_serial)):

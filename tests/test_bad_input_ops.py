@@ -12,7 +12,7 @@ import torch
 
 import tempokern
 from tempokern import reference as ref
-from tempokern._ops.common import cuda_emulator
+from _emu_support import cuda_emulator
 from tempokern.nn import CTDLoss, OffsetBias, Re3Loss
 
 H, B, HID, D = 8, 5, 6, 4

@@ -3,6 +3,7 @@ context backward and the scalar op on thread-per-row tiles) against tempokern.re
 a GPU); the candidate v3 kernels have tests/test_calendar_v3.py."""
 import pytest
 import torch
+from _emu_support import patch_kernels, patch_sm_count, real_kernels, real_sm_count  # noqa: F401
 
 import tempokern
 from tempokern import reference as ref
@@ -39,8 +40,8 @@ class LaunchSpy:
 @pytest.fixture
 def spy(monkeypatch):
     from tempokern._ops import calendar as cal
-    s = LaunchSpy(cal.kernels)
-    monkeypatch.setattr(cal, "kernels", s)
+    s = LaunchSpy(real_kernels)
+    patch_kernels(monkeypatch, s)
     return s
 
 
@@ -129,7 +130,7 @@ def test_context_forward_grid_at_sm_counts(sms, per_sm, gpu, monkeypatch):
     # 108 / 132 SMs with the real factor, 17 to 65 CTAs, the last partial.
     import tempokern._ops.common as common
     from tempokern._ops import calendar as cal
-    monkeypatch.setattr(common, "sm_count", lambda device: sms)
+    patch_sm_count(monkeypatch, lambda device: sms)
     if per_sm is not None:
         monkeypatch.setattr(cal, "_CTAS_PER_SM_GROUPS", per_sm)
     B, sizes, dim = 1037, [1, 12, 33], 40
@@ -155,7 +156,7 @@ def test_thread_orders(cuda_emu, monkeypatch):
     import tempokern._ops.common as common
     from tempokern._ops import calendar as cal
     from conftest import by_thread_order
-    monkeypatch.setattr(common, "sm_count", lambda device: 1)
+    patch_sm_count(monkeypatch, lambda device: 1)
     monkeypatch.setattr(cal, "_CTAS_PER_SM_GROUPS", 2)
     monkeypatch.setattr(cal, "_CTAS_PER_SM", 2)
     g = torch.Generator().manual_seed(5)

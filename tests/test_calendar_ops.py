@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from _emu_support import patch_kernels, patch_sm_count, real_kernels, real_sm_count  # noqa: F401
 
 import tempokern
 from tempokern import reference as ref
@@ -341,13 +342,13 @@ def test_cuda_grid_stride_at_sm_counts(sms, per_sm, dtype, gpu, monkeypatch):
     from tempokern._ops import calendar as cal
     # (the tile kernels: the scalar op and the context backward; the context forward's grid: test_calendar_cuda.py)
     seen = []
-    real = common.sm_count
+    real = real_sm_count
 
     def fake(device):
         seen.append(real(device))
         return sms
 
-    monkeypatch.setattr(common, "sm_count", fake)
+    patch_sm_count(monkeypatch, fake)
     if per_sm is not None:
         monkeypatch.setattr(cal, "_CTAS_PER_SM", per_sm)
     B, sizes, dim = 128 * 16 + 5, [1, 12, 33], 40
@@ -385,9 +386,9 @@ def test_cuda_kernels_do_not_depend_on_thread_order(cuda_emu, monkeypatch):
     # __syncthreads around the shared tiles changes results. Every output element is written by one thread
     # in a fixed order, so results must be bitwise equal. Multi-chunk levels, odd dim, grid-stride (1 SM).
     import tempokern._ops.common as common
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     from tempokern._ops import calendar as cal
-    monkeypatch.setattr(common, "sm_count", lambda device: 1)
+    patch_sm_count(monkeypatch, lambda device: 1)
     monkeypatch.setattr(cal, "_CTAS_PER_SM", 3)
     g = torch.Generator().manual_seed(5)
 

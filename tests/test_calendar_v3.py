@@ -5,6 +5,7 @@ in each dtype, partial and several tiles per CTA at the SM counts of an L4 / A10
 independence, non-finite logits, strided logits, and which calls fall back to the default kernels."""
 import pytest
 import torch
+from _emu_support import patch_kernels, patch_sm_count, real_kernels, real_sm_count  # noqa: F401
 
 import tempokern
 from tempokern import reference as ref
@@ -19,8 +20,8 @@ V3_SCALAR = {"scalar_fwd_v3", "scalar_bwd_v3"}
 @pytest.fixture
 def spy(monkeypatch):
     from tempokern._ops import calendar as cal
-    s = LaunchSpy(cal.kernels)
-    monkeypatch.setattr(cal, "kernels", s)
+    s = LaunchSpy(real_kernels)
+    patch_kernels(monkeypatch, s)
     with dispatch.use("calendar_v3"):
         yield s
 
@@ -176,9 +177,9 @@ def _one_sm(monkeypatch):
     import tempokern._ops.common as common
     from tempokern._ops import calendar as cal
     monkeypatch.setenv("TEMPOKERN_EXPERIMENTAL", "calendar_v3")
-    monkeypatch.setattr(common, "sm_count", lambda device: 1)
-    spy = LaunchSpy(cal.kernels)
-    monkeypatch.setattr(cal, "kernels", spy)
+    patch_sm_count(monkeypatch, lambda device: 1)
+    spy = LaunchSpy(real_kernels)
+    patch_kernels(monkeypatch, spy)
     return spy
 
 
@@ -203,7 +204,7 @@ def test_kernel_checks_its_inputs(gpu):
                                  ([(x.data_ptr(), 0, 33, 33, 1.0, tab.data_ptr(), 0)], 16, torch.float32, "1-32"),
                                  ([lv], 6, torch.float32, "multiple of 4")):
         with pytest.raises(ValueError, match=msg):
-            cal.kernels().calendar_launch("context_fwd_v3", dev, stream, dtype_code(torch.zeros(1, dtype=dt)), 8, 1.0,
+            real_kernels().calendar_launch("context_fwd_v3", dev, stream, dtype_code(torch.zeros(1, dtype=dt)), 8, 1.0,
                                           levels, out.data_ptr(), 0, 64, dim, False, 1, 1)
 
 
@@ -272,7 +273,7 @@ def test_grid_at_sm_counts(op, sms, per_sm, gpu, spy, monkeypatch):
     import tempokern._ops.common as common
     from tempokern._ops import calendar as cal
     const, kernel, ops, seed, check = GRID_OPS[op]
-    monkeypatch.setattr(common, "sm_count", lambda device: sms)
+    patch_sm_count(monkeypatch, lambda device: sms)
     if per_sm is not None:
         monkeypatch.setattr(cal, const, per_sm)
     xs = make_logits(2087, [12, 32, 9], dtype=torch.float32, device=gpu, seed=sms + seed)

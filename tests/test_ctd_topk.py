@@ -1,6 +1,7 @@
 """Fused ctd_topk vs the reference (full matrix + stable sort): indices exactly, values to fp tolerance."""
 import pytest
 import torch
+from _emu_support import patch_sm_count  # noqa: E402
 
 import tempokern
 from tempokern.reference import ctd_topk as ref_topk
@@ -471,7 +472,7 @@ def _force_small_blocks(monkeypatch, sms=132, block_bytes=None, qblock=None):
     # these tests are about the cuBLAS + select_block and scan_rows kernels: Q <= 4 would take the serve
     # kernels (tested in test_ctd_topk_serve.py); scan_rows takes Q <= 4 where a serve tile does not fit
     monkeypatch.setattr(ops, "_SERVE_MAX_Q", 0)
-    monkeypatch.setattr(ops, "sm_count", lambda device: sms)
+    patch_sm_count(monkeypatch, lambda device: sms)
     monkeypatch.setattr(ops, "_MIN_CHUNK", 64)
     monkeypatch.setattr(ops, "_MIN_SLICE", 32)
     if block_bytes is not None:

@@ -2,6 +2,7 @@
 sync) against tempokern.reference.ctd_topk, on the CUDA emulator (and a GPU where there is one)."""
 import pytest
 import torch
+from _emu_support import patch_sm_count  # noqa: E402
 
 import tempokern
 import tempokern._ops.ctd_topk as ops
@@ -31,7 +32,7 @@ def paths(monkeypatch):
 def small_geometry(monkeypatch, sms=58, merge_entries=None):
     """Slices of >= 32 rows and small first-stage merges, so that test-sized galleries run several warps,
     CTAs and both merge stages; sm_count as on another GPU."""
-    monkeypatch.setattr(ops, "sm_count", lambda device: sms)
+    patch_sm_count(monkeypatch, lambda device: sms)
     monkeypatch.setattr(ops, "_MIN_SLICE", 32)
     if merge_entries is not None:
         monkeypatch.setattr(ops, "_MERGE_ENTRIES", merge_entries)

@@ -6,10 +6,11 @@ import sys
 
 import pytest
 import torch
+from _emu_support import patch_kernels, patch_sm_count, real_kernels, real_sm_count  # noqa: F401
 
 import tempokern
 from tempokern import reference as ref
-from tempokern._ops.common import cuda_emulator
+from _emu_support import cuda_emulator
 from tempokern.nn.offset_bias import bias_params
 
 pytestmark = pytest.mark.emu
@@ -197,7 +198,7 @@ def test_emulator_switch_is_local_to_the_calling_thread(cuda_emu):
     # while one thread emulates, CPU ops in another thread keep the CPU kernels
     import threading
 
-    from tempokern._ops import common
+    from tempokern._ops import backend, common
     seen = {}
 
     def other():
@@ -205,9 +206,9 @@ def test_emulator_switch_is_local_to_the_calling_thread(cuda_emu):
         seen["kernels"] = common.kernels()
         seen["sms"] = common.sm_count(torch.device("cpu"))
 
-    with common.cuda_emulator(cuda_emu):
+    with cuda_emulator(cuda_emu):
         assert common.on_cuda_path(torch.device("cpu")) and common.kernels() is cuda_emu
-        assert common.sm_count(torch.device("cpu")) == common.EMULATED_SM_COUNT
+        assert common.sm_count(torch.device("cpu")) == backend.EMULATED_SM_COUNT
         t = threading.Thread(target=other)
         t.start()
         t.join()
@@ -258,7 +259,7 @@ def _removed_barrier_case(case, monkeypatch):
             return [loss.detach(), *torch.autograd.grad(loss, (q, d))]
         return run
     monkeypatch.setenv("TEMPOKERN_EXPERIMENTAL", "calendar_v3")
-    monkeypatch.setattr(common, "sm_count", lambda device: 1)
+    patch_sm_count(monkeypatch, lambda device: 1)
 
     def run():
         g = torch.Generator().manual_seed(5)

@@ -128,3 +128,107 @@ def test_import_does_not_load_dynamo():
     res = run_python("import sys, tempokern; print('torch._dynamo' in sys.modules)")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False", res.stdout
+
+
+# ---- the table dispatches: predicates, choose, and nothing else choosing ------------------------------------
+
+def _sample_calls():
+    """(op, call) pairs over the shapes the predicates look at, built by the op modules' own call classes."""
+    from tempokern._ops import calendar as cal
+    from tempokern._ops import ctd_topk as topk
+    from tempokern._ops.matryoshka_infonce import MatryoshkaCall
+    from tempokern._ops.routing import MultiposCall
+    out = []
+    for dt in (torch.float32, torch.bfloat16):
+        for B, Bd in ((4, 4), (4, 6), (0, 4)):
+            q, d = torch.zeros(B, 32, dtype=dt), torch.zeros(Bd, 32, dtype=dt)
+            u = torch.zeros(max(B, 1))
+            bias = (u, u, torch.zeros(2, 4), torch.zeros(2), torch.zeros(1, 2), torch.zeros(1), torch.tensor(1.0))
+            for b, pts in ((None, None), (bias, None), (bias, 4097)):
+                for hardest in (False, True):
+                    out.append((dispatch.MULTIPOS, MultiposCall(q, d, b, None, pts, hardest, False)))
+                out.append((dispatch.MATRYOSHKA, MatryoshkaCall(q, d, [16, 32], b, None, pts)))
+    for dt in (torch.float32, torch.float64):
+        x = [torch.zeros(4, 3, dtype=dt), torch.zeros(4, 5, dtype=dt)]
+        for role in ("context_fwd", "context_bwd", "scalar_fwd", "scalar_bwd"):
+            out.append(("calendar_" + role.split("_")[0], cal._CalendarCall(role, x, 64, None)))
+    for Q in (0, 1, 4, 5, 64):
+        for rerank in (False, True):
+            out.append(("ctd_topk", topk._TopkCall(torch.zeros(Q, 32), 10, rerank)))
+    out.append(("offset_bias", None))
+    return out
+
+
+class _FakeCudaPath:
+    """A backend on the CUDA path whose predicates are asked without a device (the tensor-core checks then
+    see CPU tensors and decline)."""
+    kind, cuda_path, emulated = "cuda", True, False
+
+
+def test_every_path_has_a_predicate_whose_docstring_is_its_takes():
+    for p in dispatch.DEFAULTS + dispatch.CANDIDATES:
+        assert callable(p.predicate) and p.predicate.__doc__, p.name
+        assert p.takes == " ".join(p.predicate.__doc__.split())
+    table = dispatch.paths_markdown()
+    for p in dispatch.DEFAULTS:
+        assert f"| {p.op} | {p.device} | {p.name} | {p.takes} |" in table
+    for c in dispatch.CANDIDATES:
+        assert f"| `{c.name}` | {' / '.join(c.ops)} | {c.takes} |" in table
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_predicates_agree_with_the_table_device_and_choose_covers_every_call(kind):
+    # a path's predicate never takes a call on the other device's backend, and choose finds a path of the
+    # backend's device for every sample call (the table has no gap), candidates off and on
+    from tempokern._ops import backend
+    be = backend.resolve(torch.device("cpu")) if kind == "cpu" else _FakeCudaPath()
+    ops = set()
+    for op, call in _sample_calls():
+        ops.add(op)
+        for p in dispatch.DEFAULTS:
+            if p.op == op and p.device != kind:
+                assert not p.predicate(call, be), (p.op, p.name, kind)
+        if kind == "cpu" or op != "ctd_topk" or not call.rerank:
+            for names in ((), dispatch.NAMES):
+                with dispatch.use(*names):
+                    got = dispatch.choose(op, call, be)
+                assert isinstance(got, dispatch.Candidate) or got.device == kind, (op, got.name, kind)
+    assert ops == {p.op for p in dispatch.DEFAULTS}
+
+
+def test_choose_prefers_an_enabled_candidate_that_takes_the_call():
+    calls = []
+
+    class Call:
+        def v3_takes(self):
+            calls.append(1)
+            return True
+
+    be = _FakeCudaPath()
+    with dispatch.use():
+        assert dispatch.choose("calendar_scalar", Call(), be).name == "v1" and not calls
+    with dispatch.use("calendar_v3"):
+        got = dispatch.choose("calendar_scalar", Call(), be)
+    assert got.name == "calendar_v3" and got.kernel_for("fwd") == "v3" and calls
+
+
+# the choosers the op modules had before the table: none may come back (dispatch.choose is the only one)
+_OLD_CHOOSERS = ["dispatch.enabled(", "_tensor_core_call", "_per_level", "serve_path", "DEFAULT_KERNEL",
+                 "force_blocked", "cuda_emulator", "_emulated", "emu_support"]
+
+
+def test_choose_is_the_only_chooser():
+    ops = ROOT / "tempokern" / "_ops"
+    for path in sorted(ops.glob("**/*.py")):
+        if path.name == "dispatch.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        for name in _OLD_CHOOSERS:
+            assert name not in text, f"{path.relative_to(ROOT)} uses {name}: paths are chosen by dispatch.choose"
+        if path.name not in ("common.py", "backend.py"):  # the kernel layer asks the backend, not the device
+            for name in ("on_cuda_path(", "launch_args(", "kernels()", "sm_count("):
+                assert name not in text, f"{path.relative_to(ROOT)} calls {name}: ask the call's backend"
+    for path in sorted((ROOT / "tempokern").glob("**/*.py")):
+        text = path.read_text(encoding="utf-8")
+        assert "emu_support" not in text and "cuda_emu" not in text.replace("tools/cuda_emu", ""), \
+            f"{path.relative_to(ROOT)}: product code does not import the emulator's test support"

@@ -8,13 +8,14 @@ multipos_infonce on the same path, zero weights, symmetric, bias table and exact
 torch path (the CPU bias path, which launches none of these kernels)."""
 import pytest
 import torch
+from _emu_support import patch_kernels, patch_sm_count, real_kernels, real_sm_count  # noqa: F401
 import torch.nn.functional as F
 
 import tempokern
 import tempokern._ops.matryoshka_blocked as mb
-import tempokern._ops.routing as routing
+from tempokern._ops import dispatch
 import tempokern._ops.multipos_blocked as mpb
-from tempokern._ops.matryoshka_infonce import force_blocked
+from _emu_support import force_blocked
 from tempokern.reference import matryoshka_infonce as ref
 
 from test_matryoshka_infonce import assert_parity, make, make_bias, run_both, run_both_bias
@@ -25,7 +26,8 @@ def launches(monkeypatch):
     """The fused kernel launches of the test: (op, first row of the block, level, positive block, dtype of the
     rounded gradient coefficients Ho or None, levels of a "bwd_all" launch or 0). Sends every call to the fused
     kernels (the default sends bias-free square calls through the levels path's multipos_infonce)."""
-    monkeypatch.setattr(routing, "_per_level", lambda *a, **k: False)
+    monkeypatch.setattr(dispatch, "DEFAULTS", tuple(p for p in dispatch.DEFAULTS  # no levels path: the fused one
+                                                    if not (p.op == dispatch.MATRYOSHKA and p.name == "levels")))
     calls = []
     real = mb._Fused.launch
 
@@ -89,7 +91,7 @@ def test_fused_more_rows_than_one_column_tile(gpu, launches):
 
 @pytest.mark.parametrize("sms", [132, 108, 58])
 def test_fused_at_other_sm_counts(gpu, launches, monkeypatch, sms):
-    monkeypatch.setattr(mpb, "sm_count", lambda device: sms)
+    patch_sm_count(monkeypatch, lambda device: sms)
     q, d, neg, sp, _ = on_device(gpu, *make(100, 8, N=5, spans="random", seed=sms))
     res = run_both(q, d, neg, sp, (3, 5, 8), temperature=0.05, symmetric=True, level_w=torch.tensor([1.0, 0.0, -1.0]))
     assert_parity(*res, 1e-9)
@@ -117,7 +119,7 @@ def _fused_outputs(bias_mode):
 def test_fused_does_not_depend_on_thread_order(cuda_emu, monkeypatch, bias_mode):
     # every thread reaches each barrier in a seeded random order: a missing __syncthreads around the shared
     # row partials would change the result
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     outs = []
     with cuda_emulator(cuda_emu):
         try:
@@ -232,7 +234,7 @@ def test_fused_bias_matches_reference_float64(gpu, launches, table, B, Bd, N, sp
 
 def test_agrees_with_the_blocked_torch_path(gpu, launches):
     # the blocked torch path (plain CPU, which launches none of the fused kernels): same results
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     q, d, neg, sp, bias = on_device(gpu, *make(50, 20, N=5, spans="random", seed=61), make_bias(50, 50, seed=62))
     fused = run_both_bias(q, d, neg, sp, (5, 20), bias, temperature=0.1, symmetric=True)[0]
     n = len(launches)

@@ -71,7 +71,7 @@ def test_parity_float64_dims_not_dividing_H(B, Bd, N, spans, symmetric):
 @pytest.mark.parametrize("B,Bd,N,spans,symmetric", CASES[1:4])
 def test_blocked_path_parity_float64(B, Bd, N, spans, symmetric):
     """The blocked torch path (the CUDA path's algorithm) on CPU, in blocks of 32 rows: same parity."""
-    from tempokern._ops.matryoshka_infonce import force_blocked
+    from _emu_support import force_blocked
     q, d, neg, sp = make(B, 50, Bd=Bd, N=N, spans=spans)
     with force_blocked(32):
         res = run_both(q, d, neg, sp, (33, 8, 50, 20), weights=(2.0, 1.0, 0.0, 0.5), temperature=0.07,
@@ -525,7 +525,7 @@ BIAS_CASES = [  # (B, Bd, N, spans, symmetric)
 def test_bias_parity_float64(B, Bd, N, spans, symmetric, block):
     """Loss, levels and all gradients (q, d, extra_neg and the seven bias inputs) against the reference in
     float64; block=16: several row blocks (the bias block and its gradient per block)."""
-    from tempokern._ops.matryoshka_infonce import force_blocked
+    from _emu_support import force_blocked
     q, d, neg, sp = make(B, 50, Bd=Bd, N=N, spans=spans)
     bias = make_bias(B, Bd)
     with force_blocked(block) if block else torch.enable_grad():
@@ -542,7 +542,7 @@ def test_bias_parity_float64(B, Bd, N, spans, symmetric, block):
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_bias_table_mode_matches_reference_table(symmetric):
     """bias_table_points=N against the reference's tabulated bias (the same interpolant), several blocks."""
-    from tempokern._ops.matryoshka_infonce import force_blocked
+    from _emu_support import force_blocked
     q, d, neg, sp = make(40, 24, N=7, spans="random", seed=3)
     bias = make_bias(40, 40, seed=4)
     with force_blocked(12):
@@ -587,7 +587,7 @@ def test_bias_single_level_equals_multipos_infonce(symmetric):
 def test_bias_cuda_parity(gpu):
     """The CUDA path with a bias (on the emulator: the offset_bias kernels launch) vs the reference in
     float64, several row blocks, and float32 against float64 by the 2x rule."""
-    from tempokern._ops.matryoshka_infonce import force_blocked
+    from _emu_support import force_blocked
     q, d, neg, sp = make(96, 48, N=11, spans="random", seed=9)
     bias = make_bias(96, 96, seed=10)
     sp = {k: tuple(t.to(gpu) for t in v) for k, v in sp.items()}

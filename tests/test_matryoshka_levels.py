@@ -19,7 +19,7 @@ from test_matryoshka_infonce import make, make_bias, run_both
 def paths(monkeypatch):
     """Counts multipos_infonce calls made by the levels path and fused-kernel launches."""
     seen = {"levels": 0, "fused": 0}
-    real_mp, real_launch = routing.multipos_infonce, mb._Fused.launch
+    real_mp, real_launch = routing.multipos_infonce_partial, mb._Fused.launch
 
     def mp(*a, **k):
         seen["levels"] += 1
@@ -28,7 +28,7 @@ def paths(monkeypatch):
     def launch(self, *a, **k):
         seen["fused"] += 1
         return real_launch(self, *a, **k)
-    monkeypatch.setattr(routing, "multipos_infonce", mp)
+    monkeypatch.setattr(routing, "multipos_infonce_partial", mp)  # the levels path's per-level loss
     monkeypatch.setattr(mb._Fused, "launch", launch)
     return seen
 

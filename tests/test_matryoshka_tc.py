@@ -18,11 +18,12 @@ of 16) on the CUDA emulator (and a GPU where there is one), against tempokern.re
 
 import pytest
 import torch
+from _emu_support import patch_kernels, patch_sm_count, real_kernels, real_sm_count  # noqa: F401
 
 import tempokern
 import tempokern._ops.matryoshka_blocked as mb
 import tempokern._ops.routing as routing
-from tempokern._ops.matryoshka_infonce import force_blocked
+from _emu_support import force_blocked
 from tempokern.reference import matryoshka_infonce as ref
 
 from tempokern._ops import dispatch
@@ -74,7 +75,7 @@ def tc(monkeypatch, request):
     per-level multipos_infonce calls keep the blocked path (tests/test_multipos_tc.py has those)."""
     force_tile(monkeypatch, request.param)
     rec = {"launches": [], "levels": 0}
-    real, real_mp = mb._tc_launch, routing.multipos_infonce
+    real, real_mp = mb._tc_launch, routing.multipos_infonce_partial
 
     def spy(F, op, i0, i1, K, splits, **outs):
         real(F, op, i0, i1, K, splits, **outs)
@@ -85,7 +86,7 @@ def tc(monkeypatch, request):
         rec["levels"] += 1
         return real_mp(*a, **k)
     monkeypatch.setattr(mb, "_tc_launch", spy)
-    monkeypatch.setattr(routing, "multipos_infonce", mp)
+    monkeypatch.setattr(routing, "multipos_infonce_partial", mp)  # the levels path's per-level loss
     with dispatch.use("mrl_tc"):
         yield rec
     for tr, tcl, want in rec.get("tiles", []):  # the device's limits decide (an H100, an A100, sm_86 / sm_89)
@@ -160,7 +161,7 @@ def _coefficients_float64(F, i0, i1, K, o):
 @pytest.mark.parametrize("B,Bd,spans,symmetric,rows", [(70, 70, "random", True, 0), (130, 130, None, False, 48),
                                                        (70, 130, "random", False, 0)])
 def test_backward_coefficients_within_one_bf16_ulp(cuda_emu, tc, B, Bd, spans, symmetric, rows, dims):
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     q, d, sp = bf16_inputs("cpu", B, 64, Bd=Bd, spans=spans, seed=3 * B + Bd)
     q.requires_grad_()
     d.requires_grad_()
@@ -204,7 +205,7 @@ def test_two_x_torch_rule_bf16(gpu, tc, dims):
 
 @pytest.mark.parametrize("sms", [132, 108, 58, 1])
 def test_grid_at_other_sm_counts(gpu, tc, monkeypatch, sms):
-    monkeypatch.setattr(mb, "sm_count", lambda device: sms)
+    patch_sm_count(monkeypatch, lambda device: sms)
     q, d, sp = bf16_inputs(gpu, 200, 64, Bd=200, spans="random", seed=sms)
     loss = tempokern.matryoshka_infonce(q, d, DIMS, temperature=0.1, **sp)
     lr = ref(q.double().cpu(), d.double().cpu(), DIMS, temperature=0.1,
@@ -279,7 +280,7 @@ def test_calls_the_tensor_cores_do_not_take(gpu, tc, monkeypatch, case):
 
 def test_shared_memory_limit_caps_the_levels(cuda_emu, tc, monkeypatch):
     # sm_86 / sm_89: 99 KB per block hold the backward of 4 levels; a 5-level call takes the levels path
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     monkeypatch.setenv("TEMPOKERN_EMU_SMEM_OPTIN", "101376")
     q, d, sp = bf16_inputs("cpu", 40, 80, spans="random", seed=12)
     with cuda_emulator(cuda_emu):
@@ -296,7 +297,7 @@ def test_shared_memory_limit_caps_the_levels(cuda_emu, tc, monkeypatch):
 
 def test_pre_ampere_gpus_take_the_other_paths(cuda_emu, tc, monkeypatch):
     # sm_75 (a T4): no bf16 wmma; the kernels refuse the device and the calls take the levels path, never raising
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     monkeypatch.setenv("TEMPOKERN_EMU_ARCH", "75")
     q, d, sp = bf16_inputs("cpu", 40, 64, spans="random", seed=13)
     with cuda_emulator(cuda_emu):
@@ -312,7 +313,7 @@ def test_pre_ampere_gpus_take_the_other_paths(cuda_emu, tc, monkeypatch):
 
 
 def test_kernel_refuses_pre_ampere_devices(cuda_emu, monkeypatch):
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     q = torch.zeros(64, 40, dtype=torch.bfloat16)
     f = torch.zeros(64, dtype=torch.float32)
     i = torch.zeros(64, dtype=torch.int32)
@@ -331,7 +332,7 @@ def test_kernel_refuses_pre_ampere_devices(cuda_emu, monkeypatch):
 
 
 def test_kernel_rejects_what_it_cannot_run(cuda_emu):
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     q = torch.zeros(64, 40, dtype=torch.bfloat16)
     f = torch.zeros(64, dtype=torch.float32)
     i = torch.zeros(64, dtype=torch.int32)
@@ -366,7 +367,7 @@ def test_kernel_rejects_what_it_cannot_run(cuda_emu):
 @pytest.mark.parametrize("row_w,col_w", [(0.5, 0.5), (1.0, 0.0)])
 def test_opcheck_on_the_tensor_core_path(cuda_emu, tc, row_w, col_w):
     # the op with bf16_operands=True (float32 inputs holding bf16 values, as matryoshka_partial passes them)
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     from tempokern._ops.matryoshka_infonce import inverse_prefix_norms
     q, d, _ = bf16_inputs("cpu", 40, 32, seed=21)
     q, d = q.float(), d.float()

@@ -3,6 +3,7 @@ plain PyTorch reference: loss and every gradient, several blocks, several SM cou
 2x-torch rule, and ChunQiuTR's column fallback written out independently of tempokern.reference."""
 import pytest
 import torch
+from _emu_support import patch_kernels, patch_sm_count, real_kernels, real_sm_count  # noqa: F401
 
 import tempokern
 import tempokern._ops.multipos_blocked as mpb
@@ -111,7 +112,7 @@ def test_several_blocks_match_reference(gpu, mode, rows):
 
 @pytest.mark.parametrize("sms", [132, 108, 58, 1])
 def test_tiling_at_other_sm_counts(gpu, monkeypatch, sms):
-    monkeypatch.setattr(mpb, "sm_count", lambda device: sms)
+    patch_sm_count(monkeypatch, lambda device: sms)
     TR, nct, nrt = mpb.tiling(600, 3000, gpu)
     assert nct == -(-3000 // mpb.TILE_COLS) and TR % 32 == 0 and nrt == -(-600 // TR)
     assert nct * nrt >= min(4 * sms, nct * -(-600 // 32))  # at least 4 x SMs blocks where there are rows for it

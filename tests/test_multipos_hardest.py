@@ -6,6 +6,7 @@ blocks, column tiles and SM counts), exact ties inside and across tiles, the dia
 shapes (Bq != Bd, diagonal offset), opcheck and torch.compile."""
 import pytest
 import torch
+from _emu_support import patch_kernels, patch_sm_count, real_kernels, real_sm_count  # noqa: F401
 
 import tempokern
 import tempokern._ops.multipos_blocked as mpb
@@ -157,7 +158,7 @@ def test_ties_cpu_blocked_table_mode(rows, monkeypatch):
 @pytest.mark.parametrize("sms", [132, 108, 58])
 def test_ties_across_cuda_column_tiles(gpu, monkeypatch, sms):
     # 2,100 columns = 3 column tiles of 1,024: per-tile partial (max, column) merged with the lowest column
-    monkeypatch.setattr(mpb, "sm_count", lambda device: sms)
+    patch_sm_count(monkeypatch, lambda device: sms)
     q, d, qs, ds = tie_batch(9, 2100, seed=sms, device=gpu, dtype=torch.float32)
     (qlo, qhi), (dlo, dhi) = span_bounds(qs), span_bounds(ds)
     # the maxima sit in the second and third tiles too: duplicate a high-scoring column across tiles
@@ -291,7 +292,7 @@ def test_bad_return_hardest():
 def test_cuda_hardest_does_not_depend_on_thread_order(cuda_emu):
     # the warps' (value, column) partials go through shared memory: a missing barrier shows as results that
     # change with the order in which the emulator runs a block's threads
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     q, d, qs, ds = tie_batch(40, 1500, seed=4, dtype=torch.float32)
     (qlo, qhi), (dlo, dhi) = span_bounds(qs), span_bounds(ds)
     outs = []

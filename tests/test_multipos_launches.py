@@ -99,7 +99,7 @@ BOUNDS = {  # = the counts of 2026-11-23 (float32, emulator); the table in docs/
 @pytest.mark.emu
 @pytest.mark.parametrize("B,rows,mode", list(BOUNDS))
 def test_fused_glue_op_and_launch_counts(cuda_emu, monkeypatch, B, rows, mode):
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     with cuda_emulator(cuda_emu):
         total, v, a, launch, k, ops = count_step(cuda_emu, B, mode, block_rows=rows)
     max_launch, max_k = BOUNDS[(B, rows, mode)]
@@ -110,7 +110,7 @@ def test_fused_glue_op_and_launch_counts(cuda_emu, monkeypatch, B, rows, mode):
 def _main():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "cuda_emu"))
     import build as emu_build
-    from tempokern._ops.common import cuda_emulator
+    from _emu_support import cuda_emulator
     emu = emu_build.load()
     print("| B | blocks | bias | aten ops | views | allocs | launching | tempokern launches |")
     print("|---|---|---|---|---|---|---|---|")

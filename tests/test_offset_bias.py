@@ -7,6 +7,7 @@ import tempfile
 
 import pytest
 import torch
+from _emu_support import patch_sm_count  # noqa: E402
 
 import tempokern
 from tempokern import reference as ref
@@ -553,7 +554,7 @@ _F32, _F64 = torch.float32, torch.float64
     (108, _F32, *_TCASES[2]), (58, _F64, *_TCASES[2]), (132, _F32, *_TCASES[3]), (58, _F64, *_TCASES[3])])
 def test_cuda_table_mode(gpu, monkeypatch, sms, dtype, Bq, Bd, lo, hi, N):
     import tempokern._ops.offset_bias as ob
-    monkeypatch.setattr(ob, "sm_count", lambda device: sms)
+    patch_sm_count(monkeypatch, lambda device: sms)
     xs = make(Bq, Bd, 16, 8, dtype, lo, hi, device=gpu, seed=Bq + sms)
     if dtype == torch.float64:
         assert_table_parity(xs, N)
@@ -563,7 +564,7 @@ def test_cuda_table_mode(gpu, monkeypatch, sms, dtype, Bq, Bd, lo, hi, N):
 
 def test_cuda_table_mode_long_sums_and_partials(gpu, monkeypatch):
     import tempokern._ops.offset_bias as ob
-    monkeypatch.setattr(ob, "sm_count", lambda device: 2)  # 4 CTAs: each walks many tiles into its own slot
+    patch_sm_count(monkeypatch, lambda device: 2)  # 4 CTAs: each walks many tiles into its own slot
     assert ob._table_parts(gpu, 3000, 8)[2] == 4
     assert_table_float32_within_twice_torch(make(8, 3000, 32, 32, torch.float32, device=gpu, seed=1), 4097)
     assert_table_float32_within_twice_torch(make(3000, 8, 32, 32, torch.float32, device=gpu, seed=2), 65537)
@@ -609,7 +610,7 @@ def test_float32_reduced_gradients_long_sums(Bq, Bd):
 @pytest.mark.parametrize("Bq,Bd", [(8, 3000), (3000, 8)])
 def test_cuda_float32_reduced_gradients_long_sums(gpu, monkeypatch, Bq, Bd):
     import tempokern._ops.offset_bias as ob
-    monkeypatch.setattr(ob, "sm_count", lambda device: 58)
+    patch_sm_count(monkeypatch, lambda device: 58)
     assert_reduced_grads_within_twice_torch(make(Bq, Bd, 32, 32, torch.float32, device=gpu, seed=Bq))
 
 
@@ -617,7 +618,7 @@ def test_cuda_float32_reduced_gradients_long_sums(gpu, monkeypatch, Bq, Bd):
 def test_cuda_grid_sizes(gpu, monkeypatch, sms):
     """The exact kernels at the grids of an H100, A100, L4 (and one SM: a few blocks walking many rows)."""
     import tempokern._ops.offset_bias as ob
-    monkeypatch.setattr(ob, "sm_count", lambda device: sms)
+    patch_sm_count(monkeypatch, lambda device: sms)
     nparts = ob._num_parts(gpu, 300, 77)
     gx = 3
     assert nparts % gx == 0 and nparts // gx == max(1, min(-(-300 // 8), -(-8 * sms // gx)))

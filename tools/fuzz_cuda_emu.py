@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 def topk_case(rng, emu):
     from test_ctd_topk import check_against_reference, make_bias
-    from tempokern._ops.common import cuda_emulator
+    from emu_support import cuda_emulator  # tools/cuda_emu
     Q, N = rng.choice([1, 5, 63, 64, 65, 130]), rng.choice([1, 7, 128, 129, 1000, 2500])
     H, k = rng.choice([1, 4, 33, 64]), rng.randint(1, min(N, 256))
     dt = rng.choice([torch.float32, torch.float16, torch.bfloat16])
@@ -45,7 +45,7 @@ def topk_case(rng, emu):
 def bias_case(rng, emu):
     import tempokern
     from tempokern import reference as ref
-    from tempokern._ops.common import cuda_emulator
+    from emu_support import cuda_emulator  # tools/cuda_emu
     Bq, Bd = rng.choice([1, 2, 31, 32, 33, 100, 257]), rng.choice([1, 5, 32, 33, 64, 65, 300])
     D, hid = rng.choice([1, 2, 3, 31, 32, 33, 64, 65, 128]), rng.choice([1, 5, 31, 32, 33, 64, 96, 128])
     lo, hi = rng.choice([(0, 1), (-3, 4), (0.4, 0.41), (2, 3)])

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         import os
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu"))
         import build as emu_build
-        from tempokern._ops.common import cuda_emulator
+        from emu_support import cuda_emulator  # tools/cuda_emu
         emu = emu_build.load()
         ctx = lambda: cuda_emulator(emu)  # noqa: E731
     end, n, fails = time.time() + args.seconds, 0, 0

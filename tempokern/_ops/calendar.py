@@ -7,11 +7,11 @@ from typing import List, Sequence
 
 import torch
 
-from . import common, dispatch
+from . import backend, dispatch
 from ..reference.calendar import fourier_table as _ref_fourier_table
 from ..reference.calendar import level_weights
 from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code,
-                     kernels, launch_args, on_cuda_path, ptr, rows_contiguous)
+                     ptr, rows_contiguous)
 
 _MAX_LEVELS = 8  # csrc/calendar/calendar.h::kMaxCalendarLevels
 _CW = 32  # csrc/calendar/calendar_cuda.cu::kCW: CUDA tables are zero-padded to multiples of it
@@ -36,10 +36,6 @@ _V3_MAX_CLASSES = 32
 _V3_MAX_DIM = 128
 _TABLE_CACHE_SIZE = 32  # Fourier tables kept (least recently used dropped): bounded, pins little memory
 _tables: "collections.OrderedDict" = collections.OrderedDict()
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _round_up(x: int, m: int) -> int:
@@ -73,21 +69,25 @@ def _table(n: int, dim: int, dtype: torch.dtype, device: torch.device, layout: s
     return t
 
 
-#: The kernels each op runs on CUDA by default (tempokern/_ops/dispatch.py holds the evidence): the context
-#: forward on warp-cooperative rows ("groups"), the context backward and the scalar op both ways on thread-per-row
-#: tiles ("tiles"). The candidate "v3" (TEMPOKERN_EXPERIMENTAL=calendar_v3) takes the calls _v3_takes admits.
-DEFAULT_KERNEL = {"context_fwd": "groups", "context_bwd": "tiles", "scalar_fwd": "tiles", "scalar_bwd": "tiles"}
+class _CalendarCall:
+    """A calendar kernel launch as the dispatch table sees it (tempokern/_ops/dispatch.py)."""
+    __slots__ = ("role", "logits", "dim", "grad")
+
+    def __init__(self, role: str, logits, dim: int, grad):
+        self.role, self.logits, self.dim, self.grad = role, logits, dim, grad
+
+    def v3_takes(self) -> bool:
+        return _v3_takes(self.role, self.logits, self.dim, self.grad)
 
 
-def _kernel(kernel: str, logits, dim: int = 0, grad: "torch.Tensor | None" = None) -> str:
-    """The CUDA kernel ("groups", "tiles" or "v3") of ``kernel`` ("context_fwd", "context_bwd", "scalar_fwd",
-    "scalar_bwd") for these inputs: v3 where the calendar_v3 candidate is enabled and takes them, else the
-    default; "cpu" off the CUDA path."""
-    if not on_cuda_path(logits[0]):
-        return "cpu"
-    if dispatch.enabled("calendar_v3") and _v3_takes(kernel, logits, dim, grad):
-        return "v3"
-    return DEFAULT_KERNEL[kernel]
+def _kernel(kernel: str, logits, dim: int = 0, grad: "torch.Tensor | None" = None, be=None) -> str:
+    """The kernel ("cpu", "groups", "tiles" or "v3") of ``kernel`` ("context_fwd", "context_bwd", "scalar_fwd",
+    "scalar_bwd") for these inputs on backend ``be`` (None: resolved from them): the path dispatch.choose
+    picks, its kernel for the role."""
+    be = backend.resolve(logits[0]) if be is None else be
+    op, role = kernel.split("_")
+    path = dispatch.choose("calendar_" + op, _CalendarCall(kernel, logits, dim, grad), be)
+    return path.kernel_for(role)
 
 
 def _v3_takes(kernel: str, logits, dim: int, grad) -> bool:
@@ -109,13 +109,13 @@ def _op(kernel: str, k: str) -> str:
     return kernel + "_v3" if k == "v3" else kernel
 
 
-def _max_ctas(x: torch.Tensor, kernel: str, k: str) -> int:
-    """The grid cap of kernel k (0: the CPU kernels)."""
+def _max_ctas(be, kernel: str, k: str) -> int:
+    """The grid cap of kernel k (0: the CPU kernels) on backend ``be`` (or a tensor's)."""
     if k == "cpu":
         return 0
     per_sm = {"tiles": _CTAS_PER_SM, "groups": _CTAS_PER_SM_GROUPS,
               "v3": _CTAS_PER_SM_V3_SCALAR if kernel.startswith("scalar") else _CTAS_PER_SM_V3}[k]
-    return max(1, per_sm * common.sm_count(x.device))
+    return max(1, per_sm * backend.of(be).sm_count)
 
 
 def _v3_levels(logits) -> bool:
@@ -164,35 +164,37 @@ def _level_args(logits, grads=None, tables=None, dim=0):
 def _calendar_scalar(logits: List[torch.Tensor], tau: float) -> torch.Tensor:
     logits = [rows_contiguous(x) for x in logits]
     x0 = logits[0]
-    out = torch.empty(x0.shape[0], dtype=_acc_dtype(x0.dtype), device=x0.device)
-    dev, stream = launch_args(x0)
+    out = torch.empty(x0.shape[0], dtype=acc_dtype(x0.dtype), device=x0.device)
+    be = backend.resolve(x0)
+    dev, stream = be.launch
     levels = _level_args(logits)
-    v = _kernel("scalar_fwd", logits)
+    v = _kernel("scalar_fwd", logits, be=be)
     for k, idx in enumerate(_chunks(len(levels), v)):
-        kernels().calendar_launch(_op("scalar_fwd", v), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
+        be.kernels.calendar_launch(_op("scalar_fwd", v), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
                                   [levels[i] for i in idx], ptr(out), 0, 0, 0, k > 0, 1,
-                                  _max_ctas(x0, "scalar_fwd", v))
+                                  _max_ctas(be, "scalar_fwd", v))
     return out
 
 
 @_calendar_scalar.register_fake
 def _(logits, tau):
-    return logits[0].new_empty(logits[0].shape[0], dtype=_acc_dtype(logits[0].dtype))
+    return logits[0].new_empty(logits[0].shape[0], dtype=acc_dtype(logits[0].dtype))
 
 
 @torch.library.custom_op("tempokern::calendar_scalar_backward", mutates_args=())
 def _calendar_scalar_backward(grad: torch.Tensor, logits: List[torch.Tensor], tau: float) -> List[torch.Tensor]:
     logits = [rows_contiguous(x) for x in logits]
     x0 = logits[0]
-    grad = grad.to(_acc_dtype(x0.dtype)).contiguous()
+    grad = grad.to(acc_dtype(x0.dtype)).contiguous()
     grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in logits]
-    dev, stream = launch_args(x0)
+    be = backend.resolve(x0)
+    dev, stream = be.launch
     levels = _level_args(logits, grads)
-    v = _kernel("scalar_bwd", logits)
+    v = _kernel("scalar_bwd", logits, be=be)
     for idx in _chunks(len(levels), v):
-        kernels().calendar_launch(_op("scalar_bwd", v), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
+        be.kernels.calendar_launch(_op("scalar_bwd", v), dev, stream, dtype_code(x0), x0.shape[0], 1.0 / tau,
                                   [levels[i] for i in idx], 0, ptr(grad), 0, 0, False, 1,
-                                  _max_ctas(x0, "scalar_bwd", v))
+                                  _max_ctas(be, "scalar_bwd", v))
     return grads
 
 
@@ -235,15 +237,16 @@ def _calendar_context(logits: List[torch.Tensor], dim: int, tau: float) -> torch
     out = torch.empty(B, L * dim, dtype=x0.dtype, device=x0.device)
     if dim == 0 or B == 0:
         return out
-    dev, stream = launch_args(x0)
-    v = _kernel("context_fwd", logits, dim)
-    layout = "cuda_fwd" if on_cuda_path(x0) else "cpu"
-    tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device, layout) for x in logits]
+    be = backend.resolve(x0)
+    dev, stream = be.launch
+    v = _kernel("context_fwd", logits, dim, be=be)
+    layout = "cuda_fwd" if be.cuda_path else "cpu"
+    tables = [_table(x.shape[1], dim, acc_dtype(x0.dtype), x0.device, layout) for x in logits]
     levels = _level_args(logits, tables=tables, dim=dim)
     for idx in _chunks(L, v):
-        kernels().calendar_launch(_op("context_fwd", v), dev, stream, dtype_code(x0), B, 1.0 / tau,
+        be.kernels.calendar_launch(_op("context_fwd", v), dev, stream, dtype_code(x0), B, 1.0 / tau,
                                   [levels[i] for i in idx], ptr(out), 0, out.stride(0), dim, False, 1,
-                                  _max_ctas(x0, "context_fwd", v))
+                                  _max_ctas(be, "context_fwd", v))
     return out
 
 
@@ -264,16 +267,17 @@ def _calendar_context_backward(grad: torch.Tensor, logits: List[torch.Tensor], d
     if dim == 0:
         return [g.zero_() for g in grads]
     grad = grad.to(x0.dtype)  # read through its strides: a broadcast gradient (from .sum()) is not copied
-    dev, stream = launch_args(x0)
-    v = _kernel("context_bwd", logits, dim, grad)
+    be = backend.resolve(x0)
+    dev, stream = be.launch
+    v = _kernel("context_bwd", logits, dim, grad, be)
     # the tile kernel reads the transposed table; v3 the forward's layout (rows of classes, 16-byte loads along dim)
-    layout = ("cuda_fwd" if v == "v3" else "cuda_bwd") if on_cuda_path(x0) else "cpu"
-    tables = [_table(x.shape[1], dim, _acc_dtype(x0.dtype), x0.device, layout) for x in logits]
+    layout = ("cuda_fwd" if v == "v3" else "cuda_bwd") if be.cuda_path else "cpu"
+    tables = [_table(x.shape[1], dim, acc_dtype(x0.dtype), x0.device, layout) for x in logits]
     levels = _level_args(logits, grads, tables, dim)
     for idx in _chunks(len(logits), v):
-        kernels().calendar_launch(_op("context_bwd", v), dev, stream, dtype_code(x0), B, 1.0 / tau,
+        be.kernels.calendar_launch(_op("context_bwd", v), dev, stream, dtype_code(x0), B, 1.0 / tau,
                                   [levels[i] for i in idx], 0, ptr(grad), grad.stride(0), dim, False, grad.stride(1),
-                                  _max_ctas(x0, "context_bwd", v))
+                                  _max_ctas(be, "context_bwd", v))
     return grads
 
 

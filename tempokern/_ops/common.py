@@ -2,8 +2,6 @@
 arguments, argument validation and the debug finite-value switch."""
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 import os
 import struct
@@ -11,8 +9,9 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .. import _C
-from .._util import cache_put, trace_constant
+from .. import _C  # noqa: F401
+from . import backend
+from .._util import cache_put
 
 # Must match csrc/common/types.h::DType.
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -46,68 +45,28 @@ def ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-# The CUDA emulator's module (tools/cuda_emu) while cuda_emulator() is active: CPU tensors then take
-# the CUDA path through the shipped .cu kernels, so they can be tested on a machine without a GPU. A
-# context variable, not a process global: only the code running inside cuda_emulator() (in that thread
-# or task) is emulated, every other thread's CPU calls stay on the CPU kernels.
-_emulated: contextvars.ContextVar = contextvars.ContextVar("tempokern_cuda_emulator", default=None)
-
-#: SM count the emulator reports (tools/cuda_emu/emu_runtime.cpp, cudaDevAttrMultiProcessorCount)
-EMULATED_SM_COUNT = 132
-
-
-@trace_constant  # (dynamo cannot trace ContextVar.get; the emulator switch never changes inside a compiled region)
-def _emulating() -> bool:
-    return _emulated.get() is not None
-
-
 def kernels():
-    """The compiled module the wrappers launch: tempokern._C, or the emulator's inside cuda_emulator()."""
-    emu = _emulated.get()
-    return _C if emu is None else emu
+    """The compiled module of the backend CPU tensors run on (tempokern/_ops/backend.py): tempokern._C, or an
+    installed emulated build."""
+    return backend.resolve(_CPU).kernels
 
 
-@contextlib.contextmanager
-def cuda_emulator(module):
-    """Runs CPU tensors through the CUDA kernels of `module`, an emulated build of _C (tests only);
-    `module=None` switches the emulator off inside the block."""
-    token = _emulated.set(module)
-    try:
-        yield module
-    finally:
-        _emulated.reset(token)
+_CPU = torch.device("cpu")
 
 
 def on_cuda_path(t) -> bool:
-    """Whether an op on tensor (or device) t runs the CUDA kernels: CUDA, or CPU under the emulator."""
-    dev = t if isinstance(t, torch.device) else t.device
-    return dev.type == "cuda" or (dev.type == "cpu" and _emulating())
+    """Whether an op on tensor (or device) t runs the CUDA kernels (backend.resolve(t).cuda_path)."""
+    return backend.resolve(t).cuda_path
 
 
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the device the CUDA kernels run on (the emulator's for CPU tensors
-    under cuda_emulator(); 1 for plain CPU, where grids do not apply)."""
-    if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.get_device_properties(idx).multi_processor_count
-    return EMULATED_SM_COUNT if _emulating() else 1
+    """backend.resolve(device).sm_count."""
+    return backend.resolve(device).sm_count
 
 
 def launch_args(t: torch.Tensor) -> tuple[int, int]:
-    """(device, stream) for a kernel launch: device -1 means CPU."""
-    if t.device.type == "cpu":
-        return (0, 0) if _emulating() else (-1, 0)
-    if t.device.type != "cuda":
-        raise ValueError(f"tempokern runs on CPU and CUDA tensors, got device {t.device}")
-    if not _C.cuda_compiled:
-        raise RuntimeError(
-            "tempokern was built without CUDA kernels, so CUDA tensors cannot be used; "
-            "reinstall with nvcc on PATH (TEMPOKERN_CUDA=ON pip install .)")
-    ok, _, msg = _C.cuda_runtime_status()
-    if not ok:
-        raise RuntimeError(f"tempokern's CUDA runtime is unavailable: {msg}")
-    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return idx, torch.cuda.current_stream(idx).cuda_stream
+    """(device, stream) for a kernel launch: device -1 means CPU (backend.resolve(t).launch)."""
+    return backend.resolve(t).launch
 
 
 def check_tensor(name: str, t, *, ndim: Optional[int] = None, floating: bool = False,
@@ -189,6 +148,12 @@ def check_reciprocal(name: str, value, acc: torch.dtype) -> float:
     if va == 0.0 or not 1.0 / va <= torch.finfo(acc).max:
         raise ValueError(f"{name} {v!r} is too small: 1 / {name} overflows {acc} (the dtype the op computes in)")
     return v
+
+
+def compiling(default: bool = True) -> bool:
+    """Whether torch.compile is tracing the caller (``default`` where torch cannot say)."""
+    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(f()) if f is not None else default
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -11,9 +11,10 @@ import torch
 from ..reference.ctd_topk import table_values
 from ..reference.offset_bias import bias_frequencies
 from .. import _C
+from . import backend, dispatch
 from .offset_bias import bias_params, offset_bias, offset_bias_lookup
-from .common import (check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code,
-                     kernels, launch_args, on_cuda_path, ptr, rows_contiguous, scalar_value, sm_count)
+from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code,
+                     ptr, rows_contiguous, scalar_value)
 
 _BIAS_NONE, _BIAS_EXACT, _BIAS_TABLE = 0, 1, 2
 _CPU_QBLOCK = 2048          # queries per CPU launch
@@ -46,10 +47,6 @@ _MERGE_ENTRIES = 2048       # list entries per CTA of the first merge stage
 _BOUND_SAMPLES = 1025       # csrc/ctd_topk/ctd_topk_kernels.cuh BOUND_S
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _freqs(D: int, dtype: torch.dtype, device) -> torch.Tensor:
     return bias_frequencies(D, dtype, device).contiguous()  # exactly the reference's frequencies
 
@@ -65,15 +62,17 @@ def _ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, temperature: float, mode
     # replace b2 / scale): the serve path reads them in its kernels, every other path reads them here
     Q, H = q.shape
     N = g.shape[0]
-    acc = _acc_dtype(q.dtype)
-    if cand is None and on_cuda_path(q):
+    acc = acc_dtype(q.dtype)
+    be = backend.resolve(q)
+    path = dispatch.choose("ctd_topk", _TopkCall(q, k, cand is not None), be).name
+    if path != "cpu":
         if Q == 0:
             return (torch.empty(0, k, dtype=acc, device=q.device), torch.empty(0, k, dtype=torch.int64, device=q.device))
-        if serve_path(q, k):
+        if path == "serve":
             return _serve_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, b2_t, scale_t, table,
-                               exclude)
+                               exclude, be=be)
         b2, scale = _host_scalar(b2, b2_t), _host_scalar(scale, scale_t)
-        return _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, exclude)
+        return _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, exclude, be=be)
     b2, scale = _host_scalar(b2, b2_t), _host_scalar(scale, scale_t)
     values = torch.empty(Q, k, dtype=acc, device=q.device)
     indices = torch.empty(Q, k, dtype=torch.int64, device=q.device)
@@ -174,8 +173,8 @@ def _score_block(qa: torch.Tensor, gc: torch.Tensor, acc: torch.dtype) -> torch.
     return torch.mm(qa.to(acc), gc.to(acc).t())
 
 
-def _pass(kind, dev, stream, ints, ptrs, reals):
-    kernels().ctd_topk_cuda_pass(dev, stream, kind, [int(x) for x in ints], [int(x) for x in ptrs],
+def _pass(be, kind, dev, stream, ints, ptrs, reals):
+    be.kernels.ctd_topk_cuda_pass(dev, stream, kind, [int(x) for x in ints], [int(x) for x in ptrs],
                                  [float(x) for x in reals])
 
 
@@ -194,12 +193,13 @@ def _slices(cols: int, want: int) -> Tuple[int, int]:
     return -(-cols // per), per
 
 
-def _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, ex):
+def _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, ex, be=None):
     Q, H = q.shape
     N = g.shape[0]
-    acc = _acc_dtype(q.dtype)
-    dev, stream = launch_args(q)
-    sms = sm_count(q.device)
+    acc = acc_dtype(q.dtype)
+    be = backend.resolve(q) if be is None else be
+    dev, stream = be.launch
+    sms = be.sm_count
     cap = _pow2(k + 32)
     es = torch.tensor([], dtype=acc).element_size()
     ub, ends, w1p, fr = _bias_setup(mode, w1, b1, w2, b2, scale, acc, q.device)
@@ -226,7 +226,7 @@ def _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, tabl
         ints = (dtype_code(q), Q, N, H, k, q.stride(0), g.stride(0), 0, 0, mode, hidden, K, P, m, ns, per, cap)
         ptrs = (ptr(q), ptr(g), 0, ptr(u_q), ptr(u_g), ptr(fr_a), ptr(amat), 0, ptr(b1), ptr(w2), ptr(ends),
                 ptr(table), ptr(ex), 0, ptr(ws_v), ptr(ws_i))
-        _pass(1, dev, stream, ints, ptrs, reals)
+        _pass(be, 1, dev, stream, ints, ptrs, reals)
         v, i = _merge([ws_v[:, :, :k].reshape(Q, ns * k)], [ws_i[:, :, :k].reshape(Q, ns * k)], k)
         return _finish(v, i)
 
@@ -261,7 +261,7 @@ def _cuda_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, tabl
             ints = (dtype_code(s), Qb, C, H, k, 0, 0, s.stride(0), c0, mode, hidden, K, P, m, ns, per, cap)
             ptrs = (0, 0, ptr(s), ptr(uq_b), ptr(ug_c), 0, ptr(amat), ptr(feats), ptr(b1), ptr(w2), ptr(ends),
                     ptr(table), ptr(ex_b), ptr(seed), ptr(ws_v), ptr(ws_i))
-            _pass(0, dev, stream, ints, ptrs, reals)
+            _pass(be, 0, dev, stream, ints, ptrs, reals)
             best_v, best_i = _merge([best_v, ws_v[:, :, :k].reshape(Qb, ns * k)],
                                     [best_i, ws_i[:, :, :k].reshape(Qb, ns * k)], k)
             seed = best_v[:, k - 1].contiguous()   # the running k-th score: later pairs must beat it
@@ -286,23 +286,31 @@ def _serve_smem(Q: int, H: int, dtype: torch.dtype) -> int:
     return qm * (-(-H // vw) * vw) * es + _SERVE_WARPS * 32 * (qm + 1) * acc_es
 
 
-def serve_path(q: torch.Tensor, k: int) -> bool:
-    """Whether ctd_topk on the CUDA path takes the serve kernels for these queries."""
-    Q, H = q.shape
-    return 1 <= Q <= min(_SERVE_MAX_Q, _SERVE_KERNEL_MAX_Q) and _serve_smem(Q, H, q.dtype) <= _SERVE_SMEM
+class _TopkCall:
+    """A ctd_topk call as the dispatch table sees it (tempokern/_ops/dispatch.py: serve takes 1 to _SERVE_MAX_Q
+    queries whose tile fits serve_scan's shared memory)."""
+    __slots__ = ("q", "k", "rerank", "queries")
+
+    def __init__(self, q: torch.Tensor, k: int, rerank: bool):
+        self.q, self.k, self.rerank, self.queries = q, k, rerank, q.shape[0]
+
+    def serve_fits(self) -> bool:
+        Q, H = self.q.shape
+        return Q <= min(_SERVE_MAX_Q, _SERVE_KERNEL_MAX_Q) and _serve_smem(Q, H, self.q.dtype) <= _SERVE_SMEM
 
 
 def _dev_scalar(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.detach().reshape(1).to(torch.float64)
 
 
-def _serve_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, b2_t, scale_t, table, ex):
+def _serve_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, b2_t, scale_t, table, ex, be=None):
     """Q <= 16: [prep], one scan of the gallery, two merges; allocations only, no host sync."""
     Q, H = q.shape
     N = g.shape[0]
-    acc = _acc_dtype(q.dtype)
-    dev, stream = launch_args(q)
-    sms = sm_count(q.device)
+    acc = acc_dtype(q.dtype)
+    be = backend.resolve(q) if be is None else be
+    dev, stream = be.launch
+    sms = be.sm_count
     cap = _pow2(k + 32)
     want = max(1, min(_SERVE_CTAS_PER_SM * sms * _SERVE_WARPS, _WS_ENTRIES // (Q * cap)))
     ns, per = _slices(N, want)
@@ -329,7 +337,7 @@ def _serve_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, b2_
     ints = (dtype_code(q), Q, N, H, k, q.stride(0), g.stride(0), mode, hidden, D, K, P, m, ns, per, cap, lpc, groups)
     ptrs = (ptr(q), ptr(g), ptr(u_q), ptr(u_g), ptr(w1), ptr(b1), ptr(w2), ptr(fr), ptr(table), ptr(ex), ptr(b2d),
             ptr(scd), ptr(aux), ptr(amat), ptr(ws_v), ptr(ws_i), ptr(mid_v), ptr(mid_i), ptr(out_v), ptr(out_i))
-    kernels().ctd_topk_cuda_serve(dev, stream, [int(x) for x in ints], [int(x) for x in ptrs],
+    be.kernels.ctd_topk_cuda_serve(dev, stream, [int(x) for x in ints], [int(x) for x in ptrs],
                                   [float(temperature), float(b2), float(scale)])
     return out_v, out_i
 
@@ -342,7 +350,7 @@ def _finish(v, i):
 @_ctd_topk.register_fake
 def _(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, exclude, cand=None, b2_t=None,
       scale_t=None):
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     return q.new_empty(q.shape[0], k, dtype=acc), q.new_empty(q.shape[0], k, dtype=torch.int64)
 
 
@@ -490,9 +498,9 @@ def ctd_topk(q: torch.Tensor, g: torch.Tensor, k: int, *, temperature: float = 1
     if k > N:
         raise ValueError(f"k must be <= the gallery size N={N}, got {k}")
     Q = q.shape[0]
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     temperature = check_temperature(temperature, acc)
-    cuda_path = on_cuda_path(q)
+    cuda_path = backend.resolve(q).cuda_path
     # meta tensors: b2 / scale stay tensors (their values cannot be read; the fake implementation runs)
     mode, u_q, u_g, w1, b1, w2, b2, scale, table = parse_bias(bias, Q, N, acc, q.device,
                                                               keep_device_scalars=cuda_path or q.is_meta)
@@ -532,7 +540,7 @@ def _check_topk_groups(q_group, g_group, Q: int, N: int, device):
 def _grouped_topk(q, g, k, temperature, bias, ex, q_group, g_group):
     """ctd_topk with the group filter: per distinct query group, the unfiltered op on that group's gallery rows
     (exclude lists mapped to them), the indices mapped back; a group without gallery rows keeps (-inf, -1)."""
-    Q, acc = q.shape[0], _acc_dtype(q.dtype)
+    Q, acc = q.shape[0], acc_dtype(q.dtype)
     values = torch.full((Q, k), float("-inf"), dtype=acc, device=q.device)
     indices = torch.full((Q, k), -1, dtype=torch.int64, device=q.device)
     where = torch.full((g.shape[0],), -1, dtype=torch.int64, device=q.device)
@@ -564,7 +572,7 @@ def _cuda_unsupported(k: int, mode: int, w1) -> bool:
 def _chunked_topk(q, g, k, temperature, mode, u_q, u_g, w1, b1, w2, b2, scale, table, ex):
     """Gallery-chunked torch path (CUDA with k > _CUDA_MAX_K or an MLP with 2K > 64): O(Q (k + chunk))
     memory; the bias comes from the fused offset_bias / offset_bias_lookup ops."""
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     Q, N = q.shape[0], g.shape[0]
     width = w1.shape[0] + w1.shape[1] if mode == _BIAS_EXACT else 1
     chunk = max(256, min(65536, (1 << 26) // max(1, Q * width)))
@@ -609,7 +617,7 @@ def ctd_rerank(q: torch.Tensor, g: torch.Tensor, cand: torch.Tensor, k: int, *, 
         raise ValueError(f"k must be an int >= 1, got {k!r}")
     if q.device.type != "cpu" or g.device.type != "cpu" or cand.device.type != "cpu":
         raise ValueError("ctd_rerank runs on CPU tensors")
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     temperature = check_temperature(temperature, acc)
     mode, u_q, u_g, w1, b1, w2, b2, scale, table = parse_bias(bias, q.shape[0], g.shape[0], acc, q.device)
     if cand.numel() and bool((cand >= g.shape[0]).any()):

@@ -17,21 +17,38 @@ import contextlib
 import contextvars
 import os
 from dataclasses import dataclass
-from typing import FrozenSet, Iterable, Iterator, Tuple
+from typing import Callable, FrozenSet, Iterable, Iterator, Tuple, Union
 
 ENV = "TEMPOKERN_EXPERIMENTAL"
 GPU_CSV = "benchmarks/results/gpu.csv"
 
 
+def _doc(fn: Callable) -> str:
+    """A predicate's docstring as one line: the table's "takes" column."""
+    return " ".join((fn.__doc__ or "").split())
+
+
 @dataclass(frozen=True)
 class Path:
-    """A default path (or a size regime of one) of an op on a device."""
+    """A default path (or a size regime of one) of an op on a device. ``predicate(call, backend)`` says whether it
+    takes a call (``call``: the op's validated call object, ``backend``: tempokern/_ops/backend.py's Backend);
+    its docstring is the table's "takes". ``kernels``: (role, kernel) pairs where the op runs different kernels
+    per role (calendar: fwd / bwd)."""
     op: str
     device: str      # "cpu" | "cuda"
     name: str
-    takes: str       # which calls it takes
+    predicate: Callable
     kernel: str      # where it lives
     evidence: str    # the measurement that makes it the default: file and row
+    kernels: Tuple[Tuple[str, str], ...] = ()
+
+    @property
+    def takes(self) -> str:
+        """Which calls it takes (the predicate's docstring)."""
+        return _doc(self.predicate)
+
+    def kernel_for(self, role: str) -> str:
+        return dict(self.kernels)[role]
 
 
 @dataclass(frozen=True)
@@ -40,73 +57,184 @@ class Candidate:
     name: str        # its TEMPOKERN_EXPERIMENTAL name
     ops: Tuple[str, ...]
     kernel: str
-    takes: str       # which calls it takes when enabled (others keep the default)
+    predicate: Callable  # which calls it takes when enabled (others keep the default); docstring: "takes"
     against: str     # the default path it must beat
     decision: str    # the gpu_check.sh cases that decide it
+    kernels: Tuple[Tuple[str, str], ...] = ()
+
+    @property
+    def takes(self) -> str:
+        """Which calls it takes when enabled (the predicate's docstring)."""
+        return _doc(self.predicate)
+
+    def kernel_for(self, role: str) -> str:
+        return dict(self.kernels)[role]
+
+
+# ---- the predicates: call objects are built by the op modules (their attributes and methods are named here);
+# backend is tempokern/_ops/backend.py's Backend. A predicate's docstring is its row's "takes" column.
+
+MULTIPOS = "multipos_infonce / CTDLoss"
+MATRYOSHKA = "matryoshka_infonce / TMRLLoss"
+
+
+def _mp_cpu_fused(call, backend) -> bool:
+    """calls without a table bias"""
+    return not backend.cuda_path and not call.table
+
+
+def _mp_cpu_blocked(call, backend) -> bool:
+    """calls with a table bias (bias_table_points)"""
+    return not backend.cuda_path and call.table
+
+
+def _cuda_blocked(call, backend) -> bool:
+    """every call: cuBLAS score blocks (float32 output) + the fused statistics / gradient passes"""
+    return backend.cuda_path
+
+
+def _every_cpu_call(call, backend) -> bool:
+    """every call"""
+    return not backend.cuda_path
+
+
+def _mrl_cpu_fused(call, backend) -> bool:
+    """calls without a bias"""
+    return not backend.cuda_path and call.bias is None
+
+
+def _mrl_cpu_blocked(call, backend) -> bool:
+    """calls with a bias: element-wise torch blocks of rows, the bias computed once per block and shared by the
+    levels"""
+    return not backend.cuda_path and call.bias is not None
+
+
+def _mrl_levels(call, backend) -> bool:
+    """no bias and as many candidates as anchors: one blocked multipos_infonce per level"""
+    return backend.cuda_path and call.bias is None and call.rows == call.cols and call.rows > 0
+
+
+def _mrl_fused(call, backend) -> bool:
+    """a bias, or a different number of candidates than anchors (the only CUDA path for these)"""
+    return backend.cuda_path
+
+
+def _calendar_context(call, backend) -> bool:
+    """every call: warp-cooperative rows forward, thread-per-row tiles backward"""
+    return backend.cuda_path
+
+
+def _calendar_scalar(call, backend) -> bool:
+    """every call: thread-per-row tiles"""
+    return backend.cuda_path
+
+
+def _topk_serve(call, backend) -> bool:
+    """1 to 4 queries: one scan over the gallery, no host synchronisation"""
+    return backend.cuda_path and not call.rerank and call.queries >= 1 and call.serve_fits()  # <= 4: serve_fits
+
+
+def _topk_select(call, backend) -> bool:
+    """5 or more queries: cuBLAS score tiles + the fused select"""
+    return backend.cuda_path
+
+
+def _topk_cpu(call, backend) -> bool:
+    """CPU calls, and candidate reranking (cand; CPU tensors only): query blocks through the per-thread top-k
+    kernel"""
+    return not backend.cuda_path or call.rerank
+
+
+def _bias_cpu(call, backend) -> bool:
+    """every call: the hidden units proved always off dropped, the always-on ones merged into one linear unit"""
+    return not backend.cuda_path
+
+
+def _bias_pruned(call, backend) -> bool:
+    """exact MLP: hidden units proved always off skipped, always-on units merged into one float64 linear unit"""
+    return backend.cuda_path
+
+
+def _mpb_tc(call, backend) -> bool:
+    """bfloat16 CUDA calls without a bias or with the table bias, no extra negatives, no return_hardest, no groups,
+    H a multiple of 16, on compute capability >= 8.0: the tensor-core kernels (scores never leave the SM)"""
+    return (backend.cuda_path and not call.return_hardest and not call.groups and call.rows > 0 and call.cols > 0
+            and call.tensor_cores(backend))
+
+
+def _mrl_tc(call, backend) -> bool:
+    """bfloat16 CUDA calls without extra negatives or the exact bias, level boundaries multiples of 16, on compute
+    capability >= 8.0: the tensor-core kernels"""
+    return backend.cuda_path and call.tensor_cores(backend)
+
+
+def _calendar_v3(call, backend) -> bool:
+    """float32 / float16 / bfloat16 levels of <= 32 classes (context: dim a multiple of 4 up to 128, an upstream
+    gradient with unit column stride): persistent tiles with the next reads in flight"""
+    return backend.cuda_path and call.v3_takes()
 
 
 _GPU = GPU_CSV + ": "
 
 DEFAULTS: Tuple[Path, ...] = (
-    Path("multipos_infonce / CTDLoss", "cpu", "fused", "calls without a table bias",
+    Path(MULTIPOS, "cpu", "fused", _mp_cpu_fused,
          "csrc/multipos_infonce/multipos_infonce_cpu.cpp", "benchmarks/results/multipos_infonce.csv"),
-    Path("multipos_infonce / CTDLoss", "cpu", "blocked", "calls with a table bias (bias_table_points)",
+    Path(MULTIPOS, "cpu", "blocked", _mp_cpu_blocked,
          "tempokern/_ops/multipos_blocked.py + csrc/multipos_infonce/multipos_block_cpu.cpp",
          "benchmarks/results/multipos_infonce.csv"),
-    Path("multipos_infonce / CTDLoss", "cuda", "blocked",
-         "every call: cuBLAS score blocks (float32 output) + the fused statistics / gradient passes",
+    Path(MULTIPOS, "cuda", "blocked", _cuda_blocked,
          "tempokern/_ops/multipos_blocked.py + csrc/multipos_infonce/multipos_block_cuda.cu",
          _GPU + "op=multipos_infonce; case=no bias; B=B=8192; impl=tempokern:blocked (1.77 ms; also B=65536, 262144, "
          "the table and the exact bias)"),
-    Path("matryoshka_infonce / TMRLLoss", "cpu", "fused", "every call",
+    Path(MATRYOSHKA, "cpu", "fused", _mrl_cpu_fused,
          "csrc/matryoshka_infonce/matryoshka_infonce_cpu.cpp", "benchmarks/results/matryoshka_infonce.csv"),
-    Path("matryoshka_infonce / TMRLLoss", "cuda", "levels",
-         "no bias and as many candidates as anchors: one blocked multipos_infonce per level",
+    Path(MATRYOSHKA, "cpu", "blocked", _mrl_cpu_blocked, "tempokern/_ops/matryoshka_blocked.py",
+         "benchmarks/results/matryoshka_infonce.csv"),
+    Path(MATRYOSHKA, "cuda", "levels", _mrl_levels,
          "tempokern/_ops/routing.py (_levels_path)",
          _GPU + "op=matryoshka_infonce; case=dims 64..768; B=B=8192; impl=tempokern:levels (6.8 ms vs "
          "tempokern:fused 13.1 ms)"),
-    Path("matryoshka_infonce / TMRLLoss", "cuda", "fused",
-         "a bias, or a different number of candidates than anchors (the only CUDA path for these)",
+    Path(MATRYOSHKA, "cuda", "fused", _mrl_fused,
          "tempokern/_ops/matryoshka_blocked.py + csrc/matryoshka_infonce/matryoshka_block_cuda.cu",
          _GPU + "op=matryoshka_infonce; case=dims 64..768; B=B=8192; impl=tempokern:fused (13.1 ms vs the element-wise "
          "torch blocks, deleted:torch_blocks, 47.2 ms)"),
-    Path("calendar_context", "cuda", "v2 forward + v1 backward",
-         "every call: warp-cooperative rows forward, thread-per-row tiles backward",
+    Path("calendar_context", "cpu", "cpu", _every_cpu_call, "csrc/calendar/calendar_cpu.cpp",
+         "benchmarks/results/calendar.csv", kernels=(("fwd", "cpu"), ("bwd", "cpu"))),
+    Path("calendar_context", "cuda", "v2 forward + v1 backward", _calendar_context,
          "csrc/calendar/calendar_cuda.cu",
          _GPU + "op=calendar_context; case=fwd kernel float32 dim 64; B=rows=1048576 levels=12x32x12; "
          "impl=tempokern:v2; metric=kernel_ms (forward v2 0.88 vs deleted:v1 1.31 ms; case bwd kernel float32 dim "
-         "64: backward tempokern:v1 1.15 vs deleted:v2 1.51 ms)"),
-    Path("calendar_scalar", "cuda", "v1", "every call: thread-per-row tiles", "csrc/calendar/calendar_cuda.cu",
+         "64: backward tempokern:v1 1.15 vs deleted:v2 1.51 ms)", kernels=(("fwd", "groups"), ("bwd", "tiles"))),
+    Path("calendar_scalar", "cpu", "cpu", _every_cpu_call, "csrc/calendar/calendar_cpu.cpp",
+         "benchmarks/results/calendar.csv", kernels=(("fwd", "cpu"), ("bwd", "cpu"))),
+    Path("calendar_scalar", "cuda", "v1", _calendar_scalar, "csrc/calendar/calendar_cuda.cu",
          _GPU + "op=calendar_scalar; case=fwd+bwd float32; B=rows=1048576 levels=12x32x12; impl=tempokern:v1 "
-         "(0.92 vs deleted:v2 1.08 ms in the 06:42 run; the 09:23 run timed v1 in two columns, 0.84 and 1.03 ms)"),
-    Path("ctd_topk", "cuda", "serve", "1 to 4 queries: one scan over the gallery, no host synchronisation",
+         "(0.92 vs deleted:v2 1.08 ms in the 06:42 run; the 09:23 run timed v1 in two columns, 0.84 and 1.03 ms)",
+         kernels=(("fwd", "tiles"), ("bwd", "tiles"))),
+    Path("ctd_topk", "cpu", "cpu", _topk_cpu, "csrc/ctd_topk/ctd_topk_cpu.cpp", "benchmarks/results/ctd_topk.csv"),
+    Path("ctd_topk", "cuda", "serve", _topk_serve,
          "csrc/ctd_topk/ctd_topk_serve_cuda.cu",
          _GPU + "op=ctd_topk; case=exact bias; B=Q=1 N=1000000 k=10; impl=tempokern:serve (1.12 vs deleted:scan "
          "2.22 ms; the sweep rows, case ... sweep, B=Q=1 to Q=4: serve faster at every Q)"),
-    Path("ctd_topk", "cuda", "select", "5 or more queries: cuBLAS score tiles + the fused select",
+    Path("ctd_topk", "cuda", "select", _topk_select,
          "csrc/ctd_topk/ctd_topk_cuda.cu (select_block)",
          _GPU + "op=ctd_topk; case=no bias N=1000000 k=10 bf16 sweep; B=Q=8; impl=tempokern:select (1.10 vs "
          "candidate-range:serve 2.94 ms; Q=16 and the exact bias likewise; Q=1024: case no bias, 6.80 ms)"),
-    Path("offset_bias", "cuda", "pruned", "exact MLP: hidden units proved always off skipped, always-on units "
-         "merged into one float64 linear unit", "csrc/offset_bias/offset_bias_kernels.cuh",
+    Path("offset_bias", "cpu", "merged units", _bias_cpu, "csrc/offset_bias/offset_bias_cpu.cpp",
+         "benchmarks/results/offset_bias.csv"),
+    Path("offset_bias", "cuda", "pruned", _bias_pruned, "csrc/offset_bias/offset_bias_kernels.cuh",
          _GPU + "op=offset_bias; case=exact fwd+bwd float32; B=8192x8192; impl=tempokern:pruned (16.5 vs "
          "deleted:every_unit 38.0 ms)"),
 )
 
 CANDIDATES: Tuple[Candidate, ...] = (
-    Candidate("mpb_tc", ("multipos_infonce / CTDLoss",), "csrc/matryoshka_infonce/matryoshka_tc_cuda.cu",
-              "bfloat16 CUDA calls without a bias or with the table bias, no extra negatives, no return_hardest, "
-              "H a multiple of 16, on compute capability >= 8.0: the tensor-core kernels (scores never leave "
-              "the SM)", "blocked",
+    Candidate("mpb_tc", (MULTIPOS,), "csrc/matryoshka_infonce/matryoshka_tc_cuda.cu", _mpb_tc, "blocked",
               "CTD loss no bias and table bias (4097) at B = 8,192 and 65,536"),
-    Candidate("mrl_tc", ("matryoshka_infonce / TMRLLoss",), "csrc/matryoshka_infonce/matryoshka_tc_cuda.cu",
-              "bfloat16 CUDA calls without extra negatives or the exact bias, level boundaries multiples of 16, "
-              "on compute capability >= 8.0: the tensor-core kernels", "levels / fused",
-              "Matryoshka dims 64..768 at B = 8,192"),
+    Candidate("mrl_tc", (MATRYOSHKA,), "csrc/matryoshka_infonce/matryoshka_tc_cuda.cu", _mrl_tc,
+              "levels / fused", "Matryoshka dims 64..768 at B = 8,192"),
     Candidate("calendar_v3", ("calendar_context", "calendar_scalar"), "csrc/calendar/calendar_v3_cuda.cu",
-              "float32 / float16 / bfloat16 levels of <= 32 classes (context: dim a multiple of 4 up to 128, "
-              "an upstream gradient with unit column stride): persistent tiles with the next reads in flight",
-              "v2 forward + v1 backward / v1", "calendar_context and calendar_scalar at 1M rows"),
+              _calendar_v3, "v2 forward + v1 backward / v1", "calendar_context and calendar_scalar at 1M rows",
+              kernels=(("fwd", "v3"), ("bwd", "v3"))),
 )
 
 NAMES: Tuple[str, ...] = tuple(c.name for c in CANDIDATES)
@@ -163,6 +291,19 @@ def use(*names: str) -> Iterator[None]:
         yield
     finally:
         _override.reset(token)
+
+
+def choose(op: str, call, backend) -> Union[Path, Candidate]:
+    """The path that runs ``call`` of ``op`` on ``backend``: the first enabled candidate whose predicate takes it,
+    else the first default whose predicate does (a LookupError if none: a gap in the table). The only place
+    that chooses a kernel path (tests/test_dispatch.py checks that the op modules ask nothing else)."""
+    for c in CANDIDATES:
+        if op in c.ops and enabled(c.name) and c.predicate(call, backend):
+            return c
+    for p in DEFAULTS:
+        if p.op == op and p.predicate(call, backend):
+            return p
+    raise LookupError(f"no path of {op} in tempokern/_ops/dispatch.py takes this call on the {backend.kind} backend")
 
 
 def candidate(name: str) -> Candidate:

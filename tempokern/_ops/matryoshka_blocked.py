@@ -1,5 +1,5 @@
 """Blocked Matryoshka InfoNCE: the CUDA execution of tempokern.matryoshka_infonce and the CPU execution with a
-bias. Two executions: the torch path below (CPU bias=, force_blocked() on CPU) and the fused path at the end of
+bias. Two executions: the torch path below (CPU bias=, and CPU tensors on a backend with block rows installed by the tests) and the fused path at the end of
 this file (CUDA and the emulator: cuBLAS segment products around the kernels of
 csrc/matryoshka_infonce/matryoshka_block_cuda.cu, or the candidate tensor-core kernels of matryoshka_tc_cuda.cu
 where TEMPOKERN_EXPERIMENTAL enables them, tempokern/_ops/dispatch.py).
@@ -30,7 +30,9 @@ from typing import List, Sequence
 import torch
 
 from .._util import trace_constant
-from .common import DTYPE_CODES, device_constant, kernels, launch_args, on_cuda_path, ptr, sm_count
+from . import backend
+from .common import DTYPE_CODES, device_constant, ptr
+from .common import kernels, launch_args  # noqa: F401  (tests and tools/gpu_sanitize_case.py use them)
 from .multipos_blocked import (ITEMSIZE, addmm_into, block_rows, mm_acc, mm_out_f32, none_flags, prep_spans, spans32,
                               tiling)
 
@@ -142,13 +144,16 @@ def _finish_levels(c, row_stats, col_stats, c_all, c_pos, cols: bool, coef, row_
 def blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg: Sequence[int],
                     coef: Sequence[float], inv_temp: float, row_weight: float, col_weight: float, diag_offset: int,
                     block: int = 0, bias=None, want_grad: bool = False, known_half=None,
-                    tensor_cores: bool = False) -> List[torch.Tensor]:
+                    tensor_cores: bool = False, be=None) -> List[torch.Tensor]:
     """[loss, levels, row_stats, col_stats]; want_grad (the fused path without a column term only, see
     fused_forward): then also the gradients for a unit upstream gradient of the loss. known_half: the half
-    dtype whose values the float32 q, d (and extra_neg) hold, when the caller knows it (see _Fused)."""
-    if use_fused(q, d.shape[0]):
+    dtype whose values the float32 q, d (and extra_neg) hold, when the caller knows it (see _Fused). be: the
+    call's backend (None: q's)."""
+    be = backend.resolve(q) if be is None else be
+    if use_fused(be, d.shape[0]):
         return fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
-                             row_weight, col_weight, diag_offset, block, bias, want_grad, known_half, tensor_cores)
+                             row_weight, col_weight, diag_offset, block, bias, want_grad, known_half, tensor_cores,
+                             be)
     c = _Ctx(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
              col_weight, diag_offset, block, bias)
     K, dev, acc = c.K, q.device, c.acc
@@ -176,13 +181,15 @@ def blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row
 
 def blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none,
                      seg: Sequence[int], inv_temp: float, row_weight: float, col_weight: float, diag_offset: int,
-                     block: int = 0, bias=None, known_half=None, tensor_cores: bool = False) -> List[torch.Tensor]:
+                     block: int = 0, bias=None, known_half=None, tensor_cores: bool = False,
+                     be=None) -> List[torch.Tensor]:
     """[dq, dd, dneg, drho, dkap, dkneg] (empty where absent), then with a bias the float64 gradients of its
     eight inputs [du_q, du_d, dtable, dw1, db1, dw2, db2, dscale] (empty where absent)."""
-    if use_fused(q, d.shape[0]):
+    be = backend.resolve(q) if be is None else be
+    if use_fused(be, d.shape[0]):
         return fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
                               row_none, seg, inv_temp, row_weight, col_weight, diag_offset, block, bias, known_half,
-                              tensor_cores)
+                              tensor_cores, be)
     c = _Ctx(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
              col_weight, diag_offset, block, bias)
     K, acc = c.K, c.acc
@@ -267,7 +274,7 @@ def tc_tile(K: int, table: bool, hist_points: int, optin: int):
     (17 / 34 / 68 KB each)."""
     if K > 2:
         return 64, 64
-    k = kernels()
+    k = backend.kernels_for(False)  # (the emulated build inside the tests' emulator, else _C)
     for tr, tcl in ((128, 128), (128, 64), (64, 64)):
         if k.mrl_tc_smem_bytes(K, True, table, hist_points, tr, tcl) <= optin // 2:
             return tr, tcl
@@ -275,9 +282,10 @@ def tc_tile(K: int, table: bool, hist_points: int, optin: int):
 
 
 def use_fused(t, Bd: int) -> bool:
-    """Whether a call on tensor (or device) t with Bd candidates runs the fused kernels (the per-level fused
-    kernels or the tensor-core candidate): CUDA (or emulated CUDA) and a candidate."""
-    return on_cuda_path(t) and Bd > 0
+    """Whether a call on backend t (or a tensor / device it is resolved from) with Bd candidates runs the fused
+    kernels (the per-level fused kernels or the tensor-core candidate): the CUDA kernels' backends and a
+    candidate."""
+    return backend.of(t).cuda_path and Bd > 0
 
 
 _TC_LEVELS: dict = {}
@@ -286,17 +294,17 @@ _TC_LEVELS: dict = {}
 def tc_max_levels(t: torch.Tensor) -> int:
     """The most levels whose tensor-core backward fits the device's shared memory (8 on an H100 or A100 for the
     forward and backward together, 4 on sm_86 / sm_89's 99 KB)."""
-    dev, _ = launch_args(t)
-    return _tc_levels(t.device.type == "cuda", dev)
+    be = backend.of(t)
+    return _tc_levels(be.kind == "cuda", be.index)
 
 
 @trace_constant
 def _tc_levels(cuda: bool, dev: int) -> int:
     """A device query torch.compile records as a constant (it cannot trace the extension's function)."""
     if not cuda:  # the emulator: its opt-in limit can change between tests
-        return kernels().mrl_tc_max_levels(dev)
+        return backend.kernels_for(False).mrl_tc_max_levels(dev)
     if dev not in _TC_LEVELS:
-        _TC_LEVELS[dev] = kernels().mrl_tc_max_levels(dev)
+        _TC_LEVELS[dev] = backend.kernels_for(True).mrl_tc_max_levels(dev)
     return _TC_LEVELS[dev]
 
 
@@ -307,17 +315,17 @@ def tc_supported(t) -> bool:
     """Whether t's device runs the bfloat16 tensor-core kernels: compute capability 8.0 or newer (bf16 wmma; the
     kernels compile to a trap for sm_75 and refuse older devices at launch). The CUDA emulator answers for its
     configured arch (TEMPOKERN_EMU_ARCH, default 90). Calls on older GPUs (a T4's 7.5) take the other paths."""
-    dev, _ = launch_args(t)
-    return _tc_supported(t.device.type == "cuda", dev)
+    be = backend.of(t)
+    return _tc_supported(be.kind == "cuda", be.index)
 
 
 @trace_constant
 def _tc_supported(cuda: bool, dev: int) -> bool:
     """A device query torch.compile records as a constant (it cannot trace the extension's function)."""
     if not cuda:  # the emulator: its arch can change between tests
-        return bool(kernels().mrl_tc_supported(dev))
+        return bool(backend.kernels_for(False).mrl_tc_supported(dev))
     if dev not in _TC_SUPPORTED:
-        _TC_SUPPORTED[dev] = bool(kernels().mrl_tc_supported(dev))
+        _TC_SUPPORTED[dev] = bool(backend.kernels_for(True).mrl_tc_supported(dev))
     return _TC_SUPPORTED[dev]
 
 
@@ -330,29 +338,30 @@ def tc_eligible(half, H: int, seg: Sequence[int], N: int, bias_mode, t) -> bool:
     if not (half == torch.bfloat16 and N == 0 and bias_mode in (None, "table")
             and H % 8 == 0 and 1 <= K and all(b > a and b % 16 == 0 for a, b in zip(seg, seg[1:]))):
         return False
-    if not tc_supported(t):
+    be = backend.of(t)
+    if not tc_supported(be):
         return False
     if bias_mode is None:
-        return K <= tc_max_levels(t)
-    dev, _ = launch_args(t)
-    return _tc_table_fits(t.device.type == "cuda", dev, K)
+        return K <= tc_max_levels(be)
+    return _tc_table_fits(be.kind == "cuda", be.index, K)
 
 
 @trace_constant
 def _tc_table_fits(cuda: bool, dev: int, K: int) -> bool:
     """Whether K levels with a table bias (its histogram in global memory at least) fit the device."""
-    k = kernels()
+    k = backend.kernels_for(cuda)
     return k.mrl_tc_smem_bytes(K, True, True, 0) <= k.mrl_tc_smem_optin(dev)
 
 
-def tc_call(q, d, dims, extra_neg, bias, table_points=None) -> bool:
-    """tc_eligible for a matryoshka_infonce / multipos_infonce call (before its op: bfloat16 q and d; a bias
-    only in the table mode, table_points)."""
-    if not (on_cuda_path(q) and q.dtype == torch.bfloat16 and d.dtype == torch.bfloat16 and d.shape[0] > 0):
+def tc_call(q, d, dims, extra_neg, bias, table_points=None, be=None) -> bool:
+    """tc_eligible for a matryoshka_infonce / multipos_infonce call on backend ``be`` (None: q's) (before its op:
+    bfloat16 q and d; a bias only in the table mode, table_points)."""
+    be = backend.resolve(q) if be is None else be
+    if not (be.cuda_path and q.dtype == torch.bfloat16 and d.dtype == torch.bfloat16 and d.shape[0] > 0):
         return False
     seg = [0] + sorted({int(m) for m in dims})
     mode = None if bias is None else ("table" if table_points is not None else "exact")
-    return tc_eligible(torch.bfloat16, q.shape[-1], seg, 0 if extra_neg is None else 1, mode, q)
+    return tc_eligible(torch.bfloat16, q.shape[-1], seg, 0 if extra_neg is None else 1, mode, be)
 
 
 #: table points up to which the backward keeps dL/dtable in a shared-memory histogram per CUDA block (64 KB)
@@ -374,11 +383,13 @@ class _Fused:
     """Shared set-up of the fused forward and backward."""
 
     def __init__(self, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp,
-                 row_weight, col_weight, diag_offset, block, bias, backward, known_half=None, tensor_cores=False):
+                 row_weight, col_weight, diag_offset, block, bias, backward, known_half=None, tensor_cores=False,
+                 be=None):
+        be = backend.resolve(q) if be is None else be
         # int32 spans and fallback flags: multipos's prep kernel (one launch; torch's sorts took 0.37 ms at
         # B = 8,192 on the H100), or torch where there is no row or no column
         if q.shape[0] and d.shape[0]:
-            self.spans, self.row_none, self.col_none = prep_spans(q_lo, q_hi, d_lo, d_hi, diag_offset, q)
+            self.spans, self.row_none, self.col_none = prep_spans(q_lo, q_hi, d_lo, d_hi, diag_offset, q, be)
             flags = (self.row_none.bool(), self.col_none.bool())
         else:
             self.spans = spans32(q_lo, q_hi, d_lo, d_hi)
@@ -392,7 +403,9 @@ class _Fused:
         c.rho, c.kap = c.rho.contiguous(), c.kap.contiguous()
         c.kneg = None if c.kneg is None else c.kneg.contiguous()
         self.row_fb = None if row_none is None else row_none.to(torch.uint8).contiguous()
-        self.dev, self.stream = launch_args(q)
+        self.be = be
+        self.dev, self.stream = be.launch
+        self.kernels = be.kernels
         self.ad = DTYPE_CODES[c.acc]
         # half operands: float32 inputs whose values are all exactly bfloat16 values (as when the caller passed
         # bfloat16 tensors, which the wrapper upcasts) run their products on the bf16 tensor cores with float32
@@ -400,7 +413,7 @@ class _Fused:
         # bfloat16 (Ho), as multipos_blocked writes dS in the operand dtype.
         # known_half (the op's inputs were bf16 tensors) saves the check's pass and device synchronisation.
         self.half = None
-        if c.acc == torch.float32 and (q.device.type == "cpu" or mm_out_f32(q.device)):
+        if c.acc == torch.float32 and (be.kind != "cuda" or mm_out_f32(q.device)):
             self.half = known_half if known_half is not None else _exact_half([c.q, c.d, c.neg])
         cast = (lambda t: None if t is None else t.to(self.half)) if self.half is not None else (lambda t: t)
         self.qo, self.do, self.no = cast(c.q), cast(c.d), cast(c.neg)
@@ -410,11 +423,11 @@ class _Fused:
         per_elem = asz * ((c.K + 1) if backward else 1) + (2 * c.K if backward and self.half is not None else 0) + \
             (2 * asz if bias is not None else 0)
         bias_mode = None if bias is None else ("table" if bias[2] is not None else "exact")
-        self.tc = bool(tensor_cores) and tc_eligible(self.half, c.q.shape[1], c.seg, c.N, bias_mode, q)
+        self.tc = bool(tensor_cores) and tc_eligible(self.half, c.q.shape[1], c.seg, c.N, bias_mode, be)
         self.tab = None  # the table bias of the tensor-core path: (u_q, u_d, table) float32, hist in shared memory
         self.tr, self.tcl = 64, 64  # the tensor-core tile: rows, columns per CUDA block (tc_tile)
         if self.tc:
-            k = kernels()
+            k = self.kernels
             optin = k.mrl_tc_smem_optin(self.dev)
             P = 0 if bias is None else bias[2].numel()
             hist = 0 < P <= TC_HIST_SMEM_POINTS  # the histogram in shared memory where it fits
@@ -443,7 +456,7 @@ class _Fused:
         and b (C, k): cuBLAS with float32 output for half operands on CUDA; in the accumulation dtype on the
         emulator (CPU tensors: exact products of the half values, as the tensor cores)."""
         acc = self.c.acc
-        if a.device.type == "cpu" or a.dtype == acc:
+        if self.be.kind != "cuda" or a.dtype == acc:
             a, b = a.to(acc), b.to(acc)
             if c is None:
                 torch.mm(a, b.t(), out=out)
@@ -466,7 +479,7 @@ class _Fused:
 
     def grad_prod(self, Hx, X):
         """Hx @ X in the accumulation dtype (float32 output of half operands on CUDA)."""
-        if Hx.device.type == "cpu" or Hx.dtype == self.c.acc:
+        if self.be.kind != "cuda" or Hx.dtype == self.c.acc:
             return Hx.to(self.c.acc) @ X.to(self.c.acc)
         return mm_acc(Hx, X)
 
@@ -502,7 +515,7 @@ class _Fused:
                  G.stride(0) if levels else 0, Ho.stride(0) if (levels and Ho is not None) else 0,
                  c.rho.stride(0), scale_cols.stride(0)]
         od = self.ad if outs.get("Ho") is None else DTYPE_CODES[outs["Ho"].dtype]
-        kernels().mrl_block_launch(op, self.dev, self.stream, [self.ad, od, self.ad], sizes, [c.it, gr, gc], p)
+        self.kernels.mrl_block_launch(op, self.dev, self.stream, [self.ad, od, self.ad], sizes, [c.it, gr, gc], p)
 
 
 class _Grads:
@@ -551,14 +564,14 @@ def _backward_block(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, gr: 
     if not act:
         return
     top = act[-1]
-    tS = tiling(r, c.Bd, dev)
+    tS = tiling(r, c.Bd, F.be)
     H = torch.empty(r, c.Bd, dtype=acc, device=dev)
     Ho = torch.empty(r, c.Bd, dtype=F.half, device=dev) if F.half is not None else None
     Gb = torch.empty(r, c.Bd, dtype=acc, device=dev) if dense is not None else None
     drp = torch.empty(r, tS[1], dtype=acc, device=dev)
     dkp = torch.empty(tS[2], c.Bd, dtype=acc, device=dev)
     if Es is not None:
-        tE = tiling(r, c.N, dev)
+        tE = tiling(r, c.N, F.be)
         Hn = torch.empty(r, c.N, dtype=acc, device=dev)
         Hno = torch.empty(r, c.N, dtype=F.half, device=dev) if F.half is not None else None
         drpn = torch.empty(r, tE[1], dtype=acc, device=dev)
@@ -613,7 +626,7 @@ def _backward_block_all(F, i0, i1, Gs, Es, dense, rw, cw, row_stats, col_stats, 
     def one(Gs, X, pos, coefs, scale_cols, dx, dscale):
         K = len(coefs)
         Gs = Gs[:K]
-        t = tiling(r, X.shape[0], dev)
+        t = tiling(r, X.shape[0], F.be)
         co = device_constant(coefs, acc, c.q)
         Ho = torch.empty(Gs.shape, dtype=F.half, device=dev) if F.half is not None else None
         Gb = torch.empty(r, c.Bd, dtype=acc, device=dev) if (pos and dense is not None) else None
@@ -687,14 +700,15 @@ def _forward_state(F, coef, row_weight, col_weight, gif: bool, bias):
 
 def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
                   row_weight, col_weight, diag_offset, block=0, bias=None, want_grad=False,
-                  known_half=None, tensor_cores=False) -> List[torch.Tensor]:
+                  known_half=None, tensor_cores=False, be=None) -> List[torch.Tensor]:
     """[loss, levels, row_stats, col_stats], then with want_grad (only without a column term: a block's row
     statistics are then final after its own pass) the gradients for a unit upstream gradient of the loss,
     [dq, dd, dneg, drho, dkap, dkneg]: the block's snapshots are kept for its backward launches, which saves
     the backward's recomputed products (6 instead of 8 B C H flops)."""
     gif = bool(want_grad) and col_weight == 0.0
     F = _Fused(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
-               col_weight, diag_offset, block, bias, backward=gif, known_half=known_half, tensor_cores=tensor_cores)
+               col_weight, diag_offset, block, bias, backward=gif, known_half=known_half, tensor_cores=tensor_cores,
+               be=be)
     if F.tc:
         return _tc_forward(F, coef, row_weight, col_weight, gif, bias)
     c = F.c
@@ -703,8 +717,8 @@ def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_n
     row_stats, col_stats, c_all, c_pos, grads, rw, cw = _forward_state(F, coef, row_weight, col_weight, gif, bias)
     for i0, i1 in F.blocks():
         r = i1 - i0
-        tS = tiling(r, c.Bd, dev)
-        tE = tiling(r, c.N, dev) if c.N else (1, 0, 1)
+        tS = tiling(r, c.Bd, F.be)
+        tE = tiling(r, c.N, F.be) if c.N else (1, 0, 1)
         nslots = tS[1] + tE[1]
         row_part = torch.empty(K, r, nslots, 2, dtype=acc, device=dev)
         col_part = torch.empty(K, tS[2], c.Bd, 2, dtype=acc, device=dev) if cols else None
@@ -742,10 +756,10 @@ def fused_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_n
 
 def fused_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none,
                    seg, inv_temp, row_weight, col_weight, diag_offset, block=0, bias=None,
-                   known_half=None, tensor_cores=False) -> List[torch.Tensor]:
+                   known_half=None, tensor_cores=False, be=None) -> List[torch.Tensor]:
     F = _Fused(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, inv_temp, row_weight,
                col_weight, diag_offset, block, bias, backward=True, known_half=known_half,
-               tensor_cores=tensor_cores)
+               tensor_cores=tensor_cores, be=be)
     c = F.c
     grads = _Grads(F, bias)
     cols = col_weight != 0.0
@@ -795,7 +809,7 @@ def _tc_splits(F, r: int):
     the tiles allow it."""
     ntiles = -(-F.c.Bd // F.tcl)
     nrb = F.row_blocks(r)
-    want = max(1, -(-TC_BLOCKS_PER_SM * sm_count(F.c.q.device) // nrb))
+    want = max(1, -(-TC_BLOCKS_PER_SM * F.be.sm_count // nrb))
     nsplit = max(1, min(ntiles, want))
     tps = -(-ntiles // nsplit)
     return -(-ntiles // tps), tps
@@ -816,7 +830,7 @@ def _tc_launch(F, op: str, i0: int, i1: int, K: int, splits, **outs):
         u_q, u_d, table, hist_smem = F.tab
         p.update(u_q=ptr(u_q), u_d=ptr(u_d), table=ptr(table))
         sizes += [table.numel(), int(hist_smem)]
-    kernels().mrl_tc_launch(op, F.dev, F.stream, DTYPE_CODES[F.half], sizes, [int(x) for x in c.seg[:K + 1]], c.it,
+    F.kernels.mrl_tc_launch(op, F.dev, F.stream, DTYPE_CODES[F.half], sizes, [int(x) for x in c.seg[:K + 1]], c.it,
                             p)
 
 

@@ -8,8 +8,6 @@ level, and in backward returns dL/dq, dL/dd, dL/dextra_neg through the raw produ
 dL/dkneg, which autograd carries back through the norms. No (B, B') or (B, N) buffer, forward or backward."""
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 import numbers
 import warnings
@@ -17,18 +15,14 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor,
-                     device_constant, dtype_code, kernels, launch_args, on_cuda_path, ptr)
-from . import dispatch
+from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor, compiling,
+                     device_constant, dtype_code, ptr)
+from . import backend, dispatch
 from .loss_args import check_span
-from .matryoshka_blocked import blocked_backward, blocked_forward, use_fused
+from .matryoshka_blocked import blocked_backward, blocked_forward, tc_call, use_fused
 from ..reference.offset_bias import offset_bias_table
 
 EPS = 1e-12  # F.normalize's clamp of the norm
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _operand(t: torch.Tensor) -> torch.Tensor:
@@ -54,36 +48,21 @@ def _ptrs(**kw):
 GIF_BUDGET_BYTES = 256 * 2**20
 
 
-_force_blocked = contextvars.ContextVar("tempokern_matryoshka_blocked", default=None)
+def _blocked(be) -> bool:
+    """The blocked path: the CUDA kernels' backends, and a CPU backend a test installed block rows on."""
+    return be.cuda_path or be.block_rows is not None
 
 
-@contextlib.contextmanager
-def force_blocked(block_rows: int = 0):
-    """Runs CPU tensors through the blocked torch path (the CUDA path's algorithm) with blocks of
-    ``block_rows`` rows (0: chosen from the memory budget), for tests."""
-    token = _force_blocked.set(int(block_rows))
-    try:
-        yield
-    finally:
-        _force_blocked.reset(token)
+def _block_rows(be) -> int:
+    return 0 if be.block_rows is None else be.block_rows
 
 
-def _blocked(t) -> bool:
-    """The blocked path: CUDA tensors (and CPU tensors under the CUDA emulator or force_blocked())."""
-    return on_cuda_path(t) or _force_blocked.get() is not None
-
-
-def _block_rows() -> int:
-    v = _force_blocked.get()
-    return 0 if v is None else v
-
-
-def _gif(want_grad: bool, col_weight: float, K: int, Bd: int, N: int, itemsize: int, device=None) -> bool:
+def _gif(want_grad: bool, col_weight: float, K: int, Bd: int, N: int, itemsize: int, be=None) -> bool:
     """Whether the forward also computes the gradient (unit upstream gradient, scaled in backward): only
     without a column term (the row statistics of a row block are then final after its own pass), saving
     the backward's recomputed products (6 instead of 8 B B' H flops)."""
-    if device is not None and _blocked(device):  # the fused CUDA path does it without a budget (blocks of rows)
-        return bool(want_grad) and col_weight == 0.0 and use_fused(device, Bd)
+    if be is not None and _blocked(be):  # the fused CUDA path does it without a budget (blocks of rows)
+        return bool(want_grad) and col_weight == 0.0 and use_fused(be, Bd)
     return bool(want_grad) and col_weight == 0.0 and K * 64 * (Bd + N) * itemsize <= GIF_BUDGET_BYTES
 
 
@@ -96,24 +75,25 @@ def _mat(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor], rh
     K = len(seg) - 1
     acc = q.dtype
     N = 0 if extra_neg is None else extra_neg.shape[0]
-    if _blocked(q):
-        gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), q.device)
+    be = backend.resolve(q)
+    if _blocked(be):
+        gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), be)
         out = blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
-                              row_weight, col_weight, diag_offset, _block_rows(), want_grad=gif,
-                              known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
+                              row_weight, col_weight, diag_offset, _block_rows(be), want_grad=gif,
+                              known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores, be=be)
         return out if gif else out + [q.new_empty(0) for _ in range(6)]
     loss = torch.zeros((), dtype=acc, device=q.device)
     levels = torch.zeros(K, dtype=acc, device=q.device)
     row_stats = torch.zeros(K, 3, q.shape[0], dtype=acc, device=q.device)
     col_stats = torch.zeros(K, 3, d.shape[0], dtype=acc, device=q.device)
     grads = dict(dq=None, dd=None, dneg=None, drho=None, dkap=None, dkneg=None)
-    if _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), q.device):
+    if _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), be):
         z = lambda t: None if t is None else torch.zeros(t.shape, dtype=acc, device=q.device)  # noqa: E731
         grads = dict(dq=z(q), dd=z(d), dneg=z(extra_neg), drho=z(rho), dkap=z(kap), dkneg=z(kneg))
-    dev, stream = launch_args(q)
+    dev, stream = be.launch
     ptrs = _ptrs(q=q, d=d, neg=extra_neg, rho=rho, kap=kap, kneg=kneg, q_lo=q_lo, q_hi=q_hi, d_lo=d_lo, d_hi=d_hi,
                  row_none=row_none, loss=loss, levels=levels, row_stats=row_stats, col_stats=col_stats, **grads)
-    kernels().matryoshka_infonce_launch("fwd", dev, stream, dtype_code(q), _sizes(q, d, extra_neg, seg, diag_offset),
+    be.kernels.matryoshka_infonce_launch("fwd", dev, stream, dtype_code(q), _sizes(q, d, extra_neg, seg, diag_offset),
                                         [inv_temp, row_weight, col_weight, *coef], ptrs)
     return [loss, levels, row_stats, col_stats, *[q.new_empty(0) if g is None else g for g in grads.values()]]
 
@@ -124,7 +104,7 @@ def _(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, co
     K = len(seg) - 1
     N = 0 if extra_neg is None else extra_neg.shape[0]
     out = [q.new_empty(()), q.new_empty((K,)), q.new_empty((K, 3, q.shape[0])), q.new_empty((K, 3, d.shape[0]))]
-    gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), q.device)
+    gif = _gif(want_grad, col_weight, K, d.shape[0], N, q.element_size(), backend.resolve(q))
     for t in (q, d, extra_neg, rho, kap, kneg):
         out.append(q.new_empty(t.shape) if gif and t is not None else q.new_empty(0))
     return out
@@ -137,19 +117,21 @@ def _mat_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: torch
                   d_hi: torch.Tensor, row_none: Optional[torch.Tensor], seg: List[int], inv_temp: float,
                   row_weight: float, col_weight: float, diag_offset: int, bf16_operands: bool,
                   tensor_cores: bool) -> List[torch.Tensor]:
-    if _blocked(q):
+    be = backend.resolve(q)
+    if _blocked(be):
         return blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
-                                row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(),
-                                known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
+                                row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(be),
+                                known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores,
+                                be=be)
     coef = [float(c) for c in lcoef.detach().to("cpu", torch.float64).tolist()]
     z = lambda t: None if t is None else torch.zeros(t.shape, dtype=q.dtype, device=q.device)  # noqa: E731
     dq, dd, dneg, drho, dkap, dkneg = z(q), z(d), z(extra_neg), z(rho), z(kap), z(kneg)
-    dev, stream = launch_args(q)
+    dev, stream = be.launch
     row_stats, col_stats = row_stats.contiguous(), col_stats.contiguous()
     ptrs = _ptrs(q=q, d=d, neg=extra_neg, rho=rho, kap=kap, kneg=kneg, q_lo=q_lo, q_hi=q_hi, d_lo=d_lo, d_hi=d_hi,
                  row_none=row_none, row_stats=row_stats, col_stats=col_stats, dq=dq, dd=dd, dneg=dneg, drho=drho,
                  dkap=dkap, dkneg=dkneg)
-    kernels().matryoshka_infonce_launch("bwd", dev, stream, dtype_code(q), _sizes(q, d, extra_neg, seg, diag_offset),
+    be.kernels.matryoshka_infonce_launch("bwd", dev, stream, dtype_code(q), _sizes(q, d, extra_neg, seg, diag_offset),
                                         [inv_temp, row_weight, col_weight, *coef], ptrs)
     return [dq, dd, q.new_empty(0) if dneg is None else dneg, drho, dkap, q.new_empty(0) if dkneg is None else dkneg]
 
@@ -173,16 +155,12 @@ def _setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     row_stats, col_stats = output[2], output[3]
     ctx.gif = _gif(inputs[-1], inputs[_NT + 4], len(inputs[_NT]) - 1, inputs[1].shape[0],
-                   0 if inputs[2] is None else inputs[2].shape[0], inputs[0].element_size(), inputs[0].device)
+                   0 if inputs[2] is None else inputs[2].shape[0], inputs[0].element_size(),
+                   backend.resolve(inputs[0]))
     ctx.save_for_backward(row_stats, col_stats, *inputs[:_NT], *(output[4:] if ctx.gif else ()))
     ctx.present = [t is not None for t in inputs[:_NT]]
     ctx.seg, ctx.coef = inputs[_NT], inputs[_NT + 1]
     ctx.scalars = inputs[_NT + 2:-1]
-
-
-def _compiling() -> bool:
-    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(f()) if f is not None else True
 
 
 def _backward(ctx, grads_out):
@@ -195,7 +173,7 @@ def _backward(ctx, grads_out):
         grads = [g_loss * t for t in rest[_NT:]]
         # eager tensors are plain torch.Tensor: skip the (zero-coefficient) call when nothing flows into levels;
         # traced ones (fake/functional subclasses) cannot be inspected, so the call stays in the graph
-        traced = _compiling() or type(g_levels) is not torch.Tensor
+        traced = compiling() or type(g_levels) is not torch.Tensor
         if g_levels is not None and (traced or bool(g_levels.any())):
             extra = torch.ops.tempokern.matryoshka_infonce_backward(g_levels.to(row_stats.dtype), row_stats, col_stats,
                                                                     *ins, ctx.seg, *ctx.scalars)
@@ -234,10 +212,11 @@ def _mat_bias(q: torch.Tensor, d: torch.Tensor, extra_neg: Optional[torch.Tensor
     row_stats, col_stats] by the blocked path. table (points,) given: the table mode (w1..scale None);
     else the exact MLP (w1..scale). bf16_operands: q, d and extra_neg hold bfloat16 values (the caller's
     tensors were bfloat16), so the CUDA path needs no check of the values (a pass and a device sync)."""
+    be = backend.resolve(q)
     return blocked_forward(q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi, row_none, seg, coef, inv_temp,
-                           row_weight, col_weight, diag_offset, _block_rows(),
+                           row_weight, col_weight, diag_offset, _block_rows(be),
                            bias=(u_q, u_d, table, w1, b1, w2, b2, scale),
-                           known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
+                           known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores, be=be)
 
 
 @_mat_bias.register_fake
@@ -258,10 +237,11 @@ def _mat_bias_backward(lcoef: torch.Tensor, row_stats: torch.Tensor, col_stats: 
                        diag_offset: int, bf16_operands: bool, tensor_cores: bool) -> List[torch.Tensor]:
     """[dq, dd, dneg, drho, dkap, dkneg] in the accumulation dtype, then [du_q, du_d, dtable, dw1, db1, dw2,
     db2, dscale] in float64 (empty where absent)."""
+    be = backend.resolve(q)
     return blocked_backward(lcoef, row_stats, col_stats, q, d, extra_neg, rho, kap, kneg, q_lo, q_hi, d_lo, d_hi,
-                            row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(),
+                            row_none, seg, inv_temp, row_weight, col_weight, diag_offset, _block_rows(be),
                             bias=(u_q, u_d, table, w1, b1, w2, b2, scale),
-                            known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores)
+                            known_half=torch.bfloat16 if bf16_operands else None, tensor_cores=tensor_cores, be=be)
 
 
 @_mat_bias_backward.register_fake
@@ -384,6 +364,26 @@ def inverse_prefix_norms(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
     return ss.clamp_min(EPS * EPS).rsqrt().t().contiguous()
 
 
+class MatryoshkaCall:
+    """A matryoshka_infonce call as the dispatch table sees it."""
+    __slots__ = ("q", "d", "dims", "bias", "extra_neg", "table_points", "rows", "cols")
+
+    def __init__(self, q, d, dims, bias, extra_neg, table_points):
+        self.q, self.d, self.dims, self.bias, self.extra_neg = q, d, dims, bias, extra_neg
+        self.table_points = table_points
+        self.rows, self.cols = q.shape[0], d.shape[0]
+
+    def tensor_cores(self, be) -> bool:
+        return tc_call(self.q, self.d, self.dims, self.extra_neg, self.bias, self.table_points, be)
+
+
+def matryoshka_path(q, d, dims, bias, extra_neg, table_points) -> str:
+    """The name of the path dispatch.choose picks for a Matryoshka call ("fused" on the CPU; "levels", "fused" or
+    "mrl_tc" on the CUDA kernels' backends)."""
+    return dispatch.choose(dispatch.MATRYOSHKA, MatryoshkaCall(q, d, dims, bias, extra_neg, table_points),
+                           backend.resolve(q)).name
+
+
 def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weights: Sequence[float], *,
                        temperature: float, extra_neg=None, row_weight: float = 1.0, col_weight: float = 0.0,
                        diag_offset: int = 0, row_none: Optional[torch.Tensor] = None, normalize: bool = True,
@@ -393,11 +393,11 @@ def matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims: Sequence[int], weight
     column i + diag_offset). bias: None or the validated 7-tuple (u_q, u_d, w1, b1, w2, b2, scale), with
     ``bias_table_points`` for the table mode; it runs the blocked path on every device.
     ``tensor_cores``: whether the candidate tensor-core kernels may take the call (they still check that it is
-    theirs); None: TEMPOKERN_EXPERIMENTAL's mrl_tc (tempokern/_ops/dispatch.py).
+    theirs); None: whether dispatch.choose picks the mrl_tc candidate (tempokern/_ops/dispatch.py).
     Returns (loss = sum_l weights_l level_l, levels (K,))."""
     if tensor_cores is None:
-        tensor_cores = dispatch.enabled("mrl_tc")
-    acc = _acc(q.dtype)
+        tensor_cores = matryoshka_path(q, d, dims, bias, extra_neg, bias_table_points) == "mrl_tc"
+    acc = acc_dtype(q.dtype)
     qk, dk = _operand(q.to(acc)), _operand(d.to(acc))
     nk = None if extra_neg is None else _operand(extra_neg.to(acc))
     if normalize:

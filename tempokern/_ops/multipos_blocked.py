@@ -29,15 +29,12 @@ from typing import List, Optional
 
 import torch
 
-from .common import DTYPE_CODES, kernels, launch_args, on_cuda_path, ptr, sm_count
+from . import backend
+from .common import DTYPE_CODES, acc_dtype, ptr
 
 TILE_COLS = 1024  # columns per CUDA block of the fused passes (256 threads x 4)
 _out_dtype_ok: dict = {}
 ITEMSIZE = {torch.float64: 8, torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def mm_out_f32(device: torch.device) -> bool:
@@ -135,7 +132,7 @@ def _budget(device: torch.device) -> int:
     return 256 << 20
 
 
-def prep_spans(q_lo, q_hi, d_lo, d_hi, diag_offset: int, like: torch.Tensor):
+def prep_spans(q_lo, q_hi, d_lo, d_hi, diag_offset: int, like: torch.Tensor, be=None):
     """((q_lo, q_hi, d_lo, d_hi) int32, row_none, col_none uint8) by the prep kernel (CUDA or the
     emulator; Bq, Bd > 0): the spans shifted into int32 (ranks when their range does not fit) and the rows /
     columns without any overlapping partner, as spans32 + none_flags compute with sorts. For callers outside
@@ -147,8 +144,9 @@ def prep_spans(q_lo, q_hi, d_lo, d_hi, diag_offset: int, like: torch.Tensor):
     counter = torch.empty(1, dtype=torch.int32, device=dev)
     b64 = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
            for t in (q_lo, q_hi, d_lo, d_hi)]
-    d_, stream = launch_args(like)
-    kernels().multipos_block_prep(d_, stream, [Bq, Bd, int(diag_offset), 0],
+    be = backend.resolve(like) if be is None else be
+    d_, stream = be.launch
+    be.kernels.multipos_block_prep(d_, stream, [Bq, Bd, int(diag_offset), 0],
                                   dict(q_lo=ptr(b64[0]), q_hi=ptr(b64[1]), d_lo=ptr(b64[2]), d_hi=ptr(b64[3]),
                                        spans32=ptr(sp), row_none=ptr(fl), col_none=ptr(fl) + Bq,
                                        counter=ptr(counter), zero=0))
@@ -170,12 +168,14 @@ def block_rows(Bq: int, C: int, N: int, per_elem: int, device: torch.device, req
     return int(max(256, R // 256 * 256)) if R >= 256 else int(max(1, R))
 
 
-def tiling(R: int, C: int, device: torch.device):
-    """(TR, nct, nrt): CUDA blocks of TR rows x 1024 columns, at least 4 x SMs of them where the block has
-    the work for it; CPU: nrt chunks of TR rows (4 per thread)."""
-    if on_cuda_path(device):
+def tiling(R: int, C: int, be):
+    """(TR, nct, nrt) on backend ``be`` (a Backend, or a device it is resolved from): CUDA blocks of TR rows x
+    1024 columns, at least 4 x SMs of them where the block has the work for it; CPU: nrt chunks of TR rows (4 per
+    thread)."""
+    be = be if isinstance(be, backend.Backend) else backend.resolve(be)
+    if be.cuda_path:
         nct = max(1, -(-C // TILE_COLS))
-        want = -(-4 * sm_count(device) // nct)
+        want = -(-4 * be.sm_count // nct)
         TR = max(32, -(-max(1, -(-R // want)) // 32) * 32, -(-R // 65535))
     else:
         nct = 1
@@ -192,8 +192,9 @@ def _p(x) -> int:
 class _Launcher:
     """Common arguments of every kernel launch of one loss evaluation."""
 
-    def __init__(self, q, acc, odtype, inv_temp, diag_offset, spans, flags, u_q, u_d, table):
-        self.dev, self.stream = launch_args(q)
+    def __init__(self, be, q, acc, odtype, inv_temp, diag_offset, spans, flags, u_q, u_d, table):
+        self.dev, self.stream = be.launch
+        self.kernels = be.kernels
         self.inv_temp, self.diag_offset, self.Bq = inv_temp, diag_offset, q.shape[0]
         self.od, self.ad = DTYPE_CODES[odtype], DTYPE_CODES[acc]
         self.spans, self.flags = spans, flags
@@ -221,7 +222,7 @@ class _Launcher:
         sd = DTYPE_CODES[S.dtype]
         od = self.od if dS is None else DTYPE_CODES[dS.dtype]
         ptrs = self._ptrs(S, pos, bias_mode, dict(dense=dense, dS=dS, **outs))
-        kernels().multipos_block_launch(op, self.dev, self.stream, [sd, od, self.ad], sizes,
+        self.kernels.multipos_block_launch(op, self.dev, self.stream, [sd, od, self.ad], sizes,
                                         [self.inv_temp, gr, gc], ptrs)
 
 
@@ -237,15 +238,17 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     q (Bq, H), d (Bd, H), spans as int64 (lo, hi) bounds; bias: the table mode (u_q, u_d, table in the
     accumulation dtype) or the exact MLP (``exact`` = (w1, b1, w2, b2, scale), evaluated per block by
     tempokern's offset_bias kernels), or neither."""
-    acc = _acc(q.dtype)
-    cuda_path = on_cuda_path(q)
+    acc = acc_dtype(q.dtype)
+    be = backend.resolve(q)
+    cuda_path = be.cuda_path
+    host = be.kind != "cuda"  # CPU tensors: the CPU kernels, or the CUDA emulator
     Bq, H = q.shape
     Bd = d.shape[0]
     N = 0 if extra_neg is None else extra_neg.shape[0]
     if not cuda_path:  # CPU: products in the accumulation dtype
         q, d = q.to(acc), d.to(acc)
         extra_neg = None if extra_neg is None else extra_neg.to(acc)
-    elif q.device.type == "cpu":  # the CUDA emulator: torch's CPU products, float32 scores
+    elif host:  # the CUDA emulator: torch's CPU products, float32 scores
         q32, d32 = q.to(acc), d.to(acc)
     bias_mode = 1 if table is not None else (2 if exact is not None else 0)
     cols = col_weight != 0.0
@@ -254,29 +257,29 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
                             table)
 
     def scores(a_rows, b):  # (R, H) x (C, H) -> (R, C)
-        if cuda_path and q.device.type == "cpu":  # the emulator: a float32 product, as cuBLAS's output
+        if cuda_path and host:  # the emulator: a float32 product, as cuBLAS's output
             return torch.mm(a_rows.to(acc), b.to(acc).t())
         return mm_acc(a_rows, b.t())
 
     def prod(a, b):  # gradient products, float32 output for half operands where torch can
-        if q.device.type == "cpu":
+        if host:
             return torch.mm(a.to(acc), b.to(acc))
         return mm_acc(a, b)
 
     def prod_into(c, a, b):  # c += a @ b
-        if q.device.type == "cpu":
+        if host:
             c.addmm_(a.to(acc), b.to(acc))
         else:
             addmm_into(c, a, b)
 
-    sdtype = acc if (q.device.type == "cpu" or q.dtype == acc or mm_out_f32(q.device)) else q.dtype
+    sdtype = acc if (host or q.dtype == acc or mm_out_f32(q.device)) else q.dtype
     odtype = q.dtype if cuda_path else acc
     per_elem = ITEMSIZE[sdtype] + ITEMSIZE[odtype] + (2 * ITEMSIZE[acc] if bias_mode == 2 else 0)
     R = block_rows(Bq, Bd, N, per_elem, q.device, requested_rows)
     blocks = [(i0, min(R, Bq - i0)) for i0 in range(0, Bq, R)]
     # one workspace; the prep kernel writes the int32 spans and the fallback flags
     asz = ITEMSIZE[acc]
-    tls = {r: (tiling(r, Bd, q.device), tiling(r, N, q.device) if N else (1, 0, 1)) for _, r in blocks}
+    tls = {r: (tiling(r, Bd, be), tiling(r, N, be) if N else (1, 0, 1)) for _, r in blocks}
     ws = _Workspace()
     ws.add("spans", 4 * 2 * (Bq + Bd))
     ws.add("flags", Bq + Bd)
@@ -298,10 +301,11 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         ws.add("duq_part", max(r * tS[1] for r, (tS, _) in tls.items()) * asz)
         ws.add("dud_part", max(tS[2] for tS, _ in tls.values()) * Bd * asz)
     ws.alloc(q.device)
-    dev, stream = launch_args(q)
+    dev, stream = be.launch
+    kern = be.kernels
     b64 = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
            for t in (q_lo, q_hi, d_lo, d_hi)]
-    kernels().multipos_block_prep(dev, stream, [Bq, Bd, diag_offset, nzero],
+    kern.multipos_block_prep(dev, stream, [Bq, Bd, diag_offset, nzero],
                                   dict(q_lo=ptr(b64[0]), q_hi=ptr(b64[1]), d_lo=ptr(b64[2]), d_hi=ptr(b64[3]),
                                        spans32=ws["spans"], row_none=ws["flags"], col_none=ws["flags"] + Bq,
                                        counter=ws["counter"], zero=ws["hist"] if nzero else 0))
@@ -310,7 +314,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     flags = (ws["flags"], ws["flags"] + Bq)
     if row_none is not None:  # the caller knows more documents than this call's (CTDLoss's gathered column pass)
         flags = (row_none, flags[1])
-    L = _Launcher(q, acc, odtype, inv_temp, diag_offset, spans, flags, u_q, u_d, table)
+    L = _Launcher(be, q, acc, odtype, inv_temp, diag_offset, spans, flags, u_q, u_d, table)
     w1 = b1 = w2 = b2 = scale = None
     if exact is not None:
         w1, b1, w2, b2, scale = exact
@@ -340,7 +344,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
             E = scores(qb, extra_neg)
             L.launch("fwd", E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, nslots=nslots,
                      slot0=tS[1], row_part=ws["row_part"])
-        kernels().multipos_block_fin(
+        kern.multipos_block_fin(
             L.dev, L.stream, L.ad, [Bq, Bd, i0, r, nslots, tS[2], tS[1], int(cols), int(b == 0),
                                     int(b == len(blocks) - 1)], [float(row_weight), float(col_weight)],
             dict(row_part=ws["row_part"], col_part=ws["col_part"] if cols else 0, row_lse=row_lse,
@@ -355,7 +359,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     gr = row_weight / Bq if Bq else 0.0
     gc = col_weight / Bd if Bd else 0.0
     # gradient accumulators: float32 (float64 for float64) unless half operands must give half products
-    gdt = acc if (q.device.type == "cpu" or q.dtype == acc or mm_out_f32(q.device)) else q.dtype
+    gdt = acc if (host or q.dtype == acc or mm_out_f32(q.device)) else q.dtype
     dq = torch.empty(Bq, H, dtype=gdt, device=q.device) if not single else None
     dd = torch.zeros(Bd, H, dtype=gdt, device=q.device) if not single else None
     dneg = torch.zeros(N, H, dtype=gdt, device=q.device) if N and not single else None
@@ -370,8 +374,8 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
     if bias_mode == 2:
         ex = [torch.zeros(Bq, dtype=torch.float64, device=q.device), torch.zeros(Bd, dtype=torch.float64, device=q.device)]
         ex += [torch.zeros(t.shape, dtype=torch.float64, device=q.device) for t in exact]
-    qops = q if not (cuda_path and q.device.type == "cpu") else q32
-    dops = d if not (cuda_path and q.device.type == "cpu") else d32
+    qops = q if not (cuda_path and host) else q32
+    dops = d if not (cuda_path and host) else d32
     for b, (i0, r) in enumerate(blocks):
         qb = q[i0:i0 + r]
         if keep is not None:
@@ -380,7 +384,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
             S = scores(qb, d)
             E = scores(qb, extra_neg) if N else None
             dense = dense_block(i0, r) if bias_mode == 2 else None
-        tS = tiling(r, Bd, q.device)
+        tS = tiling(r, Bd, be)
         dS = torch.empty(r, Bd, dtype=odtype, device=q.device)
         G = torch.empty(r, Bd, dtype=acc, device=q.device) if bias_mode == 2 else None
         outs = dict(row_lse=row_lse, col_lse=col_lse if cols else None, G=G)
@@ -389,7 +393,7 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
         L.launch("bwd", S, i0, pos=True, cols=cols, bias_mode=bias_mode, dense=dense, tiling_=tS, gr=gr, gc=gc,
                  dS=dS, nhist=nh if bias_mode == 1 else 0, **outs)
         if tgrad:
-            kernels().multipos_block_tgrad(
+            kern.multipos_block_tgrad(
                 L.dev, L.stream, L.ad, [Bq, Bd, i0, r, tS[1], tS[2], table.numel(), nh, int(b == 0),
                                         int(b == len(blocks) - 1)],
                 dict(duq_part=ws["duq_part"], dud_part=ws["dud_part"], hist=ws["hist"], dud_acc=ws["dud_acc"],
@@ -408,11 +412,11 @@ def blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact
                 ex[k] += g7[k].double().reshape(ex[k].shape)
         del dS, G
         if N:
-            tE = tiling(r, N, q.device)
+            tE = tiling(r, N, be)
             dE = torch.empty(r, N, dtype=odtype, device=q.device)
             L.launch("bwd", E, i0, pos=False, cols=False, bias_mode=0, tiling_=tE, gr=gr, gc=0.0, dS=dE,
                      row_lse=row_lse)
-            negops = extra_neg if not (cuda_path and q.device.type == "cpu") else extra_neg.to(acc)
+            negops = extra_neg if not (cuda_path and host) else extra_neg.to(acc)
             prod_into(dq[i0:i0 + r], dE, negops)
             if single:
                 dneg = prod(dE.t(), qbo)

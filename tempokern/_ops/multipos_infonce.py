@@ -16,21 +16,19 @@ import torch
 
 from ..reference.multipos_infonce import multipos_infonce_partial as ref_partial
 from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
-from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor, dtype_code,
-                     kernels, launch_args, on_cuda_path, ptr)
+from . import backend
+from .common import (acc_dtype, check_finite, check_reciprocal, check_same_device, check_tensor, compiling, dtype_code,
+                     ptr)
 from .loss_args import BIAS_NAMES, check_span, validate_bias
 from .multipos_blocked import blocked_loss
 from .offset_bias import interval_bounds
 _GRAD_NAMES = ("dq", "dd", "dneg", "dA", "dCt", "db1", "dw2", "db2", "dscale", "dzc")
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _kernel_operand(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """The CPU kernel reads float32/float64 rows with unit column stride; the blocked path any dtype."""
-    if not on_cuda_path(t) and t.dtype != acc:
+def _kernel_operand(t: torch.Tensor, acc: torch.dtype, be=None) -> torch.Tensor:
+    """The CPU kernel reads float32/float64 rows with unit column stride; the CUDA kernels (backend ``be``) any
+    dtype (``acc`` = t's dtype: no conversion, ``be`` not needed)."""
+    if t.dtype != acc and not be.cuda_path:
         t = t.to(acc)
     if t.stride(-1) != 1 or (t.dim() == 2 and t.shape[0] > 1 and t.stride(0) < t.shape[1]):
         t = t.contiguous()
@@ -67,15 +65,16 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
               want_hardest: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, row_stats, col_stats, hardest): hardest (Bq,) int64 when want_hardest (the row's hardest
     in-batch negative, written as col_map[j] when col_map is given; see multipos_infonce.h), else empty."""
-    acc = _acc(q.dtype)
-    q, d = _kernel_operand(q, acc), _kernel_operand(d, acc)
+    acc = acc_dtype(q.dtype)
+    be = backend.resolve(q)
+    q, d = _kernel_operand(q, acc, be), _kernel_operand(d, acc, be)
     if extra_neg is not None:
-        extra_neg = _kernel_operand(extra_neg, acc)
+        extra_neg = _kernel_operand(extra_neg, acc, be)
     loss = torch.zeros((), dtype=acc, device=q.device)
     row_stats = torch.zeros(3, q.shape[0], dtype=acc, device=q.device)
     col_stats = torch.zeros(3, d.shape[0], dtype=acc, device=q.device)
     hardest = torch.empty(q.shape[0] if want_hardest else 0, dtype=torch.int64, device=q.device)
-    dev, stream = launch_args(q)
+    dev, stream = be.launch
     ptrs = _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi,
                         diag_col, diag_row, row_none, col_map if want_hardest else None)
     ptrs.update(loss=ptr(loss), row_stats=ptr(row_stats), col_stats=ptr(col_stats))
@@ -83,14 +82,14 @@ def _multipos(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.
         ptrs.update(hardest=ptr(hardest))
     sizes = _sizes(q, d, extra_neg, A, diag_offset, z_lo)
     scalars = [inv_temp, row_weight, col_weight]
-    kernels().multipos_infonce_launch("fwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, 0, 0)
+    be.kernels.multipos_infonce_launch("fwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, 0, 0)
     return loss, row_stats, col_stats, hardest
 
 
 @_multipos.register_fake
 def _(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi, diag_col,
       diag_row, row_none, col_map, inv_temp, row_weight, col_weight, diag_offset, want_hardest):
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     return (q.new_empty((), dtype=acc), q.new_empty((3, q.shape[0]), dtype=acc),
             q.new_empty((3, d.shape[0]), dtype=acc),
             q.new_empty((q.shape[0] if want_hardest else 0,), dtype=torch.int64))
@@ -106,11 +105,12 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
                        z_hi: Optional[torch.Tensor], diag_col: Optional[torch.Tensor],
                        diag_row: Optional[torch.Tensor], row_none: Optional[torch.Tensor], inv_temp: float,
                        row_weight: float, col_weight: float, diag_offset: int) -> List[torch.Tensor]:
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     in_dtypes = (q.dtype, d.dtype, None if extra_neg is None else extra_neg.dtype)
-    q, d = _kernel_operand(q, acc), _kernel_operand(d, acc)
+    be = backend.resolve(q)
+    q, d = _kernel_operand(q, acc, be), _kernel_operand(d, acc, be)
     if extra_neg is not None:
-        extra_neg = _kernel_operand(extra_neg, acc)
+        extra_neg = _kernel_operand(extra_neg, acc, be)
     grad = grad.to(acc).reshape(()).contiguous()
 
     def zeros(t):
@@ -118,7 +118,7 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
 
     grads = dict(dq=zeros(q), dd=zeros(d), dneg=zeros(extra_neg), dA=zeros(A), dCt=zeros(Ct), db1=zeros(b1),
                  dw2=zeros(w2), db2=zeros(b2), dscale=zeros(scale), dzc=zeros(zc))
-    dev, stream = launch_args(q)
+    dev, stream = be.launch
     ptrs = _launch_dict(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d, z_lo, z_hi,
                         diag_col, diag_row, row_none)
     # held in locals: a temporary .contiguous() copy would be freed before the (asynchronous) kernel reads it
@@ -127,7 +127,7 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
                 grad_loss=ptr(grad), **{k: ptr(v) for k, v in grads.items() if v is not None})
     sizes = _sizes(q, d, extra_neg, A, diag_offset, z_lo)
     scalars = [inv_temp, row_weight, col_weight]
-    kernels().multipos_infonce_launch("bwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, 0, 0)
+    be.kernels.multipos_infonce_launch("bwd", dev, stream, dtype_code(q), sizes, scalars, ptrs, 0, 0)
     out = []
     for k in _GRAD_NAMES:
         g = grads[k]
@@ -143,7 +143,7 @@ def _multipos_backward(grad: torch.Tensor, row_stats: torch.Tensor, col_stats: t
 @_multipos_backward.register_fake
 def _(grad, row_stats, col_stats, q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, A, Ct, b1, w2, b2, scale, zc, u_q, u_d,
       z_lo, z_hi, diag_col, diag_row, row_none, inv_temp, row_weight, col_weight, diag_offset):
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     out = [torch.empty_like(q, memory_format=torch.contiguous_format),
            torch.empty_like(d, memory_format=torch.contiguous_format)]
     out.append(q.new_empty(0, dtype=acc) if extra_neg is None
@@ -193,7 +193,7 @@ def _blocked_impl(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, w1, 
     exact = None if w1 is None else (w1, b1, w2, b2, scale)
     out = blocked_loss(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, exact, inv_temp, row_weight,
                        col_weight, diag_offset, want_grad, block_rows, row_none, want_hardest)
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     res = [t if t is not None else q.new_empty(0, dtype=acc) for t in out[:-1]]
     return res + [out[-1] if out[-1] is not None else q.new_empty(0, dtype=torch.int64)]
 
@@ -213,7 +213,7 @@ def _multipos_blocked(q: torch.Tensor, d: torch.Tensor, q_lo: torch.Tensor, q_hi
 @_multipos_blocked.register_fake
 def _(q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, w1, b1, w2, b2, scale, inv_temp, row_weight,
       col_weight, diag_offset, want_grad, block_rows, row_none, want_hardest):
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     ins = dict(dq=q, dd=d, dneg=extra_neg, du_q=u_q, du_d=u_d, dtable=table, dw1=w1, db1=b1, dw2=w2, db2=b2,
                dscale=scale)
     out = [q.new_empty((), dtype=acc)]
@@ -273,11 +273,6 @@ class _BlockedEager(torch.autograd.Function):
         return _blocked_backward(ctx, grads)
 
 
-def _compiling() -> bool:
-    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(f()) if f is not None else True
-
-
 def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
@@ -290,7 +285,7 @@ def blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=N
     mode of the bias on CPU. With ``bias_table_points=N`` the bias MLP is evaluated exactly in float64 at N
     points of [-1, 1] (differentiable torch) and interpolated in the kernels; gradients are exact for the
     interpolated function."""
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     u_q = u_d = table = None
     exact = (None,) * 5
     if bias is not None:
@@ -307,7 +302,7 @@ def blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=N
     want = _needs_grad(q, d, extra_neg, u_q, u_d, table, *exact)
     args = (q, d, q_lo, q_hi, d_lo, d_hi, extra_neg, u_q, u_d, table, *exact, 1.0 / temperature, float(row_weight),
             float(col_weight), int(diag_offset), want, int(block_rows), row_none, bool(return_hardest))
-    if _compiling() or not want:
+    if compiling() or not want:
         out = torch.ops.tempokern.multipos_blocked(*args)
     else:
         out = _BlockedEager.apply(*args)
@@ -367,22 +362,22 @@ def _sorted_by_u(q, d, q_lo, q_hi, d_lo, d_hi, bias, diag_offset):
 def multipos_kernel_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
                             row_weight: float = 1.0, col_weight: float = 0.0, diag_offset: int = 0,
                             bias_table_points: Optional[int] = None, row_none: Optional[torch.Tensor] = None,
-                            return_hardest: bool = False):
+                            return_hardest: bool = False, blocked: bool = False):
     """This module's kernels on validated inputs (the arguments and result of
     :func:`tempokern._ops.routing.multipos_infonce_partial`, which also routes calls to the candidate
-    tensor-core kernels): CUDA (and the table mode anywhere) runs the blocked path; CPU without a table the
-    fused tiled kernel."""
+    tensor-core kernels): ``blocked`` (the path dispatch.choose picked there) runs the blocked path, else the
+    fused tiled kernel (the CPU's)."""
     if q.shape[0] == 0 or d.shape[0] == 0:
         return _empty_batch(q, d, q_lo, q_hi, d_lo, d_hi, temperature, bias, extra_neg, row_weight, col_weight,
                             diag_offset, row_none, bias_table_points, return_hardest)
     if row_none is not None:
         row_none = row_none.to(torch.uint8).contiguous()
-    if on_cuda_path(q) or bias_table_points is not None:
+    if blocked:
         return blocked_multipos(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias,
                                 extra_neg=extra_neg, row_weight=row_weight, col_weight=col_weight,
                                 diag_offset=diag_offset, bias_table_points=bias_table_points, row_none=row_none,
                                 return_hardest=return_hardest)
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     extras = (None,) * 4
     pq = col_map = None
     if bias is not None and q.shape[0] and d.shape[0] and not q.is_meta:  # (meta: no values to sort by)
@@ -413,8 +408,8 @@ def _empty_batch(q, d, q_lo, q_hi, d_lo, d_hi, temperature, bias, extra_neg, row
                       row_weight=row_weight, col_weight=col_weight, diag_offset=diag_offset, row_none=row_none,
                       bias_table_points=bias_table_points, return_hardest=return_hardest)
     if return_hardest:
-        return out[0].to(_acc(q.dtype)), out[1]
-    return out.to(_acc(q.dtype))
+        return out[0].to(acc_dtype(q.dtype)), out[1]
+    return out.to(acc_dtype(q.dtype))
 
 
 def validate(q, d, q_span, d_span, temperature, bias, extra_neg, symmetric, *, square: bool = True):

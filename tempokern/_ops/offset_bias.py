@@ -10,15 +10,11 @@ import torch
 
 from .._util import cache_put
 from ..reference.offset_bias import bias_frequencies, offset_bias_table, offset_features
-from .common import (check_finite, check_same_device, check_tensor, dtype_code, kernels, launch_args,
-                     on_cuda_path, ptr, sm_count)
+from . import backend, dispatch
+from .common import acc_dtype, check_finite, check_same_device, check_tensor, dtype_code, ptr
 
 # The classification grids per (D, device), in a bounded module-level cache (the frequency
 # vectors are cached by reference.bias_frequencies itself).
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _out_dtype(*ts: torch.Tensor) -> torch.dtype:
@@ -32,13 +28,15 @@ def _frequencies(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return bias_frequencies(D, dtype, device).contiguous()  # cached there, per (K, dtype, device)
 
 
-def _num_parts(device: torch.device, Bq: int, Bd: int) -> int:
+def _num_parts(be, Bq: int, Bd: int) -> int:
     """Partial-sum slots of the backward reduction: one per CPU thread, one per CUDA block. CUDA grid (both
     directions): gx = ceil(Bd / 32) column blocks x gy row groups with gx * gy >= 8 x SMs where the batch has
-    the rows (csrc/offset_bias/offset_bias_kernels.cuh); the forward takes gy from this too."""
-    if on_cuda_path(device):
+    the rows (csrc/offset_bias/offset_bias_kernels.cuh); the forward takes gy from this too. be: the backend
+    (or a tensor / device it is resolved from)."""
+    be = backend.of(be)
+    if be.cuda_path:
         gx = max(1, -(-Bd // 32))
-        sms = sm_count(device)
+        sms = be.sm_count
         return gx * max(1, min(-(-Bq // 8), -(-8 * sms // gx), 65535))
     return max(64, os.cpu_count() or 1)
 
@@ -126,20 +124,21 @@ def _device_units(w1a, b1a, w2a, w1, b1, acc):
     return kw1, kb1, kw2, nact, ("device", on, perm)
 
 
-def _prepared(u_q, u_d, w1, b1, w2, b2, scale):
+def _prepared(u_q, u_d, w1, b1, w2, b2, scale, be=None):
     """Kernel arguments in the accumulation dtype. On CPU, provably always-off hidden units are dropped
     and provably always-on ones merged into one linear unit (exact: relu is the identity or zero there);
     ``mapping`` says how to expand the kernel's reduced gradient sums back to all units."""
-    acc = _acc(_out_dtype(u_q, u_d, w1, b1, w2, b2, scale))
+    acc = acc_dtype(_out_dtype(u_q, u_d, w1, b1, w2, b2, scale))
     c = lambda t: t.to(acc).contiguous()  # noqa: E731  (O(B) or O(hidden * D) copies only)
     w1a, b1a, w2a = c(w1), c(b1).reshape(-1), c(w2).reshape(-1)
     base = (c(u_q), c(u_d), c(b2).reshape(1), c(scale).reshape(1), _frequencies(w1.shape[1], acc, u_q.device))
     mapping = None
     kw1, kb1, kw2, nlin, nact = w1a, b1a, w2a, 0, None
-    if on_cuda_path(u_q):  # merged units: fwd+bwd 38.0 -> 16.5 ms at 8,192^2 pairs on the H100 (dispatch.py)
+    path = dispatch.choose("offset_bias", None, backend.resolve(u_q) if be is None else be).name
+    if path == "pruned":  # merged units: fwd+bwd 38.0 -> 16.5 ms at 8,192^2 pairs on the H100 (dispatch.py)
         kw1, kb1, kw2, nact, mapping = _device_units(w1a, b1a, w2a, w1, b1, acc)
         nlin = N_LINEAR_SLOTS
-    elif not on_cuda_path(u_q):
+    else:  # "merged units", on the CPU
         on, off = _unit_classes(w1, b1)
         if bool(on.any()) or bool(off.any()):
             mix = (~on & ~off).nonzero().flatten()
@@ -174,10 +173,11 @@ def _offset_bias(u_q: torch.Tensor, u_d: torch.Tensor, w1: torch.Tensor, b1: tor
     out = torch.empty(Bq, Bd, dtype=out_dt, device=u_q.device)
     if Bq == 0 or Bd == 0:
         return out
-    uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, nact, _, _ = _prepared(u_q, u_d, w1, b1, w2, b2, scale)
-    dev, stream = launch_args(u_q)
-    nparts = _num_parts(u_q.device, Bq, Bd) if on_cuda_path(u_q) else 0  # CUDA: sets the grid
-    kernels().offset_bias_launch("fwd", dev, stream, dtype_code(out), Bq, Bd, D, kw1.shape[0], ptr(uq), ptr(ud), ptr(f),
+    be = backend.resolve(u_q)
+    uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, nact, _, _ = _prepared(u_q, u_d, w1, b1, w2, b2, scale, be)
+    dev, stream = be.launch
+    nparts = _num_parts(be, Bq, Bd) if be.cuda_path else 0  # CUDA: sets the grid
+    be.kernels.offset_bias_launch("fwd", dev, stream, dtype_code(out), Bq, Bd, D, kw1.shape[0], ptr(uq), ptr(ud), ptr(f),
                           ptr(kw1), kw1.stride(0), ptr(kb1), ptr(kw2), ptr(b2a), ptr(sa), ptr(out), out.stride(0),
                           0, 0, 1, 0, 0, 0, nparts, 0, 0, nlin, 0 if nact is None else ptr(nact))
     return out
@@ -195,19 +195,20 @@ def _offset_bias_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tens
                           b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
                           scale: torch.Tensor) -> List[torch.Tensor]:
     out_dt = _out_dtype(u_q, u_d, w1, b1, w2, b2, scale)
-    acc = _acc(out_dt)
+    acc = acc_dtype(out_dt)
     Bq, Bd = u_q.shape[0], u_d.shape[0]
     hidden, D = w1.shape
     if Bq == 0 or Bd == 0:  # no pair: every gradient is zero (and no kernel grid has a row or column)
         return [torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (u_q, u_d, w1, b1, w2, b2, scale)]
+    be = backend.resolve(u_q)
     uq, ud, kw1, kb1, kw2, b2a, sa, f, nlin, nact, mapping, (w1a, b1a, w2a) = _prepared(u_q, u_d, w1, b1, w2, b2,
-                                                                                        scale)
+                                                                                        scale, be)
     grad = grad.to(out_dt)  # no copy in the usual case; strides (even 0, broadcast) go to the kernel as they are
-    dev, stream = launch_args(u_q)
-    nparts = _num_parts(u_q.device, Bq, Bd)
+    dev, stream = be.launch
+    nparts = _num_parts(be, Bq, Bd)
     kh = kw1.shape[0]
     psz = kh * (D + 1) + 2
-    if on_cuda_path(u_q):  # per-block partials: d u_q (gx, Bq) in acc, d u_d (gy, Bd) and slots in float64
+    if be.cuda_path:  # per-block partials: d u_q (gx, Bq) in acc, d u_d (gy, Bd) and slots in float64
         gx = max(1, -(-Bd // 32))
         g_uq = torch.empty(gx, Bq, dtype=acc, device=u_q.device)
         g_ud = torch.empty(nparts // gx, Bd, dtype=torch.float64, device=u_q.device)
@@ -216,7 +217,7 @@ def _offset_bias_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tens
         g_uq = torch.empty(1, Bq, dtype=acc, device=u_q.device)
         g_ud = torch.empty(1, Bd, dtype=acc, device=u_q.device)
         parts = torch.empty(nparts, psz, dtype=acc, device=u_q.device)
-    kernels().offset_bias_launch("bwd", dev, stream, dtype_code(grad), Bq, Bd, D, kh, ptr(uq), ptr(ud), ptr(f),
+    be.kernels.offset_bias_launch("bwd", dev, stream, dtype_code(grad), Bq, Bd, D, kh, ptr(uq), ptr(ud), ptr(f),
                           ptr(kw1), kw1.stride(0), ptr(kb1), ptr(kw2), ptr(b2a), ptr(sa), 0, 0,
                           ptr(grad), grad.stride(0), grad.stride(1), ptr(g_uq), ptr(g_ud), ptr(parts), nparts, 0, 0,
                           nlin, 0 if nact is None else ptr(nact))
@@ -330,12 +331,13 @@ def offset_bias(u_q: torch.Tensor, u_d: torch.Tensor, w1: torch.Tensor, b1: torc
 
 # ---- training table mode: interpolation of a differentiable table -----------------------------------
 
-def _table_parts(device: torch.device, Bq: int, Bd: int):
+def _table_parts(be, Bq: int, Bd: int):
     """(rparts, cparts, nparts): rows of the d u_q / d u_d partial arrays and histogram slots of the table
     backward (CUDA: one per column / row tile and one per CTA, grid = min(tiles, 2 x SMs); CPU: 1, 1, threads)."""
-    if on_cuda_path(device):
+    be = backend.of(be)
+    if be.cuda_path:
         n_ct, n_rt = -(-Bd // _TABLE_TILE_COLS), -(-Bq // _TABLE_TILE_ROWS)
-        return n_ct, n_rt, max(1, min(n_ct * n_rt, 2 * sm_count(device)))
+        return n_ct, n_rt, max(1, min(n_ct * n_rt, 2 * be.sm_count))
     return 1, 1, max(1, min(64, os.cpu_count() or 1))
 
 
@@ -346,14 +348,15 @@ def _table_launch(op: str, u_q, u_d, values, table_dtype=None):
     """(Bq, Bd) interpolated table over (u_q, u_d), in the promoted dtype of u: "tfwd" (training: the table in
     the accumulation dtype) or "lookup" (inference: a float32 BiasTable, table_dtype=float32)."""
     out_dt = torch.promote_types(u_q.dtype, u_d.dtype)
-    acc = _acc(out_dt)
+    acc = acc_dtype(out_dt)
     out = torch.empty(u_q.shape[0], u_d.shape[0], dtype=out_dt, device=u_q.device)
     if out.numel() == 0:
         return out
     uq, ud = u_q.to(acc).contiguous(), u_d.to(acc).contiguous()
     v = values.to(acc if table_dtype is None else table_dtype).contiguous()
-    dev, stream = launch_args(u_q)
-    kernels().offset_bias_launch(op, dev, stream, dtype_code(out), out.shape[0], out.shape[1], 0, 0, ptr(uq), ptr(ud),
+    be = backend.resolve(u_q)
+    dev, stream = be.launch
+    be.kernels.offset_bias_launch(op, dev, stream, dtype_code(out), out.shape[0], out.shape[1], 0, 0, ptr(uq), ptr(ud),
                                  0, 0, 0, 0, 0, 0, 0, ptr(out), out.stride(0), 0, 0, 1, 0, 0, 0, 0, ptr(v), v.numel(),
                                  0, 0)
     return out
@@ -373,19 +376,20 @@ def _(u_q, u_d, values):
 def _offset_bias_interp_backward(grad: torch.Tensor, u_q: torch.Tensor, u_d: torch.Tensor,
                                  values: torch.Tensor) -> List[torch.Tensor]:
     out_dt = torch.promote_types(u_q.dtype, u_d.dtype)
-    acc = _acc(out_dt)
+    acc = acc_dtype(out_dt)
     Bq, Bd, N = u_q.shape[0], u_d.shape[0], values.shape[0]
     dev_t = u_q.device
     if Bq == 0 or Bd == 0:
         return [torch.zeros_like(u_q), torch.zeros_like(u_d), torch.zeros_like(values)]
     uq, ud, v = u_q.to(acc).contiguous(), u_d.to(acc).contiguous(), values.to(acc).contiguous()
     grad = grad.to(out_dt)
-    rparts, cparts, nparts = _table_parts(dev_t, Bq, Bd)
+    be = backend.resolve(u_q)
+    rparts, cparts, nparts = _table_parts(be, Bq, Bd)
     g_uq = torch.empty(rparts, Bq, dtype=acc, device=dev_t)
     g_ud = torch.empty(cparts, Bd, dtype=acc, device=dev_t)
     hist = torch.empty(nparts, N, dtype=torch.float64, device=dev_t)
-    dev, stream = launch_args(u_q)
-    kernels().offset_bias_launch("tbwd", dev, stream, dtype_code(grad), Bq, Bd, 0, 0, ptr(uq), ptr(ud), 0, 0, 0, 0, 0,
+    dev, stream = be.launch
+    be.kernels.offset_bias_launch("tbwd", dev, stream, dtype_code(grad), Bq, Bd, 0, 0, ptr(uq), ptr(ud), 0, 0, 0, 0, 0,
                                  0, 0, 0, 0, ptr(grad), grad.stride(0), grad.stride(1), ptr(g_uq), ptr(g_ud),
                                  ptr(hist), nparts, ptr(v), N, 0, 0)
     return [g_uq.double().sum(0).to(u_q.dtype), g_ud.double().sum(0).to(u_d.dtype), hist.sum(0).to(values.dtype)]

@@ -9,28 +9,31 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import dispatch
-from .common import check_same_device, on_cuda_path
+from . import backend, dispatch
+from .common import acc_dtype, check_same_device
 from .loss_args import (BIAS_NAMES, check_bias_table_points, check_groups, group_scoped_bounds, id_spans, span_bounds,
                         validate_bias)
 from .matryoshka_blocked import tc_call
-from .matryoshka_infonce import matryoshka_partial
+from .matryoshka_infonce import matryoshka_partial, matryoshka_path
 from .matryoshka_infonce import validate as validate_matryoshka
 from .multipos_infonce import multipos_kernel_partial
 from .multipos_infonce import validate as validate_multipos
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+class MultiposCall:
+    """A multipos_infonce call as the dispatch table sees it (tempokern/_ops/dispatch.py's predicates read it)."""
+    __slots__ = ("q", "d", "bias", "extra_neg", "table_points", "return_hardest", "groups", "table", "rows", "cols")
 
+    def __init__(self, q, d, bias, extra_neg, table_points, return_hardest: bool, groups: bool):
+        self.q, self.d, self.bias, self.extra_neg = q, d, bias, extra_neg
+        self.table_points, self.return_hardest, self.groups = table_points, return_hardest, groups
+        self.table = table_points is not None
+        self.rows, self.cols = q.shape[0], d.shape[0]
 
-def _tensor_core_call(q, d, bias, extra_neg, return_hardest: bool, table_points) -> bool:
-    """Whether the candidate tensor-core kernels take this call (TEMPOKERN_EXPERIMENTAL=mpb_tc, see
-    tempokern/_ops/dispatch.py): tc_call for one level of H features (which also rules out extra negatives, the
-    exact bias and H not a multiple of 16), a row and no return_hardest."""
-    if return_hardest or q.shape[0] == 0 or not dispatch.enabled("mpb_tc"):
-        return False
-    return tc_call(q, d, [q.shape[1]], extra_neg, bias, table_points)
+    def tensor_cores(self, be) -> bool:
+        """tc_call for one level of H features (which also rules out extra negatives, the exact bias and H not a
+        multiple of 16)."""
+        return tc_call(self.q, self.d, [self.q.shape[1]], self.extra_neg, self.bias, self.table_points, be)
 
 
 def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float, bias=None, extra_neg=None,
@@ -43,9 +46,9 @@ def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float
     (row i's fallback positive is column i + diag_offset). Used by multipos_infonce and CTDLoss.
     ``row_none`` (Bq,) bool: rows with no overlapping document anywhere (default: none among these d), which
     decides the column fallback (CTDLoss's gathered column pass sees only the local documents).
-    The enabled mpb_tc candidate takes the calls it supports (the Matryoshka tensor-core kernels for one level);
-    otherwise CUDA (and the table mode anywhere) runs the blocked path, CPU without a table the fused tiled
-    kernel (multipos_kernel_partial).
+    The path is dispatch.choose's (tempokern/_ops/dispatch.py): the enabled mpb_tc candidate (the Matryoshka
+    tensor-core kernels for one level) where it takes the call, else the blocked path or the fused tiled kernel
+    (multipos_kernel_partial).
     ``return_hardest``: returns ``(loss, hardest)``, hardest (Bq,) int64 the hardest in-batch negative of each
     row (see :func:`multipos_infonce`), in the caller's row and column order (the CPU path's u-sort undone).
     ``q_group``/``d_group`` (int64 (Bq,), (Bd,), checked): group-scoped positives, the overlaps within a group
@@ -53,14 +56,15 @@ def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float
     :func:`group_scoped_bounds` (on which overlap means overlap within a group) and ``row_none`` all ones (a
     row's diagonal partner is a row positive, and then a column positive, on every path); ``row_none`` must
     then be None. Group-scoped calls stay off the mpb_tc candidate (the blocked or the fused kernels)."""
+    path = dispatch.choose(dispatch.MULTIPOS, MultiposCall(q, d, bias, extra_neg, bias_table_points, return_hardest,
+                                                          q_group is not None), backend.resolve(q)).name
     if q_group is not None:
         if row_none is not None:
             raise ValueError("row_none cannot be combined with q_group/d_group (with groups every row's diagonal "
                              "partner is a positive)")
         q_lo, q_hi, d_lo, d_hi = group_scoped_bounds(q_group, d_group, q_lo, q_hi, d_lo, d_hi)
         row_none = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
-    if q_group is None and q.shape[0] != 0 and d.shape[0] != 0 and _tensor_core_call(q, d, bias, extra_neg, return_hardest,
-                                                                 bias_table_points):
+    if path == "mpb_tc":
         if row_none is not None:
             row_none = row_none.to(torch.uint8).contiguous()
         return matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, [q.shape[1]], [1.0], temperature=temperature,
@@ -70,7 +74,7 @@ def multipos_infonce_partial(q, d, q_lo, q_hi, d_lo, d_hi, *, temperature: float
     return multipos_kernel_partial(q, d, q_lo, q_hi, d_lo, d_hi, temperature=temperature, bias=bias,
                                    extra_neg=extra_neg, row_weight=row_weight, col_weight=col_weight,
                                    diag_offset=diag_offset, bias_table_points=bias_table_points, row_none=row_none,
-                                   return_hardest=return_hardest)
+                                   return_hardest=return_hardest, blocked=path == "blocked")
 
 
 def multipos_infonce(q: torch.Tensor, d: torch.Tensor, q_span, d_span, *, temperature: float,
@@ -154,7 +158,8 @@ def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *,
         bias = validate_bias(bias, q.shape[0], d.shape[0])
         check_same_device(q=q, **{f"bias {n}": t for n, t in zip(BIAS_NAMES, bias)})
     bias_table_points = check_bias_table_points(bias_table_points, bias)
-    if _per_level(q, d, bias, dims, extra_neg):
+    path = matryoshka_path(q, d, dims, bias, extra_neg, bias_table_points)
+    if path == "levels":
         loss, levels = _levels_path(q, d, dims, weights, temperature, extra_neg, symmetric, q_span, d_span, normalize,
                                     return_levels)
         loss = _zero_weight_nonfinite(loss, q, d, extra_neg, bias, dims, weights)
@@ -168,7 +173,8 @@ def matryoshka_infonce(q: torch.Tensor, d: torch.Tensor, dims: Sequence[int], *,
     w = 0.5 if symmetric else 1.0
     loss, levels = matryoshka_partial(q, d, q_lo, q_hi, d_lo, d_hi, dims, weights, temperature=temperature,
                                       extra_neg=extra_neg, row_weight=w, col_weight=w if symmetric else 0.0,
-                                      normalize=normalize, bias=bias, bias_table_points=bias_table_points)
+                                      normalize=normalize, bias=bias, bias_table_points=bias_table_points,
+                                      tensor_cores=path == "mrl_tc")
     loss = _zero_weight_nonfinite(loss, q, d, extra_neg, bias, dims, weights)
     return (loss, levels) if return_levels else loss
 
@@ -188,14 +194,6 @@ def _zero_weight_nonfinite(loss, q, d, extra_neg, bias, dims, weights):
     return loss + term
 
 
-def _per_level(q, d, bias, dims, extra_neg) -> bool:
-    """The levels path (the CUDA default where it applies, tempokern/_ops/dispatch.py): no bias (a bias would be
-    evaluated once per level), a square batch (multipos_infonce's), a row, and not a call the enabled mrl_tc
-    candidate takes."""
-    return (bias is None and on_cuda_path(q) and q.shape[0] == d.shape[0] and q.shape[0] > 0
-            and not (dispatch.enabled("mrl_tc") and tc_call(q, d, dims, extra_neg, bias)))
-
-
 def _levels_path(q, d, dims, weights, temperature, extra_neg, symmetric, q_span, d_span, normalize, want_levels):
     """The reference's loop (tempokern.reference.matryoshka_infonce) with tempokern's fused multipos_infonce per
     level: on a GPU each level is the blocked cuBLAS + fused-pass loss the GPU suite measures (no B x B' buffer
@@ -203,8 +201,11 @@ def _levels_path(q, d, dims, weights, temperature, extra_neg, symmetric, q_span,
     kernels' K per-level score blocks through HBM on every pass (docs/matryoshka_infonce.md, "CUDA: the levels
     path")."""
     if q_span is None:  # candidate i is row i's positive: spans (i, i) overlap only on the diagonal
-        ids = torch.arange(q.shape[0], device=q.device)
-        q_span = d_span = (ids, ids)
+        q_lo, q_hi = d_lo, d_hi = id_spans(q.shape[0], 0, q.device)
+    else:  # (validated with the call: each level runs multipos_infonce's kernels on these bounds, not re-checked)
+        q_lo, q_hi = span_bounds(q_span)
+        d_lo, d_hi = span_bounds(d_span)
+    w = 0.5 if symmetric else 1.0
     order = sorted(range(len(dims)), key=lambda k: dims[k])
     if normalize:
         def shrink(x, m):
@@ -219,11 +220,12 @@ def _levels_path(q, d, dims, weights, temperature, extra_neg, symmetric, q_span,
             continue
         # a zero-weight level is left out of the loss; with return_levels its value (and the gradient of the
         # returned levels) is still there, as in the reference and the fused kernels
-        lv = multipos_infonce(shrink(q, m), shrink(d, m), q_span, d_span, temperature=temperature,
-                              extra_neg=None if extra_neg is None else shrink(extra_neg, m), symmetric=symmetric)
+        lv = multipos_infonce_partial(shrink(q, m), shrink(d, m), q_lo, q_hi, d_lo, d_hi, temperature=temperature,
+                                      extra_neg=None if extra_neg is None else shrink(extra_neg, m), row_weight=w,
+                                      col_weight=w if symmetric else 0.0)
         levels.append((wk, lv))
     live = [wk * lv for wk, lv in levels if wk != 0.0]
-    loss = sum(live[1:], live[0]) if live else q.new_zeros((), dtype=_acc(q.dtype))
+    loss = sum(live[1:], live[0]) if live else q.new_zeros((), dtype=acc_dtype(q.dtype))
     if not want_levels:
         return loss, None
     return loss, torch.stack([lv for _, lv in levels])

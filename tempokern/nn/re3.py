@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .._ops.common import check_reciprocal, check_same_device, check_tensor, scalar_value
+from .._ops.common import check_reciprocal, check_same_device, check_tensor, compiling, scalar_value
 from .._ops.multipos_blocked import none_flags, spans32
 from .._ops.routing import multipos_infonce, multipos_infonce_partial
 from .ctd_loss import _gather, _sizes
@@ -103,7 +103,7 @@ class Re3Loss(torch.nn.Module):
         return torch.arange(offset, offset + B, dtype=torch.int64, device=device)
 
     def _warn_tw(self, d, d_tw):
-        if self._warned_tw or _compiling():
+        if self._warned_tw or compiling(False):
             return
         if bool((d_tw == d).all(dim=1).any()):
             self._warned_tw = True
@@ -174,8 +174,3 @@ class Re3Loss(torch.nn.Module):
         s_pos = (q * d).sum(dim=1)
         l_hard, l_tw = self._margins(q, d_all, d_tw, hard, s_pos, w)
         return self._finish(loss, l_hard, l_tw, hard)
-
-
-def _compiling() -> bool:
-    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(f()) if f is not None else False
