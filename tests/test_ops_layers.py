@@ -83,8 +83,8 @@ def test_no_private_names_imported_from_other_ops_modules():
 def test_the_checks_see_imports():
     """The parser above finds what it looks for (a check that finds nothing would pass vacuously)."""
     got = imports(OPS / "routing.py")
-    assert ("tempokern._ops.loss_args", ("BIAS_NAMES", "check_bias_table_points", "id_spans", "span_bounds",
-                                         "validate_bias"), True) in got
+    assert ("tempokern._ops.loss_args", ("BIAS_NAMES", "check_bias_table_points", "check_groups",
+                                         "group_scoped_bounds", "id_spans", "span_bounds", "validate_bias"), True) in got
     assert ("tempokern._ops.dispatch", (), True) in got
     assert any(m == "tempokern._ops.multipos_blocked" and "_acc" not in n
                for m, n, _ in imports(OPS / "matryoshka_blocked.py"))
