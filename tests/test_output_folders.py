@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -21,13 +22,18 @@ def _root():
     return os.path.dirname(os.path.dirname(os.path.abspath(tempokern.__file__)))
 
 
+#: the working directory of every child process: not the checkout, whose unbuilt tempokern/ would shadow the
+#: installed package (`python -m` puts the working directory first on sys.path)
+NEUTRAL = tempfile.gettempdir()
+
+
 def _env():
     return dict(os.environ, PYTHONPATH=_root() + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
 
 
 def _cli(*argv, cwd=None):
     return subprocess.run([sys.executable, "-m", "tempokern", *argv], capture_output=True, text=True, env=_env(),
-                          cwd=cwd, timeout=300)
+                          cwd=cwd or NEUTRAL, timeout=300)
 
 
 def _dead_pid():
@@ -42,7 +48,7 @@ def _holder(folder):
     code = ("import sys, time\nfrom tempokern._lock import output_lock\n"
             f"with output_lock({str(folder)!r}, 'tempokern holder-test'):\n"
             "    print('held', flush=True)\n    time.sleep(120)\n")
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_env())
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_env(), cwd=NEUTRAL)
     assert p.stdout.readline().strip() == "held"
     return p
 
@@ -88,7 +94,8 @@ def test_index_lock_is_next_to_the_index_file(tmp_path):
     holder_code = ("import time\nfrom tempokern._lock import OutputLock\n"
                    f"with OutputLock({str(idx) + '.lock'!r}, 'tempokern index'):\n"
                    "    print('held', flush=True)\n    time.sleep(120)\n")
-    p = subprocess.Popen([sys.executable, "-c", holder_code], stdout=subprocess.PIPE, text=True, env=_env())
+    p = subprocess.Popen([sys.executable, "-c", holder_code], stdout=subprocess.PIPE, text=True, env=_env(),
+                         cwd=NEUTRAL)
     try:
         assert p.stdout.readline().strip() == "held"
         r = _cli("index", "--model", str(tmp_path / "missing"), "--dataset", "zztj", "--out", str(idx))
@@ -123,7 +130,8 @@ def test_a_lock_from_another_host_is_not_taken_over(tmp_path):
 def test_a_killed_train_leaves_a_lock_the_next_run_takes_over(tmp_path):
     out = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "tempokern", "train", "--dataset", "zztj", "--epochs", "50",
-                          "--out", str(out), *TINY], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                          "--out", str(out), *TINY], env=_env(), cwd=NEUTRAL, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
     try:
         for _ in range(600):
             if (out / LOCK_NAME).exists():
@@ -222,7 +230,7 @@ def _killed_while_saving(parent, name, *, directory: bool):
     make = "tempfile.mkdtemp" if directory else "tempfile.mkstemp"
     code = (f"import os, signal, tempfile\nfrom tempokern._files import tmp_prefix\n"
             f"{make}(prefix=tmp_prefix({name!r}), dir={str(parent)!r})\nos.kill(os.getpid(), signal.SIGKILL)\n")
-    p = subprocess.run([sys.executable, "-c", code], env=_env())
+    p = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=NEUTRAL)
     assert p.returncode == -signal.SIGKILL
     left = [x for x in parent.iterdir() if x.name.startswith(f".{name}.tmp-")]
     assert len(left) == 1

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -38,6 +39,11 @@ def one_thread():
 def _root():
     import tempokern
     return os.path.dirname(os.path.dirname(os.path.abspath(tempokern.__file__)))
+
+
+#: the working directory of every child process: not the checkout, whose unbuilt tempokern/ would shadow the
+#: installed package (`python -m` puts the working directory first on sys.path)
+NEUTRAL = tempfile.gettempdir()
 
 
 def _env():
@@ -119,7 +125,7 @@ def test_cli_kill_mid_epoch_and_resume_is_bit_identical(tmp_path):
     n = len(_steps(tmp_path / "full" / "log.jsonl"))
     assert n > 20
     out = tmp_path / "cut"
-    p = subprocess.Popen([sys.executable, "-m", "tempokern", *args, "--out", str(out)], env=_env(),
+    p = subprocess.Popen([sys.executable, "-m", "tempokern", *args, "--out", str(out)], env=_env(), cwd=NEUTRAL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 240
@@ -136,7 +142,7 @@ def test_cli_kill_mid_epoch_and_resume_is_bit_identical(tmp_path):
     assert not st["epoch_done"] and st["step"] % 4 == 0 and st["step"] < done < n   # a mid-epoch checkpoint
     (out / ".tempokern.lock").unlink(missing_ok=True)   # (a dead pid's lock is taken over anyway)
     r = subprocess.run([sys.executable, "-m", "tempokern", *args, "--out", str(out), "--resume"], env=_env(),
-                       capture_output=True, text=True, timeout=300)
+                       cwd=NEUTRAL, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert f"batch {st['batch']}, step {st['step']}" in r.stdout + r.stderr
     _same_weights(tmp_path / "full" / "last", out / "last")
