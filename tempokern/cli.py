@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Default (--suite timeqa): `tempokern benchmark --suite timeqa`: BM25, zero-shot, "
                                    "full and LoRA fine-tuning, CTD, TMRL and Re³ trained on TimeQA's training pages "
                                    "with one budget and evaluated on its held-out dev pages (MiniLM backbone; 3 seeds: "
-                                   "29 units, 8.1 h of unit time on 2 CPU cores, resumable unit by unit: rerun the "
+                                   "50 units, the trained ones 15 to 67 min each on 2 CPU cores, resumable unit by unit: rerun the "
                                    "same command to continue; --quick: a smoke test on a fixed sample of pages, 1 "
                                    "seed, not a comparison). Writes "
                                    "results.json, results.md and plots to --out. --suite english: the quick synthetic "

@@ -118,4 +118,9 @@ def test_main_job_duration_is_the_committed_runs():
              for p in sorted((ROOT / "benchmarks/results/timeqa/units").glob("*/*/seed*.json"))]
     hours = sum(u["wall_seconds"] for u in units) / 3600
     assert f"{len(units)} units, {hours:.1f} h of unit time on 2 CPU cores" in " ".join(README.split())
-    assert f"`k/{len(units)}`" in README
+    # and the number of units the full run plans: every TimeQA row, seeded rows on 3 seeds
+    from tempokern.suite.registry import registered
+    from tempokern.suite.runner import load_methods
+    load_methods()
+    planned = sum(3 if m.seeded else 1 for m in registered() if "timeqa" in m.sets)
+    assert f"`k/{planned}`" in README
