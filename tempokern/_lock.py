@@ -1,6 +1,6 @@
 """One writer per output folder: an advisory lock file.
 
-The commands that write an output folder (``train``, ``benchmark``, ``demo``, ``data``; ``index`` for its
+The commands that write an output folder (``train``, ``benchmark``, ``demo``, ``data``, ``bench``; ``index`` for its
 index file) hold ``LOCK_NAME`` in it while they run: a JSON object with the holder's ``pid``, ``host``,
 ``started`` (UTC, ISO 8601) and ``command``. A second writer fails at once with :class:`OutputInUse`
 naming the holder. A lock left by a process that no longer runs (same host, dead pid: a killed run) is
@@ -138,12 +138,12 @@ def output_lock(folder, command: str = "", **kw) -> OutputLock:
 
 
 #: commands that write an output folder, and hold its lock while they run
-LOCKED_COMMANDS = ("train", "benchmark", "demo", "data", "index")
+LOCKED_COMMANDS = ("train", "benchmark", "demo", "data", "bench", "index")
 
 
 def command_lock(args):
-    """The lock a CLI command holds while it runs: ``--out/.tempokern.lock`` for train, benchmark, demo and
-    data; ``PATH.lock`` next to the index file for ``index --out PATH``. Other commands (and torchrun ranks
+    """The lock a CLI command holds while it runs: ``--out/.tempokern.lock`` for train, benchmark, demo,
+    data and bench; ``PATH.lock`` next to the index file for ``index --out PATH``. Other commands (and torchrun ranks
     other than 0, which share rank 0's folder) hold none."""
     import contextlib
     out = getattr(args, "out", None)

@@ -79,11 +79,12 @@ def test_second_writer_fails_naming_the_holder(tmp_path, capsys):
         assert f"pid {holder.pid}" in r.stderr and "holder-test" in r.stderr and "in use" in r.stderr
         assert not (out / "best").exists() and not (out / "log.jsonl").exists()
         for argv in (["data", "timeqa", "--negatives", "0"], ["benchmark", "--report-only"],
-                     ["demo", "--suite", "english", "--report-only"]):      # the holder is another process
+                     ["demo", "--suite", "english", "--report-only"], ["bench", "--sizes", "8"]):      # the holder is another process
             capsys.readouterr()
             assert main(argv + ["--out", str(out)]) == 1
             assert f"pid {holder.pid}" in capsys.readouterr().err
         assert not (out / "corpus.jsonl").exists() and not (out / "results.json").exists()
+        assert not (out / "bench.json").exists() and not (out / "bench.md").exists()
     finally:
         holder.kill()
         holder.wait()
