@@ -195,6 +195,59 @@ def test_tagger_and_tokenizer_read_at_most_the_cap():
     assert seen == [MAX_TEXT_CHARS, 5] and enc["input_ids"].shape[1] <= model.max_length
 
 
+def test_zztj_long_texts_are_truncated(tmp_path):
+    from tempokern.datasets import load_zztj
+    tm = {"reign": "建元", "era_year": 1, "ad_year": 479, "lunar_month": 1, "lunar_month_label": "正月"}
+    rows = [{"id": "r1", "description": "事" * (MAX_TEXT_CHARS + 7), "time_meta": tm},
+            {"id": "r2", "description": "短事", "time_meta": dict(tm, lunar_month=2, lunar_month_label="二月")}]
+    p = tmp_path / "z.jsonl"
+    p.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n", encoding="utf-8")
+    ds = load_zztj(str(p), no_event_records=False)
+    assert ds.report.truncated == 1
+    assert len(ds.record("r1").text) == MAX_TEXT_CHARS and ds.record("r2").text == "短事"
+    assert f"1 text(s) longer than {MAX_TEXT_CHARS}" in ds.report.summary()
+
+
+def test_chunqiutr_long_texts_are_truncated(tmp_path):
+    from tempokern import Calendar
+    from tempokern.datasets import load_chunqiutr
+    key = "-".join(map(str, Calendar.chunqiu().split_keys("test")[0]))
+    rp, qp = tmp_path / "records.jsonl", tmp_path / "queries.jsonl"
+    rp.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in [
+        {"id": "a", "text": "事" * (MAX_TEXT_CHARS + 3), "time": key, "type": "event"},
+        {"id": "b", "text": "短", "time": key, "type": "event"}]) + "\n", encoding="utf-8")
+    qp.write_text(json.dumps({"id": "q", "text": "何" * (MAX_TEXT_CHARS + 1), "target": key, "family": "point"},
+                             ensure_ascii=False) + "\n", encoding="utf-8")
+    ds = load_chunqiutr(str(rp), str(qp))
+    assert ds.report.truncated == 2
+    assert len(ds.record("a").text) == len(ds.queries[0].text) == MAX_TEXT_CHARS and ds.record("b").text == "短"
+
+
+def test_tmrl_long_texts_are_truncated_with_their_spans(tmp_path):
+    from tempokern.datasets.tmrl import load_temporal_contrastive, load_tevatron_jsonl
+    pad = "x " * (MAX_TEXT_CHARS // 2)
+    passage = "In 2001 " + pad + "in 2005"            # two spans, the second past the cap
+    row = {"query_id": "p", "query": passage, "temporal": ["2001", "2005"],
+           "positive_passages": [{"docid": "a", "text": "when in 2001?"}, {"docid": "b", "text": "what?"}],
+           "negative_passages": [{"text": "y" * (MAX_TEXT_CHARS + 1)}]}
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps([row]))
+    d = load_temporal_contrastive(str(p))
+    assert d.report.truncated == 2                    # each text once, not once per row that shares it
+    assert [len(r.positive) for r in d.rows] == [MAX_TEXT_CHARS] * 2
+    assert d.rows[0].positive_spans == [(3, 7)]       # the span past the cap is dropped with its text
+    assert [len(t) for t in d.rows[0].negative_queries] == [MAX_TEXT_CHARS]
+    assert d.rows[0].query == "when in 2001?"
+    t = tmp_path / "t.jsonl"
+    t.write_text(json.dumps({"query": "q" * (MAX_TEXT_CHARS + 2), "positive_passages": [{"text": "short"}],
+                             "negative_passages": [{"text": "n" * (MAX_TEXT_CHARS + 2)}, {"text": "m"}]}) + "\n")
+    d = load_tevatron_jsonl(str(t))
+    assert d.report.truncated == 2
+    r = d.rows[0]
+    assert len(r.query) == len(r.hard_negatives[0]) == MAX_TEXT_CHARS and r.positive == "short"
+    assert r.hard_negatives[1] == "m"
+
+
 # ---- the suite's skip report ---------------------------------------------------------------------------
 
 def test_benchmark_data_skip_is_reported(tmp_path):

@@ -126,7 +126,7 @@ def load_chunqiutr(records_path: str, queries_path: str, *, calendar: Optional[C
             handle(e, report, on_error)
             continue
         r = cal.rank(key)
-        rec = Record(rid, text.strip(), key=key, interval=Interval(r, r), type=typ, title=str(obj.get("title") or ""),
+        rec = Record(rid, report.cap(text.strip()), key=key, interval=Interval(r, r), type=typ, title=str(obj.get("title") or ""),
                      meta={k: obj[k] for k in ("source",) if k in obj})
         records.append(rec)
         by_id[rid] = rec
@@ -149,7 +149,7 @@ def load_chunqiutr(records_path: str, queries_path: str, *, calendar: Optional[C
             pne = obj.get("pure_no_event")
             if pne is not None and not isinstance(pne, bool):
                 raise DataFormatError(qp, ln, f"query {qid!r}: pure_no_event must be true/false, got {pne!r}")
-            q = _finish_query(dict(id=qid, text=text.strip(), interval=iv, family=fam, gold=gold,
+            q = _finish_query(dict(id=qid, text=report.cap(text.strip()), interval=iv, family=fam, gold=gold,
                                    pure_no_event=pne, meta={"target": target}), by_id, records, qp, ln)
         except DataFormatError as e:
             handle(e, report, on_error)
@@ -193,7 +193,7 @@ def load_chunqiutr_release(meta_path: str, queries_path: str, *, calendar: Optio
         if rid in by_id:
             raise DataFormatError(mp, 0, f"{where}: duplicate sid {rid}")
         r = cal.rank(key)
-        rec = Record(rid, text.strip(), key=key, interval=Interval(r, r), type=typ, meta={"source": source})
+        rec = Record(rid, report.cap(text.strip()), key=key, interval=Interval(r, r), type=typ, meta={"source": source})
         records.append(rec)
         by_id[rid] = rec
 
@@ -251,7 +251,7 @@ def load_chunqiutr_release(meta_path: str, queries_path: str, *, calendar: Optio
             if not ranks:  # the release falls back to the first gold's month
                 ranks = [by_id[pos[0]].interval.start]
             iv = Interval(min(ranks), max(ranks))
-            q = _finish_query(dict(id=qid, text=text.strip(), interval=iv, family=fam, gold={d: 1 for d in pos},
+            q = _finish_query(dict(id=qid, text=report.cap(text.strip()), interval=iv, family=fam, gold={d: 1 for d in pos},
                                    pure_no_event=None, meta={"target_ranks": sorted(set(ranks))}),
                               by_id, records, qp, ln)
         except DataFormatError as e:

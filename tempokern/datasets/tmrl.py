@@ -153,6 +153,15 @@ def _list(obj: dict, key: str, what: str, required: bool = True) -> list:
 
 # ---- Table 13 schema ----------------------------------------------------------------------------------
 
+def _capped(text: str, spans: Spans, report: LoadReport) -> Tuple[str, Spans]:
+    """`text` cut to tempokern.limits.MAX_TEXT_CHARS (counted in `report`) and its spans that lie wholly in
+    what is kept (an expression past the cap is not read, as the date tagger reads no further)."""
+    cut = report.cap(text)
+    if spans is None or len(cut) == len(text):
+        return cut, spans
+    return cut, [(a, b) for a, b in spans if b <= len(cut)]
+
+
 def _iter_json_objects(path: str, report: LoadReport, on_error: str) -> Iterator[Tuple[int, Dict[str, Any]]]:
     """(line, object) of a JSON array file or a jsonl file (detected from the first character)."""
     text = read_utf8(path)
@@ -235,9 +244,13 @@ def load_temporal_contrastive(path, *, on_error: str = "raise") -> TMRLData:
                 raise ValueError("positive_passages is empty")
             negs = [_question(x, f"negative_passages[{j}]")
                     for j, x in enumerate(_list(obj, "negative_passages", "object", required=False))]
+            questions = [_question(item, f"positive_passages[{j}]") for j, item in enumerate(pos)]
+            # every text cut to the character cap once (tempokern.limits), after the row is known to be valid
+            passage, p_spans = _capped(passage, p_spans, report)
+            negs = [(*_capped(t, sp, report), m) for t, sp, m in negs]
             new = []
-            for j, item in enumerate(pos):
-                text, spans, meta = _question(item, f"positive_passages[{j}]")
+            for j, (text, spans, meta) in enumerate(questions):
+                text, spans = _capped(text, spans, report)
                 new.append(TMRLRow(query=text, positive=passage, query_id=f"{qid}/{meta.get('docid', j)}",
                                    negative_queries=[t for t, _, _ in negs], query_spans=spans,
                                    positive_spans=p_spans, negative_query_spans=[s for _, s, _ in negs],
@@ -298,6 +311,12 @@ def load_tevatron_jsonl(path, *, on_error: str = "raise") -> TMRLData:
                     t, s, _ = _question(x, f"negative_queries[{j}]")
                     nq_texts.append(t)
                     nq_spans.append(s)
+            # every text cut to the character cap (tempokern.limits)
+            query, q_spans = _capped(query, q_spans, report)
+            p_text, p_spans = _capped(p_text, p_spans, report)
+            negs = [_capped(t, sp, report) for t, sp in negs]
+            capped = [_capped(t, sp, report) for t, sp in zip(nq_texts, nq_spans)]
+            nq_texts, nq_spans = [t for t, _ in capped], [sp for _, sp in capped]
             row = TMRLRow(query=query, positive=p_text, hard_negatives=[t for t, _ in negs],
                           negative_queries=nq_texts, query_id=str(obj.get("query_id", f"line{ln}")),
                           query_spans=q_spans, positive_spans=p_spans, hard_negative_spans=[s for _, s in negs],

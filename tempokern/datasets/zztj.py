@@ -219,6 +219,7 @@ def load_zztj(path: str, *, subset: Optional[str] = None, eras: Optional[Sequenc
         if kind == "span":
             spans.append(fields)
             continue
+        fields["text"] = report.cap(fields["text"])   # before anything reads it (tempokern.limits)
         ids.add(fields["id"])
         rows.append((ln, fields))
     if spans:
