@@ -663,7 +663,8 @@ def test_plot_titles_fit_the_figure(cols):
 
 def test_full_fine_tuning_resumes_inside_a_unit_with_the_same_final_weights(tmp_path, tiny_backbone, monkeypatch):
     """minilm_ft saves its state every CHECKPOINT_EVERY steps; a unit interrupted after k steps, run again,
-    resumes there and ends with the weights (and losses) of an uninterrupted run."""
+    resumes there and ends with the weights (and losses) of an uninterrupted run. A state with a flipped byte
+    fails its checksum, naming the file, and the unit trains from the first step."""
     import torch
     import dataclasses
     import tempokern.suite.methods.baselines as bl
@@ -685,7 +686,7 @@ def test_full_fine_tuning_resumes_inside_a_unit_with_the_same_final_weights(tmp_
 
     full_info, full_w = train(tmp_path / "a")
     assert full_info["steps"] == 10 and full_info["resumed_at_step"] is None
-    assert not (tmp_path / "a" / "finetune_state.pt").exists()         # removed when training ends
+    assert not (tmp_path / "a" / bl.FINETUNE_STATE_DIR).exists()      # removed when training ends
     real, calls = bl.multipos_infonce, {"n": 0}
 
     def stop_at_step_6(*a, **kw):
@@ -696,7 +697,7 @@ def test_full_fine_tuning_resumes_inside_a_unit_with_the_same_final_weights(tmp_
     monkeypatch.setattr(bl, "multipos_infonce", stop_at_step_6)
     with pytest.raises(KeyboardInterrupt):
         train(tmp_path / "b")
-    assert (tmp_path / "b" / "finetune_state.pt").exists()
+    assert (tmp_path / "b" / bl.FINETUNE_STATE_DIR / "checksums.json").exists()
     monkeypatch.setattr(bl, "multipos_infonce", real)
     info, w = train(tmp_path / "b")
     assert info["resumed_at_step"] == 4 and info["steps"] == 10
@@ -715,6 +716,27 @@ def test_full_fine_tuning_resumes_inside_a_unit_with_the_same_final_weights(tmp_
     budget = dataclasses.replace(budget, lr=2e-3)
     info, _ = train(tmp_path / "c")
     assert info["resumed_at_step"] is None and any("other settings" in l for l in logs)
+    # a damaged state (one byte flipped) is detected, named, and the unit trains from the first step
+    budget = dataclasses.replace(budget, lr=1e-3)
+    monkeypatch.setattr(bl, "multipos_infonce", stop_at_step_6)
+    calls["n"] = 0
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "d")
+    monkeypatch.setattr(bl, "multipos_infonce", real)
+    state = tmp_path / "d" / bl.FINETUNE_STATE_DIR / "trainer_state.pt"
+    raw = bytearray(state.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    state.write_bytes(bytes(raw))
+    logs.clear()
+    info, w = train(tmp_path / "d")
+    said = [l for l in logs if "cannot resume" in l]
+    assert len(said) == 1 and f"{state} does not match its checksum" in said[0], logs
+    assert "starts from the first step" in said[0]
+    assert info["resumed_at_step"] is None and info["steps"] == 10
+    assert not any("resuming fine-tuning" in l for l in logs)
+    assert info["final_loss"] == full_info["final_loss"]
+    assert [k for k in trained if not torch.equal(w[k], full_w[k])] == []
+    assert not (tmp_path / "d" / bl.FINETUNE_STATE_DIR).exists()
 
 
 def test_ctd_unit_interrupted_in_its_second_epoch_resumes_from_the_first(tmp_path, tiny_backbone, monkeypatch):

@@ -117,10 +117,14 @@ def state_bytes(state: dict) -> bytes:
     return buf.getvalue()
 
 
-def load_state(path) -> dict:
+#: the entries every trainer state holds (:func:`load_state`'s default check)
+TRAINER_KEYS = ("config", "data", "rng", "epoch", "batch", "epoch_done", "step")
+
+
+def load_state(path, required=TRAINER_KEYS) -> dict:
     """Read a trainer state written by :func:`state_bytes` (``weights_only=True``); every failure names the
-    file. The caller verifies the checkpoint's manifest first (a flipped byte or a truncation is reported
-    there as a checksum mismatch naming the file)."""
+    file, as does a missing entry of `required`. The caller verifies the checkpoint's manifest first (a
+    flipped byte or a truncation is reported there as a checksum mismatch naming the file)."""
     path = Path(path)
     try:
         st = torch.load(path, map_location="cpu", weights_only=True)
@@ -133,7 +137,7 @@ def load_state(path) -> dict:
     if st.get("version") != STATE_VERSION:
         raise CheckpointError(f"{path} has trainer-state version {st.get('version')!r}; this tempokern reads "
                               f"version {STATE_VERSION}")
-    for key in ("config", "data", "rng", "epoch", "batch", "epoch_done", "step"):
+    for key in required:
         if key not in st:
             raise CheckpointError(f"{path} has no {key!r} entry (not a complete trainer state)")
     return st
@@ -237,7 +241,8 @@ def truncate_log(path, step: int) -> int:
 
 def save_state_dir(where, state: dict) -> None:
     """Write a checkpoint directory holding only the trainer state (Re³'s ``last/``: its trainable weights
-    are in the state) under a checksum manifest, atomically (built aside, swapped into place)."""
+    are in the state; the suite's ``minilm_ft`` fine-tuning state) under a checksum manifest, atomically
+    (built aside, swapped into place)."""
     import shutil
     import tempfile
     from .._files import tmp_prefix
@@ -256,12 +261,13 @@ def save_state_dir(where, state: dict) -> None:
         raise
 
 
-def read_state_dir(where) -> dict:
-    """Verify the checkpoint directory `where` against its manifest, then read its trainer state."""
+def read_state_dir(where, required=TRAINER_KEYS) -> dict:
+    """Verify the checkpoint directory `where` against its manifest, then read its trainer state (which must
+    hold the entries `required`)."""
     from ..models.checkpoint import verify_checkpoint
     where = Path(where)
     verify_checkpoint(where)
-    return load_state(where / STATE_FILE)
+    return load_state(where / STATE_FILE, required)
 
 
 def resume_or_restart(train, work_dir, log=print):

@@ -1,9 +1,9 @@
 """Baseline rows: BM25 (both tie orders), MiniLM zero-shot, MiniLM fine-tuned (plain in-batch InfoNCE)."""
 from __future__ import annotations
 
-import io
 import math
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -13,12 +13,16 @@ import torch
 from ..._ops.routing import multipos_infonce
 from ..backbone import dense_runs, embed_batch, encode_texts, load_backbone
 from ..registry import REAL_SETS, SYNTH_SETS, Method, MethodOutput, register
-from ..._util import atomic_write
 
 ALL_SETS = SYNTH_SETS + REAL_SETS
 #: full fine-tuning saves its state (weights, optimiser, schedule, RNG, losses) to the unit's work_dir every this
 #: many optimizer steps; a unit stopped part-way resumes at the last save (``finetune_infonce``)
 CHECKPOINT_EVERY = 5
+#: the fine-tuning state's checkpoint directory inside the unit's work_dir: ``trainer_state.pt`` under a
+#: ``checksums.json`` manifest (tempokern.training.resume.save_state_dir)
+FINETUNE_STATE_DIR = "finetune_state"
+#: the entries of a fine-tuning state
+_FINETUNE_KEYS = ("key", "step", "losses", "seconds", "model", "optimizer", "scheduler", "torch_rng")
 
 
 # ---- BM25 --------------------------------------------------------------------------------------------
@@ -103,9 +107,12 @@ def finetune_infonce(ctx, model, tok, *, temperature: float = 0.05, warmup_ratio
     ``hard_negatives`` (the real-data sets), each row's first that many hard negatives join the
     query->document denominators (``extra_neg``; one that is a positive of the batch is left out).
     AdamW, linear warm-up/decay, ``ctx.budget`` epochs / batch size / lr / max_length. Every
-    ``CHECKPOINT_EVERY`` steps the state goes to ``ctx.work_dir/finetune_state.pt`` (atomically); a rerun of
-    the same unit (same seed, budget and rows) resumes there and ends with the weights of an uninterrupted run;
-    the file is removed when training ends. Returns an info dict."""
+    ``CHECKPOINT_EVERY`` steps the state goes to ``ctx.work_dir/finetune_state/`` (a checkpoint directory:
+    ``trainer_state.pt`` under a ``checksums.json`` manifest, written atomically); a rerun of the same unit
+    (same seed, budget and rows) resumes there and ends with the weights of an uninterrupted run. A state that
+    cannot be resumed (a file that fails its checksum, an unreadable or incomplete state, other settings) is
+    logged, naming the file, and fine-tuning starts from the first step. The directory is removed when
+    training ends. Returns an info dict."""
     b = ctx.budget
     rows = ctx.train_rows()
     pos = {r.id: i for i, r in enumerate(ctx.dataset.records)}
@@ -131,7 +138,7 @@ def finetune_infonce(ctx, model, tok, *, temperature: float = 0.05, warmup_ratio
         opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
     model.train()
     losses, t0, step = [], time.time(), 0
-    state_path = Path(ctx.work_dir) / "finetune_state.pt"
+    state_path = Path(ctx.work_dir) / FINETUNE_STATE_DIR
     key = {"seed": ctx.seed, "budget": dict(b.__dict__), "rows": len(pairs), "steps": total,
            "temperature": temperature, "warmup_ratio": warmup_ratio, "weight_decay": weight_decay}
     resumed, earlier_seconds = _load_finetune_state(state_path, key, model, opt, sched, ctx)
@@ -166,7 +173,7 @@ def finetune_infonce(ctx, model, tok, *, temperature: float = 0.05, warmup_ratio
                 _save_finetune_state(state_path, key, model, opt, sched, step, losses,
                                      earlier_seconds + time.time() - t0)
     model.eval()
-    state_path.unlink(missing_ok=True)
+    shutil.rmtree(state_path, ignore_errors=True)
     return {"train_seconds": round(earlier_seconds + time.time() - t0, 2), "steps": step, "resumed_at_step":
             resumed["step"] if resumed else None, "train_rows": len(pairs), "hard_negatives": k_neg,
             "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
@@ -175,32 +182,52 @@ def finetune_infonce(ctx, model, tok, *, temperature: float = 0.05, warmup_ratio
 
 
 def _save_finetune_state(path: Path, key: dict, model, opt, sched, step: int, losses, seconds: float) -> None:
-    buf = io.BytesIO()
-    torch.save({"key": key, "step": step, "losses": list(losses), "seconds": seconds,
-                "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, buf)
-    atomic_write(path, buf.getvalue())
+    from ...training.resume import save_state_dir
+    save_state_dir(path, {"key": key, "step": step, "losses": list(losses), "seconds": seconds,
+                          "model": model.state_dict(), "optimizer": opt.state_dict(),
+                          "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state(),
+                          "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None})
 
 
 def _load_finetune_state(path: Path, key: dict, model, opt, sched, ctx):
     """(state, seconds trained before) of an interrupted run of this unit, loaded into model / opt / sched;
-    (None, 0.0) when there is none, or it was made under other settings, or it cannot be read (said)."""
+    (None, 0.0) when there is none, or it was made under other settings, or it cannot be resumed (said, naming
+    the file; the directory is then removed). The manifest is verified, the state read and its weights' names
+    and shapes compared with the model's before anything is loaded; a state the optimizer or scheduler refuses
+    leaves them (and the model) as they were."""
+    from ...training.resume import read_state_dir
+    legacy = path.parent / "finetune_state.pt"      # a state file without a manifest: not resumed
+    if legacy.exists():
+        ctx.log(f"{legacy} has no checksum manifest and is not resumed: fine-tuning starts over")
+        legacy.unlink(missing_ok=True)
     if not path.exists():
         return None, 0.0
     try:
-        st = torch.load(path, map_location="cpu", weights_only=True)   # tensors and plain containers
+        st = read_state_dir(path, required=_FINETUNE_KEYS)   # tensors and plain containers (weights_only)
         if st.get("key") != key:
             ctx.log(f"{path} was saved under other settings: fine-tuning starts over")
+            shutil.rmtree(path, ignore_errors=True)
             return None, 0.0
+        mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        saved = {k: tuple(v.shape) for k, v in st["model"].items()}
+        if saved != mine:
+            raise ValueError(f"its weights do not fit this backbone "
+                             f"({sorted(set(saved.items()) ^ set(mine.items()))[:3]} ...)")
+        fresh_opt, fresh_sched = opt.state_dict(), sched.state_dict()
+        try:
+            opt.load_state_dict(st["optimizer"])
+            sched.load_state_dict(st["scheduler"])
+        except Exception:
+            opt.load_state_dict(fresh_opt)
+            sched.load_state_dict(fresh_sched)
+            raise
         model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        sched.load_state_dict(st["scheduler"])
         torch.set_rng_state(st["torch_rng"])
         if st.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(st["cuda_rng"])
-    except Exception as e:  # a torn or foreign file: start over rather than fail the unit
-        ctx.log(f"cannot resume from {path} ({type(e).__name__}: {e}): fine-tuning starts over")
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign state: start over rather than fail the unit
+        ctx.log(f"cannot resume from {path}: {type(e).__name__}: {e}; fine-tuning starts from the first step")
+        shutil.rmtree(path, ignore_errors=True)
         return None, 0.0
     ctx.log(f"resuming fine-tuning at step {st['step']} of {key['steps']} ({path})")
     return st, float(st.get("seconds", 0.0))
