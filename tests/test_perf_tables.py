@@ -226,7 +226,7 @@ _BLOCK = re.compile(r"<!-- ([\w-]+):begin -->.*?<!-- \1:end -->", re.S)
 #: what a measured figure looks like: a time, a speed-up ratio, a memory size
 _MEASURED = (
     re.compile(r"\d+(?:\.\d+)? ?(?:ms|µs|us|ns)\b"),
-    re.compile(r"\d+(?:\.\d+)? ?s\b(?= ?(?:per|for|on|fwd|vs|against|of|in|\)))"),
+    re.compile(r"(?<![\w.])\d+(?:\.\d+)? ?s\b(?= ?(?:per|for|on|fwd|vs|against|of|in|\)))"),
     re.compile(r"\d+(?:\.\d+)? ?[x×] (?:faster|slower|the|as fast|less|more)"),
     re.compile(r"\*\*\d+(?:\.\d+)?[x×]\*\*"),
     re.compile(r"\d+(?:\.\d+)?% (?:faster|slower)"),
@@ -234,6 +234,10 @@ _MEASURED = (
 #: a memory size is a measurement where its line speaks of a benchmark (a buffer's size computed from its shape is not)
 _MEMORY = re.compile(r"\d+(?:\.\d+)? ?(?:GB|MB|GiB|MiB)\b")
 _BENCH_WORDS = re.compile(r"peak|RSS|measured|benchmark|in all\b|memory", re.I)
+#: an estimate computed from counts (flops, bytes, instructions over a rate) is arithmetic, not a measurement, and is
+#: written as one: "~" / "≈" / "floor" / "by count" just before it, or "at <rate>" just after it
+_ESTIMATE_BEFORE = re.compile(r"(?:~|≈|\bfloor|\bby count|\bestimated at)[\s\d.,–-]*$")
+_ESTIMATE_AFTER = re.compile(r"^[^;,()]{0,20}? at (?:the (?:suite's )?(?:measured )?)?~?[\d.,]+ ?(?:[TPG]FLOP/s|TB/s|GB/s|GHz)")
 #: (file, phrase, why it is not a measurement): a figure is allowed where it lies inside the phrase
 _NOT_MEASURED = (
     ("docs/datasets-english.md", "json.gz`, 1.35 MB", "the size of a packaged data file, not a benchmark figure"),
@@ -259,15 +263,20 @@ def measured_figures(name: str, text: str):
         ok = [(m.start(), m.end()) for ph in allowed for m in re.finditer(re.escape(ph), line)]
         for pat in _MEASURED + ((_MEMORY,) if _BENCH_WORDS.search(line) else ()):
             for m in pat.finditer(line):
-                if not any(a <= m.start() and m.end() <= b for a, b in ok):
-                    out.append((i, m.group(0), line.strip()))
+                if any(a <= m.start() and m.end() <= b for a, b in ok):
+                    continue
+                if _ESTIMATE_BEFORE.search(line[max(0, m.start() - 14):m.start()]) or \
+                        _ESTIMATE_AFTER.match(line[m.end():]):
+                    continue
+                out.append((i, m.group(0), line.strip()))
     return out
 
 
 def test_measured_figure_patterns():
     hits = [h[1] for h in measured_figures("x.md", "1.77 ms; 322 µs; 5.34x faster; **5.28x**; 1.35 GB peak; 20.7 s per "
                                                     "step\na 4 MB buffer\n<!-- perf-gpu:begin -->\n9.9 ms\n<!-- perf-gpu:end -->\nB = "
-                                                    "8,192, 2B^2H flops, 3 products")]
+                                                    "8,192, 2B^2H flops, 3 products; floor ~0.9 ms; 0.5 ms at 600 "
+                                                    "TFLOP/s; by count 0.40-0.50 ms")]
     assert hits == ["1.77 ms", "322 µs", "20.7 s", "5.34x faster", "**5.28x**", "1.35 GB"], hits
     assert measured_figures("docs/re3.md", "One B x B float32 matrix is 256 MB, 3 MB peak") == [
         (1, "3 MB", "One B x B float32 matrix is 256 MB, 3 MB peak")]
