@@ -246,6 +246,16 @@ _NOT_MEASURED = (
     ("docs/re3.md", "One B x B float32 matrix is 256 MB", "arithmetic: 4,096^2 x 4 bytes"),
     ("docs/tmrl.md", "LoRA lr = 10 × the", "a learning-rate factor"),
     ("docs/re3.md", "weighs up to 5× more", "a ratio of embedding norms, not a speed"),
+    ("docs/offset_bias.md", "`2·SMs·N·8` bytes: 8.7 MB", "arithmetic: the formula's value"),
+    ("docs/offset_bias.md", "out and G: 268 MB each", "arithmetic: 8,192² float32"),
+    ("docs/offset_bias.md", "would run at 4x the floor", "arithmetic: the load/store units issue 1/4 of the FMA rate"),
+    ("docs/matryoshka_infonce.md", "half the 1 GiB budget", "a configured memory budget"),
+    ("docs/matryoshka_infonce.md", "sized to >= 4x the SM count", "a launch-grid rule"),
+    ("docs/matryoshka_infonce.md", "feed 4x more", "arithmetic: 256-row blocks against 64-row ones"),
+    ("docs/matryoshka_infonce.md", "| 6H: 0.31 ms | 106 B: 7.1 GB = 2.12 ms | 2.12 ms | one block (6H, 18 B): "
+     "max(0.31, 0.36) = 0.36 ms | 5.9x |", "the floors table: counts over the H100's datasheet rates"),
+    ("docs/matryoshka_infonce.md", "| 6H: 19.8 ms | 106 B: 455 GB = 136 ms | 136 ms | 8H, 22 B: max(26.7, 28.2) = "
+     "28.2 ms | 4.8x |", "the floors table: counts over the H100's datasheet rates"),
 )
 #: the documents checked: README.md and docs/*.md, but not the retrieval-quality reports (docs/benchmark-*.md: metrics,
 #: not performance)
