@@ -250,6 +250,7 @@ _NOT_MEASURED = (
     ("docs/offset_bias.md", "out and G: 268 MB each", "arithmetic: 8,192² float32"),
     ("docs/offset_bias.md", "would run at 4x the floor", "arithmetic: the load/store units issue 1/4 of the FMA rate"),
     ("docs/matryoshka_infonce.md", "half the 1 GiB budget", "a configured memory budget"),
+    ("docs/ctd_topk.md", "the score block (≤ 256 MiB", "a configured cap on the score block"),
     ("docs/matryoshka_infonce.md", "sized to >= 4x the SM count", "a launch-grid rule"),
     ("docs/matryoshka_infonce.md", "feed 4x more", "arithmetic: 256-row blocks against 64-row ones"),
     ("docs/matryoshka_infonce.md", "| 6H: 0.31 ms | 106 B: 7.1 GB = 2.12 ms | 2.12 ms | one block (6H, 18 B): "
