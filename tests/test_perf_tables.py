@@ -226,7 +226,7 @@ _BLOCK = re.compile(r"<!-- ([\w-]+):begin -->.*?<!-- \1:end -->", re.S)
 #: what a measured figure looks like: a time, a speed-up ratio, a memory size
 _MEASURED = (
     re.compile(r"\d+(?:\.\d+)? ?(?:ms|µs|us|ns)\b"),
-    re.compile(r"(?<![\w.])\d+(?:\.\d+)? ?s\b(?= ?(?:per|for|on|fwd|vs|against|of|in|\)))"),
+    re.compile(r"(?<![\w.])\d+(?:\.\d+)? ?s\b(?= ?(?:per|for|on|fwd|vs|against|of|in|\)|\|))"),
     re.compile(r"\d+(?:\.\d+)? ?[x×] (?:faster|slower|the|as fast|less|more)"),
     re.compile(r"\*\*\d+(?:\.\d+)?[x×]\*\*"),
     re.compile(r"\d+(?:\.\d+)?% (?:faster|slower)"),
@@ -251,6 +251,7 @@ _NOT_MEASURED = (
     ("docs/offset_bias.md", "would run at 4x the floor", "arithmetic: the load/store units issue 1/4 of the FMA rate"),
     ("docs/matryoshka_infonce.md", "half the 1 GiB budget", "a configured memory budget"),
     ("docs/ctd_topk.md", "the score block (≤ 256 MiB", "a configured cap on the score block"),
+    ("docs/gpu-check.md", "less than 60 s of the budget left", "a configured threshold of the suite's time budget"),
     ("docs/matryoshka_infonce.md", "sized to >= 4x the SM count", "a launch-grid rule"),
     ("docs/matryoshka_infonce.md", "feed 4x more", "arithmetic: 256-row blocks against 64-row ones"),
     ("docs/matryoshka_infonce.md", "| 6H: 0.31 ms | 106 B: 7.1 GB = 2.12 ms | 2.12 ms | one block (6H, 18 B): "
