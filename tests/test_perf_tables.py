@@ -252,6 +252,8 @@ _NOT_MEASURED = (
     ("docs/matryoshka_infonce.md", "half the 1 GiB budget", "a configured memory budget"),
     ("docs/ctd_topk.md", "the score block (≤ 256 MiB", "a configured cap on the score block"),
     ("docs/gpu-check.md", "less than 60 s of the budget left", "a configured threshold of the suite's time budget"),
+    ("docs/calendar.md", "| 2,208 B | 2.32 GB | 0.77 ms |", "the byte-floor table: bytes over 3.0 TB/s"),
+    ("docs/calendar.md", "| 680 B | 0.71 GB | 0.24 ms |", "the byte-floor table: bytes over 3.0 TB/s"),
     ("docs/matryoshka_infonce.md", "sized to >= 4x the SM count", "a launch-grid rule"),
     ("docs/matryoshka_infonce.md", "feed 4x more", "arithmetic: 256-row blocks against 64-row ones"),
     ("docs/matryoshka_infonce.md", "| 6H: 0.31 ms | 106 B: 7.1 GB = 2.12 ms | 2.12 ms | one block (6H, 18 B): "
