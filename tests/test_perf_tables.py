@@ -215,3 +215,96 @@ def test_record_names_commit_and_sources(tmp_path, monkeypatch, src):
     assert rows[0]["src_hash"] == src.source_hash("calendar_scalar", "cpu", "tempokern")
     assert rows[1]["src_hash"] == src.source_hash("re3_loss", "cpu", "eager")
     assert all(r["commit"] for r in rows)
+
+
+# ---- no hand-written performance figures ---------------------------------------------------------------------------
+
+import re  # noqa: E402
+
+#: a generated part of a document (benchmarks/perf_table.py, tempokern/_ops/dispatch.py, benchmarks/quality_table.py)
+_BLOCK = re.compile(r"<!-- ([\w-]+):begin -->.*?<!-- \1:end -->", re.S)
+#: what a measured figure looks like: a time, a speed-up ratio, a memory size
+_MEASURED = (
+    re.compile(r"\d+(?:\.\d+)? ?(?:ms|µs|us|ns)\b"),
+    re.compile(r"(?<![\w.])\d+(?:\.\d+)? ?s\b(?= ?(?:per|for|on|fwd|vs|against|of|in|\)|\|))"),
+    re.compile(r"\d+(?:\.\d+)? ?[x×] (?:faster|slower|the|as fast|less|more)"),
+    re.compile(r"\*\*\d+(?:\.\d+)?[x×]\*\*"),
+    re.compile(r"\d+(?:\.\d+)?% (?:faster|slower)"),
+)
+#: a memory size is a measurement where its line speaks of a benchmark (a buffer's size computed from its shape is not)
+_MEMORY = re.compile(r"\d+(?:\.\d+)? ?(?:GB|MB|GiB|MiB)\b")
+_BENCH_WORDS = re.compile(r"peak|RSS|measured|benchmark|in all\b|memory", re.I)
+#: an estimate computed from counts (flops, bytes, instructions over a rate) is arithmetic, not a measurement, and is
+#: written as one: "~" / "≈" / "floor" / "by count" just before it, or "at <rate>" just after it
+_ESTIMATE_BEFORE = re.compile(r"(?:~|≈|\bfloor|\bby count|\bestimated at)[\s\d.,–-]*$")
+_ESTIMATE_AFTER = re.compile(r"^[^;,()]{0,20}? at (?:the (?:suite's )?(?:measured )?)?~?[\d.,]+ ?(?:[TPG]FLOP/s|TB/s|GB/s|GHz)")
+#: (file, phrase, why it is not a measurement): a figure is allowed where it lies inside the phrase
+_NOT_MEASURED = (
+    ("docs/datasets-english.md", "json.gz`, 1.35 MB", "the size of a packaged data file, not a benchmark figure"),
+    ("docs/datasets-english.md", "a 50 MB one-line document", "an input size in an example of the length cap"),
+    ("docs/models.md", "about 7× the steps", "a count of training steps (pairs), not a time"),
+    ("docs/re3.md", "One B x B float32 matrix is 256 MB", "arithmetic: 4,096^2 x 4 bytes"),
+    ("docs/tmrl.md", "LoRA lr = 10 × the", "a learning-rate factor"),
+    ("docs/re3.md", "weighs up to 5× more", "a ratio of embedding norms, not a speed"),
+    ("docs/offset_bias.md", "`2·SMs·N·8` bytes: 8.7 MB", "arithmetic: the formula's value"),
+    ("docs/offset_bias.md", "out and G: 268 MB each", "arithmetic: 8,192² float32"),
+    ("docs/offset_bias.md", "would run at 4x the floor", "arithmetic: the load/store units issue 1/4 of the FMA rate"),
+    ("docs/matryoshka_infonce.md", "half the 1 GiB budget", "a configured memory budget"),
+    ("docs/ctd_topk.md", "the score block (≤ 256 MiB", "a configured cap on the score block"),
+    ("docs/gpu-check.md", "less than 60 s of the budget left", "a configured threshold of the suite's time budget"),
+    ("docs/calendar.md", "| 2,208 B | 2.32 GB | 0.77 ms |", "the byte-floor table: bytes over 3.0 TB/s"),
+    ("docs/calendar.md", "| 680 B | 0.71 GB | 0.24 ms |", "the byte-floor table: bytes over 3.0 TB/s"),
+    ("docs/matryoshka_infonce.md", "sized to >= 4x the SM count", "a launch-grid rule"),
+    ("docs/matryoshka_infonce.md", "feed 4x more", "arithmetic: 256-row blocks against 64-row ones"),
+    ("docs/matryoshka_infonce.md", "| 6H: 0.31 ms | 106 B: 7.1 GB = 2.12 ms | 2.12 ms | one block (6H, 18 B): "
+     "max(0.31, 0.36) = 0.36 ms | 5.9x |", "the floors table: counts over the H100's datasheet rates"),
+    ("docs/matryoshka_infonce.md", "| 6H: 19.8 ms | 106 B: 455 GB = 136 ms | 136 ms | 8H, 22 B: max(26.7, 28.2) = "
+     "28.2 ms | 4.8x |", "the floors table: counts over the H100's datasheet rates"),
+)
+#: the documents checked: README.md and docs/*.md, but not the retrieval-quality reports (docs/benchmark-*.md: metrics,
+#: not performance)
+_DOCS = ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")
+                               if not p.name.startswith("benchmark-"))
+
+
+def measured_figures(name: str, text: str):
+    """(line number, figure, line) of each measured-looking figure of ``text`` outside its generated blocks and
+    outside the allowlist's phrases."""
+    text = _BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    allowed = [phrase for f, phrase, _ in _NOT_MEASURED if f == name]
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        ok = [(m.start(), m.end()) for ph in allowed for m in re.finditer(re.escape(ph), line)]
+        for pat in _MEASURED + ((_MEMORY,) if _BENCH_WORDS.search(line) else ()):
+            for m in pat.finditer(line):
+                if any(a <= m.start() and m.end() <= b for a, b in ok):
+                    continue
+                if _ESTIMATE_BEFORE.search(line[max(0, m.start() - 14):m.start()]) or \
+                        _ESTIMATE_AFTER.match(line[m.end():]):
+                    continue
+                out.append((i, m.group(0), line.strip()))
+    return out
+
+
+def test_measured_figure_patterns():
+    hits = [h[1] for h in measured_figures("x.md", "1.77 ms; 322 µs; 5.34x faster; **5.28x**; 1.35 GB peak; 20.7 s per "
+                                                    "step\na 4 MB buffer\n<!-- perf-gpu:begin -->\n9.9 ms\n<!-- perf-gpu:end -->\nB = "
+                                                    "8,192, 2B^2H flops, 3 products; floor ~0.9 ms; 0.5 ms at 600 "
+                                                    "TFLOP/s; by count 0.40-0.50 ms")]
+    assert hits == ["1.77 ms", "322 µs", "20.7 s", "5.34x faster", "**5.28x**", "1.35 GB"], hits
+    assert measured_figures("docs/re3.md", "One B x B float32 matrix is 256 MB, 3 MB peak") == [
+        (1, "3 MB", "One B x B float32 matrix is 256 MB, 3 MB peak")]
+
+
+@pytest.mark.parametrize("name", _DOCS)
+def test_no_hand_written_performance_figures(name):
+    """Every time, speed-up and memory figure of the docs comes from a results file through a generated block
+    (benchmarks/perf_table.py) or is a pointer to a results row; none is typed into the text."""
+    hits = measured_figures(name, (ROOT / name).read_text(encoding="utf-8"))
+    assert not hits, f"{name}: hand-written performance figures (generate them, or point at the results row):\n" + \
+        "\n".join(f"  line {i}: {fig!r} in {line[:120]}" for i, fig, line in hits)
+
+
+def test_allowlist_entries_still_match():
+    for f, phrase, why in _NOT_MEASURED:
+        assert why and phrase in (ROOT / f).read_text(encoding="utf-8"), (f, phrase)
