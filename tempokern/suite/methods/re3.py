@@ -20,6 +20,20 @@ EPOCHS = {"quick": 10, "full": 10}
 LR = 1e-3
 
 
+def _model(ctx, variant: str, model_kw: dict):
+    """The row's Re3Config and Re3Encoder on the frozen backbone, sharing the run's semantic cache."""
+    import torch
+    from ...training.re3 import Re3Config, build_re3_model
+    cfg = Re3Config(variant=variant, epochs=EPOCHS["quick" if ctx.quick else "full"],
+                    batch_size=max(2, ctx.budget.batch_size), lr=LR, seed=ctx.seed, progress=False)
+    torch.manual_seed(ctx.seed)
+    model = build_re3_model(ctx.backbone_path, cfg, pooling="mean", max_length=ctx.budget.max_length, **model_kw)
+    model.to(ctx.device)
+    key = (str(ctx.backbone_path), ctx.budget.max_length, str(ctx.device))
+    model.enable_semantic_cache(_SEM_CACHES.setdefault(key, {}))
+    return cfg, model
+
+
 def _split_runs(model, ctx) -> dict:
     """``{split: run}`` of a Re³ model, each split ranked over its own gallery (the semantic cache encodes a
     text once)."""
@@ -33,9 +47,8 @@ def _split_runs(model, ctx) -> dict:
 
 def _run(variant: str, **model_kw):
     def run(ctx):
-        import torch
-
-        from ...training.re3 import Re3Config, build_re3_model, docs_from_dataset, examples_from_synth, train_re3
+        from ...training.re3 import docs_from_dataset, examples_from_synth, train_re3
+        from ...training.resume import resume_or_restart
 
         class _Rows:      # the budget's rows (same for every method of this seed), with the synth's queries
             def __init__(self, synth, rows):
@@ -43,14 +56,7 @@ def _run(variant: str, **model_kw):
 
         rows = ctx.train_rows()
         examples = examples_from_synth(_Rows(ctx.synth, rows))
-        cfg = Re3Config(variant=variant, epochs=EPOCHS["quick" if ctx.quick else "full"],
-                        batch_size=max(2, ctx.budget.batch_size), lr=LR, seed=ctx.seed, progress=False)
-        torch.manual_seed(ctx.seed)
-        model = build_re3_model(ctx.backbone_path, cfg, pooling="mean", max_length=ctx.budget.max_length, **model_kw)
-        model.to(ctx.device)
-        key = (str(ctx.backbone_path), ctx.budget.max_length, str(ctx.device))
-        model.enable_semantic_cache(_SEM_CACHES.setdefault(key, {}))
-        from ...training.resume import resume_or_restart
+        cfg, model = _model(ctx, variant, model_kw)
         t0 = time.time()
         res, resume = resume_or_restart(lambda r: train_re3(model, docs_from_dataset(ctx.dataset), examples, cfg,
                                                             ctx.work_dir, resume=r, log=ctx.log), ctx.work_dir, ctx.log)
@@ -104,11 +110,9 @@ DEV_SHARE = 0.12
 
 def _run_passages(**model_kw):
     def run(ctx):
-        import torch
-
         from ...datasets import RetrievalDataset
-        from ...training.re3 import (Re3Config, Re3Example, build_re3_model, dev_groups, dev_scorer,
-                                     docs_from_dataset, time_wrong_twins, train_re3)
+        from ...training.re3 import Re3Example, dev_groups, dev_scorer, docs_from_dataset, time_wrong_twins, train_re3
+        from ...training.resume import resume_or_restart
 
         ds = ctx.dataset
         qby = {q.id: q for q in ds.queries}
@@ -132,17 +136,11 @@ def _run_passages(**model_kw):
                     f"over {dev_eval.records} paragraphs; {len(examples)} training examples")
         else:   # no page field (or one page): nothing to set apart, the last epoch is kept
             ctx.log(f"no dev split ({len(train_pages)} training pages): the last epoch is kept")
-        cfg = Re3Config(variant="film_margins", epochs=EPOCHS["quick" if ctx.quick else "full"],
-                        batch_size=max(2, ctx.budget.batch_size), lr=LR, seed=ctx.seed, progress=False)
-        torch.manual_seed(ctx.seed)
-        model = build_re3_model(ctx.backbone_path, cfg, pooling="mean", max_length=ctx.budget.max_length, **model_kw)
-        model.to(ctx.device)
-        key = (str(ctx.backbone_path), ctx.budget.max_length, str(ctx.device))
-        model.enable_semantic_cache(_SEM_CACHES.setdefault(key, {}))
-        resume = (ctx.work_dir / "last" / "trainer_state.pt").exists()
+        cfg, model = _model(ctx, "film_margins", model_kw)
         t0 = time.time()
-        res = train_re3(model, docs_from_dataset(ds), examples, cfg, ctx.work_dir, resume=resume, log=ctx.log,
-                        dev_eval=dev_eval)
+        res, resume = resume_or_restart(lambda r: train_re3(model, docs_from_dataset(ds), examples, cfg, ctx.work_dir,
+                                                            resume=r, log=ctx.log, dev_eval=dev_eval),
+                                        ctx.work_dir, ctx.log)
         train_s = time.time() - t0
         t1 = time.time()
         runs = _split_runs(model, ctx)
