@@ -70,8 +70,8 @@ class _StubC:
 def test_cuda_tensor_without_gpu_is_a_clear_error(monkeypatch, compiled, runtime, match):
     # Both no-GPU messages of launch_args (every op's launch goes through it): a build without CUDA kernels,
     # and a CUDA build on a machine whose runtime reports no device.
-    from tempokern._ops import common
-    monkeypatch.setattr(common, "_C", _StubC(compiled, *runtime))
+    from tempokern._ops import backend, common
+    monkeypatch.setattr(backend, "_C", _StubC(compiled, *runtime))   # the backend asks the build at launch
     with pytest.raises(RuntimeError, match=match):
         common.launch_args(_FakeCudaTensor())
 

@@ -92,6 +92,8 @@ class Backend:
 
     @property
     def launch(self) -> tuple:
+        if self.device.type == "meta":   # resolvable for tracing, never launched
+            raise ValueError(f"tempokern runs on CPU and CUDA tensors, got device {self.device}")
         if self.kind == "cpu":
             return (-1, 0)
         if self.kind == "emulated":

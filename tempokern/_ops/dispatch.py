@@ -184,49 +184,50 @@ DEFAULTS: Tuple[Path, ...] = (
          "benchmarks/results/multipos_infonce.csv"),
     Path(MULTIPOS, "cuda", "blocked", _cuda_blocked,
          "tempokern/_ops/multipos_blocked.py + csrc/multipos_infonce/multipos_block_cuda.cu",
-         _GPU + "op=multipos_infonce; case=no bias; B=B=8192; impl=tempokern:blocked; run 2026-11-23T09:23, commit "
-         "9669fb6 (also B=65536, 262144, the table and the exact bias)"),
+         _GPU + "op=multipos_infonce; case=no bias; B=B=8192; impl=tempokern:blocked (run 2026-11-23T09:23, commit "
+         "9669fb6; also B=65536, 262144, the table and the exact bias)"),
     Path(MATRYOSHKA, "cpu", "fused", _mrl_cpu_fused,
          "csrc/matryoshka_infonce/matryoshka_infonce_cpu.cpp", "benchmarks/results/matryoshka_infonce.csv"),
     Path(MATRYOSHKA, "cpu", "blocked", _mrl_cpu_blocked, "tempokern/_ops/matryoshka_blocked.py",
          "benchmarks/results/matryoshka_infonce.csv"),
     Path(MATRYOSHKA, "cuda", "levels", _mrl_levels,
          "tempokern/_ops/routing.py (_levels_path)",
-         _GPU + "op=matryoshka_infonce; case=dims 64..768; B=B=8192; impl=tempokern:levels against "
-         "tempokern:fused; run 2026-11-23T09:23, commit 9669fb6"),
+         _GPU + "op=matryoshka_infonce; case=dims 64..768; B=B=8192; impl=tempokern:levels (against "
+         "tempokern:fused; run 2026-11-23T09:23, commit 9669fb6)"),
     Path(MATRYOSHKA, "cuda", "fused", _mrl_fused,
          "tempokern/_ops/matryoshka_blocked.py + csrc/matryoshka_infonce/matryoshka_block_cuda.cu",
-         _GPU + "op=matryoshka_infonce; case=dims 64..768; B=B=8192; impl=tempokern:fused against the element-wise "
-         "torch blocks, deleted:torch_blocks; run 2026-11-23T09:23, commit 9669fb6"),
+         _GPU + "op=matryoshka_infonce; case=dims 64..768; B=B=8192; impl=tempokern:fused (against the element-wise "
+         "torch blocks, deleted:torch_blocks; run 2026-11-23T09:23, commit 9669fb6)"),
     Path("calendar_context", "cpu", "cpu", _every_cpu_call, "csrc/calendar/calendar_cpu.cpp",
          "benchmarks/results/calendar.csv", kernels=(("fwd", "cpu"), ("bwd", "cpu"))),
     Path("calendar_context", "cuda", "v2 forward + v1 backward", _calendar_context,
          "csrc/calendar/calendar_cuda.cu",
          _GPU + "op=calendar_context; case=fwd kernel float32 dim 64; B=rows=1048576 levels=12x32x12; "
-         "impl=tempokern:v2 against deleted:v1; metric=kernel_ms; and case=bwd kernel float32 dim 64: "
-         "impl=tempokern:v1 against deleted:v2; run 2026-11-23, commit f8eb810", kernels=(("fwd", "groups"), ("bwd", "tiles"))),
+         "impl=tempokern:v2; metric=kernel_ms (against deleted:v1; and case bwd kernel float32 dim 64: "
+         "tempokern:v1 against deleted:v2; run 2026-11-23, commit f8eb810)",
+         kernels=(("fwd", "groups"), ("bwd", "tiles"))),
     Path("calendar_scalar", "cpu", "cpu", _every_cpu_call, "csrc/calendar/calendar_cpu.cpp",
          "benchmarks/results/calendar.csv", kernels=(("fwd", "cpu"), ("bwd", "cpu"))),
     Path("calendar_scalar", "cuda", "v1", _calendar_scalar, "csrc/calendar/calendar_cuda.cu",
          _GPU + "op=calendar_scalar; case=fwd+bwd float32; B=rows=1048576 levels=12x32x12; impl=tempokern:v1 "
-         "against deleted:v2; run 2026-11-23T06:42, commit f8eb810 (the run 2026-11-23T09:23, commit 9669fb6, "
+         "(against deleted:v2; run 2026-11-23T06:42, commit f8eb810; the run 2026-11-23T09:23, commit 9669fb6, "
          "timed v1 alone, in two columns)",
          kernels=(("fwd", "tiles"), ("bwd", "tiles"))),
     Path("ctd_topk", "cpu", "cpu", _topk_cpu, "csrc/ctd_topk/ctd_topk_cpu.cpp", "benchmarks/results/ctd_topk.csv"),
     Path("ctd_topk", "cuda", "serve", _topk_serve,
          "csrc/ctd_topk/ctd_topk_serve_cuda.cu",
-         _GPU + "op=ctd_topk; case=exact bias; B=Q=1 N=1000000 k=10; impl=tempokern:serve against deleted:scan; "
-         "run 2026-11-23T09:23, commit 9669fb6 (and the sweep rows, case ... sweep, B=Q=1 to Q=4)"),
+         _GPU + "op=ctd_topk; case=exact bias; B=Q=1 N=1000000 k=10; impl=tempokern:serve (against deleted:scan; "
+         "run 2026-11-23T09:23, commit 9669fb6; and the sweep rows, case ... sweep, B=Q=1 to Q=4)"),
     Path("ctd_topk", "cuda", "select", _topk_select,
          "csrc/ctd_topk/ctd_topk_cuda.cu (select_block)",
-         _GPU + "op=ctd_topk; case=no bias N=1000000 k=10 bf16 sweep; B=Q=8; impl=tempokern:select against "
-         "candidate-range:serve; run 2026-11-23, commit f8eb810 (and B=Q=16, the exact bias; Q=1024: case no "
+         _GPU + "op=ctd_topk; case=no bias N=1000000 k=10 bf16 sweep; B=Q=8; impl=tempokern:select (against "
+         "candidate-range:serve; run 2026-11-23, commit f8eb810; and B=Q=16, the exact bias; Q=1024: case no "
          "bias, B=Q=1024 N=1000000 k=10, run 2026-11-23T09:23, commit 9669fb6)"),
     Path("offset_bias", "cpu", "merged units", _bias_cpu, "csrc/offset_bias/offset_bias_cpu.cpp",
          "benchmarks/results/offset_bias.csv"),
     Path("offset_bias", "cuda", "pruned", _bias_pruned, "csrc/offset_bias/offset_bias_kernels.cuh",
-         _GPU + "op=offset_bias; case=exact fwd+bwd float32; B=8192x8192; impl=tempokern:pruned against "
-         "deleted:every_unit; run 2026-11-23T09:23, commit 9669fb6"),
+         _GPU + "op=offset_bias; case=exact fwd+bwd float32; B=8192x8192; impl=tempokern:pruned (against "
+         "deleted:every_unit; run 2026-11-23T09:23, commit 9669fb6)"),
 )
 
 CANDIDATES: Tuple[Candidate, ...] = (
